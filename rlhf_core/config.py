@@ -1,0 +1,163 @@
+"""Typed, frozen configuration: one dataclass per stage, validated once in ``__post_init__``.
+
+Defaults follow the sources noted on each field; the embedded demo overrides some in ``configs/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_core.losses import LossAggregation
+from rlhf_core.rewards import KLEstimator
+
+
+def exact_div(numerator: int, denominator: int, *, what: str) -> int:
+    """``numerator // denominator``, refusing a remainder with a message naming ``what``."""
+    if denominator <= 0 or numerator % denominator:
+        raise ValueError(f"{what}: {denominator} must divide {numerator}")
+    return numerator // denominator
+
+
+def _require_positive(**values: float | int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"`{name}` must be positive, got {value}")
+
+
+def _require_unit_interval(**values: float) -> None:
+    for name, value in values.items():
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"`{name}` must lie in [0, 1], got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingConfig:
+    """How responses are sampled (stages: sample candidates, rollout, evaluate)."""
+
+    max_new_tokens: int = 32
+    """Longest response, in tokens; longer ones are truncated (and scored at their last token)."""
+    temperature: float = 1.0
+    """Softmax temperature; log-probs use the same one (TRL, OpenRLHF)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all (pure sampling, as PPO theory assumes)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 keeps all."""
+    num_samples: int = 1
+    """Responses per prompt (N)."""
+    batch_size: int = 64
+    """Prompts (before the N-fold repeat) generated together."""
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            num_samples=self.num_samples,
+            batch_size=self.batch_size,
+        )
+        if self.top_k < 0:
+            raise ValueError(f"`top_k` must be 0 (off) or positive, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"`top_p` must lie in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RewardModelConfig:
+    """Reward-model training over preference pairs (stage: train reward model)."""
+
+    learning_rate: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    epochs: int = 2
+    """Passes over the training pairs."""
+    batch_size: int = 32
+    """Pairs per optimizer step."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    eval_fraction: float = 0.1
+    """Share of pairs held out for accuracy."""
+    use_margin: bool = True
+    """Subtract each pair's margin in the Bradley-Terry loss (Llama 2)."""
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            learning_rate=self.learning_rate,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            max_grad_norm=self.max_grad_norm,
+        )
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"`eval_fraction` must lie in (0, 1), got {self.eval_fraction}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdvantageConfig:
+    """Rewards, KL and GAE (stage: compute advantages). Pure: replaying with new values is cheap."""
+
+    kl_coef: float = 0.05
+    """KL penalty weight beta (TRL default 0.05)."""
+    kl_estimator: KLEstimator = "k1"
+    """Per-token KL estimator in the reward: k1, k2 or k3."""
+    gamma: float = 1.0
+    """Discount (TRL and OpenRLHF use 1.0 for language)."""
+    gae_lambda: float = 0.95
+    """GAE lambda (TRL default 0.95)."""
+    score_clip: float | None = None
+    """Clip reward-model scores to [-score_clip, score_clip] before shaping."""
+    normalize_scores: bool = True
+    """Standardise scores with the reward model's held-out mean and std."""
+
+    def __post_init__(self) -> None:
+        if self.kl_coef < 0:
+            raise ValueError(f"`kl_coef` must be non-negative, got {self.kl_coef}")
+        _require_unit_interval(gamma=self.gamma, gae_lambda=self.gae_lambda)
+        if self.score_clip is not None:
+            _require_positive(score_clip=self.score_clip)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PPOConfig:
+    """The PPO update of actor and critic (stage: ppo update)."""
+
+    epochs: int = 4
+    """Passes over the experience (TRL ``num_ppo_epochs`` 4)."""
+    minibatch_size: int = 16
+    """Rollouts per optimizer step."""
+    actor_learning_rate: float = 1e-5
+    """Actor AdamW learning rate."""
+    critic_learning_rate: float = 1e-5
+    """Critic AdamW learning rate."""
+    clip_eps: float = 0.2
+    """Policy ratio clip epsilon (Schulman et al. 2017)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (Ye et al. 2020), or None."""
+    value_clip_eps: float | None = 0.2
+    """Value clip around rollout values, or None."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip for each model."""
+    target_kl: float | None = None
+    """Stop the update early once the running approximate KL exceeds this."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole experience before minibatching."""
+    aggregation: LossAggregation = "token_mean"
+    """Token-level loss aggregation: token_mean or sequence_mean."""
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            epochs=self.epochs,
+            minibatch_size=self.minibatch_size,
+            actor_learning_rate=self.actor_learning_rate,
+            critic_learning_rate=self.critic_learning_rate,
+            clip_eps=self.clip_eps,
+            max_grad_norm=self.max_grad_norm,
+        )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"`dual_clip` must be greater than 1, got {self.dual_clip}")
+        if self.value_clip_eps is not None:
+            _require_positive(value_clip_eps=self.value_clip_eps)
+        if self.target_kl is not None:
+            _require_positive(target_kl=self.target_kl)
+        if self.aggregation not in ("token_mean", "sequence_mean"):
+            raise ValueError(f"`aggregation` must be 'token_mean' or 'sequence_mean', got {self.aggregation!r}")

@@ -1,0 +1,159 @@
+"""Batched, KV-cached sampling from any Hugging Face causal LM, with explicit seeds.
+
+Choices:
+1. A plain decode loop over the model's own KV cache instead of ``model.generate``: it gives
+   exact control of positions (from the attention mask, so left padding changes nothing), of the
+   random stream (one ``torch.Generator``), and returns the log-probs of the sampled tokens.
+2. Log-probs are taken from ``log_softmax(logits / temperature)`` before any top-k / top-p
+   filtering, which is what the training-time forward computes (TRL, OpenRLHF do the same).
+3. After a row emits EOS it is padded (attention 0, action mask False); the loop stops when
+   every row has finished, so ``R <= max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from transformers import PreTrainedModel
+
+from rlhf_core.config import SamplingConfig
+from rlhf_core.sequences import position_ids_from_mask
+
+
+class Generation(NamedTuple):
+    """Sampled responses.
+
+    Shapes:
+        sequences: (B, T) long; attention_mask: (B, T) long; action_mask: (B, R) bool;
+        logprobs: (B, R) float (0 outside the action mask).
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf.
+
+    The most likely token is always kept.
+
+    Shapes:
+        logits: (B, V); returns (B, V).
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        sorted_probabilities = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probabilities.cumsum(dim=-1) - sorted_probabilities  # (B, V)
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_index, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    config: SamplingConfig,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Sample one response per row.
+
+    Args:
+        model: a causal LM (``AutoModelForCausalLM``).
+        prompt_ids: left-padded prompts.
+        prompt_mask: 1 for real prompt tokens.
+        config: temperature, top-k, top-p and ``max_new_tokens`` (``num_samples`` is ignored
+            here; see :func:`sample_candidates`).
+        eos_token_id: token that ends a response, or None.
+        pad_token_id: token written after EOS.
+        generator: random stream for sampling; pass a seeded one for reproducible samples.
+
+    Shapes:
+        prompt_ids, prompt_mask: (B, P); returns :class:`Generation` with T = P + R.
+    """
+    if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
+        raise ValueError(
+            f"`prompt_ids` {tuple(prompt_ids.shape)} and `prompt_mask` {tuple(prompt_mask.shape)} must be equal 2-D shapes"
+        )
+    if bool((prompt_mask.sum(dim=1) == 0).any()):
+        raise ValueError("every prompt needs at least one real token")
+    was_training = model.training
+    model.eval()
+    batch = prompt_ids.shape[0]
+    device = prompt_ids.device
+    attention_mask = prompt_mask.long()  # (B, P)
+    positions = position_ids_from_mask(attention_mask)  # (B, P)
+    outputs = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens, logprobs, alive = [], [], []
+    for _ in range(config.max_new_tokens):
+        scaled = outputs.logits[:, -1, :].float() / config.temperature  # (B, V)
+        token_logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
+        probabilities = torch.softmax(filter_logits(scaled, top_k=config.top_k, top_p=config.top_p), dim=-1)
+        token = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)  # (B,)
+        token = token.masked_fill(finished, pad_token_id)
+        is_action = ~finished  # (B,)
+        tokens.append(token)
+        alive.append(is_action)
+        logprobs.append(token_logprobs.gather(1, token.unsqueeze(1)).squeeze(1) * is_action)
+        if eos_token_id is not None:
+            finished = finished | (token == eos_token_id)
+        if bool(finished.all()):
+            break
+        attention_mask = torch.cat([attention_mask, is_action.long().unsqueeze(1)], dim=1)  # (B, P + t + 1)
+        outputs = model(
+            input_ids=token.unsqueeze(1),
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            past_key_values=outputs.past_key_values,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    model.train(was_training)
+    response = torch.stack(tokens, dim=1)  # (B, R)
+    action_mask = torch.stack(alive, dim=1)  # (B, R)
+    return Generation(
+        sequences=torch.cat([prompt_ids, response], dim=1),  # (B, T)
+        attention_mask=torch.cat([prompt_mask.long(), action_mask.long()], dim=1),  # (B, T)
+        action_mask=action_mask,
+        logprobs=torch.stack(logprobs, dim=1),  # (B, R)
+    )
+
+
+def sample_candidates(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    config: SamplingConfig,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """``config.num_samples`` responses per prompt; rows ``i*N .. i*N + N - 1`` belong to prompt ``i``.
+
+    Shapes:
+        prompt_ids, prompt_mask: (B, P); returns :class:`Generation` with B * N rows.
+    """
+    repeats = config.num_samples
+    return generate(
+        model,
+        prompt_ids.repeat_interleave(repeats, dim=0),  # (B * N, P)
+        prompt_mask.repeat_interleave(repeats, dim=0),  # (B * N, P)
+        config=config,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        generator=generator,
+    )

@@ -1,0 +1,213 @@
+"""PPO and reward-model losses, each returning ``(loss, stats)`` with stats as detached tensors.
+
+Choices:
+1. Policy loss: the clipped surrogate of Schulman et al. 2017 (eq. 7), with the optional dual
+   clip of Ye et al. 2020 (eq. 5) that bounds the loss for negative advantages by ``-c * A``.
+2. Value loss: ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with ``V_clip`` kept within
+   ``value_clip_eps`` of the rollout value (the OpenAI baselines / TRL form).
+3. Aggregation over tokens is a choice: ``"token_mean"`` weighs every valid token equally
+   across the batch; ``"sequence_mean"`` averages each sequence's token mean, so long and short
+   responses weigh the same.
+4. Reward model: Bradley-Terry ``-log sigmoid(r_chosen - r_rejected - margin)``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.masked import masked_mean
+
+LossAggregation = Literal["token_mean", "sequence_mean"]
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, *, mode: LossAggregation = "token_mean") -> torch.Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    Args:
+        loss: per-token loss.
+        mask: valid tokens.
+        mode: ``"token_mean"`` (mean over all valid tokens) or ``"sequence_mean"`` (mean over
+            sequences of the per-sequence token mean; sequences without a valid token are left out).
+
+    Shapes:
+        loss, mask: (B, R); returns ().
+    """
+    if mode == "token_mean":
+        return masked_mean(loss, mask)
+    if mode == "sequence_mean":
+        per_sequence = masked_mean(loss, mask, dim=1)  # (B,)
+        has_token = mask.any(dim=1)  # (B,)
+        return masked_mean(per_sequence, has_token)
+    raise ValueError(f"`mode` must be 'token_mean' or 'sequence_mean', got {mode!r}")
+
+
+class PolicyLossStats(NamedTuple):
+    """Detached diagnostics of one policy-loss evaluation (all scalars)."""
+
+    clip_fraction: torch.Tensor
+    dual_clip_fraction: torch.Tensor
+    approx_kl: torch.Tensor
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: LossAggregation = "token_mean",
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Clipped surrogate policy loss.
+
+    Per token, with ``ratio = exp(logprobs - old_logprobs)``::
+
+        loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))
+        if dual_clip is not None and A_t < 0:
+            loss_t = min(loss_t, -dual_clip * A_t)
+
+    Args:
+        logprobs: current policy log-probs of the sampled tokens (with grad).
+        old_logprobs: rollout-time log-probs.
+        advantages: (usually whitened) advantages.
+        action_mask: valid tokens.
+        clip_eps: PPO clip range epsilon.
+        dual_clip: the dual-clip constant ``c > 1``, or None.
+        aggregation: see :func:`aggregate_loss`.
+
+    Returns:
+        The scalar loss and :class:`PolicyLossStats` (clip fractions over valid tokens, and the
+        k3 estimate of KL(old || new), which is non-negative).
+
+    Shapes:
+        logprobs, old_logprobs, advantages, action_mask: (B, R); returns ().
+
+    References:
+        Schulman et al. 2017, eq. 7; Ye et al. 2020 "Mastering Complex Control in MOBA Games with
+        Deep RL", eq. 5; verl ``core_algos.compute_policy_loss``.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"`dual_clip` must be greater than 1, got {dual_clip}")
+    log_ratio = logprobs - old_logprobs  # (B, R)
+    ratio = torch.exp(log_ratio)  # (B, R)
+    unclipped = -advantages * ratio  # (B, R)
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)  # (B, R)
+    per_token = torch.maximum(unclipped, clipped)  # (B, R)
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages  # (B, R)
+        dual_clipped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_clipped, bound, per_token)
+    loss = aggregate_loss(per_token, action_mask, mode=aggregation)
+    with torch.no_grad():
+        stats = PolicyLossStats(
+            clip_fraction=masked_mean((clipped > unclipped).to(per_token.dtype), action_mask),
+            dual_clip_fraction=masked_mean(dual_clipped.to(per_token.dtype), action_mask),
+            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, action_mask),
+        )
+    return loss, stats
+
+
+class ValueLossStats(NamedTuple):
+    """Detached diagnostics of one value-loss evaluation (scalars)."""
+
+    clip_fraction: torch.Tensor
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    value_clip_eps: float | None = 0.2,
+    aggregation: LossAggregation = "token_mean",
+) -> tuple[torch.Tensor, ValueLossStats]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
+
+    ``V_clip = old_values + clip(values - old_values, -value_clip_eps, value_clip_eps)``; with
+    ``value_clip_eps=None`` the loss is the plain ``0.5 * (V - R)^2``.
+
+    Shapes:
+        values, old_values, returns, action_mask: (B, R); returns ().
+
+    References:
+        OpenAI baselines ``ppo2``; TRL ``PPOTrainer.loss``.
+    """
+    unclipped = (values - returns).square()  # (B, R)
+    if value_clip_eps is None:
+        per_token = unclipped
+        clipped_more = torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-value_clip_eps, value_clip_eps)  # (B, R)
+        clipped = (values_clipped - returns).square()  # (B, R)
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_more = clipped > unclipped
+    loss = 0.5 * aggregate_loss(per_token, action_mask, mode=aggregation)
+    with torch.no_grad():
+        stats = ValueLossStats(clip_fraction=masked_mean(clipped_more.to(values.dtype), action_mask))
+    return loss, stats
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits``, per position.
+
+    ``H = logsumexp(z) - sum(softmax(z) * z)``, the numerically stable form.
+
+    Shapes:
+        logits: (B, R, V); returns (B, R).
+    """
+    probabilities = torch.softmax(logits, dim=-1)  # (B, R, V)
+    return torch.logsumexp(logits, dim=-1) - (probabilities * logits).sum(dim=-1)
+
+
+class RewardLossStats(NamedTuple):
+    """Detached diagnostics of one reward-model loss evaluation (scalars)."""
+
+    accuracy: torch.Tensor
+    margin: torch.Tensor
+
+
+def pairwise_reward_loss(
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+    *,
+    margin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RewardLossStats]:
+    """Bradley-Terry loss ``mean(-log sigmoid(r_chosen - r_rejected - margin))``.
+
+    At equal scores and no margin the loss is ``log 2``.
+
+    Args:
+        chosen_scores: reward-model scores of the preferred responses.
+        rejected_scores: scores of the dispreferred responses.
+        margin: optional per-pair margin (Llama 2's margin loss).
+
+    Returns:
+        The loss and :class:`RewardLossStats`: accuracy (chosen scored strictly higher) and the
+        mean score gap.
+
+    Shapes:
+        chosen_scores, rejected_scores, margin: (B,); returns ().
+
+    References:
+        Ouyang et al. 2022 eq. 1; Touvron et al. 2023 (Llama 2) eq. 2.
+    """
+    if chosen_scores.shape != rejected_scores.shape:
+        raise ValueError(
+            f"`chosen_scores` {tuple(chosen_scores.shape)} and `rejected_scores` {tuple(rejected_scores.shape)} differ"
+        )
+    gap = chosen_scores - rejected_scores  # (B,)
+    if margin is not None:
+        gap = gap - margin
+    loss = -F.logsigmoid(gap).mean()
+    with torch.no_grad():
+        stats = RewardLossStats(
+            accuracy=(chosen_scores > rejected_scores).to(chosen_scores.dtype).mean(),
+            margin=(chosen_scores - rejected_scores).mean(),
+        )
+    return loss, stats

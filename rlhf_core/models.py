@@ -1,0 +1,172 @@
+"""Critic and RewardModel: any Hugging Face decoder backbone plus a linear head.
+
+Choices:
+1. The backbone is whatever ``AutoModel`` builds for the checkpoint or config (GPT-2, Llama,
+   Qwen2, ...), so anything ``AutoModelForCausalLM`` loads also works here.
+2. Position ids come from the attention mask (:func:`position_ids_from_mask`), so left or right
+   padding never changes a score or a value.
+3. ``save_pretrained`` writes the backbone as an ordinary Hugging Face folder and the head beside
+   it as ``<head>.safetensors``; nothing is ever pickled.
+4. The reward head is initialised normal(0, 1/(H+1)) as in ColossalChat's RewardModel; the value
+   head keeps PyTorch's default Linear initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+
+from rlhf_core.sequences import last_token_index, position_ids_from_mask
+
+_HEAD_META_FILE = "rlhf_head.json"
+
+
+def _load_backbone(pretrained: str | Path | None, config: PretrainedConfig | None, **kwargs) -> PreTrainedModel:
+    if (pretrained is None) == (config is None):
+        raise ValueError("pass exactly one of `pretrained` (a name or folder) and `config`")
+    if pretrained is not None:
+        return AutoModel.from_pretrained(pretrained, **kwargs)
+    return AutoModel.from_config(config, **kwargs)
+
+
+def _hidden_size(config: PretrainedConfig) -> int:
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if getattr(config, name, None) is not None:
+            return int(getattr(config, name))
+    raise ValueError(f"cannot find the hidden size of config {type(config).__name__}")
+
+
+class _HeadedBackbone(nn.Module):
+    """A backbone plus a named linear head, saved side by side."""
+
+    head_name: str
+
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear) -> None:
+        super().__init__()
+        self.model = backbone
+        setattr(self, self.head_name, head)
+
+    @property
+    def head(self) -> nn.Linear:
+        return getattr(self, self.head_name)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.model.config
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.model.get_output_embeddings()
+
+    def last_hidden_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Shapes: input_ids, attention_mask: (B, T); returns (B, T, H)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        return outputs.last_hidden_state
+
+    def save_pretrained(self, directory: str | Path, **kwargs) -> None:
+        """Write the backbone (Hugging Face folder) and the head (safetensors) into ``directory``."""
+        directory = Path(directory)
+        self.model.save_pretrained(directory, **kwargs)
+        head_state = {key: value.detach().contiguous().cpu() for key, value in self.head.state_dict().items()}
+        save_file(head_state, directory / f"{self.head_name}.safetensors")
+        (directory / _HEAD_META_FILE).write_text(json.dumps({"class": type(self).__name__, "head": self.head_name}))
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str | Path, **kwargs):
+        """Load a backbone; its head too when ``pretrained`` is a folder this class saved.
+
+        A plain Hugging Face checkpoint (e.g. the actor's) gets a freshly initialised head.
+        """
+        model = cls(pretrained=pretrained, **kwargs)
+        head_file = Path(pretrained) / f"{cls.head_name}.safetensors"
+        if head_file.is_file():
+            model.head.load_state_dict(load_file(head_file))
+        return model
+
+
+class Critic(_HeadedBackbone):
+    """Backbone plus a linear value head over the last hidden state: one value per position.
+
+    Build from a name or folder (``Critic(pretrained=...)``, ``Critic.from_pretrained(...)``) or
+    from a config (``Critic(config=...)``).
+    """
+
+    head_name = "value_head"
+
+    def __init__(self, pretrained: str | Path | None = None, config: PretrainedConfig | None = None, **kwargs) -> None:
+        backbone = _load_backbone(pretrained, config, **kwargs)
+        super().__init__(backbone, nn.Linear(_hidden_size(backbone.config), 1))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-position values.
+
+        Shapes:
+            input_ids, attention_mask: (B, T); returns (B, T).
+        """
+        hidden = self.last_hidden_state(input_ids, attention_mask)  # (B, T, H)
+        return self.value_head(hidden).squeeze(-1)  # (B, T)
+
+
+class RewardModel(_HeadedBackbone):
+    """Backbone plus a linear head read at the last non-padding token: one score per sequence."""
+
+    head_name = "reward_head"
+
+    def __init__(self, pretrained: str | Path | None = None, config: PretrainedConfig | None = None, **kwargs) -> None:
+        backbone = _load_backbone(pretrained, config, **kwargs)
+        hidden_size = _hidden_size(backbone.config)
+        head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1))
+        nn.init.zeros_(head.bias)
+        super().__init__(backbone, head)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Sequence scores.
+
+        Shapes:
+            input_ids, attention_mask: (B, T); returns (B,).
+        """
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.last_hidden_state(input_ids, attention_mask)  # (B, T, H)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last_hidden = hidden[rows, last_token_index(attention_mask)]  # (B, H)
+        return self.reward_head(last_hidden).squeeze(-1)  # (B,)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Put ``model`` in eval mode with gradients off (the frozen reference policy)."""
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+@contextmanager
+def evaluating(*models: object) -> Iterator[None]:
+    """Put every ``nn.Module`` among ``models`` in eval mode (dropout off), restoring modes after."""
+    modules = [model for model in models if isinstance(model, nn.Module)]
+    modes = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip(modules, modes, strict=True):
+            module.train(mode)

@@ -1,0 +1,159 @@
+"""The PPO update of actor and critic over one batch of scored experience.
+
+Choices:
+1. Actor and critic are separate models with separate optimizers, so the value loss needs no
+   weight against the policy loss (with Adam a constant factor would not change the step).
+2. Dropout is off during the update (models in eval mode, gradients on), as in TRL's PPO: the
+   probability ratio at the first minibatch is then exactly the rollout's, 1.
+3. Advantages are whitened once over the whole experience, then minibatched.
+4. Early stop: when ``target_kl`` is set, the update stops after the first minibatch whose
+   approximate KL(old || new) exceeds it (OpenAI Spinning Up's rule, without its 1.5 factor).
+5. Driven through ``accelerate.Accelerator``: pass models and optimizers already ``prepare``d,
+   and the same code runs on one CPU or many GPUs under ``accelerate launch``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from accelerate import Accelerator
+from transformers import PreTrainedModel
+
+from rlhf_core.config import PPOConfig
+from rlhf_core.experience import Experience
+from rlhf_core.losses import entropy_from_logits, policy_loss, value_loss
+from rlhf_core.masked import masked_mean, masked_var, masked_whiten
+from rlhf_core.models import Critic, evaluating
+from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask, response_slice
+
+
+class PPOStats(NamedTuple):
+    """Means over the optimizer steps taken (scalar tensors), plus counts."""
+
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    clip_fraction: torch.Tensor
+    value_clip_fraction: torch.Tensor
+    approx_kl: torch.Tensor
+    entropy: torch.Tensor
+    explained_variance: torch.Tensor
+    optimizer_steps: int
+    early_stopped: bool
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over valid tokens; 1 is a perfect critic.
+
+    Shapes:
+        values, returns, mask: (B, R); returns ().
+    """
+    return 1.0 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
+
+
+def _minibatch_losses(
+    actor: PreTrainedModel, critic: Critic, batch: Experience, config: PPOConfig, *, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Policy loss, value loss and detached stats for one minibatch."""
+    prompt_length = batch.prompt_length
+    positions = position_ids_from_mask(batch.attention_mask)  # (b, T)
+    logits = actor(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=positions).logits
+    response_logits = response_slice(logits, prompt_length).float() / temperature  # (b, R, V)
+    logprobs = logprobs_from_logits(response_logits, batch.sequences[:, prompt_length:])  # (b, R)
+    actor_loss, policy_stats = policy_loss(
+        logprobs,
+        batch.action_log_probs,
+        batch.advantages,
+        batch.action_mask,
+        clip_eps=config.clip_eps,
+        dual_clip=config.dual_clip,
+        aggregation=config.aggregation,
+    )
+    entropy = masked_mean(entropy_from_logits(response_logits), batch.action_mask)
+    if config.entropy_coef:
+        actor_loss = actor_loss - config.entropy_coef * entropy
+    values = response_slice(critic(batch.sequences, batch.attention_mask), prompt_length)  # (b, R)
+    critic_loss, value_stats = value_loss(
+        values,
+        batch.values,
+        batch.returns,
+        batch.action_mask,
+        value_clip_eps=config.value_clip_eps,
+        aggregation=config.aggregation,
+    )
+    stats = [
+        actor_loss.detach(),
+        critic_loss.detach(),
+        policy_stats.clip_fraction,
+        value_stats.clip_fraction,
+        policy_stats.approx_kl,
+        entropy.detach(),
+    ]
+    return actor_loss, critic_loss, stats
+
+
+def ppo_update(
+    actor: PreTrainedModel,
+    critic: Critic,
+    actor_optimizer: torch.optim.Optimizer,
+    critic_optimizer: torch.optim.Optimizer,
+    experience: Experience,
+    config: PPOConfig,
+    *,
+    accelerator: Accelerator,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> PPOStats:
+    """``config.epochs`` passes of minibatch PPO over ``experience``.
+
+    Args:
+        actor, critic: trainable models, ``accelerator.prepare``d.
+        actor_optimizer, critic_optimizer: their optimizers, ``prepare``d too.
+        experience: scored experience (advantages and returns filled in).
+        config: epochs, minibatch size, clip ranges, entropy weight, gradient clip, target KL.
+        accelerator: drives backward passes and gradient clipping.
+        temperature: the sampling temperature the rollout used (log-probs must match it).
+        generator: random stream for minibatch shuffling.
+
+    Returns:
+        :class:`PPOStats` averaged over the optimizer steps taken.
+    """
+    if not experience.is_scored:
+        raise ValueError("`experience` has no advantages/returns: run score_experience first")
+    experience.to_device(accelerator.device)
+    advantages = experience.advantages
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, experience.action_mask)
+    experience = experience.replace(advantages=advantages)
+    variance_explained = explained_variance(experience.values, experience.returns, experience.action_mask)
+
+    totals: list[torch.Tensor] = []
+    steps = 0
+    early_stopped = False
+    with evaluating(actor, critic):
+        for _epoch in range(config.epochs):
+            for batch in experience.minibatches(config.minibatch_size, generator=generator):
+                # 1. losses on the current policy and critic
+                actor_loss, critic_loss, stats = _minibatch_losses(
+                    actor, critic, batch, config, temperature=temperature
+                )
+                # 2. one step for each model, each with its own gradient clip
+                for loss, model, optimizer in (
+                    (actor_loss, actor, actor_optimizer),
+                    (critic_loss, critic, critic_optimizer),
+                ):
+                    optimizer.zero_grad(set_to_none=True)
+                    accelerator.backward(loss)
+                    accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                    optimizer.step()
+                # 3. bookkeeping and the early stop on KL
+                totals = [t + s for t, s in zip(totals, stats, strict=True)] if totals else stats
+                steps += 1
+                if config.target_kl is not None and stats[4].item() > config.target_kl:
+                    early_stopped = True
+                    break
+            if early_stopped:
+                break
+    means = [total / steps for total in totals]
+    return PPOStats(*means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)

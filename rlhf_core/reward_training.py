@@ -1,0 +1,153 @@
+"""Reward-model training over preference pairs (Bradley-Terry), driven through Accelerate.
+
+Choices:
+1. Chosen and rejected responses of a minibatch go through the model in one ``(2b, T)`` pass.
+2. Held-out accuracy, loss, and the mean / std of scores on held-out responses are reported;
+   the pipeline uses the latter to normalise scores before PPO.
+3. Dropout stays on during training (the model is in train mode) and off for evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from accelerate import Accelerator
+
+from rlhf_core.config import RewardModelConfig
+from rlhf_core.losses import pairwise_reward_loss
+from rlhf_core.models import RewardModel, evaluating
+
+
+@dataclass(frozen=True)
+class PreferenceBatch:
+    """Tokenised preference pairs; chosen and rejected share one padded length T.
+
+    Shapes:
+        chosen_ids, chosen_mask, rejected_ids, rejected_mask: (B, T); margin: (B,).
+    """
+
+    chosen_ids: torch.Tensor
+    chosen_mask: torch.Tensor
+    rejected_ids: torch.Tensor
+    rejected_mask: torch.Tensor
+    margin: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shape = self.chosen_ids.shape
+        for name in ("chosen_mask", "rejected_ids", "rejected_mask"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {tuple(getattr(self, name).shape)}")
+        if self.margin.shape != (shape[0],):
+            raise ValueError(f"`margin` must have shape ({shape[0]},), got {tuple(self.margin.shape)}")
+
+    def __len__(self) -> int:
+        return self.chosen_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> PreferenceBatch:
+        return PreferenceBatch(
+            self.chosen_ids[rows],
+            self.chosen_mask[rows],
+            self.rejected_ids[rows],
+            self.rejected_mask[rows],
+            self.margin[rows],
+        )
+
+    def to(self, device: torch.device | str) -> PreferenceBatch:
+        return PreferenceBatch(
+            *(
+                tensor.to(device)
+                for tensor in (self.chosen_ids, self.chosen_mask, self.rejected_ids, self.rejected_mask, self.margin)
+            )
+        )
+
+
+class RewardModelStats(NamedTuple):
+    """Training and held-out figures (Python floats), plus the step count."""
+
+    train_loss: float
+    train_accuracy: float
+    eval_loss: float
+    eval_accuracy: float
+    score_mean: float
+    score_std: float
+    optimizer_steps: int
+
+
+def _pair_scores(model: RewardModel, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes: returns two (b,)."""
+    ids = torch.cat([batch.chosen_ids, batch.rejected_ids])  # (2b, T)
+    mask = torch.cat([batch.chosen_mask, batch.rejected_mask])  # (2b, T)
+    scores = model(ids, mask)  # (2b,)
+    return scores[: len(batch)], scores[len(batch) :]
+
+
+@torch.no_grad()
+def evaluate_reward_model(
+    model: RewardModel, pairs: PreferenceBatch, *, batch_size: int
+) -> tuple[float, float, float, float]:
+    """Loss, accuracy, score mean and score std of ``model`` on ``pairs`` (dropout off)."""
+    chosen_all, rejected_all = [], []
+    with evaluating(model):
+        for start in range(0, len(pairs), batch_size):
+            chosen, rejected = _pair_scores(
+                model, pairs.select(torch.arange(start, min(start + batch_size, len(pairs))))
+            )
+            chosen_all.append(chosen.float())
+            rejected_all.append(rejected.float())
+    chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
+    loss, stats = pairwise_reward_loss(chosen, rejected)
+    all_scores = torch.cat([chosen, rejected])
+    return loss.item(), stats.accuracy.item(), all_scores.mean().item(), all_scores.std().item()
+
+
+def fit_reward_model(
+    model: RewardModel,
+    optimizer: torch.optim.Optimizer,
+    train_pairs: PreferenceBatch,
+    eval_pairs: PreferenceBatch,
+    config: RewardModelConfig,
+    *,
+    accelerator: Accelerator,
+    generator: torch.Generator | None = None,
+) -> RewardModelStats:
+    """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
+
+    Args:
+        model, optimizer: ``accelerator.prepare``d.
+        train_pairs, eval_pairs: tokenised preference pairs.
+        config: learning schedule, batch size, gradient clip, margin use.
+        accelerator: drives backward passes and clipping.
+        generator: random stream for shuffling.
+    """
+    if len(train_pairs) == 0 or len(eval_pairs) == 0:
+        raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
+    train_pairs, eval_pairs = train_pairs.to(accelerator.device), eval_pairs.to(accelerator.device)
+    model.train()
+    loss_sum, accuracy_sum, steps = 0.0, 0.0, 0
+    for _epoch in range(config.epochs):
+        order = torch.randperm(len(train_pairs), generator=generator)
+        for start in range(0, len(train_pairs), config.batch_size):
+            batch = train_pairs.select(order[start : start + config.batch_size].to(accelerator.device))
+            chosen, rejected = _pair_scores(model, batch)
+            loss, stats = pairwise_reward_loss(chosen, rejected, margin=batch.margin if config.use_margin else None)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            loss_sum += loss.item()
+            accuracy_sum += stats.accuracy.item()
+            steps += 1
+    eval_loss, eval_accuracy, score_mean, score_std = evaluate_reward_model(
+        model, eval_pairs, batch_size=config.batch_size
+    )
+    return RewardModelStats(
+        train_loss=loss_sum / steps,
+        train_accuracy=accuracy_sum / steps,
+        eval_loss=eval_loss,
+        eval_accuracy=eval_accuracy,
+        score_mean=score_mean,
+        score_std=score_std,
+        optimizer_steps=steps,
+    )

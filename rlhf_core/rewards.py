@@ -1,0 +1,125 @@
+"""Per-token rewards: KL estimators and the shaped reward of RLHF-PPO.
+
+Choices:
+1. ``d = logprobs - ref_logprobs`` per sampled token; k1 = d, k2 = d^2 / 2,
+   k3 = exp(-d) - 1 + d (Schulman, "Approximating KL divergence", 2020).
+2. The sequence score lands on the last action token (the EOS, or the last generated token
+   when the response was truncated), as in Ziegler et al. 2019 and TRL's PPOTrainer.
+3. The per-token reward is ``-kl_coef * kl_t`` everywhere in the action window, plus the score
+   on the last token. Outside the action window it is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
+
+
+def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+_KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: KLEstimator = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs.
+
+    Args:
+        logprobs: log pi(a_t | s_t) of the policy that sampled the tokens.
+        ref_logprobs: log pi_ref(a_t | s_t) of the frozen reference.
+        estimator: ``"k1"`` (unbiased, can be negative), ``"k2"`` (biased, low variance) or
+            ``"k3"`` (unbiased, non-negative).
+
+    Shapes:
+        logprobs, ref_logprobs: (B, R); returns (B, R).
+
+    References:
+        http://joschu.net/blog/kl-approx.html
+    """
+    if estimator not in _KL_ESTIMATORS:
+        raise ValueError(f"`estimator` must be one of {sorted(_KL_ESTIMATORS)}, got {estimator!r}")
+    return _KL_ESTIMATORS[estimator](logprobs - ref_logprobs)
+
+
+def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True in each row of a prefix mask; rows with no action give 0.
+
+    Shapes:
+        action_mask: (B, R); returns (B,) long.
+    """
+    return (action_mask.long().sum(dim=1) - 1).clamp(min=0)
+
+
+class ShapedRewards(NamedTuple):
+    """The per-token reward and the KL term it was built from. Both (B, R), 0 outside the mask."""
+
+    rewards: torch.Tensor
+    kl: torch.Tensor
+
+
+@torch.no_grad()
+def shaped_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    estimator: KLEstimator = "k1",
+    score_clip: float | None = None,
+) -> ShapedRewards:
+    """Per-token rewards ``r_t = -kl_coef * kl_t + [t == last] * score``.
+
+    Naive equivalent::
+
+        for b in range(B):
+            last = action_mask[b].sum() - 1
+            for t in range(R):
+                if action_mask[b, t]:
+                    rewards[b, t] = -kl_coef * kl[b, t] + (scores[b] if t == last else 0)
+
+    Args:
+        scores: sequence scores from the reward model (already normalised if wanted).
+        logprobs, ref_logprobs: sampled tokens' log-probs under policy and reference.
+        action_mask: True for generated tokens up to and including EOS.
+        kl_coef: weight of the KL penalty (beta).
+        estimator: KL estimator, see :func:`kl_estimate`.
+        score_clip: if set, scores are clipped to ``[-score_clip, score_clip]`` first.
+
+    Shapes:
+        scores: (B,); logprobs, ref_logprobs, action_mask: (B, R); returns two (B, R).
+    """
+    if scores.dim() != 1 or scores.shape[0] != action_mask.shape[0]:
+        raise ValueError(f"`scores` must have shape ({action_mask.shape[0]},), got {tuple(scores.shape)}")
+    mask = action_mask.to(logprobs.dtype)
+    if score_clip is not None:
+        scores = scores.clamp(-score_clip, score_clip)
+    kl = kl_estimate(logprobs, ref_logprobs, estimator=estimator) * mask  # (B, R)
+    rewards = -kl_coef * kl  # (B, R)
+    has_action = action_mask.any(dim=1).to(logprobs.dtype)  # (B,)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards = rewards.index_put(
+        (rows, last_action_index(action_mask)), scores.to(rewards.dtype) * has_action, accumulate=True
+    )
+    return ShapedRewards(rewards=rewards, kl=kl)
+
+
+def normalize_scores(scores: torch.Tensor, *, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
+    """``(scores - mean) / std``, with the mean and std measured on the reward model's held-out set.
+
+    Shapes:
+        scores: (B,); returns (B,).
+    """
+    return (scores - mean) / (std + eps)

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random-init transformers built in code (never from a hub), one torch thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
+
+# Small models on 2 shared cores run several times faster on one thread (see bench/).
+torch.set_num_threads(1)
+
+TINY_VOCAB = 32
+PAD, BOS, EOS = 0, 1, 2
+
+
+def tiny_config(arch: str, *, vocab_size: int = TINY_VOCAB, hidden: int = 32, layers: int = 2) -> PretrainedConfig:
+    """A tiny decoder config of the named family, with dropout off so results are deterministic."""
+    common = dict(vocab_size=vocab_size, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    if arch == "gpt2":
+        return GPT2Config(
+            n_positions=128, n_embd=hidden, n_layer=layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **common,
+        )
+    llama_like = dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, **common,
+    )
+    if arch == "llama":
+        return LlamaConfig(**llama_like)
+    if arch == "qwen2":
+        return Qwen2Config(**llama_like)
+    raise ValueError(arch)
+
+
+ARCHITECTURES = ["gpt2", "llama", "qwen2"]
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request) -> str:
+    return request.param
+
+
+def tiny_causal_lm(arch: str, *, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **kwargs))
+
+
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists with PAD. Shapes: returns (B, P) ids and (B, P) mask."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[PAD] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
