@@ -4,6 +4,8 @@ Choices:
 1. The variance is the unbiased (Bessel-corrected) estimate over valid elements, as in TRL's
    ``masked_var`` and the design's whitening convention.
 2. Fewer valid elements than a reduction needs is an error, never a silent NaN.
+3. Masked positions are selected away (``torch.where``), not multiplied by 0, so whatever sits
+   there, even ``inf`` or ``nan``, never reaches a result or a gradient.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     Shapes:
         values, mask: (...); returns () or (...) without ``dim``.
     """
-    mask = mask.to(values.dtype)
-    total = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
-    count = _valid_count(mask, dim)
+    valid = torch.where(mask.bool(), values, torch.zeros_like(values))
+    total = valid.sum() if dim is None else valid.sum(dim=dim)
+    count = _valid_count(mask.to(values.dtype), dim)
     if dim is None:
         if count.item() == 0:
             raise ValueError("`mask` selects no element: the masked mean is undefined")
@@ -82,4 +84,4 @@ def masked_whiten(
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened * mask.to(values.dtype)
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))

@@ -29,11 +29,18 @@ def test_ppo_lifts_programmatic_reward_far_above_random_init():
     critic = Critic(config=tiny_config("gpt2"))
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=3e-3)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=3e-3)
-    actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(actor, critic, actor_optimizer, critic_optimizer)
+    actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(
+        actor, critic, actor_optimizer, critic_optimizer
+    )
     sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
     maker = PPOExperienceMaker(
-        actor, critic, target_token_share, reference,
-        sampling=sampling, eos_token_id=None, pad_token_id=PAD,
+        actor,
+        critic,
+        target_token_share,
+        reference,
+        sampling=sampling,
+        eos_token_id=None,
+        pad_token_id=PAD,
         advantage_config=AdvantageConfig(kl_coef=0.01, normalize_scores=False),
     )
     prompts, prompt_mask = left_padded([[3, 4, 5], [6, 5], [9, 10, 11, 12], [13]] * 8)  # (32, 4)
@@ -43,8 +50,15 @@ def test_ppo_lifts_programmatic_reward_far_above_random_init():
         experience = maker.make_experience(prompts, prompt_mask, generator=generator)
         mean_scores.append(experience.scores.mean().item())
         ppo_update(
-            actor, critic, actor_optimizer, critic_optimizer, experience,
-            PPOConfig(epochs=4, minibatch_size=8), accelerator=accelerator, temperature=1.0, generator=generator,
+            actor,
+            critic,
+            actor_optimizer,
+            critic_optimizer,
+            experience,
+            PPOConfig(epochs=4, minibatch_size=8),
+            accelerator=accelerator,
+            temperature=1.0,
+            generator=generator,
         )
     # Random init puts about 1/32 of the mass on the target token.
     assert mean_scores[0] < 0.1
@@ -76,8 +90,13 @@ def test_reward_model_reaches_high_held_out_accuracy_on_synthetic_pairs():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     stats = fit_reward_model(
-        model, optimizer, random_pairs(1200), random_pairs(300),
-        RewardModelConfig(epochs=4, batch_size=32, learning_rate=3e-3), accelerator=accelerator, generator=generator,
+        model,
+        optimizer,
+        random_pairs(1200),
+        random_pairs(300),
+        RewardModelConfig(epochs=4, batch_size=32, learning_rate=3e-3),
+        accelerator=accelerator,
+        generator=generator,
     )
     assert stats.eval_accuracy > 0.9, stats
     assert stats.eval_loss < 0.4, stats
