@@ -2,8 +2,8 @@
 
 Choices:
 1. Each response is one episode that ends after its last action token: the value after it is 0.
-2. Rewards and values at masked (padding) positions are zeroed first, so whatever sits there
-   never changes advantages or returns (a tested invariant).
+2. Rewards and values at masked (padding) positions are replaced by 0 first, so whatever sits
+   there (even inf or nan) never changes advantages or returns (a tested invariant).
 3. ``returns = advantages + values`` (the lambda-return), the critic's regression target.
 """
 
@@ -61,8 +61,9 @@ def compute_gae(
             f"{tuple(values.shape)}, {tuple(action_mask.shape)}"
         )
     mask = action_mask.to(values.dtype)
-    values = values * mask  # (B, R)
-    rewards = rewards * mask  # (B, R)
+    # Selected, not multiplied by the mask, so even inf or nan padding cannot leak in.
+    values = torch.where(action_mask.bool(), values, torch.zeros_like(values))  # (B, R)
+    rewards = torch.where(action_mask.bool(), rewards, torch.zeros_like(rewards))  # (B, R)
     response_length = rewards.shape[1]
     advantages_reversed = []
     last_advantage = torch.zeros_like(rewards[:, 0])  # (B,)

@@ -6,7 +6,7 @@ Choices:
 2. The sequence score lands on the last action token (the EOS, or the last generated token
    when the response was truncated), as in Ziegler et al. 2019 and TRL's PPOTrainer.
 3. The per-token reward is ``-kl_coef * kl_t`` everywhere in the action window, plus the score
-   on the last token. Outside the action window it is 0.
+   on the last token. Outside the action window it is 0, whatever (even inf or nan) sits there.
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ def shaped_rewards(
     """
     if scores.dim() != 1 or scores.shape[0] != action_mask.shape[0]:
         raise ValueError(f"`scores` must have shape ({action_mask.shape[0]},), got {tuple(scores.shape)}")
-    mask = action_mask.to(logprobs.dtype)
     if score_clip is not None:
         scores = scores.clamp(-score_clip, score_clip)
-    kl = kl_estimate(logprobs, ref_logprobs, estimator=estimator) * mask  # (B, R)
+    # Selected, not multiplied by the mask: padding log-probs far apart make k3 overflow to inf there.
+    kl = kl_estimate(logprobs, ref_logprobs, estimator=estimator)  # (B, R)
+    kl = torch.where(action_mask.bool(), kl, torch.zeros_like(kl))  # (B, R)
     rewards = -kl_coef * kl  # (B, R)
     has_action = action_mask.any(dim=1).to(logprobs.dtype)  # (B,)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
