@@ -1,0 +1,140 @@
+"""PipelineConfig: the one validated parameter of every flow (Prefect renders it as a form).
+
+It composes the frozen stage configs of :mod:`rlhf_core.config` plus what the pipeline adds:
+where models and data come from, the labeler, sizes per iteration, where outputs go. YAML files
+in ``configs/`` are diffs from these defaults; ``--set a.b=value`` overrides apply on top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelSource(_Frozen):
+    """Where the initial policy comes from."""
+
+    policy: str | None = None
+    """A Hugging Face causal-LM folder (or a hub name, if the machine can reach the hub); None builds
+    and uses the embedded demo model."""
+    tokenizer: str | None = None
+    """Tokenizer folder or name; None uses the policy's."""
+
+
+class DataSource(_Frozen):
+    """Where prompts and imported preferences come from."""
+
+    prompts: Path | None = None
+    """Training prompts (JSONL, Parquet or CSV with a `prompt` column or chat `messages`); None uses the demo's."""
+    eval_prompts: Path | None = None
+    """Held-out prompts for evaluation; None uses the demo's."""
+    preferences: Path | None = None
+    """Preference pairs to import (labeler `import`): prompt/chosen/rejected rows or Anthropic HH transcripts."""
+
+
+class IterationSizes(_Frozen):
+    """How much work one iteration does."""
+
+    preference_prompts: int = Field(64, gt=0)
+    """Prompts whose candidates are labelled each iteration."""
+    candidates_per_prompt: int = Field(2, ge=2)
+    """Candidates sampled per preference prompt; consecutive pairs are labelled."""
+    rollout_prompts: int = Field(128, gt=0)
+    """Prompts rolled out for PPO each iteration."""
+    eval_prompts: int = Field(64, gt=0)
+    """Held-out prompts evaluated each iteration."""
+    rows_per_shard: int = Field(4096, gt=0)
+    """Rows per Parquet shard."""
+
+
+class PipelineConfig(_Frozen):
+    """Everything one campaign needs; validated once, when a flow starts."""
+
+    campaign: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Campaign name: the MLflow experiment and the folder under `run_root`."""
+    run_root: Path = Field(Path(".rlhf"), validate_default=True)
+    """Folder for stage outputs, the MLflow SQLite store and caches (made absolute at load time)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None uses SQLite at `<run_root>/mlflow.db`."""
+    seed: int = 0
+    """Root seed; every stage derives its own from (seed, stage, iteration)."""
+    iterations: int = Field(3, gt=0)
+    """Iterations a campaign runs."""
+    torch_threads: int = Field(1, gt=0)
+    """torch intra-op threads; one is fastest for small models on a 2-core machine."""
+    labeler: Literal["gold", "import", "reward_model"] = "gold"
+    """Who labels candidate pairs: the demo's hidden gold rubric, an imported file, or the current reward model."""
+    model: ModelSource = ModelSource()
+    data: DataSource = DataSource()
+    sizes: IterationSizes = IterationSizes()
+    sampling: SamplingConfig = SamplingConfig(max_new_tokens=16, temperature=1.0, batch_size=64)
+    reward_model: RewardModelConfig = RewardModelConfig(learning_rate=3e-4, epochs=3, batch_size=32)
+    advantages: AdvantageConfig = AdvantageConfig(kl_coef=0.05)
+    ppo: PPOConfig = PPOConfig(epochs=4, minibatch_size=16, actor_learning_rate=5e-4, critic_learning_rate=5e-4)
+
+    @field_validator("run_root")
+    @classmethod
+    def _absolute_run_root(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _labeler_has_its_data(self) -> PipelineConfig:
+        if self.labeler == "import" and self.data.preferences is None:
+            raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which and why."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted_key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override `{dotted_key}`: `{part}` is not a section")
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"ppo.epochs=2"`` -> ``("ppo.epochs", 2)``; the value is parsed as YAML."""
+    key, separator, raw = text.partition("=")
+    if not separator or not key:
+        raise ConfigError(f"override {text!r} must look like `section.field=value`")
+    return key.strip(), yaml.safe_load(raw)
+
+
+def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Read a YAML config (a diff from the defaults), apply ``key=value`` overrides, validate.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, an override is malformed, or validation fails.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(tree).__name__}")
+    for text in overrides:
+        _set_dotted(tree, *parse_override(text))
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as error:
+        source = f"config file {path}" if path else "config"
+        raise ConfigError(f"{source} is invalid:\n{error}") from error
