@@ -1,0 +1,63 @@
+"""storage: the one layer that touches file formats and MLflow.
+
+Modules:
+
+* :mod:`storage.layout`: ``RunLayout``, the only place paths are built.
+* :mod:`storage.schemas`: explicit Arrow schemas and column names, ``SCHEMA_VERSION``.
+* :mod:`storage.shards`: Parquet shards (``write_shards``, ``read_table``, ``scan_shards``).
+* :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
+* :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
+* :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
+* :mod:`storage.tracking`: ``Tracker``, the only code that imports mlflow.
+* :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
+
+Names are re-exported lazily, so ``import storage`` does not pull in mlflow, transformers or
+polars until a name that needs them is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RunLayout": "layout",
+    "SCHEMA_VERSION": "schemas",
+    "write_shards": "shards",
+    "read_table": "shards",
+    "scan_shards": "shards",
+    "MANIFEST_FILE": "manifest",
+    "CorruptOutputError": "manifest",
+    "FileEntry": "manifest",
+    "Manifest": "manifest",
+    "StageOutput": "manifest",
+    "compute_input_key": "manifest",
+    "find_stage_output": "manifest",
+    "read_manifest": "manifest",
+    "experience_to_table": "experience_io",
+    "table_to_experience": "experience_io",
+    "save_model": "checkpoints",
+    "save_training_state": "checkpoints",
+    "load_training_state": "checkpoints",
+    "load_causal_lm": "checkpoints",
+    "load_critic": "checkpoints",
+    "load_reward_model": "checkpoints",
+    "load_tokenizer": "checkpoints",
+    "StageRecord": "tracking",
+    "Tracker": "tracking",
+    "ImportFormatError": "importers",
+    "import_preferences": "importers",
+    "import_prompts": "importers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'storage' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"storage.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

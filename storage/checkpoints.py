@@ -1,0 +1,194 @@
+"""Checkpoints: Hugging Face ``save_pretrained`` folders, plus the state needed to resume training exactly.
+
+Choices:
+
+1. Weights are always safetensors in ``save_pretrained`` folders: HF causal LMs, and
+   :class:`rlhf_core.models.Critic` / :class:`~rlhf_core.models.RewardModel`, which save their
+   head beside the backbone. A tokenizer, when given, is saved into the same folder.
+2. Optimizer and scheduler states are ``torch.save``d state dicts (plain tensors, numbers and
+   lists), and every RNG state is encoded as tensors and ints, so that everything loads with
+   ``torch.load(..., weights_only=True)``: nothing is ever unpickled from a checkpoint.
+3. ``step`` and ``extra`` go into ``trainer_state.json``, so they can be read without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.models import Critic, RewardModel
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng_state.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+def save_model(directory: Path, model: Any, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+    """Save a model (and optionally its tokenizer) as a ``save_pretrained`` folder of safetensors.
+
+    Args:
+        directory: the folder to write; created if missing.
+        model: a Hugging Face ``PreTrainedModel``, a ``Critic`` or a ``RewardModel``.
+        tokenizer: saved into the same folder when given.
+
+    Returns:
+        ``directory``.
+    """
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"`model` must have `save_pretrained`, got {type(model).__name__}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def load_causal_lm(directory: Path, **kwargs: Any) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(directory, **kwargs)``."""
+    return AutoModelForCausalLM.from_pretrained(Path(directory), **kwargs)
+
+
+def _require_head(directory: Path, head_name: str) -> None:
+    head = Path(directory) / f"{head_name}.safetensors"
+    if not head.is_file():
+        raise FileNotFoundError(f"{head} is missing: {directory} is not a saved model with a {head_name}")
+
+
+def load_critic(directory: Path, **kwargs: Any) -> Critic:
+    """Load a :class:`Critic` saved by :func:`save_model`, value head included (required)."""
+    _require_head(directory, Critic.head_name)
+    return Critic.from_pretrained(Path(directory), **kwargs)
+
+
+def load_reward_model(directory: Path, **kwargs: Any) -> RewardModel:
+    """Load a :class:`RewardModel` saved by :func:`save_model`, reward head included (required)."""
+    _require_head(directory, RewardModel.head_name)
+    return RewardModel.from_pretrained(Path(directory), **kwargs)
+
+
+def load_tokenizer(directory: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(directory, **kwargs)``."""
+    return AutoTokenizer.from_pretrained(Path(directory), **kwargs)
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG state as tensors, ints, floats and None (loadable with ``weights_only=True``)."""
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python_version": version,
+        "python_state": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss_next": gauss_next,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state["numpy"] = {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    internal = tuple(int(value) for value in state["python_state"].tolist())
+    random.setstate((state["python_version"], internal, state["python_gauss_next"]))
+    if "cuda" in state:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            logger.warning("the checkpoint holds CUDA RNG states but CUDA is unavailable; they are not restored")
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            logger.warning("the checkpoint holds a numpy RNG state but numpy is not installed")
+            return
+        saved = state["numpy"]
+        keys = saved["keys"].numpy().astype("uint32")
+        np.random.set_state((saved["kind"], keys, saved["position"], saved["has_gauss"], saved["cached_gaussian"]))
+
+
+def save_training_state(
+    directory: Path,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    step: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save what training needs to continue exactly: optimizer, scheduler, RNG states, step.
+
+    Args:
+        directory: the folder to write; created if missing.
+        optimizer: its ``state_dict()`` is saved when given.
+        scheduler: an LR scheduler; its ``state_dict()`` is saved when given.
+        step: the number of optimizer steps taken so far.
+        extra: JSON-serialisable values to keep beside ``step`` (e.g. the KL controller's coefficient).
+
+    Returns:
+        ``directory``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
+    torch.save(_rng_state(), directory / RNG_FILE)
+    trainer_state = {"step": int(step), "extra": dict(extra or {})}
+    (directory / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_training_state(
+    directory: Path, *, optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None
+) -> dict[str, Any]:
+    """Restore what :func:`save_training_state` saved: states into ``optimizer`` / ``scheduler``, and the RNGs.
+
+    Everything is read with ``torch.load(..., weights_only=True)``.
+
+    Args:
+        directory: a folder written by :func:`save_training_state`.
+        optimizer: receives the saved optimizer state (the file must exist).
+        scheduler: receives the saved scheduler state (the file must exist).
+
+    Returns:
+        ``{"step": int, "extra": dict}``.
+
+    Raises:
+        FileNotFoundError: a state asked for was not saved.
+    """
+    directory = Path(directory)
+    for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
+        if wanted is not None and not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name} is missing")
+    trainer_state = json.loads((directory / TRAINER_STATE_FILE).read_text())
+    if optimizer is not None:
+        optimizer.load_state_dict(_load(directory / OPTIMIZER_FILE))
+    if scheduler is not None:
+        scheduler.load_state_dict(_load(directory / SCHEDULER_FILE))
+    _set_rng_state(_load(directory / RNG_FILE))
+    return {"step": int(trainer_state["step"]), "extra": dict(trainer_state["extra"])}

@@ -1,0 +1,193 @@
+"""Experience <-> Arrow: the one place rollouts become rows and rows become padded tensors again.
+
+Choices:
+
+1. A row stores only real tokens: the unpadded prompt (``prompt_ids``) and the action tokens
+   (``response_ids``, up to and including EOS). Every per-token float list has the length of
+   ``response_ids``. Padding is a property of a batch, not of the data, so it is re-created on read.
+2. Writing requires the layout :mod:`rlhf_core` produces: prompts left-padded (attention 0s then
+   1s), responses right-padded (action mask 1s then 0s), and the response half of the attention
+   mask equal to the action mask. Anything else could not be re-created, so it is refused.
+3. Floats are stored as float32 bit for bit (float16/bfloat16 widen exactly; float64 is refused
+   rather than rounded silently). Token ids are stored as int32 and read back as int64.
+4. Reading pads to the longest prompt and response in the table: prompt left-padded with
+   ``pad_token_id`` and attention 0, response right-padded with ``pad_token_id``, attention 0,
+   action mask False and 0.0 in every float field. So a batch written padded to its longest row
+   reads back equal (``torch.equal``) field by field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from rlhf_core.experience import Experience
+from storage.schemas import (
+    EXPERIENCE,
+    EXPERIENCE_TOKEN_COLUMNS,
+    PROMPT_ID,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    ROW,
+    SCORED_EXPERIENCE,
+    SCORED_TOKEN_COLUMNS,
+    SCORES,
+    conform,
+)
+
+_EXACT_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INT32 = torch.iinfo(torch.int32)
+
+
+def _check_runs(mask: torch.Tensor, *, ones_first: bool, name: str) -> None:
+    """Each row of a 0/1 mask must be one run of 1s at the end (prompt) or start (response).
+
+    Shapes:
+        mask: (B, L).
+    """
+    if mask.shape[1] < 2:
+        return
+    step = mask[:, 1:].long() - mask[:, :-1].long()  # (B, L - 1)
+    bad = (step > 0) if ones_first else (step < 0)
+    if bool(bad.any()):
+        row = int(bad.any(dim=1).nonzero()[0, 0])
+        side = "right-padded (1s then 0s)" if ones_first else "left-padded (0s then 1s)"
+        raise ValueError(f"`{name}` row {row} is not {side}: {mask[row].long().tolist()}")
+
+
+def _list_array(values: torch.Tensor, lengths: torch.Tensor, value_type: pa.DataType) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths.numpy(), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.numpy(), type=value_type))
+
+
+def _float_values(experience: Experience, name: str, mask: torch.Tensor) -> torch.Tensor:
+    tensor = getattr(experience, name).detach().cpu()
+    if tensor.dtype not in _EXACT_FLOATS:
+        raise ValueError(f"`{name}` is {tensor.dtype}; it is stored as float32, so convert it explicitly first")
+    return tensor.float()[mask]  # (sum of lengths,)
+
+
+def experience_to_table(
+    experience: Experience, prompt_ids: Sequence[int] | torch.Tensor, *, first_row: int = 0
+) -> pa.Table:
+    """Turn a padded Experience batch into rows with unpadded token and per-token float lists.
+
+    Args:
+        experience: the batch; scored (reward, kl, advantages, returns set) or not.
+        prompt_ids: the dataset id of each row's prompt, one int per row (not token ids).
+        first_row: the ``row`` value of the first row (rows are numbered consecutively from it).
+
+    Returns:
+        A table with the ``SCORED_EXPERIENCE`` schema if ``experience.is_scored``, else ``EXPERIENCE``.
+
+    Raises:
+        ValueError: the padding is not the left-prompt/right-response layout, the response half of
+            the attention mask differs from the action mask, a float field is float64, or a token
+            id does not fit int32.
+
+    Shapes:
+        experience: sequences (B, T), action_mask (B, R), ...; prompt_ids: (B,).
+    """
+    batch, prompt_length = experience.batch_size, experience.prompt_length
+    row_prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).cpu().reshape(-1)  # (B,)
+    if row_prompt_ids.shape[0] != batch:
+        raise ValueError(f"`prompt_ids` has {row_prompt_ids.shape[0]} entries for a batch of {batch} rows")
+    sequences = experience.sequences.detach().cpu().long()  # (B, T)
+    attention = experience.attention_mask.detach().cpu()  # (B, T)
+    action_mask = experience.action_mask.detach().cpu()  # (B, R)
+    if bool(((attention != 0) & (attention != 1)).any()):
+        raise ValueError("`attention_mask` must hold only 0 and 1")
+    prompt_mask = attention[:, :prompt_length].bool()  # (B, P)
+    if not torch.equal(attention[:, prompt_length:].bool(), action_mask):
+        raise ValueError("the response half of `attention_mask` must equal `action_mask`")
+    _check_runs(prompt_mask, ones_first=False, name="attention_mask")
+    _check_runs(action_mask, ones_first=True, name="action_mask")
+    prompt_tokens = sequences[:, :prompt_length][prompt_mask]  # (sum of prompt lengths,)
+    response_tokens = sequences[:, prompt_length:][action_mask]  # (sum of response lengths,)
+    for tokens in (prompt_tokens, response_tokens):
+        if tokens.numel() and (int(tokens.min()) < _INT32.min or int(tokens.max()) > _INT32.max):
+            raise ValueError("token ids must fit int32")
+    prompt_lengths = prompt_mask.sum(dim=1)  # (B,)
+    response_lengths = action_mask.sum(dim=1)  # (B,)
+    columns: dict[str, pa.Array] = {
+        ROW: pa.array(np.arange(first_row, first_row + batch, dtype=np.int64)),
+        PROMPT_ID: pa.array(row_prompt_ids.numpy()),
+        PROMPT_IDS: _list_array(prompt_tokens.int(), prompt_lengths, pa.int32()),
+        RESPONSE_IDS: _list_array(response_tokens.int(), response_lengths, pa.int32()),
+    }
+    token_columns = EXPERIENCE_TOKEN_COLUMNS + (SCORED_TOKEN_COLUMNS if experience.is_scored else ())
+    for name in token_columns:
+        columns[name] = _list_array(_float_values(experience, name, action_mask), response_lengths, pa.float32())
+    scores = experience.scores.detach().cpu()
+    if scores.dtype not in _EXACT_FLOATS:
+        raise ValueError(f"`scores` is {scores.dtype}; it is stored as float32, so convert it explicitly first")
+    columns[SCORES] = pa.array(scores.float().numpy())
+    schema = SCORED_EXPERIENCE if experience.is_scored else EXPERIENCE
+    return pa.Table.from_arrays([columns[field.name] for field in schema], schema=schema)
+
+
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """Flattened values and per-row lengths of a list column."""
+    array = column.combine_chunks()
+    lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False).astype(np.int64)
+    return pc.list_flatten(array).to_numpy(zero_copy_only=False), lengths
+
+
+def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
+    """Re-pad experience rows into an Experience batch, in table order.
+
+    Args:
+        table: rows with the ``EXPERIENCE`` or ``SCORED_EXPERIENCE`` schema (or castable to it);
+            scored when it has the reward, kl, advantages and returns columns.
+        pad_token_id: the token put in padded positions of ``sequences``.
+
+    Returns:
+        An Experience with ``P`` / ``R`` the longest prompt / response in the table; int64
+        ``sequences`` and ``attention_mask``, bool ``action_mask``, float32 everything else.
+
+    Raises:
+        ValueError: the table is empty, does not match the schema, or a per-token list's length
+            differs from its row's ``response_ids`` (the message names the column and row).
+
+    Shapes:
+        returns sequences, attention_mask: (B, P + R); action_mask and per-token fields: (B, R); scores: (B,).
+    """
+    scored = all(name in table.column_names for name in SCORED_TOKEN_COLUMNS)
+    table = conform(table, SCORED_EXPERIENCE if scored else EXPERIENCE)
+    batch = table.num_rows
+    if batch == 0:
+        raise ValueError("cannot build an Experience from a table with no rows")
+    prompt_values, prompt_lengths = _flat(table.column(PROMPT_IDS))
+    response_values, response_lengths = _flat(table.column(RESPONSE_IDS))
+    prompt_length, response_length = int(prompt_lengths.max()), int(response_lengths.max())
+    if prompt_length == 0:
+        raise ValueError("every prompt in the table is empty; an Experience needs at least one prompt token")
+    # Left padding: prompt token j of a row of length n sits at column P - n + j.
+    prompt_mask = torch.arange(prompt_length) >= torch.from_numpy(prompt_length - prompt_lengths)[:, None]  # (B, P)
+    action_mask = torch.arange(response_length) < torch.from_numpy(response_lengths)[:, None]  # (B, R)
+    prompt = torch.full((batch, prompt_length), pad_token_id, dtype=torch.long)  # (B, P)
+    prompt[prompt_mask] = torch.from_numpy(prompt_values.astype(np.int64))
+    response = torch.full((batch, response_length), pad_token_id, dtype=torch.long)  # (B, R)
+    response[action_mask] = torch.from_numpy(response_values.astype(np.int64))
+    fields: dict[str, torch.Tensor] = {
+        "sequences": torch.cat([prompt, response], dim=1),  # (B, T)
+        "attention_mask": torch.cat([prompt_mask, action_mask], dim=1).long(),  # (B, T)
+        "action_mask": action_mask,
+    }
+    for name in EXPERIENCE_TOKEN_COLUMNS + (SCORED_TOKEN_COLUMNS if scored else ()):
+        values, lengths = _flat(table.column(name))
+        if not np.array_equal(lengths, response_lengths):
+            row = int(np.nonzero(lengths != response_lengths)[0][0])
+            raise ValueError(
+                f"column `{name}` row {row} has {lengths[row]} values but `{RESPONSE_IDS}` has {response_lengths[row]}"
+            )
+        padded = torch.zeros((batch, response_length), dtype=torch.float32)  # (B, R)
+        padded[action_mask] = torch.from_numpy(values.astype(np.float32))
+        fields[name] = padded
+    fields["scores"] = torch.from_numpy(table.column(SCORES).to_numpy().astype(np.float32, copy=True))  # (B,)
+    return Experience(**fields)

@@ -1,0 +1,315 @@
+"""Import prompts and preference pairs from the files people already have.
+
+Supported inputs:
+
+* Prompts (:func:`import_prompts`): JSONL, Parquet or CSV with a text column, or a ``messages``
+  column of chat turns (in CSV, a JSON string). An optional integer ``prompt_id`` column is kept;
+  otherwise prompts are numbered from 0.
+* Preferences (:func:`import_preferences`), JSONL or Parquet, one pair per row:
+
+  - ``prompt`` / ``chosen`` / ``rejected`` strings (TRL's explicit-prompt format), optional ``margin``;
+  - the same as chat message lists (TRL conversational): the prompt is the shared conversation,
+    chosen and rejected are its final assistant turns;
+  - ``chosen`` / ``rejected`` only, as message lists (TRL implicit prompt) or as Anthropic HH
+    transcripts (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``), split at the last ``"\\n\\nAssistant:"``.
+
+Chat rendering (the Anthropic HH format, so every source lands in the same text form): each
+turn becomes ``"\\n\\nHuman: {content}"`` (user), ``"\\n\\nAssistant: {content}"`` (assistant) or
+``"\\n\\nSystem: {content}"`` (system), and a prompt ends with ``"\\n\\nAssistant:"``. A response
+is ``" " + content``, so ``prompt + chosen`` is exactly the HH transcript.
+
+Errors: the first malformed row raises :class:`ImportFormatError`, whose message names the file,
+the 1-based row (the line, for JSONL) and the field. Nothing is returned half-imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.schemas import CHOSEN, LABELER, MARGIN, PAIR_ID, PREFERENCES, PROMPT, PROMPT_ID, PROMPTS, REJECTED
+
+ASSISTANT_CUE = "\n\nAssistant:"
+_ROLE_PREFIX = {"user": "\n\nHuman:", "assistant": ASSISTANT_CUE, "system": "\n\nSystem:"}
+MESSAGES = "messages"
+
+
+class ImportFormatError(ValueError):
+    """A malformed row (or file) in an imported dataset.
+
+    Attributes:
+        path: the file.
+        row: the 1-based row (line for JSONL), or None for a whole-file problem.
+        field: the offending field, or None.
+    """
+
+    def __init__(self, path: Path, row: int | None, field: str | None, problem: str) -> None:
+        where = str(path) if row is None else f"{path}, row {row}"
+        if field is not None:
+            where += f", field {field!r}"
+        super().__init__(f"{where}: {problem}")
+        self.path, self.row, self.field = path, row, field
+
+
+def render_chat(messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    """Render chat turns in the HH text format (see the module docstring).
+
+    Args:
+        messages: ``{"role": "user" | "assistant" | "system", "content": str}`` dicts.
+        add_generation_prompt: end with ``"\\n\\nAssistant:"`` (for a prompt).
+    """
+    text = "".join(f"{_ROLE_PREFIX[message['role']]} {message['content']}" for message in messages)
+    return text + ASSISTANT_CUE if add_generation_prompt else text
+
+
+# Reading rows ----------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ImportFormatError(path, number, None, f"not UTF-8: {error}") from error
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ImportFormatError(path, number, None, f"invalid JSON: {error}") from error
+            if not isinstance(record, dict):
+                raise ImportFormatError(path, number, None, f"expected a JSON object, got {type(record).__name__}")
+            yield number, record
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ImportFormatError(path, None, None, f"not a readable Parquet file: {error}") from error
+    yield from enumerate(table.to_pylist(), start=1)
+
+
+def _read_csv(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            for number, record in enumerate(csv.DictReader(handle), start=1):
+                if None in record:
+                    raise ImportFormatError(path, number, None, "more values than header columns")
+                yield number, record
+    except UnicodeDecodeError as error:
+        raise ImportFormatError(path, None, None, f"not UTF-8: {error}") from error
+    except csv.Error as error:
+        raise ImportFormatError(path, None, None, f"invalid CSV: {error}") from error
+
+
+def _rows(path: Path, readers: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    suffix = path.suffix.lower()
+    if suffix not in readers:
+        raise ImportFormatError(path, None, None, f"unsupported file type {suffix!r}; use one of {sorted(readers)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    return readers[suffix](path)
+
+
+# Field checks ----------------------------------------------------------------------------------
+
+
+def _string(path: Path, row: int, record: dict[str, Any], field: str, *, allow_empty: bool = True) -> str:
+    if field not in record or record[field] is None:
+        raise ImportFormatError(path, row, field, "missing")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ImportFormatError(path, row, field, f"expected a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise ImportFormatError(path, row, field, "empty")
+    return value
+
+
+def _messages(path: Path, row: int, value: Any, field: str) -> list[dict[str, str]]:
+    if isinstance(value, str):  # CSV cells hold the list as JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ImportFormatError(path, row, field, f"invalid JSON message list: {error}") from error
+    if not isinstance(value, list) or not value:
+        raise ImportFormatError(path, row, field, "expected a non-empty list of {role, content} messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise ImportFormatError(path, row, f"{field}[{index}]", f"expected an object, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in _ROLE_PREFIX:
+            raise ImportFormatError(
+                path, row, f"{field}[{index}].role", f"expected one of {sorted(_ROLE_PREFIX)}, got {role!r}"
+            )
+        if not isinstance(content, str):
+            raise ImportFormatError(
+                path, row, f"{field}[{index}].content", f"expected a string, got {type(content).__name__}"
+            )
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _margin(path: Path, row: int, record: dict[str, Any]) -> float:
+    value = record.get(MARGIN)
+    if value is None or value == "":
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ImportFormatError(path, row, MARGIN, f"expected a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ImportFormatError(path, row, MARGIN, f"must be finite, got {value}")
+    return float(value)
+
+
+# Prompts ---------------------------------------------------------------------------------------
+
+
+def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
+    """Read prompts from a ``.jsonl``, ``.parquet`` or ``.csv`` file.
+
+    Args:
+        path: the file.
+        text_column: the column holding the prompt text; rows without it may have ``messages``
+            (chat turns, rendered as in the module docstring, ending with the assistant cue).
+
+    Returns:
+        A table with the ``PROMPTS`` schema, in file order.
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    path = Path(path)
+    ids: list[int] = []
+    prompts: list[str] = []
+    explicit_ids: bool | None = None
+    readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
+    for row, record in _rows(path, readers):
+        if record.get(text_column) is not None:
+            prompt = _string(path, row, record, text_column, allow_empty=False)
+        elif record.get(MESSAGES) is not None:
+            messages = _messages(path, row, record[MESSAGES], MESSAGES)
+            if messages[-1]["role"] == "assistant":
+                raise ImportFormatError(path, row, MESSAGES, "a prompt must not end with an assistant turn")
+            prompt = render_chat(messages, add_generation_prompt=True)
+        else:
+            raise ImportFormatError(path, row, text_column, f"missing (and no {MESSAGES!r} field either)")
+        has_id = record.get(PROMPT_ID) not in (None, "")
+        if explicit_ids is None:
+            explicit_ids = has_id
+        if has_id != explicit_ids:
+            raise ImportFormatError(path, row, PROMPT_ID, "given for some rows but not others")
+        ids.append(_prompt_id(path, row, record[PROMPT_ID]) if has_id else len(ids))
+        prompts.append(prompt)
+    seen: set[int] = set()
+    for value in ids:
+        if value in seen:
+            raise ImportFormatError(path, None, PROMPT_ID, f"duplicate id {value}")
+        seen.add(value)
+    return pa.table({PROMPT_ID: pa.array(ids, pa.int64()), PROMPT: pa.array(prompts, pa.string())}, schema=PROMPTS)
+
+
+def _prompt_id(path: Path, row: int, value: Any) -> int:
+    if isinstance(value, str):  # CSV cells are text
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ImportFormatError(path, row, PROMPT_ID, f"expected an integer, got {value!r}")
+
+
+# Preferences -----------------------------------------------------------------------------------
+
+
+def _split_transcript(path: Path, row: int, text: str, field: str) -> tuple[str, str]:
+    """``(prompt up to and including the last assistant cue, response after it)``."""
+    cut = text.rfind(ASSISTANT_CUE)
+    if cut < 0:
+        raise ImportFormatError(path, row, field, f"no {ASSISTANT_CUE!r} turn to split the transcript at")
+    end = cut + len(ASSISTANT_CUE)
+    return text[:end], text[end:]
+
+
+def _split_conversation(
+    path: Path, row: int, chosen: list[dict[str, str]], rejected: list[dict[str, str]]
+) -> tuple[str, str, str]:
+    for field, messages in ((CHOSEN, chosen), (REJECTED, rejected)):
+        if messages[-1]["role"] != "assistant":
+            raise ImportFormatError(path, row, field, "the last message must be an assistant turn")
+    if chosen[:-1] != rejected[:-1]:
+        raise ImportFormatError(path, row, REJECTED, "its conversation before the last turn differs from 'chosen'")
+    prompt = render_chat(chosen[:-1], add_generation_prompt=True)
+    return prompt, " " + chosen[-1]["content"], " " + rejected[-1]["content"]
+
+
+def _preference(path: Path, row: int, record: dict[str, Any]) -> tuple[str, str, str]:
+    for field in (CHOSEN, REJECTED):
+        if record.get(field) is None:
+            raise ImportFormatError(path, row, field, "missing")
+    prompt, chosen, rejected = record.get(PROMPT), record[CHOSEN], record[REJECTED]
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        for field in (CHOSEN, REJECTED):
+            _string(path, row, record, field)
+        if prompt is not None:
+            return _string(path, row, record, PROMPT, allow_empty=False), chosen, rejected
+        prompt, chosen = _split_transcript(path, row, chosen, CHOSEN)
+        rejected_prompt, rejected = _split_transcript(path, row, rejected, REJECTED)
+        if rejected_prompt != prompt:
+            raise ImportFormatError(
+                path, row, REJECTED, "its transcript before the last assistant turn differs from 'chosen'"
+            )
+        return prompt, chosen, rejected
+    chosen_messages = _messages(path, row, chosen, CHOSEN)
+    rejected_messages = _messages(path, row, rejected, REJECTED)
+    if prompt is not None:
+        if isinstance(prompt, str):
+            raise ImportFormatError(path, row, PROMPT, "a string prompt needs string 'chosen' and 'rejected'")
+        prompt_messages = _messages(path, row, prompt, PROMPT)
+        chosen_messages = prompt_messages + chosen_messages
+        rejected_messages = prompt_messages + rejected_messages
+    return _split_conversation(path, row, chosen_messages, rejected_messages)
+
+
+def import_preferences(path: Path) -> pa.Table:
+    """Read preference pairs from a ``.jsonl`` or ``.parquet`` file (formats in the module docstring).
+
+    Args:
+        path: the file.
+
+    Returns:
+        A table with the ``PREFERENCES`` schema, ``pair_id`` numbered from 0 in file order,
+        ``margin`` 0.0 where none is given, ``labeler`` ``"import:<file name>"``.
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    path = Path(path)
+    columns: dict[str, list[Any]] = {PROMPT: [], CHOSEN: [], REJECTED: [], MARGIN: []}
+    for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
+        prompt, chosen, rejected = _preference(path, row, record)
+        columns[PROMPT].append(prompt)
+        columns[CHOSEN].append(chosen)
+        columns[REJECTED].append(rejected)
+        columns[MARGIN].append(_margin(path, row, record))
+    count = len(columns[PROMPT])
+    return pa.table(
+        {
+            PAIR_ID: pa.array(range(count), pa.int64()),
+            PROMPT: pa.array(columns[PROMPT], pa.string()),
+            CHOSEN: pa.array(columns[CHOSEN], pa.string()),
+            REJECTED: pa.array(columns[REJECTED], pa.string()),
+            MARGIN: pa.array(columns[MARGIN], pa.float32()),
+            LABELER: pa.array([f"import:{path.name}"] * count, pa.string()),
+        },
+        schema=PREFERENCES,
+    )

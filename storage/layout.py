@@ -1,0 +1,59 @@
+"""RunLayout: the one place that builds paths under a run root.
+
+Every stage output lives at ``root / stage / input_key[:16]``, so a different config (and hence a
+different input key) lands in a different folder and nothing is ever overwritten. The MLflow
+SQLite store and its artifacts live beside the stage folders, so moving ``root`` moves everything.
+
+    root/
+        mlflow.db               # MLflow tracking store (SQLite)
+        mlartifacts/<campaign>/ # MLflow artifacts, one folder per experiment
+        cache/                  # scratch space (downloads for resume and replay)
+        <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Characters of the input key used in a stage folder name: 64 bits, enough to never collide by chance.
+KEY_PREFIX_LENGTH = 16
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths under one run root.
+
+    Args:
+        root: the run root; made absolute (and resolved) on construction, so no path depends on
+            the working directory at a later time.
+    """
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
+
+    def stage_dir(self, stage: str, input_key: str) -> Path:
+        """The output folder of ``stage`` for ``input_key``: ``root / stage / input_key[:16]``."""
+        if not stage or "/" in stage or stage.startswith("."):
+            raise ValueError(f"`stage` must be a plain folder name, got {stage!r}")
+        if len(input_key) < KEY_PREFIX_LENGTH or not all(c in "0123456789abcdef" for c in input_key):
+            raise ValueError(f"`input_key` must be a lowercase hex digest, got {input_key!r}")
+        return self.root / stage / input_key[:KEY_PREFIX_LENGTH]
+
+    def mlflow_db(self) -> Path:
+        """The MLflow SQLite database file."""
+        return self.root / "mlflow.db"
+
+    def artifact_root(self) -> Path:
+        """The folder holding MLflow artifacts (one subfolder per experiment)."""
+        return self.root / "mlartifacts"
+
+    def cache_dir(self) -> Path:
+        """Scratch space, e.g. stage outputs downloaded from MLflow for resume or replay."""
+        return self.root / "cache"
+
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI of the SQLite store: ``sqlite:///<root>/mlflow.db``."""
+        return f"sqlite:///{self.mlflow_db()}"

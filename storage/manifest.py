@@ -1,0 +1,480 @@
+"""Manifests: what a stage output holds, what produced it, and proof that its bytes are intact.
+
+Choices:
+
+1. A stage output is a folder with any files (Parquet shards, checkpoint folders) plus
+   ``_manifest.json`` listing every file with its size, sha256 and (for Parquet) row count.
+2. ``input_key`` is the sha256 of the canonical JSON of the stage name, its config slice, its
+   upstream manifests' digests, ``SCHEMA_VERSION`` and this package's version. Equal inputs give
+   equal keys whatever the dict order; any change gives a new key (and so a new folder).
+3. The manifest stores a sha256 of its own canonical body (``manifest_sha256``). That is also
+   its :attr:`Manifest.digest`, the value downstream stages put in their ``upstream``, so an
+   edited manifest is caught as surely as an edited shard.
+4. :class:`StageOutput` makes a whole stage output atomic: everything is written into a hidden
+   sibling folder that is renamed into place only after the manifest is written, so a folder
+   under its real name is always complete. Existing outputs are never replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.files import FileEntry, file_sha256, fsync_directory
+from storage.schemas import SCHEMA_VERSION
+from storage.shards import write_shards
+
+__all__ = [
+    "MANIFEST_FILE",
+    "CorruptOutputError",
+    "FileEntry",
+    "Manifest",
+    "StageOutput",
+    "UnsupportedSchemaError",
+    "canonical_json",
+    "compute_input_key",
+    "find_stage_output",
+    "package_version",
+    "read_manifest",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "_manifest.json"
+_CHECKSUM_KEY = "manifest_sha256"
+_TEMPORARY_MARK = ".tmp-"
+
+
+class CorruptOutputError(Exception):
+    """A stage output whose files do not match its manifest, or whose manifest is unreadable.
+
+    Attributes:
+        path: the offending file (or folder).
+    """
+
+    def __init__(self, message: str, *, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsupportedSchemaError(CorruptOutputError):
+    """A manifest written with another ``SCHEMA_VERSION``: intact, but not readable by this version."""
+
+
+@functools.cache
+def package_version() -> str:
+    """This project's installed version (``0+unknown`` when it runs from a source tree uninstalled)."""
+    try:
+        return importlib.metadata.version("rlhf-pipeline")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _reject(value: object) -> object:
+    raise TypeError(f"cannot put a {type(value).__name__} into a manifest or input key: {value!r}")
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no whitespace: equal values give equal text.
+
+    Tuples become lists and ints stay distinct from floats (``1`` and ``1.0`` differ). Anything
+    that is not a dict, list, tuple, str, int, float, bool or None is refused with a TypeError.
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_reject)
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def compute_input_key(stage: str, config: Mapping[str, Any], upstream: Mapping[str, str]) -> str:
+    """The identity of a stage's inputs: what decides whether an existing output can be reused.
+
+    Args:
+        stage: the stage name.
+        config: the stage's config slice (nested dicts, lists, str, numbers, bools, None).
+        upstream: upstream stage name -> that output's :attr:`Manifest.digest`.
+
+    Returns:
+        A 64-character hex sha256.
+    """
+    body = {
+        "stage": stage,
+        "config": dict(config),
+        "upstream": dict(upstream),
+        "schema_version": SCHEMA_VERSION,
+        "package_version": package_version(),
+    }
+    return _sha256_text(canonical_json(body))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The record of one stage output (``_manifest.json``).
+
+    Args:
+        stage: the stage that wrote it.
+        input_key: :func:`compute_input_key` of the inputs that produced it.
+        schema_version: ``SCHEMA_VERSION`` when it was written.
+        files: every file of the output except the manifest, sorted by path.
+        config: the stage's config slice.
+        upstream: upstream stage name -> upstream manifest digest.
+        metrics: summary numbers of the stage (e.g. held-out accuracy).
+        created_at: ISO 8601 UTC time of writing.
+        package_version: this project's version when it was written.
+    """
+
+    stage: str
+    input_key: str
+    schema_version: int
+    files: tuple[FileEntry, ...]
+    config: dict[str, Any]
+    upstream: dict[str, str]
+    metrics: dict[str, float]
+    created_at: str
+    package_version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest body as plain JSON values (without the self-checksum)."""
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body["files"] = [entry.to_dict() for entry in self.files]
+        return body
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the canonical JSON body: the value downstream stages record as ``upstream``."""
+        return _sha256_text(canonical_json(self.to_dict()))
+
+    def to_json(self) -> str:
+        """Pretty JSON of the body plus ``manifest_sha256`` (= :attr:`digest`)."""
+        return json.dumps({**self.to_dict(), _CHECKSUM_KEY: self.digest}, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Parse :meth:`to_json` output and check its self-checksum.
+
+        Raises:
+            ValueError: the text is not a manifest, or its checksum does not match its body.
+        """
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON: {error}") from error
+        if not isinstance(raw, dict):
+            raise ValueError("a manifest must be a JSON object")
+        checksum = raw.pop(_CHECKSUM_KEY, None)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if sorted(raw) != sorted(names):
+            raise ValueError(f"manifest keys {sorted(raw)} differ from the expected {sorted(names)}")
+        try:
+            files = tuple(
+                FileEntry(path=str(e["path"]), sha256=str(e["sha256"]), bytes=int(e["bytes"]), rows=e["rows"])
+                for e in raw["files"]
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"malformed `files` entry: {error!r}") from error
+        manifest = cls(**{**raw, "files": files})
+        if checksum != manifest.digest:
+            raise ValueError(f"`{_CHECKSUM_KEY}` {checksum!r} does not match the manifest body ({manifest.digest})")
+        return manifest
+
+
+def _safe_relative(path: str) -> bool:
+    pure = PurePosixPath(path)
+    return bool(path) and not pure.is_absolute() and ".." not in pure.parts and pure.as_posix() == path
+
+
+def read_manifest(stage_dir: Path, *, verify: bool = True) -> Manifest:
+    """Read a stage output's manifest and (with ``verify``) check every byte it lists.
+
+    Checks, in order: the manifest parses and its self-checksum matches; its schema version is
+    this code's; every listed file exists with the listed size and sha256; no unlisted file sits
+    in the folder.
+
+    Args:
+        stage_dir: the stage output folder.
+        verify: check the files too (hashes every byte); without it only the manifest is checked.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        FileNotFoundError: ``stage_dir`` does not exist.
+        CorruptOutputError: any check failed; ``path`` and the message name the offending file.
+        UnsupportedSchemaError: the output was written with another ``SCHEMA_VERSION``.
+    """
+    stage_dir = Path(stage_dir)
+    if not stage_dir.is_dir():
+        raise FileNotFoundError(f"no stage output folder {stage_dir}")
+    manifest_path = stage_dir / MANIFEST_FILE
+    try:
+        text = manifest_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CorruptOutputError(f"{manifest_path} is missing", path=manifest_path) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CorruptOutputError(f"{manifest_path} cannot be read: {error}", path=manifest_path) from error
+    try:
+        manifest = Manifest.from_json(text)
+    except (ValueError, TypeError) as error:
+        raise CorruptOutputError(f"{manifest_path} is corrupt: {error}", path=manifest_path) from error
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"{manifest_path} has schema version {manifest.schema_version}; this code reads {SCHEMA_VERSION}",
+            path=manifest_path,
+        )
+    if verify:
+        _verify_files(stage_dir, manifest)
+    return manifest
+
+
+def _verify_files(stage_dir: Path, manifest: Manifest) -> None:
+    listed = set()
+    for entry in manifest.files:
+        path = stage_dir / entry.path
+        if not _safe_relative(entry.path) or entry.path == MANIFEST_FILE:
+            raise CorruptOutputError(f"{stage_dir / MANIFEST_FILE} lists an invalid path {entry.path!r}", path=path)
+        listed.add(entry.path)
+        if not path.is_file():
+            raise CorruptOutputError(f"{path} is missing (listed in {MANIFEST_FILE})", path=path)
+        size = path.stat().st_size
+        if size != entry.bytes:
+            raise CorruptOutputError(f"{path} is {size} bytes; the manifest says {entry.bytes}", path=path)
+        if file_sha256(path) != entry.sha256:
+            raise CorruptOutputError(f"{path} has been altered: its sha256 does not match the manifest", path=path)
+    for path in _walk_files(stage_dir):
+        relative = path.relative_to(stage_dir).as_posix()
+        if relative != MANIFEST_FILE and relative not in listed:
+            raise CorruptOutputError(f"{path} is not listed in {MANIFEST_FILE}", path=path)
+
+
+def _walk_files(directory: Path) -> list[Path]:
+    """Every file under ``directory``, sorted; a symlink or special file is an error."""
+    files = []
+    for root, folders, names in os.walk(directory):
+        folders.sort()
+        for name in [*names, *folders]:
+            path = Path(root) / name
+            if path.is_symlink():
+                raise CorruptOutputError(f"{path} is a symbolic link; stage outputs hold plain files", path=path)
+        for name in sorted(names):
+            path = Path(root) / name
+            if not path.is_file():
+                raise CorruptOutputError(f"{path} is not a plain file", path=path)
+            files.append(path)
+    return files
+
+
+def find_stage_output(final_dir: Path, input_key: str) -> Manifest | None:
+    """The verified manifest of an existing output for ``input_key``, or None if there is none.
+
+    Args:
+        final_dir: the stage output folder (``RunLayout.stage_dir(stage, input_key)``).
+        input_key: the key the caller is about to compute an output for.
+
+    Returns:
+        The manifest, or None when the folder does not exist or holds another key's output (a
+        folder-name prefix collision, logged as a warning).
+
+    Raises:
+        CorruptOutputError: the folder exists but fails verification.
+    """
+    final_dir = Path(final_dir)
+    if not final_dir.exists():
+        return None
+    manifest = read_manifest(final_dir, verify=True)
+    if manifest.input_key != input_key:
+        logger.warning("%s holds input key %s, not %s", final_dir, manifest.input_key, input_key)
+        return None
+    return manifest
+
+
+def _temporary_owner(path: Path, final_name: str) -> int | None:
+    """The pid in a temporary folder name ``.{final}.tmp-{pid}-{hex}``, -1 if unparsable, None if not ours."""
+    prefix = f".{final_name}{_TEMPORARY_MARK}"
+    if not path.name.startswith(prefix):
+        return None
+    match = re.fullmatch(r"(\d+)-[0-9a-f]+", path.name[len(prefix) :])
+    return int(match.group(1)) if match else -1
+
+
+def _process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temporaries(final_dir: Path) -> None:
+    """Delete ``.{name}.tmp-*`` siblings left by writers that died (their pid no longer runs)."""
+    if not final_dir.parent.is_dir():
+        return
+    for sibling in final_dir.parent.iterdir():
+        owner = _temporary_owner(sibling, final_dir.name)
+        if owner is not None and not _process_alive(owner):
+            logger.warning("removing %s, left by a writer that did not finish", sibling)
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _refuse_existing(final_dir: Path) -> None:
+    if not final_dir.exists():
+        return
+    try:
+        read_manifest(final_dir, verify=True)
+    except CorruptOutputError as error:
+        raise CorruptOutputError(
+            f"{final_dir} exists but is not a valid stage output ({error}); delete it to recompute it",
+            path=error.path,
+        ) from error
+    raise FileExistsError(f"{final_dir} already holds a stage output; outputs are never overwritten silently")
+
+
+@dataclass
+class StageOutput:
+    """Write one stage output atomically.
+
+    Example::
+
+        with StageOutput(final_dir, stage="rollout", input_key=key, config=cfg, upstream=up) as out:
+            out.write_table("experience", table, schema=EXPERIENCE)
+            model.save_pretrained(out.path / "actor")
+            out.metrics["rollout/score_mean"] = 0.3
+        manifest = out.manifest
+
+    On entry, remnants of writers that crashed are removed and a hidden sibling folder is created
+    (:attr:`path`). On a normal exit every file under it is hashed and fsynced, the manifest is
+    written, and the folder is renamed to ``final_dir``. On an exception the folder is deleted and
+    the exception propagates; nothing appears under ``final_dir``.
+
+    Args:
+        final_dir: where the output will live (``RunLayout.stage_dir(stage, input_key)``).
+        stage: the stage name.
+        input_key: :func:`compute_input_key` of the stage's inputs.
+        config: the stage's config slice, recorded in the manifest.
+        upstream: upstream stage name -> upstream manifest digest, recorded in the manifest.
+
+    Raises:
+        FileExistsError: on entry or exit, ``final_dir`` already holds a valid output.
+        CorruptOutputError: on entry, ``final_dir`` exists but is not a valid output.
+    """
+
+    final_dir: Path
+    stage: str = field(kw_only=True)
+    input_key: str = field(kw_only=True)
+    config: Mapping[str, Any] = field(kw_only=True)
+    upstream: Mapping[str, str] = field(kw_only=True)
+    metrics: dict[str, float] = field(default_factory=dict, init=False)
+    _path: Path | None = field(default=None, init=False, repr=False)
+    _manifest: Manifest | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.final_dir = Path(self.final_dir).absolute()
+        self.config = dict(self.config)
+        self.upstream = dict(self.upstream)
+        canonical_json([self.config, self.upstream])  # refuse unserialisable config now, not after the work
+
+    @property
+    def path(self) -> Path:
+        """The temporary folder to write into (only inside the ``with`` block)."""
+        if self._path is None:
+            raise RuntimeError("`StageOutput.path` exists only inside the `with` block")
+        return self._path
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest written on a successful exit."""
+        if self._manifest is None:
+            raise RuntimeError("`StageOutput.manifest` exists only after the `with` block exits normally")
+        return self._manifest
+
+    def write_table(
+        self, name: str, table: pa.Table, *, schema: pa.Schema, rows_per_shard: int = 4096
+    ) -> list[FileEntry]:
+        """Write ``table`` as shards ``{name}-{i:05d}.parquet`` into :attr:`path` (see :func:`write_shards`)."""
+        return write_shards(self.path, name, table, schema=schema, rows_per_shard=rows_per_shard)
+
+    def __enter__(self) -> StageOutput:
+        if self._path is not None or self._manifest is not None:
+            raise RuntimeError("a StageOutput can be entered only once")
+        _refuse_existing(self.final_dir)
+        _remove_stale_temporaries(self.final_dir)
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        name = f".{self.final_dir.name}{_TEMPORARY_MARK}{os.getpid()}-{uuid.uuid4().hex}"
+        self._path = self.final_dir.parent / name
+        self._path.mkdir()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        temporary = self.path
+        try:
+            if kind is None:
+                self._manifest = self._finish(temporary)
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+    def _finish(self, temporary: Path) -> Manifest:
+        if (temporary / MANIFEST_FILE).exists():
+            raise ValueError(f"{MANIFEST_FILE} is reserved for the manifest; do not write it yourself")
+        entries = []
+        for path in _walk_files(temporary):
+            relative = path.relative_to(temporary).as_posix()
+            sha256 = file_sha256(path, sync=True)
+            rows = pq.read_metadata(path).num_rows if path.suffix == ".parquet" else None
+            entries.append(FileEntry(relative, sha256, path.stat().st_size, rows))
+        metrics = {key: float(value) for key, value in self.metrics.items()}
+        if not all(math.isfinite(value) for value in metrics.values()):
+            logger.warning("stage %s records non-finite metrics: %s", self.stage, metrics)
+        manifest = Manifest(
+            stage=self.stage,
+            input_key=self.input_key,
+            schema_version=SCHEMA_VERSION,
+            files=tuple(entries),
+            config=json.loads(canonical_json(self.config)),
+            upstream=dict(self.upstream),
+            metrics=metrics,
+            created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            package_version=package_version(),
+        )
+        manifest_path = temporary / MANIFEST_FILE
+        with open(manifest_path, "w", encoding="utf-8") as handle:
+            handle.write(manifest.to_json())
+            handle.flush()
+            os.fsync(handle.fileno())
+        for folder in sorted({path.parent for path in _walk_files(temporary)}, reverse=True):
+            fsync_directory(folder)
+        if self.final_dir.exists():
+            _refuse_existing(self.final_dir)
+        try:
+            os.rename(temporary, self.final_dir)
+        except OSError as error:
+            if self.final_dir.exists():
+                raise FileExistsError(
+                    f"{self.final_dir} was written by another writer meanwhile; outputs are never overwritten"
+                ) from error
+            raise
+        fsync_directory(self.final_dir.parent)
+        return manifest

@@ -1,0 +1,169 @@
+"""Explicit Arrow schemas and column names for every table the pipeline writes.
+
+Conventions:
+
+1. Token ids are ``list<int32>`` and per-token floats ``list<float32>``; every per-token list of
+   a row has the length of that row's response action tokens (``len(response_ids)``), with no
+   padding stored. Padding is re-created on read (:mod:`storage.experience_io`).
+2. Top-level columns are non-nullable: a missing value is an error, never a silent null.
+3. ``SCHEMA_VERSION`` goes into every manifest and every input key; bump it whenever a schema
+   changes so old outputs are recomputed rather than misread.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 1
+
+# Column names: one name per concept, identical to the Experience field it stores where one exists.
+PROMPT_ID = "prompt_id"
+PROMPT = "prompt"
+CANDIDATE_INDEX = "candidate_index"
+RESPONSE = "response"
+PROMPT_IDS = "prompt_ids"
+RESPONSE_IDS = "response_ids"
+PAIR_ID = "pair_id"
+CHOSEN = "chosen"
+REJECTED = "rejected"
+MARGIN = "margin"
+LABELER = "labeler"
+ROW = "row"
+ACTION_LOG_PROBS = "action_log_probs"
+REF_LOG_PROBS = "ref_log_probs"
+VALUES = "values"
+SCORES = "scores"
+REWARD = "reward"
+KL = "kl"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+
+TOKEN_IDS = pa.list_(pa.int32())
+TOKEN_FLOATS = pa.list_(pa.float32())
+
+
+def _schema(*fields: tuple[str, pa.DataType]) -> pa.Schema:
+    return pa.schema([pa.field(name, dtype, nullable=False) for name, dtype in fields])
+
+
+#: Prompts to sample from (stage 1 input).
+PROMPTS = _schema((PROMPT_ID, pa.int64()), (PROMPT, pa.string()))
+
+#: Candidate responses, N per prompt (stage 1 output).
+CANDIDATES = _schema(
+    (PROMPT_ID, pa.int64()),
+    (CANDIDATE_INDEX, pa.int32()),
+    (PROMPT, pa.string()),
+    (RESPONSE, pa.string()),
+    (PROMPT_IDS, TOKEN_IDS),
+    (RESPONSE_IDS, TOKEN_IDS),
+)
+
+#: Preference pairs (stage 2 output); ``margin`` is 0.0 when the labeler gives none.
+PREFERENCES = _schema(
+    (PAIR_ID, pa.int64()),
+    (PROMPT, pa.string()),
+    (CHOSEN, pa.string()),
+    (REJECTED, pa.string()),
+    (MARGIN, pa.float32()),
+    (LABELER, pa.string()),
+)
+
+#: Per-token fields of an unscored Experience, in schema order.
+EXPERIENCE_TOKEN_COLUMNS = (ACTION_LOG_PROBS, REF_LOG_PROBS, VALUES)
+#: Per-token fields that stage 5 adds, in schema order.
+SCORED_TOKEN_COLUMNS = (REWARD, KL, ADVANTAGES, RETURNS)
+
+#: Rollout experience (stage 4 output). ``prompt_ids`` is the unpadded prompt, ``response_ids``
+#: the unpadded action tokens.
+EXPERIENCE = _schema(
+    (ROW, pa.int64()),
+    (PROMPT_ID, pa.int64()),
+    (PROMPT_IDS, TOKEN_IDS),
+    (RESPONSE_IDS, TOKEN_IDS),
+    *((name, TOKEN_FLOATS) for name in EXPERIENCE_TOKEN_COLUMNS),
+    (SCORES, pa.float32()),
+)
+
+#: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).
+SCORED_EXPERIENCE = pa.schema(
+    [*EXPERIENCE, *(pa.field(name, TOKEN_FLOATS, nullable=False) for name in SCORED_TOKEN_COLUMNS)]
+)
+
+#: Every schema by table name, e.g. for tools that inspect a stage folder.
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": PROMPTS,
+    "candidates": CANDIDATES,
+    "preferences": PREFERENCES,
+    "experience": EXPERIENCE,
+    "scored_experience": SCORED_EXPERIENCE,
+}
+
+
+def _kind(dtype: pa.DataType) -> str:
+    """A coarse type family; casts are allowed only within a family (and from int to float)."""
+    if pa.types.is_null(dtype):
+        return "null"
+    if pa.types.is_integer(dtype):
+        return "int"
+    if pa.types.is_floating(dtype):
+        return "float"
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype):
+        return "string"
+    if pa.types.is_boolean(dtype):
+        return "bool"
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
+        return f"list<{_kind(dtype.value_type)}>"
+    return str(dtype)
+
+
+def _castable(source: pa.DataType, target: pa.DataType) -> bool:
+    have, want = _kind(source), _kind(target)
+    if have == want or have == "null":
+        return True
+    # Ints widen to floats (a JSON margin of 1 is 1.0); nothing else changes family silently.
+    return want.replace("float", "int") == have and "float" in want
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Check ``table`` against ``schema`` and return it cast to exactly that schema, in schema order.
+
+    Casts are safe (an int64 token id that does not fit int32 is an error) and stay within a type
+    family: ints to ints or floats, floats to floats, strings to strings, lists to lists of the
+    same. A string column is never parsed into numbers.
+
+    Args:
+        table: any Arrow table.
+        schema: the target schema.
+
+    Returns:
+        The table with ``schema`` as its schema, one chunk per column kept as it was.
+
+    Raises:
+        ValueError: a column is missing, extra, of an incompatible type, holds values that do not
+            fit, or holds nulls (at the top level or inside a list); the message names the column.
+    """
+    names = set(table.column_names)
+    missing = [field.name for field in schema if field.name not in names]
+    extra = [name for name in table.column_names if schema.get_field_index(name) < 0]
+    if missing or extra:
+        raise ValueError(f"table does not match the schema: missing columns {missing}, unexpected columns {extra}")
+    if len(names) != len(table.column_names):
+        raise ValueError(f"table has duplicate column names: {table.column_names}")
+    columns = []
+    for field in schema:
+        column = table.column(field.name)
+        if not _castable(column.type, field.type):
+            raise ValueError(f"column `{field.name}` has type {column.type}, expected {field.type}")
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise ValueError(f"column `{field.name}` cannot be cast to {field.type}: {error}") from error
+        if not field.nullable and column.null_count:
+            raise ValueError(f"column `{field.name}` has {column.null_count} null values; it must have none")
+        if pa.types.is_list(field.type) and len(column) and pc.list_flatten(column).null_count:
+            raise ValueError(f"column `{field.name}` has null values inside its lists")
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=schema)

@@ -1,0 +1,424 @@
+"""MLflow tracking behind one class: the only module in the project that imports mlflow.
+
+Layout: an experiment per campaign, a parent run per iteration (``rlhf.kind=iteration``), a
+nested run per stage (``rlhf.kind=stage``, or ``replay``) linked by ``mlflow.parentRunId``.
+
+Choices:
+
+1. :class:`Tracker` wraps an ``MlflowClient`` and always passes explicit run ids; the fluent
+   API's global active run is never used, so threads and Prefect task runners cannot mix runs up.
+2. The tracking URI is given once, to the constructor. The default is a SQLite file (MLflow 3
+   refuses the file store). Creating or migrating a fresh SQLite store from several processes at
+   once can fail ("duplicate column"), so the first touch of the store happens under an exclusive
+   ``fcntl`` lock on ``<db>.lock``.
+3. Experiments are created with an explicit artifact location (``artifact_root/<campaign>``), so
+   artifacts do not depend on the working directory.
+4. Params and metrics go through ``log_batch`` (about 100x faster than one call per value on SQLite).
+5. A stage's output folder is logged as the run's ``output`` artifacts, its Parquet tables as
+   MLflow datasets whose digest is taken from the manifest's sha256s, and the run is tagged with
+   the input key and the manifest digest, so :meth:`Tracker.find_stage_record` can answer "was
+   this stage already done for these inputs?".
+
+Environment: nothing here reads or sets environment variables. Set ``MLFLOW_DISABLE_TELEMETRY=true``
+in the environment of offline machines (see the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.data.sources import LocalArtifactDatasetSource
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
+
+from storage.manifest import Manifest, read_manifest
+
+__all__ = [
+    "TAG_CAMPAIGN",
+    "TAG_FLOW_RUN_ID",
+    "TAG_INPUT_KEY",
+    "TAG_ITERATION",
+    "TAG_KIND",
+    "TAG_MANIFEST_DIGEST",
+    "TAG_STAGE",
+    "StageRecord",
+    "Tracker",
+]
+
+TAG_CAMPAIGN = "rlhf.campaign"
+TAG_ITERATION = "rlhf.iteration"
+TAG_STAGE = "rlhf.stage"
+TAG_KIND = "rlhf.kind"
+TAG_INPUT_KEY = "rlhf.input_key"
+TAG_MANIFEST_DIGEST = "rlhf.manifest_digest"
+TAG_FLOW_RUN_ID = "prefect.flow_run_id"
+
+KIND_ITERATION = "iteration"
+KIND_STAGE = "stage"
+KIND_REPLAY = "replay"
+
+OUTPUT_ARTIFACT_PATH = "output"
+
+_PARAMS_PER_BATCH = 100
+_METRICS_PER_BATCH = 1000
+_MAX_PARAM_LENGTH = 6000
+_LATEST = "latest"
+_DIGEST_LENGTH = 32  # MLflow stores dataset digests in 36 characters
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SHARD_FILE = re.compile(r"(?P<table>.+)-\d{5,}\.parquet")
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """A finished stage run found by its input key.
+
+    Args:
+        run_id: the MLflow run.
+        input_key: the stage's input key.
+        manifest_digest: the digest of the output's manifest.
+        artifact_uri: the run's artifact root (the output lives under ``output/``).
+    """
+
+    run_id: str
+    input_key: str
+    manifest_digest: str
+    artifact_uri: str
+
+
+def _check_name(value: str, what: str) -> str:
+    if not _SAFE_NAME.fullmatch(value):
+        raise ValueError(f"`{what}` must be letters, digits, '.', '_' or '-' (not first), got {value!r}")
+    return value
+
+
+def _error_code(error: MlflowException) -> str:
+    """The error's code name, e.g. ``RESOURCE_ALREADY_EXISTS``."""
+    return str(error.error_code)
+
+
+def _flatten(params: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, str]]:
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _flatten(value, prefix=f"{name}.")
+        else:
+            text = str(value)
+            yield name, text if len(text) <= _MAX_PARAM_LENGTH else text[: _MAX_PARAM_LENGTH - 3] + "..."
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, None for anything else (servers, in-memory)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+class Tracker:
+    """The pipeline's view of MLflow: campaigns, iteration and stage runs, stage records, models.
+
+    Args:
+        tracking_uri: where runs are recorded, e.g. ``RunLayout.tracking_uri()`` or a server URL.
+            It is also the model registry URI.
+        artifact_root: where new experiments keep their artifacts (``artifact_root/<campaign>``);
+            None leaves it to the tracking server or MLflow's default.
+        ui_base: the MLflow UI address used by :meth:`run_url`.
+    """
+
+    def __init__(
+        self, tracking_uri: str, *, artifact_root: Path | None = None, ui_base: str = "http://127.0.0.1:5000"
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.artifact_root = None if artifact_root is None else Path(artifact_root).absolute()
+        self.ui_base = ui_base.rstrip("/")
+        database = _sqlite_path(tracking_uri)
+        lock = (
+            _file_lock(database.with_name(database.name + ".lock"))
+            if database is not None
+            else contextlib.nullcontext()
+        )
+        with lock:
+            # Building the client creates (or migrates) a SQLite store; do it while holding the lock,
+            # and touch the registry too, which has its own store object.
+            self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+            self._client.search_experiments(max_results=1)
+            self._client.search_registered_models(max_results=1)
+
+    @property
+    def client(self) -> MlflowClient:
+        """The underlying client, for read-only queries this class does not wrap."""
+        return self._client
+
+    # Experiments and runs ------------------------------------------------------------------------
+
+    def experiment_id(self, campaign: str) -> str:
+        """The experiment of ``campaign``, created (with its artifact location) if missing.
+
+        Two processes creating it at once both get the same id.
+        """
+        _check_name(campaign, "campaign")
+        experiment = self._client.get_experiment_by_name(campaign)
+        if experiment is None:
+            location = None if self.artifact_root is None else (self.artifact_root / campaign).as_uri()
+            try:
+                return self._client.create_experiment(campaign, artifact_location=location)
+            except MlflowException:
+                experiment = self._client.get_experiment_by_name(campaign)
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage != "active":
+            raise ValueError(f"experiment {campaign!r} is deleted; restore it in MLflow or delete it permanently")
+        return experiment.experiment_id
+
+    def start_run(
+        self, experiment_id: str, *, name: str, tags: Mapping[str, str], parent_run_id: str | None = None
+    ) -> str:
+        """Create a run (nested under ``parent_run_id`` when given) and return its id."""
+        run_tags = {key: str(value) for key, value in tags.items()}
+        if parent_run_id is not None:
+            run_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        return self._client.create_run(experiment_id, run_name=name, tags=run_tags).info.run_id
+
+    def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
+        """Set tags on a run in one batch (values stringified)."""
+        run_tags = [RunTag(key, str(value)) for key, value in tags.items()]
+        for chunk in _chunks(run_tags, _PARAMS_PER_BATCH):
+            self._client.log_batch(run_id, tags=chunk)
+
+    def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
+        """Log params; nested dicts are flattened with dots (``ppo.clip_eps``), values stringified."""
+        entries = [Param(key, value) for key, value in _flatten(params)]
+        for chunk in _chunks(entries, _PARAMS_PER_BATCH):
+            self._client.log_batch(run_id, params=chunk)
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], *, step: int | None = None) -> None:
+        """Log metrics (named ``stage/metric`` by the caller) in one batch; values may be 0-d tensors."""
+        timestamp = int(time.time() * 1000)
+        entries = [Metric(key, float(value), timestamp, step or 0) for key, value in metrics.items()]
+        for chunk in _chunks(entries, _METRICS_PER_BATCH):
+            self._client.log_batch(run_id, metrics=chunk)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """Mark a run terminated with ``status`` (FINISHED, FAILED or KILLED)."""
+        RunStatus.from_string(status)
+        self._client.set_terminated(run_id, status=status)
+
+    def run_url(self, run_id: str) -> str:
+        """The run's page in the MLflow UI."""
+        experiment_id = self._client.get_run(run_id).info.experiment_id
+        return f"{self.ui_base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+    # Stage outputs --------------------------------------------------------------------------------
+
+    def log_datasets(self, run_id: str, stage_dir: Path, manifest: Manifest, *, context: str) -> None:
+        """Log each Parquet table of a stage output as an MLflow dataset of the run.
+
+        The dataset is named ``{stage}/{table}``; its digest is the first 32 hex characters of the
+        sha256 over the table's shard sha256s (in shard order), so equal data gives equal digests.
+
+        Args:
+            run_id: the run.
+            stage_dir: the stage output folder (the dataset source).
+            manifest: its manifest.
+            context: ``output`` for what the stage wrote, ``input`` for what it read.
+        """
+        tables: dict[str, list[str]] = {}
+        for entry in manifest.files:
+            match = _SHARD_FILE.fullmatch(entry.path)
+            if match:
+                tables.setdefault(match.group("table"), []).append(entry.sha256)
+        inputs = []
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*can be interpreted in multiple ways.*")
+            for table, hashes in sorted(tables.items()):
+                digest = hashlib.sha256("".join(hashes).encode()).hexdigest()[:_DIGEST_LENGTH]
+                source = LocalArtifactDatasetSource(str(Path(stage_dir).absolute() / table))
+                dataset = MetaDataset(source=source, name=f"{manifest.stage}/{table}", digest=digest)
+                inputs.append(DatasetInput(dataset._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+            if inputs:
+                self._client.log_inputs(run_id, datasets=inputs)
+
+    def log_stage_output(self, run_id: str, stage_dir: Path, manifest: Manifest) -> None:
+        """Record a finished stage output on its run: artifacts, datasets and lookup tags.
+
+        Uploads ``stage_dir`` as the run's ``output/`` artifacts, logs its tables as datasets
+        (context ``output``), and tags the run with ``rlhf.stage``, ``rlhf.input_key`` and
+        ``rlhf.manifest_digest``. End the run FINISHED afterwards so
+        :meth:`find_stage_record` sees it.
+        """
+        self._client.log_artifacts(run_id, str(stage_dir), artifact_path=OUTPUT_ARTIFACT_PATH)
+        self.log_datasets(run_id, stage_dir, manifest, context="output")
+        self.set_tags(
+            run_id,
+            {TAG_STAGE: manifest.stage, TAG_INPUT_KEY: manifest.input_key, TAG_MANIFEST_DIGEST: manifest.digest},
+        )
+
+    def find_stage_record(self, experiment_id: str, stage: str, input_key: str) -> StageRecord | None:
+        """The newest FINISHED run of ``stage`` tagged with ``input_key``, or None."""
+        _check_name(stage, "stage")
+        if not re.fullmatch(r"[0-9a-f]+", input_key):
+            raise ValueError(f"`input_key` must be a hex digest, got {input_key!r}")
+        runs = self._client.search_runs(
+            [experiment_id],
+            filter_string=(
+                f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_INPUT_KEY}` = '{input_key}' "
+                "and attributes.status = 'FINISHED'"
+            ),
+            order_by=["attributes.end_time DESC"],
+            max_results=1,
+        )
+        if not runs:
+            return None
+        run = runs[0]
+        return StageRecord(
+            run_id=run.info.run_id,
+            input_key=input_key,
+            manifest_digest=run.data.tags.get(TAG_MANIFEST_DIGEST, ""),
+            artifact_uri=run.info.artifact_uri,
+        )
+
+    def download_stage_output(self, run_id: str, destination: Path) -> Path:
+        """Download a run's ``output/`` artifacts into ``destination`` and verify them.
+
+        The download goes to a hidden sibling folder that is renamed to ``destination`` only once
+        complete, so ``destination`` never holds half an output.
+
+        Args:
+            run_id: a run recorded with :meth:`log_stage_output`.
+            destination: a new or empty folder.
+
+        Returns:
+            ``destination`` (absolute).
+
+        Raises:
+            FileExistsError: ``destination`` exists and is not an empty folder.
+            CorruptOutputError: the downloaded files do not match their manifest.
+        """
+        destination = Path(destination).absolute()
+        if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+            raise FileExistsError(f"{destination} must be a new or empty folder")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        staging = destination.parent / f".{destination.name}.download-{os.getpid()}-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            downloaded = Path(self._client.download_artifacts(run_id, OUTPUT_ARTIFACT_PATH, dst_path=str(staging)))
+            read_manifest(downloaded, verify=True)
+            if destination.exists():
+                destination.rmdir()
+            os.rename(downloaded, destination)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return destination
+
+    # Campaign state and models ----------------------------------------------------------------------
+
+    def latest_iteration(self, experiment_id: str) -> int | None:
+        """The highest ``rlhf.iteration`` among FINISHED iteration runs of the experiment, or None."""
+        latest: int | None = None
+        token = None
+        while True:
+            page = self._client.search_runs(
+                [experiment_id],
+                filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'",
+                max_results=1000,
+                page_token=token,
+            )
+            for run in page:
+                value = run.data.tags.get(TAG_ITERATION)
+                if value is not None and re.fullmatch(r"-?\d+", value):
+                    latest = int(value) if latest is None else max(latest, int(value))
+            token = page.token
+            if not token:
+                return latest
+
+    def register_model(self, run_id: str, *, name: str, artifact_subpath: str, alias: str = "latest") -> str:
+        """Register the run's artifact folder ``artifact_subpath`` (e.g. ``output/actor``) as a new version.
+
+        Args:
+            run_id: the run holding the artifact.
+            name: the registered model (created if missing).
+            artifact_subpath: the folder under the run's artifacts.
+            alias: moved to the new version (``latest``, reserved by MLflow, always means the newest).
+
+        Returns:
+            The new version number (a string, as MLflow gives it).
+        """
+        try:
+            self._client.create_registered_model(name)
+        except MlflowException as error:
+            if _error_code(error) != "RESOURCE_ALREADY_EXISTS" and not self._model_exists(name):
+                raise
+        run = self._client.get_run(run_id)
+        source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_subpath.strip('/')}"
+        version = self._client.create_model_version(name, source, run_id=run_id).version
+        # MLflow reserves `latest` and always resolves it to the newest version, which this one now is.
+        if alias.lower() != _LATEST:
+            self._client.set_registered_model_alias(name, alias, version)
+        return str(version)
+
+    def _model_exists(self, name: str) -> bool:
+        try:
+            self._client.get_registered_model(name)
+        except MlflowException:
+            return False
+        return True
+
+    def model_alias_source(self, name: str, alias: str = "latest") -> tuple[str, str] | None:
+        """``(run_id, source)`` of the version ``alias`` points at, or None if there is none.
+
+        ``latest`` (reserved by MLflow) means the newest version.
+        """
+        try:
+            version = self._client.get_model_version_by_alias(name, alias)
+        except MlflowException as error:
+            if _error_code(error) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
+        return version.run_id, version.source
+
+    def download_model(self, name: str, destination: Path, *, alias: str = "latest") -> Path | None:
+        """Download the folder the alias points at into a new or empty ``destination``; None if no alias."""
+        found = self.model_alias_source(name, alias)
+        if found is None:
+            return None
+        run_id, source = found
+        run = self._client.get_run(run_id)
+        prefix = run.info.artifact_uri.rstrip("/") + "/"
+        if not source.startswith(prefix):
+            raise ValueError(f"model {name}@{alias} points outside its run's artifacts: {source}")
+        destination = Path(destination).absolute()
+        if destination.exists() and any(destination.iterdir()):
+            raise FileExistsError(f"{destination} must be a new or empty folder")
+        destination.mkdir(parents=True, exist_ok=True)
+        path = self._client.download_artifacts(run_id, source[len(prefix) :], dst_path=str(destination))
+        return Path(path)
