@@ -9,6 +9,8 @@ Choices:
    across the batch; ``"sequence_mean"`` averages each sequence's token mean, so long and short
    responses weigh the same.
 4. Reward model: Bradley-Terry ``-log sigmoid(r_chosen - r_rejected - margin)``.
+5. Inputs at padding positions are replaced before any arithmetic, so whatever sits there (even
+   inf or nan) changes neither a loss nor a gradient.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ def policy_loss(
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"`dual_clip` must be greater than 1, got {dual_clip}")
-    log_ratio = logprobs - old_logprobs  # (B, R)
+    # Padding is selected away before any arithmetic: an inf or nan there must not reach the gradient.
+    valid = action_mask.bool()
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, R)
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))  # (B, R)
     ratio = torch.exp(log_ratio)  # (B, R)
     unclipped = -advantages * ratio  # (B, R)
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)  # (B, R)
@@ -138,6 +143,10 @@ def value_loss(
     References:
         OpenAI baselines ``ppo2``; TRL ``PPOTrainer.loss``.
     """
+    valid = action_mask.bool()
+    values = torch.where(valid, values, torch.zeros_like(values))  # (B, R)
+    old_values = torch.where(valid, old_values, torch.zeros_like(old_values))  # (B, R)
+    returns = torch.where(valid, returns, torch.zeros_like(returns))  # (B, R)
     unclipped = (values - returns).square()  # (B, R)
     if value_clip_eps is None:
         per_token = unclipped
@@ -156,13 +165,17 @@ def value_loss(
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution given by ``logits``, per position.
 
-    ``H = logsumexp(z) - sum(softmax(z) * z)``, the numerically stable form.
+    ``H = logsumexp(z) - sum(softmax(z) * z)``, the numerically stable form. Tokens filtered out
+    with ``z = -inf`` have probability 0 and add nothing (``0 * log 0 = 0``).
+
+    Naive equivalent: ``-(softmax(z) * log_softmax(z)).sum(-1)``.
 
     Shapes:
         logits: (B, R, V); returns (B, R).
     """
     probabilities = torch.softmax(logits, dim=-1)  # (B, R, V)
-    return torch.logsumexp(logits, dim=-1) - (probabilities * logits).sum(dim=-1)
+    finite_logits = torch.where(probabilities > 0, logits, torch.zeros_like(logits))  # (B, R, V)
+    return torch.logsumexp(logits, dim=-1) - (probabilities * finite_logits).sum(dim=-1)
 
 
 class RewardLossStats(NamedTuple):
