@@ -452,7 +452,7 @@ class StageOutput:
             stage=self.stage,
             input_key=self.input_key,
             schema_version=SCHEMA_VERSION,
-            files=tuple(entries),
+            files=tuple(sorted(entries, key=lambda entry: entry.path)),
             config=json.loads(canonical_json(self.config)),
             upstream=dict(self.upstream),
             metrics=metrics,

@@ -105,6 +105,14 @@ def _check_name(value: str, what: str) -> str:
     return value
 
 
+def _quote(value: object) -> str:
+    """A value for a single-quoted search filter literal; quotes and backslashes are refused."""
+    text = str(value)
+    if "'" in text or "\\" in text:
+        raise ValueError(f"search values must not contain quotes or backslashes, got {text!r}")
+    return text
+
+
 def _error_code(error: MlflowException) -> str:
     """The error's code name, e.g. ``RESOURCE_ALREADY_EXISTS``."""
     return str(error.error_code)
@@ -232,6 +240,26 @@ class Tracker:
         """Mark a run terminated with ``status`` (FINISHED, FAILED or KILLED)."""
         RunStatus.from_string(status)
         self._client.set_terminated(run_id, status=status)
+
+    def find_run(self, experiment_id: str, *, tags: Mapping[str, str], status: str | None = None) -> str | None:
+        """The newest run (by start time) carrying every tag in ``tags``, optionally with ``status``; None if none.
+
+        Args:
+            experiment_id: the experiment to search.
+            tags: tag name -> exact value; all must match.
+            status: e.g. ``FINISHED``; None accepts any status (a crashed run can be resumed).
+        """
+        clauses = [f"tags.`{key}` = '{_quote(value)}'" for key, value in tags.items()]
+        if status is not None:
+            RunStatus.from_string(status)
+            clauses.append(f"attributes.status = '{status}'")
+        runs = self._client.search_runs(
+            [experiment_id],
+            filter_string=" and ".join(clauses),
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return runs[0].info.run_id if runs else None
 
     def run_url(self, run_id: str) -> str:
         """The run's page in the MLflow UI."""

@@ -1,0 +1,215 @@
+"""Experience <-> Arrow: bit-identical round trips, ragged and empty responses, refused layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rlhf_core.config import AdvantageConfig, SamplingConfig
+from rlhf_core.experience import Experience
+from rlhf_core.experience_maker import PPOExperienceMaker
+from rlhf_core.models import Critic
+from storage.experience_io import experience_to_table, table_to_experience
+from storage.schemas import EXPERIENCE, SCORED_EXPERIENCE
+from storage.shards import read_table, write_shards
+from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
+
+FLOAT_FIELDS = ("action_log_probs", "ref_log_probs", "values")
+SCORED_FIELDS = ("reward", "kl", "advantages", "returns")
+
+
+def _experience(
+    prompts: list[list[int]], responses: list[list[int]], *, scored: bool, seed: int = 0, pad: int = PAD
+) -> Experience:
+    """A batch padded to its longest prompt (left) and response (right), floats 0 at padding.
+
+    Shapes: returns sequences (B, P + R) with P, R the longest prompt and response.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids, prompt_mask = left_padded(prompts)  # (B, P)
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, pad)
+    width = max(len(response) for response in responses)
+    response_ids = torch.tensor([r + [pad] * (width - len(r)) for r in responses], dtype=torch.long)  # (B, R)
+    action_mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in responses], dtype=torch.bool)
+    action_mask = action_mask.reshape(len(responses), width)  # (B, R), also when R = 0
+    response_ids = response_ids.reshape(len(responses), width)  # (B, R)
+
+    def noise() -> torch.Tensor:
+        return torch.randn(len(responses), width, generator=generator) * action_mask  # (B, R)
+
+    fields = {name: noise() for name in FLOAT_FIELDS + (SCORED_FIELDS if scored else ())}
+    return Experience(
+        sequences=torch.cat([prompt_ids, response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1),
+        action_mask=action_mask,
+        scores=torch.randn(len(responses), generator=generator),
+        **fields,
+    )
+
+
+def _assert_identical(expected: Experience, actual: Experience) -> None:
+    for name in ("sequences", "attention_mask", "action_mask", "scores", *FLOAT_FIELDS, *SCORED_FIELDS):
+        left, right = getattr(expected, name), getattr(actual, name)
+        if left is None:
+            assert right is None, name
+            continue
+        assert right.dtype == left.dtype, name
+        assert torch.equal(left, right), name
+        if left.is_floating_point():  # valid positions bit for bit (padding may be -0.0 on one side)
+            valid = expected.action_mask if left.dim() == 2 else torch.ones_like(left, dtype=torch.bool)
+            assert torch.equal(left[valid].view(torch.int32), right[valid].view(torch.int32)), name
+
+
+RAGGED_PROMPTS = [[3, 4, 5], [6], [7, 8, 9, 10], [11, 12]]
+RAGGED_RESPONSES = [[13, 14, EOS], [], [15], [16, 17, 18, 19, 20]]
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_round_trip_is_bit_identical(scored: bool) -> None:
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=scored)
+    table = experience_to_table(experience, [40, 41, 42, 43], first_row=100)
+    assert table.schema == (SCORED_EXPERIENCE if scored else EXPERIENCE)
+    assert table.column("row").to_pylist() == [100, 101, 102, 103]
+    assert table.column("prompt_id").to_pylist() == [40, 41, 42, 43]
+    assert table.column("prompt_ids").to_pylist() == RAGGED_PROMPTS
+    assert table.column("response_ids").to_pylist() == RAGGED_RESPONSES
+    for name in FLOAT_FIELDS:
+        assert [len(values) for values in table.column(name).to_pylist()] == [3, 0, 1, 5]
+    _assert_identical(experience, table_to_experience(table, pad_token_id=PAD))
+
+
+def test_round_trip_through_parquet_shards(tmp_path: Path) -> None:
+    experience = _experience(RAGGED_PROMPTS * 3, RAGGED_RESPONSES * 3, scored=True, seed=1)
+    write_shards(
+        tmp_path,
+        "experience",
+        experience_to_table(experience, list(range(12))),
+        schema=SCORED_EXPERIENCE,
+        rows_per_shard=5,
+    )
+    _assert_identical(experience, table_to_experience(read_table(tmp_path, "experience"), pad_token_id=PAD))
+
+
+def test_every_response_empty() -> None:
+    experience = _experience([[3, 4], [5]], [[], []], scored=False)
+    assert experience.response_length == 0
+    _assert_identical(experience, table_to_experience(experience_to_table(experience, [0, 1]), pad_token_id=PAD))
+
+
+def test_pad_token_need_not_be_zero() -> None:
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=False, pad=EOS)  # GPT-2 pads with EOS
+    _assert_identical(experience, table_to_experience(experience_to_table(experience, [0, 1, 2, 3]), pad_token_id=EOS))
+
+
+def test_over_padded_batch_reads_back_padded_to_its_longest_row() -> None:
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=True)
+    wider = Experience(
+        **{
+            name: torch.nn.functional.pad(value, (2, 1) if name in ("sequences", "attention_mask") else (0, 1))
+            if value.dim() == 2
+            else value
+            for name, value in experience._tensors().items()
+        }
+    )
+    _assert_identical(experience, table_to_experience(experience_to_table(wider, [0, 1, 2, 3]), pad_token_id=PAD))
+
+
+def test_special_float_values_survive() -> None:
+    experience = _experience([[3]], [[4, 5, 6, 7]], scored=False)
+    values = torch.tensor([[float("nan"), float("-inf"), -0.0, 1e-45]])
+    experience = experience.replace(values=values)
+    back = table_to_experience(experience_to_table(experience, [0]), pad_token_id=PAD)
+    assert torch.equal(back.values.view(torch.int32), values.view(torch.int32))
+
+
+def test_slices_and_chunked_tables_read_correctly() -> None:
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=False)
+    table = experience_to_table(experience, [0, 1, 2, 3])
+    chunked = pa.concat_tables([table.slice(0, 1), table.slice(1, 2), table.slice(3)])
+    _assert_identical(experience, table_to_experience(chunked, pad_token_id=PAD))
+    part = table_to_experience(table.slice(2, 2), pad_token_id=PAD)
+    assert part.sequences.tolist() == [[7, 8, 9, 10, 15, 0, 0, 0, 0], [0, 0, 11, 12, 16, 17, 18, 19, 20]]
+
+
+def test_low_precision_floats_widen_exactly() -> None:
+    experience = _experience([[3]], [[4, 5]], scored=False)
+    half = experience.replace(values=experience.values.bfloat16())
+    back = table_to_experience(experience_to_table(half, [0]), pad_token_id=PAD)
+    assert torch.equal(back.values, half.values.float())
+
+
+def test_float64_is_refused() -> None:
+    experience = _experience([[3]], [[4, 5]], scored=False)
+    with pytest.raises(ValueError, match="`values` is torch.float64"):
+        experience_to_table(experience.replace(values=experience.values.double()), [0])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda f: f["attention_mask"].__setitem__((0, 2), 0), "`attention_mask` row 0 is not left-padded"),
+        (lambda f: f["action_mask"].__setitem__((0, 0), False), "must equal `action_mask`"),
+        (lambda f: f["attention_mask"].__setitem__((0, 0), 2), "only 0 and 1"),
+        (lambda f: f["sequences"].__setitem__((0, 2), 2**31), "fit int32"),
+    ],
+)
+def test_unrepresentable_layouts_are_refused(edit, message: str) -> None:
+    fields = _experience([[3, 4, 5], [6]], [[7, 8], [9]], scored=False)._tensors()
+    fields = {name: value.clone() for name, value in fields.items() if value is not None}
+    edit(fields)
+    with pytest.raises(ValueError, match=message):
+        experience_to_table(Experience(**fields), [0, 1])
+
+
+def test_response_not_right_padded_is_refused() -> None:
+    fields = _experience([[3], [6]], [[7, 8, 9], [9]], scored=False)._tensors()
+    fields = {name: value.clone() for name, value in fields.items() if value is not None}
+    fields["action_mask"][0, 1] = False
+    fields["attention_mask"][0, 2] = 0
+    with pytest.raises(ValueError, match="`action_mask` row 0 is not right-padded"):
+        experience_to_table(Experience(**fields), [0, 1])
+
+
+def test_prompt_ids_must_match_the_batch() -> None:
+    with pytest.raises(ValueError, match="`prompt_ids` has 1 entries for a batch of 2"):
+        experience_to_table(_experience([[3], [4]], [[5], [6]], scored=False), [0])
+
+
+def test_mismatched_list_lengths_name_the_column_and_row() -> None:
+    table = experience_to_table(_experience([[3], [4]], [[5], [6, 7]], scored=False), [0, 1])
+    broken = table.set_column(
+        table.schema.get_field_index("values"), "values", pa.array([[0.5], [0.5]], pa.list_(pa.float32()))
+    )
+    with pytest.raises(ValueError, match="column `values` row 1 has 1 values but `response_ids` has 2"):
+        table_to_experience(broken, pad_token_id=PAD)
+
+
+def test_empty_table_is_refused() -> None:
+    with pytest.raises(ValueError, match="no rows"):
+        table_to_experience(EXPERIENCE.empty_table(), pad_token_id=PAD)
+
+
+def test_real_rollout_round_trips() -> None:
+    """Experience from the real sampler: GPT-2, left-padded prompts, EOS-truncated responses, GAE."""
+    actor, reference = tiny_causal_lm("gpt2", seed=0), tiny_causal_lm("gpt2", seed=0)
+    torch.manual_seed(1)
+    critic = Critic(config=tiny_config("gpt2"))
+    maker = PPOExperienceMaker(
+        actor,
+        critic,
+        lambda sequences, mask: (sequences * mask).float().mean(dim=1),
+        reference,
+        sampling=SamplingConfig(max_new_tokens=6, batch_size=4),
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        advantage_config=AdvantageConfig(normalize_scores=False),
+    )
+    input_ids, attention_mask = left_padded([[3, 4, 5, 6], [7], [8, 9], [10, 11, 12]])
+    experience = maker.make_experience(input_ids, attention_mask, generator=torch.Generator().manual_seed(4))
+    assert experience.is_scored
+    # The sampler pads to the longest prompt and stops at the longest response, with zeros in
+    # padded float positions, so the whole batch comes back identical, not only its valid part.
+    _assert_identical(experience, table_to_experience(experience_to_table(experience, [0, 1, 2, 3]), pad_token_id=PAD))
