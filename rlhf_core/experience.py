@@ -135,6 +135,9 @@ def concat_experience(parts: list[Experience], *, pad_token_id: int) -> Experien
     """
     if not parts:
         raise ValueError("`parts` is empty")
+    scored = [part.is_scored for part in parts]
+    if any(scored) and not all(scored):
+        raise ValueError("`parts` mixes scored and unscored experience: the scored fields would be lost")
     prompt_length = max(part.prompt_length for part in parts)
     response_length = max(part.response_length for part in parts)
     fields: dict[str, list[torch.Tensor]] = {}

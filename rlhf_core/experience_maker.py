@@ -116,12 +116,27 @@ class PPOExperienceMaker(ExperienceMaker):
         eos_token_id: int | None,
         pad_token_id: int,
         advantage_config: AdvantageConfig | None = None,
+        score_mean: float | None = None,
+        score_std: float | None = None,
     ) -> None:
+        """``score_mean`` and ``score_std`` (the reward model's held-out statistics) are required
+        when ``advantage_config.normalize_scores`` is set, and used only then."""
+        if (
+            advantage_config is not None
+            and advantage_config.normalize_scores
+            and (score_mean is None or score_std is None)
+        ):
+            raise ValueError(
+                "`advantage_config.normalize_scores` is set: pass `score_mean` and `score_std` (the reward model's "
+                "held-out score statistics), or turn normalisation off"
+            )
         super().__init__(actor, critic, reward_model, initial_model)
         self.sampling = sampling
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.advantage_config = advantage_config
+        self.score_mean = 0.0 if score_mean is None else score_mean
+        self.score_std = 1.0 if score_std is None else score_std
 
     @torch.no_grad()
     def make_experience(
@@ -161,5 +176,7 @@ class PPOExperienceMaker(ExperienceMaker):
             scores=scores,
         )
         if self.advantage_config is not None:
-            experience = score_experience(experience, self.advantage_config)
+            experience = score_experience(
+                experience, self.advantage_config, score_mean=self.score_mean, score_std=self.score_std
+            )
         return experience

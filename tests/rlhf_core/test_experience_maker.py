@@ -1,0 +1,190 @@
+"""PPOExperienceMaker and score_experience: every field equals its definition, and scoring equals the maths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.config import AdvantageConfig, SamplingConfig
+from rlhf_core.experience import Experience
+from rlhf_core.experience_maker import ExperienceMaker, PPOExperienceMaker, reference_logprobs, score_experience
+from rlhf_core.gae import compute_gae
+from rlhf_core.models import Critic, RewardModel, freeze
+from rlhf_core.rewards import last_action_index, shaped_rewards
+from rlhf_core.sequences import position_ids_from_mask, response_logprobs, response_slice
+from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
+
+CLOSE = dict(rtol=0.0, atol=1e-5)
+TEMPERATURE = 0.8
+PROMPTS = [[3, 4, 5, 6], [7], [8, 9], [10, 11, 12]]
+
+
+def count_score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Programmatic score: how many real tokens equal 7, plus 0.1 per real token. Shapes: returns (B,)."""
+    real = attention_mask.bool()
+    return ((sequences == 7) & real).float().sum(dim=1) + 0.1 * real.float().sum(dim=1)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    actor = tiny_causal_lm("gpt2", seed=0)
+    reference = freeze(tiny_causal_lm("gpt2", seed=5))
+    torch.manual_seed(1)
+    critic = Critic(config=tiny_config("gpt2"))
+    return actor, reference, critic
+
+
+def make(parts, *, reward=count_score, advantage_config=None, seed=4, **kwargs) -> Experience:
+    actor, reference, critic = parts
+    maker = PPOExperienceMaker(
+        actor,
+        critic,
+        reward,
+        reference,
+        sampling=SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE),
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        advantage_config=advantage_config,
+        **kwargs,
+    )
+    ids, mask = left_padded(PROMPTS)
+    return maker.make_experience(ids, mask, generator=torch.Generator().manual_seed(seed))
+
+
+def test_make_experience_gives_a_valid_unscored_experience(parts):
+    experience = make(parts)
+    experience.validate()
+    assert experience.batch_size == 4 and experience.prompt_length == 4
+    assert not experience.is_scored and experience.reward is None
+    # This seed gives the cases that matter: EOS as the first token, EOS mid-way, truncation.
+    assert experience.action_mask.sum(dim=1).tolist() == [6, 1, 3, 6]
+    assert experience.sequences[1, 4].item() == EOS and experience.sequences[2, 6].item() == EOS
+    assert EOS not in experience.sequences[0, 4:].tolist()
+    ids, mask = left_padded(PROMPTS)
+    assert torch.equal(experience.sequences[:, :4], ids) and torch.equal(experience.attention_mask[:, :4], mask)
+    assert torch.equal(experience.attention_mask[:, 4:], experience.action_mask.long())
+    for name in ("action_log_probs", "ref_log_probs", "values"):
+        assert bool((getattr(experience, name)[~experience.action_mask] == 0).all()), name
+
+
+def test_fields_equal_their_definitions(parts):
+    actor, reference, critic = parts
+    experience = make(parts)
+    sequences, attention_mask, action_mask = experience.sequences, experience.attention_mask, experience.action_mask
+    positions = position_ids_from_mask(attention_mask)
+    with torch.no_grad():
+        # rollout log-probs: the actor's training-time forward at the sampling temperature
+        actor_logits = actor(input_ids=sequences, attention_mask=attention_mask, position_ids=positions).logits
+        actor_logprobs = response_logprobs(actor_logits, sequences, 4, temperature=TEMPERATURE)
+        # reference log-probs: the same computation with the reference model
+        ref_logits = reference(input_ids=sequences, attention_mask=attention_mask, position_ids=positions).logits
+        ref_logprobs = response_logprobs(ref_logits, sequences, 4, temperature=TEMPERATURE)
+        # values: the critic's output at the position just before each action
+        values = response_slice(critic(sequences, attention_mask), 4)
+    torch.testing.assert_close(experience.action_log_probs, actor_logprobs * action_mask, **CLOSE)
+    torch.testing.assert_close(experience.ref_log_probs, ref_logprobs * action_mask, **CLOSE)
+    torch.testing.assert_close(experience.values, values * action_mask, **CLOSE)
+    torch.testing.assert_close(
+        experience.ref_log_probs,
+        reference_logprobs(reference, sequences, attention_mask, 4, temperature=TEMPERATURE) * action_mask,
+        **CLOSE,
+    )
+    assert (experience.ref_log_probs - experience.action_log_probs)[action_mask].abs().max() > 1e-3
+    torch.testing.assert_close(experience.scores, count_score(sequences, attention_mask), rtol=0.0, atol=0.0)
+
+
+def test_a_reward_model_reads_the_last_action_token(parts):
+    torch.manual_seed(2)
+    reward_model = RewardModel(config=tiny_config("gpt2")).eval()
+    experience = make(parts, reward=reward_model)
+    last_column = experience.prompt_length + last_action_index(experience.action_mask)  # (B,)
+    for row in range(experience.batch_size):  # score of the sequence cut right after its last action
+        cut = experience.sequences[row, : int(last_column[row]) + 1][
+            experience.attention_mask[row, : int(last_column[row]) + 1].bool()
+        ]
+        with torch.no_grad():
+            alone = reward_model(cut[None])
+        torch.testing.assert_close(experience.scores[row : row + 1], alone, **CLOSE)
+
+
+def test_models_are_left_in_their_modes(parts):
+    actor, reference, critic = parts
+    actor.train()
+    critic.train()
+    try:
+        make(parts)
+        assert actor.training and critic.training and not reference.training
+    finally:
+        actor.eval()
+        critic.eval()
+
+
+def test_with_an_advantage_config_the_experience_is_scored_through_score_experience(parts):
+    config = AdvantageConfig(kl_coef=0.2, kl_estimator="k3", gamma=0.95, gae_lambda=0.9, normalize_scores=False)
+    scored = make(parts, advantage_config=config)
+    unscored = make(parts)
+    assert scored.is_scored
+    expected = score_experience(unscored, config)
+    for name in ("reward", "kl", "advantages", "returns"):
+        torch.testing.assert_close(getattr(scored, name), getattr(expected, name), rtol=0.0, atol=0.0)
+
+
+def test_the_score_lands_on_the_last_action_token(parts):
+    config = AdvantageConfig(kl_coef=0.0, normalize_scores=False)
+    scored = score_experience(make(parts), config)
+    expected = torch.zeros_like(scored.reward)
+    expected[torch.arange(4), last_action_index(scored.action_mask)] = scored.scores
+    torch.testing.assert_close(scored.reward, expected, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_score_experience_equals_shaped_rewards_then_gae_by_hand(parts, estimator):
+    experience = make(parts)
+    config = AdvantageConfig(
+        kl_coef=0.1, kl_estimator=estimator, gamma=0.9, gae_lambda=0.8, score_clip=1.5, normalize_scores=True
+    )
+    scored = score_experience(experience, config, score_mean=1.0, score_std=0.5)
+    scores = ((experience.scores - 1.0) / 0.5).clamp(-1.5, 1.5)  # normalise, then clip
+    rewards, kl = shaped_rewards(
+        scores, experience.action_log_probs, experience.ref_log_probs, experience.action_mask, kl_coef=0.1,
+        estimator=estimator,
+    )  # fmt: skip
+    advantages, returns = compute_gae(rewards, experience.values, experience.action_mask, gamma=0.9, gae_lambda=0.8)
+    torch.testing.assert_close(scored.reward, rewards, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scored.kl, kl, rtol=0.0, atol=0.0)
+    torch.testing.assert_close(scored.advantages, advantages, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scored.returns, returns, rtol=1e-6, atol=1e-6)
+    # the rollout fields are untouched and the input experience is not modified
+    assert torch.equal(scored.values, experience.values) and experience.reward is None
+
+
+def test_normalisation_uses_the_given_statistics_and_only_when_asked(parts):
+    experience = make(parts)
+    off = AdvantageConfig(kl_coef=0.0, normalize_scores=False)
+    on = AdvantageConfig(kl_coef=0.0, normalize_scores=True)
+    last = last_action_index(experience.action_mask)
+    rows = torch.arange(4)
+    raw = score_experience(experience, off, score_mean=3.0, score_std=2.0).reward[rows, last]
+    normalised = score_experience(experience, on, score_mean=3.0, score_std=2.0).reward[rows, last]
+    torch.testing.assert_close(raw, experience.scores, rtol=0.0, atol=0.0)
+    torch.testing.assert_close(normalised, (experience.scores - 3.0) / 2.0, rtol=1e-6, atol=1e-6)
+    # Through the maker, the statistics are passed in ...
+    through_maker = make(parts, advantage_config=on, score_mean=3.0, score_std=2.0)
+    torch.testing.assert_close(through_maker.reward[rows, last], normalised, rtol=0.0, atol=0.0)
+    # ... and asking for normalisation without them is an error, not a silent no-op.
+    with pytest.raises(ValueError, match="`score_mean` and `score_std`"):
+        make(parts, advantage_config=on)
+
+
+def test_rescoring_a_scored_experience_recomputes_every_scored_field(parts):
+    first = score_experience(make(parts), AdvantageConfig(kl_coef=0.0, normalize_scores=False))
+    second = score_experience(first, AdvantageConfig(kl_coef=0.5, normalize_scores=False))
+    assert not torch.equal(first.reward, second.reward)
+    again = score_experience(second, AdvantageConfig(kl_coef=0.0, normalize_scores=False))
+    for name in ("reward", "kl", "advantages", "returns"):
+        torch.testing.assert_close(getattr(again, name), getattr(first, name), rtol=0.0, atol=0.0)
+
+
+def test_the_abstract_maker_cannot_be_instantiated():
+    with pytest.raises(TypeError):
+        ExperienceMaker(None, None, count_score, None)  # type: ignore[abstract, arg-type]
