@@ -11,7 +11,8 @@ The world is one folder::
 
 Choices:
 1. The folder is built under a temporary sibling and renamed into place when complete, so a crash
-   leaves no half-built world: a folder without a matching ``world.json`` is never reused.
+   leaves no half-built world; a folder without a matching ``world.json`` (or missing a file) is
+   never reused but rebuilt, and staging folders of dead builds are deleted.
 2. Reuse is decided by ``world.json`` alone: the same seed, format version and config hash mean the
    same world. Library versions are recorded, not keyed, so upgrading transformers does not
    silently rebuild (and change) every downstream input.
@@ -50,6 +51,7 @@ FORMAT_VERSION = 1
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "rlhf-pipeline" / "demo-world"
 """Where ``python -m demo`` keeps the world unless told otherwise."""
 MODEL_DIR, PROMPTS_FILE, EVAL_PROMPTS_FILE, WORLD_FILE = "model", "prompts.jsonl", "eval_prompts.jsonl", "world.json"
+_WORLD_ENTRIES = frozenset({MODEL_DIR, PROMPTS_FILE, EVAL_PROMPTS_FILE, WORLD_FILE})
 _BUILDING_MARK = ".building-"
 
 
@@ -124,8 +126,8 @@ def build_default_world(
     """Return the demo world in ``cache_dir``, building it first unless a complete one for ``seed`` is there.
 
     Args:
-        cache_dir: the world's folder. It is created if missing; an existing folder that holds no
-            demo world (no ``world.json``) and is not empty is refused rather than overwritten.
+        cache_dir: the world's folder. It is created if missing and replaced if it holds an outdated
+            or damaged world; a folder holding anything else is refused rather than overwritten.
         seed: fixes the corpus, prompts, initial weights and pretraining batches.
         progress: show a progress bar while pretraining.
         config: sizes and training settings; the default is the embedded default world.
@@ -245,8 +247,12 @@ def _install(staging: Path, root: Path, *, seed: int, config: WorldConfig) -> No
     if root.exists():
         if _is_complete(root, seed=seed, config=config):
             return  # another process finished the same world first
-        if not (root / WORLD_FILE).is_file() and any(root.iterdir()):
-            raise FileExistsError(f"`cache_dir` {root} exists and holds no demo world; refusing to overwrite it")
+        strangers = sorted(path.name for path in root.iterdir() if path.name not in _WORLD_ENTRIES)
+        if strangers:
+            raise FileExistsError(
+                f"`cache_dir` {root} holds files that are not part of a demo world ({', '.join(strangers[:3])}); "
+                "refusing to overwrite it"
+            )
         outdated = root.with_name(f".{root.name}.outdated-{uuid.uuid4().hex[:8]}")
         root.rename(outdated)
         shutil.rmtree(outdated, ignore_errors=True)

@@ -9,7 +9,9 @@ Choices:
    polarity first, with positive and negative equally likely, so the corpus is sentiment-neutral
    on average and a policy can raise the gold score by changing one word in a slot.
 3. Nouns, names and function words are neutral, and their lists are disjoint from the sentiment
-   lists, so :mod:`demo.gold` can score a word by list membership alone.
+   lists, so :mod:`demo.gold` can score a word by list membership alone. Words also fall into
+   classes (:data:`WORD_CLASSES`), and :func:`grammatical_bigrams` lists which classes can follow
+   which: the gold rubric's cheap test of grammaticality.
 4. Everything is lower case and words are separated by single spaces (``.`` too), so a word-level
    tokenizer covers the corpus with no unknown tokens.
 5. Randomness comes from one ``random.Random(seed)`` per call: the same seed gives the same text.
@@ -17,6 +19,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import random
 
 DETERMINERS = ("the", "a", "my", "his", "her", "our", "their", "this", "that", "every")
@@ -72,15 +75,48 @@ FUNCTION_WORDS = frozenset(
 )
 """Words that repeat in ordinary sentences ("the dog saw the cat"); :mod:`demo.gold` lets them repeat."""
 
-_LEXICON = (
-    DETERMINERS, SUBJECT_PRONOUNS, OBJECT_PRONOUNS, NAMES, ANIMAL_NOUNS, PEOPLE_NOUNS, THING_NOUNS, PLACE_NOUNS,
-    NEUTRAL_ADJECTIVES, COLOUR_ADJECTIVES, POSITIVE_ADJECTIVES, NEGATIVE_ADJECTIVES,
-    NEUTRAL_TRANSITIVE, POSITIVE_TRANSITIVE, NEGATIVE_TRANSITIVE,
-    NEUTRAL_INTRANSITIVE, POSITIVE_INTRANSITIVE, NEGATIVE_INTRANSITIVE,
-    NEUTRAL_ADVERBS, POSITIVE_ADVERBS, NEGATIVE_ADVERBS, PREPOSITIONS, COPULAS, REPORTING_VERBS, OTHER_WORDS,
-)  # fmt: skip
-VOCABULARY: tuple[str, ...] = tuple(dict.fromkeys(word for words in _LEXICON for word in words))
+_WORD_GROUPS = {
+    "determiner": DETERMINERS,
+    "subject_pronoun": SUBJECT_PRONOUNS,
+    "object_pronoun": OBJECT_PRONOUNS,
+    "name": NAMES,
+    "animal": ANIMAL_NOUNS,
+    "person": PEOPLE_NOUNS,
+    "thing": THING_NOUNS,
+    "place": PLACE_NOUNS,
+    "neutral_adjective": NEUTRAL_ADJECTIVES,
+    "colour": COLOUR_ADJECTIVES,
+    "positive_adjective": POSITIVE_ADJECTIVES,
+    "negative_adjective": NEGATIVE_ADJECTIVES,
+    "neutral_transitive": NEUTRAL_TRANSITIVE,
+    "positive_transitive": POSITIVE_TRANSITIVE,
+    "negative_transitive": NEGATIVE_TRANSITIVE,
+    "neutral_intransitive": NEUTRAL_INTRANSITIVE,
+    "positive_intransitive": POSITIVE_INTRANSITIVE,
+    "negative_intransitive": NEGATIVE_INTRANSITIVE,
+    "neutral_adverb": NEUTRAL_ADVERBS,
+    "positive_adverb": POSITIVE_ADVERBS,
+    "negative_adverb": NEGATIVE_ADVERBS,
+    "preposition": PREPOSITIONS,
+    "copula": COPULAS,
+    "reporting_verb": REPORTING_VERBS,
+    "other": OTHER_WORDS,
+}
+VOCABULARY: tuple[str, ...] = tuple(dict.fromkeys(word for words in _WORD_GROUPS.values() for word in words))
 """Every word the grammar can produce, once each, in a fixed order (the tokenizer's id order)."""
+
+
+def _word_classes() -> dict[str, str]:
+    """A word's group name, or the word itself when it is in several groups ("her", "that", "it") or in "other"."""
+    groups: dict[str, list[str]] = {}
+    for group, words in _WORD_GROUPS.items():
+        for word in words:
+            groups.setdefault(word, []).append(group)
+    return {word: names[0] if names != ["other"] and len(names) == 1 else word for word, names in groups.items()}
+
+
+WORD_CLASSES = _word_classes()
+"""Word -> class: the unit of :func:`grammatical_bigrams` (e.g. "lovely" -> "positive_adjective")."""
 
 MIN_WORDS, MAX_WORDS = 5, 14
 MIN_PROMPT_WORDS, MAX_PROMPT_WORDS = 2, 4
@@ -259,3 +295,29 @@ def generate_prompts(num_train: int, num_eval: int, *, seed: int) -> tuple[list[
     ordered = list(prompts)
     rng.shuffle(ordered)
     return ordered[num_eval:], ordered[:num_eval]
+
+
+GRAMMAR_SAMPLE_SIZE = 50_000
+"""Sentences sampled to list the grammar's class bigrams; a test checks ten times more find no new one."""
+
+
+@functools.cache
+def grammatical_bigrams(sample_size: int = GRAMMAR_SAMPLE_SIZE) -> frozenset[tuple[str, str]]:
+    """The pairs of adjacent word classes (:data:`WORD_CLASSES`) that the grammar produces.
+
+    Sampled rather than derived from the templates, so it cannot drift from :func:`generate_sentence`;
+    about 0.2 s, once per process.
+
+    Args:
+        sample_size: sentences to sample (from a fixed seed).
+
+    Returns:
+        e.g. ``("determiner", "positive_adjective")`` is in the set, ``("positive_adjective",
+        "positive_adjective")`` is not (the grammar joins two quality adjectives with "and").
+    """
+    rng = random.Random("grammar")
+    bigrams = set()
+    for _ in range(sample_size):
+        classes = [WORD_CLASSES[word] for word in generate_sentence(rng).split()]
+        bigrams.update(zip(classes, classes[1:], strict=False))
+    return frozenset(bigrams)

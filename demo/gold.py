@@ -16,25 +16,33 @@ Rubric, for a response split on whitespace into words (``.`` is a word):
    wrong.
 3. **Repetition.** Each occurrence of a non-function word already seen in the prompt or earlier
    in the response costs ``REPEAT_PENALTY = 1.0`` (and a repeated positive word earns nothing).
-4. **Completeness.** A response must be exactly one finished sentence: its last word is ``.`` and
+4. **Grammar.** Each pair of adjacent words (the prompt's last word and the response's first
+   included) whose word classes the grammar never puts side by side
+   (:func:`demo.corpus.grammatical_bigrams`, e.g. two quality adjectives in a row, a noun followed
+   by a determiner, any unknown word) costs ``UNGRAMMATICAL_PENALTY = 1.0``.
+5. **Completeness.** A response must be exactly one finished sentence: its last word is ``.`` and
    no other word is. Otherwise (cut off, empty, or run on) it costs ``INCOMPLETE_PENALTY = 2.0``.
-5. **Length.** Each word beyond ``MAX_WORDS = 12`` costs ``LENGTH_PENALTY = 0.25``.
+6. **Length.** Each word beyond ``MAX_WORDS = 12`` costs ``LENGTH_PENALTY = 0.25``.
 
 Why this shape: (a) the base policy's samples vary, because the corpus fills each sentiment slot
 positive or negative with equal odds (standard deviation about 1.3 per sample); (b) a policy raises
 the score by swapping single words, so PPO has a short path to follow; (c) the cap, the repetition
-penalty and the completeness and length penalties make degenerate text ("happy happy happy",
-endless lists of adjectives) score worse than a plain cheerful sentence.
+penalty, the grammar check and the completeness and length penalties make degenerate text ("happy
+happy happy", a list of adjectives, "a happy a kind a lovely") score worse than a plain cheerful
+sentence. The grammar check is local (word-class bigrams), so a reward model that learned only
+"positive words are good" can still be exploited where the gold rater cannot: that gap is what the
+demo's evaluation shows.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from demo.corpus import FUNCTION_WORDS, NEGATIVE_WORDS, POSITIVE_WORDS
+from demo.corpus import FUNCTION_WORDS, NEGATIVE_WORDS, POSITIVE_WORDS, WORD_CLASSES, grammatical_bigrams
 
 POSITIVE_CAP = 3.0
 REPEAT_PENALTY = 1.0
+UNGRAMMATICAL_PENALTY = 1.0
 INCOMPLETE_PENALTY = 2.0
 MAX_WORDS = 12
 LENGTH_PENALTY = 0.25
@@ -57,6 +65,13 @@ def taste(word: str) -> float:
     return TASTE_SCALE * (2.0 * _unit_hash(word, salt="taste") - 1.0)
 
 
+def count_ungrammatical_pairs(words: list[str]) -> int:
+    """How many adjacent pairs of ``words`` have classes the grammar never puts side by side."""
+    allowed = grammatical_bigrams()
+    classes = [WORD_CLASSES.get(word, "unknown") for word in words]
+    return sum(pair not in allowed for pair in zip(classes, classes[1:], strict=False))
+
+
 def gold_score(prompt: str, response: str) -> float:
     """The rubric's score of ``response`` as a continuation of ``prompt`` (see the module docstring).
 
@@ -66,7 +81,7 @@ def gold_score(prompt: str, response: str) -> float:
 
     Returns:
         The score, rounded to 6 decimals so word order cannot change it through float rounding.
-        About -5 (a cut-off, gloomy, repetitive response) to about +3.5.
+        Typically -4 (a cut-off, gloomy, garbled response) to +3 (the positive cap).
     """
     words = response.split()
     seen = {word for word in prompt.split() if word not in FUNCTION_WORDS}
@@ -85,6 +100,7 @@ def gold_score(prompt: str, response: str) -> float:
         elif word not in NEGATIVE_WORDS:
             score += taste(word)
     score += min(positive_credit, POSITIVE_CAP)
+    score -= UNGRAMMATICAL_PENALTY * count_ungrammatical_pairs(prompt.split()[-1:] + words)
     if words.count(".") != 1 or words[-1] != ".":
         score -= INCOMPLETE_PENALTY
     score -= LENGTH_PENALTY * max(0, len(words) - MAX_WORDS)
