@@ -6,6 +6,7 @@ Defaults follow the sources noted on each field; the embedded demo overrides som
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 from rlhf_core.losses import LossAggregation
 from rlhf_core.rewards import KLEstimator
@@ -110,6 +111,8 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         if self.kl_coef < 0:
             raise ValueError(f"`kl_coef` must be non-negative, got {self.kl_coef}")
+        if self.kl_estimator not in get_args(KLEstimator):
+            raise ValueError(f"`kl_estimator` must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
         _require_unit_interval(gamma=self.gamma, gae_lambda=self.gae_lambda)
         if self.score_clip is not None:
             _require_positive(score_clip=self.score_clip)

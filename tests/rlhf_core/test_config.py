@@ -1,0 +1,86 @@
+"""Stage configs: every __post_init__ check raises with a message naming the field; exact_div; frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig, exact_div
+
+INVALID = [
+    # (config class, field, bad value)
+    (SamplingConfig, "max_new_tokens", 0),
+    (SamplingConfig, "temperature", 0.0),
+    (SamplingConfig, "temperature", -1.0),
+    (SamplingConfig, "num_samples", 0),
+    (SamplingConfig, "batch_size", 0),
+    (SamplingConfig, "top_k", -1),
+    (SamplingConfig, "top_p", 0.0),
+    (SamplingConfig, "top_p", 1.5),
+    (RewardModelConfig, "learning_rate", 0.0),
+    (RewardModelConfig, "epochs", 0),
+    (RewardModelConfig, "batch_size", -2),
+    (RewardModelConfig, "max_grad_norm", 0.0),
+    (RewardModelConfig, "eval_fraction", 0.0),
+    (RewardModelConfig, "eval_fraction", 1.0),
+    (AdvantageConfig, "kl_coef", -0.1),
+    (AdvantageConfig, "kl_estimator", "k4"),
+    (AdvantageConfig, "gamma", 1.1),
+    (AdvantageConfig, "gamma", -0.1),
+    (AdvantageConfig, "gae_lambda", 1.5),
+    (AdvantageConfig, "gae_lambda", -0.5),
+    (AdvantageConfig, "score_clip", 0.0),
+    (PPOConfig, "epochs", 0),
+    (PPOConfig, "minibatch_size", 0),
+    (PPOConfig, "actor_learning_rate", 0.0),
+    (PPOConfig, "critic_learning_rate", -1e-5),
+    (PPOConfig, "clip_eps", 0.0),
+    (PPOConfig, "max_grad_norm", 0.0),
+    (PPOConfig, "dual_clip", 1.0),
+    (PPOConfig, "dual_clip", 0.5),
+    (PPOConfig, "value_clip_eps", 0.0),
+    (PPOConfig, "target_kl", 0.0),
+    (PPOConfig, "aggregation", "sum"),
+]
+
+
+@pytest.mark.parametrize(("cls", "field", "value"), INVALID, ids=lambda item: getattr(item, "__name__", str(item)))
+def test_each_check_raises_with_a_message_naming_the_field(cls, field, value):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        cls(**{field: value})
+
+
+@pytest.mark.parametrize("cls", [SamplingConfig, RewardModelConfig, AdvantageConfig, PPOConfig])
+def test_defaults_are_valid_frozen_and_keyword_only(cls):
+    config = cls()
+    first_field = dataclasses.fields(cls)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(config, first_field, getattr(config, first_field))
+    with pytest.raises(TypeError):
+        cls(getattr(config, first_field))
+
+
+def test_boundary_values_are_accepted():
+    SamplingConfig(top_p=1.0, top_k=0)
+    AdvantageConfig(kl_coef=0.0, gamma=0.0, gae_lambda=1.0, score_clip=None)
+    AdvantageConfig(gamma=1.0, gae_lambda=0.0, score_clip=5.0)
+    PPOConfig(dual_clip=None, value_clip_eps=None, target_kl=None, aggregation="sequence_mean")
+    PPOConfig(dual_clip=1.5)
+    for estimator in ("k1", "k2", "k3"):
+        AdvantageConfig(kl_estimator=estimator)
+
+
+def test_replace_revalidates():
+    with pytest.raises(ValueError, match="`clip_eps`"):
+        dataclasses.replace(PPOConfig(), clip_eps=-0.2)
+
+
+def test_exact_div():
+    assert exact_div(12, 4, what="minibatches") == 3
+    assert exact_div(0, 5, what="minibatches") == 0
+    with pytest.raises(ValueError, match="`minibatch_size` must divide: 4 must divide 10"):
+        exact_div(10, 4, what="`minibatch_size` must divide")
+    for denominator in (0, -2):
+        with pytest.raises(ValueError, match="rows"):
+            exact_div(8, denominator, what="rows")

@@ -1,0 +1,172 @@
+"""The PPO update: parameters move, the first step has ratio 1, early stop on KL, statistics by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+
+from rlhf_core.config import AdvantageConfig, PPOConfig, SamplingConfig
+from rlhf_core.experience_maker import PPOExperienceMaker, score_experience
+from rlhf_core.losses import entropy_from_logits
+from rlhf_core.masked import masked_mean, masked_whiten
+from rlhf_core.models import Critic, freeze
+from rlhf_core.ppo import explained_variance, ppo_update
+from rlhf_core.sequences import position_ids_from_mask, response_slice
+from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
+
+TEMPERATURE = 0.7
+PROMPTS = [[3, 4, 5], [6, 5], [9, 10, 11, 12], [13], [14, 15], [16, 17, 18], [19], [20, 21]]
+
+
+def setup(*, actor_learning_rate=1e-3, critic_learning_rate=1e-3, dropout=0.0, seed=0):
+    """Prepared actor and critic, their Adam optimizers, and one scored batch of 8 rollouts."""
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(seed)
+    config = tiny_config("gpt2")
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
+    actor = AutoModelForCausalLM.from_config(config)
+    reference = freeze(tiny_causal_lm("gpt2", seed=seed + 1))
+    critic = Critic(config=config)
+    # Adam without weight decay: a parameter moves only if it received a gradient.
+    actor_optimizer = torch.optim.Adam(actor.parameters(), lr=actor_learning_rate)
+    critic_optimizer = torch.optim.Adam(critic.parameters(), lr=critic_learning_rate)
+    actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(
+        actor, critic, actor_optimizer, critic_optimizer
+    )
+    maker = PPOExperienceMaker(
+        actor,
+        critic,
+        lambda sequences, mask: ((sequences == 7) & mask.bool()).float().sum(dim=1),
+        reference,
+        sampling=SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE),
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    ids, mask = left_padded(PROMPTS)
+    experience = maker.make_experience(ids, mask, generator=torch.Generator().manual_seed(seed))
+    scored = score_experience(experience, AdvantageConfig(kl_coef=0.05, normalize_scores=False))
+    return accelerator, actor, critic, actor_optimizer, critic_optimizer, scored
+
+
+def update(parts, config: PPOConfig, *, seed: int = 0):
+    accelerator, actor, critic, actor_optimizer, critic_optimizer, experience = parts
+    return ppo_update(
+        actor,
+        critic,
+        actor_optimizer,
+        critic_optimizer,
+        experience,
+        config,
+        accelerator=accelerator,
+        temperature=TEMPERATURE,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def test_one_update_changes_every_actor_and_critic_parameter():
+    parts = setup()
+    _, actor, critic, *_ = parts
+    before = {
+        model: {name: value.detach().clone() for name, value in model.named_parameters()} for model in (actor, critic)
+    }
+    stats = update(parts, PPOConfig(epochs=1, minibatch_size=8))
+    assert stats.optimizer_steps == 1
+    for model in (actor, critic):
+        unchanged = [name for name, value in model.named_parameters() if torch.equal(value, before[model][name])]
+        assert not unchanged, unchanged
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_first_step_with_the_whole_batch_has_ratio_exactly_one(dropout):
+    # One epoch, one minibatch: the loss is evaluated before any step, on the rollout's own policy,
+    # with dropout off, so ratio = 1 (up to float rounding) and nothing is clipped.
+    parts = setup(dropout=dropout)
+    experience = parts[-1]
+    stats = update(parts, PPOConfig(epochs=1, minibatch_size=8))
+    assert stats.optimizer_steps == 1 and not stats.early_stopped
+    assert stats.clip_fraction.item() == 0.0
+    assert 0.0 <= stats.approx_kl.item() < 1e-10
+    # At ratio 1 the token-mean surrogate is -mean(whitened advantages) = 0.
+    assert abs(stats.policy_loss.item()) < 1e-5
+    # Current values equal the rollout values, so the clip is inactive: 0.5 * mean((V - R)^2).
+    expected_value_loss = 0.5 * masked_mean((experience.values - experience.returns) ** 2, experience.action_mask)
+    torch.testing.assert_close(stats.value_loss, expected_value_loss, rtol=1e-5, atol=1e-6)
+    assert stats.value_clip_fraction.item() == 0.0
+
+
+def test_first_step_statistics_without_whitening_and_with_an_entropy_bonus():
+    # No whitening: loss = -mean(A) - entropy_coef * entropy, with the entropy of softmax(logits / T).
+    parts = setup()
+    accelerator, actor, critic, _, _, experience = parts
+    with torch.no_grad():
+        positions = position_ids_from_mask(experience.attention_mask)
+        logits = actor(
+            input_ids=experience.sequences, attention_mask=experience.attention_mask, position_ids=positions
+        ).logits
+        entropy = masked_mean(
+            entropy_from_logits(response_slice(logits, experience.prompt_length) / TEMPERATURE),
+            experience.action_mask,
+        )
+    stats = update(parts, PPOConfig(epochs=1, minibatch_size=8, whiten_advantages=False, entropy_coef=0.1))
+    torch.testing.assert_close(stats.entropy, entropy, rtol=1e-5, atol=1e-6)
+    expected = -masked_mean(experience.advantages, experience.action_mask) - 0.1 * entropy
+    torch.testing.assert_close(stats.policy_loss, expected, rtol=1e-5, atol=1e-5)
+    assert 0 < entropy.item() <= math.log(32)
+
+
+def test_sequence_mean_first_step_loss_is_minus_the_mean_of_row_means():
+    parts = setup()
+    experience = parts[-1]
+    stats = update(parts, PPOConfig(epochs=1, minibatch_size=8, aggregation="sequence_mean"))
+    whitened = masked_whiten(experience.advantages, experience.action_mask)
+    expected = -masked_mean(whitened, experience.action_mask, dim=1).mean()
+    torch.testing.assert_close(stats.policy_loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_step_count_stats_are_finite_and_the_callers_experience_is_untouched():
+    parts = setup()
+    experience = parts[-1]
+    advantages = experience.advantages.clone()
+    stats = update(parts, PPOConfig(epochs=2, minibatch_size=3))
+    assert stats.optimizer_steps == 2 * 3 and not stats.early_stopped  # ceil(8 / 3) = 3 minibatches
+    for name, value in stats._asdict().items():
+        if isinstance(value, torch.Tensor):
+            assert value.dim() == 0 and bool(torch.isfinite(value)), name
+            assert not value.requires_grad, name
+    assert 0.0 <= stats.clip_fraction.item() <= 1.0 and stats.approx_kl.item() >= 0.0
+    torch.testing.assert_close(experience.advantages, advantages, rtol=0.0, atol=0.0)  # whitened on a copy
+
+
+def test_target_kl_stops_early_with_a_huge_learning_rate():
+    # Minibatch 1 is measured before any step (KL ~ 0); after a step with lr = 1 the policy has
+    # moved far, so minibatch 2 exceeds the target and the update stops after it: 2 of 8 steps.
+    stats = update(setup(actor_learning_rate=1.0), PPOConfig(epochs=4, minibatch_size=4, target_kl=0.01))
+    assert stats.early_stopped
+    assert stats.optimizer_steps == 2
+    no_target = update(setup(actor_learning_rate=1.0), PPOConfig(epochs=4, minibatch_size=4))
+    assert not no_target.early_stopped and no_target.optimizer_steps == 8
+
+
+def test_ppo_update_requires_scored_experience():
+    parts = setup()
+    unscored = parts[-1].replace(reward=None, kl=None, advantages=None, returns=None)
+    with pytest.raises(ValueError, match="run score_experience first"):
+        update((*parts[:-1], unscored), PPOConfig(epochs=1, minibatch_size=8))
+
+
+def test_explained_variance_by_hand():
+    # returns 1, 2, 3, 4 (unbiased var 5/3); values 1, 2, 3, 3: residuals 0, 0, 0, 1 (unbiased var 1/4).
+    # EV = 1 - (1/4) / (5/3) = 1 - 0.15 = 0.85. The fifth column is padding.
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0, 100.0]], dtype=torch.float64)
+    values = torch.tensor([[1.0, 2.0, 3.0, 3.0, -100.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True, False]])
+    torch.testing.assert_close(explained_variance(values, returns, mask), torch.tensor(0.85, dtype=torch.float64))
+    # A perfect critic explains everything; a constant one explains nothing.
+    torch.testing.assert_close(explained_variance(returns, returns, mask), torch.tensor(1.0, dtype=torch.float64))
+    torch.testing.assert_close(
+        explained_variance(torch.zeros_like(returns), returns, mask), torch.tensor(0.0, dtype=torch.float64)
+    )
