@@ -1,0 +1,242 @@
+"""Importers: prompts and preference pairs from JSONL, Parquet and CSV; bad rows named precisely."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from storage.importers import ImportFormatError, import_preferences, import_prompts, render_chat
+from storage.schemas import PREFERENCES, PROMPTS
+
+HH_CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell a joke\n\nAssistant: Why did the chicken..."
+HH_REJECTED = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell a joke\n\nAssistant: No."
+HH_PROMPT = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell a joke\n\nAssistant:"
+
+
+def _jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _csv(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+# Prompts ---------------------------------------------------------------------------------------
+
+PROMPT_ROWS = [{"prompt": "Write a poem"}, {"prompt": 'multi\nline, with "quotes"'}]
+
+
+@pytest.mark.parametrize("writer", [_jsonl, _parquet, _csv])
+def test_prompts_from_a_text_column(tmp_path: Path, writer) -> None:
+    suffix = {_jsonl: ".jsonl", _parquet: ".parquet", _csv: ".csv"}[writer]
+    table = import_prompts(writer(tmp_path / f"prompts{suffix}", PROMPT_ROWS))
+    assert table.schema == PROMPTS
+    assert table.to_pylist() == [{"prompt_id": 0, "prompt": "Write a poem"}, {"prompt_id": 1, **PROMPT_ROWS[1]}]
+
+
+def test_prompts_from_another_column_with_ids(tmp_path: Path) -> None:
+    path = _csv(tmp_path / "p.csv", [{"prompt_id": "7", "text": "a"}, {"prompt_id": "3", "text": "b"}])
+    assert import_prompts(path, text_column="text").to_pylist() == [
+        {"prompt_id": 7, "prompt": "a"},
+        {"prompt_id": 3, "prompt": "b"},
+    ]
+
+
+@pytest.mark.parametrize("writer", [_jsonl, _parquet])
+def test_prompts_from_chat_messages(tmp_path: Path, writer) -> None:
+    rows = [{"messages": [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke")]}]
+    suffix = ".jsonl" if writer is _jsonl else ".parquet"
+    assert import_prompts(writer(tmp_path / f"chat{suffix}", rows)).column("prompt").to_pylist() == [HH_PROMPT]
+
+
+def test_chat_messages_in_csv_are_json(tmp_path: Path) -> None:
+    path = _csv(
+        tmp_path / "chat.csv", [{"messages": json.dumps([{"role": "system", "content": "Be brief."}, _user("Hi")])}]
+    )
+    assert import_prompts(path).column("prompt").to_pylist() == ["\n\nSystem: Be brief.\n\nHuman: Hi\n\nAssistant:"]
+
+
+def test_render_chat_is_the_hh_format() -> None:
+    conversation = [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke"), _assistant("Why did the chicken...")]
+    assert render_chat(conversation, add_generation_prompt=False) == HH_CHOSEN
+    assert render_chat(conversation[:3], add_generation_prompt=True) == HH_PROMPT
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "row", "field", "problem"),
+    [
+        ("missing.jsonl", '{"prompt": "ok"}\n{"text": "no prompt"}\n', 2, "prompt", "missing"),
+        ("type.jsonl", '{"prompt": "ok"}\n\n{"prompt": 5}\n', 3, "prompt", "expected a string, got int"),
+        ("json.jsonl", '{"prompt": "ok"}\n{"prompt": "cut\n', 2, None, "invalid JSON"),
+        ("array.jsonl", '["prompt"]\n', 1, None, "expected a JSON object"),
+        ("empty.jsonl", '{"prompt": "  "}\n', 1, "prompt", "empty"),
+        ("role.jsonl", '{"messages": [{"role": "robot", "content": "x"}]}\n', 1, "messages[0].role", "expected one of"),
+        ("content.jsonl", '{"messages": [{"role": "user", "content": 3}]}\n', 1, "messages[0].content", "string"),
+        ("ends.jsonl", '{"messages": [{"role": "assistant", "content": "x"}]}\n', 1, "messages", "assistant turn"),
+        ("ids.jsonl", '{"prompt": "a", "prompt_id": 1}\n{"prompt": "b"}\n', 2, "prompt_id", "some rows"),
+        ("badid.jsonl", '{"prompt": "a", "prompt_id": 1.5}\n', 1, "prompt_id", "expected an integer"),
+        (
+            "dup.jsonl",
+            '{"prompt": "a", "prompt_id": 1}\n{"prompt": "b", "prompt_id": 1}\n',
+            None,
+            "prompt_id",
+            "duplicate",
+        ),
+        ("ragged.csv", "prompt\nok\nok,extra\n", 2, None, "more values"),
+        ("bad.parquet", "not parquet", None, None, "not a readable Parquet file"),
+        ("prompts.txt", "hello", None, None, "unsupported file type"),
+    ],
+)
+def test_bad_prompt_files_name_file_row_and_field(
+    tmp_path: Path, name: str, content: str, row: int | None, field: str | None, problem: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ImportFormatError, match=problem) as caught:
+        import_prompts(path)
+    error = caught.value
+    assert (error.path, error.row, error.field) == (path, row, field)
+    assert str(path) in str(error)
+    if row is not None:
+        assert f"row {row}" in str(error)
+    if field is not None:
+        assert repr(field) in str(error)
+
+
+def test_parquet_with_a_wrongly_typed_column(tmp_path: Path) -> None:
+    path = _parquet(tmp_path / "p.parquet", [{"prompt": "ok"}, {"prompt": None}])
+    with pytest.raises(ImportFormatError, match=r"row 2, field 'prompt'.*missing"):
+        import_prompts(path)
+
+
+# Preferences -----------------------------------------------------------------------------------
+
+EXPECTED_JOKE = {"prompt": HH_PROMPT, "chosen": " Why did the chicken...", "rejected": " No."}
+
+
+@pytest.mark.parametrize("writer", [_jsonl, _parquet])
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, id="anthropic-hh"),
+        pytest.param({**EXPECTED_JOKE}, id="explicit-prompt-text"),
+        pytest.param(
+            {
+                "prompt": [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke")],
+                "chosen": [_assistant("Why did the chicken...")],
+                "rejected": [_assistant("No.")],
+            },
+            id="explicit-prompt-messages",
+        ),
+        pytest.param(
+            {
+                "chosen": [
+                    _user("Hi there"),
+                    _assistant("Hello!"),
+                    _user("Tell a joke"),
+                    _assistant("Why did the chicken..."),
+                ],
+                "rejected": [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke"), _assistant("No.")],
+            },
+            id="implicit-prompt-messages",
+        ),
+    ],
+)
+def test_every_preference_format_lands_in_the_same_pair(tmp_path: Path, writer, row: dict) -> None:
+    suffix = ".jsonl" if writer is _jsonl else ".parquet"
+    path = writer(tmp_path / f"pairs{suffix}", [row, row])
+    table = import_preferences(path)
+    assert table.schema == PREFERENCES
+    label = f"import:pairs{suffix}"
+    expected = {**EXPECTED_JOKE, "margin": 0.0, "labeler": label}
+    assert table.to_pylist() == [{"pair_id": 0, **expected}, {"pair_id": 1, **expected}]
+    pair = table.to_pylist()[0]
+    assert pair["prompt"] + pair["chosen"] == HH_CHOSEN  # the response continues the prompt exactly
+
+
+def test_margins_are_kept(tmp_path: Path) -> None:
+    path = _jsonl(
+        tmp_path / "m.jsonl", [{**EXPECTED_JOKE, "margin": 2}, {**EXPECTED_JOKE, "margin": 0.5}, EXPECTED_JOKE]
+    )
+    assert import_preferences(path).column("margin").to_pylist() == [2.0, 0.5, 0.0]
+
+
+def test_empty_file_gives_an_empty_table(tmp_path: Path) -> None:
+    path = tmp_path / "none.jsonl"
+    path.write_text("\n")
+    table = import_preferences(path)
+    assert table.num_rows == 0 and table.schema == PREFERENCES
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "problem"),
+    [
+        ({"prompt": "p", "chosen": "c"}, "rejected", "missing"),
+        ({"prompt": "p", "chosen": "c", "rejected": 4}, "rejected", "expected a string, got int"),
+        ({"prompt": 1, "chosen": "c", "rejected": "r"}, "prompt", "expected a string"),
+        ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": "big"}, "margin", "expected a number"),
+        ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": True}, "margin", "expected a number"),
+        ({"chosen": "no assistant turn", "rejected": HH_REJECTED}, "chosen", "no '\\\\n\\\\nAssistant:' turn"),
+        ({"chosen": HH_CHOSEN, "rejected": "\n\nHuman: other\n\nAssistant: x"}, "rejected", "differs"),
+        ({"chosen": [_user("a"), _assistant("b")], "rejected": [_user("z"), _assistant("c")]}, "rejected", "differs"),
+        ({"chosen": [_user("a"), _assistant("b")], "rejected": [_user("a")]}, "rejected", "assistant turn"),
+        ({"chosen": [_user("a"), _assistant("b")], "rejected": []}, "rejected", "non-empty list"),
+        (
+            {"prompt": "p", "chosen": [_assistant("b")], "rejected": [_assistant("c")]},
+            "prompt",
+            "needs string 'chosen'",
+        ),
+        (
+            {"prompt": [_user("p")], "chosen": [{"role": "assistant"}], "rejected": [_assistant("c")]},
+            "chosen[0].content",
+            "string",
+        ),
+    ],
+)
+def test_bad_preference_rows_name_file_row_and_field(tmp_path: Path, row: dict, field: str, problem: str) -> None:
+    path = _jsonl(tmp_path / "pairs.jsonl", [EXPECTED_JOKE, EXPECTED_JOKE, row, EXPECTED_JOKE])
+    with pytest.raises(ImportFormatError, match=problem) as caught:
+        import_preferences(path)
+    assert (caught.value.path, caught.value.row, caught.value.field) == (path, 3, field)
+    assert f"{path}, row 3, field {field!r}" in str(caught.value)
+
+
+def test_bad_json_line_in_preferences(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(EXPECTED_JOKE) + "\n{oops\n")
+    with pytest.raises(ImportFormatError, match=r"pairs.jsonl, row 2: invalid JSON"):
+        import_preferences(path)
+
+
+def test_preferences_do_not_read_csv(tmp_path: Path) -> None:
+    path = _csv(tmp_path / "pairs.csv", [EXPECTED_JOKE])
+    with pytest.raises(ImportFormatError, match="unsupported file type '.csv'"):
+        import_preferences(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        import_preferences(tmp_path / "absent.jsonl")
