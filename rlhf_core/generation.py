@@ -88,6 +88,9 @@ def generate(
         )
     if bool((prompt_mask.sum(dim=1) == 0).any()):
         raise ValueError("every prompt needs at least one real token")
+    if not bool(prompt_mask[:, -1].bool().all()):
+        # A right-padded row would be continued from the logits of a padding position.
+        raise ValueError("`prompt_ids` must be left-padded: the last column of `prompt_mask` must be 1 in every row")
     was_training = model.training
     model.eval()
     batch = prompt_ids.shape[0]

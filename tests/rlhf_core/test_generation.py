@@ -217,6 +217,9 @@ def test_bad_prompts_are_errors(model):
         generate(model, ids, mask * torch.tensor([[1], [0], [1]]), config=config, eos_token_id=None, pad_token_id=PAD)
     with pytest.raises(ValueError, match="must be equal 2-D shapes"):
         generate(model, ids, mask[:, 1:], config=config, eos_token_id=None, pad_token_id=PAD)
+    right_ids, right_mask = torch.tensor([[3, 4, PAD], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="must be left-padded"):
+        generate(model, right_ids, right_mask, config=config, eos_token_id=None, pad_token_id=PAD)
 
 
 # ----------------------------------------------------------------------------- filter_logits (no model)

@@ -1,0 +1,93 @@
+"""Reward-model training: batch validation, held-out statistics by hand, margin use, parameters move."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from rlhf_core.config import RewardModelConfig
+from rlhf_core.models import RewardModel
+from rlhf_core.reward_training import PreferenceBatch, evaluate_reward_model, fit_reward_model
+from tests.conftest import tiny_config
+
+
+class FirstTokenScore(nn.Module):
+    """A stand-in reward model: the score is the first token id, as a float. Shapes: returns (B,)."""
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return ids[:, 0].float()
+
+
+def pairs(chosen_first: list[int], rejected_first: list[int], *, margin: list[float] | None = None) -> PreferenceBatch:
+    chosen = torch.tensor(chosen_first)[:, None].repeat(1, 3)
+    rejected = torch.tensor(rejected_first)[:, None].repeat(1, 3)
+    ones = torch.ones_like(chosen)
+    margins = torch.zeros(len(chosen_first)) if margin is None else torch.tensor(margin)
+    return PreferenceBatch(chosen, ones, rejected, ones, margins)
+
+
+def test_preference_batch_validates_shapes_and_selects_rows():
+    batch = pairs([5, 6, 7], [1, 2, 3], margin=[0.0, 1.0, 2.0])
+    assert len(batch) == 3
+    picked = batch.select(torch.tensor([2, 0]))
+    assert picked.chosen_ids[:, 0].tolist() == [7, 5] and picked.margin.tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError, match="`rejected_ids` must have shape"):
+        PreferenceBatch(batch.chosen_ids, batch.chosen_mask, batch.rejected_ids[:2], batch.rejected_mask, batch.margin)
+    with pytest.raises(ValueError, match="`margin` must have shape"):
+        PreferenceBatch(batch.chosen_ids, batch.chosen_mask, batch.rejected_ids, batch.rejected_mask, torch.zeros(2))
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_held_out_statistics_by_hand(batch_size):
+    # chosen scores 3, 1, 2; rejected 1, 2, 2 (the stand-in reads the first token).
+    #   gaps 2, -1, 0 -> loss = (log(1 + e^-2) + log(1 + e) + log 2) / 3; accuracy 1/3
+    #   all six scores 3, 1, 2, 1, 2, 2: mean 11/6, unbiased std sqrt(((7/6)^2 + 2 (5/6)^2 + 3 (1/6)^2) / 5)
+    loss, accuracy, mean, std = evaluate_reward_model(
+        FirstTokenScore(), pairs([3, 1, 2], [1, 2, 2]), batch_size=batch_size
+    )
+    assert loss == pytest.approx((math.log1p(math.exp(-2)) + math.log1p(math.e) + math.log(2)) / 3, rel=1e-6)
+    assert accuracy == pytest.approx(1 / 3)
+    assert mean == pytest.approx(11 / 6)
+    assert std == pytest.approx(math.sqrt(((7 / 6) ** 2 + 2 * (5 / 6) ** 2 + 3 * (1 / 6) ** 2) / 5), rel=1e-6)
+
+
+def make_model_and_pairs(seed: int = 0):
+    torch.manual_seed(seed)
+    model = RewardModel(config=tiny_config("gpt2"))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 30, (8, 5), generator=generator)
+    other = torch.randint(3, 30, (8, 5), generator=generator)
+    ones = torch.ones_like(ids)
+    return model, PreferenceBatch(ids, ones, other, ones, torch.full((8,), 3.0))
+
+
+@pytest.mark.parametrize("use_margin", [True, False])
+def test_fit_moves_every_parameter_and_counts_steps(use_margin):
+    accelerator = Accelerator(cpu=True)
+    model, train = make_model_and_pairs()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    before = {name: value.detach().clone() for name, value in model.named_parameters()}
+    config = RewardModelConfig(epochs=2, batch_size=3, use_margin=use_margin)
+    stats = fit_reward_model(
+        model, optimizer, train, train.select(torch.arange(4)), config,
+        accelerator=accelerator, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert stats.optimizer_steps == 2 * 3  # ceil(8 / 3) = 3 steps per epoch
+    assert [name for name, value in model.named_parameters() if torch.equal(value, before[name])] == []
+    assert all(math.isfinite(value) for value in stats[:-1])
+    # A margin of 3 at near-equal initial scores costs about -log sigmoid(-3) = 3.05 per pair, far above log 2.
+    assert (stats.train_loss > 2.5) == use_margin
+
+
+def test_fit_needs_training_and_held_out_pairs():
+    accelerator = Accelerator(cpu=True)
+    model, train = make_model_and_pairs()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    empty = train.select(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match="need training and held-out pairs"):
+        fit_reward_model(model, optimizer, train, empty, RewardModelConfig(), accelerator=accelerator)
