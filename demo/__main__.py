@@ -24,7 +24,9 @@ NUM_SHOWN, NUM_SCORED = 8, 64
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, build the world, sample and print."""
-    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m demo", description="Build (or reuse) the demo world and show what its LM writes."
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help=f"default: {DEFAULT_CACHE_DIR}")
     parser.add_argument("--seed", type=int, default=0, help="world seed (default: 0)")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """Teach a tiny causal LM the demo corpus: next-token prediction on ``<bos> sentence <eos>``.
 
 Choices:
-1. Every sentence becomes one right-padded row ``<bos> w1 .. wn <eos> <pad> ..``; labels at padding
-   are -100, so the model learns to end each sentence with ``.`` and then ``<eos>``.
+1. Every sentence becomes one right-padded row ``<bos> w1 .. wn <eos> <pad> ..``; padding carries no
+   loss, so the model learns to end each sentence with ``.`` and then ``<eos>``.
 2. Batches are drawn with replacement by a seeded ``torch.Generator`` and the weights are
    initialised under a forked, seeded global RNG, so the result depends on the seed only (on one
    thread; the caller fixes the thread count) and the caller's random state is left alone.
@@ -37,6 +37,19 @@ def encode_corpus(sentences: list[str], tokenizer: PreTrainedTokenizerBase) -> t
     return torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])  # (B, T)
 
 
+def next_token_loss(logits: torch.Tensor, token_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each real token given the ones before it (logits at ``i`` score token ``i + 1``).
+
+    Naive equivalent: ``model(input_ids, attention_mask, labels=token_ids.masked_fill(mask == 0, -100)).loss``,
+    computed here so that no model-specific loss lookup (and its warning) is involved.
+
+    Shapes:
+        logits: (B, T, V); token_ids, attention_mask: (B, T); returns a scalar.
+    """
+    targets = token_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)  # (B, T - 1)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
 def learning_rate_factor(step: int, *, warmup_steps: int, total_steps: int, min_factor: float = 0.1) -> float:
     """Multiplier of the peak learning rate: linear warm-up, then cosine decay to ``min_factor``."""
     if step < warmup_steps:
@@ -60,7 +73,7 @@ def pretrain(
     """Train ``model`` in place on random batches of ``token_ids``.
 
     Args:
-        model: a causal LM whose ``forward`` takes ``labels``.
+        model: a causal LM (``AutoModelForCausalLM``).
         token_ids: right-padded training rows from :func:`encode_corpus`.
         pad_token_id: the padding id (its positions get no loss and no attention).
         steps: optimizer steps.
@@ -88,8 +101,8 @@ def pretrain(
         rows = torch.randint(token_ids.shape[0], (batch_size,), generator=generator)  # (B,)
         batch = token_ids[rows]  # (B, T)
         attention_mask = (batch != pad_token_id).long()  # (B, T)
-        labels = batch.masked_fill(attention_mask == 0, -100)  # (B, T)
-        loss = model(input_ids=batch, attention_mask=attention_mask, labels=labels).loss
+        logits = model(input_ids=batch, attention_mask=attention_mask).logits  # (B, T, V)
+        loss = next_token_loss(logits, batch, attention_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
