@@ -20,7 +20,7 @@ Choices:
    this stage already done for these inputs?".
 
 Environment: nothing here reads or sets environment variables. Set ``MLFLOW_DISABLE_TELEMETRY=true``
-in the environment of offline machines (see the README).
+in the environment of offline machines (tests do it in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ import re
 import shutil
 import time
 import uuid
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
-from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
@@ -286,15 +285,13 @@ class Tracker:
             if match:
                 tables.setdefault(match.group("table"), []).append(entry.sha256)
         inputs = []
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*can be interpreted in multiple ways.*")
-            for table, hashes in sorted(tables.items()):
-                digest = hashlib.sha256("".join(hashes).encode()).hexdigest()[:_DIGEST_LENGTH]
-                source = LocalArtifactDatasetSource(str(Path(stage_dir).absolute() / table))
-                dataset = MetaDataset(source=source, name=f"{manifest.stage}/{table}", digest=digest)
-                inputs.append(DatasetInput(dataset._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)]))
-            if inputs:
-                self._client.log_inputs(run_id, datasets=inputs)
+        for table, hashes in sorted(tables.items()):
+            digest = hashlib.sha256("".join(hashes).encode()).hexdigest()[:_DIGEST_LENGTH]
+            source = LocalArtifactDatasetSource(str(Path(stage_dir).absolute() / table))
+            dataset = MetaDataset(source=source, name=f"{manifest.stage}/{table}", digest=digest)
+            inputs.append(DatasetInput(Dataset(**dataset.to_dict()), [InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+        if inputs:
+            self._client.log_inputs(run_id, datasets=inputs)
 
     def log_stage_output(self, run_id: str, stage_dir: Path, manifest: Manifest) -> None:
         """Record a finished stage output on its run: artifacts, datasets and lookup tags.
