@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
+import os
+import tempfile
+
+# Prefect and MLflow must never touch the user's own stores from a test, and there is no network:
+# set this before anything imports prefect.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_PREFECT_HOME, "results")
+os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///" + os.path.join(_PREFECT_HOME, "mlflow-guard.db")
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["DO_NOT_TRACK"] = "true"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config  # noqa: E402
 
 # Small models on 2 shared cores run several times faster on one thread (see bench/).
 torch.set_num_threads(1)

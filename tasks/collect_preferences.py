@@ -1,0 +1,95 @@
+"""Stage 2, collect preferences: label pairs of candidates (or import pairs from a file)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import State
+
+from storage.checkpoints import load_reward_model
+from storage.importers import import_preferences
+from storage.manifest import StageOutput
+from storage.schemas import PREFERENCES
+from storage.shards import read_table
+from tasks.labelers import CandidatePair, GoldLabeler, Labeler, RewardModelLabeler
+from tasks.runtime import IterationContext, StageResult, run_stage, stage_state
+from tasks.text import load_tokenizer
+
+STAGE = "collect_preferences"
+
+
+def candidate_pairs(candidates: pa.Table) -> list[CandidatePair]:
+    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs."""
+    rows = candidates.sort_by([("prompt_id", "ascending"), ("candidate_index", "ascending")]).to_pylist()
+    pairs = []
+    for first, second in zip(rows[::2], rows[1::2], strict=True):
+        if first["prompt_id"] != second["prompt_id"]:
+            raise ValueError(f"prompt {first['prompt_id']} has an odd number of candidates")
+        pairs.append(
+            CandidatePair(
+                prompt=first["prompt"],
+                first=first["response"],
+                second=second["response"],
+                first_ids=first["prompt_ids"] + first["response_ids"],
+                second_ids=second["prompt_ids"] + second["response_ids"],
+            )
+        )
+    return pairs
+
+
+def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_id: int) -> pa.Table:
+    labels = labeler.label(pairs)
+    chosen = [pair.second if label.winner else pair.first for pair, label in zip(pairs, labels, strict=True)]
+    rejected = [pair.first if label.winner else pair.second for pair, label in zip(pairs, labels, strict=True)]
+    return pa.table(
+        {
+            "pair_id": list(range(first_pair_id, first_pair_id + len(pairs))),
+            "prompt": [pair.prompt for pair in pairs],
+            "chosen": chosen,
+            "rejected": rejected,
+            "margin": [label.margin for label in labels],
+            "labeler": [labeler.name] * len(pairs),
+        },
+        schema=PREFERENCES,
+    )
+
+
+@task(name=STAGE, cache_policy=NO_CACHE)
+def collect_preferences(context: IterationContext, candidates: StageResult, reward_model: StageResult | None) -> State:
+    """Write the ``preferences`` table for this iteration's candidates."""
+    config = context.config
+
+    def produce(out: StageOutput) -> dict[str, float]:
+        if config.labeler == "import":
+            table = import_preferences(config.data.preferences) if context.iteration == 0 else PREFERENCES.empty_table()
+        else:
+            table = labelled_table(
+                candidate_pairs(read_table(candidates.directory, "candidates")),
+                _labeler(context, reward_model),
+                first_pair_id=context.iteration * 1_000_000,
+            )
+        out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=config.sizes.rows_per_shard)
+        ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
+        return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1)}
+
+    slice_ = {
+        "labeler": config.labeler,
+        "preferences_file": str(config.data.preferences) if config.labeler == "import" else None,
+    }
+    upstream = {"candidates": candidates, "reward_model": reward_model if config.labeler == "reward_model" else None}
+    return stage_state(run_stage(context, STAGE, config=slice_, upstream=upstream, produce=produce))
+
+
+def _labeler(context: IterationContext, reward_model: StageResult | None) -> Labeler:
+    if context.config.labeler == "gold":
+        return GoldLabeler()
+    if reward_model is None:
+        raise ValueError(
+            "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
+        )
+    tokenizer = load_tokenizer(context.base.tokenizer_dir)
+    return RewardModelLabeler(
+        load_reward_model(reward_model.directory / "reward_model"), pad_token_id=tokenizer.pad_token_id
+    )

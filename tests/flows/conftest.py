@@ -1,0 +1,52 @@
+"""Flow-test fixtures: one Prefect test server per session, and a Hugging Face checkpoint folder
+saved by the test itself (a tiny random GPT-2 with the demo's word-level tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from demo.corpus import generate_prompts
+from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A temporary Prefect server (its own SQLite database) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
+    """A causal-LM checkpoint folder, training prompts and held-out prompts, as a user would have them."""
+    root = tmp_path_factory.mktemp("hf-world")
+    train, held_out = generate_prompts(48, 16, seed=3)
+    words = sorted(
+        {word for prompt in train + held_out for word in prompt.split()} | {".", "happy", "sad", "warm", "cold"}
+    )
+    tokenizer = build_tokenizer(words)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            pad_token_id=PAD_ID,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+        )
+    )
+    model.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
+        (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}

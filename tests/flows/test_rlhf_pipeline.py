@@ -1,0 +1,101 @@
+"""End to end: the campaign flow on a Hugging Face checkpoint folder saved by the test, under a
+real (temporary) Prefect server, with a real SQLite MLflow store and real Parquet shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.rlhf_pipeline import rlhf_campaign
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+STAGES = [
+    "sample_candidates",
+    "collect_preferences",
+    "train_reward_model",
+    "rollout",
+    "compute_advantages",
+    "ppo_update",
+    "evaluate",
+]
+
+
+@pytest.fixture(scope="module")
+def campaign(prefect_server, checkpoint_world, tmp_path_factory):
+    run_root = tmp_path_factory.mktemp("runs")
+    config = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            f"run_root={run_root}",
+            f"model.policy={checkpoint_world['policy']}",
+            f"data.prompts={checkpoint_world['prompts']}",
+            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+        ],
+    )
+    first = rlhf_campaign(config, return_state=True)
+    return config, first
+
+
+def _mlflow_runs(config):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{config.run_root / config.campaign / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(config.campaign)
+    return client, experiment, client.search_runs([experiment.experiment_id], max_results=1000)
+
+
+def test_campaign_writes_every_stage_and_records_it_in_mlflow(campaign):
+    config, state = campaign
+    assert state.is_completed(), state
+    final = state.result()
+    assert final.policy.stage == "ppo_update" and len(final.preferences) == config.iterations
+
+    client, experiment, runs = _mlflow_runs(config)
+    iterations = [run for run in runs if run.data.tags.get("rlhf.kind") == "iteration"]
+    assert sorted(int(run.data.tags["rlhf.iteration"]) for run in iterations) == list(range(config.iterations))
+    for parent in iterations:
+        assert parent.info.status == "FINISHED"
+        children = [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        stages = {run.data.tags["rlhf.stage"] for run in children}
+        assert set(STAGES) <= stages
+        assert "evaluate/kl_to_reference" in parent.data.metrics
+        assert "ppo_update/approx_kl" in parent.data.metrics
+    stage_runs = [run for run in runs if run.data.tags.get("rlhf.kind") == "stage"]
+    for run in stage_runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["rlhf.input_key"]
+        assert any(a.path == "output" for a in client.list_artifacts(run.info.run_id))
+    rollout_run = next(run for run in stage_runs if run.data.tags["rlhf.stage"] == "rollout")
+    assert rollout_run.inputs.dataset_inputs, "rollout output is logged as an MLflow dataset"
+    for suffix in ("actor", "critic", "reward-model"):
+        version = client.get_model_version_by_alias(f"{config.campaign}-{suffix}", "latest")
+        assert int(version.version) == config.iterations
+
+
+def test_running_again_does_no_work_and_says_so(campaign):
+    config, _ = campaign
+    _, _, runs_before = _mlflow_runs(config)
+    state = rlhf_campaign(config, return_state=True)
+    final = state.result()
+    assert final.policy.reused and final.reward_model.reused
+    _, _, runs_after = _mlflow_runs(config)
+    assert len(runs_after) == len(runs_before), "a second run must not create MLflow runs"
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        iteration_runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id])
+            )
+        )
+        task_runs = [
+            task_run
+            for flow_run in iteration_runs
+            for task_run in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
+        ]
+    stage_states = {task_run.state.name for task_run in task_runs if task_run.name.split("-")[0] in STAGES}
+    assert stage_states == {"Reused"}, stage_states
