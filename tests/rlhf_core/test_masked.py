@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from rlhf_core.masked import masked_mean, masked_var, masked_whiten
 
 EXACT = dict(rtol=0.0, atol=0.0)
-PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomised so that the suite gives the same verdict on every run.
+PROPERTY_SETTINGS = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 # The worked example: valid values 1, 2 and 4; everything else is padding.
 VALUES = torch.tensor([[1.0, 2.0, 30.0], [4.0, -50.0, 60.0]], dtype=torch.float64)
@@ -163,11 +166,16 @@ def test_reductions_equal_the_naive_boolean_index(data):
 @given(masked_tensors())
 def test_whitened_values_have_mean_zero_and_unit_unbiased_variance(data):
     values, _, mask = data
-    assume(float(values[mask].var()) > 1e-3)
-    whitened = masked_whiten(values, mask)
+    variance = float(values[mask].var())
+    assume(variance > 1e-6)
+    whitened = masked_whiten(values, mask, eps=0.0)
     torch.testing.assert_close(whitened[mask].mean(), torch.tensor(0.0, dtype=torch.float64), rtol=0, atol=1e-9)
-    torch.testing.assert_close(whitened[mask].var(), torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(whitened[mask].var(), torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-9)
     assert bool((whitened[~mask] == 0).all())
+    # The default eps = 1e-8 only shrinks the variance to var / (var + eps).
+    default = masked_whiten(values, mask)
+    expected = torch.tensor(variance / (variance + 1e-8), dtype=torch.float64)
+    torch.testing.assert_close(default[mask].var(), expected, rtol=0, atol=1e-9)
 
 
 def test_gradient_of_masked_mean_is_one_over_count_at_valid_positions_and_zero_elsewhere():

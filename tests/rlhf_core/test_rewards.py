@@ -66,7 +66,7 @@ def test_k1_and_k3_expectations_equal_the_exact_kl_of_two_categoricals(seed):
     torch.testing.assert_close(expectation_k2, 0.5 * (p * (log_p - log_q) ** 2).sum(), **TIGHT)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.floats(-30, 30), st.floats(-30, 30))
 def test_k3_and_k2_are_never_negative(logprob, ref_logprob):
     logprobs, ref = torch.tensor([[logprob]], dtype=F64), torch.tensor([[ref_logprob]], dtype=F64)
