@@ -58,12 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
 
+    from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_campaign
 
     rlhf_campaign(config)
-    from flows.report import print_campaign_report
-
-    print_campaign_report(config)
+    print(campaign_report(config))
+    print(
+        f"\nOutputs: {config.run_root / config.campaign}    MLflow: {config.tracking_uri or 'sqlite:///' + str(config.run_root / config.campaign / 'mlflow.db')}"
+    )
     return 0
 
 

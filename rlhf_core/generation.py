@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rlhf_core.config import SamplingConfig
+from rlhf_core.models import evaluating
 from rlhf_core.sequences import position_ids_from_mask
 
 
@@ -56,6 +57,51 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
     return logits
 
 
+def _decode(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    config: SamplingConfig,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    generator: torch.Generator | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The KV-cached decode loop: per step, the sampled token, whether it is an action, its log-prob."""
+    batch = prompt_ids.shape[0]
+    device = prompt_ids.device
+    attention_mask = prompt_mask.long()  # (B, P)
+    positions = position_ids_from_mask(attention_mask)  # (B, P)
+    outputs = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens, logprobs, alive = [], [], []
+    for _ in range(config.max_new_tokens):
+        scaled = outputs.logits[:, -1, :].float() / config.temperature  # (B, V)
+        token_logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
+        probabilities = torch.softmax(filter_logits(scaled, top_k=config.top_k, top_p=config.top_p), dim=-1)
+        token = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)  # (B,)
+        token = token.masked_fill(finished, pad_token_id)
+        is_action = ~finished  # (B,)
+        tokens.append(token)
+        alive.append(is_action)
+        logprobs.append(token_logprobs.gather(1, token.unsqueeze(1)).squeeze(1) * is_action)
+        if eos_token_id is not None:
+            finished = finished | (token == eos_token_id)
+        if bool(finished.all()):
+            break
+        attention_mask = torch.cat([attention_mask, is_action.long().unsqueeze(1)], dim=1)  # (B, P + t + 1)
+        outputs = model(
+            input_ids=token.unsqueeze(1),
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            past_key_values=outputs.past_key_values,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    return tokens, alive, logprobs
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -91,40 +137,16 @@ def generate(
     if not bool(prompt_mask[:, -1].bool().all()):
         # A right-padded row would be continued from the logits of a padding position.
         raise ValueError("`prompt_ids` must be left-padded: the last column of `prompt_mask` must be 1 in every row")
-    was_training = model.training
-    model.eval()
-    batch = prompt_ids.shape[0]
-    device = prompt_ids.device
-    attention_mask = prompt_mask.long()  # (B, P)
-    positions = position_ids_from_mask(attention_mask)  # (B, P)
-    outputs = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
-    next_position = positions[:, -1:] + 1  # (B, 1)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens, logprobs, alive = [], [], []
-    for _ in range(config.max_new_tokens):
-        scaled = outputs.logits[:, -1, :].float() / config.temperature  # (B, V)
-        token_logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
-        probabilities = torch.softmax(filter_logits(scaled, top_k=config.top_k, top_p=config.top_p), dim=-1)
-        token = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)  # (B,)
-        token = token.masked_fill(finished, pad_token_id)
-        is_action = ~finished  # (B,)
-        tokens.append(token)
-        alive.append(is_action)
-        logprobs.append(token_logprobs.gather(1, token.unsqueeze(1)).squeeze(1) * is_action)
-        if eos_token_id is not None:
-            finished = finished | (token == eos_token_id)
-        if bool(finished.all()):
-            break
-        attention_mask = torch.cat([attention_mask, is_action.long().unsqueeze(1)], dim=1)  # (B, P + t + 1)
-        outputs = model(
-            input_ids=token.unsqueeze(1),
-            attention_mask=attention_mask,
-            position_ids=next_position,
-            past_key_values=outputs.past_key_values,
-            use_cache=True,
+    with evaluating(model):
+        tokens, alive, logprobs = _decode(
+            model,
+            prompt_ids,
+            prompt_mask,
+            config=config,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            generator=generator,
         )
-        next_position = next_position + 1
-    model.train(was_training)
     response = torch.stack(tokens, dim=1)  # (B, R)
     action_mask = torch.stack(alive, dim=1)  # (B, R)
     return Generation(

@@ -6,8 +6,9 @@ Choices:
 2. Dropout is off during the update (models in eval mode, gradients on), as in TRL's PPO: the
    probability ratio at the first minibatch is then exactly the rollout's, 1.
 3. Advantages are whitened once over the whole experience, then minibatched.
-4. Early stop: when ``target_kl`` is set, the update stops after the first minibatch whose
-   approximate KL(old || new) exceeds it (OpenAI Spinning Up's rule, without its 1.5 factor).
+4. Early stop: when ``target_kl`` is set, the update stops at the first minibatch whose
+   approximate KL(old || new), measured before its step, exceeds it; that minibatch takes no
+   step (OpenAI Spinning Up's rule, without its 1.5 factor).
 5. Driven through ``accelerate.Accelerator``: pass models and optimizers already ``prepare``d,
    and the same code runs on one CPU or many GPUs under ``accelerate launch``.
 """
@@ -134,10 +135,13 @@ def ppo_update(
     with evaluating(actor, critic):
         for _epoch in range(config.epochs):
             for batch in experience.minibatches(config.minibatch_size, generator=generator):
-                # 1. losses on the current policy and critic
+                # 1. losses on the current policy and critic; stop before stepping past the KL target
                 actor_loss, critic_loss, stats = _minibatch_losses(
                     actor, critic, batch, config, temperature=temperature
                 )
+                if config.target_kl is not None and stats[4].item() > config.target_kl:
+                    early_stopped = True
+                    break
                 # 2. one step for each model, each with its own gradient clip
                 for loss, model, optimizer in (
                     (actor_loss, actor, actor_optimizer),
@@ -147,12 +151,9 @@ def ppo_update(
                     accelerator.backward(loss)
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                     optimizer.step()
-                # 3. bookkeeping and the early stop on KL
+                # 3. bookkeeping
                 totals = [t + s for t, s in zip(totals, stats, strict=True)] if totals else stats
                 steps += 1
-                if config.target_kl is not None and stats[4].item() > config.target_kl:
-                    early_stopped = True
-                    break
             if early_stopped:
                 break
     means = [total / steps for total in totals]

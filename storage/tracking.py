@@ -367,6 +367,27 @@ class Tracker:
 
     # Campaign state and models ----------------------------------------------------------------------
 
+    def iteration_metrics(self, experiment_id: str) -> list[tuple[int, dict[str, float]]]:
+        """``(iteration, latest metrics)`` of every FINISHED iteration run, by iteration; the newest
+        run wins when an iteration was run more than once."""
+        newest: dict[int, tuple[int, dict[str, float]]] = {}
+        token = None
+        while True:
+            page = self._client.search_runs(
+                [experiment_id],
+                filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'",
+                max_results=1000,
+                page_token=token,
+            )
+            for run in page:
+                iteration = int(run.data.tags[TAG_ITERATION])
+                if iteration not in newest or run.info.start_time > newest[iteration][0]:
+                    newest[iteration] = (run.info.start_time, dict(run.data.metrics))
+            token = page.token
+            if not token:
+                break
+        return [(iteration, metrics) for iteration, (_, metrics) in sorted(newest.items())]
+
     def latest_iteration(self, experiment_id: str) -> int | None:
         """The highest ``rlhf.iteration`` among FINISHED iteration runs of the experiment, or None."""
         latest: int | None = None

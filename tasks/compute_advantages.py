@@ -35,7 +35,9 @@ def compute_advantages(context: IterationContext, experience: StageResult, rewar
         )
         out.write_table(
             "scored_experience",
-            experience_to_table(scored, table.column("prompt_id").to_pylist()),
+            experience_to_table(
+                scored, table.column("prompt_id").to_pylist(), first_row=table.column("row")[0].as_py()
+            ),
             schema=SCORED_EXPERIENCE,
             rows_per_shard=config.sizes.rows_per_shard,
         )

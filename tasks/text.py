@@ -16,15 +16,16 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from storage.checkpoints import load_tokenizer as load_saved_tokenizer
 from storage.importers import import_prompts
 
 
 @lru_cache(maxsize=4)
 def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
     """The policy's tokenizer, left-padded, with a pad token (EOS when it has none)."""
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = load_saved_tokenizer(Path(directory))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:

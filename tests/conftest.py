@@ -33,12 +33,23 @@ def tiny_config(arch: str, *, vocab_size: int = TINY_VOCAB, hidden: int = 32, la
     common = dict(vocab_size=vocab_size, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     if arch == "gpt2":
         return GPT2Config(
-            n_positions=128, n_embd=hidden, n_layer=layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            n_positions=128,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
             **common,
         )
     llama_like = dict(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, **common,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        **common,
     )
     if arch == "llama":
         return LlamaConfig(**llama_like)

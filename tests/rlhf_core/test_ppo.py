@@ -142,11 +142,11 @@ def test_step_count_stats_are_finite_and_the_callers_experience_is_untouched():
 
 
 def test_target_kl_stops_early_with_a_huge_learning_rate():
-    # Minibatch 1 is measured before any step (KL ~ 0); after a step with lr = 1 the policy has
-    # moved far, so minibatch 2 exceeds the target and the update stops after it: 2 of 8 steps.
+    # Minibatch 1 is measured before any step (KL ~ 0) and steps; after that step with lr = 1 the
+    # policy has moved far, so minibatch 2 measures a KL above the target and stops before its step.
     stats = update(setup(actor_learning_rate=1.0), PPOConfig(epochs=4, minibatch_size=4, target_kl=0.01))
     assert stats.early_stopped
-    assert stats.optimizer_steps == 2
+    assert stats.optimizer_steps == 1
     no_target = update(setup(actor_learning_rate=1.0), PPOConfig(epochs=4, minibatch_size=4))
     assert not no_target.early_stopped and no_target.optimizer_steps == 8
 
