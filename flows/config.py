@@ -44,11 +44,11 @@ class DataSource(_Frozen):
 class IterationSizes(_Frozen):
     """How much work one iteration does."""
 
-    preference_prompts: int = Field(64, gt=0)
+    preference_prompts: int = Field(256, gt=0)
     """Prompts whose candidates are labelled each iteration."""
-    candidates_per_prompt: int = Field(2, ge=2)
+    candidates_per_prompt: int = Field(4, ge=2)
     """Candidates sampled per preference prompt; consecutive pairs are labelled."""
-    rollout_prompts: int = Field(128, gt=0)
+    rollout_prompts: int = Field(256, gt=0)
     """Prompts rolled out for PPO each iteration."""
     eval_prompts: int = Field(64, gt=0)
     """Held-out prompts evaluated each iteration."""
@@ -57,7 +57,12 @@ class IterationSizes(_Frozen):
 
 
 class PipelineConfig(_Frozen):
-    """Everything one campaign needs; validated once, when a flow starts."""
+    """Everything one campaign needs; validated once, when a flow starts.
+
+    The defaults run the embedded demo: sizes and learning rates were tuned on it (8 iterations,
+    about two minutes on one CPU thread; see configs/demo.yaml). The stage configs' own defaults
+    in ``rlhf_core.config`` are the literature's.
+    """
 
     campaign: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Campaign name: the MLflow experiment and the folder under `run_root`."""
@@ -67,7 +72,7 @@ class PipelineConfig(_Frozen):
     """MLflow tracking URI; None uses SQLite at `<run_root>/mlflow.db`."""
     seed: int = 0
     """Root seed; every stage derives its own from (seed, stage, iteration)."""
-    iterations: int = Field(3, gt=0)
+    iterations: int = Field(8, gt=0)
     """Iterations a campaign runs."""
     torch_threads: int = Field(1, gt=0)
     """torch intra-op threads; one is fastest for small models on a 2-core machine."""
@@ -77,9 +82,9 @@ class PipelineConfig(_Frozen):
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
     sampling: SamplingConfig = SamplingConfig(max_new_tokens=16, temperature=1.0, batch_size=64)
-    reward_model: RewardModelConfig = RewardModelConfig(learning_rate=3e-4, epochs=3, batch_size=32)
+    reward_model: RewardModelConfig = RewardModelConfig(learning_rate=3e-4, epochs=4, batch_size=32)
     advantages: AdvantageConfig = AdvantageConfig(kl_coef=0.05)
-    ppo: PPOConfig = PPOConfig(epochs=4, minibatch_size=16, actor_learning_rate=5e-4, critic_learning_rate=5e-4)
+    ppo: PPOConfig = PPOConfig(epochs=4, minibatch_size=32, actor_learning_rate=2e-4, critic_learning_rate=5e-4)
 
     @field_validator("run_root")
     @classmethod
