@@ -1,6 +1,5 @@
-"""Campaign bookkeeping tasks: resolve the base inputs, open and close an iteration's MLflow run.
-
-These are the flow's own steps around the seven stages; the stages themselves live in ``tasks/``.
+"""The flows' own steps around the seven stages: resolve the base inputs, open and close an
+iteration's MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay it).
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import PipelineConfig
-from tasks.runtime import BaseInputs, IterationContext, StageResult, layout_for, tracker_for, tracking_uri_for
+from tasks.runtime import BaseInputs, IterationContext, StageResult, recorded_result, tracker_of, upstream_result
+
+CONFIG_ARTIFACT = "config.json"
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class IterationState:
 
 
 def _file_fingerprint(path: Path) -> str:
-    """sha256 of a file, or of a folder's file names, sizes and small-file contents."""
+    """sha256 of a file, or of a folder's file names, sizes and (for files under 64 MiB) contents."""
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
@@ -75,31 +76,29 @@ def _flow_run_id() -> str | None:
         return None
 
 
-@task(name="open_iteration", cache_policy=NO_CACHE)
-def open_iteration(
-    config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None
+def _open_run(
+    config: PipelineConfig, iteration: int, base: BaseInputs, *, key_parts: list, name: str, tags: dict[str, str]
 ) -> IterationContext:
-    """The iteration's MLflow parent run: the finished one for these exact inputs, or a new one."""
-    layout = layout_for(config)
-    tracker = tracker_for(tracking_uri_for(config), str(layout.artifact_root()))
+    """The finished-or-crashed MLflow run for exactly these inputs, or a new one, as a context."""
+    tracker = tracker_of(config)
     experiment_id = tracker.experiment_id(config.campaign)
-    previous = "" if state is None else state.policy.digest
-    iteration_key = hashlib.sha256(
-        json.dumps([config.model_dump(mode="json"), base.fingerprint, previous, iteration]).encode()
+    run_key = hashlib.sha256(
+        json.dumps([config.model_dump(mode="json"), base.fingerprint, *key_parts]).encode()
     ).hexdigest()
-    tags = {
-        "rlhf.campaign": config.campaign,
-        "rlhf.iteration": str(iteration),
-        "rlhf.kind": "iteration",
-        "rlhf.iteration_key": iteration_key,
-    }
-    parent = tracker.find_run(experiment_id, tags={"rlhf.iteration_key": iteration_key})
+    parent = tracker.find_run(experiment_id, tags={"rlhf.iteration_key": run_key})
     flow_run_id = _flow_run_id()
     if parent is None:
+        all_tags = {
+            "rlhf.campaign": config.campaign,
+            "rlhf.iteration": str(iteration),
+            "rlhf.iteration_key": run_key,
+            **tags,
+        }
         parent = tracker.start_run(
-            experiment_id, name=f"iteration-{iteration}", tags={**tags, "prefect.flow_run_id": flow_run_id or ""}
+            experiment_id, name=name, tags={**all_tags, "prefect.flow_run_id": flow_run_id or ""}
         )
         tracker.log_params(parent, config.model_dump(mode="json"))
+        tracker.log_text(parent, config.model_dump_json(indent=2), CONFIG_ARTIFACT)
     return IterationContext(
         config=config,
         iteration=iteration,
@@ -107,28 +106,58 @@ def open_iteration(
         experiment_id=experiment_id,
         parent_run_id=parent,
         flow_run_id=flow_run_id,
+        register_models=tags["rlhf.kind"] == "iteration",
+    )
+
+
+@task(name="open_iteration", cache_policy=NO_CACHE)
+def open_iteration(
+    config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None
+) -> IterationContext:
+    """The iteration's MLflow parent run: the one for these exact inputs if it exists, or a new one."""
+    previous = "" if state is None else state.policy.digest
+    return _open_run(
+        config,
+        iteration,
+        base,
+        key_parts=[previous, iteration],
+        name=f"iteration-{iteration}",
+        tags={"rlhf.kind": "iteration"},
+    )
+
+
+@task(name="open_replay", cache_policy=NO_CACHE)
+def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) -> IterationContext:
+    """A new run tagged with the iteration run it replays (the same one again for the same settings)."""
+    iteration = int(tracker_of(config).run_tags(source_run_id)["rlhf.iteration"])
+    tags = {"rlhf.kind": "replay", "rlhf.replay_of": source_run_id}
+    return _open_run(
+        config, iteration, base, key_parts=["replay", source_run_id], name=f"replay-of-iteration-{iteration}", tags=tags
     )
 
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
 def close_iteration(context: IterationContext, stages: list[StageResult], state: IterationState) -> IterationState:
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact."""
-    tracker = tracker_for(tracking_uri_for(context.config), str(context.layout.artifact_root()))
+    tracker = tracker_of(context.config)
     metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
     tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration)
     tracker.end_run(context.parent_run_id)
+    kind = tracker.run_tags(context.parent_run_id).get("rlhf.kind", "iteration")
     create_markdown_artifact(
-        key=f"{context.config.campaign.lower().replace('_', '-').replace('.', '-')}-iteration-{context.iteration}",
-        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id)),
-        description=f"RLHF iteration {context.iteration} of campaign {context.config.campaign}",
+        key=f"{context.config.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
+        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind),
+        description=f"RLHF {kind} {context.iteration} of campaign {context.config.campaign}",
     )
     return state
 
 
-def iteration_summary(context: IterationContext, stages: list[StageResult], run_url: str) -> str:
+def iteration_summary(
+    context: IterationContext, stages: list[StageResult], run_url: str, *, kind: str = "iteration"
+) -> str:
     """Markdown: one row per stage (ran or reused, headline metrics), and the MLflow link."""
     lines = [
-        f"# Campaign `{context.config.campaign}`, iteration {context.iteration}",
+        f"# Campaign `{context.config.campaign}`, {kind} {context.iteration}",
         "",
         f"MLflow run: [{context.parent_run_id}]({run_url})",
         "",
@@ -139,3 +168,61 @@ def iteration_summary(context: IterationContext, stages: list[StageResult], run_
         shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(result.metrics.items()))
         lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {shown} |")
     return "\n".join(lines) + "\n"
+
+
+def _stage_run(context: IterationContext, parent_run_id: str, stage: str) -> str:
+    run_id = context_tracker_find(context, {"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage})
+    if run_id is None:
+        raise LookupError(f"run {parent_run_id} has no finished {stage!r} stage run")
+    return run_id
+
+
+def context_tracker_find(context: IterationContext, tags: dict[str, str]) -> str | None:
+    return tracker_of(context.config).find_run(context.experiment_id, tags=tags, status="FINISHED")
+
+
+@task(name="load_replay_inputs", cache_policy=NO_CACHE)
+def load_replay_inputs(context: IterationContext, source_run_id: str) -> tuple[StageResult, StageResult, StageResult]:
+    """The source iteration's experience, the policy it was rolled out with, and its reward model."""
+    experience = recorded_result(context, _stage_run(context, source_run_id, "rollout"))
+    return (
+        experience,
+        upstream_result(context, experience, "policy"),
+        upstream_result(context, experience, "reward_model"),
+    )
+
+
+def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
+    """The config an iteration run was made with (stored beside it as ``config.json``)."""
+    return PipelineConfig.model_validate_json(tracker_of(config).load_text(source_run_id, CONFIG_ARTIFACT))
+
+
+@task(name="load_latest_state", cache_policy=NO_CACHE)
+def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, IterationState | None]:
+    """Where a campaign stands in MLflow: the next iteration to run and the state to run it from.
+
+    The state comes from the newest finished iteration run: its PPO output (actor and critic), its
+    reward model, and every preference table that reward model was trained on.
+    """
+    tracker = tracker_of(config)
+    experiment_id = tracker.experiment_id(config.campaign)
+    latest = tracker.latest_iteration(experiment_id)
+    if latest is None:
+        return 0, None
+    context = IterationContext(
+        config=config, iteration=latest, base=base, experiment_id=experiment_id, parent_run_id=None, flow_run_id=None
+    )
+    parent = tracker.find_run(
+        experiment_id, tags={"rlhf.kind": "iteration", "rlhf.iteration": str(latest)}, status="FINISHED"
+    )
+    policy = recorded_result(context, _stage_run(context, parent, "ppo_update"))
+    reward_model = recorded_result(context, _stage_run(context, parent, "train_reward_model"))
+    names = sorted(read_upstream_names(reward_model, prefix="preferences_"), key=lambda name: int(name.split("_")[1]))
+    preferences = tuple(upstream_result(context, reward_model, name) for name in names)
+    return latest + 1, IterationState(policy=policy, reward_model=reward_model, preferences=preferences)
+
+
+def read_upstream_names(result: StageResult, *, prefix: str) -> list[str]:
+    from storage.manifest import read_manifest
+
+    return [name for name in read_manifest(result.directory, verify=False).upstream if name.startswith(prefix)]

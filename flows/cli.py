@@ -1,7 +1,10 @@
-"""The ``rlhf`` command line.
+"""The ``rlhf`` command line (``rlhf COMMAND --help`` documents each command).
 
-rlhf run [--config FILE] [--set section.field=value ...]   run a campaign
-rlhf config [--config FILE] [--set ...]                    print the resolved config as YAML
+rlhf run       run a campaign: config.iterations iterations (finished stages are reused)
+rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
+rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
+rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf config    print the resolved config as YAML
 """
 
 from __future__ import annotations
@@ -33,11 +36,28 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rlhf", description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow."
+        prog="rlhf",
+        description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
+        epilog="With no --config, the built-in defaults run the embedded demo.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a campaign (every finished stage is reused)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
     _add_config_arguments(run)
+    iterate = commands.add_parser("iterate", help="run one more iteration from the campaign's latest state")
+    _add_config_arguments(iterate)
+    replay = commands.add_parser(
+        "replay",
+        help="re-run rewards/KL/GAE, PPO update and evaluation of a recorded iteration with new settings (no generation)",
+        description="Only advantages.*, ppo.*, sizes.eval_prompts and torch_threads may differ from the source run.",
+    )
+    replay.add_argument("source", help="an MLflow iteration run id, or CAMPAIGN:ITERATION")
+    _add_config_arguments(replay)
+    compare = commands.add_parser("compare", help="print metrics of several runs or campaigns side by side")
+    compare.add_argument(
+        "runs", nargs="+", help="MLflow run ids, CAMPAIGN:ITERATION, or CAMPAIGN (its latest iteration)"
+    )
+    compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
+    _add_config_arguments(compare)
     show = commands.add_parser("config", help="print the resolved config as YAML and exit")
     _add_config_arguments(show)
     return parser
@@ -45,28 +65,64 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-    import yaml
-
     from flows.config import ConfigError, load_config
 
     try:
         config = load_config(arguments.config, arguments.overrides)
-    except ConfigError as error:
+        return _COMMANDS[arguments.command](config, arguments)
+    except (ConfigError, LookupError, FileNotFoundError) as error:
         print(f"rlhf: {error}", file=sys.stderr)
         return 2
-    if arguments.command == "config":
-        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
 
+
+def _run(config, arguments) -> int:
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_campaign
 
     rlhf_campaign(config)
     print(campaign_report(config))
-    print(
-        f"\nOutputs: {config.run_root / config.campaign}    MLflow: {config.tracking_uri or 'sqlite:///' + str(config.run_root / config.campaign / 'mlflow.db')}"
-    )
+    print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0
+
+
+def _iterate(config, arguments) -> int:
+    from flows.report import campaign_report
+    from flows.rlhf_pipeline import rlhf_iteration
+
+    rlhf_iteration(config)
+    print(campaign_report(config))
+    return 0
+
+
+def _replay(config, arguments) -> int:
+    from flows.replay import replay_config, resolve_run
+    from flows.report import compare_report
+    from flows.rlhf_pipeline import rlhf_replay
+
+    source_run_id = resolve_run(config, arguments.source)
+    replay = replay_config(config, source_run_id, arguments.overrides)
+    replay_run_id = rlhf_replay(replay, source_run_id)
+    print(compare_report(config, [source_run_id, replay_run_id]))
+    return 0
+
+
+def _compare(config, arguments) -> int:
+    from flows.replay import resolve_run
+    from flows.report import compare_report
+
+    metrics = arguments.metrics.split(",") if arguments.metrics else None
+    print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))
+    return 0
+
+
+def _config(config, arguments) -> int:
+    import yaml
+
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+_COMMANDS = {"run": _run, "iterate": _iterate, "replay": _replay, "compare": _compare, "config": _config}
 
 
 if __name__ == "__main__":

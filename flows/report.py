@@ -1,11 +1,17 @@
-"""A terminal report of a campaign: one row per iteration, read back from MLflow."""
+"""Terminal reports read back from MLflow: a campaign's iterations, and runs side by side.
+
+Metric names are the same in every run (``stage/metric``), so each table here is also a
+comparison the MLflow UI can draw.
+"""
 
 from __future__ import annotations
 
-from flows.config import PipelineConfig
-from tasks.runtime import layout_for, tracker_for, tracking_uri_for
+from collections.abc import Sequence
 
-REPORT_COLUMNS = {
+from flows.config import PipelineConfig
+from tasks.runtime import tracker_of
+
+HEADLINE_METRICS = {
     "evaluate/gold_win_rate": "gold win rate",
     "evaluate/gold_mean": "gold",
     "evaluate/reference_gold_mean": "gold (initial)",
@@ -16,17 +22,40 @@ REPORT_COLUMNS = {
 }
 
 
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+
+
+def _cell(metrics: dict[str, float], name: str) -> str:
+    return f"{metrics[name]:.4g}" if name in metrics else "-"
+
+
 def campaign_report(config: PipelineConfig) -> str:
-    """A fixed-width table of the headline metrics of every finished iteration of the campaign."""
-    tracker = tracker_for(tracking_uri_for(config), str(layout_for(config).artifact_root()))
+    """One row per finished iteration of the campaign, headline metrics as columns."""
+    tracker = tracker_of(config)
     rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
-    columns = [name for name in REPORT_COLUMNS if any(name in metrics for _, metrics in rows)]
-    header = ["iteration", *(REPORT_COLUMNS[name] for name in columns)]
-    body = [
-        [str(iteration), *(f"{metrics[name]:.3f}" if name in metrics else "-" for name in columns)]
-        for iteration, metrics in rows
-    ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in [header, *body]
+    columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
+    header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
+    return _table(
+        [header, *([str(iteration), *(_cell(metrics, name) for name in columns)] for iteration, metrics in rows)]
     )
+
+
+def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: Sequence[str] | None = None) -> str:
+    """Metrics as rows, runs as columns; the first rows say what each run is."""
+    tracker = tracker_of(config)
+    tags = [tracker.run_tags(run_id) for run_id in run_ids]
+    values = [tracker.run_metrics(run_id) for run_id in run_ids]
+    names = list(metrics) if metrics else [name for name in HEADLINE_METRICS if any(name in v for v in values)]
+    unknown = [name for name in names if not any(name in v for v in values)]
+    if unknown:
+        raise LookupError(f"no run has the metric(s) {', '.join(unknown)}")
+    rows = [
+        ["run", *(run_id[:12] for run_id in run_ids)],
+        ["campaign", *(t.get("rlhf.campaign", "-") for t in tags)],
+        ["kind", *(t.get("rlhf.kind", "-") for t in tags)],
+        ["iteration", *(t.get("rlhf.iteration", "-") for t in tags)],
+        *([name, *(_cell(v, name) for v in values)] for name in names),
+    ]
+    return _table(rows)

@@ -1,4 +1,5 @@
-"""The RLHF flows: one iteration is seven stages; a campaign is N iterations.
+"""The RLHF flows: one iteration is seven stages; a campaign is N iterations; a replay re-runs
+stages 5-7 of a recorded iteration from its saved experience with new settings.
 
 Every stage is reused when its output for the same inputs already exists, so running a flow
 again does no work, and a crashed run continues from its first unfinished stage.
@@ -8,7 +9,15 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.campaign import IterationState, close_iteration, open_iteration, resolve_base
+from flows.campaign import (
+    IterationState,
+    close_iteration,
+    load_latest_state,
+    load_replay_inputs,
+    open_iteration,
+    open_replay,
+    resolve_base,
+)
 from flows.config import PipelineConfig
 from tasks import (
     collect_preferences,
@@ -23,9 +32,13 @@ from tasks import (
 
 
 @flow(name="rlhf-iteration")
-def rlhf_iteration(config: PipelineConfig, iteration: int = 0, state: IterationState | None = None) -> IterationState:
-    """One RLHF iteration; starts from the initial policy when ``state`` is None."""
+def rlhf_iteration(
+    config: PipelineConfig, iteration: int | None = None, state: IterationState | None = None
+) -> IterationState:
+    """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration."""
     base = resolve_base(config)
+    if iteration is None:
+        iteration, state = load_latest_state(config, base)
     context = open_iteration(config, iteration, base, state)
     state = state or IterationState(policy=initialize(context).result())
     candidates = sample_candidates(context, state.policy).result()
@@ -46,3 +59,19 @@ def rlhf_campaign(config: PipelineConfig) -> IterationState:
     for iteration in range(config.iterations):
         state = rlhf_iteration(config, iteration, state)
     return state
+
+
+@flow(name="rlhf-replay")
+def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
+    """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
+
+    Returns the replay's MLflow run id (tagged ``rlhf.replay_of`` = ``source_run_id``).
+    """
+    base = resolve_base(config)
+    context = open_replay(config, source_run_id, base)
+    experience, policy, reward_model = load_replay_inputs(context, source_run_id)
+    scored = compute_advantages(context, experience, reward_model).result()
+    new_policy = ppo_update(context, policy, scored).result()
+    evaluation = evaluate(context, new_policy, reward_model).result()
+    close_iteration(context, [scored, new_policy, evaluation], IterationState(new_policy, reward_model))
+    return context.parent_run_id

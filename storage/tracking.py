@@ -31,6 +31,7 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -239,6 +240,23 @@ class Tracker:
         """Mark a run terminated with ``status`` (FINISHED, FAILED or KILLED)."""
         RunStatus.from_string(status)
         self._client.set_terminated(run_id, status=status)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        """Store a small text artifact (e.g. the run's full config as JSON)."""
+        self._client.log_text(run_id, text, artifact_file)
+
+    def load_text(self, run_id: str, artifact_file: str) -> str:
+        """Read back a text artifact stored with :meth:`log_text`."""
+        with tempfile.TemporaryDirectory() as scratch:
+            return Path(self._client.download_artifacts(run_id, artifact_file, dst_path=scratch)).read_text()
+
+    def run_tags(self, run_id: str) -> dict[str, str]:
+        """All tags of a run (``rlhf.*``, ``mlflow.parentRunId``, ...)."""
+        return dict(self._client.get_run(run_id).data.tags)
+
+    def run_metrics(self, run_id: str) -> dict[str, float]:
+        """The latest value of every metric of a run."""
+        return dict(self._client.get_run(run_id).data.metrics)
 
     def find_run(self, experiment_id: str, *, tags: Mapping[str, str], status: str | None = None) -> str | None:
         """The newest run (by start time) carrying every tag in ``tags``, optionally with ``status``; None if none.

@@ -67,6 +67,8 @@ class IterationContext:
     experiment_id: str
     parent_run_id: str | None
     flow_run_id: str | None
+    register_models: bool = True
+    """Register new actor, critic and reward-model versions in MLflow (off for replays)."""
 
     @property
     def layout(self) -> RunLayout:
@@ -83,8 +85,17 @@ def layout_for(config: PipelineConfig) -> RunLayout:
     return RunLayout(root=config.run_root / config.campaign)
 
 
+def store_layout_for(config: PipelineConfig) -> RunLayout:
+    """The layout of ``run_root`` itself: one MLflow store for every campaign under it."""
+    return RunLayout(root=config.run_root)
+
+
 def tracking_uri_for(config: PipelineConfig) -> str:
-    return config.tracking_uri or layout_for(config).tracking_uri()
+    return config.tracking_uri or store_layout_for(config).tracking_uri()
+
+
+def tracker_of(config: PipelineConfig) -> Tracker:
+    return tracker_for(tracking_uri_for(config), str(store_layout_for(config).artifact_root()))
 
 
 @lru_cache(maxsize=4)
@@ -94,7 +105,7 @@ def tracker_for(tracking_uri: str, artifact_root: str) -> Tracker:
 
 
 def context_tracker(context: IterationContext) -> Tracker:
-    return tracker_for(tracking_uri_for(context.config), str(context.layout.artifact_root()))
+    return tracker_of(context.config)
 
 
 def stage_seed(seed: int, stage: str, iteration: int) -> int:
@@ -198,9 +209,41 @@ def _record_stage(
         run_id, {f"{stage}/{name}": value for name, value in manifest.metrics.items()}, step=context.iteration
     )
     tracker.log_stage_output(run_id, stage_dir, manifest)
-    for suffix, subfolder in (register or {}).items():
+    for suffix, subfolder in (register or {}).items() if context.register_models else ():
         tracker.register_model(
             run_id, name=f"{context.config.campaign}-{suffix}", artifact_subpath=f"output/{subfolder}"
         )
     tracker.end_run(run_id)
     return run_id
+
+
+def recorded_result(context: IterationContext, run_id: str) -> StageResult:
+    """The output of a stage run recorded in MLflow, downloaded into the run folder if it is not there."""
+    tracker = context_tracker(context)
+    tags = tracker.run_tags(run_id)
+    stage, input_key = tags["rlhf.stage"], tags["rlhf.input_key"]
+    stage_dir = context.layout.stage_dir(stage, input_key)
+    manifest = find_stage_output(stage_dir, input_key)
+    if manifest is None:
+        tracker.download_stage_output(run_id, stage_dir)
+        manifest = read_manifest(stage_dir)
+    return StageResult(
+        stage=stage,
+        path=str(stage_dir),
+        input_key=input_key,
+        digest=manifest.digest,
+        reused=True,
+        run_id=run_id,
+        metrics=dict(manifest.metrics),
+    )
+
+
+def upstream_result(context: IterationContext, result: StageResult, name: str) -> StageResult:
+    """The recorded output that ``result`` names as its upstream ``name`` (found by manifest digest)."""
+    digest = read_manifest(result.directory, verify=False).upstream[name]
+    run_id = context_tracker(context).find_run(
+        context.experiment_id, tags={"rlhf.manifest_digest": digest}, status="FINISHED"
+    )
+    if run_id is None:
+        raise LookupError(f"no finished stage run in MLflow holds the {name!r} output {digest[:16]} of {result.stage}")
+    return recorded_result(context, run_id)

@@ -41,7 +41,7 @@ def campaign(prefect_server, checkpoint_world, tmp_path_factory):
 def _mlflow_runs(config):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{config.run_root / config.campaign / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{config.run_root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name(config.campaign)
     return client, experiment, client.search_runs([experiment.experiment_id], max_results=1000)
 

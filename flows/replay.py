@@ -1,0 +1,68 @@
+"""Finding recorded runs and building a replay's config.
+
+A replay takes the config its source iteration was run with (stored beside the run as
+``config.json``) and changes only what can change without generating again: the advantage
+settings, the PPO settings, how many held-out prompts evaluation uses, and the thread count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows.campaign import source_config
+from flows.config import ConfigError, PipelineConfig, _set_dotted, parse_override
+from tasks.runtime import tracker_of
+
+REPLAYABLE = ("advantages.", "ppo.", "sizes.eval_prompts", "torch_threads")
+"""Config fields a replay may change (prefixes)."""
+LOCATION = ("run_root", "tracking_uri")
+"""Fields that say where the store is; taken from the command line, not the source run."""
+
+
+def resolve_run(config: PipelineConfig, name: str) -> str:
+    """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration)."""
+    tracker = tracker_of(config)
+    campaign, _, iteration = name.partition(":")
+    try:
+        experiment_id = tracker.experiment_id(campaign) if tracker.client.get_experiment_by_name(campaign) else None
+    except ValueError:
+        experiment_id = None
+    if experiment_id is None:
+        if ":" in name:
+            raise LookupError(f"no campaign {campaign!r} in the MLflow store {tracker.tracking_uri}")
+        try:
+            tracker.run_tags(name)
+        except Exception as error:  # noqa: BLE001 - MLflow raises its own exception type for a missing run
+            raise LookupError(f"{name!r} is neither a campaign nor a run id in {tracker.tracking_uri}") from error
+        return name
+    if not iteration:
+        latest = tracker.latest_iteration(experiment_id)
+        if latest is None:
+            raise LookupError(f"campaign {campaign!r} has no finished iteration")
+        iteration = str(latest)
+    run_id = tracker.find_run(
+        experiment_id, tags={"rlhf.kind": "iteration", "rlhf.iteration": iteration}, status="FINISHED"
+    )
+    if run_id is None:
+        raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
+    return run_id
+
+
+def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[str]) -> PipelineConfig:
+    """The source run's config with ``overrides`` applied; refuses changes a replay cannot honour."""
+    tree: dict[str, Any] = source_config(config, source_run_id).model_dump(mode="json")
+    for field in LOCATION:
+        tree[field] = getattr(config, field) if field != "run_root" else str(config.run_root)
+    for text in overrides:
+        key, value = parse_override(text)
+        if key in LOCATION:
+            continue
+        if not key.startswith(REPLAYABLE):
+            raise ConfigError(
+                f"a replay cannot change `{key}`: only {', '.join(REPLAYABLE)} (everything else needs new rollouts)"
+            )
+        _set_dotted(tree, key, value)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValueError as error:
+        raise ConfigError(f"replay config is invalid:\n{error}") from error
