@@ -19,6 +19,7 @@ from flows.campaign import (
     resolve_base,
 )
 from flows.config import PipelineConfig
+from storage.locks import exclusive_lock
 from tasks import (
     collect_preferences,
     compute_advantages,
@@ -29,13 +30,22 @@ from tasks import (
     sample_candidates,
     train_reward_model,
 )
+from tasks.runtime import layout_for
 
 
 @flow(name="rlhf-iteration")
 def rlhf_iteration(
     config: PipelineConfig, iteration: int | None = None, state: IterationState | None = None
 ) -> IterationState:
-    """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration."""
+    """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
+
+    Holds the campaign's lock throughout, so two iterations of one campaign never run at once.
+    """
+    with exclusive_lock(layout_for(config).lock_file()):
+        return _iteration(config, iteration, state)
+
+
+def _iteration(config: PipelineConfig, iteration: int | None, state: IterationState | None) -> IterationState:
     base = resolve_base(config)
     if iteration is None:
         iteration, state = load_latest_state(config, base)

@@ -54,6 +54,10 @@ class RunLayout:
         """Scratch space, e.g. stage outputs downloaded from MLflow for resume or replay."""
         return self.root / "cache"
 
+    def lock_file(self) -> Path:
+        """The file whose lock a running iteration holds, so two never run at once."""
+        return self.root / ".lock"
+
     def tracking_uri(self) -> str:
         """The MLflow tracking URI of the SQLite store: ``sqlite:///<root>/mlflow.db``."""
         return f"sqlite:///{self.mlflow_db()}"
