@@ -15,6 +15,7 @@ Choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -41,6 +42,18 @@ class PPOStats(NamedTuple):
     explained_variance: torch.Tensor
     optimizer_steps: int
     early_stopped: bool
+
+
+class PPOProgress(NamedTuple):
+    """Where an update stands after a whole epoch: enough to continue it exactly after a crash.
+
+    ``totals`` are the running sums of the per-step statistics (policy loss, value loss, clip
+    fraction, value clip fraction, approximate KL, entropy), as floats.
+    """
+
+    epochs_done: int
+    totals: tuple[float, ...]
+    optimizer_steps: int
 
 
 @torch.no_grad()
@@ -105,6 +118,8 @@ def ppo_update(
     accelerator: Accelerator,
     temperature: float,
     generator: torch.Generator | None = None,
+    resume: PPOProgress | None = None,
+    on_epoch_end: Callable[[PPOProgress], None] | None = None,
 ) -> PPOStats:
     """``config.epochs`` passes of minibatch PPO over ``experience``.
 
@@ -116,6 +131,10 @@ def ppo_update(
         accelerator: drives backward passes and gradient clipping.
         temperature: the sampling temperature the rollout used (log-probs must match it).
         generator: random stream for minibatch shuffling.
+        resume: continue after ``resume.epochs_done`` epochs; the caller restores the models,
+            optimizers and ``generator`` state saved at that point.
+        on_epoch_end: called after every whole epoch (not after an early stop), e.g. to save a
+            checkpoint with the models, optimizers and ``generator`` state.
 
     Returns:
         :class:`PPOStats` averaged over the optimizer steps taken.
@@ -129,11 +148,11 @@ def ppo_update(
     experience = experience.replace(advantages=advantages)
     variance_explained = explained_variance(experience.values, experience.returns, experience.action_mask)
 
-    totals: list[torch.Tensor] = []
-    steps = 0
+    totals = [torch.tensor(value) for value in resume.totals] if resume else []
+    steps = resume.optimizer_steps if resume else 0
     early_stopped = False
     with evaluating(actor, critic):
-        for _epoch in range(config.epochs):
+        for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             for batch in experience.minibatches(config.minibatch_size, generator=generator):
                 # 1. losses on the current policy and critic; stop before stepping past the KL target
                 actor_loss, critic_loss, stats = _minibatch_losses(
@@ -156,5 +175,9 @@ def ppo_update(
                 steps += 1
             if early_stopped:
                 break
+            if on_epoch_end is not None:
+                on_epoch_end(PPOProgress(epoch + 1, tuple(float(total) for total in totals), steps))
+    if steps == 0:
+        raise ValueError("the update took no optimizer step (`target_kl` exceeded before the first step)")
     means = [total / steps for total in totals]
     return PPOStats(*means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)

@@ -155,6 +155,7 @@ def save_training_state(
     scheduler: Any | None = None,
     step: int,
     extra: dict[str, Any] | None = None,
+    rng: bool = True,
 ) -> Path:
     """Save what training needs to continue exactly: optimizer, scheduler, RNG states, step.
 
@@ -164,6 +165,9 @@ def save_training_state(
         scheduler: an LR scheduler; its ``state_dict()`` is saved when given.
         step: the number of optimizer steps taken so far.
         extra: JSON-serialisable values to keep beside ``step`` (e.g. the KL controller's coefficient).
+        rng: save the global RNG states (torch, python, numpy). Training whose only randomness is
+            an explicit ``torch.Generator`` saves that instead and passes False, so the saved
+            bytes do not depend on whatever else ran in the process before.
 
     Returns:
         ``directory``.
@@ -174,7 +178,8 @@ def save_training_state(
         torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
     if scheduler is not None:
         torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
-    torch.save(_rng_state(), directory / RNG_FILE)
+    if rng:
+        torch.save(_rng_state(), directory / RNG_FILE)
     trainer_state = {"step": int(step), "extra": dict(extra or {})}
     (directory / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
     return directory
@@ -211,5 +216,6 @@ def load_training_state(
         optimizer.load_state_dict(_load(directory / OPTIMIZER_FILE))
     if scheduler is not None:
         scheduler.load_state_dict(_load(directory / SCHEDULER_FILE))
-    _set_rng_state(_load(directory / RNG_FILE))
+    if (directory / RNG_FILE).is_file():
+        _set_rng_state(_load(directory / RNG_FILE))
     return {"step": int(trainer_state["step"]), "extra": dict(trainer_state["extra"])}

@@ -7,9 +7,12 @@ Choices:
 2. ``input_key`` is the sha256 of the canonical JSON of the stage name, its config slice, its
    upstream manifests' digests, ``SCHEMA_VERSION`` and this package's version. Equal inputs give
    equal keys whatever the dict order; any change gives a new key (and so a new folder).
-3. The manifest stores a sha256 of its own canonical body (``manifest_sha256``). That is also
-   its :attr:`Manifest.digest`, the value downstream stages put in their ``upstream``, so an
-   edited manifest is caught as surely as an edited shard.
+3. The manifest stores a sha256 of its own canonical body (``manifest_sha256``), so an edited
+   manifest is caught as surely as an edited shard. Its :attr:`Manifest.digest`, the value
+   downstream stages put in their ``upstream``, covers only the content's identity (stage, input
+   key, schema version, files), so a re-run that produces the same bytes has the same digest and
+   everything downstream keeps its input keys: that is what lets a resumed run equal one that
+   never crashed.
 4. :class:`StageOutput` makes a whole stage output atomic: everything is written into a hidden
    sibling folder that is renamed into place only after the manifest is written, so a folder
    under its real name is always complete. Existing outputs are never replaced.
@@ -160,12 +163,25 @@ class Manifest:
 
     @property
     def digest(self) -> str:
-        """sha256 of the canonical JSON body: the value downstream stages record as ``upstream``."""
+        """The content's identity: sha256 of the stage, input key, schema version and every file's
+        hash. Downstream stages record it as ``upstream``. Timing metrics and the creation time are
+        left out, so the same inputs always give the same digest, in any run on any machine."""
+        identity = {
+            "stage": self.stage,
+            "input_key": self.input_key,
+            "schema_version": self.schema_version,
+            "files": [entry.to_dict() for entry in self.files],
+        }
+        return _sha256_text(canonical_json(identity))
+
+    @property
+    def checksum(self) -> str:
+        """sha256 of the whole canonical JSON body: detects any edit of the manifest itself."""
         return _sha256_text(canonical_json(self.to_dict()))
 
     def to_json(self) -> str:
-        """Pretty JSON of the body plus ``manifest_sha256`` (= :attr:`digest`)."""
-        return json.dumps({**self.to_dict(), _CHECKSUM_KEY: self.digest}, indent=2, sort_keys=True) + "\n"
+        """Pretty JSON of the body plus ``manifest_sha256`` (= :attr:`checksum`)."""
+        return json.dumps({**self.to_dict(), _CHECKSUM_KEY: self.checksum}, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -192,8 +208,8 @@ class Manifest:
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed `files` entry: {error!r}") from error
         manifest = cls(**{**raw, "files": files})
-        if checksum != manifest.digest:
-            raise ValueError(f"`{_CHECKSUM_KEY}` {checksum!r} does not match the manifest body ({manifest.digest})")
+        if checksum != manifest.checksum:
+            raise ValueError(f"`{_CHECKSUM_KEY}` {checksum!r} does not match the manifest body ({manifest.checksum})")
         return manifest
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -170,3 +171,47 @@ def test_explained_variance_by_hand():
     torch.testing.assert_close(
         explained_variance(torch.zeros_like(returns), returns, mask), torch.tensor(0.0, dtype=torch.float64)
     )
+
+
+def test_resuming_after_an_epoch_gives_exactly_the_uninterrupted_update():
+    config = PPOConfig(epochs=3, minibatch_size=3)
+    uninterrupted = setup()
+    expected = update(uninterrupted, config)
+
+    # Run again, snapshot everything at the end of epoch 1, then "crash" and resume from the snapshot.
+    parts = setup()
+    _, actor, critic, actor_optimizer, critic_optimizer, experience = parts
+    generator = torch.Generator().manual_seed(0)
+    snapshots = {}
+
+    def snapshot(progress):
+        if progress.epochs_done == 1:
+            snapshots["progress"] = progress
+            snapshots["generator"] = generator.get_state()
+            snapshots["models"] = [copy.deepcopy(m.state_dict()) for m in (actor, critic)]
+            snapshots["optimizers"] = [copy.deepcopy(o.state_dict()) for o in (actor_optimizer, critic_optimizer)]
+
+    ppo_update(
+        *parts[1:], config, accelerator=parts[0], temperature=TEMPERATURE, generator=generator, on_epoch_end=snapshot
+    )
+    resumed_parts = setup()
+    accelerator, actor, critic, actor_optimizer, critic_optimizer, experience = resumed_parts
+    for model, state in zip((actor, critic), snapshots["models"], strict=True):
+        model.load_state_dict(state)
+    for optimizer, state in zip((actor_optimizer, critic_optimizer), snapshots["optimizers"], strict=True):
+        optimizer.load_state_dict(state)
+    resumed_generator = torch.Generator()
+    resumed_generator.set_state(snapshots["generator"])
+    resumed = ppo_update(
+        actor, critic, actor_optimizer, critic_optimizer, experience, config,
+        accelerator=accelerator, temperature=TEMPERATURE, generator=resumed_generator, resume=snapshots["progress"],
+    )  # fmt: skip
+
+    assert resumed.optimizer_steps == expected.optimizer_steps == 9
+    for name in ("policy_loss", "value_loss", "approx_kl", "entropy"):
+        torch.testing.assert_close(getattr(resumed, name), getattr(expected, name), rtol=0, atol=0)
+    for resumed_model, expected_model in ((actor, uninterrupted[1]), (critic, uninterrupted[2])):
+        for (name, value), expected_value in zip(
+            resumed_model.named_parameters(), expected_model.parameters(), strict=True
+        ):
+            assert torch.equal(value, expected_value), name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -299,3 +300,10 @@ def test_path_escaping_the_folder_is_refused(tmp_path: Path) -> None:
 def test_missing_folder_is_not_corruption(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_manifest(tmp_path / "nowhere")
+
+
+def test_digest_ignores_creation_time_and_metrics_but_the_checksum_does_not(tmp_path: Path) -> None:
+    manifest = _write(tmp_path / "a")
+    rewritten = dataclasses.replace(manifest, created_at="2000-01-01T00:00:00Z", metrics={"seconds": 1.0})
+    assert rewritten.digest == manifest.digest
+    assert rewritten.checksum != manifest.checksum

@@ -1,0 +1,57 @@
+"""Mid-stage checkpoints: a long stage saves its progress after each epoch, so a crashed run
+continues from the last saved epoch instead of from the start of the stage.
+
+They live in ``<stage output folder>.partial/epoch-00003/`` beside the output they lead to. Each
+epoch folder is written under a temporary name and renamed, so only complete checkpoints are
+ever seen; older ones are removed once a newer one is in place, and the whole ``.partial`` folder
+is removed when the stage output is finished.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+_EPOCH_PREFIX = "epoch-"
+
+
+def partial_dir(final_dir: Path) -> Path:
+    """Where the mid-stage checkpoints of the output ``final_dir`` live."""
+    return final_dir.with_name(final_dir.name + ".partial")
+
+
+def save_progress(final_dir: Path, epochs_done: int, write: Callable[[Path], None]) -> Path:
+    """Write a checkpoint after ``epochs_done`` epochs with ``write(folder)``; returns its folder."""
+    root = partial_dir(final_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"{_EPOCH_PREFIX}{epochs_done:05d}"
+    staging = root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        write(staging)
+        if not target.exists():
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for older in root.iterdir():
+        if older.name != target.name:
+            shutil.rmtree(older, ignore_errors=True)
+    return target
+
+
+def latest_progress(final_dir: Path) -> tuple[int, Path] | None:
+    """``(epochs_done, folder)`` of the newest complete checkpoint, or None."""
+    root = partial_dir(final_dir)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.name.startswith(_EPOCH_PREFIX) and p.is_dir())
+    if not done:
+        return None
+    return int(done[-1].name[len(_EPOCH_PREFIX) :]), done[-1]
+
+
+def clear_progress(final_dir: Path) -> None:
+    """Remove the mid-stage checkpoints of ``final_dir`` (its output is complete)."""
+    shutil.rmtree(partial_dir(final_dir), ignore_errors=True)
