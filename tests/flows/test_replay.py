@@ -1,0 +1,83 @@
+"""Replay and compare: re-run stages 5-7 of a recorded iteration with new settings, no generation,
+logged as a new MLflow run tagged with its source; and a side-by-side table of runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from flows.config import ConfigError, load_config
+from flows.replay import replay_config, resolve_run
+from flows.report import compare_report
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
+from tasks.runtime import tracker_of
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def recorded(prefect_server, checkpoint_world, tmp_path_factory):
+    overrides = [
+        f"run_root={tmp_path_factory.mktemp('replay-runs')}",
+        f"model.policy={checkpoint_world['policy']}",
+        f"data.prompts={checkpoint_world['prompts']}",
+        f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+    ]
+    config = load_config(TINY, overrides)
+    rlhf_campaign(config)
+    return config
+
+
+def test_replay_reruns_stages_5_to_7_only_and_is_tagged_with_its_source(recorded):
+    source = resolve_run(recorded, f"{recorded.campaign}:1")
+    replay = replay_config(recorded, source, ["advantages.kl_coef=0.5", "advantages.kl_estimator=k3", "ppo.epochs=2"])
+    assert replay.advantages.kl_coef == 0.5 and replay.sampling == recorded.sampling
+    campaign_dir = recorded.run_root / recorded.campaign
+    rollouts_before = sorted(p.name for p in (campaign_dir / "rollout").iterdir())
+    candidates_before = sorted(p.name for p in (campaign_dir / "sample_candidates").iterdir())
+
+    replay_run = rlhf_replay(replay, source)
+
+    tracker = tracker_of(recorded)
+    tags = tracker.run_tags(replay_run)
+    assert tags["rlhf.kind"] == "replay" and tags["rlhf.replay_of"] == source and tags["rlhf.iteration"] == "1"
+    children = tracker.client.search_runs(
+        [tracker.experiment_id(recorded.campaign)], f"tags.`mlflow.parentRunId` = '{replay_run}'"
+    )
+    assert sorted(run.data.tags["rlhf.stage"] for run in children) == ["compute_advantages", "evaluate", "ppo_update"]
+    # No generation: no new rollout or candidate outputs appeared.
+    assert sorted(p.name for p in (campaign_dir / "rollout").iterdir()) == rollouts_before
+    assert sorted(p.name for p in (campaign_dir / "sample_candidates").iterdir()) == candidates_before
+    metrics = tracker.run_metrics(replay_run)
+    source_metrics = tracker.run_metrics(source)
+    assert metrics["ppo_update/optimizer_steps"] == 2 * source_metrics["ppo_update/optimizer_steps"]
+    assert metrics["compute_advantages/kl_mean"] != source_metrics["compute_advantages/kl_mean"]
+    # A replay is an experiment: it does not move the registered models' newest version.
+    assert int(tracker.client.get_model_version_by_alias(f"{recorded.campaign}-actor", "latest").version) == 2
+
+    table = compare_report(
+        recorded, [source, replay_run], metrics=["compute_advantages/kl_mean", "evaluate/gold_win_rate"]
+    )
+    assert "replay" in table and "compute_advantages/kl_mean" in table
+
+
+def test_replay_refuses_settings_that_need_new_rollouts(recorded):
+    source = resolve_run(recorded, f"{recorded.campaign}:0")
+    with pytest.raises(ConfigError, match="sampling.temperature"):
+        replay_config(recorded, source, ["sampling.temperature=0.5"])
+
+
+def test_compare_command_prints_a_table_and_names_unknown_runs(recorded, capsys):
+    location = [f"--set=run_root={recorded.run_root}"]
+    assert (
+        main(
+            ["compare", f"{recorded.campaign}:0", recorded.campaign, "--metrics", "evaluate/kl_to_reference", *location]
+        )
+        == 0
+    )
+    output = capsys.readouterr().out
+    assert "evaluate/kl_to_reference" in output and "iteration" in output
+    assert main(["compare", "no-such-campaign:3", *location]) == 2
+    assert "no-such-campaign" in capsys.readouterr().err
