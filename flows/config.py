@@ -56,6 +56,19 @@ class IterationSizes(_Frozen):
     """Rows per Parquet shard."""
 
 
+class HumanLabelConfig(_Frozen):
+    """How a person labels candidate pairs (labeler `human`) through Prefect UI forms."""
+
+    timeout_seconds: int = Field(3600, gt=0)
+    """How long each form waits for an answer; then the flow run fails (Prefect's default pause timeout)."""
+    poll_seconds: int = Field(10, gt=0)
+    """How often the paused run checks whether the form was answered (Prefect's default poll interval)."""
+    pairs_per_form: int = Field(16, gt=0)
+    """Pairs shown on one form; an iteration's pairs are asked over as many forms as needed, one after another."""
+    relabel: int = Field(0, ge=0)
+    """Answers are stored per value: raise it to be asked again for candidates that were already labelled."""
+
+
 class PipelineConfig(_Frozen):
     """Everything one campaign needs; validated once, when a flow starts.
 
@@ -76,11 +89,13 @@ class PipelineConfig(_Frozen):
     """Iterations a campaign runs."""
     torch_threads: int = Field(1, gt=0)
     """torch intra-op threads; one is fastest for small models on a 2-core machine."""
-    labeler: Literal["gold", "import", "reward_model"] = "gold"
-    """Who labels candidate pairs: the demo's hidden gold rubric, an imported file, or the current reward model."""
+    labeler: Literal["gold", "import", "reward_model", "human"] = "gold"
+    """Who labels candidate pairs: the demo's hidden gold rubric, an imported file, the current reward model,
+    or a person answering Prefect UI forms (see `human`)."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
+    human: HumanLabelConfig = HumanLabelConfig()
     sampling: SamplingConfig = SamplingConfig(max_new_tokens=16, temperature=1.0, batch_size=64)
     reward_model: RewardModelConfig = RewardModelConfig(learning_rate=3e-4, epochs=4, batch_size=32)
     advantages: AdvantageConfig = AdvantageConfig(kl_coef=0.05)

@@ -29,6 +29,7 @@ CHOSEN = "chosen"
 REJECTED = "rejected"
 MARGIN = "margin"
 LABELER = "labeler"
+CHOICE = "choice"
 ROW = "row"
 ACTION_LOG_PROBS = "action_log_probs"
 REF_LOG_PROBS = "ref_log_probs"
@@ -70,6 +71,10 @@ PREFERENCES = _schema(
     (LABELER, pa.string()),
 )
 
+#: A person's answers on the labelling forms (labeler ``human``): ``pair_id`` is the pair's index in
+#: the iteration's candidate pairs, ``choice`` one of ``A``, ``B``, ``tie/skip``.
+HUMAN_LABELS = _schema((PAIR_ID, pa.int64()), (CHOICE, pa.string()))
+
 #: Per-token fields of an unscored Experience, in schema order.
 EXPERIENCE_TOKEN_COLUMNS = (ACTION_LOG_PROBS, REF_LOG_PROBS, VALUES)
 #: Per-token fields that stage 5 adds, in schema order.
@@ -96,6 +101,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "candidates": CANDIDATES,
     "preferences": PREFERENCES,
+    "human_labels": HUMAN_LABELS,
     "experience": EXPERIENCE,
     "scored_experience": SCORED_EXPERIENCE,
 }

@@ -1,4 +1,9 @@
-"""Stage 2, collect preferences: label pairs of candidates (or import pairs from a file)."""
+"""Stage 2, collect preferences: label pairs of candidates (or import pairs from a file).
+
+With labeler ``human`` the labels are a person's answers, asked for by the iteration flow before
+this stage (:mod:`flows.human_labels`) and passed in as their own stage output, so they are part
+of this stage's input key: the same answers reuse the output, other answers make a new one.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,9 @@ from prefect.states import State
 from storage.checkpoints import load_reward_model
 from storage.importers import import_preferences
 from storage.manifest import StageOutput
-from storage.schemas import PREFERENCES
+from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
-from tasks.labelers import CandidatePair, GoldLabeler, Labeler, RewardModelLabeler
+from tasks.labelers import SKIP, CandidatePair, GoldLabeler, HumanLabeler, Labeler, RewardModelLabeler
 from tasks.runtime import IterationContext, StageResult, run_stage, stage_state
 from tasks.text import load_tokenizer
 
@@ -56,14 +61,43 @@ def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_i
     )
 
 
+def human_table(pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id: int) -> pa.Table:
+    """The preference table of a person's answers (a ``human_labels`` table); tie/skip pairs are dropped.
+
+    Raises:
+        ValueError: the answers are not exactly one per pair of these candidates.
+    """
+    choices = dict(zip(answers.column(PAIR_ID).to_pylist(), answers.column(CHOICE).to_pylist(), strict=True))
+    if sorted(choices) != list(range(len(pairs))) or answers.num_rows != len(pairs):
+        raise ValueError(f"the human labels hold {answers.num_rows} answers, not one for each of {len(pairs)} pairs")
+    kept = [index for index in range(len(pairs)) if choices[index] != SKIP]
+    labeler = HumanLabeler([choices[index] for index in kept])
+    return labelled_table([pairs[index] for index in kept], labeler, first_pair_id=first_pair_id)
+
+
 @task(name=STAGE, cache_policy=NO_CACHE)
-def collect_preferences(context: IterationContext, candidates: StageResult, reward_model: StageResult | None) -> State:
-    """Write the ``preferences`` table for this iteration's candidates."""
+def collect_preferences(
+    context: IterationContext,
+    candidates: StageResult,
+    reward_model: StageResult | None,
+    labels: StageResult | None = None,
+) -> State:
+    """Write the ``preferences`` table for this iteration's candidates.
+
+    Args:
+        labels: the person's answers (a ``human_labels`` output); needed with labeler ``human`` only.
+    """
     config = context.config
 
     def produce(out: StageOutput) -> dict[str, float]:
+        shown: dict[str, float] = {}
         if config.labeler == "import":
             table = import_preferences(config.data.preferences) if context.iteration == 0 else PREFERENCES.empty_table()
+        elif config.labeler == "human":
+            pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
+            table = human_table(pairs, _answers(labels), first_pair_id=context.iteration * 1_000_000)
+            # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
+            shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
         else:
             table = labelled_table(
                 candidate_pairs(read_table(candidates.directory, "candidates")),
@@ -72,14 +106,24 @@ def collect_preferences(context: IterationContext, candidates: StageResult, rewa
             )
         out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=config.sizes.rows_per_shard)
         ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
-        return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1)}
+        return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1), **shown}
 
     slice_ = {
         "labeler": config.labeler,
         "preferences_file": str(config.data.preferences) if config.labeler == "import" else None,
     }
-    upstream = {"candidates": candidates, "reward_model": reward_model if config.labeler == "reward_model" else None}
+    upstream = {
+        "candidates": candidates,
+        "reward_model": reward_model if config.labeler == "reward_model" else None,
+        "labels": labels if config.labeler == "human" else None,
+    }
     return stage_state(run_stage(context, STAGE, config=slice_, upstream=upstream, produce=produce))
+
+
+def _answers(labels: StageResult | None) -> pa.Table:
+    if labels is None:
+        raise ValueError("labeler 'human' needs the person's answers (`labels`): run it through the iteration flow")
+    return read_table(labels.directory, "human_labels")
 
 
 def _labeler(context: IterationContext, reward_model: StageResult | None) -> Labeler:

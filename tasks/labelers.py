@@ -5,16 +5,15 @@ A labeler takes candidate pairs and returns, per pair, the index of the preferre
 
 * ``gold``: the embedded demo's hidden programmatic rubric, playing the human;
 * ``reward_model``: the current reward model as a judge;
-* ``import``: no labeling at all; pairs come from a file (see the preference stage).
-
-A human labeler (a Prefect UI form) fits the same protocol.
+* ``import``: no labeling at all; pairs come from a file (see the preference stage);
+* ``human``: a person's answers on Prefect UI forms (asked by :mod:`flows.human_labels`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, get_args
 
 import torch
 
@@ -36,6 +35,12 @@ class CandidatePair:
 class Label(NamedTuple):
     winner: int
     margin: float
+
+
+HumanChoice = Literal["A", "B", "tie/skip"]
+"""A person's answer for one pair: response A (the first) is better, B (the second) is, or neither."""
+HUMAN_CHOICES: tuple[str, ...] = get_args(HumanChoice)
+SKIP = "tie/skip"
 
 
 class Labeler(Protocol):
@@ -72,3 +77,27 @@ class RewardModelLabeler:
             scores = self.model(ids, mask)  # (2B,)
         gap = scores[: len(pairs)] - scores[len(pairs) :]  # (B,)
         return [Label(0 if value >= 0 else 1, abs(value)) for value in gap.tolist()]
+
+
+class HumanLabeler:
+    """A person's answers: ``A`` prefers the first response, ``B`` the second; the margin is 0.0.
+
+    A person says which response is better, not by how much, so the margin is the preference
+    table's "none given" value. ``tie/skip`` is no preference at all: such pairs are dropped
+    before labelling (see :func:`tasks.collect_preferences.human_table`) and never reach here.
+
+    Args:
+        choices: one ``A`` or ``B`` per pair that :meth:`label` will get, in order.
+    """
+
+    name = "human"
+
+    def __init__(self, choices: Sequence[str]) -> None:
+        if not set(choices) <= {"A", "B"}:
+            raise ValueError(f"`choices` must each be 'A' or 'B', got {sorted(set(choices) - {'A', 'B'})}")
+        self.choices = list(choices)
+
+    def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
+        if len(pairs) != len(self.choices):
+            raise ValueError(f"got {len(pairs)} pairs for {len(self.choices)} human choices")
+        return [Label(0 if choice == "A" else 1, 0.0) for choice in self.choices]

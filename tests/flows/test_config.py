@@ -55,4 +55,4 @@ def test_run_root_is_made_absolute():
 def test_config_renders_as_a_json_schema_form():
     schema = PipelineConfig.model_json_schema()
     assert {"sampling", "ppo", "advantages", "reward_model", "labeler"} <= set(schema["properties"])
-    assert schema["properties"]["labeler"]["enum"] == ["gold", "import", "reward_model"]
+    assert schema["properties"]["labeler"]["enum"] == ["gold", "import", "reward_model", "human"]
