@@ -19,6 +19,7 @@ from flows.campaign import (
     resolve_base,
 )
 from flows.config import PipelineConfig
+from flows.human_labels import request_human_labels
 from storage.locks import exclusive_lock
 from tasks import (
     collect_preferences,
@@ -52,7 +53,8 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     context = open_iteration(config, iteration, base, state)
     state = state or IterationState(policy=initialize(context).result())
     candidates = sample_candidates(context, state.policy).result()
-    preferences = collect_preferences(context, candidates, state.reward_model).result()
+    labels = request_human_labels(context, candidates) if config.labeler == "human" else None
+    preferences = collect_preferences(context, candidates, state.reward_model, labels).result()
     reward_model = train_reward_model(context, (*state.preferences, preferences), state.reward_model).result()
     experience = rollout(context, state.policy, reward_model).result()
     scored = compute_advantages(context, experience, reward_model).result()

@@ -1,0 +1,227 @@
+"""Human labels end to end: an iteration with labeler ``human`` pauses on Prefect forms, the test
+answers them through the Prefect API (what the UI's Resume form sends), and the answers become
+preference data; plus the form's validation, the timeout, and the config section."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from pydantic import ValidationError
+
+from flows.config import ConfigError, load_config
+from flows.human_labels import HumanLabelTimeout, ask_for_labels, label_form
+from storage.manifest import read_manifest
+from storage.shards import read_table
+from tasks.collect_preferences import candidate_pairs
+from tasks.labelers import CandidatePair
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TAG = "test-human-labels"
+# 8 pairs on two forms (5 + 3); the two tie/skip answers must not become preferences.
+ANSWERS = ["A", "B", "tie/skip", "B", "A", "A", "tie/skip", "B"]
+PAIRS_PER_FORM = 5
+
+
+def _pair(index: int) -> CandidatePair:
+    return CandidatePair(prompt=f"prompt {index}", first=f"a{index}", second=f"b{index}", first_ids=[1], second_ids=[2])
+
+
+def test_form_has_one_required_choice_per_pair_and_refuses_anything_else():
+    form = label_form([_pair(0), _pair(1)], first=4, total=6)
+    schema = form.model_json_schema()
+    assert list(schema["properties"]) == ["pair_5", "pair_6"]
+    assert schema["required"] == ["pair_5", "pair_6"]
+    field = schema["properties"]["pair_5"]
+    assert field["enum"] == ["A", "B", "tie/skip"]
+    assert field["title"] == "Pair 5 of 6"
+    assert field["description"] == 'Prompt: "prompt 0"\n\nA: "a0"\n\nB: "b0"'
+    assert form(pair_5="A", pair_6="tie/skip").pair_6 == "tie/skip"
+    for bad in ({"pair_5": "C", "pair_6": "A"}, {"pair_5": "A"}, {"pair_5": "A", "pair_6": "B", "pair_7": "A"}):
+        with pytest.raises(ValidationError):
+            form(**bad)
+
+
+def test_config_human_section_is_validated():
+    config = load_config(None, ["labeler=human", "human.timeout_seconds=30", "human.pairs_per_form=4"])
+    assert (config.human.timeout_seconds, config.human.pairs_per_form, config.human.poll_seconds) == (30, 4, 10)
+    for override in ("human.timeout_seconds=0", "human.pairs_per_form=0", "human.poll_seconds=-1", "human.pairs=3"):
+        with pytest.raises(ConfigError):
+            load_config(None, ["labeler=human", override])
+
+
+def test_an_unanswered_form_fails_the_run_saying_what_to_do(prefect_server):
+    from prefect import flow
+
+    @flow
+    def ask_once() -> list[str]:
+        return ask_for_labels([_pair(0)], heading="test", pairs_per_form=4, timeout_seconds=1, poll_seconds=1)
+
+    # The caller gets this error; the paused run's own state message is the server's "never resumed".
+    with pytest.raises(HumanLabelTimeout, match=r"human.timeout_seconds=1 s.*Run the same command again"):
+        ask_once()
+
+
+def _wait_for_pause(seen: set[str], *, deadline: float):
+    """The tagged flow run that is PAUSED on a pause not in ``seen`` (then added to it)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    paused = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED])),
+        tags=FlowRunFilterTags(all_=[TAG]),
+    )
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            for run in client.read_flow_runs(flow_run_filter=paused):
+                pause = f"{run.id}/{run.state.state_details.pause_key}"
+                if pause not in seen:
+                    seen.add(pause)
+                    return run
+            time.sleep(0.2)
+    raise TimeoutError("no flow run paused for human labels")
+
+
+def _state_type(flow_run_id: UUID) -> str:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state.type.value
+
+
+def _form_schema(run) -> dict:
+    from prefect.input.actions import read_flow_run_input
+
+    return read_flow_run_input(run.state.state_details.run_input_keyset["schema"], flow_run_id=run.id)
+
+
+def _run_answering(config, answers: list[str], *, try_bad_answers: bool = False):
+    """Run iteration 0 in a thread and answer its forms through the API, as the UI's Resume form does.
+
+    Returns the final state, the forms' JSON schemas, and (with ``try_bad_answers``) the refusals
+    of two bad answers to the first form followed by that run's state right after them.
+    """
+    from prefect import tags
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.rlhf_pipeline import rlhf_iteration
+
+    outcome: dict = {}
+
+    def run() -> None:
+        with tags(TAG):
+            outcome["state"] = rlhf_iteration(config, iteration=0, return_state=True)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 150
+    forms, refusals = [], []
+    for start in range(0, len(answers), config.human.pairs_per_form):
+        paused = _wait_for_pause(seen, deadline=deadline)
+        schema = _form_schema(paused)
+        forms.append(schema)
+        given = {name: answers[start + offset] for offset, name in enumerate(schema["properties"])}
+        if try_bad_answers and start == 0:
+            for bad in ({**given, "pair_1": "C"}, {name: "A" for name in list(given)[1:]}):
+                with pytest.raises(RuntimeError, match="Validation failed") as refused:
+                    resume_flow_run(paused.id, run_input=bad)
+                refusals.append(str(refused.value))
+            refusals.append(_state_type(paused.id))
+        resume_flow_run(paused.id, run_input=given)
+    thread.join(timeout=max(deadline - time.monotonic(), 1))
+    assert not thread.is_alive(), "the iteration did not finish after its forms were answered"
+    return outcome["state"], forms, refusals
+
+
+@pytest.fixture(scope="module")
+def answered(prefect_server, checkpoint_world, tmp_path_factory):
+    """One iteration with labeler `human`, its two forms answered (after two refused bad answers)."""
+    config = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            f"run_root={tmp_path_factory.mktemp('human-runs')}",
+            f"model.policy={checkpoint_world['policy']}",
+            f"data.prompts={checkpoint_world['prompts']}",
+            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+            "campaign=human",
+            "labeler=human",
+            f"sizes.preference_prompts={len(ANSWERS)}",
+            f"human.pairs_per_form={PAIRS_PER_FORM}",
+            "human.poll_seconds=1",
+            "human.timeout_seconds=120",
+        ],
+    )
+    return config, *_run_answering(config, ANSWERS, try_bad_answers=True)
+
+
+def test_bad_answers_are_refused_and_the_run_stays_paused(answered):
+    _, _, _, refusals = answered
+    assert "'C' is not one of ['A', 'B', 'tie/skip']" in refusals[0]
+    assert "'pair_1' is a required property" in refusals[1]
+    assert refusals[2] == "PAUSED"
+
+
+def test_forms_show_each_pair_and_answers_become_human_preferences(answered):
+    config, state, forms, _ = answered
+    assert state.is_completed(), state
+    campaign_dir = config.run_root / config.campaign
+    (candidates_dir,) = (campaign_dir / "sample_candidates").iterdir()
+    pairs = candidate_pairs(read_table(candidates_dir, "candidates"))
+    assert len(pairs) == len(ANSWERS)
+
+    fields = {name: field for form in forms for name, field in form["properties"].items()}
+    assert [len(form["properties"]) for form in forms] == [5, 3]
+    assert list(fields) == [f"pair_{n}" for n in range(1, len(ANSWERS) + 1)]
+    for pair, field in zip(pairs, fields.values(), strict=True):
+        assert field["description"] == f'Prompt: "{pair.prompt}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"'
+        assert field["enum"] == ["A", "B", "tie/skip"]
+
+    preferences = state.result().preferences[-1]
+    table = read_table(preferences.directory, "preferences").to_pylist()
+    kept = [(pair, answer) for pair, answer in zip(pairs, ANSWERS, strict=True) if answer != "tie/skip"]
+    assert [(row["prompt"], row["chosen"], row["rejected"]) for row in table] == [
+        (pair.prompt, *((pair.first, pair.second) if answer == "A" else (pair.second, pair.first)))
+        for pair, answer in kept
+    ]
+    assert {row["labeler"] for row in table} == {"human"} and {row["margin"] for row in table} == {0.0}
+    assert preferences.metrics["pairs"] == 6 and preferences.metrics["tie_fraction"] == pytest.approx(2 / 8)
+
+    (labels_dir,) = (campaign_dir / "human_labels").iterdir()
+    assert read_table(labels_dir, "human_labels").column("choice").to_pylist() == ANSWERS
+    assert read_manifest(preferences.directory).upstream["labels"] == read_manifest(labels_dir).digest
+
+
+def test_running_again_reuses_the_answers_without_asking(answered):
+    from prefect import tags
+
+    from flows.rlhf_pipeline import rlhf_iteration
+
+    config, first, _, _ = answered
+    started = time.monotonic()
+    with tags(TAG):  # a pause would block until human.timeout_seconds and fail
+        state = rlhf_iteration(config, iteration=0, return_state=True)
+    assert state.is_completed(), state
+    again, before = state.result(), first.result()
+    assert again.preferences[-1].reused and again.preferences[-1].digest == before.preferences[-1].digest
+    assert time.monotonic() - started < 60
+
+
+def test_relabel_asks_again_and_other_answers_make_other_preferences(answered):
+    config, first, _, _ = answered
+    relabelled = config.model_copy(update={"human": config.human.model_copy(update={"relabel": 1})})
+    other = ["B" if answer == "A" else "A" for answer in ANSWERS]  # every pair flipped, none skipped
+    state, forms, _ = _run_answering(relabelled, other)
+    assert state.is_completed(), state
+    assert len(forms) == 2
+    before, after = first.result().preferences[-1], state.result().preferences[-1]
+    assert not after.reused and after.digest != before.digest and after.metrics["pairs"] == len(ANSWERS)
