@@ -9,6 +9,7 @@ Choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -102,6 +103,15 @@ def evaluate_reward_model(
     return loss.item(), stats.accuracy.item(), all_scores.mean().item(), all_scores.std().item()
 
 
+class RewardTrainingProgress(NamedTuple):
+    """Where training stands after a whole epoch: enough to continue it exactly after a crash."""
+
+    epochs_done: int
+    loss_sum: float
+    accuracy_sum: float
+    optimizer_steps: int
+
+
 def fit_reward_model(
     model: RewardModel,
     optimizer: torch.optim.Optimizer,
@@ -111,6 +121,8 @@ def fit_reward_model(
     *,
     accelerator: Accelerator,
     generator: torch.Generator | None = None,
+    resume: RewardTrainingProgress | None = None,
+    on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
 
@@ -120,13 +132,18 @@ def fit_reward_model(
         config: learning schedule, batch size, gradient clip, margin use.
         accelerator: drives backward passes and clipping.
         generator: random stream for shuffling.
+        resume: continue after ``resume.epochs_done`` epochs; the caller restores the model,
+            optimizer, ``generator`` and global RNG (dropout) states saved at that point.
+        on_epoch_end: called after every epoch, e.g. to save a checkpoint of all of those.
     """
     if len(train_pairs) == 0 or len(eval_pairs) == 0:
         raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
     train_pairs, eval_pairs = train_pairs.to(accelerator.device), eval_pairs.to(accelerator.device)
     model.train()
-    loss_sum, accuracy_sum, steps = 0.0, 0.0, 0
-    for _epoch in range(config.epochs):
+    loss_sum, accuracy_sum, steps = (
+        (resume.loss_sum, resume.accuracy_sum, resume.optimizer_steps) if resume else (0.0, 0.0, 0)
+    )
+    for epoch in range(resume.epochs_done if resume else 0, config.epochs):
         order = torch.randperm(len(train_pairs), generator=generator)
         for start in range(0, len(train_pairs), config.batch_size):
             batch = train_pairs.select(order[start : start + config.batch_size].to(accelerator.device))
@@ -139,6 +156,8 @@ def fit_reward_model(
             loss_sum += loss.item()
             accuracy_sum += stats.accuracy.item()
             steps += 1
+        if on_epoch_end is not None:
+            on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
     eval_loss, eval_accuracy, score_mean, score_std = evaluate_reward_model(
         model, eval_pairs, batch_size=config.batch_size
     )

@@ -1,4 +1,8 @@
-"""Stage 3, train the reward model on every preference pair collected so far."""
+"""Stage 3, train the reward model on every preference pair collected so far.
+
+Training saves its progress after every epoch (model, optimizer, the shuffling stream and the
+global RNG that drives dropout); a crashed run continues from the last saved epoch.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from rlhf_core.models import RewardModel
-from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
-from storage.checkpoints import save_model
+from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
+from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.manifest import StageOutput
+from storage.progress import clear_progress, latest_progress, save_progress
 from storage.shards import read_table
 from tasks.runtime import IterationContext, StageResult, accelerator_for, run_stage, stage_state
 from tasks.text import encode_response, load_tokenizer, pad_token_lists
@@ -50,11 +55,32 @@ def train_reward_model(
         held_out = max(1, int(len(pairs) * config.reward_model.eval_fraction))
         torch.manual_seed(context.seed(STAGE))
         source = previous.directory / "reward_model" if previous is not None else context.base.policy_dir
+        checkpoint, resume = latest_progress(out.final_dir), None
+        if checkpoint is not None:
+            source = checkpoint[1] / "reward_model"
         model = RewardModel.from_pretrained(source)
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.reward_model.learning_rate, weight_decay=config.reward_model.weight_decay
         )
+        if checkpoint is not None:
+            saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)[
+                "extra"
+            ]  # restores dropout RNG
+            resume = RewardTrainingProgress(**saved["progress"])
+            generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
         model, optimizer = accelerator.prepare(model, optimizer)
+
+        def save_epoch(progress: RewardTrainingProgress) -> None:
+            def write(folder):
+                save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
+                extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
+                save_training_state(
+                    folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra
+                )
+
+            if progress.epochs_done < config.reward_model.epochs:
+                save_progress(out.final_dir, progress.epochs_done, write)
+
         stats = fit_reward_model(
             model,
             optimizer,
@@ -63,8 +89,11 @@ def train_reward_model(
             config.reward_model,
             accelerator=accelerator,
             generator=generator,
+            resume=resume,
+            on_epoch_end=save_epoch,
         )
         save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
+        clear_progress(out.final_dir)
         return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}
 
     upstream = {f"preferences_{index}": result for index, result in enumerate(preferences)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -91,3 +92,63 @@ def test_fit_needs_training_and_held_out_pairs():
     empty = train.select(torch.tensor([], dtype=torch.long))
     with pytest.raises(ValueError, match="need training and held-out pairs"):
         fit_reward_model(model, optimizer, train, empty, RewardModelConfig(), accelerator=accelerator)
+
+
+def test_resuming_after_an_epoch_gives_exactly_the_uninterrupted_training():
+    """With dropout on, so the global RNG matters as much as the shuffling stream."""
+    accelerator = Accelerator(cpu=True)
+    config = RewardModelConfig(epochs=3, batch_size=3)
+
+    def fresh(seed: int = 0):
+        model, train = make_model_and_pairs(seed)
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.2
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        return (*accelerator.prepare(model, optimizer), train)
+
+    model, optimizer, train = fresh()
+    torch.manual_seed(7)
+    expected = fit_reward_model(
+        model, optimizer, train, train, config, accelerator=accelerator, generator=torch.Generator().manual_seed(0)
+    )
+    expected_parameters = [value.detach().clone() for value in model.parameters()]
+
+    crashed, crashed_optimizer, train = fresh()
+    generator = torch.Generator().manual_seed(0)
+    snapshot = {}
+
+    def save(progress):
+        if progress.epochs_done == 1:
+            snapshot.update(
+                progress=progress,
+                model=copy.deepcopy(crashed.state_dict()),
+                optimizer=copy.deepcopy(crashed_optimizer.state_dict()),
+                generator=generator.get_state(),
+                rng=torch.get_rng_state(),
+            )
+
+    torch.manual_seed(7)
+    fit_reward_model(
+        crashed,
+        crashed_optimizer,
+        train,
+        train,
+        config,
+        accelerator=accelerator,
+        generator=generator,
+        on_epoch_end=save,
+    )
+
+    resumed, resumed_optimizer, _ = fresh(seed=1)  # different initial weights: everything comes from the snapshot
+    resumed.load_state_dict(snapshot["model"])
+    resumed_optimizer.load_state_dict(snapshot["optimizer"])
+    resumed_generator = torch.Generator()
+    resumed_generator.set_state(snapshot["generator"])
+    torch.set_rng_state(snapshot["rng"])
+    stats = fit_reward_model(
+        resumed, resumed_optimizer, train, train, config,
+        accelerator=accelerator, generator=resumed_generator, resume=snapshot["progress"],
+    )  # fmt: skip
+    assert stats == expected
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), expected_parameters, strict=True))
