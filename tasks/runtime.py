@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -161,10 +162,12 @@ def run_stage(
         manifest, reused = read_manifest(stage_dir), True
     if manifest is None:
         logger.info("%s: running (input key %s)", stage, input_key[:16])
+        started = time.perf_counter()
         with StageOutput(
             stage_dir, stage=stage, input_key=input_key, config=key_config, upstream=upstream_digests
         ) as out:
             out.metrics.update(produce(out))
+            out.metrics["seconds"] = time.perf_counter() - started
         manifest = out.manifest
     else:
         logger.info("%s: reusing output %s", stage, input_key[:16])
