@@ -21,9 +21,9 @@ from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
 from rlhf_core.gae import compute_gae
 from rlhf_core.generation import generate
-from rlhf_core.models import Critic, evaluating
+from rlhf_core.models import Critic, evaluating, fused_activations
 from rlhf_core.rewards import normalize_scores, shaped_rewards
-from rlhf_core.sequences import position_ids_from_mask, response_logprobs, response_slice
+from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(sequences (B, T), attention_mask (B, T)) -> scores (B,)``."""
@@ -63,10 +63,8 @@ def reference_logprobs(
     Shapes:
         sequences, attention_mask: (B, T); returns (B, R).
     """
-    logits = model(
-        input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-    ).logits  # (B, T, V)
-    return response_logprobs(logits, sequences, prompt_length, temperature=temperature)
+    logits = response_logits(model, sequences, attention_mask, prompt_length)  # (B, R, V)
+    return logprobs_from_logits(logits, sequences[:, prompt_length:], temperature=temperature)
 
 
 @torch.no_grad()
@@ -159,7 +157,8 @@ class PPOExperienceMaker(ExperienceMaker):
         )
         sequences, full_mask = generation.sequences, generation.attention_mask  # (B, T)
         action_mask = generation.action_mask  # (B, R)
-        with evaluating(self.critic, self.reward_model, self.initial_model):
+        models = (self.critic, self.reward_model, self.initial_model)
+        with evaluating(*models), fused_activations(*models):
             ref_log_probs = reference_logprobs(
                 self.initial_model, sequences, full_mask, prompt_length, temperature=self.sampling.temperature
             )

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rlhf_core.config import SamplingConfig
-from rlhf_core.models import evaluating
+from rlhf_core.models import evaluating, fused_activations
 from rlhf_core.sequences import position_ids_from_mask
 
 
@@ -137,7 +137,7 @@ def generate(
     if not bool(prompt_mask[:, -1].bool().all()):
         # A right-padded row would be continued from the logits of a padding position.
         raise ValueError("`prompt_ids` must be left-padded: the last column of `prompt_mask` must be 1 in every row")
-    with evaluating(model):
+    with evaluating(model), fused_activations(model):
         tokens, alive, logprobs = _decode(
             model,
             prompt_ids,

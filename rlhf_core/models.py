@@ -9,6 +9,9 @@ Choices:
    it as ``<head>.safetensors``; nothing is ever pickled.
 4. The reward head is initialised normal(0, 1/(H+1)) as in ColossalChat's RewardModel; the value
    head keeps PyTorch's default Linear initialisation.
+5. Inside :func:`fused_activations`, GPT-2's Python tanh-GELU runs as PyTorch's fused kernel (the
+   same function up to float rounding); it took about a fifth of a PPO update's time on CPU. The
+   models are restored on exit, so a model outside rlhf_core calls computes exactly as loaded.
 """
 
 from __future__ import annotations
@@ -21,11 +24,47 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 from rlhf_core.sequences import last_token_index, position_ids_from_mask
 
 _HEAD_META_FILE = "rlhf_head.json"
+
+
+_PYTHON_TANH_GELUS = frozenset({"NewGELUActivation", "FastGELUActivation"})
+"""transformers' Python spellings of ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (``gelu_new``, ``gelu_fast``)."""
+
+
+class FusedTanhGELU(nn.Module):
+    """``gelu(x, approximate="tanh")``: one kernel where the Python form runs about eight elementwise
+    passes forward and more backward. Equal to it up to float rounding."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.gelu(input, approximate="tanh")
+
+
+@contextmanager
+def fused_activations(*models: object) -> Iterator[None]:
+    """Run every ``nn.Module`` among ``models`` with :class:`FusedTanhGELU` for Python tanh-GELUs.
+
+    The original activation modules are put back on exit. Other activations (SiLU, exact GELU)
+    are single kernels already and are left alone.
+    """
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for model in models:
+        if not isinstance(model, nn.Module):
+            continue
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child).__name__ in _PYTHON_TANH_GELUS:
+                    swapped.append((parent, name, child))
+                    setattr(parent, name, FusedTanhGELU())
+    try:
+        yield
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
 
 
 def _load_backbone(pretrained: str | Path | None, config: PretrainedConfig | None, **kwargs) -> PreTrainedModel:

@@ -26,8 +26,8 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, policy_loss, value_loss
 from rlhf_core.masked import masked_mean, masked_var, masked_whiten
-from rlhf_core.models import Critic, evaluating
-from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask, response_slice
+from rlhf_core.models import Critic, evaluating, fused_activations
+from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
 
 
 class PPOStats(NamedTuple):
@@ -71,10 +71,9 @@ def _minibatch_losses(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Policy loss, value loss and detached stats for one minibatch."""
     prompt_length = batch.prompt_length
-    positions = position_ids_from_mask(batch.attention_mask)  # (b, T)
-    logits = actor(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=positions).logits
-    response_logits = response_slice(logits, prompt_length).float() / temperature  # (b, R, V)
-    logprobs = logprobs_from_logits(response_logits, batch.sequences[:, prompt_length:])  # (b, R)
+    logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
+    scaled = logits.float() / temperature  # (b, R, V)
+    logprobs = logprobs_from_logits(scaled, batch.sequences[:, prompt_length:])  # (b, R)
     actor_loss, policy_stats = policy_loss(
         logprobs,
         batch.action_log_probs,
@@ -84,7 +83,9 @@ def _minibatch_losses(
         dual_clip=config.dual_clip,
         aggregation=config.aggregation,
     )
-    entropy = masked_mean(entropy_from_logits(response_logits), batch.action_mask)
+    # Without an entropy bonus the entropy is only a statistic: no autograd graph over (b, R, V).
+    with torch.set_grad_enabled(bool(config.entropy_coef) and torch.is_grad_enabled()):
+        entropy = masked_mean(entropy_from_logits(scaled), batch.action_mask)
     if config.entropy_coef:
         actor_loss = actor_loss - config.entropy_coef * entropy
     values = response_slice(critic(batch.sequences, batch.attention_mask), prompt_length)  # (b, R)
@@ -151,7 +152,7 @@ def ppo_update(
     totals = [torch.tensor(value) for value in resume.totals] if resume else []
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
-    with evaluating(actor, critic):
+    with evaluating(actor, critic), fused_activations(actor, critic):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             for batch in experience.minibatches(config.minibatch_size, generator=generator):
                 # 1. losses on the current policy and critic; stop before stepping past the KL target

@@ -11,6 +11,8 @@ Choices:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -47,9 +49,34 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, *, temperat
     """
     if temperature <= 0:
         raise ValueError(f"`temperature` must be positive, got {temperature}")
-    scaled = logits.float() / temperature  # (B, R, V)
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, R, V); no copy at 1
     token_logits = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, R)
     return token_logits - torch.logsumexp(scaled, dim=-1)
+
+
+def response_logits(
+    model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+) -> torch.Tensor:
+    """The causal LM's logits that score the response tokens (columns ``P - 1 .. T - 2``).
+
+    Same as ``response_slice(model(sequences, ...).logits, prompt_length)``, but the LM head runs
+    only on those ``R`` positions when the model takes ``logits_to_keep`` (Hugging Face causal LMs
+    do): the ``(B, T, V)`` logits of the prompt are never computed.
+
+    Shapes:
+        sequences, attention_mask: (B, T); returns (B, R, V).
+    """
+    if prompt_length < 1:
+        raise ValueError(f"`prompt_length` must be at least 1, got {prompt_length}")
+    keep = sequences.shape[1] - prompt_length + 1  # R + 1: columns P - 1 .. T - 1
+    extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    logits = model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        **extra,
+    ).logits  # (B, R + 1, V) or (B, T, V)
+    return logits[:, -keep:-1]  # (B, R, V)
 
 
 def response_logprobs(
