@@ -138,11 +138,15 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
 def close_iteration(context: IterationContext, stages: list[StageResult], state: IterationState) -> IterationState:
-    """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact."""
+    """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
+
+    An iteration whose stages were all reused and whose run is already finished logs nothing new.
+    """
     tracker = tracker_of(context.config)
-    metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
-    tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration)
-    tracker.end_run(context.parent_run_id)
+    if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
+        metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
+        tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration)
+        tracker.end_run(context.parent_run_id)
     kind = tracker.run_tags(context.parent_run_id).get("rlhf.kind", "iteration")
     create_markdown_artifact(
         key=f"{context.config.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",

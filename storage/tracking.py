@@ -254,6 +254,10 @@ class Tracker:
         """All tags of a run (``rlhf.*``, ``mlflow.parentRunId``, ...)."""
         return dict(self._client.get_run(run_id).data.tags)
 
+    def run_status(self, run_id: str) -> str:
+        """RUNNING, FINISHED, FAILED or KILLED."""
+        return self._client.get_run(run_id).info.status
+
     def run_metrics(self, run_id: str) -> dict[str, float]:
         """The latest value of every metric of a run."""
         return dict(self._client.get_run(run_id).data.metrics)
