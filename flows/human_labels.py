@@ -24,11 +24,10 @@ Choices:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import pyarrow as pa
-from prefect import pause_flow_run
+from prefect import get_run_logger, pause_flow_run
 from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 from pydantic import Field, create_model
@@ -41,8 +40,6 @@ from tasks.labelers import SKIP, CandidatePair, HumanChoice
 from tasks.runtime import IterationContext, StageResult, run_stage
 
 STAGE = "human_labels"
-
-logger = logging.getLogger(__name__)
 
 
 class HumanLabelTimeout(FlowPauseTimeout):
@@ -74,7 +71,14 @@ def request_human_labels(context: IterationContext, candidates: StageResult) -> 
         return {"pairs": float(len(choices)), "skipped": float(choices.count(SKIP))}
 
     upstream = {"candidates": candidates}
-    return run_stage(context, STAGE, config={"relabel": human.relabel}, upstream=upstream, produce=produce)
+    result = run_stage(context, STAGE, config={"relabel": human.relabel}, upstream=upstream, produce=produce)
+    if result.reused:
+        get_run_logger().info(
+            "%s: using the answers stored for these candidates (%s); raise `human.relabel` to be asked again",
+            STAGE,
+            result.path,
+        )
+    return result
 
 
 def ask_for_labels(
@@ -96,7 +100,12 @@ def ask_for_labels(
         where = f"form {number} of {forms}"
         form = label_form(pairs[start : start + pairs_per_form], first=start, total=len(pairs))
         form = form.with_initial_data(description=form_description(heading, where, timeout_seconds))
-        logger.info("%s: waiting for a person to answer %s in the Prefect UI (Resume)", heading, where)
+        get_run_logger().info(
+            "%s: waiting for a person to answer %s (%d pairs): open this flow run in the Prefect UI and press Resume",
+            heading,
+            where,
+            len(form.model_fields),
+        )
         try:
             answer = pause_flow_run(wait_for_input=form, timeout=timeout_seconds, poll_interval=poll_seconds)
         except FlowPauseTimeout as error:
