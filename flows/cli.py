@@ -4,6 +4,7 @@ rlhf run       run a campaign: config.iterations iterations (finished stages are
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
 rlhf config    print the resolved config as YAML
 """
 
@@ -58,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    serve = commands.add_parser(
+        "serve",
+        help="serve Prefect deployments of the iteration, campaign and replay flows until Ctrl-C",
+        description="Creates the deployments rlhf-iteration/CAMPAIGN, rlhf-campaign/CAMPAIGN and rlhf-replay/CAMPAIGN "
+        "with this config as their default parameters, and runs whatever is triggered (from the Prefect UI, "
+        "`prefect deployment run`, or the schedule) in subprocesses of this one. Needs PREFECT_API_URL pointing at a "
+        "Prefect server. Stopping it pauses the schedule.",
+    )
+    _add_config_arguments(serve)
+    schedule = serve.add_mutually_exclusive_group()
+    schedule.add_argument(
+        "--cron", metavar="EXPR", help="also run one more iteration on this cron schedule (UTC), e.g. '0 3 * * *'"
+    )
+    schedule.add_argument(
+        "--interval", type=float, metavar="SECONDS", help="also run one more iteration every SECONDS seconds"
+    )
     show = commands.add_parser("config", help="print the resolved config as YAML and exit")
     _add_config_arguments(show)
     return parser
@@ -115,6 +132,13 @@ def _compare(config, arguments) -> int:
     return 0
 
 
+def _serve(config, arguments) -> int:
+    from flows.serve import serve_pipeline
+
+    serve_pipeline(config, cron=arguments.cron, interval=arguments.interval)
+    return 0
+
+
 def _config(config, arguments) -> int:
     import yaml
 
@@ -122,7 +146,14 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "iterate": _iterate, "replay": _replay, "compare": _compare, "config": _config}
+_COMMANDS = {
+    "run": _run,
+    "iterate": _iterate,
+    "replay": _replay,
+    "compare": _compare,
+    "serve": _serve,
+    "config": _config,
+}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,198 @@
+"""Prefect deployments of the iteration, campaign and replay flows, served from one process (``rlhf serve``).
+
+1. One deployment per flow and campaign, named ``rlhf-iteration/<campaign>``, ``rlhf-campaign/<campaign>``
+   and ``rlhf-replay/<campaign>``. The served config is each deployment's default ``config``, so a
+   run without parameters (a scheduled one, or "Quick run" in the UI) does what ``rlhf iterate``,
+   ``rlhf run`` or ``rlhf replay`` would do with that config.
+2. A cron or interval schedule goes on the iteration deployment only. Its runs pass no
+   ``iteration``, so each one continues the campaign from its latest finished iteration in MLflow.
+3. Each deployment runs one flow run at a time (``concurrency_limit=1``; later runs wait in
+   ``AwaitingConcurrencySlot``). That alone cannot keep a campaign run, an iteration run and a
+   command-line run apart, so the iteration flow also holds the campaign's file lock.
+4. The UI's "Custom run" form is Prefect's rendering of the flows' type hints, and the server
+   checks a run's parameters against the same JSON schema before it creates the run. The stage
+   configs are plain dataclasses whose checks live in ``__post_init__``, which JSON schema cannot
+   see; :data:`SCHEMA_BOUNDS` restates their simple bounds so that the server (and the form)
+   refuses, say, ``ppo.clip_eps = -1``. Anything else (cross-field checks) is still refused when
+   the flow validates its parameters, before its first task.
+5. Stopping ``serve`` (Ctrl-C or SIGTERM) pauses the deployments, so no scheduled runs pile up while
+   nothing serves them; serving again resumes them. Prefect 3.8.8's own SIGTERM handler exits without
+   pausing (it never awaits its stop coroutine), so SIGTERM is handled as Ctrl-C here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from datetime import timedelta
+from typing import Any
+
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.flows import Flow
+from prefect.logging import get_logger
+from prefect.runner import Runner
+from prefect.settings import get_current_settings
+
+from flows.config import ConfigError, PipelineConfig
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
+
+logger = get_logger("rlhf.serve")  # under prefect's logger, so it shows at INFO in the console
+
+_POSITIVE = {"exclusiveMinimum": 0}
+
+SCHEMA_BOUNDS: dict[type, dict[str, dict[str, float]]] = {
+    SamplingConfig: {
+        "max_new_tokens": _POSITIVE,
+        "temperature": _POSITIVE,
+        "top_k": {"minimum": 0},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "num_samples": _POSITIVE,
+        "batch_size": _POSITIVE,
+    },
+    RewardModelConfig: {
+        "learning_rate": _POSITIVE,
+        "epochs": _POSITIVE,
+        "batch_size": _POSITIVE,
+        "max_grad_norm": _POSITIVE,
+        "eval_fraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    },
+    AdvantageConfig: {
+        "kl_coef": {"minimum": 0},
+        "gamma": {"minimum": 0, "maximum": 1},
+        "gae_lambda": {"minimum": 0, "maximum": 1},
+        "score_clip": _POSITIVE,
+    },
+    PPOConfig: {
+        "epochs": _POSITIVE,
+        "minibatch_size": _POSITIVE,
+        "actor_learning_rate": _POSITIVE,
+        "critic_learning_rate": _POSITIVE,
+        "clip_eps": _POSITIVE,
+        "dual_clip": {"exclusiveMinimum": 1},
+        "value_clip_eps": _POSITIVE,
+        "max_grad_norm": _POSITIVE,
+        "target_kl": _POSITIVE,
+    },
+}
+"""JSON-schema bounds of stage-config fields, restating their ``__post_init__`` checks (a test keeps
+the two in step). On an optional field they bound the number, not the null."""
+
+HIDDEN_PARAMETERS = {"rlhf-iteration": ("state",)}
+"""Flow parameters left out of a deployment's form: the in-process hand-over between the iterations of a campaign."""
+
+
+def deployment_name(flow: Flow, config: PipelineConfig) -> str:
+    """``<flow>/<campaign>``, the name ``run_deployment`` and ``prefect deployment run`` take."""
+    return f"{flow.name}/{config.campaign}"
+
+
+def with_bounds(schema: dict[str, Any], *, hidden: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A flow's parameter schema with :data:`SCHEMA_BOUNDS` added and ``hidden`` parameters removed.
+
+    Raises:
+        KeyError: a bounded config class or field is missing from the schema (renamed?).
+    """
+    schema = copy.deepcopy(schema)
+    for name in hidden:
+        schema["properties"].pop(name, None)
+    definitions = schema.get("definitions", {})
+    for config_class, fields in SCHEMA_BOUNDS.items():
+        properties = definitions[config_class.__name__]["properties"]
+        for field, bounds in fields.items():
+            prop = properties[field]
+            numbers = [option for option in prop.get("anyOf", [prop]) if option.get("type") in ("integer", "number")]
+            if not numbers:
+                raise KeyError(f"{config_class.__name__}.{field} has no numeric type to bound")
+            for option in numbers:
+                option.update(bounds)
+    return schema
+
+
+def build_deployments(
+    config: PipelineConfig, *, cron: str | None = None, interval: float | None = None
+) -> list[RunnerDeployment]:
+    """The iteration, campaign and replay deployments of ``config``'s campaign, with ``config`` as default.
+
+    Args:
+        config: the served config; every run's ``config`` parameter defaults to it.
+        cron: a cron expression (UTC) on which the iteration deployment runs one more iteration.
+        interval: alternatively, seconds between scheduled iterations.
+
+    Raises:
+        ConfigError: both ``cron`` and ``interval``, a non-positive ``interval``, or a malformed ``cron``.
+    """
+    if cron is not None and interval is not None:
+        raise ConfigError("give either a cron schedule or an interval, not both")
+    if interval is not None and interval <= 0:
+        raise ConfigError(f"the schedule interval must be positive, got {interval}")
+    defaults = {"config": config.model_dump(mode="json")}
+    common = dict(
+        name=config.campaign,
+        concurrency_limit=1,
+        tags=["rlhf", f"campaign:{config.campaign}"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    try:
+        iteration = rlhf_iteration.to_deployment(
+            parameters=defaults,
+            cron=cron,
+            interval=None if interval is None else timedelta(seconds=interval),
+            **common,
+        )
+    except ValueError as error:
+        raise ConfigError(f"cron schedule {cron!r} is invalid: {error}") from error
+    deployments = [
+        iteration,
+        rlhf_campaign.to_deployment(parameters=defaults, **common),
+        rlhf_replay.to_deployment(parameters=defaults, **common),
+    ]
+    for deployment in deployments:
+        schema = deployment._parameter_openapi_schema  # no public setter in prefect 3.8.8
+        bounded = with_bounds(schema.model_dump(), hidden=HIDDEN_PARAMETERS.get(deployment.flow_name, ()))
+        deployment._parameter_openapi_schema = type(schema).model_validate(bounded)
+    return deployments
+
+
+class NoPrefectServer(LookupError):
+    """``PREFECT_API_URL`` is unset: served deployments would live in a temporary server nobody can reach."""
+
+
+class _Runner(Runner):
+    """Prefect's runner, stopping on SIGTERM as on Ctrl-C: cancel the main task, which pauses the deployments."""
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        self._main_task = asyncio.current_task()
+        await super().start(*args, **kwargs)
+
+    def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+        self._logger.info("SIGTERM received, stopping")
+        # Not SIGINT: a process started in the background by a shell ignores it.
+        self._main_task.get_loop().call_soon_threadsafe(self._main_task.cancel)
+
+
+def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval: float | None = None) -> None:
+    """Serve :func:`build_deployments` until Ctrl-C or SIGTERM; flow runs execute in subprocesses of this one.
+
+    What ``prefect.serve`` does, with a runner that pauses the deployments on SIGTERM too.
+
+    Raises:
+        NoPrefectServer: no Prefect server is configured.
+        ConfigError: see :func:`build_deployments`.
+    """
+    settings = get_current_settings()
+    if not settings.api.url:
+        raise NoPrefectServer(
+            "serving needs a Prefect server: start one with `prefect server start --host 127.0.0.1 --port 4200` "
+            "and `export PREFECT_API_URL=http://127.0.0.1:4200/api`"
+        )
+    deployments = build_deployments(config, cron=cron, interval=interval)
+    runner = _Runner(pause_on_shutdown=True)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    names = ", ".join(f"{d.flow_name}/{d.name}" for d in deployments)
+    logger.info("serving %s; runs appear at %s/runs; Ctrl-C stops and pauses them", names, settings.ui_url)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        logger.info("stopped; the deployments are paused until served again")

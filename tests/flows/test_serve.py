@@ -1,0 +1,289 @@
+"""``rlhf serve``: the deployments, their form and schedule, and runs triggered the way the Prefect UI
+triggers them, against the session's temporary Prefect server, a checkpoint folder saved by the
+test and a SQLite MLflow store. ``rlhf serve`` itself runs in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from prefect.utilities.schema_tools import ValidationError as SchemaValidationError
+from prefect.utilities.schema_tools import validate
+
+from flows.config import ConfigError, PipelineConfig, load_config
+from flows.serve import SCHEMA_BOUNDS, build_deployments, with_bounds
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+FLOWS = ("rlhf-iteration", "rlhf-campaign", "rlhf-replay")
+NEVER = "0 0 1 1 *"  # a real schedule that does not fire during a test (midnight UTC on 1 January)
+
+
+def _tiny_overrides(run_root: Path, world: dict[str, Path]) -> list[str]:
+    return [
+        f"run_root={run_root}",
+        f"model.policy={world['policy']}",
+        f"data.prompts={world['prompts']}",
+        f"data.eval_prompts={world['eval_prompts']}",
+        "iterations=1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_world, tmp_path_factory) -> tuple[PipelineConfig, list[str]]:
+    overrides = _tiny_overrides(tmp_path_factory.mktemp("served-runs"), checkpoint_world)
+    return load_config(CONFIGS / "tiny.yaml", overrides), overrides
+
+
+# --- the deployments, without a server ---------------------------------------------------------
+
+
+def test_three_deployments_named_after_the_campaign_with_the_served_config_as_default(tiny):
+    config, _ = tiny
+    deployments = build_deployments(config, interval=3600)
+    assert [f"{d.flow_name}/{d.name}" for d in deployments] == [f"{flow}/tiny" for flow in FLOWS]
+    for deployment in deployments:
+        assert deployment.parameters == {"config": config.model_dump(mode="json")}
+        assert deployment.concurrency_limit == 1
+        assert deployment.entrypoint.startswith("flows.rlhf_pipeline.")
+    iteration, campaign, replay = deployments
+    # A scheduled run uses the default parameters, which carry no `iteration`: it continues the campaign.
+    assert [s.schedule.interval for s in iteration.schedules] == [timedelta(hours=1)]
+    assert not campaign.schedules and not replay.schedules
+    assert build_deployments(config, cron="0 3 * * *")[0].schedules[0].schedule.cron == "0 3 * * *"
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [({"cron": "0 3 * *", "interval": 60}, "not both"), ({"interval": 0}, "positive"), ({"cron": "soon"}, "cron")],
+)
+def test_a_bad_schedule_is_refused(tiny, schedule, message):
+    with pytest.raises(ConfigError, match=message):
+        build_deployments(tiny[0], **schedule)
+
+
+def test_the_form_is_the_pipeline_config_with_every_stage_config(tiny):
+    schema = build_deployments(tiny[0])[0]._parameter_openapi_schema.model_dump()
+    assert list(schema["properties"]) == ["config", "iteration"], "the in-process `state` is not a form field"
+    assert schema["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
+    definitions = schema["definitions"]
+    for section in ("sampling", "reward_model", "advantages", "ppo", "sizes", "model", "data"):
+        assert definitions["PipelineConfig"]["properties"][section]["$ref"].startswith("#/definitions/")
+    assert definitions["PPOConfig"]["properties"]["clip_eps"]["description"].startswith("Policy ratio clip")
+    assert definitions["AdvantageConfig"]["properties"]["kl_estimator"]["enum"] == ["k1", "k2", "k3"]
+
+
+def _just_outside(keyword: str, bound: float, kind: str) -> float:
+    step = 1 if kind == "integer" else 0.5
+    return {"exclusiveMinimum": bound, "minimum": bound - step, "maximum": bound + step, "exclusiveMaximum": bound}[
+        keyword
+    ]
+
+
+def test_schema_bounds_restate_the_stage_config_checks(tiny):
+    """Each bound refuses exactly what the dataclass refuses at its edge, and the defaults pass."""
+    config = tiny[0]
+    schema = build_deployments(config)[0]._parameter_openapi_schema.model_dump()
+    validate({"config": config.model_dump(mode="json")}, schema, raise_on_error=True)
+    validate({"config": PipelineConfig().model_dump(mode="json")}, schema, raise_on_error=True)
+    section_of = {type(getattr(config, name)): name for name in ("sampling", "reward_model", "advantages", "ppo")}
+    for config_class, fields in SCHEMA_BOUNDS.items():
+        properties = schema["definitions"][config_class.__name__]["properties"]
+        for field, bounds in fields.items():
+            kind = next(o["type"] for o in properties[field].get("anyOf", [properties[field]]) if "type" in o)
+            for keyword, bound in bounds.items():
+                value = _just_outside(keyword, bound, kind)
+                with pytest.raises(ValueError):
+                    config_class(**{field: value})
+                tree = config.model_dump(mode="json")
+                tree[section_of[config_class]][field] = value
+                with pytest.raises(SchemaValidationError):
+                    validate({"config": tree}, schema, raise_on_error=True)
+
+
+def test_bounds_refuse_a_renamed_field():
+    with pytest.raises(KeyError):
+        with_bounds({"properties": {}, "definitions": {"PPOConfig": {"properties": {}}}})
+
+
+# --- `rlhf serve` against the session's Prefect server ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, tiny, tmp_path_factory):
+    """``rlhf serve --cron NEVER`` in a subprocess, and the three deployments it created."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import get_current_settings
+
+    config, overrides = tiny
+    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    command = [sys.executable, "-m", "flows", "serve", "--config", str(CONFIGS / "tiny.yaml"), "--cron", NEVER]
+    for override in overrides:
+        command += ["--set", override]
+    environment = {
+        **os.environ,
+        "PREFECT_API_URL": get_current_settings().api.url,
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    }
+    with log.open("w") as output:
+        process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=output, stderr=subprocess.STDOUT)
+    deployments = {}
+    deadline = time.monotonic() + 120
+    with get_client(sync_client=True) as client:
+        while len(deployments) < len(FLOWS):
+            assert process.poll() is None, f"rlhf serve exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"rlhf serve made no deployments in 120 s:\n{log.read_text()}"
+            for flow in FLOWS:
+                try:
+                    deployments[flow] = client.read_deployment_by_name(f"{flow}/{config.campaign}")
+                except ObjectNotFound:
+                    time.sleep(0.5)
+    yield config, process, deployments, log
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _mlflow_iteration_runs(config: PipelineConfig):
+    from mlflow import MlflowClient
+
+    if not (config.run_root / "mlflow.db").exists():
+        return []
+    client = MlflowClient(tracking_uri=f"sqlite:///{config.run_root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(config.campaign)
+    if experiment is None:
+        return []
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.kind` = 'iteration'")
+    return sorted(runs, key=lambda run: int(run.data.tags["rlhf.iteration"]))
+
+
+def _flow_runs_of(deployment_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+
+
+def test_served_deployments_carry_the_form_schedule_and_concurrency_limit(served):
+    config, _, deployments, _ = served
+    iteration = deployments["rlhf-iteration"]
+    assert (
+        iteration.parameter_openapi_schema["definitions"]["PPOConfig"]["properties"]["clip_eps"]["exclusiveMinimum"]
+        == 0
+    )
+    assert [schedule.schedule.cron for schedule in iteration.schedules] == [NEVER]
+    for deployment in deployments.values():
+        assert deployment.global_concurrency_limit.limit == 1
+        assert deployment.parameters == {"config": config.model_dump(mode="json")}
+
+
+def test_bad_parameters_are_refused_before_anything_runs(served):
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    config, _, deployments, _ = served
+    with pytest.raises(PrefectHTTPStatusError, match="config.ppo.clip_eps") as refused:
+        run_deployment(
+            "rlhf-iteration/tiny", parameters={"config": {"ppo": {"clip_eps": -1}}}, timeout=0, as_subflow=False
+        )
+    assert refused.value.response.status_code == 409
+    assert _flow_runs_of(deployments["rlhf-iteration"].id) == []
+    assert _mlflow_iteration_runs(config) == []
+
+
+def _wait_for_state(flow_run_id, names: set[str], *, timeout: float = 300):
+    from prefect import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            flow_run = client.read_flow_run(flow_run_id)
+            if flow_run.state.name in names or flow_run.state.is_final():
+                return flow_run
+            assert time.monotonic() < deadline, f"flow run still {flow_run.state.name} after {timeout} s"
+            time.sleep(0.5)
+
+
+def test_a_custom_run_with_changed_parameters_continues_the_campaign(served):
+    """What the UI's Custom run sends: the deployment's config, with one field changed in the form."""
+    from prefect.deployments import run_deployment
+
+    from flows.rlhf_pipeline import rlhf_iteration
+
+    config, _, deployments, log = served
+    rlhf_iteration(config)
+    parameters = deployments["rlhf-iteration"].parameters
+    parameters["config"]["advantages"]["kl_coef"] = 0.125
+    flow_run = run_deployment(
+        "rlhf-iteration/tiny", parameters=parameters, timeout=300, poll_interval=1, as_subflow=False
+    )
+    assert flow_run.state.is_completed(), f"{flow_run.state}\n{log.read_text()[-3000:]}"
+    runs = _mlflow_iteration_runs(config)
+    assert [run.data.tags["rlhf.iteration"] for run in runs] == ["0", "1"]
+    assert runs[1].data.params["advantages.kl_coef"] == "0.125"
+    assert runs[0].data.params["advantages.kl_coef"] == str(config.advantages.kl_coef)
+    assert runs[1].data.tags["prefect.flow_run_id"] == str(flow_run.id)
+
+
+def test_parameters_the_schema_cannot_check_fail_the_run_before_its_first_task(served):
+    """A cross-field check (labeler `import` needs `data.preferences`) passes the server and fails the flow's own
+    parameter validation: the run fails before any task, and nothing reaches MLflow."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+
+    config, _, deployments, _ = served
+    before = len(_mlflow_iteration_runs(config))
+    parameters = deployments["rlhf-iteration"].parameters
+    parameters["config"]["labeler"] = "import"
+    flow_run = run_deployment(
+        "rlhf-iteration/tiny", parameters=parameters, timeout=300, poll_interval=1, as_subflow=False
+    )
+    assert flow_run.state.is_failed() and "data.preferences" in flow_run.state.message, flow_run.state
+    with get_client(sync_client=True) as client:
+        assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))) == []
+    assert len(_mlflow_iteration_runs(config)) == before
+
+
+def test_two_iterations_of_a_campaign_never_run_at_once(served):
+    """A run of the deployment (what the schedule starts) and a command-line iteration, started together."""
+    from prefect import get_client
+    from prefect.deployments import run_deployment
+
+    from flows.rlhf_pipeline import rlhf_iteration
+
+    config, _, _, log = served
+    before = len(_mlflow_iteration_runs(config))
+    scheduled = run_deployment("rlhf-iteration/tiny", timeout=0, as_subflow=False)
+    assert _wait_for_state(scheduled.id, {"Running"}).state.name == "Running"
+    local = rlhf_iteration(config, return_state=True)
+    scheduled = _wait_for_state(scheduled.id, set())
+    assert local.is_completed() and scheduled.state.is_completed(), f"{scheduled.state}\n{log.read_text()[-3000:]}"
+
+    runs = _mlflow_iteration_runs(config)[before:]
+    assert [int(run.data.tags["rlhf.iteration"]) for run in runs] == [before, before + 1]
+    first, second = runs
+    assert first.info.end_time <= second.info.start_time, "the two iterations overlapped"
+    with get_client(sync_client=True) as client:
+        local_run = client.read_flow_run(local.state_details.flow_run_id)
+    both_started = max(local_run.start_time, scheduled.start_time).timestamp() * 1000
+    assert both_started < first.info.end_time, "the two flow runs did not actually run at the same time"
+
+
+def test_stopping_serve_pauses_the_schedule(served):
+    from prefect import get_client
+
+    config, process, deployments, log = served
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    with get_client(sync_client=True) as client:
+        iteration = client.read_deployment(deployments["rlhf-iteration"].id)
+    assert iteration.paused, log.read_text()[-3000:]
