@@ -1,0 +1,308 @@
+"""Pipeline tax and replay: the real flows on a temporary run root against the same work in a plain loop.
+
+``.venv/bin/python -m bench.pipeline_tax --mode flow|plain --iterations 3 --world DIR --out result.json``
+
+``flow`` runs ``rlhf_iteration`` (the real Prefect flow, with MLflow on SQLite and Parquet shards,
+checkpoints and manifests under a temporary ``run_root``; ``PREFECT_HOME`` is set by the caller),
+one top-level flow run per iteration as ``rlhf_campaign`` does, then ``rlhf_replay`` of the last
+iteration with another ``kl_coef`` when that flow exists. ``plain`` calls the same ``rlhf_core``
+entry points (and the same gold labeler and prompt helpers) in one loop with every model kept in
+memory: no Prefect, no MLflow, no files. Both use ``PipelineConfig()``'s defaults (the demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import pstats
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import Clock, set_threads
+
+STAGES = (
+    "sample_candidates",
+    "collect_preferences",
+    "train_reward_model",
+    "rollout",
+    "compute_advantages",
+    "ppo_update",
+    "evaluate",
+)
+
+
+BUCKETS = (
+    ("torch (compute)", ("/torch/", "/transformers/", "/accelerate/", "/rlhf_core/", "/demo/", "/tasks/labelers")),
+    ("MLflow + SQLAlchemy", ("/mlflow/", "/sqlalchemy/", "/alembic/", "storage/tracking")),
+    (
+        "Prefect + its HTTP/async stack",
+        (
+            "/prefect/",
+            "/httpx/",
+            "/httpcore/",
+            "/anyio/",
+            "/asyncio/",
+            "/uvicorn/",
+            "/starlette/",
+            "/fastapi/",
+            "/pydantic",
+            "/websockets/",
+            "/sniffio/",
+            "threading.py",
+            "/queue.py",
+            "selectors.py",
+        ),
+    ),
+    (
+        "Parquet, manifests, checkpoints",
+        ("/pyarrow/", "/polars/", "/safetensors/", "/storage/", "hashlib", "/shutil.py", "/tokenizers/"),
+    ),
+)
+
+
+def profile_buckets(profile: cProfile.Profile) -> dict[str, float]:
+    """Self time of one profiled flow iteration, summed by the package each function lives in."""
+    totals: dict[str, float] = {}
+    for (filename, _, name), (_, _, self_time, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        where = f"{filename}:{name}"
+        bucket = next((label for label, marks in BUCKETS if any(mark in where for mark in marks)), "other")
+        if filename == "~" and ("torch" in name or "built-in method torch" in name):
+            bucket = "torch (compute)"
+        totals[bucket] = totals.get(bucket, 0.0) + self_time
+    return totals
+
+
+def flow_run(world: Path, iterations: int) -> dict:
+    clock = Clock()
+    with clock.measure("import"):
+        from flows import rlhf_pipeline
+        from flows.config import PipelineConfig
+        from rlhf_core.config import AdvantageConfig
+        from tasks.runtime import tracker_of
+    root = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
+    try:
+        shutil.copytree(world, root / "cache" / "demo-world")
+        config = PipelineConfig(run_root=root, torch_threads=1)
+        state, profile = None, cProfile.Profile()
+        for iteration in range(iterations):
+            if iteration == iterations - 1:
+                profile.enable()
+            with clock.measure("iteration"):
+                state = rlhf_pipeline.rlhf_iteration(config, iteration, state)
+        profile.disable()
+        tracker = tracker_of(config)
+        experiment = tracker.experiment_id(config.campaign)
+        stage_seconds = [
+            {stage: metrics.get(f"{stage}/seconds", float("nan")) for stage in ("initialize", *STAGES)}
+            for _, metrics in tracker.iteration_metrics(experiment)
+        ]
+        replay = None
+        if hasattr(rlhf_pipeline, "rlhf_replay"):
+            source = tracker.find_run(
+                experiment, tags={"rlhf.kind": "iteration", "rlhf.iteration": str(iterations - 1)}
+            )
+            replay_config = config.model_copy(update={"advantages": AdvantageConfig(kl_coef=0.1)})
+            with clock.measure("replay"):
+                rlhf_pipeline.rlhf_replay(replay_config, source)
+            replay = True
+        return {
+            "phases": clock.to_json(),
+            "stage_seconds": stage_seconds,
+            "replay_flow": replay,
+            "profile_buckets": profile_buckets(profile),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def plain_run(world: Path, iterations: int) -> dict:
+    """The seven stages' ``rlhf_core`` calls per iteration, models in memory, no files."""
+    import torch
+    from accelerate import Accelerator
+
+    from demo.build import world_at
+    from flows.config import PipelineConfig
+    from rlhf_core.experience import concat_experience
+    from rlhf_core.experience_maker import PPOExperienceMaker, reference_logprobs, score_experience
+    from rlhf_core.generation import generate, sample_candidates
+    from rlhf_core.models import Critic, RewardModel, evaluating, freeze
+    from rlhf_core.ppo import ppo_update
+    from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
+    from storage.checkpoints import load_causal_lm
+    from tasks.evaluate import _gold_metrics
+    from tasks.labelers import CandidatePair, GoldLabeler
+    from tasks.runtime import stage_seed
+    from tasks.text import (
+        batches,
+        decode,
+        encode_prompts,
+        encode_response,
+        load_tokenizer,
+        pad_token_lists,
+        read_prompt_texts,
+        response_token_lists,
+        rotating_subset,
+    )
+
+    config = PipelineConfig(torch_threads=1)
+    paths = world_at(world)
+    clock = Clock()
+    tokenizer = load_tokenizer(str(paths.model_dir))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    train_prompts, eval_prompts = read_prompt_texts(paths.prompts_path), read_prompt_texts(paths.eval_prompts_path)
+    accelerator = Accelerator(cpu=True)
+    actor = load_causal_lm(paths.model_dir)
+    torch.manual_seed(stage_seed(config.seed, "initialize", 0))
+    critic = Critic.from_pretrained(paths.model_dir)
+    reference = freeze(load_causal_lm(paths.model_dir))
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.ppo.actor_learning_rate)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.ppo.critic_learning_rate)
+    actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(
+        actor, critic, actor_optimizer, critic_optimizer
+    )
+    reward_model, labelled = None, []
+    single = dataclasses.replace(config.sampling, num_samples=1)
+
+    def seeded(stage: str, iteration: int) -> torch.Generator:
+        return torch.Generator().manual_seed(stage_seed(config.seed, stage, iteration))
+
+    for iteration in range(iterations):
+        with clock.measure("iteration"):
+            # 1. sample candidates, N per preference prompt
+            with clock.measure("sample_candidates"):
+                sampling = dataclasses.replace(config.sampling, num_samples=config.sizes.candidates_per_prompt)
+                chosen = rotating_subset(train_prompts, count=config.sizes.preference_prompts, iteration=iteration)
+                generator, pairs = seeded("sample_candidates", iteration), []
+                for part in batches(len(chosen), sampling.batch_size):
+                    texts = [text for _, text in chosen[part]]
+                    ids, mask = encode_prompts(tokenizer, texts)
+                    out = sample_candidates(
+                        actor, ids, mask, config=sampling, eos_token_id=eos, pad_token_id=pad, generator=generator
+                    )
+                    responses = response_token_lists(out.sequences, out.action_mask)
+                    decoded = decode(tokenizer, responses)
+                    prompt_lists = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+                    for row in range(0, len(responses), 2):
+                        prompt_row = row // sampling.num_samples
+                        pairs.append(
+                            CandidatePair(
+                                prompt=texts[prompt_row],
+                                first=decoded[row],
+                                second=decoded[row + 1],
+                                first_ids=prompt_lists[prompt_row] + responses[row],
+                                second_ids=prompt_lists[prompt_row] + responses[row + 1],
+                            )
+                        )
+            # 2. label the pairs with the hidden gold rubric
+            with clock.measure("collect_preferences"):
+                for pair, label in zip(pairs, GoldLabeler().label(pairs), strict=True):
+                    better, worse = (pair.second, pair.first) if label.winner else (pair.first, pair.second)
+                    labelled.append((pair.prompt, better, worse, label.margin))
+            # 3. continue training the reward model on every pair so far
+            with clock.measure("train_reward_model"):
+                rows = [encode_response(tokenizer, p, c) for p, c, _, _ in labelled]
+                rows += [encode_response(tokenizer, p, r) for p, _, r, _ in labelled]
+                ids, mask = pad_token_lists(rows, pad_token_id=pad)
+                n = len(labelled)
+                margin = torch.tensor([m for *_, m in labelled], dtype=torch.float32)
+                preference = PreferenceBatch(ids[:n], mask[:n], ids[n:], mask[n:], margin)
+                generator = seeded("train_reward_model", iteration)
+                order = torch.randperm(n, generator=generator)
+                held_out = max(1, int(n * config.reward_model.eval_fraction))
+                torch.manual_seed(stage_seed(config.seed, "train_reward_model", iteration))
+                model = reward_model or RewardModel.from_pretrained(paths.model_dir)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=config.reward_model.learning_rate)
+                model, optimizer = accelerator.prepare(model, optimizer)
+                rm_stats = fit_reward_model(
+                    model,
+                    optimizer,
+                    preference.select(order[held_out:]),
+                    preference.select(order[:held_out]),
+                    config.reward_model,
+                    accelerator=accelerator,
+                    generator=generator,
+                )
+                reward_model = model
+            # 4. roll out one response per prompt, scored by reference, critic and reward model
+            with clock.measure("rollout"):
+                maker = PPOExperienceMaker(
+                    actor, critic, reward_model, reference, sampling=single, eos_token_id=eos, pad_token_id=pad
+                )
+                prompts = rotating_subset(
+                    train_prompts, count=config.sizes.rollout_prompts, iteration=iteration, offset=7919
+                )
+                generator, parts = seeded("rollout", iteration), []
+                for part in batches(len(prompts), single.batch_size):
+                    ids, mask = encode_prompts(tokenizer, [text for _, text in prompts[part]])
+                    parts.append(maker.make_experience(ids, mask, generator=generator))
+                experience = concat_experience(parts, pad_token_id=pad)
+            # 5. rewards, KL, GAE
+            with clock.measure("compute_advantages"):
+                scored = score_experience(
+                    experience, config.advantages, score_mean=rm_stats.score_mean, score_std=rm_stats.score_std
+                )
+            # 6. PPO
+            with clock.measure("ppo_update"):
+                ppo_update(
+                    actor,
+                    critic,
+                    actor_optimizer,
+                    critic_optimizer,
+                    scored,
+                    config.ppo,
+                    accelerator=accelerator,
+                    temperature=config.sampling.temperature,
+                    generator=seeded("ppo_update", iteration),
+                )
+            # 7. evaluate against the initial policy
+            with clock.measure("evaluate"):
+                records = []
+                for part in batches(config.sizes.eval_prompts, single.batch_size):
+                    texts = eval_prompts[part]
+                    ids, mask = encode_prompts(tokenizer, texts)
+                    answers, scores = {}, {}
+                    for name, policy in (("policy", actor), ("reference", reference)):
+                        generator = torch.Generator().manual_seed(stage_seed(config.seed, "evaluate", 0) + part.start)
+                        out = generate(
+                            policy, ids, mask, config=single, eos_token_id=eos, pad_token_id=pad, generator=generator
+                        )
+                        answers[name] = decode(tokenizer, response_token_lists(out.sequences, out.action_mask))
+                        with evaluating(reward_model), torch.no_grad():
+                            scores[name] = reward_model(out.sequences, out.attention_mask).tolist()
+                        if name == "policy":
+                            reference_logprobs(
+                                reference,
+                                out.sequences,
+                                out.attention_mask,
+                                ids.shape[1],
+                                temperature=single.temperature,
+                            )
+                    records += [
+                        {"prompt": prompt, **{f"{k}_response": v[row] for k, v in answers.items()}}
+                        for row, prompt in enumerate(texts)
+                    ]
+                _gold_metrics(records)
+    return {"phases": clock.to_json()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["flow", "plain"], required=True)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--world", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    set_threads(1)
+    run = flow_run if args.mode == "flow" else plain_run
+    result = run(args.world, args.iterations)
+    result["process_seconds"] = time.perf_counter() - started
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
