@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show = commands.add_parser("config", help="print the resolved config as YAML and exit")
     _add_config_arguments(show)
+    show.add_argument(
+        "--json", action="store_true", help="print JSON instead (for `prefect deployment run -p config=...`)"
+    )
     return parser
 
 
@@ -120,6 +123,7 @@ def _replay(config, arguments) -> int:
     replay = replay_config(config, source_run_id, arguments.overrides)
     replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
+    print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
     return 0
 
 
@@ -142,6 +146,9 @@ def _serve(config, arguments) -> int:
 def _config(config, arguments) -> int:
     import yaml
 
+    if arguments.json:
+        print(config.model_dump_json())
+        return 0
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 

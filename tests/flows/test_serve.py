@@ -287,3 +287,14 @@ def test_stopping_serve_pauses_the_schedule(served):
     with get_client(sync_client=True) as client:
         iteration = client.read_deployment(deployments["rlhf-iteration"].id)
     assert iteration.paused, log.read_text()[-3000:]
+
+
+def test_rlhf_config_json_is_a_config_parameter(capsys):
+    """`prefect deployment run ... -p config="$(rlhf config ... --json)"` sends a whole, valid config."""
+    import json
+
+    from flows.cli import main
+
+    assert main(["config", "--config", str(CONFIGS / "tiny.yaml"), "--set", "advantages.kl_coef=0.1", "--json"]) == 0
+    sent = json.loads(capsys.readouterr().out)
+    assert PipelineConfig.model_validate(sent) == load_config(CONFIGS / "tiny.yaml", ["advantages.kl_coef=0.1"])
