@@ -12,7 +12,6 @@ Choices:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -22,9 +21,12 @@ from storage.checkpoints import load_tokenizer as load_saved_tokenizer
 from storage.importers import import_prompts
 
 
-@lru_cache(maxsize=4)
 def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
-    """The policy's tokenizer, left-padded, with a pad token (EOS when it has none)."""
+    """The policy's tokenizer, left-padded, with a pad token (EOS when it has none).
+
+    Each call loads a fresh object: a fast tokenizer keeps the padding settings of its last call,
+    and a checkpoint must never save state that depends on what ran before in the process.
+    """
     tokenizer = load_saved_tokenizer(Path(directory))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
