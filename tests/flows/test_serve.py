@@ -190,13 +190,43 @@ def test_bad_parameters_are_refused_before_anything_runs(served):
     from prefect.exceptions import PrefectHTTPStatusError
 
     config, _, deployments, _ = served
+    before = _flow_runs_of(deployments["rlhf-iteration"].id)
     with pytest.raises(PrefectHTTPStatusError, match="config.ppo.clip_eps") as refused:
         run_deployment(
             "rlhf-iteration/tiny", parameters={"config": {"ppo": {"clip_eps": -1}}}, timeout=0, as_subflow=False
         )
     assert refused.value.response.status_code == 409
-    assert _flow_runs_of(deployments["rlhf-iteration"].id) == []
+    assert _flow_runs_of(deployments["rlhf-iteration"].id) == before, "no flow run was created"
     assert _mlflow_iteration_runs(config) == []
+
+
+def test_the_schedule_makes_runs_that_continue_the_campaign(served):
+    """What Prefect's scheduler service does each minute in a real server (the test server runs no services):
+    insert the schedule's upcoming runs. They carry only the served config, no `iteration`, so each one
+    continues the campaign. (prefect 3.8.8's scheduler fails on SQLAlchemy 2.1; pyproject pins 2.0.)"""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.server.database import provide_database_interface
+    from prefect.server.models.deployments import schedule_runs
+
+    config, _, deployments, _ = served
+    iteration = deployments["rlhf-iteration"]
+
+    async def schedule() -> list:
+        async with provide_database_interface().session_context(begin_transaction=True) as session:
+            return await schedule_runs(session, deployment_id=iteration.id)
+
+    run_ids = asyncio.run(schedule())
+    with get_client(sync_client=True) as client:
+        scheduled = [client.read_flow_run(run_id) for run_id in run_ids]
+        for flow_run in scheduled:
+            client.delete_flow_run(flow_run.id)
+    assert scheduled
+    for flow_run in scheduled:
+        assert flow_run.state.is_scheduled()
+        assert (flow_run.expected_start_time.month, flow_run.expected_start_time.day) == (1, 1)
+        assert flow_run.parameters == {"config": config.model_dump(mode="json")}
 
 
 def _wait_for_state(flow_run_id, names: set[str], *, timeout: float = 300):
