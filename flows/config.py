@@ -89,6 +89,9 @@ class PipelineConfig(_Frozen):
     """Iterations a campaign runs."""
     torch_threads: int = Field(1, gt=0)
     """torch intra-op threads; one is fastest for small models on a 2-core machine."""
+    checkpoint_seconds: float = Field(60.0, ge=0)
+    """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
+    A crashed stage continues from its last save; short stages never pay for saving."""
     labeler: Literal["gold", "import", "reward_model", "human"] = "gold"
     """Who labels candidate pairs: the demo's hidden gold rubric, an imported file, the current reward model,
     or a person answering Prefect UI forms (see `human`)."""

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.losses import pairwise_reward_loss
-from rlhf_core.models import RewardModel, evaluating
+from rlhf_core.models import RewardModel, evaluating, fused_activations
 
 
 @dataclass(frozen=True)
@@ -143,21 +143,22 @@ def fit_reward_model(
     loss_sum, accuracy_sum, steps = (
         (resume.loss_sum, resume.accuracy_sum, resume.optimizer_steps) if resume else (0.0, 0.0, 0)
     )
-    for epoch in range(resume.epochs_done if resume else 0, config.epochs):
-        order = torch.randperm(len(train_pairs), generator=generator)
-        for start in range(0, len(train_pairs), config.batch_size):
-            batch = train_pairs.select(order[start : start + config.batch_size].to(accelerator.device))
-            chosen, rejected = _pair_scores(model, batch)
-            loss, stats = pairwise_reward_loss(chosen, rejected, margin=batch.margin if config.use_margin else None)
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            optimizer.step()
-            loss_sum += loss.item()
-            accuracy_sum += stats.accuracy.item()
-            steps += 1
-        if on_epoch_end is not None:
-            on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
+    with fused_activations(model):
+        for epoch in range(resume.epochs_done if resume else 0, config.epochs):
+            order = torch.randperm(len(train_pairs), generator=generator)
+            for start in range(0, len(train_pairs), config.batch_size):
+                batch = train_pairs.select(order[start : start + config.batch_size].to(accelerator.device))
+                chosen, rejected = _pair_scores(model, batch)
+                loss, stats = pairwise_reward_loss(chosen, rejected, margin=batch.margin if config.use_margin else None)
+                optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                optimizer.step()
+                loss_sum += loss.item()
+                accuracy_sum += stats.accuracy.item()
+                steps += 1
+            if on_epoch_end is not None:
+                on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
     eval_loss, eval_accuracy, score_mean, score_std = evaluate_reward_model(
         model, eval_pairs, batch_size=config.batch_size
     )

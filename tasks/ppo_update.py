@@ -1,6 +1,6 @@
 """Stage 6, PPO update: new actor and critic checkpoints from the scored experience.
 
-The update saves its progress after every epoch (models, optimizers, the shuffling stream and
+The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models, optimizers, the shuffling stream and
 running statistics); a crashed run continues from the last saved epoch and ends exactly where an
 uninterrupted one would.
 """
@@ -23,7 +23,7 @@ from storage.experience_io import table_to_experience
 from storage.manifest import StageOutput
 from storage.progress import clear_progress, latest_progress, save_progress
 from storage.shards import read_table
-from tasks.runtime import IterationContext, StageResult, accelerator_for, run_stage, stage_state
+from tasks.runtime import IterationContext, StageResult, Throttle, accelerator_for, run_stage, stage_state
 from tasks.text import load_tokenizer
 
 STAGE = "ppo_update"
@@ -75,8 +75,10 @@ def ppo_update(context: IterationContext, policy: StageResult, scored: StageResu
                 load_training_state(source / name, optimizer=optimizer)
         actor, critic, *optimizers = accelerator.prepare(actor, critic, *optimizers)
 
+        throttle = Throttle(config.checkpoint_seconds)
+
         def save_epoch(progress: PPOProgress) -> None:
-            if progress.epochs_done < config.ppo.epochs:
+            if progress.epochs_done < config.ppo.epochs and throttle.due():
                 unwrap = accelerator.unwrap_model
                 save_progress(
                     out.final_dir,

@@ -250,3 +250,18 @@ def upstream_result(context: IterationContext, result: StageResult, name: str) -
     if run_id is None:
         raise LookupError(f"no finished stage run in MLflow holds the {name!r} output {digest[:16]} of {result.stage}")
     return recorded_result(context, run_id)
+
+
+class Throttle:
+    """``due()`` is True at most once per ``seconds`` (every time for 0): paces mid-stage saves."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True

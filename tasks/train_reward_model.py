@@ -1,6 +1,6 @@
 """Stage 3, train the reward model on every preference pair collected so far.
 
-Training saves its progress after every epoch (model, optimizer, the shuffling stream and the
+Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer, the shuffling stream and the
 global RNG that drives dropout); a crashed run continues from the last saved epoch.
 """
 
@@ -20,7 +20,7 @@ from storage.checkpoints import load_training_state, save_model, save_training_s
 from storage.manifest import StageOutput
 from storage.progress import clear_progress, latest_progress, save_progress
 from storage.shards import read_table
-from tasks.runtime import IterationContext, StageResult, accelerator_for, run_stage, stage_state
+from tasks.runtime import IterationContext, StageResult, Throttle, accelerator_for, run_stage, stage_state
 from tasks.text import encode_response, load_tokenizer, pad_token_lists
 
 STAGE = "train_reward_model"
@@ -70,6 +70,8 @@ def train_reward_model(
             generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
         model, optimizer = accelerator.prepare(model, optimizer)
 
+        throttle = Throttle(config.checkpoint_seconds)
+
         def save_epoch(progress: RewardTrainingProgress) -> None:
             def write(folder):
                 save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
@@ -78,7 +80,7 @@ def train_reward_model(
                     folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra
                 )
 
-            if progress.epochs_done < config.reward_model.epochs:
+            if progress.epochs_done < config.reward_model.epochs and throttle.due():
                 save_progress(out.final_dir, progress.epochs_done, write)
 
         stats = fit_reward_model(
