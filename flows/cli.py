@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LookupError, FileNotFoundError) as error:
         print(f"rlhf: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        from flows.human_labels import HumanLabelTimeout
+
+        if not isinstance(error, HumanLabelTimeout):
+            raise
+        print(f"rlhf: {error}", file=sys.stderr)
+        return 3
 
 
 def _run(config, arguments) -> int:
