@@ -56,6 +56,9 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
     for name, path in (("data.prompts", prompts), ("data.eval_prompts", eval_prompts)):
         if not Path(path).is_file():
             raise FileNotFoundError(f"`{name}` file {path} does not exist")
+    looks_like_path = str(policy).startswith(("/", ".", "~")) or str(policy).count("/") > 1
+    if looks_like_path and not Path(policy).exists():
+        raise FileNotFoundError(f"`model.policy` folder {policy} does not exist")
     if Path(policy).exists() and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
     parts = [_file_fingerprint(Path(p)) if Path(p).exists() else str(p) for p in (policy, prompts, eval_prompts)]
