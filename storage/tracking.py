@@ -40,7 +40,7 @@ from pathlib import Path
 
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
@@ -389,45 +389,39 @@ class Tracker:
 
     # Campaign state and models ----------------------------------------------------------------------
 
+    def _finished_iteration_runs(self, experiment_id: str) -> Iterator[Run]:
+        """Every FINISHED iteration run of the experiment, page by page."""
+        token = None
+        while True:
+            page = self._client.search_runs(
+                [experiment_id],
+                filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'",
+                max_results=1000,
+                page_token=token,
+            )
+            yield from page
+            token = page.token
+            if not token:
+                return
+
     def iteration_metrics(self, experiment_id: str) -> list[tuple[int, dict[str, float]]]:
         """``(iteration, latest metrics)`` of every FINISHED iteration run, by iteration; the newest
         run wins when an iteration was run more than once."""
         newest: dict[int, tuple[int, dict[str, float]]] = {}
-        token = None
-        while True:
-            page = self._client.search_runs(
-                [experiment_id],
-                filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'",
-                max_results=1000,
-                page_token=token,
-            )
-            for run in page:
-                iteration = int(run.data.tags[TAG_ITERATION])
-                if iteration not in newest or run.info.start_time > newest[iteration][0]:
-                    newest[iteration] = (run.info.start_time, dict(run.data.metrics))
-            token = page.token
-            if not token:
-                break
+        for run in self._finished_iteration_runs(experiment_id):
+            iteration = int(run.data.tags[TAG_ITERATION])
+            if iteration not in newest or run.info.start_time > newest[iteration][0]:
+                newest[iteration] = (run.info.start_time, dict(run.data.metrics))
         return [(iteration, metrics) for iteration, (_, metrics) in sorted(newest.items())]
 
     def latest_iteration(self, experiment_id: str) -> int | None:
         """The highest ``rlhf.iteration`` among FINISHED iteration runs of the experiment, or None."""
-        latest: int | None = None
-        token = None
-        while True:
-            page = self._client.search_runs(
-                [experiment_id],
-                filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'",
-                max_results=1000,
-                page_token=token,
-            )
-            for run in page:
-                value = run.data.tags.get(TAG_ITERATION)
-                if value is not None and re.fullmatch(r"-?\d+", value):
-                    latest = int(value) if latest is None else max(latest, int(value))
-            token = page.token
-            if not token:
-                return latest
+        iterations = [
+            int(value)
+            for run in self._finished_iteration_runs(experiment_id)
+            if (value := run.data.tags.get(TAG_ITERATION)) is not None and re.fullmatch(r"-?\d+", value)
+        ]
+        return max(iterations, default=None)
 
     def register_model(self, run_id: str, *, name: str, artifact_subpath: str, alias: str = "latest") -> str:
         """Register the run's artifact folder ``artifact_subpath`` (e.g. ``output/actor``) as a new version.

@@ -45,6 +45,19 @@ class StageResult:
     def directory(self) -> Path:
         return Path(self.path)
 
+    @classmethod
+    def of(cls, stage_dir: Path, manifest: Manifest, *, reused: bool, run_id: str | None) -> StageResult:
+        """The reference to the verified output in ``stage_dir`` that ``manifest`` describes."""
+        return cls(
+            stage=manifest.stage,
+            path=str(stage_dir),
+            input_key=manifest.input_key,
+            digest=manifest.digest,
+            reused=reused,
+            run_id=run_id,
+            metrics=dict(manifest.metrics),
+        )
+
 
 @dataclass(frozen=True)
 class BaseInputs:
@@ -177,15 +190,7 @@ def run_stage(
         if record is not None
         else _record_stage(context, tracker, stage, dict(config), manifest, stage_dir, register)
     )
-    return StageResult(
-        stage=stage,
-        path=str(stage_dir),
-        input_key=input_key,
-        digest=manifest.digest,
-        reused=reused,
-        run_id=run_id,
-        metrics=dict(manifest.metrics),
-    )
+    return StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
 
 
 def _record_stage(
@@ -230,15 +235,7 @@ def recorded_result(context: IterationContext, run_id: str) -> StageResult:
     if manifest is None:
         tracker.download_stage_output(run_id, stage_dir)
         manifest = read_manifest(stage_dir)
-    return StageResult(
-        stage=stage,
-        path=str(stage_dir),
-        input_key=input_key,
-        digest=manifest.digest,
-        reused=True,
-        run_id=run_id,
-        metrics=dict(manifest.metrics),
-    )
+    return StageResult.of(stage_dir, manifest, reused=True, run_id=run_id)
 
 
 def upstream_result(context: IterationContext, result: StageResult, name: str) -> StageResult:
