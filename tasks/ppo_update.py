@@ -15,6 +15,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
+from tqdm.auto import tqdm
 
 from rlhf_core.ppo import PPOProgress
 from rlhf_core.ppo import ppo_update as update
@@ -76,8 +77,10 @@ def ppo_update(context: IterationContext, policy: StageResult, scored: StageResu
         actor, critic, *optimizers = accelerator.prepare(actor, critic, *optimizers)
 
         throttle = Throttle(config.checkpoint_seconds)
+        bar = tqdm(total=config.ppo.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch")
 
         def save_epoch(progress: PPOProgress) -> None:
+            bar.update(1)
             if progress.epochs_done < config.ppo.epochs and throttle.due():
                 unwrap = accelerator.unwrap_model
                 save_progress(

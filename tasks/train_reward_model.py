@@ -13,6 +13,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
+from tqdm.auto import tqdm
 
 from rlhf_core.models import RewardModel
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
@@ -71,8 +72,13 @@ def train_reward_model(
         model, optimizer = accelerator.prepare(model, optimizer)
 
         throttle = Throttle(config.checkpoint_seconds)
+        bar = tqdm(
+            total=config.reward_model.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch"
+        )
 
         def save_epoch(progress: RewardTrainingProgress) -> None:
+            bar.update(1)
+
             def write(folder):
                 save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
                 extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
@@ -94,6 +100,7 @@ def train_reward_model(
             resume=resume,
             on_epoch_end=save_epoch,
         )
+        bar.close()
         save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
         clear_progress(out.final_dir)
         return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}
