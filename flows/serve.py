@@ -17,7 +17,7 @@
    the flow validates its parameters, before its first task.
 5. Stopping ``serve`` (Ctrl-C or SIGTERM) pauses the deployments, so no scheduled runs pile up while
    nothing serves them; serving again resumes them. Prefect 3.8.8's own SIGTERM handler exits without
-   pausing (it never awaits its stop coroutine), so SIGTERM is handled as Ctrl-C here.
+   pausing or cancelling anything (it never awaits its stop coroutine), so :class:`_Runner` fixes it.
 """
 
 from __future__ import annotations
@@ -159,16 +159,19 @@ class NoPrefectServer(LookupError):
 
 
 class _Runner(Runner):
-    """Prefect's runner, stopping on SIGTERM as on Ctrl-C: cancel the main task, which pauses the deployments."""
+    """Prefect's runner, stopping on SIGTERM the way its own ``stop`` would: cancel the flow runs it is
+    running (they end Cancelled rather than stay Running), stop polling, pause the deployments."""
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
-        self._main_task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
         await super().start(*args, **kwargs)
 
     def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
-        self._logger.info("SIGTERM received, stopping")
-        # Not SIGINT: a process started in the background by a shell ignores it.
-        self._main_task.get_loop().call_soon_threadsafe(self._main_task.cancel)
+        self._logger.info("SIGTERM received: cancelling running flow runs and stopping")
+        self._loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
+        self._stop_task = self._loop.create_task(self.astop())  # kept, so it is not garbage-collected
 
 
 def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval: float | None = None) -> None:
@@ -194,5 +197,6 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
     logger.info("serving %s; runs appear at %s/runs; Ctrl-C stops and pauses them", names, settings.ui_url)
     try:
         asyncio.run(runner.start())
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        logger.info("stopped; the deployments are paused until served again")
+    except KeyboardInterrupt:
+        pass
+    logger.info("stopped; the deployments are paused until served again")

@@ -308,15 +308,21 @@ def test_two_iterations_of_a_campaign_never_run_at_once(served):
     assert both_started < first.info.end_time, "the two flow runs did not actually run at the same time"
 
 
-def test_stopping_serve_pauses_the_schedule(served):
+def test_sigterm_cancels_the_running_iteration_and_pauses_the_schedule(served):
+    """`kill <rlhf serve>` (prefect 3.8.8 alone would leave the run Running, its slot taken, the schedule on)."""
     from prefect import get_client
+    from prefect.deployments import run_deployment
 
-    config, process, deployments, log = served
+    _, process, deployments, log = served
+    flow_run = run_deployment("rlhf-iteration/tiny", timeout=0, as_subflow=False)
+    assert _wait_for_state(flow_run.id, {"Running"}).state.name == "Running"
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+    assert process.wait(timeout=60) == 0, log.read_text()[-3000:]
     with get_client(sync_client=True) as client:
         iteration = client.read_deployment(deployments["rlhf-iteration"].id)
-    assert iteration.paused, log.read_text()[-3000:]
+        flow_run = client.read_flow_run(flow_run.id)
+    assert flow_run.state.is_cancelled(), flow_run.state
+    assert iteration.paused and iteration.global_concurrency_limit.active_slots == 0, log.read_text()[-3000:]
 
 
 def test_rlhf_config_json_is_a_config_parameter(capsys):
