@@ -15,9 +15,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import PipelineConfig
+from storage.manifest import read_manifest
 from tasks.runtime import BaseInputs, IterationContext, StageResult, recorded_result, tracker_of, upstream_result
 
 CONFIG_ARTIFACT = "config.json"
+OUTPUT_TAG_PREFIX = "rlhf.output."
+"""An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
+which is another iteration's run when the stage was reused."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ def close_iteration(context: IterationContext, stages: list[StageResult], state:
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration)
+        tracker.set_tags(context.parent_run_id, {f"{OUTPUT_TAG_PREFIX}{r.stage}": r.run_id for r in stages})
         tracker.end_run(context.parent_run_id)
     kind = tracker.run_tags(context.parent_run_id).get("rlhf.kind", "iteration")
     create_markdown_artifact(
@@ -178,14 +183,11 @@ def iteration_summary(
 
 
 def _stage_run(context: IterationContext, parent_run_id: str, stage: str) -> str:
-    run_id = context_tracker_find(context, {"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage})
+    """The stage run whose output an iteration (or replay) run used: its own, or a reused one."""
+    run_id = tracker_of(context.config).run_tags(parent_run_id).get(f"{OUTPUT_TAG_PREFIX}{stage}")
     if run_id is None:
-        raise LookupError(f"run {parent_run_id} has no finished {stage!r} stage run")
+        raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
     return run_id
-
-
-def context_tracker_find(context: IterationContext, tags: dict[str, str]) -> str | None:
-    return tracker_of(context.config).find_run(context.experiment_id, tags=tags, status="FINISHED")
 
 
 @task(name="load_replay_inputs", cache_policy=NO_CACHE)
@@ -230,6 +232,4 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
 
 
 def read_upstream_names(result: StageResult, *, prefix: str) -> list[str]:
-    from storage.manifest import read_manifest
-
     return [name for name in read_manifest(result.directory, verify=False).upstream if name.startswith(prefix)]

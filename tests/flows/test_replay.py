@@ -81,3 +81,19 @@ def test_compare_command_prints_a_table_and_names_unknown_runs(recorded, capsys)
     assert "evaluate/kl_to_reference" in output and "iteration" in output
     assert main(["compare", "no-such-campaign:3", *location]) == 2
     assert "no-such-campaign" in capsys.readouterr().err
+
+
+def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_continued(recorded):
+    """A setting outside every stage's key (here `checkpoint_seconds`) makes new iteration runs whose
+    stages are all reused from the first campaign's runs; they must still name their outputs."""
+    from flows.campaign import load_latest_state, resolve_base
+
+    again = recorded.model_copy(update={"checkpoint_seconds": 5.0})
+    state = rlhf_campaign(again)
+    assert state.policy.reused
+    source = resolve_run(again, f"{again.campaign}:1")
+    assert tracker_of(again).run_tags(source)["rlhf.iteration_key"] != ""
+    replay_run = rlhf_replay(replay_config(again, source, ["ppo.epochs=3"]), source)
+    assert tracker_of(again).run_tags(replay_run)["rlhf.replay_of"] == source
+    next_iteration, latest = load_latest_state.fn(again, resolve_base.fn(again))
+    assert next_iteration == again.iterations and latest.policy.digest == state.policy.digest
