@@ -28,7 +28,6 @@ from datetime import timedelta
 from typing import Any
 
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
-from prefect.flows import Flow
 from prefect.logging import get_logger
 from prefect.runner import Runner
 from prefect.settings import get_current_settings
@@ -80,11 +79,6 @@ the two in step). On an optional field they bound the number, not the null."""
 
 HIDDEN_PARAMETERS = {"rlhf-iteration": ("state",)}
 """Flow parameters left out of a deployment's form: the in-process hand-over between the iterations of a campaign."""
-
-
-def deployment_name(flow: Flow, config: PipelineConfig) -> str:
-    """``<flow>/<campaign>``, the name ``run_deployment`` and ``prefect deployment run`` take."""
-    return f"{flow.name}/{config.campaign}"
 
 
 def with_bounds(schema: dict[str, Any], *, hidden: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -177,7 +171,7 @@ class _Runner(Runner):
 def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval: float | None = None) -> None:
     """Serve :func:`build_deployments` until Ctrl-C or SIGTERM; flow runs execute in subprocesses of this one.
 
-    What ``prefect.serve`` does, with a runner that pauses the deployments on SIGTERM too.
+    What ``prefect.serve`` does, with a runner that also stops cleanly on SIGTERM (see :class:`_Runner`).
 
     Raises:
         NoPrefectServer: no Prefect server is configured.
