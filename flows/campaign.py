@@ -184,7 +184,10 @@ def iteration_summary(
 
 def _stage_run(context: IterationContext, parent_run_id: str, stage: str) -> str:
     """The stage run whose output an iteration (or replay) run used: its own, or a reused one."""
-    run_id = tracker_of(context.config).run_tags(parent_run_id).get(f"{OUTPUT_TAG_PREFIX}{stage}")
+    tracker = tracker_of(context.config)
+    run_id = tracker.run_tags(parent_run_id).get(f"{OUTPUT_TAG_PREFIX}{stage}") or tracker.find_run(
+        context.experiment_id, tags={"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage}, status="FINISHED"
+    )  # runs recorded before the output tags existed: their own nested stage run
     if run_id is None:
         raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
     return run_id

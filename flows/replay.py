@@ -13,7 +13,7 @@ from flows.campaign import source_config
 from flows.config import ConfigError, PipelineConfig, _set_dotted, parse_override
 from tasks.runtime import tracker_of
 
-REPLAYABLE = ("advantages.", "ppo.", "sizes.eval_prompts", "torch_threads")
+REPLAYABLE = ("advantages.", "ppo.", "sizes.eval_prompts", "torch_threads", "checkpoint_seconds")
 """Config fields a replay may change (prefixes)."""
 LOCATION = ("run_root", "tracking_uri")
 """Fields that say where the store is; taken from the command line, not the source run."""
@@ -66,3 +66,33 @@ def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[st
         return PipelineConfig.model_validate(tree)
     except ValueError as error:
         raise ConfigError(f"replay config is invalid:\n{error}") from error
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_replayable(config: PipelineConfig, source_run_id: str) -> None:
+    """Refuse a replay config that differs from its source run's in anything but replayable fields.
+
+    The command line builds replay configs that pass; this guards replays started any other way
+    (a deployment triggered from the Prefect UI, a script).
+    """
+    given = _flat(config.model_dump(mode="json"))
+    source = _flat(source_config(config, source_run_id).model_dump(mode="json"))
+    changed = sorted(
+        key
+        for key in given.keys() | source.keys()
+        if given.get(key) != source.get(key) and key not in LOCATION and not key.startswith(REPLAYABLE)
+    )
+    if changed:
+        raise ConfigError(
+            f"a replay cannot change {', '.join(f'`{key}`' for key in changed)} from the source run: "
+            f"only {', '.join(REPLAYABLE)} (everything else needs new rollouts)"
+        )

@@ -20,6 +20,7 @@ from flows.campaign import (
 )
 from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
+from flows.replay import check_replayable
 from storage.locks import exclusive_lock
 from tasks import (
     collect_preferences,
@@ -79,6 +80,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
 
     Returns the replay's MLflow run id (tagged ``rlhf.replay_of`` = ``source_run_id``).
     """
+    check_replayable(config, source_run_id)
     base = resolve_base(config)
     context = open_replay(config, source_run_id, base)
     experience, policy, reward_model = load_replay_inputs(context, source_run_id)

@@ -69,6 +69,13 @@ def test_replay_refuses_settings_that_need_new_rollouts(recorded):
         replay_config(recorded, source, ["sampling.temperature=0.5"])
 
 
+def test_a_replay_started_outside_the_command_line_is_checked_too(recorded):
+    source = resolve_run(recorded, f"{recorded.campaign}:0")
+    changed = recorded.model_copy(update={"seed": 99})
+    with pytest.raises(ConfigError, match="`seed`"):
+        rlhf_replay(changed, source)
+
+
 def test_compare_command_prints_a_table_and_names_unknown_runs(recorded, capsys):
     location = [f"--set=run_root={recorded.run_root}"]
     assert (
