@@ -217,7 +217,18 @@ def test_the_schedule_makes_runs_that_continue_the_campaign(served):
         async with provide_database_interface().session_context(begin_transaction=True) as session:
             return await schedule_runs(session, deployment_id=iteration.id)
 
-    run_ids = asyncio.run(schedule())
+    # The test writes into the test server's SQLite database beside the server itself; SQLite answers
+    # "database is locked" while the server holds its write lock (a known Prefect/SQLite behaviour), so retry.
+    from sqlalchemy.exc import OperationalError
+
+    for attempt in range(20):
+        try:
+            run_ids = asyncio.run(schedule())
+            break
+        except OperationalError as error:
+            if "database is locked" not in str(error) or attempt == 19:
+                raise
+            time.sleep(0.5)
     with get_client(sync_client=True) as client:
         scheduled = [client.read_flow_run(run_id) for run_id in run_ids]
         for flow_run in scheduled:
