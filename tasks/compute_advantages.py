@@ -26,6 +26,8 @@ def compute_advantages(context: IterationContext, experience: StageResult, rewar
 
     def produce(out: StageOutput) -> dict[str, float]:
         table = read_table(experience.directory, "experience")
+        # Only masks and per-token floats are read here and padding is stripped again on write,
+        # so the id used to pad token columns cannot change the output.
         rollouts = table_to_experience(table, pad_token_id=0)
         scored = score_experience(
             rollouts,

@@ -20,6 +20,9 @@ from tasks.runtime import IterationContext, StageResult, run_stage, stage_state
 from tasks.text import batches, encode_prompts, load_tokenizer, read_prompt_texts, rotating_subset
 
 STAGE = "rollout"
+ROLLOUT_PROMPT_OFFSET = 7919
+"""Rollout prompts start this far (a prime, so it never lines up with the batch sizes) from the
+preference prompts of the same iteration, so the two stages see different prompts where they can."""
 
 
 @task(name=STAGE, cache_policy=NO_CACHE)
@@ -43,7 +46,7 @@ def rollout(context: IterationContext, policy: StageResult, reward_model: StageR
             read_prompt_texts(context.base.prompts_path),
             count=config.sizes.rollout_prompts,
             iteration=context.iteration,
-            offset=7919,
+            offset=ROLLOUT_PROMPT_OFFSET,
         )
         generator = context.generator(STAGE)
         tables = []

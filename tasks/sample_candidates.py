@@ -20,6 +20,7 @@ from tasks.text import (
     decode,
     encode_prompts,
     load_tokenizer,
+    prompt_token_lists,
     read_prompt_texts,
     response_token_lists,
     rotating_subset,
@@ -56,7 +57,7 @@ def sample_candidates(context: IterationContext, policy: StageResult) -> State:
                 generator=generator,
             )
             responses = response_token_lists(generation.sequences, generation.action_mask)
-            prompt_lists = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask, strict=True)]
+            prompt_lists = prompt_token_lists(prompt_ids, prompt_mask)
             for row, (response_ids, text) in enumerate(zip(responses, decode(tokenizer, responses), strict=True)):
                 prompt_index, prompt = chosen[part][row // sampling.num_samples]
                 rows["prompt_id"].append(prompt_index)
