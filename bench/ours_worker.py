@@ -4,7 +4,7 @@
 
 One iteration is what TRL's is: sample B responses of R tokens, score them with the frozen
 reference, the critic and the reward model, shape rewards and run GAE
-(:meth:`PPOExperienceMaker.make_experience`), then ``ppo_epochs`` optimizer steps of actor and
+(:meth:`ExperienceMaker.make_experience` and :func:`score_experience`), then ``ppo_epochs`` optimizer steps of actor and
 critic over the whole batch (:func:`ppo_update`). The settings mirror the TRL worker's: the same
 weights (TRL's value and reward ``score`` heads become our heads, with a zero bias), temperature,
 KL coefficient, GAE, clip ranges, learning rate, fp32 and thread count.
@@ -26,7 +26,7 @@ import rlhf_core.experience_maker as experience_maker
 from bench.artifacts import read_prompts
 from bench.common import Clock, Size, set_threads, size_from_json
 from rlhf_core.config import AdvantageConfig, PPOConfig, SamplingConfig
-from rlhf_core.experience_maker import PPOExperienceMaker
+from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.ppo import ppo_update
 
@@ -77,7 +77,7 @@ def run(artifacts: Path, *, size: Size | None = None, clock: Clock | None = None
     actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(
         actor, critic, actor_optimizer, critic_optimizer
     )
-    maker = PPOExperienceMaker(
+    maker = ExperienceMaker(
         actor,
         critic,
         reward,
@@ -85,7 +85,6 @@ def run(artifacts: Path, *, size: Size | None = None, clock: Clock | None = None
         sampling=sampling,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        advantage_config=advantages,
     )
     generate = experience_maker.generate
 
@@ -103,6 +102,7 @@ def run(artifacts: Path, *, size: Size | None = None, clock: Clock | None = None
             with clock.measure("iteration"):
                 with clock.measure("rollout"):
                     experience = maker.make_experience(prompt_ids, prompt_mask, generator=generator)
+                    experience = score_experience(experience, advantages)
                 with clock.measure("update"):
                     stats = ppo_update(
                         actor,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import json
 import pstats
 import shutil
@@ -80,9 +79,9 @@ def flow_run(world: Path, iterations: int) -> dict:
     clock = Clock()
     with clock.measure("import"):
         from flows import rlhf_pipeline
+        from flows.campaign import tracking_store
         from flows.config import PipelineConfig
         from rlhf_core.config import AdvantageConfig
-        from tasks.runtime import tracker_of
     root = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
@@ -94,7 +93,7 @@ def flow_run(world: Path, iterations: int) -> dict:
             with clock.measure("iteration"):
                 state = rlhf_pipeline.rlhf_iteration(config, iteration, state)
         profile.disable()
-        tracker = tracker_of(config)
+        tracker = tracking_store(config).tracker()
         experiment = tracker.experiment_id(config.campaign)
         stage_seconds = [
             {stage: metrics.get(f"{stage}/seconds", float("nan")) for stage in ("initialize", *STAGES)}
@@ -121,21 +120,23 @@ def flow_run(world: Path, iterations: int) -> dict:
 
 def plain_run(world: Path, iterations: int) -> dict:
     """The seven stages' ``rlhf_core`` calls per iteration, models in memory, no files."""
+    import pyarrow as pa
     import torch
-    from accelerate import Accelerator
 
     from demo.build import world_at
+    from flows.campaign import GOLD_JUDGE
     from flows.config import PipelineConfig
-    from rlhf_core.experience import concat_experience
-    from rlhf_core.experience_maker import PPOExperienceMaker, reference_logprobs, score_experience
+    from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
     from rlhf_core.generation import generate, sample_candidates
-    from rlhf_core.models import Critic, RewardModel, evaluating, freeze
+    from rlhf_core.loading import ModelLoader
+    from rlhf_core.models import evaluating
     from rlhf_core.ppo import ppo_update
     from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
-    from storage.checkpoints import load_causal_lm
+    from storage.experience_io import experience_to_table, table_to_experience
+    from tasks.context import stage_seed
     from tasks.evaluate import _gold_metrics
-    from tasks.labelers import CandidatePair, GoldLabeler
-    from tasks.runtime import stage_seed
+    from tasks.judge import load_judge
+    from tasks.labelers import CandidatePair, JudgeLabeler
     from tasks.text import (
         batches,
         decode,
@@ -154,18 +155,21 @@ def plain_run(world: Path, iterations: int) -> dict:
     tokenizer = load_tokenizer(str(paths.model_dir))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     train_prompts, eval_prompts = read_prompt_texts(paths.prompts_path), read_prompt_texts(paths.eval_prompts_path)
-    accelerator = Accelerator(cpu=True)
-    actor = load_causal_lm(paths.model_dir)
+    models = ModelLoader(device=torch.device("cpu"), precision="fp32")
+    accelerator = models.accelerator()
+    actor = models.load("actor", paths.model_dir, trainable=True)
     torch.manual_seed(stage_seed(config.seed, "initialize", 0))
-    critic = Critic.from_pretrained(paths.model_dir)
-    reference = freeze(load_causal_lm(paths.model_dir))
+    critic = models.load("critic", paths.model_dir, trainable=True)
+    reference = models.load("reference", paths.model_dir)
+    labeler = JudgeLabeler(load_judge(GOLD_JUDGE))
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.ppo.actor_learning_rate)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.ppo.critic_learning_rate)
     actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(
         actor, critic, actor_optimizer, critic_optimizer
     )
     reward_model, labelled = None, []
-    single = dataclasses.replace(config.sampling, num_samples=1)
+    single = config.sampling
+    candidates_per_prompt = config.sizes.candidates_per_prompt
 
     def seeded(stage: str, iteration: int) -> torch.Generator:
         return torch.Generator().manual_seed(stage_seed(config.seed, stage, iteration))
@@ -174,20 +178,21 @@ def plain_run(world: Path, iterations: int) -> dict:
         with clock.measure("iteration"):
             # 1. sample candidates, N per preference prompt
             with clock.measure("sample_candidates"):
-                sampling = dataclasses.replace(config.sampling, num_samples=config.sizes.candidates_per_prompt)
+                sampling = config.sampling
                 chosen = rotating_subset(train_prompts, count=config.sizes.preference_prompts, iteration=iteration)
                 generator, pairs = seeded("sample_candidates", iteration), []
                 for part in batches(len(chosen), sampling.batch_size):
                     texts = [text for _, text in chosen[part]]
                     ids, mask = encode_prompts(tokenizer, texts)
                     out = sample_candidates(
-                        actor, ids, mask, config=sampling, eos_token_id=eos, pad_token_id=pad, generator=generator
-                    )
+                        actor, ids, mask, num_samples=candidates_per_prompt, config=sampling, eos_token_id=eos,
+                        pad_token_id=pad, generator=generator,
+                    )  # fmt: skip
                     responses = response_token_lists(out.sequences, out.action_mask)
                     decoded = decode(tokenizer, responses)
                     prompt_lists = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
                     for row in range(0, len(responses), 2):
-                        prompt_row = row // sampling.num_samples
+                        prompt_row = row // candidates_per_prompt
                         pairs.append(
                             CandidatePair(
                                 prompt=texts[prompt_row],
@@ -199,7 +204,7 @@ def plain_run(world: Path, iterations: int) -> dict:
                         )
             # 2. label the pairs with the hidden gold rubric
             with clock.measure("collect_preferences"):
-                for pair, label in zip(pairs, GoldLabeler().label(pairs), strict=True):
+                for pair, label in zip(pairs, labeler.label(pairs), strict=True):
                     better, worse = (pair.second, pair.first) if label.winner else (pair.first, pair.second)
                     labelled.append((pair.prompt, better, worse, label.margin))
             # 3. continue training the reward model on every pair so far
@@ -214,7 +219,7 @@ def plain_run(world: Path, iterations: int) -> dict:
                 order = torch.randperm(n, generator=generator)
                 held_out = max(1, int(n * config.reward_model.eval_fraction))
                 torch.manual_seed(stage_seed(config.seed, "train_reward_model", iteration))
-                model = reward_model or RewardModel.from_pretrained(paths.model_dir)
+                model = reward_model or models.load("reward_model", paths.model_dir, trainable=True)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=config.reward_model.learning_rate)
                 model, optimizer = accelerator.prepare(model, optimizer)
                 rm_stats = fit_reward_model(
@@ -229,17 +234,19 @@ def plain_run(world: Path, iterations: int) -> dict:
                 reward_model = model
             # 4. roll out one response per prompt, scored by reference, critic and reward model
             with clock.measure("rollout"):
-                maker = PPOExperienceMaker(
+                maker = ExperienceMaker(
                     actor, critic, reward_model, reference, sampling=single, eos_token_id=eos, pad_token_id=pad
                 )
                 prompts = rotating_subset(
                     train_prompts, count=config.sizes.rollout_prompts, iteration=iteration, offset=7919
                 )
-                generator, parts = seeded("rollout", iteration), []
+                generator, tables = seeded("rollout", iteration), []
                 for part in batches(len(prompts), single.batch_size):
                     ids, mask = encode_prompts(tokenizer, [text for _, text in prompts[part]])
-                    parts.append(maker.make_experience(ids, mask, generator=generator))
-                experience = concat_experience(parts, pad_token_id=pad)
+                    rollouts = maker.make_experience(ids, mask, generator=generator)
+                    tables.append(experience_to_table(rollouts, [index for index, _ in prompts[part]]))
+                # the rows as the pipeline's stages hand them on: Arrow rows, re-padded on read
+                experience = table_to_experience(pa.concat_tables(tables), pad_token_id=pad)
             # 5. rewards, KL, GAE
             with clock.measure("compute_advantages"):
                 scored = score_experience(
@@ -274,7 +281,7 @@ def plain_run(world: Path, iterations: int) -> dict:
                         with evaluating(reward_model), torch.no_grad():
                             scores[name] = reward_model(out.sequences, out.attention_mask).tolist()
                         if name == "policy":
-                            reference_logprobs(
+                            sequence_logprobs(
                                 reference,
                                 out.sequences,
                                 out.attention_mask,
@@ -285,7 +292,7 @@ def plain_run(world: Path, iterations: int) -> dict:
                         {"prompt": prompt, **{f"{k}_response": v[row] for k, v in answers.items()}}
                         for row, prompt in enumerate(texts)
                     ]
-                _gold_metrics(records)
+                _gold_metrics(records, GOLD_JUDGE)
     return {"phases": clock.to_json()}
 
 

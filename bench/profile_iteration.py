@@ -36,7 +36,7 @@ def main() -> None:
 
     targets = {
         "generation": (experience_maker, "generate"),
-        "rollout": (experience_maker.PPOExperienceMaker, "make_experience"),
+        "rollout": (experience_maker.ExperienceMaker, "make_experience"),
         "update": (ours_worker, "ppo_update"),
     }
     owner, name = targets[args.phase]

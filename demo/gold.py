@@ -129,3 +129,17 @@ def gold_prefers(prompt: str, response_a: str, response_b: str) -> tuple[int, fl
     hash_a = _unit_hash(f"{prompt}\x00{response_a}", salt="tie")
     hash_b = _unit_hash(f"{prompt}\x00{response_b}", salt="tie")
     return (1 if hash_b < hash_a else 0), 0.0
+
+
+class GoldJudge:
+    """The hidden gold rater as a :class:`rlhf_core.evaluation.Judge`: the pipeline reaches it as ``demo.gold:JUDGE``."""
+
+    def score(self, prompt: str, response: str) -> float:
+        return gold_score(prompt, response)
+
+    def prefers(self, prompt: str, first: str, second: str) -> tuple[int, float]:
+        return gold_prefers(prompt, first, second)
+
+
+JUDGE = GoldJudge()
+"""The demo's gold judge (``judge: demo.gold:JUDGE``)."""

@@ -1,5 +1,5 @@
-"""The flows' own steps around the seven stages: resolve the base inputs, open and close an
-iteration's MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay it).
+"""The flows' own steps around the stages: resolve the base inputs, open and close an iteration's
+MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay it).
 """
 
 from __future__ import annotations
@@ -15,13 +15,29 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import PipelineConfig
-from storage.manifest import read_manifest
-from tasks.runtime import BaseInputs, IterationContext, StageResult, recorded_result, tracker_of, upstream_result
+from flows.settings import EXECUTION, LOCATION
+from storage.fingerprints import FingerprintCache
+from storage.layout import RunLayout
+from storage.tracking import (
+    KIND_ITERATION,
+    KIND_REPLAY,
+    TAG_CAMPAIGN,
+    TAG_FLOW_RUN_ID,
+    TAG_ITERATION,
+    TAG_ITERATION_KEY,
+    TAG_KIND,
+    TAG_OUTPUT_PREFIX,
+    TAG_PARENT_RUN_ID,
+    TAG_REPLAY_OF,
+    TAG_STAGE,
+)
+from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from tasks.records import recorded_result, upstream_names, upstream_result
+from tasks.stage import StageResult
 
 CONFIG_ARTIFACT = "config.json"
-OUTPUT_TAG_PREFIX = "rlhf.output."
-"""An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
-which is another iteration's run when the stage was reused."""
+GOLD_JUDGE = "demo.gold:JUDGE"
+"""The embedded demo's hidden gold rater, used with the demo world and with labeler `gold`."""
 
 
 @dataclass(frozen=True)
@@ -33,47 +49,86 @@ class IterationState:
     preferences: tuple[StageResult, ...] = ()
 
 
-def _file_fingerprint(path: Path) -> str:
-    """sha256 of a file, or of a folder's file names, sizes and (for files under 64 MiB) contents."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        size = file.stat().st_size
-        digest.update(str(size).encode())
-        if size < (64 << 20):
-            digest.update(file.read_bytes())
-    return digest.hexdigest()
+def campaign_layout(config: PipelineConfig) -> RunLayout:
+    """The campaign's folder: ``run_root / campaign``."""
+    return RunLayout(root=config.run_root / config.campaign)
+
+
+def store_layout(config: PipelineConfig) -> RunLayout:
+    """The layout of ``run_root`` itself: one MLflow store and cache for every campaign under it."""
+    return RunLayout(root=config.run_root)
+
+
+def tracking_store(config: PipelineConfig) -> TrackingStore:
+    """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
+    layout = store_layout(config)
+    return TrackingStore(uri=config.tracking_uri or layout.tracking_uri(), artifact_root=str(layout.artifact_root()))
+
+
+def execution_of(config: PipelineConfig) -> Execution:
+    return Execution(
+        device=config.device,
+        torch_threads=config.torch_threads,
+        checkpoint_seconds=config.checkpoint_seconds,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+    )
+
+
+def _local_model_folder(policy: str) -> str:
+    """``policy`` itself when it is a folder; a hub name (``org/name``) is fetched into (or found in) the
+    Hugging Face cache, so its content can be fingerprinted like any folder."""
+    if Path(policy).exists():
+        return policy
+    if policy.startswith(("/", ".", "~")) or policy.count("/") != 1:
+        raise FileNotFoundError(f"`model.policy` folder {policy} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(policy)
+    except Exception as error:  # noqa: BLE001 - offline, unknown repo, no access: all mean the same here
+        raise FileNotFoundError(
+            f"`model.policy` {policy!r} is neither a folder nor a model the Hugging Face hub (or its local cache) "
+            f"provides: {error}"
+        ) from error
+
+
+def _input_file(cache: FingerprintCache, setting: str, path: str | Path) -> InputFile:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"`{setting}` {path} does not exist")
+    return InputFile(path=str(Path(path).resolve()), sha256=cache.fingerprint(Path(path)))
 
 
 @task(name="resolve_base", cache_policy=NO_CACHE)
 def resolve_base(config: PipelineConfig) -> BaseInputs:
-    """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts."""
+    """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, and
+    identify each by its content (cached by path, size and modification time)."""
     policy, prompts, eval_prompts = config.model.policy, config.data.prompts, config.data.eval_prompts
     if policy is None or prompts is None or eval_prompts is None:
         from demo.build import build_default_world
 
-        world = build_default_world(config.run_root / "cache" / "demo-world", seed=0)
+        world = build_default_world(store_layout(config).cache_dir() / "demo-world", seed=0)
         policy = policy or str(world.model_dir)
         prompts = prompts or world.prompts_path
         eval_prompts = eval_prompts or world.eval_prompts_path
-    for name, path in (("data.prompts", prompts), ("data.eval_prompts", eval_prompts)):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"`{name}` file {path} does not exist")
-    looks_like_path = str(policy).startswith(("/", ".", "~")) or str(policy).count("/") > 1
-    if looks_like_path and not Path(policy).exists():
-        raise FileNotFoundError(f"`model.policy` folder {policy} does not exist")
-    if Path(policy).exists() and not (Path(policy) / "config.json").is_file():
+    policy = _local_model_folder(policy)
+    if not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
-    parts = [_file_fingerprint(Path(p)) if Path(p).exists() else str(p) for p in (policy, prompts, eval_prompts)]
-    return BaseInputs(
-        policy_dir=str(policy),
-        tokenizer_dir=str(config.model.tokenizer or policy),
-        prompts_path=str(prompts),
-        eval_prompts_path=str(eval_prompts),
-        fingerprint=hashlib.sha256("/".join(parts).encode()).hexdigest(),
-        gold_available=config.model.policy is None or config.labeler == "gold",
+    cache = FingerprintCache(store_layout(config).fingerprint_cache())
+    policy_file = _input_file(cache, "model.policy", policy)
+    base = BaseInputs(
+        policy=policy_file,
+        tokenizer=_input_file(cache, "model.tokenizer", config.model.tokenizer)
+        if config.model.tokenizer
+        else policy_file,
+        prompts=_input_file(cache, "data.prompts", prompts),
+        eval_prompts=_input_file(cache, "data.eval_prompts", eval_prompts),
+        judge=GOLD_JUDGE if config.model.policy is None or config.labeler == "gold" else None,
+        preferences=_input_file(cache, "data.preferences", config.data.preferences)
+        if config.labeler == "import" and config.data.preferences
+        else None,
     )
+    cache.save()
+    return base
 
 
 def _flow_run_id() -> str | None:
@@ -83,93 +138,126 @@ def _flow_run_id() -> str | None:
         return None
 
 
+def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
+    """An iteration (or replay) run's identity: its config without execution and location settings,
+    its base inputs and ``parts`` (its starting point)."""
+    fields = config.model_dump(mode="json")
+    for path in EXECUTION + LOCATION:
+        *parents, leaf = path.split(".")
+        node = fields
+        for parent in parents:
+            node = node[parent]
+        node.pop(leaf)
+    return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
+
+
+def context_for(
+    config: PipelineConfig,
+    iteration: int,
+    base: BaseInputs,
+    experiment_id: str,
+    *,
+    parent_run_id: str | None = None,
+    flow_run_id: str | None = None,
+    register_models: bool = True,
+) -> StageContext:
+    """The stage context of one iteration of ``config``'s campaign."""
+    return StageContext(
+        layout=campaign_layout(config),
+        tracking=tracking_store(config),
+        campaign=config.campaign,
+        experiment_id=experiment_id,
+        iteration=iteration,
+        seed=config.seed,
+        base=base,
+        execution=execution_of(config),
+        parent_run_id=parent_run_id,
+        flow_run_id=flow_run_id,
+        register_models=register_models,
+    )
+
+
 def _open_run(
-    config: PipelineConfig, iteration: int, base: BaseInputs, *, key_parts: list, name: str, tags: dict[str, str]
-) -> IterationContext:
-    """The finished-or-crashed MLflow run for exactly these inputs, or a new one, as a context."""
-    tracker = tracker_of(config)
+    config: PipelineConfig, iteration: int, base: BaseInputs, *, key: str, name: str, tags: dict[str, str]
+) -> StageContext:
+    """The finished-or-crashed MLflow run for exactly these inputs, or a new one, as a stage context."""
+    tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
-    run_key = hashlib.sha256(
-        json.dumps([config.model_dump(mode="json"), base.fingerprint, *key_parts]).encode()
-    ).hexdigest()
-    parent = tracker.find_run(experiment_id, tags={"rlhf.iteration_key": run_key})
+    parent = tracker.find_run(experiment_id, tags={TAG_ITERATION_KEY: key})
     flow_run_id = _flow_run_id()
     if parent is None:
-        all_tags = {
-            "rlhf.campaign": config.campaign,
-            "rlhf.iteration": str(iteration),
-            "rlhf.iteration_key": run_key,
-            **tags,
-        }
-        parent = tracker.start_run(
-            experiment_id, name=name, tags={**all_tags, "prefect.flow_run_id": flow_run_id or ""}
-        )
+        all_tags = {TAG_CAMPAIGN: config.campaign, TAG_ITERATION: str(iteration), TAG_ITERATION_KEY: key, **tags}
+        parent = tracker.start_run(experiment_id, name=name, tags={**all_tags, TAG_FLOW_RUN_ID: flow_run_id or ""})
         tracker.log_params(parent, config.model_dump(mode="json"))
         tracker.log_text(parent, config.model_dump_json(indent=2), CONFIG_ARTIFACT)
-    return IterationContext(
-        config=config,
-        iteration=iteration,
-        base=base,
-        experiment_id=experiment_id,
+    return context_for(
+        config,
+        iteration,
+        base,
+        experiment_id,
         parent_run_id=parent,
         flow_run_id=flow_run_id,
-        register_models=tags["rlhf.kind"] == "iteration",
+        register_models=tags[TAG_KIND] == KIND_ITERATION,
     )
 
 
 @task(name="open_iteration", cache_policy=NO_CACHE)
 def open_iteration(
     config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None
-) -> IterationContext:
+) -> StageContext:
     """The iteration's MLflow parent run: the one for these exact inputs if it exists, or a new one."""
     previous = "" if state is None else state.policy.digest
     return _open_run(
         config,
         iteration,
         base,
-        key_parts=[previous, iteration],
+        key=run_key(config, base, previous, iteration),
         name=f"iteration-{iteration}",
-        tags={"rlhf.kind": "iteration"},
+        tags={TAG_KIND: KIND_ITERATION},
     )
 
 
 @task(name="open_replay", cache_policy=NO_CACHE)
-def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) -> IterationContext:
+def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) -> StageContext:
     """A new run tagged with the iteration run it replays (the same one again for the same settings)."""
-    iteration = int(tracker_of(config).run_tags(source_run_id)["rlhf.iteration"])
-    tags = {"rlhf.kind": "replay", "rlhf.replay_of": source_run_id}
+    iteration = int(tracking_store(config).tracker().run_tags(source_run_id)[TAG_ITERATION])
     return _open_run(
-        config, iteration, base, key_parts=["replay", source_run_id], name=f"replay-of-iteration-{iteration}", tags=tags
+        config,
+        iteration,
+        base,
+        key=run_key(config, base, "replay", source_run_id),
+        name=f"replay-of-iteration-{iteration}",
+        tags={TAG_KIND: KIND_REPLAY, TAG_REPLAY_OF: source_run_id},
     )
 
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
-def close_iteration(context: IterationContext, stages: list[StageResult], state: IterationState) -> IterationState:
+def close_iteration(context: StageContext, stages: list[StageResult], state: IterationState) -> IterationState:
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new.
     """
-    tracker = tracker_of(context.config)
+    tracker = context.tracker
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration)
-        tracker.set_tags(context.parent_run_id, {f"{OUTPUT_TAG_PREFIX}{r.stage}": r.run_id for r in stages})
+        tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         tracker.end_run(context.parent_run_id)
-    kind = tracker.run_tags(context.parent_run_id).get("rlhf.kind", "iteration")
+    kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
     create_markdown_artifact(
-        key=f"{context.config.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
+        key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
         markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind),
-        description=f"RLHF {kind} {context.iteration} of campaign {context.config.campaign}",
+        description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
 
 
 def iteration_summary(
-    context: IterationContext, stages: list[StageResult], run_url: str, *, kind: str = "iteration"
+    context: StageContext, stages: list[StageResult], run_url: str, *, kind: str = KIND_ITERATION
 ) -> str:
     """Markdown: one row per stage (ran or reused, headline metrics), and the MLflow link."""
     lines = [
-        f"# Campaign `{context.config.campaign}`, {kind} {context.iteration}",
+        f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",
         f"MLflow run: [{context.parent_run_id}]({run_url})",
         "",
@@ -182,11 +270,11 @@ def iteration_summary(
     return "\n".join(lines) + "\n"
 
 
-def _stage_run(context: IterationContext, parent_run_id: str, stage: str) -> str:
+def _stage_run(context: StageContext, parent_run_id: str, stage: str) -> str:
     """The stage run whose output an iteration (or replay) run used: its own, or a reused one."""
-    tracker = tracker_of(context.config)
-    run_id = tracker.run_tags(parent_run_id).get(f"{OUTPUT_TAG_PREFIX}{stage}") or tracker.find_run(
-        context.experiment_id, tags={"mlflow.parentRunId": parent_run_id, "rlhf.stage": stage}, status="FINISHED"
+    tracker = context.tracker
+    run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
+        context.experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
     )  # runs recorded before the output tags existed: their own nested stage run
     if run_id is None:
         raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
@@ -194,7 +282,7 @@ def _stage_run(context: IterationContext, parent_run_id: str, stage: str) -> str
 
 
 @task(name="load_replay_inputs", cache_policy=NO_CACHE)
-def load_replay_inputs(context: IterationContext, source_run_id: str) -> tuple[StageResult, StageResult, StageResult]:
+def load_replay_inputs(context: StageContext, source_run_id: str) -> tuple[StageResult, StageResult, StageResult]:
     """The source iteration's experience, the policy it was rolled out with, and its reward model."""
     experience = recorded_result(context, _stage_run(context, source_run_id, "rollout"))
     return (
@@ -206,7 +294,9 @@ def load_replay_inputs(context: IterationContext, source_run_id: str) -> tuple[S
 
 def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
     """The config an iteration run was made with (stored beside it as ``config.json``)."""
-    return PipelineConfig.model_validate_json(tracker_of(config).load_text(source_run_id, CONFIG_ARTIFACT))
+    return PipelineConfig.model_validate_json(
+        tracking_store(config).tracker().load_text(source_run_id, CONFIG_ARTIFACT)
+    )
 
 
 @task(name="load_latest_state", cache_policy=NO_CACHE)
@@ -216,23 +306,17 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
     The state comes from the newest finished iteration run: its PPO output (actor and critic), its
     reward model, and every preference table that reward model was trained on.
     """
-    tracker = tracker_of(config)
+    tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
     latest = tracker.latest_iteration(experiment_id)
     if latest is None:
         return 0, None
-    context = IterationContext(
-        config=config, iteration=latest, base=base, experiment_id=experiment_id, parent_run_id=None, flow_run_id=None
-    )
+    context = context_for(config, latest, base, experiment_id)
     parent = tracker.find_run(
-        experiment_id, tags={"rlhf.kind": "iteration", "rlhf.iteration": str(latest)}, status="FINISHED"
+        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
     )
     policy = recorded_result(context, _stage_run(context, parent, "ppo_update"))
     reward_model = recorded_result(context, _stage_run(context, parent, "train_reward_model"))
-    names = sorted(read_upstream_names(reward_model, prefix="preferences_"), key=lambda name: int(name.split("_")[1]))
+    names = upstream_names(reward_model, prefix="preferences_")
     preferences = tuple(upstream_result(context, reward_model, name) for name in names)
     return latest + 1, IterationState(policy=policy, reward_model=reward_model, preferences=preferences)
-
-
-def read_upstream_names(result: StageResult, *, prefix: str) -> list[str]:
-    return [name for name in read_manifest(result.directory, verify=False).upstream if name.startswith(prefix)]

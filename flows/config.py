@@ -8,12 +8,14 @@ in ``configs/`` are diffs from these defaults; ``--set a.b=value`` overrides app
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
+from rlhf_core.precision import DeviceChoice, Precision
+from tasks.labelers import LabelerName
 
 
 class _Frozen(BaseModel):
@@ -28,6 +30,9 @@ class ModelSource(_Frozen):
     and uses the embedded demo model."""
     tokenizer: str | None = None
     """Tokenizer folder or name; None uses the policy's."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass of every trained model: less memory, about a third more compute.
+    Results are the same, so it is part of no input key."""
 
 
 class DataSource(_Frozen):
@@ -87,12 +92,18 @@ class PipelineConfig(_Frozen):
     """Root seed; every stage derives its own from (seed, stage, iteration)."""
     iterations: int = Field(8, gt=0)
     """Iterations a campaign runs."""
+    device: DeviceChoice = "auto"
+    """Where every model runs: `auto` (CUDA when torch sees a GPU, else the CPU), `cpu` or `cuda`. Part of no
+    input key: outputs are the same on any device (to float rounding on a GPU)."""
+    precision: Precision = "fp32"
+    """Numeric precision of every forward pass: `fp32`, `bf16` or `fp16` (a GPU only). Trained weights stay fp32
+    (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
     torch_threads: int = Field(1, gt=0)
-    """torch intra-op threads; one is fastest for small models on a 2-core machine."""
+    """torch intra-op threads, set by every stage; one is fastest for small models on a 2-core machine."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
-    labeler: Literal["gold", "import", "reward_model", "human"] = "gold"
+    labeler: LabelerName = "gold"
     """Who labels candidate pairs: the demo's hidden gold rubric, an imported file, the current reward model,
     or a person answering Prefect UI forms (see `human`)."""
     model: ModelSource = ModelSource()

@@ -6,7 +6,7 @@ Choices:
    iteration flow calls when ``labeler`` is ``human``), not a task. The paused run shows a
    **Resume** button in the Prefect UI that opens the form.
 2. The answers are a stage output of their own, ``human_labels`` (one row per pair: ``A``, ``B``
-   or ``tie/skip``), written through :func:`tasks.runtime.run_stage` like any stage. Its input key
+   or ``tie/skip``), written through :func:`tasks.stage.run_stage` like any stage. Its input key
    is the candidates' digest plus ``human.relabel``, so a re-run (after a crash, or of a finished
    iteration) finds the answers and asks nothing. The preference stage takes the output as an
    upstream, so the answers are part of its input key.
@@ -32,12 +32,15 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 from pydantic import Field, create_model
 
+from flows.config import HumanLabelConfig
 from storage.manifest import StageOutput
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
 from storage.shards import read_table
+from tasks.code import code_fingerprint
 from tasks.collect_preferences import candidate_pairs
+from tasks.context import StageContext
 from tasks.labelers import SKIP, CandidatePair, HumanChoice
-from tasks.runtime import IterationContext, StageResult, run_stage
+from tasks.stage import StageResult, run_stage
 
 STAGE = "human_labels"
 
@@ -46,19 +49,24 @@ class HumanLabelTimeout(FlowPauseTimeout):
     """No answer arrived on a labelling form within ``human.timeout_seconds``."""
 
 
-def request_human_labels(context: IterationContext, candidates: StageResult) -> StageResult:
+def request_human_labels(
+    context: StageContext, candidates: StageResult, *, relabel: int, human: HumanLabelConfig
+) -> StageResult:
     """The person's answers for this iteration's candidate pairs: stored ones, or asked for now.
 
     Must be called from a flow: asking pauses the current flow run until each form is answered.
 
+    Args:
+        relabel: answers are stored per value (the stage's only setting): another value asks again.
+        human: how the forms are shown and waited for.
+
     Raises:
         HumanLabelTimeout: a form was not answered in time (the flow run fails).
     """
-    human = context.config.human
 
     def produce(out: StageOutput) -> dict[str, float]:
         pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
-        heading = f"Campaign `{context.config.campaign}`, iteration {context.iteration}"
+        heading = f"Campaign `{context.campaign}`, iteration {context.iteration}"
         choices = ask_for_labels(
             pairs,
             heading=heading,
@@ -70,8 +78,14 @@ def request_human_labels(context: IterationContext, candidates: StageResult) -> 
         out.write_table(STAGE, table, schema=HUMAN_LABELS)
         return {"pairs": float(len(choices)), "skipped": float(choices.count(SKIP))}
 
-    upstream = {"candidates": candidates}
-    result = run_stage(context, STAGE, config={"relabel": human.relabel}, upstream=upstream, produce=produce)
+    result = run_stage(
+        context,
+        STAGE,
+        settings={"relabel": relabel},
+        upstream={"candidates": candidates},
+        code=code_fingerprint(__name__),
+        produce=produce,
+    )
     if result.reused:
         get_run_logger().info(
             "%s: using the answers stored for these candidates (%s); raise `human.relabel` to be asked again",

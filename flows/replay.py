@@ -1,30 +1,32 @@
 """Finding recorded runs and building a replay's config.
 
 A replay takes the config its source iteration was run with (stored beside the run as
-``config.json``) and changes only what can change without generating again: the advantage
-settings, the PPO settings, how many held-out prompts evaluation uses, and the thread count.
+``config.json``) and changes only what can change without generating again: the settings that
+only the replayed stages receive (:func:`flows.settings.replayable_fields`: the advantage and PPO
+settings and how many held-out prompts evaluation uses), plus where and how stages run.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flows.campaign import source_config
+from flows.campaign import source_config, tracking_store
 from flows.config import ConfigError, PipelineConfig, _set_dotted, parse_override
-from tasks.runtime import tracker_of
+from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
+from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
 
-REPLAYABLE = ("advantages.", "ppo.", "sizes.eval_prompts", "torch_threads", "checkpoint_seconds")
-"""Config fields a replay may change (prefixes)."""
-LOCATION = ("run_root", "tracking_uri")
-"""Fields that say where the store is; taken from the command line, not the source run."""
+
+def changeable_fields() -> tuple[str, ...]:
+    """Every config path a replay may set: the replayable settings, execution and location."""
+    return replayable_fields() + EXECUTION + LOCATION
 
 
 def resolve_run(config: PipelineConfig, name: str) -> str:
     """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration)."""
-    tracker = tracker_of(config)
+    tracker = tracking_store(config).tracker()
     campaign, _, iteration = name.partition(":")
     try:
-        experiment_id = tracker.experiment_id(campaign) if tracker.client.get_experiment_by_name(campaign) else None
+        experiment_id = tracker.experiment_id(campaign) if tracker.has_experiment(campaign) else None
     except ValueError:
         experiment_id = None
     if experiment_id is None:
@@ -41,15 +43,25 @@ def resolve_run(config: PipelineConfig, name: str) -> str:
             raise LookupError(f"campaign {campaign!r} has no finished iteration")
         iteration = str(latest)
     run_id = tracker.find_run(
-        experiment_id, tags={"rlhf.kind": "iteration", "rlhf.iteration": iteration}, status="FINISHED"
+        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: iteration}, status="FINISHED"
     )
     if run_id is None:
         raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
     return run_id
 
 
+def _refusal(fields: list[str]) -> ConfigError:
+    return ConfigError(
+        f"a replay cannot change {', '.join(f'`{field}`' for field in fields)}: only "
+        f"{', '.join(changeable_fields())} (everything else needs new rollouts)"
+    )
+
+
 def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[str]) -> PipelineConfig:
-    """The source run's config with ``overrides`` applied; refuses changes a replay cannot honour."""
+    """The source run's config with ``overrides`` applied; refuses changes a replay cannot honour.
+
+    Where the store is (``run_root``, ``tracking_uri``) comes from ``config``, not the source run.
+    """
     tree: dict[str, Any] = source_config(config, source_run_id).model_dump(mode="json")
     for field in LOCATION:
         tree[field] = getattr(config, field) if field != "run_root" else str(config.run_root)
@@ -57,10 +69,8 @@ def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[st
         key, value = parse_override(text)
         if key in LOCATION:
             continue
-        if not key.startswith(REPLAYABLE):
-            raise ConfigError(
-                f"a replay cannot change `{key}`: only {', '.join(REPLAYABLE)} (everything else needs new rollouts)"
-            )
+        if not covers(changeable_fields(), key):
+            raise _refusal([key])
         _set_dotted(tree, key, value)
     try:
         return PipelineConfig.model_validate(tree)
@@ -79,7 +89,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def check_replayable(config: PipelineConfig, source_run_id: str) -> None:
-    """Refuse a replay config that differs from its source run's in anything but replayable fields.
+    """Refuse a replay config that differs from its source run's in anything but changeable fields.
 
     The command line builds replay configs that pass; this guards replays started any other way
     (a deployment triggered from the Prefect UI, a script).
@@ -89,10 +99,7 @@ def check_replayable(config: PipelineConfig, source_run_id: str) -> None:
     changed = sorted(
         key
         for key in given.keys() | source.keys()
-        if given.get(key) != source.get(key) and key not in LOCATION and not key.startswith(REPLAYABLE)
+        if given.get(key) != source.get(key) and not covers(changeable_fields(), key)
     )
     if changed:
-        raise ConfigError(
-            f"a replay cannot change {', '.join(f'`{key}`' for key in changed)} from the source run: "
-            f"only {', '.join(REPLAYABLE)} (everything else needs new rollouts)"
-        )
+        raise _refusal(changed)

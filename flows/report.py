@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flows.campaign import tracking_store
 from flows.config import PipelineConfig
-from tasks.runtime import tracker_of
+from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND
 
 HEADLINE_METRICS = {
     "evaluate/gold_win_rate": "gold win rate",
@@ -33,7 +34,7 @@ def _cell(metrics: dict[str, float], name: str) -> str:
 
 def campaign_report(config: PipelineConfig) -> str:
     """One row per finished iteration of the campaign, headline metrics as columns."""
-    tracker = tracker_of(config)
+    tracker = tracking_store(config).tracker()
     rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
     columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
     header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
@@ -44,7 +45,7 @@ def campaign_report(config: PipelineConfig) -> str:
 
 def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: Sequence[str] | None = None) -> str:
     """Metrics as rows, runs as columns; the first rows say what each run is."""
-    tracker = tracker_of(config)
+    tracker = tracking_store(config).tracker()
     tags = [tracker.run_tags(run_id) for run_id in run_ids]
     values = [tracker.run_metrics(run_id) for run_id in run_ids]
     names = list(metrics) if metrics else [name for name in HEADLINE_METRICS if any(name in v for v in values)]
@@ -53,9 +54,9 @@ def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: S
         raise LookupError(f"no run has the metric(s) {', '.join(unknown)}")
     rows = [
         ["run", *(run_id[:12] for run_id in run_ids)],
-        ["campaign", *(t.get("rlhf.campaign", "-") for t in tags)],
-        ["kind", *(t.get("rlhf.kind", "-") for t in tags)],
-        ["iteration", *(t.get("rlhf.iteration", "-") for t in tags)],
+        ["campaign", *(t.get(TAG_CAMPAIGN, "-") for t in tags)],
+        ["kind", *(t.get(TAG_KIND, "-") for t in tags)],
+        ["iteration", *(t.get(TAG_ITERATION, "-") for t in tags)],
         *([name, *(_cell(v, name) for v in values)] for name in names),
     ]
     return _table(rows)

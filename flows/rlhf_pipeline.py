@@ -2,7 +2,8 @@
 stages 5-7 of a recorded iteration from its saved experience with new settings.
 
 Every stage is reused when its output for the same inputs already exists, so running a flow
-again does no work, and a crashed run continues from its first unfinished stage.
+again does no work, and a crashed run continues from its first unfinished stage. Each stage gets
+exactly the settings :data:`flows.settings.STAGE_SETTINGS` lists for it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from prefect import flow
 
 from flows.campaign import (
     IterationState,
+    campaign_layout,
     close_iteration,
     load_latest_state,
     load_replay_inputs,
@@ -21,6 +23,7 @@ from flows.campaign import (
 from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
 from flows.replay import check_replayable
+from flows.settings import stage_settings
 from storage.locks import exclusive_lock
 from tasks import (
     collect_preferences,
@@ -32,7 +35,6 @@ from tasks import (
     sample_candidates,
     train_reward_model,
 )
-from tasks.runtime import layout_for
 
 
 @flow(name="rlhf-iteration")
@@ -43,7 +45,7 @@ def rlhf_iteration(
 
     Holds the campaign's lock throughout, so two iterations of one campaign never run at once.
     """
-    with exclusive_lock(layout_for(config).lock_file()):
+    with exclusive_lock(campaign_layout(config).lock_file()):
         return _iteration(config, iteration, state)
 
 
@@ -52,17 +54,31 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     if iteration is None:
         iteration, state = load_latest_state(config, base)
     context = open_iteration(config, iteration, base, state)
+
+    def settings(stage: str) -> dict:
+        return stage_settings(config, base, stage)
+
     state = state or IterationState(policy=initialize(context).result())
-    candidates = sample_candidates(context, state.policy).result()
-    labels = request_human_labels(context, candidates) if config.labeler == "human" else None
-    preferences = collect_preferences(context, candidates, state.reward_model, labels).result()
-    reward_model = train_reward_model(context, (*state.preferences, preferences), state.reward_model).result()
-    experience = rollout(context, state.policy, reward_model).result()
-    scored = compute_advantages(context, experience, reward_model).result()
-    policy = ppo_update(context, state.policy, scored).result()
-    evaluation = evaluate(context, policy, reward_model).result()
+    candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
+    labels = (
+        request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
+        if config.labeler == "human"
+        else None
+    )
+    judge_model = state.reward_model if config.labeler == "reward_model" else None
+    preferences = collect_preferences(
+        context, candidates, judge_model, labels, **settings("collect_preferences")
+    ).result()
+    all_preferences = (*state.preferences, preferences)
+    reward_model = train_reward_model(
+        context, all_preferences, state.reward_model, **settings("train_reward_model")
+    ).result()
+    experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
+    scored = compute_advantages(context, experience, reward_model, **settings("compute_advantages")).result()
+    policy = ppo_update(context, state.policy, scored, **settings("ppo_update")).result()
+    evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [candidates, preferences, reward_model, experience, scored, policy, evaluation]
-    return close_iteration(context, stages, IterationState(policy, reward_model, (*state.preferences, preferences)))
+    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences))
 
 
 @flow(name="rlhf-campaign")
@@ -84,8 +100,10 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     base = resolve_base(config)
     context = open_replay(config, source_run_id, base)
     experience, policy, reward_model = load_replay_inputs(context, source_run_id)
-    scored = compute_advantages(context, experience, reward_model).result()
-    new_policy = ppo_update(context, policy, scored).result()
-    evaluation = evaluate(context, new_policy, reward_model).result()
+    scored = compute_advantages(
+        context, experience, reward_model, **stage_settings(config, base, "compute_advantages")
+    ).result()
+    new_policy = ppo_update(context, policy, scored, **stage_settings(config, base, "ppo_update")).result()
+    evaluation = evaluate(context, new_policy, reward_model, **stage_settings(config, base, "evaluate")).result()
     close_iteration(context, [scored, new_policy, evaluation], IterationState(new_policy, reward_model))
     return context.parent_run_id

@@ -46,7 +46,6 @@ SCHEMA_BOUNDS: dict[type, dict[str, dict[str, float]]] = {
         "temperature": _POSITIVE,
         "top_k": {"minimum": 0},
         "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-        "num_samples": _POSITIVE,
         "batch_size": _POSITIVE,
     },
     RewardModelConfig: {

@@ -30,15 +30,17 @@ from __future__ import annotations
 
 __all__ = [
     "config",
+    "evaluation",
     "experience",
     "experience_maker",
     "gae",
     "generation",
-    "kl_control",
+    "loading",
     "losses",
     "masked",
     "models",
     "ppo",
+    "precision",
     "reward_training",
     "rewards",
     "sequences",

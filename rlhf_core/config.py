@@ -43,16 +43,13 @@ class SamplingConfig:
     """Keep only the k most likely tokens; 0 keeps all (pure sampling, as PPO theory assumes)."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 keeps all."""
-    num_samples: int = 1
-    """Responses per prompt (N)."""
     batch_size: int = 64
-    """Prompts (before the N-fold repeat) generated together."""
+    """Prompts generated together (each with all its samples)."""
 
     def __post_init__(self) -> None:
         _require_positive(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
-            num_samples=self.num_samples,
             batch_size=self.batch_size,
         )
         if self.top_k < 0:

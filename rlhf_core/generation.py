@@ -8,6 +8,9 @@ Choices:
    filtering, which is what the training-time forward computes (TRL, OpenRLHF do the same).
 3. After a row emits EOS it is padded (attention 0, action mask False); the loop stops when
    every row has finished, so ``R <= max_new_tokens``.
+4. Tokens are drawn by inverse CDF from one uniform number per row and step, and those numbers
+   come from a CPU ``torch.Generator``: B numbers a step cross to the device, and the same seed
+   samples the same tokens on any device (up to float rounding of the cumulative sums).
 """
 
 from __future__ import annotations
@@ -57,6 +60,29 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
     return logits
 
 
+def sample_tokens(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row by inverse CDF: the first token whose cumulative probability exceeds ``u``.
+
+    Naive equivalent, per row: ``c = 0; for v in range(V): c += p[v]; if c > u * sum(p): return v``.
+    With ``u ~ U[0, 1)`` each token is drawn with probability ``p[v] / sum(p)`` (what
+    ``torch.multinomial(p, 1)`` draws), and a token of probability 0 is never drawn.
+
+    Args:
+        probabilities: non-negative, each row with a positive sum (need not be normalised).
+        uniforms: one number in [0, 1) per row, on any device.
+
+    Shapes:
+        probabilities: (B, V); uniforms: (B,); returns (B,) long.
+    """
+    cdf = probabilities.float().cumsum(dim=-1)  # (B, V)
+    threshold = uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(1) * cdf[:, -1:]  # (B, 1)
+    token = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # (B,)
+    # Rounding can lift the threshold to the total; the last token of positive probability is the answer then.
+    vocabulary = probabilities.shape[-1]
+    last_possible = vocabulary - 1 - (probabilities > 0).flip(-1).int().argmax(dim=-1)  # (B,)
+    return torch.minimum(token, last_possible)
+
+
 def _decode(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
@@ -80,7 +106,7 @@ def _decode(
         scaled = outputs.logits[:, -1, :].float() / config.temperature  # (B, V)
         token_logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
         probabilities = torch.softmax(filter_logits(scaled, top_k=config.top_k, top_p=config.top_p), dim=-1)
-        token = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)  # (B,)
+        token = sample_tokens(probabilities, torch.rand(batch, generator=generator))  # (B,)
         token = token.masked_fill(finished, pad_token_id)
         is_action = ~finished  # (B,)
         tokens.append(token)
@@ -119,11 +145,10 @@ def generate(
         model: a causal LM (``AutoModelForCausalLM``).
         prompt_ids: left-padded prompts.
         prompt_mask: 1 for real prompt tokens.
-        config: temperature, top-k, top-p and ``max_new_tokens`` (``num_samples`` is ignored
-            here; see :func:`sample_candidates`).
+        config: temperature, top-k, top-p and ``max_new_tokens``.
         eos_token_id: token that ends a response, or None.
         pad_token_id: token written after EOS.
-        generator: random stream for sampling; pass a seeded one for reproducible samples.
+        generator: CPU random stream for sampling; pass a seeded one for reproducible samples.
 
     Shapes:
         prompt_ids, prompt_mask: (B, P); returns :class:`Generation` with T = P + R.
@@ -162,17 +187,20 @@ def sample_candidates(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,
+    num_samples: int,
     config: SamplingConfig,
     eos_token_id: int | None,
     pad_token_id: int,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """``config.num_samples`` responses per prompt; rows ``i*N .. i*N + N - 1`` belong to prompt ``i``.
+    """``num_samples`` (N) responses per prompt; rows ``i*N .. i*N + N - 1`` belong to prompt ``i``.
 
     Shapes:
         prompt_ids, prompt_mask: (B, P); returns :class:`Generation` with B * N rows.
     """
-    repeats = config.num_samples
+    if num_samples <= 0:
+        raise ValueError(f"`num_samples` must be positive, got {num_samples}")
+    repeats = num_samples
     return generate(
         model,
         prompt_ids.repeat_interleave(repeats, dim=0),  # (B * N, P)

@@ -127,13 +127,16 @@ class _HeadedBackbone(nn.Module):
         (directory / _HEAD_META_FILE).write_text(json.dumps({"class": type(self).__name__, "head": self.head_name}))
 
     @classmethod
-    def from_pretrained(cls, pretrained: str | Path, **kwargs):
+    def from_pretrained(cls, pretrained: str | Path, *, require_head: bool = False, **kwargs):
         """Load a backbone; its head too when ``pretrained`` is a folder this class saved.
 
-        A plain Hugging Face checkpoint (e.g. the actor's) gets a freshly initialised head.
+        A plain Hugging Face checkpoint (e.g. the actor's) gets a freshly initialised head, unless
+        ``require_head``: then a missing head is a FileNotFoundError naming the folder.
         """
-        model = cls(pretrained=pretrained, **kwargs)
         head_file = Path(pretrained) / f"{cls.head_name}.safetensors"
+        if require_head and not head_file.is_file():
+            raise FileNotFoundError(f"{head_file} is missing: {pretrained} is not a saved {cls.__name__}")
+        model = cls(pretrained=pretrained, **kwargs)
         if head_file.is_file():
             model.head.load_state_dict(load_file(head_file))
         return model
@@ -156,10 +159,10 @@ class Critic(_HeadedBackbone):
         """Per-position values.
 
         Shapes:
-            input_ids, attention_mask: (B, T); returns (B, T).
+            input_ids, attention_mask: (B, T); returns (B, T) float32.
         """
         hidden = self.last_hidden_state(input_ids, attention_mask)  # (B, T, H)
-        return self.value_head(hidden).squeeze(-1)  # (B, T)
+        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
 
 class RewardModel(_HeadedBackbone):
@@ -179,14 +182,14 @@ class RewardModel(_HeadedBackbone):
         """Sequence scores.
 
         Shapes:
-            input_ids, attention_mask: (B, T); returns (B,).
+            input_ids, attention_mask: (B, T); returns (B,) float32.
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden = self.last_hidden_state(input_ids, attention_mask)  # (B, T, H)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last_hidden = hidden[rows, last_token_index(attention_mask)]  # (B, H)
-        return self.reward_head(last_hidden).squeeze(-1)  # (B,)
+        return self.reward_head(last_hidden).squeeze(-1).float()  # (B,)
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -207,5 +210,36 @@ def evaluating(*models: object) -> Iterator[None]:
     try:
         yield
     finally:
+        for module, mode in zip(modules, modes, strict=True):
+            module.train(mode)
+
+
+@contextmanager
+def dropout_disabled(*models: object) -> Iterator[None]:
+    """Train mode with every dropout probability set to 0, restoring both on exit.
+
+    The forward then computes what eval mode computes, while train-mode features stay on
+    (gradient checkpointing runs only in train mode). Covers ``nn.Dropout`` modules and the float
+    ``attention_dropout`` / ``dropout`` attributes Hugging Face attention layers read in training.
+    """
+    modules = [model for model in models if isinstance(model, nn.Module)]
+    modes = [module.training for module in modules]
+    changed: list[tuple[object, str, float]] = []
+    for module in modules:
+        for child in module.modules():
+            if isinstance(child, nn.Dropout) and child.p:
+                changed.append((child, "p", child.p))
+                child.p = 0.0
+            for name in ("attention_dropout", "dropout"):
+                value = getattr(child, name, None)
+                if isinstance(value, float) and value:
+                    changed.append((child, name, value))
+                    setattr(child, name, 0.0)
+        module.train()
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(changed):
+            setattr(owner, name, value)
         for module, mode in zip(modules, modes, strict=True):
             module.train(mode)

@@ -3,8 +3,10 @@
 Choices:
 1. Actor and critic are separate models with separate optimizers, so the value loss needs no
    weight against the policy loss (with Adam a constant factor would not change the step).
-2. Dropout is off during the update (models in eval mode, gradients on), as in TRL's PPO: the
-   probability ratio at the first minibatch is then exactly the rollout's, 1.
+2. Dropout is off during the update, as in TRL's PPO: the probability ratio at the first
+   minibatch is then exactly the rollout's, 1. The models stay in train mode with every dropout
+   probability at 0 (:func:`rlhf_core.models.dropout_disabled`), so gradient checkpointing,
+   which runs in train mode only, still applies.
 3. Advantages are whitened once over the whole experience, then minibatched.
 4. Early stop: when ``target_kl`` is set, the update stops at the first minibatch whose
    approximate KL(old || new), measured before its step, exceeds it; that minibatch takes no
@@ -26,8 +28,19 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, policy_loss, value_loss
 from rlhf_core.masked import masked_mean, masked_var, masked_whiten
-from rlhf_core.models import Critic, evaluating, fused_activations
+from rlhf_core.models import Critic, dropout_disabled, fused_activations
 from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
+
+
+class MinibatchStats(NamedTuple):
+    """Detached statistics of one minibatch (scalar tensors); :class:`PPOStats` averages them."""
+
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    clip_fraction: torch.Tensor
+    value_clip_fraction: torch.Tensor
+    approx_kl: torch.Tensor
+    entropy: torch.Tensor
 
 
 class PPOStats(NamedTuple):
@@ -47,13 +60,18 @@ class PPOStats(NamedTuple):
 class PPOProgress(NamedTuple):
     """Where an update stands after a whole epoch: enough to continue it exactly after a crash.
 
-    ``totals`` are the running sums of the per-step statistics (policy loss, value loss, clip
-    fraction, value clip fraction, approximate KL, entropy), as floats.
+    ``totals`` are the running sums of the :class:`MinibatchStats` fields, by name, as floats.
     """
 
     epochs_done: int
-    totals: tuple[float, ...]
+    totals: dict[str, float]
     optimizer_steps: int
+
+
+class _Losses(NamedTuple):
+    actor_loss: torch.Tensor
+    critic_loss: torch.Tensor
+    stats: MinibatchStats
 
 
 @torch.no_grad()
@@ -68,7 +86,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 def _minibatch_losses(
     actor: PreTrainedModel, critic: Critic, batch: Experience, config: PPOConfig, *, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+) -> _Losses:
     """Policy loss, value loss and detached stats for one minibatch."""
     prompt_length = batch.prompt_length
     logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
@@ -76,7 +94,7 @@ def _minibatch_losses(
     logprobs = logprobs_from_logits(scaled, batch.sequences[:, prompt_length:])  # (b, R)
     actor_loss, policy_stats = policy_loss(
         logprobs,
-        batch.action_log_probs,
+        batch.old_logprobs,
         batch.advantages,
         batch.action_mask,
         clip_eps=config.clip_eps,
@@ -91,21 +109,21 @@ def _minibatch_losses(
     values = response_slice(critic(batch.sequences, batch.attention_mask), prompt_length)  # (b, R)
     critic_loss, value_stats = value_loss(
         values,
-        batch.values,
+        batch.old_values,
         batch.returns,
         batch.action_mask,
         value_clip_eps=config.value_clip_eps,
         aggregation=config.aggregation,
     )
-    stats = [
-        actor_loss.detach(),
-        critic_loss.detach(),
-        policy_stats.clip_fraction,
-        value_stats.clip_fraction,
-        policy_stats.approx_kl,
-        entropy.detach(),
-    ]
-    return actor_loss, critic_loss, stats
+    stats = MinibatchStats(
+        policy_loss=actor_loss.detach(),
+        value_loss=critic_loss.detach(),
+        clip_fraction=policy_stats.clip_fraction,
+        value_clip_fraction=value_stats.clip_fraction,
+        approx_kl=policy_stats.approx_kl,
+        entropy=entropy.detach(),
+    )
+    return _Losses(actor_loss, critic_loss, stats)
 
 
 def ppo_update(
@@ -129,9 +147,9 @@ def ppo_update(
         actor_optimizer, critic_optimizer: their optimizers, ``prepare``d too.
         experience: scored experience (advantages and returns filled in).
         config: epochs, minibatch size, clip ranges, entropy weight, gradient clip, target KL.
-        accelerator: drives backward passes and gradient clipping.
+        accelerator: drives backward passes, gradient clipping and mixed precision.
         temperature: the sampling temperature the rollout used (log-probs must match it).
-        generator: random stream for minibatch shuffling.
+        generator: CPU random stream for minibatch shuffling.
         resume: continue after ``resume.epochs_done`` epochs; the caller restores the models,
             optimizers and ``generator`` state saved at that point.
         on_epoch_end: called after every whole epoch (not after an early stop), e.g. to save a
@@ -142,43 +160,42 @@ def ppo_update(
     """
     if not experience.is_scored:
         raise ValueError("`experience` has no advantages/returns: run score_experience first")
-    experience.to_device(accelerator.device)
+    experience = experience.to(accelerator.device)
     advantages = experience.advantages
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, experience.action_mask)
     experience = experience.replace(advantages=advantages)
-    variance_explained = explained_variance(experience.values, experience.returns, experience.action_mask)
+    variance_explained = explained_variance(experience.old_values, experience.returns, experience.action_mask)
 
-    totals = [torch.tensor(value) for value in resume.totals] if resume else []
+    totals = {name: torch.tensor(resume.totals[name]) for name in MinibatchStats._fields} if resume else None
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
-    with evaluating(actor, critic), fused_activations(actor, critic):
+    with dropout_disabled(actor, critic), fused_activations(actor, critic):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             for batch in experience.minibatches(config.minibatch_size, generator=generator):
                 # 1. losses on the current policy and critic; stop before stepping past the KL target
-                actor_loss, critic_loss, stats = _minibatch_losses(
-                    actor, critic, batch, config, temperature=temperature
-                )
-                if config.target_kl is not None and stats[4].item() > config.target_kl:
+                losses = _minibatch_losses(actor, critic, batch, config, temperature=temperature)
+                if config.target_kl is not None and losses.stats.approx_kl.item() > config.target_kl:
                     early_stopped = True
                     break
                 # 2. one step for each model, each with its own gradient clip
                 for loss, model, optimizer in (
-                    (actor_loss, actor, actor_optimizer),
-                    (critic_loss, critic, critic_optimizer),
+                    (losses.actor_loss, actor, actor_optimizer),
+                    (losses.critic_loss, critic, critic_optimizer),
                 ):
                     optimizer.zero_grad(set_to_none=True)
                     accelerator.backward(loss)
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                     optimizer.step()
                 # 3. bookkeeping
-                totals = [t + s for t, s in zip(totals, stats, strict=True)] if totals else stats
+                step_stats = losses.stats._asdict()
+                totals = step_stats if totals is None else {name: totals[name] + step_stats[name] for name in totals}
                 steps += 1
             if early_stopped:
                 break
             if on_epoch_end is not None:
-                on_epoch_end(PPOProgress(epoch + 1, tuple(float(total) for total in totals), steps))
-    if steps == 0:
+                on_epoch_end(PPOProgress(epoch + 1, {name: float(total) for name, total in totals.items()}, steps))
+    if steps == 0 or totals is None:
         raise ValueError("the update took no optimizer step (`target_kl` exceeded before the first step)")
-    means = [total / steps for total in totals]
-    return PPOStats(*means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)
+    means = {name: total / steps for name, total in totals.items()}
+    return PPOStats(**means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)

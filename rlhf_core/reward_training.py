@@ -84,10 +84,17 @@ def _pair_scores(model: RewardModel, batch: PreferenceBatch) -> tuple[torch.Tens
     return scores[: len(batch)], scores[len(batch) :]
 
 
+class RewardModelEval(NamedTuple):
+    """A reward model's figures on held-out pairs (Python floats)."""
+
+    loss: float
+    accuracy: float
+    score_mean: float
+    score_std: float
+
+
 @torch.no_grad()
-def evaluate_reward_model(
-    model: RewardModel, pairs: PreferenceBatch, *, batch_size: int
-) -> tuple[float, float, float, float]:
+def evaluate_reward_model(model: RewardModel, pairs: PreferenceBatch, *, batch_size: int) -> RewardModelEval:
     """Loss, accuracy, score mean and score std of ``model`` on ``pairs`` (dropout off)."""
     chosen_all, rejected_all = [], []
     with evaluating(model):
@@ -100,7 +107,7 @@ def evaluate_reward_model(
     chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
     loss, stats = pairwise_reward_loss(chosen, rejected)
     all_scores = torch.cat([chosen, rejected])
-    return loss.item(), stats.accuracy.item(), all_scores.mean().item(), all_scores.std().item()
+    return RewardModelEval(loss.item(), stats.accuracy.item(), all_scores.mean().item(), all_scores.std().item())
 
 
 class RewardTrainingProgress(NamedTuple):
@@ -131,7 +138,7 @@ def fit_reward_model(
         train_pairs, eval_pairs: tokenised preference pairs.
         config: learning schedule, batch size, gradient clip, margin use.
         accelerator: drives backward passes and clipping.
-        generator: random stream for shuffling.
+        generator: CPU random stream for shuffling.
         resume: continue after ``resume.epochs_done`` epochs; the caller restores the model,
             optimizer, ``generator`` and global RNG (dropout) states saved at that point.
         on_epoch_end: called after every epoch, e.g. to save a checkpoint of all of those.
@@ -159,15 +166,13 @@ def fit_reward_model(
                 steps += 1
             if on_epoch_end is not None:
                 on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
-    eval_loss, eval_accuracy, score_mean, score_std = evaluate_reward_model(
-        model, eval_pairs, batch_size=config.batch_size
-    )
+    held_out = evaluate_reward_model(model, eval_pairs, batch_size=config.batch_size)
     return RewardModelStats(
         train_loss=loss_sum / steps,
         train_accuracy=accuracy_sum / steps,
-        eval_loss=eval_loss,
-        eval_accuracy=eval_accuracy,
-        score_mean=score_mean,
-        score_std=score_std,
+        eval_loss=held_out.loss,
+        eval_accuracy=held_out.accuracy,
+        score_mean=held_out.score_mean,
+        score_std=held_out.score_std,
         optimizer_steps=steps,
     )

@@ -74,6 +74,7 @@ def response_logits(
         input_ids=sequences,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
         **extra,
     ).logits  # (B, R + 1, V) or (B, T, V)
     return logits[:, -keep:-1]  # (B, R, V)

@@ -4,15 +4,15 @@ Modules:
 
 * :mod:`storage.layout`: ``RunLayout``, the only place paths are built.
 * :mod:`storage.schemas`: explicit Arrow schemas and column names, ``SCHEMA_VERSION``.
-* :mod:`storage.shards`: Parquet shards (``write_shards``, ``read_table``, ``scan_shards``).
+* :mod:`storage.shards`: Parquet shards (``write_shards``, ``read_table``).
 * :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
 * :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
 * :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
 * :mod:`storage.tracking`: ``Tracker``, the only code that imports mlflow.
 * :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
 
-Names are re-exported lazily, so ``import storage`` does not pull in mlflow, transformers or
-polars until a name that needs them is used.
+Names are re-exported lazily, so ``import storage`` does not pull in mlflow or transformers
+until a name that needs them is used.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ _EXPORTS = {
     "SCHEMA_VERSION": "schemas",
     "write_shards": "shards",
     "read_table": "shards",
-    "scan_shards": "shards",
     "MANIFEST_FILE": "manifest",
     "CorruptOutputError": "manifest",
     "FileEntry": "manifest",
@@ -39,9 +38,6 @@ _EXPORTS = {
     "save_model": "checkpoints",
     "save_training_state": "checkpoints",
     "load_training_state": "checkpoints",
-    "load_causal_lm": "checkpoints",
-    "load_critic": "checkpoints",
-    "load_reward_model": "checkpoints",
     "load_tokenizer": "checkpoints",
     "StageRecord": "tracking",
     "Tracker": "tracking",

@@ -4,7 +4,8 @@ Choices:
 
 1. Weights are always safetensors in ``save_pretrained`` folders: HF causal LMs, and
    :class:`rlhf_core.models.Critic` / :class:`~rlhf_core.models.RewardModel`, which save their
-   head beside the backbone. A tokenizer, when given, is saved into the same folder.
+   head beside the backbone. A tokenizer, when given, is saved into the same folder. Loading
+   them is the model seam's job (:mod:`rlhf_core.loading`).
 2. Optimizer and scheduler states are ``torch.save``d state dicts (plain tensors, numbers and
    lists), and every RNG state is encoded as tensors and ints, so that everything loads with
    ``torch.load(..., weights_only=True)``: nothing is ever unpickled from a checkpoint.
@@ -20,15 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
-
-from rlhf_core.models import Critic, RewardModel
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -57,29 +50,6 @@ def save_model(directory: Path, model: Any, tokenizer: PreTrainedTokenizerBase |
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
-
-
-def load_causal_lm(directory: Path, **kwargs: Any) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(directory, **kwargs)``."""
-    return AutoModelForCausalLM.from_pretrained(Path(directory), **kwargs)
-
-
-def _require_head(directory: Path, head_name: str) -> None:
-    head = Path(directory) / f"{head_name}.safetensors"
-    if not head.is_file():
-        raise FileNotFoundError(f"{head} is missing: {directory} is not a saved model with a {head_name}")
-
-
-def load_critic(directory: Path, **kwargs: Any) -> Critic:
-    """Load a :class:`Critic` saved by :func:`save_model`, value head included (required)."""
-    _require_head(directory, Critic.head_name)
-    return Critic.from_pretrained(Path(directory), **kwargs)
-
-
-def load_reward_model(directory: Path, **kwargs: Any) -> RewardModel:
-    """Load a :class:`RewardModel` saved by :func:`save_model`, reward head included (required)."""
-    _require_head(directory, RewardModel.head_name)
-    return RewardModel.from_pretrained(Path(directory), **kwargs)
 
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -78,7 +78,7 @@ def experience_to_table(
     """Turn a padded Experience batch into rows with unpadded token and per-token float lists.
 
     Args:
-        experience: the batch; scored (reward, kl, advantages, returns set) or not.
+        experience: the batch; scored (rewards, kl, advantages, returns set) or not.
         prompt_ids: the dataset id of each row's prompt, one int per row (not token ids).
         first_row: the ``row`` value of the first row (rows are numbered consecutively from it).
 

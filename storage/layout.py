@@ -7,7 +7,7 @@ SQLite store and its artifacts live beside the stage folders, so moving ``root``
     root/
         mlflow.db               # MLflow tracking store (SQLite)
         mlartifacts/<campaign>/ # MLflow artifacts, one folder per experiment
-        cache/                  # scratch space (downloads for resume and replay)
+        cache/                  # scratch space: downloads for resume and replay, input fingerprints
         <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
 """
 
@@ -53,6 +53,10 @@ class RunLayout:
     def cache_dir(self) -> Path:
         """Scratch space, e.g. stage outputs downloaded from MLflow for resume or replay."""
         return self.root / "cache"
+
+    def fingerprint_cache(self) -> Path:
+        """The cache of input files' content hashes (see :mod:`storage.fingerprints`)."""
+        return self.cache_dir() / "fingerprints.json"
 
     def lock_file(self) -> Path:
         """The file whose lock a running iteration holds, so two never run at once."""

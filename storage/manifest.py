@@ -4,9 +4,10 @@ Choices:
 
 1. A stage output is a folder with any files (Parquet shards, checkpoint folders) plus
    ``_manifest.json`` listing every file with its size, sha256 and (for Parquet) row count.
-2. ``input_key`` is the sha256 of the canonical JSON of the stage name, its config slice, its
-   upstream manifests' digests, ``SCHEMA_VERSION`` and this package's version. Equal inputs give
-   equal keys whatever the dict order; any change gives a new key (and so a new folder).
+2. ``input_key`` is the sha256 of the canonical JSON of the stage name, the settings it ran
+   with, its upstream manifests' digests, the fingerprint of the code it ran and
+   ``SCHEMA_VERSION``. Equal inputs give equal keys whatever the dict order; any change gives a
+   new key (and so a new folder).
 3. The manifest stores a sha256 of its own canonical body (``manifest_sha256``), so an edited
    manifest is caught as surely as an edited shard. Its :attr:`Manifest.digest`, the value
    downstream stages put in their ``upstream``, covers only the content's identity (stage, input
@@ -108,23 +109,25 @@ def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def compute_input_key(stage: str, config: Mapping[str, Any], upstream: Mapping[str, str]) -> str:
+def compute_input_key(stage: str, settings: Mapping[str, Any], upstream: Mapping[str, str], *, code: str) -> str:
     """The identity of a stage's inputs: what decides whether an existing output can be reused.
 
     Args:
         stage: the stage name.
-        config: the stage's config slice (nested dicts, lists, str, numbers, bools, None).
+        settings: everything the stage's result depends on besides its upstream outputs and code
+            (nested dicts, lists, str, numbers, bools, None).
         upstream: upstream stage name -> that output's :attr:`Manifest.digest`.
+        code: a fingerprint of the code the stage runs.
 
     Returns:
         A 64-character hex sha256.
     """
     body = {
         "stage": stage,
-        "config": dict(config),
+        "settings": dict(settings),
         "upstream": dict(upstream),
+        "code": code,
         "schema_version": SCHEMA_VERSION,
-        "package_version": package_version(),
     }
     return _sha256_text(canonical_json(body))
 
@@ -138,9 +141,11 @@ class Manifest:
         input_key: :func:`compute_input_key` of the inputs that produced it.
         schema_version: ``SCHEMA_VERSION`` when it was written.
         files: every file of the output except the manifest, sorted by path.
-        config: the stage's config slice.
+        config: the settings the stage ran with (part of the input key).
         upstream: upstream stage name -> upstream manifest digest.
-        metrics: summary numbers of the stage (e.g. held-out accuracy).
+        code: the fingerprint of the code the stage ran (part of the input key).
+        metrics: summary numbers of the stage (e.g. held-out accuracy, seconds, peak memory).
+        runtime: where it ran (device, precision, models loaded, threads); not part of the input key.
         created_at: ISO 8601 UTC time of writing.
         package_version: this project's version when it was written.
     """
@@ -151,7 +156,9 @@ class Manifest:
     files: tuple[FileEntry, ...]
     config: dict[str, Any]
     upstream: dict[str, str]
+    code: str
     metrics: dict[str, float]
+    runtime: dict[str, Any]
     created_at: str
     package_version: str
 
@@ -164,8 +171,8 @@ class Manifest:
     @property
     def digest(self) -> str:
         """The content's identity: sha256 of the stage, input key, schema version and every file's
-        hash. Downstream stages record it as ``upstream``. Timing metrics and the creation time are
-        left out, so the same inputs always give the same digest, in any run on any machine."""
+        hash. Downstream stages record it as ``upstream``. Metrics, the runtime and the creation
+        time are left out, so the same inputs always give the same digest, in any run on any machine."""
         identity = {
             "stage": self.stage,
             "input_key": self.input_key,
@@ -247,18 +254,33 @@ def read_manifest(stage_dir: Path, *, verify: bool = True) -> Manifest:
         raise CorruptOutputError(f"{manifest_path} is missing", path=manifest_path) from None
     except (OSError, UnicodeDecodeError) as error:
         raise CorruptOutputError(f"{manifest_path} cannot be read: {error}", path=manifest_path) from error
+    _refuse_other_schema(stage_dir, text)
     try:
         manifest = Manifest.from_json(text)
     except (ValueError, TypeError) as error:
         raise CorruptOutputError(f"{manifest_path} is corrupt: {error}", path=manifest_path) from error
-    if manifest.schema_version != SCHEMA_VERSION:
-        raise UnsupportedSchemaError(
-            f"{manifest_path} has schema version {manifest.schema_version}; this code reads {SCHEMA_VERSION}",
-            path=manifest_path,
-        )
     if verify:
         _verify_files(stage_dir, manifest)
     return manifest
+
+
+def _refuse_other_schema(stage_dir: Path, text: str) -> None:
+    """Raise :class:`UnsupportedSchemaError` for a manifest of another ``SCHEMA_VERSION``.
+
+    Read before the manifest is parsed: the fields of another version's manifest differ too.
+    """
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError:
+        return  # not JSON at all: reported as corrupt by the parser
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if isinstance(version, int) and version != SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"{stage_dir} was written with schema version {version} (rlhf-pipeline "
+            f"{raw.get('package_version', 'unknown')}); this version reads schema {SCHEMA_VERSION} only: run the "
+            "iteration again to recompute it",
+            path=stage_dir / MANIFEST_FILE,
+        )
 
 
 def _verify_files(stage_dir: Path, manifest: Manifest) -> None:
@@ -373,7 +395,7 @@ class StageOutput:
 
     Example::
 
-        with StageOutput(final_dir, stage="rollout", input_key=key, config=cfg, upstream=up) as out:
+        with StageOutput(final_dir, stage="rollout", input_key=key, config=cfg, upstream=up, code=code) as out:
             out.write_table("experience", table, schema=EXPERIENCE)
             model.save_pretrained(out.path / "actor")
             out.metrics["rollout/score_mean"] = 0.3
@@ -388,8 +410,11 @@ class StageOutput:
         final_dir: where the output will live (``RunLayout.stage_dir(stage, input_key)``).
         stage: the stage name.
         input_key: :func:`compute_input_key` of the stage's inputs.
-        config: the stage's config slice, recorded in the manifest.
+        config: the stage's settings, recorded in the manifest.
         upstream: upstream stage name -> upstream manifest digest, recorded in the manifest.
+        code: the fingerprint of the code that produces the output, recorded in the manifest.
+
+    Fill :attr:`metrics` and :attr:`runtime` inside the block; they are recorded too.
 
     Raises:
         FileExistsError: on entry or exit, ``final_dir`` already holds a valid output.
@@ -401,7 +426,9 @@ class StageOutput:
     input_key: str = field(kw_only=True)
     config: Mapping[str, Any] = field(kw_only=True)
     upstream: Mapping[str, str] = field(kw_only=True)
+    code: str = field(kw_only=True)
     metrics: dict[str, float] = field(default_factory=dict, init=False)
+    runtime: dict[str, Any] = field(default_factory=dict, init=False)
     _path: Path | None = field(default=None, init=False, repr=False)
     _manifest: Manifest | None = field(default=None, init=False, repr=False)
 
@@ -409,7 +436,7 @@ class StageOutput:
         self.final_dir = Path(self.final_dir).absolute()
         self.config = dict(self.config)
         self.upstream = dict(self.upstream)
-        canonical_json([self.config, self.upstream])  # refuse unserialisable config now, not after the work
+        canonical_json([self.config, self.upstream, self.code])  # refuse unserialisable config now, not after the work
 
     @property
     def path(self) -> Path:
@@ -471,7 +498,9 @@ class StageOutput:
             files=tuple(sorted(entries, key=lambda entry: entry.path)),
             config=json.loads(canonical_json(self.config)),
             upstream=dict(self.upstream),
+            code=self.code,
             metrics=metrics,
+            runtime=json.loads(canonical_json(self.runtime)),
             created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             package_version=package_version(),
         )

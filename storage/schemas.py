@@ -15,7 +15,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
+``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
@@ -31,11 +33,11 @@ MARGIN = "margin"
 LABELER = "labeler"
 CHOICE = "choice"
 ROW = "row"
-ACTION_LOG_PROBS = "action_log_probs"
-REF_LOG_PROBS = "ref_log_probs"
-VALUES = "values"
+OLD_LOGPROBS = "old_logprobs"
+REF_LOGPROBS = "ref_logprobs"
+OLD_VALUES = "old_values"
 SCORES = "scores"
-REWARD = "reward"
+REWARDS = "rewards"
 KL = "kl"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
@@ -76,9 +78,9 @@ PREFERENCES = _schema(
 HUMAN_LABELS = _schema((PAIR_ID, pa.int64()), (CHOICE, pa.string()))
 
 #: Per-token fields of an unscored Experience, in schema order.
-EXPERIENCE_TOKEN_COLUMNS = (ACTION_LOG_PROBS, REF_LOG_PROBS, VALUES)
+EXPERIENCE_TOKEN_COLUMNS = (OLD_LOGPROBS, REF_LOGPROBS, OLD_VALUES)
 #: Per-token fields that stage 5 adds, in schema order.
-SCORED_TOKEN_COLUMNS = (REWARD, KL, ADVANTAGES, RETURNS)
+SCORED_TOKEN_COLUMNS = (REWARDS, KL, ADVANTAGES, RETURNS)
 
 #: Rollout experience (stage 4 output). ``prompt_ids`` is the unpadded prompt, ``response_ids``
 #: the unpadded action tokens.

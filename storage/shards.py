@@ -10,8 +10,7 @@ Choices:
 3. Every table is checked and cast against its explicit schema before anything is written
    (:func:`storage.schemas.conform`); an empty table still writes one (empty) shard so its schema
    survives.
-4. Reads are whole-table (:func:`read_table`, exact Arrow types) or lazy
-   (:func:`scan_shards`, a polars ``LazyFrame`` for summaries and filters).
+4. Reads are whole-table (:func:`read_table`), with the exact Arrow types that were written.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import re
 import uuid
 from pathlib import Path
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -115,15 +113,3 @@ def read_table(directory: Path, name: str) -> pa.Table:
         raise FileNotFoundError(f"no shards of table {name!r} in {directory}")
     tables = [pq.read_table(path) for path in paths]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-
-
-def scan_shards(directory: Path, name: str) -> pl.LazyFrame:
-    """A lazy polars scan over every shard of table ``name``, for summaries and filters.
-
-    Raises:
-        FileNotFoundError: there is no shard of that name.
-    """
-    paths = shard_paths(directory, name)
-    if not paths:
-        raise FileNotFoundError(f"no shards of table {name!r} in {directory}")
-    return pl.scan_parquet([str(path) for path in paths])

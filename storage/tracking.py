@@ -48,12 +48,19 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_I
 from storage.manifest import Manifest, read_manifest
 
 __all__ = [
+    "KIND_ITERATION",
+    "KIND_REPLAY",
+    "KIND_STAGE",
     "TAG_CAMPAIGN",
     "TAG_FLOW_RUN_ID",
     "TAG_INPUT_KEY",
     "TAG_ITERATION",
+    "TAG_ITERATION_KEY",
     "TAG_KIND",
     "TAG_MANIFEST_DIGEST",
+    "TAG_OUTPUT_PREFIX",
+    "TAG_PARENT_RUN_ID",
+    "TAG_REPLAY_OF",
     "TAG_STAGE",
     "StageRecord",
     "Tracker",
@@ -65,7 +72,15 @@ TAG_STAGE = "rlhf.stage"
 TAG_KIND = "rlhf.kind"
 TAG_INPUT_KEY = "rlhf.input_key"
 TAG_MANIFEST_DIGEST = "rlhf.manifest_digest"
+TAG_ITERATION_KEY = "rlhf.iteration_key"
+"""An iteration (or replay) run's identity: the hash of its config, base inputs and starting point."""
+TAG_REPLAY_OF = "rlhf.replay_of"
+"""On a replay run: the iteration run it replays."""
+TAG_OUTPUT_PREFIX = "rlhf.output."
+"""An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
+which is another iteration's run when the stage was reused."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
+TAG_PARENT_RUN_ID = MLFLOW_PARENT_RUN_ID
 
 KIND_ITERATION = "iteration"
 KIND_STAGE = "stage"
@@ -182,12 +197,11 @@ class Tracker:
             self._client.search_experiments(max_results=1)
             self._client.search_registered_models(max_results=1)
 
-    @property
-    def client(self) -> MlflowClient:
-        """The underlying client, for read-only queries this class does not wrap."""
-        return self._client
-
     # Experiments and runs ------------------------------------------------------------------------
+
+    def has_experiment(self, campaign: str) -> bool:
+        """Whether the store holds an experiment named ``campaign`` (active or deleted)."""
+        return self._client.get_experiment_by_name(campaign) is not None
 
     def experiment_id(self, campaign: str) -> str:
         """The experiment of ``campaign``, created (with its artifact location) if missing.
@@ -454,33 +468,3 @@ class Tracker:
         except MlflowException:
             return False
         return True
-
-    def model_alias_source(self, name: str, alias: str = "latest") -> tuple[str, str] | None:
-        """``(run_id, source)`` of the version ``alias`` points at, or None if there is none.
-
-        ``latest`` (reserved by MLflow) means the newest version.
-        """
-        try:
-            version = self._client.get_model_version_by_alias(name, alias)
-        except MlflowException as error:
-            if _error_code(error) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-                return None
-            raise
-        return version.run_id, version.source
-
-    def download_model(self, name: str, destination: Path, *, alias: str = "latest") -> Path | None:
-        """Download the folder the alias points at into a new or empty ``destination``; None if no alias."""
-        found = self.model_alias_source(name, alias)
-        if found is None:
-            return None
-        run_id, source = found
-        run = self._client.get_run(run_id)
-        prefix = run.info.artifact_uri.rstrip("/") + "/"
-        if not source.startswith(prefix):
-            raise ValueError(f"model {name}@{alias} points outside its run's artifacts: {source}")
-        destination = Path(destination).absolute()
-        if destination.exists() and any(destination.iterdir()):
-            raise FileExistsError(f"{destination} must be a new or empty folder")
-        destination.mkdir(parents=True, exist_ok=True)
-        path = self._client.download_artifacts(run_id, source[len(prefix) :], dst_path=str(destination))
-        return Path(path)

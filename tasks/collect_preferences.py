@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 
-from storage.checkpoints import load_reward_model
+from rlhf_core.precision import Precision
 from storage.importers import import_preferences
 from storage.manifest import StageOutput
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
-from tasks.labelers import SKIP, CandidatePair, GoldLabeler, HumanLabeler, Labeler, RewardModelLabeler
-from tasks.runtime import IterationContext, StageResult, run_stage, stage_state
+from tasks.context import InputFile, StageContext
+from tasks.judge import load_judge
+from tasks.labelers import (
+    SKIP,
+    CandidatePair,
+    HumanLabeler,
+    JudgeLabeler,
+    Labeler,
+    LabelerName,
+    RewardModelLabeler,
+)
+from tasks.stage import StageResult, stage, stage_models
 from tasks.text import load_tokenizer
 
 STAGE = "collect_preferences"
@@ -75,49 +82,48 @@ def human_table(pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id:
     return labelled_table([pairs[index] for index in kept], labeler, first_pair_id=first_pair_id)
 
 
-@task(name=STAGE, cache_policy=NO_CACHE)
+@stage(STAGE)
 def collect_preferences(
-    context: IterationContext,
+    out: StageOutput,
+    context: StageContext,
     candidates: StageResult,
     reward_model: StageResult | None,
-    labels: StageResult | None = None,
-) -> State:
+    labels: StageResult | None,
+    *,
+    labeler: LabelerName,
+    judge: str | None,
+    preferences: InputFile | None,
+    precision: Precision,
+    rows_per_shard: int,
+) -> dict[str, float]:
     """Write the ``preferences`` table for this iteration's candidates.
 
     Args:
-        labels: the person's answers (a ``human_labels`` output); needed with labeler ``human`` only.
+        reward_model: the judge with labeler ``reward_model``; None otherwise.
+        labels: the person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise.
+        labeler: ``gold``, ``reward_model``, ``import`` or ``human``.
+        judge: ``module:attribute`` of the gold judge (labeler ``gold``).
+        preferences: the file of pairs to import (labeler ``import``, iteration 0 only).
     """
-    config = context.config
-
-    def produce(out: StageOutput) -> dict[str, float]:
-        shown: dict[str, float] = {}
-        if config.labeler == "import":
-            table = import_preferences(config.data.preferences) if context.iteration == 0 else PREFERENCES.empty_table()
-        elif config.labeler == "human":
-            pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
-            table = human_table(pairs, _answers(labels), first_pair_id=context.iteration * 1_000_000)
-            # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
-            shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
-        else:
-            table = labelled_table(
-                candidate_pairs(read_table(candidates.directory, "candidates")),
-                _labeler(context, reward_model),
-                first_pair_id=context.iteration * 1_000_000,
-            )
-        out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=config.sizes.rows_per_shard)
-        ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
-        return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1), **shown}
-
-    slice_ = {
-        "labeler": config.labeler,
-        "preferences_file": str(config.data.preferences) if config.labeler == "import" else None,
-    }
-    upstream = {
-        "candidates": candidates,
-        "reward_model": reward_model if config.labeler == "reward_model" else None,
-        "labels": labels if config.labeler == "human" else None,
-    }
-    return stage_state(run_stage(context, STAGE, config=slice_, upstream=upstream, produce=produce))
+    shown: dict[str, float] = {}
+    if labeler == "import":
+        if preferences is None:
+            raise ValueError("labeler 'import' needs a preferences file")
+        table = import_preferences(preferences.path) if context.iteration == 0 else PREFERENCES.empty_table()
+    elif labeler == "human":
+        pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
+        table = human_table(pairs, _answers(labels), first_pair_id=context.iteration * 1_000_000)
+        # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
+        shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
+    else:
+        table = labelled_table(
+            candidate_pairs(read_table(candidates.directory, "candidates")),
+            _labeler(out, context, labeler, judge, reward_model, precision),
+            first_pair_id=context.iteration * 1_000_000,
+        )
+    out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=rows_per_shard)
+    ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
+    return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1), **shown}
 
 
 def _answers(labels: StageResult | None) -> pa.Table:
@@ -126,14 +132,26 @@ def _answers(labels: StageResult | None) -> pa.Table:
     return read_table(labels.directory, "human_labels")
 
 
-def _labeler(context: IterationContext, reward_model: StageResult | None) -> Labeler:
-    if context.config.labeler == "gold":
-        return GoldLabeler()
+def _labeler(
+    out: StageOutput,
+    context: StageContext,
+    labeler: LabelerName,
+    judge: str | None,
+    reward_model: StageResult | None,
+    precision: Precision,
+) -> Labeler:
+    if labeler == "gold":
+        if judge is None:
+            raise ValueError("labeler 'gold' needs a gold judge")
+        return JudgeLabeler(load_judge(judge))
     if reward_model is None:
         raise ValueError(
             "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
         )
-    tokenizer = load_tokenizer(context.base.tokenizer_dir)
+    models = stage_models(out, context, precision)
+    tokenizer = load_tokenizer(context.base.tokenizer.path)
     return RewardModelLabeler(
-        load_reward_model(reward_model.directory / "reward_model"), pad_token_id=tokenizer.pad_token_id
+        models.load("reward_model", reward_model.directory / "reward_model"),
+        pad_token_id=tokenizer.pad_token_id,
+        autocast=models.autocast(),
     )

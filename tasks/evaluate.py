@@ -1,53 +1,68 @@
-"""Stage 7, evaluate: the policy against the frozen initial policy on held-out prompts.
+"""Stage 7, evaluate: the policy against the frozen initial policy (the reference) on held-out prompts.
 
-Reports the reward model's score, the gold score (where the hidden gold rubric applies), the
-gold win rate of policy samples against initial-policy samples for the same prompt (ties count
-half), and the KL to the reference (mean over responses of the summed per-token k1 estimate).
+Reports the reward model's score of both, the KL to the reference (mean over responses of the
+summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
+applies, the gold score of both and the policy's gold win rate against the reference (ties count
+half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 
-from rlhf_core.experience_maker import reference_logprobs
+from rlhf_core.config import SamplingConfig
+from rlhf_core.evaluation import response_kl, win_rate
+from rlhf_core.experience_maker import sequence_logprobs
 from rlhf_core.generation import generate
-from rlhf_core.models import evaluating, freeze
-from storage.checkpoints import load_causal_lm, load_reward_model
+from rlhf_core.models import evaluating
+from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
-from tasks.runtime import IterationContext, StageResult, run_stage, stage_state
+from tasks.context import StageContext
+from tasks.judge import load_judge
+from tasks.stage import StageResult, stage, stage_models
 from tasks.text import batches, decode, encode_prompts, load_tokenizer, read_prompt_texts, response_token_lists
 
 STAGE = "evaluate"
+SIDES = ("policy", "reference")
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(len(values), 1)
+@stage(STAGE)
+def evaluate(
+    out: StageOutput,
+    context: StageContext,
+    policy: StageResult,
+    reward_model: StageResult,
+    *,
+    sampling: SamplingConfig,
+    precision: Precision,
+    prompts: int,
+    judge: str | None,
+) -> dict[str, float]:
+    """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics.
 
-
-@task(name=STAGE, cache_policy=NO_CACHE)
-def evaluate(context: IterationContext, policy: StageResult, reward_model: StageResult) -> State:
-    """Write ``samples.jsonl`` and return the evaluation metrics."""
-    config = context.config
-    sampling = dataclasses.replace(config.sampling, num_samples=1)
-
-    def produce(out: StageOutput) -> dict[str, float]:
-        tokenizer = load_tokenizer(context.base.tokenizer_dir)
-        actor = load_causal_lm(policy.directory / "actor")
-        reference = freeze(load_causal_lm(context.base.policy_dir))
-        scorer = load_reward_model(reward_model.directory / "reward_model")
-        prompts = read_prompt_texts(context.base.eval_prompts_path)[: config.sizes.eval_prompts]
-        records, kl_per_response = [], []
-        for part in batches(len(prompts), sampling.batch_size):
-            prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts[part])
-            texts, scores = {}, {}
-            for name, model in (("policy", actor), ("reference", reference)):
-                generator = torch.Generator().manual_seed(context.seed(STAGE) + part.start)
+    Args:
+        prompts: how many held-out prompts to evaluate (the first ones of the file).
+        judge: ``module:attribute`` of the gold judge, or None for no gold metrics.
+    """
+    models = stage_models(out, context, precision)
+    tokenizer = load_tokenizer(context.base.tokenizer.path)
+    sides = {
+        "policy": models.load("actor", policy.directory / "actor"),
+        "reference": models.load("reference", context.base.policy.path),
+    }
+    scorer = models.load("reward_model", reward_model.directory / "reward_model")
+    texts = read_prompt_texts(context.base.eval_prompts.path)[:prompts]
+    records: list[dict] = []
+    rewards: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
+    kl: list[torch.Tensor] = []
+    for part in batches(len(texts), sampling.batch_size):
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, texts[part])
+        prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
+        responses: dict[str, list[str]] = {}
+        with models.autocast(), evaluating(scorer), torch.no_grad():
+            for side, model in sides.items():
                 generation = generate(
                     model,
                     prompt_ids,
@@ -55,63 +70,47 @@ def evaluate(context: IterationContext, policy: StageResult, reward_model: Stage
                     config=sampling,
                     eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
-                    generator=generator,
+                    generator=torch.Generator().manual_seed(context.stage_seed(STAGE) + part.start),
                 )
-                texts[name] = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
-                with evaluating(scorer), torch.no_grad():
-                    scores[name] = scorer(generation.sequences, generation.attention_mask).tolist()
-                if name == "policy":
-                    ref = reference_logprobs(
-                        reference,
+                responses[side] = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
+                rewards[side].append(scorer(generation.sequences, generation.attention_mask).float().cpu())
+                if side == "policy":
+                    ref_logprobs = sequence_logprobs(
+                        sides["reference"],
                         generation.sequences,
                         generation.attention_mask,
                         prompt_ids.shape[1],
                         temperature=sampling.temperature,
                     )
-                    kl_per_response += ((generation.logprobs - ref) * generation.action_mask).sum(dim=1).tolist()
-            for row, prompt in enumerate(prompts[part]):
-                records.append(
-                    {
-                        "prompt": prompt,
-                        **{f"{name}_response": texts[name][row] for name in texts},
-                        **{f"{name}_reward": scores[name][row] for name in scores},
-                    }
-                )
-        metrics = {
-            "reward_mean": _mean([r["policy_reward"] for r in records]),
-            "reference_reward_mean": _mean([r["reference_reward"] for r in records]),
-            "kl_to_reference": _mean(kl_per_response),
-        }
-        if context.base.gold_available:
-            metrics.update(_gold_metrics(records))
-        (out.path / "samples.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-        return metrics
-
-    slice_ = {
-        "sampling": dataclasses.asdict(sampling),
-        "prompts": config.sizes.eval_prompts,
-        "seed": config.seed,
-        "gold": context.base.gold_available,
+                    kl.append(response_kl(generation.logprobs, ref_logprobs, generation.action_mask).cpu())
+        for row, prompt in enumerate(texts[part]):
+            records.append(
+                {
+                    "prompt": prompt,
+                    **{f"{side}_response": responses[side][row] for side in SIDES},
+                    **{f"{side}_reward": float(rewards[side][-1][row]) for side in SIDES},
+                }
+            )
+    metrics = {
+        "reward_mean": float(torch.cat(rewards["policy"]).mean()),
+        "reference_reward_mean": float(torch.cat(rewards["reference"]).mean()),
+        "kl_to_reference": float(torch.cat(kl).mean()),
     }
-    return stage_state(
-        run_stage(
-            context, STAGE, config=slice_, upstream={"policy": policy, "reward_model": reward_model}, produce=produce
-        )
-    )
+    if judge is not None:
+        metrics.update(_gold_metrics(records, judge))
+    (out.path / "samples.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return metrics
 
 
-def _gold_metrics(records: list[dict]) -> dict[str, float]:
-    """Gold scores of both sides and the policy's gold win rate (ties count half); annotates records."""
-    from demo.gold import gold_score
-
-    wins = []
+def _gold_metrics(records: list[dict], judge_name: str) -> dict[str, float]:
+    """Gold scores of both sides and the policy's gold win rate; adds ``<side>_gold`` to each record."""
+    judge = load_judge(judge_name)
     for record in records:
-        record["policy_gold"] = gold_score(record["prompt"], record["policy_response"])
-        record["reference_gold"] = gold_score(record["prompt"], record["reference_response"])
-        gap = record["policy_gold"] - record["reference_gold"]
-        wins.append(1.0 if gap > 0 else 0.5 if gap == 0 else 0.0)
+        for side in SIDES:
+            record[f"{side}_gold"] = judge.score(record["prompt"], record[f"{side}_response"])
+    gold = {side: torch.tensor([record[f"{side}_gold"] for record in records], dtype=torch.float64) for side in SIDES}
     return {
-        "gold_mean": _mean([r["policy_gold"] for r in records]),
-        "reference_gold_mean": _mean([r["reference_gold"] for r in records]),
-        "gold_win_rate": _mean(wins),
+        "gold_mean": float(gold["policy"].mean()),
+        "reference_gold_mean": float(gold["reference"].mean()),
+        "gold_win_rate": float(win_rate(gold["policy"], gold["reference"])),
     }

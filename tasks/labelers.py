@@ -3,7 +3,7 @@
 A labeler takes candidate pairs and returns, per pair, the index of the preferred response
 (0 or 1) and a margin (how much better; 0 when unknown). The pipeline has:
 
-* ``gold``: the embedded demo's hidden programmatic rubric, playing the human;
+* ``gold``: a judge (the embedded demo's hidden programmatic rubric), playing the human;
 * ``reward_model``: the current reward model as a judge;
 * ``import``: no labeling at all; pairs come from a file (see the preference stage);
 * ``human``: a person's answers on Prefect UI forms (asked by :mod:`flows.human_labels`).
@@ -12,11 +12,13 @@ A labeler takes candidate pairs and returns, per pair, the index of the preferre
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol, get_args
 
 import torch
 
+from rlhf_core.evaluation import Judge
 from rlhf_core.models import RewardModel, evaluating
 from tasks.text import pad_token_lists
 
@@ -30,6 +32,10 @@ class CandidatePair:
     second: str
     first_ids: list[int]
     second_ids: list[int]
+
+
+LabelerName = Literal["gold", "import", "reward_model", "human"]
+"""Who labels candidate pairs: a gold judge, an imported file, the current reward model, or a person."""
 
 
 class Label(NamedTuple):
@@ -49,15 +55,16 @@ class Labeler(Protocol):
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]: ...
 
 
-class GoldLabeler:
-    """The demo's hidden gold preference (:mod:`demo.gold`)."""
+class JudgeLabeler:
+    """A :class:`rlhf_core.evaluation.Judge` labels the pairs (labeler ``gold``: the hidden gold rater)."""
 
     name = "gold"
 
-    def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
-        from demo.gold import gold_prefers
+    def __init__(self, judge: Judge) -> None:
+        self.judge = judge
 
-        return [Label(*gold_prefers(pair.prompt, pair.first, pair.second)) for pair in pairs]
+    def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
+        return [Label(*self.judge.prefers(pair.prompt, pair.first, pair.second)) for pair in pairs]
 
 
 class RewardModelLabeler:
@@ -65,16 +72,18 @@ class RewardModelLabeler:
 
     name = "reward_model"
 
-    def __init__(self, model: RewardModel, *, pad_token_id: int) -> None:
+    def __init__(self, model: RewardModel, *, pad_token_id: int, autocast: AbstractContextManager[None]) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
+        self.autocast = autocast
 
     @torch.no_grad()
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
         rows = [pair.first_ids for pair in pairs] + [pair.second_ids for pair in pairs]
         ids, mask = pad_token_lists(rows, pad_token_id=self.pad_token_id)
-        with evaluating(self.model):
-            scores = self.model(ids, mask)  # (2B,)
+        device = next(self.model.parameters()).device
+        with evaluating(self.model), self.autocast:
+            scores = self.model(ids.to(device), mask.to(device))  # (2B,)
         gap = scores[: len(pairs)] - scores[len(pairs) :]  # (B,)
         return [Label(0 if value >= 0 else 1, abs(value)) for value in gap.tolist()]
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 from tqdm.auto import tqdm
 
+from rlhf_core.config import SamplingConfig
 from rlhf_core.generation import sample_candidates as sample
-from storage.checkpoints import load_causal_lm
+from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from storage.schemas import CANDIDATES
-from tasks.runtime import IterationContext, StageResult, run_stage, stage_state
+from tasks.context import StageContext
+from tasks.stage import StageResult, stage, stage_models
 from tasks.text import (
     batches,
     decode,
@@ -29,56 +26,48 @@ from tasks.text import (
 STAGE = "sample_candidates"
 
 
-@task(name=STAGE, cache_policy=NO_CACHE)
-def sample_candidates(context: IterationContext, policy: StageResult) -> State:
-    """Write the ``candidates`` table: ``candidates_per_prompt`` responses for each preference prompt."""
-    config = context.config
-    sampling = dataclasses.replace(config.sampling, num_samples=config.sizes.candidates_per_prompt)
-
-    def produce(out: StageOutput) -> dict[str, float]:
-        tokenizer = load_tokenizer(context.base.tokenizer_dir)
-        actor = load_causal_lm(policy.directory / "actor")
-        chosen = rotating_subset(
-            read_prompt_texts(context.base.prompts_path),
-            count=config.sizes.preference_prompts,
-            iteration=context.iteration,
-        )
-        generator = context.generator(STAGE)
-        rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
-        for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
-            prompt_ids, prompt_mask = encode_prompts(tokenizer, [text for _, text in chosen[part]])
+@stage(STAGE)
+def sample_candidates(
+    out: StageOutput,
+    context: StageContext,
+    policy: StageResult,
+    *,
+    sampling: SamplingConfig,
+    precision: Precision,
+    prompts: int,
+    candidates_per_prompt: int,
+    rows_per_shard: int,
+) -> dict[str, float]:
+    """Write the ``candidates`` table: ``candidates_per_prompt`` responses for each of ``prompts`` prompts."""
+    models = stage_models(out, context, precision)
+    tokenizer = load_tokenizer(context.base.tokenizer.path)
+    actor = models.load("actor", policy.directory / "actor")
+    chosen = rotating_subset(read_prompt_texts(context.base.prompts.path), count=prompts, iteration=context.iteration)
+    generator = context.generator(STAGE)
+    rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
+    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [text for _, text in chosen[part]])
+        with models.autocast():
             generation = sample(
                 actor,
-                prompt_ids,
-                prompt_mask,
+                prompt_ids.to(models.device),
+                prompt_mask.to(models.device),
+                num_samples=candidates_per_prompt,
                 config=sampling,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
                 generator=generator,
             )
-            responses = response_token_lists(generation.sequences, generation.action_mask)
-            prompt_lists = prompt_token_lists(prompt_ids, prompt_mask)
-            for row, (response_ids, text) in enumerate(zip(responses, decode(tokenizer, responses), strict=True)):
-                prompt_index, prompt = chosen[part][row // sampling.num_samples]
-                rows["prompt_id"].append(prompt_index)
-                rows["candidate_index"].append(row % sampling.num_samples)
-                rows["prompt"].append(prompt)
-                rows["response"].append(text)
-                rows["prompt_ids"].append(prompt_lists[row // sampling.num_samples])
-                rows["response_ids"].append(response_ids)
-        out.write_table(
-            "candidates",
-            pa.table(rows, schema=CANDIDATES),
-            schema=CANDIDATES,
-            rows_per_shard=config.sizes.rows_per_shard,
-        )
-        lengths = [len(ids) for ids in rows["response_ids"]]
-        return {"candidates": float(len(lengths)), "response_length_mean": sum(lengths) / max(len(lengths), 1)}
-
-    slice_ = {
-        "sampling": dataclasses.asdict(sampling),
-        "prompts": config.sizes.preference_prompts,
-        "seed": config.seed,
-        "iteration": context.iteration,
-    }
-    return stage_state(run_stage(context, STAGE, config=slice_, upstream={"policy": policy}, produce=produce))
+        responses = response_token_lists(generation.sequences, generation.action_mask)
+        prompt_lists = prompt_token_lists(prompt_ids, prompt_mask)
+        for row, (response_ids, text) in enumerate(zip(responses, decode(tokenizer, responses), strict=True)):
+            prompt_index, prompt = chosen[part][row // candidates_per_prompt]
+            rows["prompt_id"].append(prompt_index)
+            rows["candidate_index"].append(row % candidates_per_prompt)
+            rows["prompt"].append(prompt)
+            rows["response"].append(text)
+            rows["prompt_ids"].append(prompt_lists[row // candidates_per_prompt])
+            rows["response_ids"].append(response_ids)
+    out.write_table("candidates", pa.table(rows, schema=CANDIDATES), schema=CANDIDATES, rows_per_shard=rows_per_shard)
+    lengths = [len(ids) for ids in rows["response_ids"]]
+    return {"candidates": float(len(lengths)), "response_length_mean": sum(lengths) / max(len(lengths), 1)}

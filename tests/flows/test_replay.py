@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
+from flows.campaign import tracking_store
 from flows.cli import main
 from flows.config import ConfigError, load_config
 from flows.replay import replay_config, resolve_run
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from tasks.runtime import tracker_of
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -40,10 +41,11 @@ def test_replay_reruns_stages_5_to_7_only_and_is_tagged_with_its_source(recorded
 
     replay_run = rlhf_replay(replay, source)
 
-    tracker = tracker_of(recorded)
+    tracker = tracking_store(recorded).tracker()
+    client = MlflowClient(tracker.tracking_uri)
     tags = tracker.run_tags(replay_run)
     assert tags["rlhf.kind"] == "replay" and tags["rlhf.replay_of"] == source and tags["rlhf.iteration"] == "1"
-    children = tracker.client.search_runs(
+    children = client.search_runs(
         [tracker.experiment_id(recorded.campaign)], f"tags.`mlflow.parentRunId` = '{replay_run}'"
     )
     assert sorted(run.data.tags["rlhf.stage"] for run in children) == ["compute_advantages", "evaluate", "ppo_update"]
@@ -55,7 +57,7 @@ def test_replay_reruns_stages_5_to_7_only_and_is_tagged_with_its_source(recorded
     assert metrics["ppo_update/optimizer_steps"] == 2 * source_metrics["ppo_update/optimizer_steps"]
     assert metrics["compute_advantages/kl_mean"] != source_metrics["compute_advantages/kl_mean"]
     # A replay is an experiment: it does not move the registered models' newest version.
-    assert int(tracker.client.get_model_version_by_alias(f"{recorded.campaign}-actor", "latest").version) == 2
+    assert int(client.get_model_version_by_alias(f"{recorded.campaign}-actor", "latest").version) == 2
 
     table = compare_report(
         recorded, [source, replay_run], metrics=["compute_advantages/kl_mean", "evaluate/gold_win_rate"]
@@ -91,16 +93,16 @@ def test_compare_command_prints_a_table_and_names_unknown_runs(recorded, capsys)
 
 
 def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_continued(recorded):
-    """A setting outside every stage's key (here `checkpoint_seconds`) makes new iteration runs whose
+    """A setting outside every stage's key (here `human.poll_seconds`) makes new iteration runs whose
     stages are all reused from the first campaign's runs; they must still name their outputs."""
     from flows.campaign import load_latest_state, resolve_base
 
-    again = recorded.model_copy(update={"checkpoint_seconds": 5.0})
+    again = recorded.model_copy(update={"human": recorded.human.model_copy(update={"poll_seconds": 5})})
     state = rlhf_campaign(again)
     assert state.policy.reused
     source = resolve_run(again, f"{again.campaign}:1")
-    assert tracker_of(again).run_tags(source)["rlhf.iteration_key"] != ""
+    assert tracking_store(again).tracker().run_tags(source)["rlhf.iteration_key"] != ""
     replay_run = rlhf_replay(replay_config(again, source, ["ppo.epochs=3"]), source)
-    assert tracker_of(again).run_tags(replay_run)["rlhf.replay_of"] == source
+    assert tracking_store(again).tracker().run_tags(replay_run)["rlhf.replay_of"] == source
     next_iteration, latest = load_latest_state.fn(again, resolve_base.fn(again))
     assert next_iteration == again.iterations and latest.policy.digest == state.policy.digest

@@ -13,7 +13,6 @@ INVALID = [
     (SamplingConfig, "max_new_tokens", 0),
     (SamplingConfig, "temperature", 0.0),
     (SamplingConfig, "temperature", -1.0),
-    (SamplingConfig, "num_samples", 0),
     (SamplingConfig, "batch_size", 0),
     (SamplingConfig, "top_k", -1),
     (SamplingConfig, "top_p", 0.0),

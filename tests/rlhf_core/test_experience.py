@@ -1,16 +1,14 @@
-"""Experience: shape validation, selection, minibatches, devices and re-padding concatenation."""
+"""Experience: shape validation, immutability, selection, minibatches and devices."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from rlhf_core.experience import Experience, concat_experience
-from rlhf_core.experience_maker import reference_logprobs
-from tests.conftest import PAD, left_padded, tiny_causal_lm
-
-TOKEN_FIELDS = ("action_log_probs", "ref_log_probs", "values")
-SCORED_FIELDS = ("reward", "kl", "advantages", "returns")
+from rlhf_core.experience import SCORED_FIELDS, TOKEN_FIELDS, Experience
+from tests.conftest import PAD
 
 
 def make_experience(
@@ -43,7 +41,7 @@ def test_a_well_formed_experience_validates():
 
 
 @pytest.mark.parametrize(
-    "name", ["attention_mask", "action_log_probs", "ref_log_probs", "values", "scores", *SCORED_FIELDS]
+    "name", ["attention_mask", "old_logprobs", "ref_logprobs", "old_values", "scores", *SCORED_FIELDS]
 )
 @pytest.mark.parametrize("wrong", ["batch", "length"])
 def test_validate_catches_each_shape_mismatch_and_names_the_field(name, wrong):
@@ -57,9 +55,12 @@ def test_validate_catches_each_shape_mismatch_and_names_the_field(name, wrong):
         bad = torch.cat([value, value[:, :1]], dim=1)
     with pytest.raises(ValueError, match=f"`{name}` must have shape"):
         experience.replace(**{name: bad})
-    setattr(experience, name, bad)  # a mutation after construction is caught by an explicit validate()
-    with pytest.raises(ValueError, match=f"`{name}` must have shape"):
-        experience.validate()
+
+
+def test_an_experience_cannot_be_changed_in_place():
+    experience = make_experience()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        experience.scores = torch.zeros(3)
 
 
 def test_validate_catches_action_mask_errors():
@@ -79,7 +80,7 @@ def test_validate_catches_action_mask_errors():
 def test_scored_fields_must_be_set_together():
     experience = make_experience(scored=False)
     with pytest.raises(ValueError, match="must be set together"):
-        experience.replace(reward=torch.zeros(3, 4))
+        experience.replace(rewards=torch.zeros(3, 4))
 
 
 def test_select_keeps_the_given_rows_in_order():
@@ -88,15 +89,15 @@ def test_select_keeps_the_given_rows_in_order():
     assert chosen.scores.tolist() == [3.0, 0.0]
     for name in ("sequences", "attention_mask", "action_mask", *TOKEN_FIELDS, *SCORED_FIELDS):
         assert torch.equal(getattr(chosen, name), getattr(experience, name)[[3, 0]]), name
-    assert make_experience(scored=False).select(torch.tensor([1])).reward is None
+    assert make_experience(scored=False).select(torch.tensor([1])).rewards is None
 
 
 def test_replace_returns_a_new_validated_experience():
     experience = make_experience()
     new_values = torch.zeros(3, 4)
-    replaced = experience.replace(values=new_values)
-    assert replaced is not experience and replaced.values is new_values
-    assert not torch.equal(experience.values, new_values)
+    replaced = experience.replace(old_values=new_values)
+    assert replaced is not experience and replaced.old_values is new_values
+    assert not torch.equal(experience.old_values, new_values)
 
 
 @pytest.mark.parametrize(("batch", "size"), [(5, 2), (6, 3), (4, 4), (3, 10)])
@@ -126,83 +127,11 @@ def test_minibatches_shuffle_reproducibly_from_the_generator():
         next(experience.minibatches(0))
 
 
-def test_to_device_moves_every_tensor():
+def test_to_returns_a_new_experience_on_the_device():
     experience = make_experience()
-    experience.to_device("meta")
+    moved = experience.to("meta")
     for name in ("sequences", "attention_mask", "action_mask", "scores", *TOKEN_FIELDS, *SCORED_FIELDS):
-        assert getattr(experience, name).device.type == "meta", name
+        assert getattr(moved, name).device.type == "meta", name
+        assert getattr(experience, name).device.type == "cpu", name
     unscored = make_experience(scored=False)
-    unscored.to_device("cpu")
-    assert unscored.reward is None
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
-def test_pin_memory_pins_every_tensor():
-    experience = make_experience().pin_memory()
-    for name in ("sequences", "attention_mask", "action_mask", "scores", *TOKEN_FIELDS, *SCORED_FIELDS):
-        assert getattr(experience, name).is_pinned(), name
-
-
-def test_concat_experience_re_pads_ragged_parts():
-    short = make_experience(batch=2, prompt=2, response=3, seed=1)
-    long = make_experience(batch=3, prompt=4, response=2, seed=2)
-    merged = concat_experience([short, long], pad_token_id=PAD)
-    assert merged.batch_size == 5 and merged.prompt_length == 4 and merged.response_length == 3
-    # short: 2 extra prompt columns on the left; long: 1 extra response column on the right.
-    assert torch.equal(merged.sequences[:2, 2:], short.sequences)
-    assert bool((merged.sequences[:2, :2] == PAD).all()) and bool((merged.attention_mask[:2, :2] == 0).all())
-    assert torch.equal(merged.attention_mask[:2, 2:], short.attention_mask)
-    assert torch.equal(merged.sequences[2:, :6], long.sequences)
-    assert bool((merged.sequences[2:, 6] == PAD).all()) and bool((merged.attention_mask[2:, 6] == 0).all())
-    assert torch.equal(merged.action_mask[:2], short.action_mask)
-    assert torch.equal(merged.action_mask[2:, :2], long.action_mask) and not bool(merged.action_mask[2:, 2].any())
-    for name in (*TOKEN_FIELDS, *SCORED_FIELDS):
-        assert torch.equal(getattr(merged, name)[:2], getattr(short, name)), name
-        assert torch.equal(getattr(merged, name)[2:, :2], getattr(long, name)), name
-        assert bool((getattr(merged, name)[2:, 2] == 0).all()), name
-    assert merged.scores.tolist() == [0.0, 1.0, 0.0, 1.0, 2.0]
-    assert merged.action_mask.dtype == torch.bool and merged.sequences.dtype == torch.long
-
-
-def test_concat_experience_of_unscored_parts_stays_unscored():
-    merged = concat_experience([make_experience(scored=False), make_experience(scored=False)], pad_token_id=PAD)
-    assert merged.batch_size == 6 and not merged.is_scored
-    with pytest.raises(ValueError, match="`parts` is empty"):
-        concat_experience([], pad_token_id=PAD)
-
-
-def test_concat_experience_keeps_every_response_token_at_column_p_plus_t():
-    # Re-padding must not move a response token relative to its logits: the reference log-probs
-    # of the merged batch equal those of each part.
-    model = tiny_causal_lm("gpt2").eval()
-    parts = []
-    for prompts, response in (([[3, 4], [5]], [[6, 7, 2], [8, 2, PAD]]), ([[9, 10, 11, 12]], [[13, 14]])):
-        ids, mask = left_padded(prompts)
-        response_ids = torch.tensor(response)
-        action_mask = response_ids != PAD
-        sequences = torch.cat([ids, response_ids], dim=1)
-        attention_mask = torch.cat([mask, action_mask.long()], dim=1)
-        logprobs = reference_logprobs(model, sequences, attention_mask, ids.shape[1], temperature=1.0) * action_mask
-        zeros = torch.zeros_like(logprobs)
-        parts.append(
-            Experience(
-                sequences=sequences,
-                attention_mask=attention_mask,
-                action_mask=action_mask,
-                action_log_probs=logprobs,
-                ref_log_probs=logprobs,
-                values=zeros,
-                scores=torch.zeros(len(prompts)),
-            )
-        )
-    merged = concat_experience(parts, pad_token_id=PAD)
-    recomputed = reference_logprobs(
-        model, merged.sequences, merged.attention_mask, merged.prompt_length, temperature=1.0
-    )
-    torch.testing.assert_close(recomputed * merged.action_mask, merged.action_log_probs, rtol=0.0, atol=1e-5)
-
-
-def test_concat_experience_refuses_to_mix_scored_and_unscored_parts():
-    # Dropping the scored fields of some parts would silently lose advantages and returns.
-    with pytest.raises(ValueError, match="mixes scored and unscored"):
-        concat_experience([make_experience(scored=True), make_experience(scored=False)], pad_token_id=PAD)
+    assert unscored.to("cpu") is unscored and unscored.to("meta").rewards is None

@@ -1,4 +1,4 @@
-"""PPOExperienceMaker and score_experience: every field equals its definition, and scoring equals the maths."""
+"""ExperienceMaker and score_experience: every field equals its definition, and scoring equals the maths."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
-from rlhf_core.experience_maker import ExperienceMaker, PPOExperienceMaker, reference_logprobs, score_experience
+from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
 from rlhf_core.gae import compute_gae
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.rewards import last_action_index, shaped_rewards
@@ -34,9 +34,9 @@ def parts():
     return actor, reference, critic
 
 
-def make(parts, *, reward=count_score, advantage_config=None, seed=4, **kwargs) -> Experience:
+def make(parts, *, reward=count_score, seed=24, **kwargs) -> Experience:
     actor, reference, critic = parts
-    maker = PPOExperienceMaker(
+    maker = ExperienceMaker(
         actor,
         critic,
         reward,
@@ -44,7 +44,6 @@ def make(parts, *, reward=count_score, advantage_config=None, seed=4, **kwargs) 
         sampling=SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE),
         eos_token_id=EOS,
         pad_token_id=PAD,
-        advantage_config=advantage_config,
         **kwargs,
     )
     ids, mask = left_padded(PROMPTS)
@@ -55,15 +54,15 @@ def test_make_experience_gives_a_valid_unscored_experience(parts):
     experience = make(parts)
     experience.validate()
     assert experience.batch_size == 4 and experience.prompt_length == 4
-    assert not experience.is_scored and experience.reward is None
+    assert not experience.is_scored and experience.rewards is None
     # This seed gives the cases that matter: EOS as the first token, EOS mid-way, truncation.
-    assert experience.action_mask.sum(dim=1).tolist() == [6, 1, 3, 6]
-    assert experience.sequences[1, 4].item() == EOS and experience.sequences[2, 6].item() == EOS
-    assert EOS not in experience.sequences[0, 4:].tolist()
+    assert experience.action_mask.sum(dim=1).tolist() == [4, 6, 1, 6]
+    assert experience.sequences[2, 4].item() == EOS and experience.sequences[0, 7].item() == EOS
+    assert EOS not in experience.sequences[1, 4:].tolist()
     ids, mask = left_padded(PROMPTS)
     assert torch.equal(experience.sequences[:, :4], ids) and torch.equal(experience.attention_mask[:, :4], mask)
     assert torch.equal(experience.attention_mask[:, 4:], experience.action_mask.long())
-    for name in ("action_log_probs", "ref_log_probs", "values"):
+    for name in ("old_logprobs", "ref_logprobs", "old_values"):
         assert bool((getattr(experience, name)[~experience.action_mask] == 0).all()), name
 
 
@@ -81,15 +80,15 @@ def test_fields_equal_their_definitions(parts):
         ref_logprobs = response_logprobs(ref_logits, sequences, 4, temperature=TEMPERATURE)
         # values: the critic's output at the position just before each action
         values = response_slice(critic(sequences, attention_mask), 4)
-    torch.testing.assert_close(experience.action_log_probs, actor_logprobs * action_mask, **CLOSE)
-    torch.testing.assert_close(experience.ref_log_probs, ref_logprobs * action_mask, **CLOSE)
-    torch.testing.assert_close(experience.values, values * action_mask, **CLOSE)
+    torch.testing.assert_close(experience.old_logprobs, actor_logprobs * action_mask, **CLOSE)
+    torch.testing.assert_close(experience.ref_logprobs, ref_logprobs * action_mask, **CLOSE)
+    torch.testing.assert_close(experience.old_values, values * action_mask, **CLOSE)
     torch.testing.assert_close(
-        experience.ref_log_probs,
-        reference_logprobs(reference, sequences, attention_mask, 4, temperature=TEMPERATURE) * action_mask,
+        experience.ref_logprobs,
+        sequence_logprobs(reference, sequences, attention_mask, 4, temperature=TEMPERATURE) * action_mask,
         **CLOSE,
     )
-    assert (experience.ref_log_probs - experience.action_log_probs)[action_mask].abs().max() > 1e-3
+    assert (experience.ref_logprobs - experience.old_logprobs)[action_mask].abs().max() > 1e-3
     torch.testing.assert_close(experience.scores, count_score(sequences, attention_mask), rtol=0.0, atol=0.0)
 
 
@@ -119,22 +118,12 @@ def test_models_are_left_in_their_modes(parts):
         critic.eval()
 
 
-def test_with_an_advantage_config_the_experience_is_scored_through_score_experience(parts):
-    config = AdvantageConfig(kl_coef=0.2, kl_estimator="k3", gamma=0.95, gae_lambda=0.9, normalize_scores=False)
-    scored = make(parts, advantage_config=config)
-    unscored = make(parts)
-    assert scored.is_scored
-    expected = score_experience(unscored, config)
-    for name in ("reward", "kl", "advantages", "returns"):
-        torch.testing.assert_close(getattr(scored, name), getattr(expected, name), rtol=0.0, atol=0.0)
-
-
 def test_the_score_lands_on_the_last_action_token(parts):
     config = AdvantageConfig(kl_coef=0.0, normalize_scores=False)
     scored = score_experience(make(parts), config)
-    expected = torch.zeros_like(scored.reward)
+    expected = torch.zeros_like(scored.rewards)
     expected[torch.arange(4), last_action_index(scored.action_mask)] = scored.scores
-    torch.testing.assert_close(scored.reward, expected, rtol=0.0, atol=0.0)
+    torch.testing.assert_close(scored.rewards, expected, rtol=0.0, atol=0.0)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -146,16 +135,16 @@ def test_score_experience_equals_shaped_rewards_then_gae_by_hand(parts, estimato
     scored = score_experience(experience, config, score_mean=1.0, score_std=0.5)
     scores = ((experience.scores - 1.0) / 0.5).clamp(-1.5, 1.5)  # normalise, then clip
     rewards, kl = shaped_rewards(
-        scores, experience.action_log_probs, experience.ref_log_probs, experience.action_mask, kl_coef=0.1,
+        scores, experience.old_logprobs, experience.ref_logprobs, experience.action_mask, kl_coef=0.1,
         estimator=estimator,
     )  # fmt: skip
-    advantages, returns = compute_gae(rewards, experience.values, experience.action_mask, gamma=0.9, gae_lambda=0.8)
-    torch.testing.assert_close(scored.reward, rewards, rtol=1e-6, atol=1e-6)
+    advantages, returns = compute_gae(rewards, experience.old_values, experience.action_mask, gamma=0.9, gae_lambda=0.8)
+    torch.testing.assert_close(scored.rewards, rewards, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(scored.kl, kl, rtol=0.0, atol=0.0)
     torch.testing.assert_close(scored.advantages, advantages, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(scored.returns, returns, rtol=1e-6, atol=1e-6)
     # the rollout fields are untouched and the input experience is not modified
-    assert torch.equal(scored.values, experience.values) and experience.reward is None
+    assert torch.equal(scored.old_values, experience.old_values) and experience.rewards is None
 
 
 def test_normalisation_uses_the_given_statistics_and_only_when_asked(parts):
@@ -164,27 +153,16 @@ def test_normalisation_uses_the_given_statistics_and_only_when_asked(parts):
     on = AdvantageConfig(kl_coef=0.0, normalize_scores=True)
     last = last_action_index(experience.action_mask)
     rows = torch.arange(4)
-    raw = score_experience(experience, off, score_mean=3.0, score_std=2.0).reward[rows, last]
-    normalised = score_experience(experience, on, score_mean=3.0, score_std=2.0).reward[rows, last]
+    raw = score_experience(experience, off, score_mean=3.0, score_std=2.0).rewards[rows, last]
+    normalised = score_experience(experience, on, score_mean=3.0, score_std=2.0).rewards[rows, last]
     torch.testing.assert_close(raw, experience.scores, rtol=0.0, atol=0.0)
     torch.testing.assert_close(normalised, (experience.scores - 3.0) / 2.0, rtol=1e-6, atol=1e-6)
-    # Through the maker, the statistics are passed in ...
-    through_maker = make(parts, advantage_config=on, score_mean=3.0, score_std=2.0)
-    torch.testing.assert_close(through_maker.reward[rows, last], normalised, rtol=0.0, atol=0.0)
-    # ... and asking for normalisation without them is an error, not a silent no-op.
-    with pytest.raises(ValueError, match="`score_mean` and `score_std`"):
-        make(parts, advantage_config=on)
 
 
 def test_rescoring_a_scored_experience_recomputes_every_scored_field(parts):
     first = score_experience(make(parts), AdvantageConfig(kl_coef=0.0, normalize_scores=False))
     second = score_experience(first, AdvantageConfig(kl_coef=0.5, normalize_scores=False))
-    assert not torch.equal(first.reward, second.reward)
+    assert not torch.equal(first.rewards, second.rewards)
     again = score_experience(second, AdvantageConfig(kl_coef=0.0, normalize_scores=False))
-    for name in ("reward", "kl", "advantages", "returns"):
+    for name in ("rewards", "kl", "advantages", "returns"):
         torch.testing.assert_close(getattr(again, name), getattr(first, name), rtol=0.0, atol=0.0)
-
-
-def test_the_abstract_maker_cannot_be_instantiated():
-    with pytest.raises(TypeError):
-        ExperienceMaker(None, None, count_score, None)  # type: ignore[abstract, arg-type]

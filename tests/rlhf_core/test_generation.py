@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from rlhf_core.config import SamplingConfig
-from rlhf_core.generation import filter_logits, generate, sample_candidates
+from rlhf_core.generation import filter_logits, generate, sample_candidates, sample_tokens
 from rlhf_core.sequences import action_mask_from_tokens, position_ids_from_mask, response_logprobs
 from tests.conftest import EOS, PAD, TINY_VOCAB, left_padded, tiny_causal_lm
 
@@ -193,10 +195,11 @@ def test_sampling_follows_softmax_over_temperature_then_top_k_and_top_p(model):
 
 def test_sample_candidates_gives_n_rows_per_prompt_in_order(model):
     ids, mask = left_padded(PROMPTS)
-    config = SamplingConfig(max_new_tokens=5, num_samples=4)
+    config = SamplingConfig(max_new_tokens=5)
     generation = sample_candidates(
-        model, ids, mask, config=config, eos_token_id=None, pad_token_id=PAD, generator=torch.Generator().manual_seed(0)
-    )
+        model, ids, mask, num_samples=4, config=config, eos_token_id=None, pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
     assert generation.sequences.shape == (12, 10)
     for row in range(12):
         assert torch.equal(generation.sequences[row, :5], ids[row // 4])
@@ -204,8 +207,8 @@ def test_sample_candidates_gives_n_rows_per_prompt_in_order(model):
     for prompt in range(3):  # samples of one prompt differ from each other (with overwhelming probability)
         assert len({tuple(r.tolist()) for r in generation.sequences[prompt * 4 : prompt * 4 + 4]}) > 1
     # Greedy: the N rows of a prompt are identical and equal to generating that prompt once.
-    greedy = SamplingConfig(max_new_tokens=5, num_samples=3, top_k=1)
-    candidates = sample_candidates(model, ids, mask, config=greedy, eos_token_id=None, pad_token_id=PAD)
+    greedy = SamplingConfig(max_new_tokens=5, top_k=1)
+    candidates = sample_candidates(model, ids, mask, num_samples=3, config=greedy, eos_token_id=None, pad_token_id=PAD)
     single = generate(model, ids, mask, config=greedy, eos_token_id=None, pad_token_id=PAD)
     assert torch.equal(candidates.sequences, single.sequences.repeat_interleave(3, dim=0))
 
@@ -220,6 +223,62 @@ def test_bad_prompts_are_errors(model):
     right_ids, right_mask = torch.tensor([[3, 4, PAD], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
     with pytest.raises(ValueError, match="must be left-padded"):
         generate(model, right_ids, right_mask, config=config, eos_token_id=None, pad_token_id=PAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_same_seed_samples_the_same_tokens_on_cpu_and_cuda(model):
+    # The uniforms come from a CPU generator, so the device only changes float rounding.
+    ids, mask = left_padded(PROMPTS)
+    config = SamplingConfig(max_new_tokens=6)
+    on_cpu = generate(model, ids, mask, config=config, eos_token_id=None, pad_token_id=PAD,
+                      generator=torch.Generator().manual_seed(3))  # fmt: skip
+    gpu_model = copy.deepcopy(model).cuda()
+    on_gpu = generate(gpu_model, ids.cuda(), mask.cuda(), config=config, eos_token_id=None, pad_token_id=PAD,
+                      generator=torch.Generator().manual_seed(3))  # fmt: skip
+    assert torch.equal(on_gpu.sequences.cpu(), on_cpu.sequences)
+    torch.testing.assert_close(on_gpu.logprobs.cpu(), on_cpu.logprobs, rtol=0.0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- sample_tokens (no model)
+
+
+def reference_inverse_cdf(probabilities: torch.Tensor, uniform: float) -> int:
+    """The docstring's loop: the first token whose running sum exceeds u * total."""
+    total, running = float(probabilities.double().sum()), 0.0
+    for token, probability in enumerate(probabilities.double().tolist()):
+        running += probability
+        if running > uniform * total:
+            return token
+    return len(probabilities) - 1
+
+
+def test_sample_tokens_equals_the_reference_loop():
+    generator = torch.Generator().manual_seed(0)
+    probabilities = torch.rand(64, 50, generator=generator) ** 3  # unnormalised, uneven
+    probabilities[:, ::7] = 0.0  # some tokens impossible
+    uniforms = torch.rand(64, generator=generator)
+    drawn = sample_tokens(probabilities, uniforms)
+    expected = [reference_inverse_cdf(row, float(u)) for row, u in zip(probabilities, uniforms, strict=True)]
+    assert drawn.tolist() == expected
+    assert bool((probabilities[torch.arange(64), drawn] > 0).all())
+
+
+def test_sample_tokens_never_draws_an_impossible_token_at_the_edges():
+    probabilities = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.3, 0.0, 0.0, 0.7]])
+    for uniform in (0.0, 1e-12, 0.5, 1.0 - 2**-24):
+        drawn = sample_tokens(probabilities, torch.full((2,), uniform))
+        assert bool((probabilities[torch.arange(2), drawn] > 0).all()), uniform
+    # u = 0 takes the first possible token, u -> 1 the last.
+    assert sample_tokens(probabilities, torch.zeros(2)).tolist() == [1, 0]
+    assert sample_tokens(probabilities, torch.full((2,), 1.0 - 2**-24)).tolist() == [2, 3]
+
+
+def test_sample_tokens_follows_the_distribution():
+    probabilities = torch.tensor([0.1, 0.0, 0.6, 0.3]).repeat(20_000, 1)
+    drawn = sample_tokens(probabilities, torch.rand(20_000, generator=torch.Generator().manual_seed(1)))
+    observed = torch.bincount(drawn, minlength=4).float() / 20_000
+    torch.testing.assert_close(observed, probabilities[0], rtol=0.0, atol=0.01)
 
 
 # ----------------------------------------------------------------------------- filter_logits (no model)

@@ -6,7 +6,7 @@ import torch
 from accelerate import Accelerator
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
-from rlhf_core.experience_maker import PPOExperienceMaker
+from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.ppo import ppo_update
 from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
@@ -33,7 +33,7 @@ def test_ppo_lifts_programmatic_reward_far_above_random_init():
         actor, critic, actor_optimizer, critic_optimizer
     )
     sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
-    maker = PPOExperienceMaker(
+    maker = ExperienceMaker(
         actor,
         critic,
         target_token_share,
@@ -41,13 +41,13 @@ def test_ppo_lifts_programmatic_reward_far_above_random_init():
         sampling=sampling,
         eos_token_id=None,
         pad_token_id=PAD,
-        advantage_config=AdvantageConfig(kl_coef=0.01, normalize_scores=False),
     )
     prompts, prompt_mask = left_padded([[3, 4, 5], [6, 5], [9, 10, 11, 12], [13]] * 8)  # (32, 4)
     generator = torch.Generator().manual_seed(0)
     mean_scores = []
     for _iteration in range(25):
         experience = maker.make_experience(prompts, prompt_mask, generator=generator)
+        experience = score_experience(experience, AdvantageConfig(kl_coef=0.01, normalize_scores=False))
         mean_scores.append(experience.scores.mean().item())
         ppo_update(
             actor,

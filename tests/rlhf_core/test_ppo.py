@@ -7,25 +7,25 @@ import math
 
 import pytest
 import torch
-from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, SamplingConfig
-from rlhf_core.experience_maker import PPOExperienceMaker, score_experience
+from rlhf_core.experience_maker import ExperienceMaker, score_experience
+from rlhf_core.loading import ModelLoader
 from rlhf_core.losses import entropy_from_logits
 from rlhf_core.masked import masked_mean, masked_whiten
-from rlhf_core.models import Critic, freeze
+from rlhf_core.models import Critic, freeze, fused_activations
 from rlhf_core.ppo import explained_variance, ppo_update
-from rlhf_core.sequences import position_ids_from_mask, response_slice
+from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask, response_logits, response_slice
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
 TEMPERATURE = 0.7
 PROMPTS = [[3, 4, 5], [6, 5], [9, 10, 11, 12], [13], [14, 15], [16, 17, 18], [19], [20, 21]]
 
 
-def setup(*, actor_learning_rate=1e-3, critic_learning_rate=1e-3, dropout=0.0, seed=0):
+def setup(*, actor_learning_rate=1e-3, critic_learning_rate=1e-3, dropout=0.0, seed=0, precision="fp32"):
     """Prepared actor and critic, their Adam optimizers, and one scored batch of 8 rollouts."""
-    accelerator = Accelerator(cpu=True)
+    accelerator = ModelLoader(device=torch.device("cpu"), precision=precision).accelerator()
     torch.manual_seed(seed)
     config = tiny_config("gpt2")
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout
@@ -38,7 +38,7 @@ def setup(*, actor_learning_rate=1e-3, critic_learning_rate=1e-3, dropout=0.0, s
     actor, critic, actor_optimizer, critic_optimizer = accelerator.prepare(
         actor, critic, actor_optimizer, critic_optimizer
     )
-    maker = PPOExperienceMaker(
+    maker = ExperienceMaker(
         actor,
         critic,
         lambda sequences, mask: ((sequences == 7) & mask.bool()).float().sum(dim=1),
@@ -46,6 +46,7 @@ def setup(*, actor_learning_rate=1e-3, critic_learning_rate=1e-3, dropout=0.0, s
         sampling=SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE),
         eos_token_id=EOS,
         pad_token_id=PAD,
+        precision=precision,
     )
     ids, mask = left_padded(PROMPTS)
     experience = maker.make_experience(ids, mask, generator=torch.Generator().manual_seed(seed))
@@ -94,9 +95,28 @@ def test_the_first_step_with_the_whole_batch_has_ratio_exactly_one(dropout):
     # At ratio 1 the token-mean surrogate is -mean(whitened advantages) = 0.
     assert abs(stats.policy_loss.item()) < 1e-5
     # Current values equal the rollout values, so the clip is inactive: 0.5 * mean((V - R)^2).
-    expected_value_loss = 0.5 * masked_mean((experience.values - experience.returns) ** 2, experience.action_mask)
+    expected_value_loss = 0.5 * masked_mean((experience.old_values - experience.returns) ** 2, experience.action_mask)
     torch.testing.assert_close(stats.value_loss, expected_value_loss, rtol=1e-5, atol=1e-6)
     assert stats.value_clip_fraction.item() == 0.0
+
+
+def test_under_bf16_the_rollout_log_probs_are_the_training_forward_and_the_first_ratio_is_one():
+    # The rollout recomputes its log-probs with one full forward under bf16 autocast over the fp32
+    # weights; the update's forward (Accelerate's bf16 mixed precision) is the same computation.
+    # Stated tolerance: |log ratio| < 1e-3 per token, for the whole batch and for a minibatch of
+    # it (measured here: exactly 0 on CPU; GPU kernels may round differently by batch shape). The
+    # KV-cached sampler's own log-probs are off by about 2e-3 in bf16, which is why it recomputes.
+    parts = setup(precision="bf16")
+    accelerator, actor, _, _, _, experience = parts
+    for rows in (torch.arange(8), torch.tensor([0, 3, 5])):
+        batch = experience.select(rows)
+        with torch.no_grad(), fused_activations(actor):
+            logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length)
+            training = logprobs_from_logits(logits / TEMPERATURE, batch.sequences[:, batch.prompt_length :])
+        assert logits.dtype == torch.float32  # Accelerate returns fp32 outputs; the matmuls ran in bf16
+        assert (training - batch.old_logprobs)[batch.action_mask].abs().max().item() < 1e-3
+    stats = update(parts, PPOConfig(epochs=1, minibatch_size=8))
+    assert stats.clip_fraction.item() == 0.0 and 0.0 <= stats.approx_kl.item() < 1e-6
 
 
 def test_first_step_statistics_without_whitening_and_with_an_entropy_bonus():
@@ -154,7 +174,7 @@ def test_target_kl_stops_early_with_a_huge_learning_rate():
 
 def test_ppo_update_requires_scored_experience():
     parts = setup()
-    unscored = parts[-1].replace(reward=None, kl=None, advantages=None, returns=None)
+    unscored = parts[-1].replace(rewards=None, kl=None, advantages=None, returns=None)
     with pytest.raises(ValueError, match="run score_experience first"):
         update((*parts[:-1], unscored), PPOConfig(epochs=1, minibatch_size=8))
 

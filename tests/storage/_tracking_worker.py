@@ -11,6 +11,8 @@ from storage.manifest import StageOutput, compute_input_key
 from storage.schemas import PROMPTS
 from storage.tracking import Tracker
 
+CODE = "c0de" * 16
+
 METRIC_STEPS = 50
 PARAMS = 150
 
@@ -22,9 +24,9 @@ def write_stage(root: str, stage: str, barrier) -> None:
     tracker = Tracker(layout.tracking_uri(), artifact_root=layout.artifact_root())
     experiment_id = tracker.experiment_id("race")
     parent = tracker.start_run(experiment_id, name=f"iteration-{stage}", tags={"rlhf.kind": "iteration"})
-    key = compute_input_key(stage, {"stage": stage}, {})
+    key = compute_input_key(stage, {"stage": stage}, {}, code=CODE)
     final_dir = layout.stage_dir(stage, key)
-    with StageOutput(final_dir, stage=stage, input_key=key, config={"stage": stage}, upstream={}) as out:
+    with StageOutput(final_dir, stage=stage, input_key=key, config={"stage": stage}, upstream={}, code=CODE) as out:
         out.write_table("prompts", pa.table({"prompt_id": [1, 2], "prompt": [stage, stage]}), schema=PROMPTS)
     run_id = tracker.start_run(experiment_id, name=stage, tags={"rlhf.kind": "stage"}, parent_run_id=parent)
     tracker.log_params(run_id, {f"p{i}": i for i in range(PARAMS)})

@@ -11,20 +11,17 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from rlhf_core.loading import ModelLoader
 from rlhf_core.models import Critic, RewardModel
-from storage.checkpoints import (
-    load_causal_lm,
-    load_critic,
-    load_reward_model,
-    load_tokenizer,
-    load_training_state,
-    save_model,
-    save_training_state,
-)
+from storage.checkpoints import load_tokenizer, load_training_state, save_model, save_training_state
 from tests.conftest import EOS, PAD, tiny_causal_lm, tiny_config
 
 IDS = torch.tensor([[0, 3, 4, 5], [6, 7, 8, 9]])
 MASK = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+
+
+def _loader() -> ModelLoader:
+    return ModelLoader(device=torch.device("cpu"), precision="fp32")
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -44,7 +41,7 @@ def test_causal_lm_and_tokenizer_round_trip(tmp_path: Path, arch: str) -> None:
     model, tokenizer = tiny_causal_lm(arch, seed=3), _tokenizer()
     save_model(tmp_path / "actor", model, tokenizer)
     _weights_are_safetensors(tmp_path / "actor")
-    loaded = load_causal_lm(tmp_path / "actor")
+    loaded = _loader().load("actor", tmp_path / "actor")
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits)
     tokens = load_tokenizer(tmp_path / "actor")
@@ -52,8 +49,8 @@ def test_causal_lm_and_tokenizer_round_trip(tmp_path: Path, arch: str) -> None:
     assert tokens.pad_token_id == PAD and tokens.eos_token_id == EOS
 
 
-@pytest.mark.parametrize(("kind", "load"), [(Critic, load_critic), (RewardModel, load_reward_model)])
-def test_heads_are_saved_beside_the_backbone(tmp_path: Path, kind, load) -> None:
+@pytest.mark.parametrize(("kind", "role"), [(Critic, "critic"), (RewardModel, "reward_model")])
+def test_heads_are_saved_beside_the_backbone(tmp_path: Path, kind, role) -> None:
     torch.manual_seed(0)
     model = kind(config=tiny_config("llama"))
     with torch.no_grad():
@@ -61,7 +58,7 @@ def test_heads_are_saved_beside_the_backbone(tmp_path: Path, kind, load) -> None
     save_model(tmp_path / "model", model)
     _weights_are_safetensors(tmp_path / "model")
     assert (tmp_path / "model" / f"{kind.head_name}.safetensors").is_file()
-    loaded = load(tmp_path / "model")
+    loaded = _loader().load(role, tmp_path / "model")
     assert isinstance(loaded, kind)
     with torch.no_grad():
         assert torch.equal(loaded(IDS, MASK), model(IDS, MASK))
@@ -70,9 +67,9 @@ def test_heads_are_saved_beside_the_backbone(tmp_path: Path, kind, load) -> None
 def test_loading_a_head_from_a_folder_without_one_is_refused(tmp_path: Path) -> None:
     save_model(tmp_path / "actor", tiny_causal_lm("gpt2"))
     with pytest.raises(FileNotFoundError, match="value_head.safetensors"):
-        load_critic(tmp_path / "actor")
+        _loader().load("critic", tmp_path / "actor")
     with pytest.raises(FileNotFoundError, match="reward_head.safetensors"):
-        load_reward_model(tmp_path / "actor")
+        _loader().load("reward_model", tmp_path / "actor")
 
 
 def _train(model, optimizer, scheduler, steps: int) -> list[float]:
@@ -109,7 +106,7 @@ def test_training_resumes_exactly(tmp_path: Path) -> None:
 
     for generator in (torch.manual_seed, random.seed, np.random.seed):
         generator(123)  # scramble every RNG: the checkpoint must bring them back
-    resumed = load_causal_lm(tmp_path / "actor")
+    resumed = _loader().load("actor", tmp_path / "actor", trainable=True)
     optimizer2, scheduler2 = _fresh(resumed)
     state = load_training_state(tmp_path / "state", optimizer=optimizer2, scheduler=scheduler2)
     assert state == {"step": 2, "extra": {"kl_coef": 0.07}}

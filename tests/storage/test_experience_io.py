@@ -10,15 +10,15 @@ import torch
 
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
-from rlhf_core.experience_maker import PPOExperienceMaker
+from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.models import Critic
 from storage.experience_io import experience_to_table, table_to_experience
 from storage.schemas import EXPERIENCE, SCORED_EXPERIENCE
 from storage.shards import read_table, write_shards
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
-FLOAT_FIELDS = ("action_log_probs", "ref_log_probs", "values")
-SCORED_FIELDS = ("reward", "kl", "advantages", "returns")
+FLOAT_FIELDS = ("old_logprobs", "ref_logprobs", "old_values")
+SCORED_FIELDS = ("rewards", "kl", "advantages", "returns")
 
 
 def _experience(
@@ -120,9 +120,9 @@ def test_over_padded_batch_reads_back_padded_to_its_longest_row() -> None:
 def test_special_float_values_survive() -> None:
     experience = _experience([[3]], [[4, 5, 6, 7]], scored=False)
     values = torch.tensor([[float("nan"), float("-inf"), -0.0, 1e-45]])
-    experience = experience.replace(values=values)
+    experience = experience.replace(old_values=values)
     back = table_to_experience(experience_to_table(experience, [0]), pad_token_id=PAD)
-    assert torch.equal(back.values.view(torch.int32), values.view(torch.int32))
+    assert torch.equal(back.old_values.view(torch.int32), values.view(torch.int32))
 
 
 def test_slices_and_chunked_tables_read_correctly() -> None:
@@ -136,15 +136,15 @@ def test_slices_and_chunked_tables_read_correctly() -> None:
 
 def test_low_precision_floats_widen_exactly() -> None:
     experience = _experience([[3]], [[4, 5]], scored=False)
-    half = experience.replace(values=experience.values.bfloat16())
+    half = experience.replace(old_values=experience.old_values.bfloat16())
     back = table_to_experience(experience_to_table(half, [0]), pad_token_id=PAD)
-    assert torch.equal(back.values, half.values.float())
+    assert torch.equal(back.old_values, half.old_values.float())
 
 
 def test_float64_is_refused() -> None:
     experience = _experience([[3]], [[4, 5]], scored=False)
-    with pytest.raises(ValueError, match="`values` is torch.float64"):
-        experience_to_table(experience.replace(values=experience.values.double()), [0])
+    with pytest.raises(ValueError, match="`old_values` is torch.float64"):
+        experience_to_table(experience.replace(old_values=experience.old_values.double()), [0])
 
 
 @pytest.mark.parametrize(
@@ -181,9 +181,9 @@ def test_prompt_ids_must_match_the_batch() -> None:
 def test_mismatched_list_lengths_name_the_column_and_row() -> None:
     table = experience_to_table(_experience([[3], [4]], [[5], [6, 7]], scored=False), [0, 1])
     broken = table.set_column(
-        table.schema.get_field_index("values"), "values", pa.array([[0.5], [0.5]], pa.list_(pa.float32()))
+        table.schema.get_field_index("old_values"), "old_values", pa.array([[0.5], [0.5]], pa.list_(pa.float32()))
     )
-    with pytest.raises(ValueError, match="column `values` row 1 has 1 values but `response_ids` has 2"):
+    with pytest.raises(ValueError, match="column `old_values` row 1 has 1 values but `response_ids` has 2"):
         table_to_experience(broken, pad_token_id=PAD)
 
 
@@ -197,7 +197,7 @@ def test_real_rollout_round_trips() -> None:
     actor, reference = tiny_causal_lm("gpt2", seed=0), tiny_causal_lm("gpt2", seed=0)
     torch.manual_seed(1)
     critic = Critic(config=tiny_config("gpt2"))
-    maker = PPOExperienceMaker(
+    maker = ExperienceMaker(
         actor,
         critic,
         lambda sequences, mask: (sequences * mask).float().mean(dim=1),
@@ -205,10 +205,10 @@ def test_real_rollout_round_trips() -> None:
         sampling=SamplingConfig(max_new_tokens=6, batch_size=4),
         eos_token_id=EOS,
         pad_token_id=PAD,
-        advantage_config=AdvantageConfig(normalize_scores=False),
     )
     input_ids, attention_mask = left_padded([[3, 4, 5, 6], [7], [8, 9], [10, 11, 12]])
     experience = maker.make_experience(input_ids, attention_mask, generator=torch.Generator().manual_seed(4))
+    experience = score_experience(experience, AdvantageConfig(normalize_scores=False))
     assert experience.is_scored
     # The sampler pads to the longest prompt and stops at the longest response, with zeros in
     # padded float positions, so the whole batch comes back identical, not only its valid part.

@@ -27,6 +27,7 @@ from storage.shards import read_table
 
 CONFIG = {"lr": 1e-5, "clip_eps": 0.2, "nested": {"gamma": 1.0, "schedule": [1, 2, 3]}, "eos": None, "on": True}
 UPSTREAM = {"rollout": "f" * 64}
+CODE = "c0de" * 16
 
 
 def _prompts(count: int) -> pa.Table:
@@ -34,7 +35,7 @@ def _prompts(count: int) -> pa.Table:
 
 
 def _write(final_dir: Path, *, key: str = "ab" * 32, rows: int = 10) -> Manifest:
-    with StageOutput(final_dir, stage="sample", input_key=key, config=CONFIG, upstream=UPSTREAM) as out:
+    with StageOutput(final_dir, stage="sample", input_key=key, config=CONFIG, upstream=UPSTREAM, code=CODE) as out:
         out.write_table("prompts", _prompts(rows), schema=PROMPTS, rows_per_shard=4)
         (out.path / "actor").mkdir()
         (out.path / "actor" / "config.json").write_text('{"model_type": "gpt2"}')
@@ -47,16 +48,16 @@ def _write(final_dir: Path, *, key: str = "ab" * 32, rows: int = 10) -> Manifest
 
 def test_input_key_is_stable_across_dict_order() -> None:
     reordered = {"on": True, "eos": None, "nested": {"schedule": [1, 2, 3], "gamma": 1.0}, "clip_eps": 0.2, "lr": 1e-5}
-    key = compute_input_key("ppo_update", CONFIG, UPSTREAM)
-    assert key == compute_input_key("ppo_update", reordered, dict(UPSTREAM))
+    key = compute_input_key("ppo_update", CONFIG, UPSTREAM, code=CODE)
+    assert key == compute_input_key("ppo_update", reordered, dict(UPSTREAM), code=CODE)
     assert len(key) == 64 and int(key, 16) >= 0
 
 
 def test_input_key_is_pinned() -> None:
     """A change of this value means every existing output is recomputed: bump it knowingly."""
-    key = compute_input_key("sample", {"n": 2}, {})
-    assert key == compute_input_key("sample", {"n": 2}, {})
-    assert key != compute_input_key("sample", {"n": 2.0}, {})  # an int and a float are different configs
+    key = compute_input_key("sample", {"n": 2}, {}, code=CODE)
+    assert key == compute_input_key("sample", {"n": 2}, {}, code=CODE)
+    assert key != compute_input_key("sample", {"n": 2.0}, {}, code=CODE)  # an int and a float are different configs
 
 
 @pytest.mark.parametrize(
@@ -74,12 +75,19 @@ def test_input_key_is_pinned() -> None:
     ],
 )
 def test_input_key_changes_with_any_input(stage: str, config: dict, upstream: dict) -> None:
-    assert compute_input_key(stage, config, upstream) != compute_input_key("ppo_update", CONFIG, UPSTREAM)
+    key = compute_input_key("ppo_update", CONFIG, UPSTREAM, code=CODE)
+    assert compute_input_key(stage, config, upstream, code=CODE) != key
+
+
+def test_input_key_changes_with_the_code() -> None:
+    assert compute_input_key("sample", CONFIG, UPSTREAM, code=CODE) != compute_input_key(
+        "sample", CONFIG, UPSTREAM, code="e" * 64
+    )
 
 
 def test_input_key_refuses_unserialisable_config() -> None:
     with pytest.raises(TypeError, match="PosixPath"):
-        compute_input_key("sample", {"path": Path("/tmp")}, {})
+        compute_input_key("sample", {"path": Path("/tmp")}, {}, code=CODE)
 
 
 # Stage outputs ---------------------------------------------------------------------------------
@@ -97,7 +105,7 @@ def test_stage_output_round_trip(tmp_path: Path) -> None:
     ]
     assert manifest.schema_version == SCHEMA_VERSION
     assert manifest.metrics == {"accuracy": 0.75, "count": 3.0}
-    assert manifest.upstream == UPSTREAM and manifest.config == CONFIG
+    assert manifest.upstream == UPSTREAM and manifest.config == CONFIG and manifest.code == CODE
     assert read_manifest(final) == manifest
     assert Manifest.from_json(manifest.to_json()).digest == manifest.digest
     assert read_table(final, "prompts").equals(_prompts(10).cast(PROMPTS))
@@ -114,7 +122,7 @@ def test_digest_is_stable_and_content_sensitive(tmp_path: Path) -> None:
 def test_exception_inside_leaves_nothing(tmp_path: Path) -> None:
     final = tmp_path / "sample" / "abababababababab"
     with pytest.raises(RuntimeError, match="boom"):
-        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}) as out:
+        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
             out.write_table("prompts", _prompts(3), schema=PROMPTS)
             raise RuntimeError("boom")
     assert not final.exists()
@@ -134,7 +142,7 @@ def test_existing_output_is_never_overwritten(tmp_path: Path) -> None:
 def test_output_appearing_meanwhile_is_not_overwritten(tmp_path: Path) -> None:
     final = tmp_path / "sample" / "abababababababab"
     with pytest.raises(FileExistsError, match="never overwritten"):
-        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}) as out:
+        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
             out.write_table("prompts", _prompts(3), schema=PROMPTS)
             _write(final)  # another writer finishes first
     assert read_manifest(final).files[-1].rows == 2
@@ -152,7 +160,7 @@ def test_folder_without_manifest_is_refused(tmp_path: Path) -> None:
 def test_manifest_file_name_is_reserved(tmp_path: Path) -> None:
     final = tmp_path / "out"
     with pytest.raises(ValueError, match="reserved"):
-        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}) as out:
+        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
             (out.path / MANIFEST_FILE).write_text("{}")
     assert not final.exists()
 
@@ -180,7 +188,7 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path: Path) -> None:
 
 def test_non_finite_metrics_survive(tmp_path: Path) -> None:
     final = tmp_path / "out"
-    with StageOutput(final, stage="ppo_update", input_key="ab" * 32, config={}, upstream={}) as out:
+    with StageOutput(final, stage="ppo_update", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
         out.metrics["loss"] = float("nan")
     assert math.isnan(read_manifest(final).metrics["loss"])
 
@@ -286,6 +294,18 @@ def test_unsupported_schema_version(tmp_path: Path) -> None:
         read_manifest(final)
 
 
+def test_an_older_manifest_format_names_its_schema_version(tmp_path: Path) -> None:
+    # Version 1 manifests had other fields (no code or runtime): the version is named, not "corrupt".
+    final = tmp_path / "out"
+    manifest = _write(final)
+    old = {k: v for k, v in json.loads(manifest.to_json()).items() if k not in ("code", "runtime")}
+    (final / MANIFEST_FILE).write_text(json.dumps({**old, "schema_version": 1, "package_version": "0.1.0"}))
+    with pytest.raises(
+        UnsupportedSchemaError, match=r"schema version 1 \(rlhf-pipeline 0.1.0\).*run the iteration again"
+    ):
+        read_manifest(final)
+
+
 def test_path_escaping_the_folder_is_refused(tmp_path: Path) -> None:
     final = tmp_path / "out"
     manifest = _write(final)
@@ -304,6 +324,8 @@ def test_missing_folder_is_not_corruption(tmp_path: Path) -> None:
 
 def test_digest_ignores_creation_time_and_metrics_but_the_checksum_does_not(tmp_path: Path) -> None:
     manifest = _write(tmp_path / "a")
-    rewritten = dataclasses.replace(manifest, created_at="2000-01-01T00:00:00Z", metrics={"seconds": 1.0})
+    rewritten = dataclasses.replace(
+        manifest, created_at="2000-01-01T00:00:00Z", metrics={"seconds": 1.0}, runtime={"device": "cuda:0"}
+    )
     assert rewritten.digest == manifest.digest
     assert rewritten.checksum != manifest.checksum

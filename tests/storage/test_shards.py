@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,7 +17,7 @@ from storage.schemas import (
     SCORED_EXPERIENCE,
     conform,
 )
-from storage.shards import read_table, scan_shards, write_shards
+from storage.shards import read_table, write_shards
 
 
 def _rows(schema: pa.Schema, count: int) -> pa.Table:
@@ -52,7 +51,6 @@ def test_round_trip_every_table(tmp_path: Path, table_name: str, rows_per_shard:
     back = read_table(tmp_path, table_name)
     assert back.schema == schema
     assert back.equals(table)
-    assert scan_shards(tmp_path, table_name).collect().equals(pl.from_arrow(table))
 
 
 def test_shards_are_zstd_compressed_and_sized(tmp_path: Path) -> None:
@@ -70,18 +68,6 @@ def test_empty_table_keeps_its_schema(tmp_path: Path) -> None:
     assert [(entry.path, entry.rows) for entry in entries] == [("experience-00000.parquet", 0)]
     back = read_table(tmp_path, "experience")
     assert back.num_rows == 0 and back.schema == EXPERIENCE
-
-
-def test_lazy_scan_filters_and_summarises(tmp_path: Path) -> None:
-    write_shards(tmp_path, "candidates", _rows(CANDIDATES, 9), schema=CANDIDATES, rows_per_shard=4)
-    lengths = (
-        scan_shards(tmp_path, "candidates")
-        .filter(pl.col("prompt_id") >= 4)
-        .select(pl.col("response_ids").list.len().alias("length"))
-        .collect()["length"]
-        .to_list()
-    )
-    assert lengths == [i % 4 for i in range(4, 9)]
 
 
 def test_refuses_to_overwrite(tmp_path: Path) -> None:
@@ -141,5 +127,3 @@ def test_schema_mismatch_names_the_column(tmp_path: Path, change, message: str) 
 def test_missing_table_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="prompts"):
         read_table(tmp_path, "prompts")
-    with pytest.raises(FileNotFoundError, match="prompts"):
-        scan_shards(tmp_path, "prompts")

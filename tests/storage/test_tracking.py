@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from mlflow import MlflowClient
 
 from storage.layout import RunLayout
 from storage.manifest import CorruptOutputError, Manifest, StageOutput, compute_input_key, read_manifest
@@ -16,14 +17,22 @@ from storage.shards import read_table
 from storage.tracking import StageRecord, Tracker
 from tests.storage import _tracking_worker
 
+CODE = "c0de" * 16
+
+
+def client(tracker: Tracker) -> MlflowClient:
+    """A separate client on the same store, to check what the tracker wrote."""
+    return MlflowClient(tracking_uri=tracker.tracking_uri, registry_uri=tracker.tracking_uri)
+
+
 ITERATION_TAGS = {"rlhf.campaign": "camp", "rlhf.kind": "iteration", "rlhf.iteration": "0"}
 
 
 def _stage_output(layout: RunLayout, stage: str = "sample", *, rows: int = 6) -> tuple[Path, Manifest]:
     config = {"rows": rows, "nested": {"temperature": 0.7}}
-    key = compute_input_key(stage, config, {})
+    key = compute_input_key(stage, config, {}, code=CODE)
     final_dir = layout.stage_dir(stage, key)
-    with StageOutput(final_dir, stage=stage, input_key=key, config=config, upstream={}) as out:
+    with StageOutput(final_dir, stage=stage, input_key=key, config=config, upstream={}, code=CODE) as out:
         out.write_table(
             "prompts", pa.table({"prompt_id": range(rows), "prompt": ["p"] * rows}), schema=PROMPTS, rows_per_shard=4
         )
@@ -52,7 +61,7 @@ def test_experiment_per_campaign_with_explicit_artifact_location(tracker: Tracke
     experiment_id = tracker.experiment_id("camp")
     assert tracker.experiment_id("camp") == experiment_id
     assert tracker.experiment_id("other") != experiment_id
-    location = tracker.client.get_experiment(experiment_id).artifact_location
+    location = client(tracker).get_experiment(experiment_id).artifact_location
     assert location == (layout.artifact_root() / "camp").as_uri()
     with pytest.raises(ValueError, match="campaign"):
         tracker.experiment_id("../escape")
@@ -65,11 +74,11 @@ def test_stage_record_is_found_by_its_input_key(tracker: Tracker, layout: RunLay
         run_id=run_id,
         input_key=manifest.input_key,
         manifest_digest=manifest.digest,
-        artifact_uri=tracker.client.get_run(run_id).info.artifact_uri,
+        artifact_uri=client(tracker).get_run(run_id).info.artifact_uri,
     )
     assert tracker.find_stage_record(experiment_id, "sample", "0" * 64) is None
     assert tracker.find_stage_record(experiment_id, "rollout", manifest.input_key) is None
-    tags = tracker.client.get_run(run_id).data.tags
+    tags = client(tracker).get_run(run_id).data.tags
     assert tags["rlhf.input_key"] == manifest.input_key and tags["rlhf.manifest_digest"] == manifest.digest
     assert tags["mlflow.parentRunId"]
 
@@ -109,14 +118,14 @@ def test_corrupt_artifacts_are_refused_on_download(tracker: Tracker, layout: Run
 
 def test_tables_are_logged_as_datasets(tracker: Tracker, layout: RunLayout) -> None:
     _, run_id, manifest = _record(tracker, layout)
-    inputs = tracker.client.get_run(run_id).inputs.dataset_inputs
+    inputs = client(tracker).get_run(run_id).inputs.dataset_inputs
     assert [(i.dataset.name, [(t.key, t.value) for t in i.tags]) for i in inputs] == [
         ("sample/prompts", [("mlflow.data.context", "output")])
     ]
     digest = inputs[0].dataset.digest
     assert len(digest) == 32 and int(digest, 16) >= 0
     _, other_run, _ = _record(tracker, layout, stage="sample_again")
-    assert tracker.client.get_run(other_run).inputs.dataset_inputs[0].dataset.digest == digest  # same bytes
+    assert client(tracker).get_run(other_run).inputs.dataset_inputs[0].dataset.digest == digest  # same bytes
 
 
 def test_params_are_flattened_and_metrics_batched(tracker: Tracker) -> None:
@@ -127,27 +136,26 @@ def test_params_are_flattened_and_metrics_batched(tracker: Tracker) -> None:
     metrics = {f"ppo/m{i}": float(i) for i in range(1500)}  # two batches of at most 1000
     tracker.log_metrics(run_id, metrics, step=4)
     tracker.end_run(run_id)
-    data = tracker.client.get_run(run_id).data
+    data = client(tracker).get_run(run_id).data
     assert data.params["ppo.clip_eps"] == "0.2" and data.params["ppo.schedule"] == "[1, 2]"
     assert data.params["eos"] == "None" and data.params["many.p249"] == "249"
     assert len(data.params) == 4 + 250
     assert data.metrics == metrics
-    assert [m.step for m in tracker.client.get_metric_history(run_id, "ppo/m7")] == [4]
+    assert [m.step for m in client(tracker).get_metric_history(run_id, "ppo/m7")] == [4]
 
 
-def test_register_model_and_alias_lookup(tracker: Tracker, layout: RunLayout) -> None:
+def test_register_model_adds_versions_and_moves_aliases(tracker: Tracker, layout: RunLayout) -> None:
     _, run_id, _ = _record(tracker, layout)
-    assert tracker.model_alias_source("camp-actor") is None
     assert tracker.register_model(run_id, name="camp-actor", artifact_subpath="output/actor") == "1"
     _, second_run, _ = _record(tracker, layout, stage="sample_again")
     assert (
         tracker.register_model(second_run, name="camp-actor", artifact_subpath="output/actor", alias="champion") == "2"
     )
-    run_of_latest, source = tracker.model_alias_source("camp-actor")
-    assert run_of_latest == second_run and source.endswith(f"{second_run}/artifacts/output/actor")
-    assert tracker.model_alias_source("camp-actor", "champion")[0] == second_run
-    assert tracker.model_alias_source("camp-actor", "nobody") is None
-    restored = tracker.download_model("camp-actor", layout.cache_dir() / "actor")
+    registry = client(tracker)
+    latest = registry.get_model_version_by_alias("camp-actor", "latest")  # MLflow's own: the newest version
+    assert latest.run_id == second_run and latest.source.endswith(f"{second_run}/artifacts/output/actor")
+    assert str(registry.get_model_version_by_alias("camp-actor", "champion").version) == "2"
+    restored = Path(registry.download_artifacts(second_run, "output/actor", dst_path=str(layout.cache_dir())))
     assert (restored / "model.safetensors").read_bytes() == bytes(range(256)) * 8
 
 
@@ -192,16 +200,16 @@ def test_two_processes_share_one_fresh_store(tmp_path: Path) -> None:
 
     layout = RunLayout(tmp_path)
     tracker = Tracker(layout.tracking_uri(), artifact_root=layout.artifact_root())
-    experiments = tracker.client.search_experiments()
+    experiments = client(tracker).search_experiments()
     assert sorted(experiment.name for experiment in experiments) == ["Default", "race"]
     experiment_id = tracker.experiment_id("race")
     for stage in stages:
-        key = compute_input_key(stage, {"stage": stage}, {})
+        key = compute_input_key(stage, {"stage": stage}, {}, code=CODE)
         record = tracker.find_stage_record(experiment_id, stage, key)
         assert record is not None, stage
-        run = tracker.client.get_run(record.run_id)
+        run = client(tracker).get_run(record.run_id)
         assert len(run.data.params) == _tracking_worker.PARAMS
-        history = tracker.client.get_metric_history(record.run_id, f"{stage}/a")
+        history = client(tracker).get_metric_history(record.run_id, f"{stage}/a")
         assert sorted(m.step for m in history) == list(range(_tracking_worker.METRIC_STEPS))
         restored = tracker.download_stage_output(record.run_id, tmp_path / "restored" / stage)
         assert read_table(restored, "prompts").column("prompt").to_pylist() == [stage, stage]

@@ -1,0 +1,106 @@
+"""What each stage receives: the one table the flows call stages with and the replay rules derive from.
+
+Every stage task takes its settings as keyword arguments, and its input key is derived from
+exactly those (:mod:`tasks.stage`). :data:`STAGE_SETTINGS` says, per stage, which config field
+(a dotted path) or base input (``base.<field>``) each argument is, so:
+
+* the flows call ``stage(context, *upstream, **stage_settings(config, base, stage))``;
+* what a replay may change is derived, not kept by hand (:func:`replayable_fields`): the
+  settings the replayed stages receive, minus those a stage it reuses also received.
+
+Settings of :data:`EXECUTION` (where and how stages run) and :data:`LOCATION` (where the store
+is) reach no input key and may always change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows.config import PipelineConfig
+from tasks.context import BaseInputs
+
+STAGE_SETTINGS: dict[str, dict[str, str]] = {
+    "initialize": {},
+    "sample_candidates": {
+        "sampling": "sampling",
+        "precision": "precision",
+        "prompts": "sizes.preference_prompts",
+        "candidates_per_prompt": "sizes.candidates_per_prompt",
+        "rows_per_shard": "sizes.rows_per_shard",
+    },
+    "human_labels": {"relabel": "human.relabel"},
+    "collect_preferences": {
+        "labeler": "labeler",
+        "judge": "base.judge",
+        "preferences": "base.preferences",
+        "precision": "precision",
+        "rows_per_shard": "sizes.rows_per_shard",
+    },
+    "train_reward_model": {"reward_model": "reward_model", "precision": "precision"},
+    "rollout": {
+        "sampling": "sampling",
+        "precision": "precision",
+        "prompts": "sizes.rollout_prompts",
+        "rows_per_shard": "sizes.rows_per_shard",
+    },
+    "compute_advantages": {"advantages": "advantages", "rows_per_shard": "sizes.rows_per_shard"},
+    "ppo_update": {"ppo": "ppo", "precision": "precision", "temperature": "sampling.temperature"},
+    "evaluate": {
+        "sampling": "sampling",
+        "precision": "precision",
+        "prompts": "sizes.eval_prompts",
+        "judge": "base.judge",
+    },
+}
+"""stage -> {argument: config path or ``base.<field>``}."""
+
+REPLAYED_STAGES = ("compute_advantages", "ppo_update", "evaluate")
+"""The stages a replay runs again; every other stage's output is reused from the source iteration."""
+
+EXECUTION = ("device", "torch_threads", "checkpoint_seconds", "model.gradient_checkpointing")
+"""Where and how stages run: part of no input key, so a campaign can continue elsewhere."""
+LOCATION = ("run_root", "tracking_uri")
+"""Where the store is."""
+
+_BASE = "base."
+
+
+def config_value(config: PipelineConfig, path: str) -> Any:
+    """The value at a dotted path of the config (``sizes.eval_prompts``)."""
+    value: Any = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def stage_settings(config: PipelineConfig, base: BaseInputs, stage: str) -> dict[str, Any]:
+    """The keyword arguments ``stage`` is called with."""
+    return {
+        argument: getattr(base, path[len(_BASE) :]) if path.startswith(_BASE) else config_value(config, path)
+        for argument, path in STAGE_SETTINGS[stage].items()
+    }
+
+
+def replayable_fields() -> tuple[str, ...]:
+    """Config paths a replay may change: read by a replayed stage and by no stage it reuses.
+
+    A base input is never among them (it is part of every input key), nor is anything a reused
+    stage read: the rollout's ``sampling`` must stay what generated the experience.
+    """
+    replayed = {path for stage in REPLAYED_STAGES for path in STAGE_SETTINGS[stage].values()}
+    reused = {
+        path for stage, paths in STAGE_SETTINGS.items() if stage not in REPLAYED_STAGES for path in paths.values()
+    }
+    return tuple(
+        sorted(
+            path
+            for path in replayed
+            if not path.startswith(_BASE)
+            and not any(covers((other,), path) or covers((path,), other) for other in reused)
+        )
+    )
+
+
+def covers(paths: tuple[str, ...], field: str) -> bool:
+    """Whether ``field`` (a dotted path) is one of ``paths`` or lies inside one of them."""
+    return any(field == path or field.startswith(path + ".") for path in paths)

@@ -1,0 +1,70 @@
+"""Evaluation maths: how a policy compares with the reference on held-out prompts.
+
+Choices:
+1. KL to the reference is measured per response as the sum over its action tokens of a per-token
+   estimator of :func:`rlhf_core.rewards.kl_estimate` (k1 by default, the estimate TRL and
+   OpenRLHF report), then averaged over responses. k1 is unbiased but can be negative on a
+   finite sample; k3 never is.
+2. A win rate compares two responses to the same prompt by a judge's score; a tie counts half
+   (as in AlpacaEval's length-uncontrolled win rate).
+3. A :class:`Judge` is whatever scores text: the embedded demo's hidden gold rubric, a person's
+   rubric, a programmatic checker. The pipeline reaches one through its ``module:attribute``
+   name, so nothing here depends on a particular judge.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from rlhf_core.rewards import KLEstimator, kl_estimate
+
+
+class Judge(Protocol):
+    """A rater that scores a response to a prompt, and prefers one of two responses."""
+
+    def score(self, prompt: str, response: str) -> float:
+        """How good ``response`` is as an answer to ``prompt`` (higher is better)."""
+        ...
+
+    def prefers(self, prompt: str, first: str, second: str) -> tuple[int, float]:
+        """``(0, margin)`` when ``first`` is better, ``(1, margin)`` when ``second`` is; margin >= 0."""
+        ...
+
+
+@torch.no_grad()
+def response_kl(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    estimator: KLEstimator = "k1",
+) -> torch.Tensor:
+    """KL(policy || reference) of each response: the per-token estimate summed over its actions.
+
+    Naive equivalent: ``[sum(kl_estimate(lp[b], ref[b])[action_mask[b]]) for b in range(B)]``.
+
+    Shapes:
+        logprobs, ref_logprobs, action_mask: (B, R); returns (B,).
+    """
+    per_token = kl_estimate(logprobs, ref_logprobs, estimator=estimator)  # (B, R)
+    return torch.where(action_mask.bool(), per_token, torch.zeros_like(per_token)).sum(dim=1)  # (B,)
+
+
+@torch.no_grad()
+def win_rate(scores: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
+    """Share of rows where ``scores`` beats ``baseline_scores``; a tie counts half.
+
+    Naive equivalent: ``mean([1.0 if s > b else 0.5 if s == b else 0.0 for s, b in zip(scores, baseline)])``.
+
+    Shapes:
+        scores, baseline_scores: (B,); returns ().
+    """
+    if scores.shape != baseline_scores.shape or scores.dim() != 1 or scores.numel() == 0:
+        raise ValueError(
+            f"`scores` {tuple(scores.shape)} and `baseline_scores` {tuple(baseline_scores.shape)} must be equal, "
+            "non-empty 1-D shapes"
+        )
+    wins = (scores > baseline_scores).double() + 0.5 * (scores == baseline_scores).double()  # (B,)
+    return wins.mean()

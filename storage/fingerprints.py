@@ -1,0 +1,93 @@
+"""Content fingerprints of the files a campaign reads (models, tokenizers, prompt and preference files).
+
+A fingerprint is the sha256 over a file's bytes, or over a folder's relative file names and their
+bytes, so a file edited in place, or a retrained checkpoint of the same size, always gets a new
+one. Hashing a 14 GB model on every run would cost a minute, so each file's sha256 is kept in a
+small cache keyed by its absolute path, size, modification time (ns) and inode: a file is read
+again only when one of those changes.
+
+Choices:
+1. The cache is one JSON file, written to a temporary name and renamed, so a crash never leaves
+   it half written; an unreadable cache is ignored (everything is hashed again).
+2. Entries for files that no longer match are replaced, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from storage.files import file_sha256
+
+logger = logging.getLogger(__name__)
+
+_CACHE_VERSION = 1
+
+
+def _stat_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+
+
+class FingerprintCache:
+    """sha256 of files, remembered by (path, size, mtime, inode) in ``cache_file`` (None: no cache)."""
+
+    def __init__(self, cache_file: Path | None) -> None:
+        self.cache_file = cache_file
+        self._entries: dict[str, dict[str, str]] = self._read() if cache_file is not None else {}
+        self._changed = False
+
+    def _read(self) -> dict[str, dict[str, str]]:
+        try:
+            raw = json.loads(self.cache_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            logger.warning("ignoring unreadable fingerprint cache %s: %s", self.cache_file, error)
+            return {}
+        if not isinstance(raw, dict) or raw.get("version") != _CACHE_VERSION or not isinstance(raw.get("files"), dict):
+            return {}
+        return raw["files"]
+
+    def file_sha256(self, path: Path) -> str:
+        """The sha256 of one file, from the cache when its path, size, mtime and inode match."""
+        path = Path(path).resolve()
+        key = _stat_key(path)
+        entry = self._entries.get(str(path))
+        if entry is not None and entry.get("stat") == key:
+            return entry["sha256"]
+        sha256 = file_sha256(path)
+        self._entries[str(path)] = {"stat": key, "sha256": sha256}
+        self._changed = True
+        return sha256
+
+    def fingerprint(self, path: Path) -> str:
+        """sha256 of a file's content, or of a folder's relative file names and contents.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+        """
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if path.is_file():
+            return self.file_sha256(path)
+        digest = hashlib.sha256()
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+            digest.update(self.file_sha256(file).encode())
+        return digest.hexdigest()
+
+    def save(self) -> None:
+        """Write the cache if anything was hashed anew."""
+        if self.cache_file is None or not self._changed:
+            return
+        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.cache_file.with_name(f".{self.cache_file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+        temporary.write_text(json.dumps({"version": _CACHE_VERSION, "files": self._entries}, sort_keys=True))
+        os.replace(temporary, self.cache_file)
+        self._changed = False

@@ -1,0 +1,145 @@
+"""What a stage task knows about where it runs: the :class:`StageContext`.
+
+A task receives the context plus exactly the settings and upstream outputs it uses (see
+:mod:`tasks.stage`). The context holds what is common to every stage of an iteration:
+
+* where outputs go (``layout``) and where they are recorded (``tracking``, ``experiment_id``,
+  the iteration's MLflow run);
+* the coordinates every stage seed derives from (``seed``, ``iteration``) and the campaign's base
+  inputs (initial policy, tokenizer, prompt files), identified by their content; these are part
+  of every input key;
+* how stages run (``execution``: device, threads, checkpoint pacing, gradient checkpointing),
+  which is never part of an input key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from rlhf_core.loading import ModelLoader
+from rlhf_core.precision import Precision, resolve_device
+from storage.layout import RunLayout
+from storage.tracking import Tracker
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A file (or folder) the pipeline reads, named by its path and identified by its content.
+
+    In an input key only ``sha256`` counts: the same content at another path is the same input,
+    and a file edited in place is a new one.
+    """
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class BaseInputs:
+    """The campaign's fixed inputs, each identified by its content.
+
+    Args:
+        policy: the initial policy (also the frozen reference), a Hugging Face folder.
+        tokenizer: the tokenizer's folder (often the policy's).
+        prompts: training prompts.
+        eval_prompts: held-out prompts.
+        judge: ``module:attribute`` of the gold judge (a :class:`rlhf_core.evaluation.Judge`), or
+            None when no gold judge applies.
+        preferences: the file of preference pairs to import (labeler ``import``), or None. Only
+            the preference stage reads it, so it is that stage's setting, not in :attr:`fingerprint`.
+    """
+
+    policy: InputFile
+    tokenizer: InputFile
+    prompts: InputFile
+    eval_prompts: InputFile
+    judge: str | None = None
+    preferences: InputFile | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """One hash of the four files' contents: part of every input key."""
+        parts = (self.policy, self.tokenizer, self.prompts, self.eval_prompts)
+        return hashlib.sha256("/".join(part.sha256 for part in parts).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How stages run. Never part of an input key: the same outputs come from any of these.
+
+    Args:
+        device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
+        torch_threads: torch intra-op threads, set at the start of every stage.
+        checkpoint_seconds: save mid-stage progress at most this often.
+        gradient_checkpointing: recompute activations in the backward pass of trained models.
+    """
+
+    device: str = "auto"
+    torch_threads: int = 1
+    checkpoint_seconds: float = 60.0
+    gradient_checkpointing: bool = False
+
+    def model_loader(self, precision: Precision) -> ModelLoader:
+        """The model seam for one stage (:class:`rlhf_core.loading.ModelLoader`)."""
+        return ModelLoader(
+            device=resolve_device(self.device),
+            precision=precision,
+            gradient_checkpointing=self.gradient_checkpointing,
+        )
+
+
+@dataclass(frozen=True)
+class TrackingStore:
+    """An MLflow store: its tracking URI and where new experiments keep their artifacts."""
+
+    uri: str
+    artifact_root: str | None
+
+    def tracker(self) -> Tracker:
+        return _tracker(self.uri, self.artifact_root)
+
+
+@lru_cache(maxsize=4)
+def _tracker(uri: str, artifact_root: str | None) -> Tracker:
+    """One Tracker per store and process (creating a client checks the database schema)."""
+    return Tracker(uri, artifact_root=None if artifact_root is None else Path(artifact_root))
+
+
+def stage_seed(seed: int, stage: str, iteration: int) -> int:
+    """A seed from the coordinates ``(seed, stage, iteration)`` (nanochat-style), stable across runs."""
+    digest = hashlib.sha256(f"{seed}/{stage}/{iteration}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Everything a stage task needs to know about where it runs (see the module docstring)."""
+
+    layout: RunLayout
+    tracking: TrackingStore
+    campaign: str
+    experiment_id: str
+    iteration: int
+    seed: int
+    base: BaseInputs
+    execution: Execution
+    parent_run_id: str | None = None
+    flow_run_id: str | None = None
+    register_models: bool = True
+    """Register new actor, critic and reward-model versions in MLflow (off for replays)."""
+
+    @property
+    def tracker(self) -> Tracker:
+        return self.tracking.tracker()
+
+    def stage_seed(self, stage: str) -> int:
+        return stage_seed(self.seed, stage, self.iteration)
+
+    def generator(self, stage: str) -> torch.Generator:
+        """A CPU generator seeded from ``(seed, stage, iteration)``."""
+        return torch.Generator().manual_seed(self.stage_seed(stage))

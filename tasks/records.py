@@ -1,0 +1,39 @@
+"""Stage outputs found through their MLflow records: what continuing and replaying a campaign start from."""
+
+from __future__ import annotations
+
+from storage.manifest import find_stage_output, read_manifest
+from storage.tracking import KIND_STAGE, TAG_INPUT_KEY, TAG_KIND, TAG_MANIFEST_DIGEST, TAG_STAGE
+from tasks.context import StageContext
+from tasks.stage import StageResult
+
+
+def recorded_result(context: StageContext, run_id: str) -> StageResult:
+    """The output of a stage run recorded in MLflow, downloaded into the run folder if it is not there."""
+    tracker = context.tracker
+    tags = tracker.run_tags(run_id)
+    stage, input_key = tags[TAG_STAGE], tags[TAG_INPUT_KEY]
+    stage_dir = context.layout.stage_dir(stage, input_key)
+    manifest = find_stage_output(stage_dir, input_key)
+    if manifest is None:
+        tracker.download_stage_output(run_id, stage_dir)
+        manifest = read_manifest(stage_dir)
+    return StageResult.of(stage_dir, manifest, reused=True, run_id=run_id)
+
+
+def upstream_result(context: StageContext, result: StageResult, name: str) -> StageResult:
+    """The recorded output that ``result`` names as its upstream ``name`` (found by manifest digest)."""
+    digest = read_manifest(result.directory, verify=False).upstream[name]
+    run_id = context.tracker.find_run(
+        context.experiment_id, tags={TAG_MANIFEST_DIGEST: digest, TAG_KIND: KIND_STAGE}, status="FINISHED"
+    )
+    if run_id is None:
+        raise LookupError(f"no finished stage run in MLflow holds the {name!r} output {digest[:16]} of {result.stage}")
+    return recorded_result(context, run_id)
+
+
+def upstream_names(result: StageResult, *, prefix: str) -> list[str]:
+    """The names of ``result``'s upstream outputs that start with ``prefix``, in their numeric order
+    (``preferences_0``, ``preferences_1``, ...)."""
+    names = [name for name in read_manifest(result.directory, verify=False).upstream if name.startswith(prefix)]
+    return sorted(names, key=lambda name: int(name[len(prefix) :]))

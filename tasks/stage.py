@@ -1,0 +1,357 @@
+"""The one mechanism that decides whether a stage runs or is reused, and the ``@stage`` task decorator.
+
+A stage is reused if and only if an output with the same *input key* exists: in the run folder,
+or recorded in MLflow (it is downloaded then). The input key is derived from exactly what the
+stage receives, so what a stage reads and what decides its reuse cannot drift apart:
+
+* its settings: the keyword-only arguments of the stage function (config slices, sizes, input
+  files by content), plus the context's ``seed``, ``iteration`` and base-input fingerprint;
+* its upstream outputs: the positional arguments after the context (``StageResult``, None, or a
+  tuple of them), by manifest digest;
+* its code: :func:`tasks.code.code_fingerprint` of the stage's module.
+
+Every stage also records its wall time (``seconds``) and peak memory (``peak_memory_mb``: the
+growth of the process's resident memory on CPU, ``max_memory_allocated`` on CUDA) as metrics, and
+where it ran (device, threads, the models it loaded) in its manifest's ``runtime``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import inspect
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
+from pydantic import BaseModel
+
+from rlhf_core.loading import ModelLoader
+from rlhf_core.precision import Precision, resolve_device
+from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
+from storage.tracking import (
+    KIND_STAGE,
+    TAG_CAMPAIGN,
+    TAG_FLOW_RUN_ID,
+    TAG_ITERATION,
+    TAG_KIND,
+    TAG_STAGE,
+    Tracker,
+)
+from tasks.code import code_fingerprint
+from tasks.context import InputFile, StageContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """A small reference to a finished stage output: what tasks pass each other (never tensors)."""
+
+    stage: str
+    path: str
+    input_key: str
+    digest: str
+    reused: bool
+    run_id: str | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.path)
+
+    @classmethod
+    def of(cls, stage_dir: Path, manifest: Manifest, *, reused: bool, run_id: str | None) -> StageResult:
+        """The reference to the verified output in ``stage_dir`` that ``manifest`` describes."""
+        return cls(
+            stage=manifest.stage,
+            path=str(stage_dir),
+            input_key=manifest.input_key,
+            digest=manifest.digest,
+            reused=reused,
+            run_id=run_id,
+            metrics=dict(manifest.metrics),
+        )
+
+
+def setting_value(value: Any) -> Any:
+    """A setting as plain JSON values for the input key: dataclasses and pydantic models as dicts,
+    input files by content only, tuples as lists.
+
+    Raises:
+        TypeError: a value with no stable JSON form (a path: pass an :class:`InputFile`).
+    """
+    if isinstance(value, InputFile):
+        return {"sha256": value.sha256}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: setting_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, BaseModel):
+        return setting_value(value.model_dump(mode="python"))
+    if isinstance(value, Mapping):
+        return {str(key): setting_value(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [setting_value(item) for item in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    raise TypeError(f"a stage setting must be plain data, a dataclass, a pydantic model or an InputFile, got {value!r}")
+
+
+def upstream_digests(upstream: Mapping[str, StageResult | tuple[StageResult, ...] | None]) -> dict[str, str]:
+    """``name -> digest`` of every upstream output; a tuple ``name`` gives ``name_0``, ``name_1``, ..."""
+    digests: dict[str, str] = {}
+    for name, value in upstream.items():
+        if isinstance(value, tuple | list):
+            digests.update({f"{name}_{index}": result.digest for index, result in enumerate(value)})
+        elif value is not None:
+            digests[name] = value.digest
+    return digests
+
+
+def stage_state(result: StageResult) -> State:
+    """The task's final state: ``Reused`` in the Prefect UI when nothing ran, else ``Completed``."""
+    if result.reused:
+        return Completed(data=result, name="Reused", message=f"reused {result.stage} output {result.input_key[:16]}")
+    return Completed(data=result, message=f"wrote {result.stage} output {result.input_key[:16]}")
+
+
+def stage(
+    name: str, *, register: Mapping[str, str] | None = None
+) -> Callable[[Callable[..., Mapping[str, float]]], Any]:
+    """Make a Prefect task of a stage function ``f(out, context, *upstream, **settings) -> metrics``.
+
+    The task takes ``(context, *upstream, **settings)``, derives the input key from exactly those
+    arguments (see the module docstring), and calls ``f`` only when no output for the key exists.
+    ``f`` writes into ``out.path`` (a :class:`storage.manifest.StageOutput`) and returns its
+    summary metrics, unprefixed. The task's result is a :class:`StageResult` in a ``Completed``
+    state (named ``Reused`` when nothing ran).
+
+    Args:
+        name: the stage: its folder, task name, MLflow child-run name and metric prefix.
+        register: ``{registered model suffix: sub-folder}`` to register in MLflow with the new output.
+    """
+
+    def decorate(produce: Callable[..., Mapping[str, float]]) -> Any:
+        parameters = list(inspect.signature(produce).parameters.values())
+        if [p.name for p in parameters[:2]] != ["out", "context"]:
+            raise TypeError(f"stage function {produce.__name__} must start with (out, context, ...)")
+        task_signature = inspect.Signature(parameters[1:])
+        upstream_names = [p.name for p in parameters[2:] if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+
+        @functools.wraps(produce)
+        def run(*args: Any, **kwargs: Any) -> State:
+            bound = task_signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            context: StageContext = arguments.pop("context")
+            upstream = {key: arguments[key] for key in upstream_names}
+            settings = {key: value for key, value in arguments.items() if key not in upstream}
+            result = run_stage(
+                context,
+                name,
+                settings=settings,
+                upstream=upstream,
+                code=code_fingerprint(produce.__module__),
+                produce=lambda out: produce(out, context, **arguments),
+                register=register,
+            )
+            return stage_state(result)
+
+        run.__signature__ = task_signature.replace(return_annotation=State)  # type: ignore[attr-defined]
+        return task(name=name, cache_policy=NO_CACHE)(run)
+
+    return decorate
+
+
+def run_stage(
+    context: StageContext,
+    stage: str,
+    *,
+    settings: Mapping[str, Any],
+    upstream: Mapping[str, StageResult | tuple[StageResult, ...] | None],
+    code: str,
+    produce: Callable[[StageOutput], Mapping[str, float]],
+    register: Mapping[str, str] | None = None,
+) -> StageResult:
+    """Reuse the stage's output for its input key if it exists anywhere, else produce it.
+
+    Args:
+        context: the iteration.
+        stage: stage name: the folder, the MLflow child-run name and the metric prefix.
+        settings: what the stage's result depends on besides its upstream outputs (see
+            :func:`setting_value`); recorded as the stage run's params.
+        upstream: named upstream outputs; their digests enter the input key.
+        code: the fingerprint of the code that produces the output.
+        produce: writes the output into ``out.path`` and returns summary metrics (unprefixed).
+        register: ``{registered model suffix: sub-folder}`` to register in MLflow.
+    """
+    stage_settings = setting_value(settings)
+    key_settings = {
+        "stage": stage_settings,
+        "context": {"seed": context.seed, "iteration": context.iteration, "base": context.base.fingerprint},
+    }
+    digests = upstream_digests(upstream)
+    input_key = compute_input_key(stage, key_settings, digests, code=code)
+    stage_dir = context.layout.stage_dir(stage, input_key)
+    tracker = context.tracker
+    record = tracker.find_stage_record(context.experiment_id, stage, input_key)
+
+    manifest = find_stage_output(stage_dir, input_key)
+    reused = manifest is not None
+    if manifest is None and record is not None:
+        logger.info("%s: downloading output %s from MLflow run %s", stage, input_key[:16], record.run_id)
+        tracker.download_stage_output(record.run_id, stage_dir)
+        manifest, reused = read_manifest(stage_dir), True
+    if manifest is None:
+        logger.info("%s: running (input key %s)", stage, input_key[:16])
+        manifest = _produce(context, stage_dir, stage, input_key, key_settings, digests, code, produce)
+    else:
+        logger.info("%s: reusing output %s", stage, input_key[:16])
+
+    run_id = (
+        record.run_id
+        if record is not None
+        else _record_stage(context, tracker, stage, stage_settings, manifest, stage_dir, register)
+    )
+    return StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
+
+
+def _produce(
+    context: StageContext,
+    stage_dir: Path,
+    stage: str,
+    input_key: str,
+    key_settings: dict[str, Any],
+    digests: dict[str, str],
+    code: str,
+    produce: Callable[[StageOutput], Mapping[str, float]],
+) -> Manifest:
+    """Run ``produce`` into a new output, with the stage's threads, timing and peak memory."""
+    execution = context.execution
+    device = resolve_device(execution.device)
+    # Every stage sets its own thread count: its numerics must not depend on what ran before it in the process.
+    torch.set_num_threads(execution.torch_threads)
+    started = time.perf_counter()
+    try:
+        with (
+            StageOutput(
+                stage_dir, stage=stage, input_key=input_key, config=key_settings, upstream=digests, code=code
+            ) as out,
+            _peak_memory(device) as peak,
+        ):
+            out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
+            out.metrics.update(produce(out))
+            out.metrics["seconds"] = time.perf_counter() - started
+            out.metrics["peak_memory_mb"] = peak()
+    finally:
+        _release_memory()
+    return out.manifest
+
+
+def stage_models(out: StageOutput, context: StageContext, precision: Precision) -> ModelLoader:
+    """The model seam for this stage: every model it loads is recorded in the output's ``runtime``."""
+    loader = context.execution.model_loader(precision)
+    out.runtime.update(precision=precision, models=loader.loaded)
+    return loader
+
+
+def _release_memory() -> None:
+    """Return the memory of the models a finished stage dropped (and the CUDA cache) before the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+_STATUS_FIELD = re.compile(r"^(VmHWM|VmRSS):\s+(\d+) kB$", re.MULTILINE)
+
+
+def _memory_status() -> dict[str, int] | None:
+    """VmHWM and VmRSS of this process in kB, or None where /proc is unavailable."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return {name: int(value) for name, value in _STATUS_FIELD.findall(text)}
+
+
+@contextmanager
+def _peak_memory(device: torch.device) -> Iterator[Callable[[], float]]:
+    """Yield a function giving the block's peak memory so far, in MiB.
+
+    CUDA: ``max_memory_allocated`` since the block began. CPU: the growth of the resident set's
+    high-water mark over the resident set at the start (Linux resets the mark through
+    ``/proc/self/clear_refs``); 0 where the system offers neither.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield lambda: torch.cuda.max_memory_allocated(device) / 2**20
+        return
+    start = _memory_status()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        start = None
+    if start is None:
+        yield lambda: 0.0
+        return
+    baseline = start.get("VmRSS", 0)
+
+    def peak() -> float:
+        now = _memory_status() or {}
+        return max(now.get("VmHWM", baseline) - baseline, 0) / 1024
+
+    yield peak
+
+
+def _record_stage(
+    context: StageContext,
+    tracker: Tracker,
+    stage: str,
+    settings: dict[str, Any],
+    manifest: Manifest,
+    stage_dir: Path,
+    register: Mapping[str, str] | None,
+) -> str:
+    """Log a finished stage output as a nested MLflow run (params, metrics, artifacts, datasets, models)."""
+    tags = {
+        TAG_CAMPAIGN: context.campaign,
+        TAG_ITERATION: str(context.iteration),
+        TAG_STAGE: stage,
+        TAG_KIND: KIND_STAGE,
+    }
+    if context.flow_run_id:
+        tags[TAG_FLOW_RUN_ID] = context.flow_run_id
+    run_id = tracker.start_run(context.experiment_id, name=stage, tags=tags, parent_run_id=context.parent_run_id)
+    tracker.log_params(run_id, settings)
+    tracker.log_metrics(
+        run_id, {f"{stage}/{name}": value for name, value in manifest.metrics.items()}, step=context.iteration
+    )
+    tracker.log_stage_output(run_id, stage_dir, manifest)
+    for suffix, subfolder in (register or {}).items() if context.register_models else ():
+        tracker.register_model(run_id, name=f"{context.campaign}-{suffix}", artifact_subpath=f"output/{subfolder}")
+    tracker.end_run(run_id)
+    return run_id
+
+
+class Throttle:
+    """``due()`` is True at most once per ``seconds`` (every time for 0): paces mid-stage saves."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
