@@ -135,7 +135,7 @@ def plain_run(world: Path, iterations: int) -> dict:
     from storage.experience_io import experience_to_table, table_to_experience
     from tasks.context import stage_seed
     from tasks.evaluate import _gold_metrics
-    from tasks.judge import load_judge
+    from tasks.judge import JudgeReference, load_judge
     from tasks.labelers import CandidatePair, JudgeLabeler
     from tasks.text import (
         batches,
@@ -292,7 +292,7 @@ def plain_run(world: Path, iterations: int) -> dict:
                         {"prompt": prompt, **{f"{k}_response": v[row] for k, v in answers.items()}}
                         for row, prompt in enumerate(texts)
                     ]
-                _gold_metrics(records, GOLD_JUDGE)
+                _gold_metrics(records, JudgeReference.of(GOLD_JUDGE))
     return {"phases": clock.to_json()}
 
 

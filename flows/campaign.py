@@ -32,6 +32,7 @@ from storage.tracking import (
     TAG_STAGE,
 )
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from tasks.judge import JudgeReference
 from tasks.records import recorded_result, upstream_names, upstream_result
 from tasks.stage import StageResult
 
@@ -122,7 +123,7 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         else policy_file,
         prompts=_input_file(cache, "data.prompts", prompts),
         eval_prompts=_input_file(cache, "data.eval_prompts", eval_prompts),
-        judge=GOLD_JUDGE if config.model.policy is None or config.labeler == "gold" else None,
+        judge=JudgeReference.of(GOLD_JUDGE) if config.model.policy is None or config.labeler == "gold" else None,
         preferences=_input_file(cache, "data.preferences", config.data.preferences)
         if config.labeler == "import" and config.data.preferences
         else None,

@@ -130,4 +130,8 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     backbone = model.model if isinstance(model, Critic | RewardModel) else model
     if not isinstance(backbone, PreTrainedModel) or not backbone.supports_gradient_checkpointing:
         raise ValueError(f"{type(backbone).__name__} does not support gradient checkpointing")
-    backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    options = {"use_reentrant": False}
+    if hasattr(backbone, "activation_checkpointing_enable"):  # transformers 5.x; the old name is deprecated
+        backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)

@@ -11,6 +11,8 @@ Choices:
 2. Imports inside functions count too: the gold rubric a labeler imports lazily is code it runs.
 3. ``from package import name`` counts the module ``package.name`` when it exists, else the
    package's ``__init__``.
+4. A module outside the project (a user's judge or reward function) is fingerprinted by its own
+   source file.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.util
 from pathlib import Path
 
 FIRST_PARTY = ("rlhf_core", "storage", "tasks", "flows", "demo")
@@ -55,25 +58,44 @@ def _imported_modules(module: str, source: str) -> set[str]:
     return {name for name in found if _module_file(name) is not None}
 
 
-@functools.cache
-def code_fingerprint(module: str) -> str:
-    """sha256 over the sources of ``module`` and every first-party module it imports, transitively.
+def code_closure(module: str) -> dict[str, bytes]:
+    """The sources of ``module`` and of every first-party module it imports, transitively, by name.
 
     Raises:
         ValueError: ``module`` is not a first-party module with a source file.
     """
     if _module_file(module) is None:
         raise ValueError(f"{module!r} is not a module of this project ({', '.join(FIRST_PARTY)})")
-    seen: dict[str, bytes] = {}
+    sources: dict[str, bytes] = {}
     pending = [module]
     while pending:
         name = pending.pop()
-        if name in seen:
+        if name in sources:
             continue
-        source = _module_file(name).read_bytes()
-        seen[name] = source
-        pending.extend(_imported_modules(name, source.decode("utf-8")) - seen.keys())
+        sources[name] = _module_file(name).read_bytes()
+        pending.extend(_imported_modules(name, sources[name].decode("utf-8")) - sources.keys())
+    return sources
+
+
+@functools.cache
+def code_fingerprint(module: str) -> str:
+    """sha256 over the sources a module runs: for a first-party module, its :func:`code_closure`; for
+    any other (a user's judge or reward function), its own source file.
+
+    Raises:
+        ValueError: the module cannot be found, or has no source file.
+    """
+    if _module_file(module) is not None:
+        sources = code_closure(module)
+    else:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError) as error:
+            raise ValueError(f"cannot find module {module!r}: {error}") from error
+        if spec is None or not spec.origin or not Path(spec.origin).is_file():
+            raise ValueError(f"module {module!r} has no source file to fingerprint")
+        sources = {module: Path(spec.origin).read_bytes()}
     digest = hashlib.sha256()
-    for name in sorted(seen):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(seen[name]).digest())
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(sources[name]).digest())
     return digest.hexdigest()

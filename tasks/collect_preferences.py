@@ -16,7 +16,7 @@ from storage.manifest import StageOutput
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
 from tasks.context import InputFile, StageContext
-from tasks.judge import load_judge
+from tasks.judge import JudgeReference
 from tasks.labelers import (
     SKIP,
     CandidatePair,
@@ -91,7 +91,7 @@ def collect_preferences(
     labels: StageResult | None,
     *,
     labeler: LabelerName,
-    judge: str | None,
+    judge: JudgeReference | None,
     preferences: InputFile | None,
     precision: Precision,
     rows_per_shard: int,
@@ -102,7 +102,7 @@ def collect_preferences(
         reward_model: the judge with labeler ``reward_model``; None otherwise.
         labels: the person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise.
         labeler: ``gold``, ``reward_model``, ``import`` or ``human``.
-        judge: ``module:attribute`` of the gold judge (labeler ``gold``).
+        judge: the gold judge (labeler ``gold``).
         preferences: the file of pairs to import (labeler ``import``, iteration 0 only).
     """
     shown: dict[str, float] = {}
@@ -136,14 +136,14 @@ def _labeler(
     out: StageOutput,
     context: StageContext,
     labeler: LabelerName,
-    judge: str | None,
+    judge: JudgeReference | None,
     reward_model: StageResult | None,
     precision: Precision,
 ) -> Labeler:
     if labeler == "gold":
         if judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")
-        return JudgeLabeler(load_judge(judge))
+        return JudgeLabeler(judge.load())
     if reward_model is None:
         raise ValueError(
             "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"

@@ -25,6 +25,7 @@ from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.layout import RunLayout
 from storage.tracking import Tracker
+from tasks.judge import JudgeReference
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class BaseInputs:
         tokenizer: the tokenizer's folder (often the policy's).
         prompts: training prompts.
         eval_prompts: held-out prompts.
-        judge: ``module:attribute`` of the gold judge (a :class:`rlhf_core.evaluation.Judge`), or
-            None when no gold judge applies.
+        judge: the gold judge (a :class:`rlhf_core.evaluation.Judge` named ``module:attribute``),
+            or None when no gold judge applies.
         preferences: the file of preference pairs to import (labeler ``import``), or None. Only
             the preference stage reads it, so it is that stage's setting, not in :attr:`fingerprint`.
     """
@@ -58,7 +59,7 @@ class BaseInputs:
     tokenizer: InputFile
     prompts: InputFile
     eval_prompts: InputFile
-    judge: str | None = None
+    judge: JudgeReference | None = None
     preferences: InputFile | None = None
 
     @property

@@ -20,7 +20,7 @@ from rlhf_core.models import evaluating
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from tasks.context import StageContext
-from tasks.judge import load_judge
+from tasks.judge import JudgeReference
 from tasks.stage import StageResult, stage, stage_models
 from tasks.text import batches, decode, encode_prompts, load_tokenizer, read_prompt_texts, response_token_lists
 
@@ -38,13 +38,13 @@ def evaluate(
     sampling: SamplingConfig,
     precision: Precision,
     prompts: int,
-    judge: str | None,
+    judge: JudgeReference | None,
 ) -> dict[str, float]:
     """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics.
 
     Args:
         prompts: how many held-out prompts to evaluate (the first ones of the file).
-        judge: ``module:attribute`` of the gold judge, or None for no gold metrics.
+        judge: the gold judge, or None for no gold metrics.
     """
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
@@ -102,9 +102,9 @@ def evaluate(
     return metrics
 
 
-def _gold_metrics(records: list[dict], judge_name: str) -> dict[str, float]:
+def _gold_metrics(records: list[dict], judge_reference: JudgeReference) -> dict[str, float]:
     """Gold scores of both sides and the policy's gold win rate; adds ``<side>_gold`` to each record."""
-    judge = load_judge(judge_name)
+    judge = judge_reference.load()
     for record in records:
         for side in SIDES:
             record[f"{side}_gold"] = judge.score(record["prompt"], record[f"{side}_response"])

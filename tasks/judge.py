@@ -8,8 +8,10 @@ name their own.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 from rlhf_core.evaluation import Judge
+from tasks.code import code_fingerprint
 
 
 def load_object(reference: str) -> object:
@@ -44,3 +46,27 @@ def load_judge(reference: str) -> Judge:
             f"{reference!r} is not a judge: it needs `score(prompt, response)` and `prefers(prompt, a, b)`"
         )
     return judge  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class JudgeReference:
+    """A judge by name (``module:attribute``) and the fingerprint of its module's code.
+
+    As a stage setting it is keyed by both, so editing the rubric re-runs what it judged.
+    """
+
+    name: str
+    code: str
+
+    @classmethod
+    def of(cls, name: str) -> JudgeReference:
+        """The reference to ``name``, checked to load as a judge.
+
+        Raises:
+            ValueError: see :func:`load_judge`.
+        """
+        load_judge(name)
+        return cls(name=name, code=code_fingerprint(name.partition(":")[0]))
+
+    def load(self) -> Judge:
+        return load_judge(self.name)

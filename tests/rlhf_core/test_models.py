@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from rlhf_core.models import Critic, RewardModel, evaluating, freeze
+from rlhf_core.models import Critic, RewardModel, dropout_disabled, evaluating, freeze
 from tests.conftest import PAD, TINY_VOCAB, tiny_causal_lm, tiny_config
 
 CLOSE = dict(rtol=0.0, atol=1e-5)
@@ -206,3 +206,28 @@ def test_exactly_one_of_pretrained_and_config():
         Critic()
     with pytest.raises(ValueError, match="exactly one of `pretrained`"):
         RewardModel(pretrained="somewhere", config=tiny_config("gpt2"))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_dropout_disabled_computes_the_eval_forward_in_train_mode_and_restores_everything(arch):
+    config = tiny_config(arch)
+    if arch == "gpt2":
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.5
+    else:
+        config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with dropout_disabled(model):
+            assert model.training
+            assert torch.equal(model(input_ids=ids).logits, expected)
+        assert not model.training
+        model.train()
+        assert not torch.equal(model(input_ids=ids).logits, expected)  # dropout is back, at 0.5
+    probabilities = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    attention = [
+        m.attention_dropout for m in model.modules() if isinstance(getattr(m, "attention_dropout", None), float)
+    ]
+    assert all(p == 0.5 for p in probabilities + attention) and probabilities + attention

@@ -1,0 +1,77 @@
+"""The tiny campaign under bf16 on the CPU, end to end: every stage that runs a model loads it through the
+seam, on the configured device, in the dtype its role gets, and records where it ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.rlhf_pipeline import rlhf_campaign
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+MODELS = {
+    "initialize": [("actor", "float32", True), ("critic", "float32", True)],
+    "sample_candidates": [("actor", "float32", False)],
+    "collect_preferences": [],  # the gold labeler runs no model
+    "train_reward_model": [("reward_model", "float32", True)],
+    "rollout": [
+        ("actor", "float32", False),  # the actor computes as in training: fp32 weights under bf16 autocast
+        ("critic", "bfloat16", False),
+        ("reward_model", "bfloat16", False),
+        ("reference", "bfloat16", False),
+    ],
+    "compute_advantages": [],
+    "ppo_update": [("actor", "float32", True), ("critic", "float32", True)],
+    "evaluate": [("actor", "float32", False), ("reference", "bfloat16", False), ("reward_model", "bfloat16", False)],
+}
+
+
+@pytest.fixture(scope="module")
+def bf16_campaign(prefect_server, checkpoint_world, tmp_path_factory):
+    config = load_config(
+        TINY,
+        [
+            f"run_root={tmp_path_factory.mktemp('bf16')}",
+            f"model.policy={checkpoint_world['policy']}",
+            f"data.prompts={checkpoint_world['prompts']}",
+            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+            "precision=bf16",
+            "device=cpu",
+        ],
+    )
+    state = rlhf_campaign(config, return_state=True)
+    return config, state
+
+
+def _manifests(config, stage: str) -> list[dict]:
+    folder = config.run_root / config.campaign / stage
+    return [json.loads((output / "_manifest.json").read_text()) for output in sorted(folder.iterdir())]
+
+
+def test_the_bf16_campaign_finishes_with_finite_metrics(bf16_campaign):
+    config, state = bf16_campaign
+    assert state.is_completed(), state
+    (evaluation,) = _manifests(config, "evaluate")[-1:]
+    assert 0.0 <= evaluation["metrics"]["gold_win_rate"] <= 1.0
+    for stage in MODELS:
+        for manifest in _manifests(config, stage):
+            assert all(value == value for value in manifest["metrics"].values()), (stage, manifest["metrics"])
+
+
+@pytest.mark.parametrize("stage", sorted(MODELS))
+def test_every_stage_ran_its_models_on_the_seams_device_in_its_roles_dtype(bf16_campaign, stage):
+    config, _ = bf16_campaign
+    manifests = _manifests(config, stage)
+    assert manifests and len(manifests) == (1 if stage == "initialize" else config.iterations)
+    for manifest in manifests:
+        runtime = manifest["runtime"]
+        assert runtime["device"] == "cpu" and runtime["torch_threads"] == config.torch_threads
+        loaded = [(m["role"], m["dtype"], m["trainable"]) for m in runtime.get("models", [])]
+        assert loaded == MODELS[stage]
+        assert all(m["device"] == "cpu" for m in runtime.get("models", []))
+        if MODELS[stage]:  # initialize only copies weights, which are fp32 whatever the precision
+            assert runtime["precision"] == ("fp32" if stage == "initialize" else "bf16")
+        assert manifest["metrics"]["peak_memory_mb"] >= 0 and manifest["metrics"]["seconds"] > 0

@@ -1,0 +1,43 @@
+"""The settings table: it names exactly what each stage function takes, and the replay rules follow from it."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import tasks
+from flows.config import PipelineConfig
+from flows.human_labels import request_human_labels
+from flows.settings import STAGE_SETTINGS, covers, replayable_fields, stage_settings
+from tasks.context import BaseInputs, InputFile
+
+FILE = InputFile(path="/p", sha256="0" * 64)
+
+
+def _settings_of(function) -> set[str]:
+    return {p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_SETTINGS))
+def test_the_table_names_exactly_the_keyword_arguments_of_each_stage(stage):
+    if stage == "human_labels":
+        assert set(STAGE_SETTINGS[stage]) == _settings_of(request_human_labels) - {"human"}
+    else:
+        assert set(STAGE_SETTINGS[stage]) == _settings_of(getattr(tasks, stage))
+
+
+def test_stage_settings_read_the_config_and_the_base_inputs():
+    config = PipelineConfig(sizes={"rollout_prompts": 12}, precision="bf16")
+    base = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE, preferences=FILE)
+    rollout = stage_settings(config, base, "rollout")
+    assert rollout == {"sampling": config.sampling, "precision": "bf16", "prompts": 12, "rows_per_shard": 4096}
+    assert stage_settings(config, base, "collect_preferences")["preferences"] is FILE
+    assert stage_settings(config, base, "ppo_update")["temperature"] == config.sampling.temperature
+
+
+def test_a_replay_may_change_what_only_the_replayed_stages_read():
+    # `sampling` is read by the rollout, so `sampling.temperature` (also the update's) stays fixed.
+    assert replayable_fields() == ("advantages", "ppo", "sizes.eval_prompts")
+    assert covers(replayable_fields(), "ppo.clip_eps") and not covers(replayable_fields(), "sampling.temperature")
+    assert not covers(("ppo",), "ppo_extra")

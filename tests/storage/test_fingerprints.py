@@ -1,0 +1,73 @@
+"""Content fingerprints: any content change is seen, an unchanged file is not read again."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import storage.fingerprints
+from storage.fingerprints import FingerprintCache
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[Path]:
+    """Every file the cache hashes, in order."""
+    seen: list[Path] = []
+    real = storage.fingerprints.file_sha256
+
+    def counting(path, **kwargs):
+        seen.append(Path(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(storage.fingerprints, "file_sha256", counting)
+    return seen
+
+
+def test_an_edit_of_the_same_size_and_time_is_still_a_new_fingerprint(tmp_path: Path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    before = FingerprintCache(None).fingerprint(path)
+    stat = path.stat()
+    path.write_text('{"prompt": "b"}\n')  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same modification time
+    assert FingerprintCache(None).fingerprint(path) != before  # without a cache, content decides
+
+
+def test_the_cache_reads_a_file_once_until_it_changes(tmp_path: Path, reads: list[Path]):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    cache_file = tmp_path / "cache" / "fingerprints.json"
+    first = FingerprintCache(cache_file)
+    fingerprint = first.fingerprint(model)
+    first.save()
+    assert len(reads) == 2
+    assert FingerprintCache(cache_file).fingerprint(model) == fingerprint and len(reads) == 2  # from the cache
+    (model / "model.safetensors").write_bytes(b"\1" * 1000)  # retrained: same size, new bytes and time
+    changed = FingerprintCache(cache_file).fingerprint(model)
+    assert changed != fingerprint and reads[-1].name == "model.safetensors" and len(reads) == 3
+
+
+def test_a_folder_fingerprint_covers_names_and_contents(tmp_path: Path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder in (one, two):
+        folder.mkdir()
+        (folder / "a.txt").write_text("x")
+    (two / "b.txt").write_text("")  # an extra empty file is a different folder
+    cache = FingerprintCache(None)
+    assert cache.fingerprint(one) != cache.fingerprint(two)
+    with pytest.raises(FileNotFoundError):
+        cache.fingerprint(tmp_path / "missing")
+
+
+def test_an_unreadable_cache_is_ignored(tmp_path: Path):
+    cache_file = tmp_path / "fingerprints.json"
+    cache_file.write_text("{not json")
+    (tmp_path / "f").write_text("x")
+    cache = FingerprintCache(cache_file)
+    assert cache.fingerprint(tmp_path / "f") == FingerprintCache(None).fingerprint(tmp_path / "f")
+    cache.save()
+    assert FingerprintCache(cache_file)._entries  # rewritten whole

@@ -1,0 +1,129 @@
+"""The stage mechanism: an input key from exactly the stage's arguments and code, reuse, and what every
+stage records (seconds, peak memory, its runtime), against a real SQLite MLflow store in tmp_path."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from pydantic import BaseModel
+
+from rlhf_core.config import AdvantageConfig
+from storage.layout import RunLayout
+from storage.manifest import read_manifest
+from storage.schemas import PROMPTS
+from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from tasks.stage import StageResult, run_stage, setting_value, stage, upstream_digests
+
+FILE = InputFile(path="/data/prompts.jsonl", sha256="a" * 64)
+
+
+class Sizes(BaseModel):
+    prompts: int = 4
+
+
+def test_setting_values_are_plain_data_and_files_count_by_content():
+    assert setting_value(AdvantageConfig(kl_coef=0.1))["kl_coef"] == 0.1
+    assert setting_value(Sizes()) == {"prompts": 4}
+    assert setting_value((1, [2.0, None], {"a": True})) == [1, [2.0, None], {"a": True}]
+    moved = dataclasses.replace(FILE, path="/elsewhere/prompts.jsonl")
+    assert setting_value(FILE) == setting_value(moved) == {"sha256": "a" * 64}
+    with pytest.raises(TypeError, match="pass an InputFile|plain data"):
+        setting_value(Path("/data/prompts.jsonl"))
+
+
+def _result(stage: str, digest: str) -> StageResult:
+    return StageResult(stage=stage, path="/x", input_key="0" * 64, digest=digest, reused=True, run_id=None)
+
+
+def test_upstream_digests_name_tuples_by_position_and_skip_none():
+    digests = upstream_digests(
+        {"policy": _result("ppo", "p"), "labels": None, "pairs": (_result("a", "1"), _result("b", "2"))}
+    )
+    assert digests == {"policy": "p", "pairs_0": "1", "pairs_1": "2"}
+
+
+@pytest.fixture
+def context(tmp_path: Path) -> StageContext:
+    store = RunLayout(tmp_path)
+    tracking = TrackingStore(uri=store.tracking_uri(), artifact_root=str(store.artifact_root()))
+    base = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE)
+    return StageContext(
+        layout=RunLayout(tmp_path / "camp"),
+        tracking=tracking,
+        campaign="camp",
+        experiment_id=tracking.tracker().experiment_id("camp"),
+        iteration=0,
+        seed=0,
+        base=base,
+        execution=Execution(device="cpu", torch_threads=1),
+    )
+
+
+SEEN: list[dict] = []
+
+
+@stage("toy")
+def toy(out, context: StageContext, source: StageResult | None, *, rows: int, prompts: InputFile) -> dict[str, float]:
+    """A stage writing ``rows`` prompt rows; notes what it saw, to check what the mechanism set up."""
+    SEEN.append({"threads": torch.get_num_threads(), "rows": rows})
+    table = pa.table({"prompt_id": list(range(rows)), "prompt": ["p"] * rows})
+    out.write_table("prompts", table, schema=PROMPTS)
+    _ = torch.ones(16_000_000)  # 64 MB written (above glibc's mmap threshold), so the peak is visible
+    return {"rows": float(rows)}
+
+
+def test_a_stage_runs_once_per_input_key_and_any_argument_changes_the_key(context):
+    SEEN.clear()
+    torch.set_num_threads(2)
+    first = toy.fn(context, None, rows=3, prompts=FILE)
+    assert not first.data.reused and SEEN == [{"threads": 1, "rows": 3}]  # the stage set its thread count
+    again = toy.fn(context, None, rows=3, prompts=dataclasses.replace(FILE, path="/moved.jsonl"))
+    assert again.data.reused and again.data.input_key == first.data.input_key and len(SEEN) == 1
+    keys = {first.data.input_key}
+    for changed in (
+        toy.fn(context, None, rows=4, prompts=FILE),  # a setting
+        toy.fn(context, None, rows=3, prompts=dataclasses.replace(FILE, sha256="b" * 64)),  # a file's content
+        toy.fn(context, first.data, rows=3, prompts=FILE),  # an upstream output
+        toy.fn(dataclasses.replace(context, iteration=1), None, rows=3, prompts=FILE),  # the iteration
+        toy.fn(dataclasses.replace(context, seed=7), None, rows=3, prompts=FILE),  # the seed
+    ):
+        assert not changed.data.reused
+        keys.add(changed.data.input_key)
+    assert len(keys) == 6
+    # Where it runs is not part of the key.
+    elsewhere = dataclasses.replace(context, execution=Execution(device="cpu", torch_threads=2, checkpoint_seconds=1))
+    assert toy.fn(elsewhere, None, rows=3, prompts=FILE).data.input_key == first.data.input_key
+
+
+def test_the_code_is_part_of_the_key(context):
+    def produce(out):
+        out.write_table("prompts", pa.table({"prompt_id": [0], "prompt": ["p"]}), schema=PROMPTS)
+        return {}
+
+    one = run_stage(context, "coded", settings={}, upstream={}, code="1" * 64, produce=produce)
+    same = run_stage(context, "coded", settings={}, upstream={}, code="1" * 64, produce=produce)
+    edited = run_stage(context, "coded", settings={}, upstream={}, code="2" * 64, produce=produce)
+    assert same.reused and same.input_key == one.input_key
+    assert not edited.reused and edited.input_key != one.input_key
+
+
+def test_every_stage_records_seconds_peak_memory_and_where_it_ran(context):
+    result = toy.fn(context, None, rows=2, prompts=FILE).data
+    manifest = read_manifest(result.directory)
+    assert manifest.metrics["rows"] == 2.0 and manifest.metrics["seconds"] > 0
+    assert manifest.metrics["peak_memory_mb"] >= 60  # the 64 MB buffer
+    assert manifest.runtime == {"device": "cpu", "torch_threads": 1}
+    assert manifest.config["stage"] == {"rows": 2, "prompts": {"sha256": "a" * 64}}
+    assert manifest.config["context"] == {"seed": 0, "iteration": 0, "base": context.base.fingerprint}
+
+
+def test_a_stage_function_must_take_out_and_context_first():
+    with pytest.raises(TypeError, match="must start with \\(out, context"):
+
+        @stage("bad")
+        def bad(context, out):  # noqa: ARG001
+            return {}
