@@ -82,6 +82,7 @@ def flow_run(world: Path, iterations: int) -> dict:
         from flows.campaign import tracking_store
         from flows.config import PipelineConfig
         from rlhf_core.config import AdvantageConfig
+        from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
     root = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
@@ -101,9 +102,7 @@ def flow_run(world: Path, iterations: int) -> dict:
         ]
         replay = None
         if hasattr(rlhf_pipeline, "rlhf_replay"):
-            source = tracker.find_run(
-                experiment, tags={"rlhf.kind": "iteration", "rlhf.iteration": str(iterations - 1)}
-            )
+            source = tracker.find_run(experiment, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(iterations - 1)})
             replay_config = config.model_copy(update={"advantages": AdvantageConfig(kl_coef=0.1)})
             with clock.measure("replay"):
                 rlhf_pipeline.rlhf_replay(replay_config, source)

@@ -4,6 +4,8 @@ stage records (seconds, peak memory, its runtime), against a real SQLite MLflow 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +18,8 @@ from storage.layout import RunLayout
 from storage.manifest import read_manifest
 from storage.schemas import PROMPTS
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
-from tasks.stage import StageResult, run_stage, setting_value, stage, upstream_digests
+from tasks.stage import StageResult, run_stage, setting_value, stage, stage_models, upstream_digests
+from tests.conftest import tiny_causal_lm
 
 FILE = InputFile(path="/data/prompts.jsonl", sha256="a" * 64)
 
@@ -127,3 +130,30 @@ def test_a_stage_function_must_take_out_and_context_first():
         @stage("bad")
         def bad(context, out):  # noqa: ARG001
             return {}
+
+
+LOADED: list[weakref.ref] = []
+
+
+@stage("loads_a_model")
+def loads_a_model(out, context: StageContext, *, source: str) -> dict[str, float]:
+    models = stage_models(out, context, "fp32")
+    actor = models.load("actor", source, trainable=True)
+    accelerator = models.accelerator()
+    optimizer = torch.optim.AdamW(actor.parameters())
+    actor, optimizer = accelerator.prepare(actor, optimizer)
+    LOADED.append(weakref.ref(accelerator.unwrap_model(actor)))
+    (out.path / "done").write_text("")
+    return {}
+
+
+def test_a_stages_models_are_freed_when_it_returns_and_are_recorded(context, tmp_path):
+    tiny_causal_lm("gpt2").save_pretrained(tmp_path / "policy")
+    gc.disable()  # so that only reference counting can free them
+    try:
+        result = loads_a_model.fn(context, source=str(tmp_path / "policy")).data
+        assert LOADED and LOADED[-1]() is None
+    finally:
+        gc.enable()
+    models = read_manifest(result.directory).runtime["models"]
+    assert models == [{"role": "actor", "device": "cpu", "dtype": "float32", "trainable": True}]
