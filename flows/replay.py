@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from flows.campaign import source_config, tracking_store
-from flows.config import ConfigError, PipelineConfig, _set_dotted, parse_override
+from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
 from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
 
@@ -65,6 +67,7 @@ def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[st
     tree: dict[str, Any] = source_config(config, source_run_id).model_dump(mode="json")
     for field in LOCATION:
         tree[field] = getattr(config, field) if field != "run_root" else str(config.run_root)
+    given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
         if key in LOCATION:
@@ -72,10 +75,11 @@ def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[st
         if not covers(changeable_fields(), key):
             raise _refusal([key])
         _set_dotted(tree, key, value)
+        given[key] = text
     try:
         return PipelineConfig.model_validate(tree)
-    except ValueError as error:
-        raise ConfigError(f"replay config is invalid:\n{error}") from error
+    except ValidationError as error:
+        raise ConfigError(f"replay config: {describe_errors(error, overrides=given, path=None)}") from error
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

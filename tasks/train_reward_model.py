@@ -19,6 +19,7 @@ from storage.manifest import StageOutput
 from storage.progress import clear_progress, latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
+from tasks.labelers import MIN_PREFERENCE_PAIRS
 from tasks.stage import StageResult, Throttle, stage, stage_models
 from tasks.text import encode_response, load_tokenizer, pad_token_lists
 
@@ -51,8 +52,10 @@ def train_reward_model(
     accelerator = models.accelerator()
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
-    if table.num_rows < 4:
-        raise ValueError(f"train_reward_model needs at least 4 preference pairs, got {table.num_rows}")
+    if table.num_rows < MIN_PREFERENCE_PAIRS:
+        raise ValueError(
+            f"train_reward_model needs at least {MIN_PREFERENCE_PAIRS} preference pairs, got {table.num_rows}"
+        )
     generator = context.generator(STAGE)
     pairs = preference_batch(table, tokenizer, pad_token_id=tokenizer.pad_token_id)
     order = torch.randperm(len(pairs), generator=generator)
