@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flows.campaign import source_config, tracking_store
+from flows.campaign import source_config, store_layout, tracking_store
 from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
 from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
@@ -24,7 +24,14 @@ def changeable_fields() -> tuple[str, ...]:
 
 
 def resolve_run(config: PipelineConfig, name: str) -> str:
-    """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration)."""
+    """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration).
+
+    Raises:
+        LookupError: no such run, campaign or iteration, or no MLflow store at all (none is created).
+    """
+    database = store_layout(config).mlflow_db()
+    if config.tracking_uri is None and not database.exists():
+        raise LookupError(f"no MLflow store at {database}: nothing has run with `run_root` {config.run_root}")
     tracker = tracking_store(config).tracker()
     campaign, _, iteration = name.partition(":")
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +34,7 @@ from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.logging import get_logger
 from prefect.runner import Runner
 from prefect.settings import get_current_settings
+from pydantic import ValidationError
 
 from flows.config import ConfigError, PipelineConfig
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
@@ -103,8 +105,8 @@ def build_deployments(
     """
     if cron is not None and interval is not None:
         raise ConfigError("give either a cron schedule or an interval, not both")
-    if interval is not None and interval <= 0:
-        raise ConfigError(f"the schedule interval must be positive, got {interval}")
+    if interval is not None and not (math.isfinite(interval) and interval > 0):
+        raise ConfigError(f"the schedule interval must be a positive number of seconds, got {interval}")
     defaults = {"config": config.model_dump(mode="json")}
     common = dict(
         name=config.campaign,
@@ -120,7 +122,10 @@ def build_deployments(
             **common,
         )
     except ValueError as error:
-        raise ConfigError(f"cron schedule {cron!r} is invalid: {error}") from error
+        problem = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error).splitlines()[0]
+        raise ConfigError(
+            f"--cron {cron!r} is not a valid cron schedule: {problem.removeprefix('Value error, ')}"
+        ) from error
     deployments = [
         iteration,
         rlhf_campaign.to_deployment(parameters=defaults, **common),
@@ -162,13 +167,13 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
         NoPrefectServer: no Prefect server is configured.
         ConfigError: see :func:`build_deployments`.
     """
+    deployments = build_deployments(config, cron=cron, interval=interval)  # a bad schedule is named first
     settings = get_current_settings()
     if not settings.api.url:
         raise NoPrefectServer(
             "serving needs a Prefect server: start one with `prefect server start --host 127.0.0.1 --port 4200` "
             "and `export PREFECT_API_URL=http://127.0.0.1:4200/api`"
         )
-    deployments = build_deployments(config, cron=cron, interval=interval)
     runner = _Runner(pause_on_shutdown=True)
     for deployment in deployments:
         runner.add_deployment(deployment)
