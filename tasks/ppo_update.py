@@ -20,7 +20,7 @@ from rlhf_core.precision import Precision
 from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.experience_io import table_to_experience
 from storage.manifest import StageOutput
-from storage.progress import clear_progress, latest_progress, save_progress
+from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.stage import StageResult, Throttle, stage, stage_models
@@ -110,5 +110,4 @@ def ppo_update(
     bar.close()
     unwrap = accelerator.unwrap_model
     _save_state(out.path, unwrap(actor), unwrap(critic), optimizers, generator, None, tokenizer)
-    clear_progress(out.final_dir)
     return {name: float(value) for name, value in stats._asdict().items()}

@@ -43,6 +43,7 @@ from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
+from storage.progress import clear_progress
 from storage.tracking import (
     KIND_STAGE,
     TAG_CAMPAIGN,
@@ -261,6 +262,7 @@ def _produce(
             hold(stage, "computing")
     finally:
         _release_memory()
+    clear_progress(stage_dir)  # only once the output is in place: a crash before keeps the mid-stage progress
     return out.manifest
 
 

@@ -16,7 +16,7 @@ from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.manifest import StageOutput
-from storage.progress import clear_progress, latest_progress, save_progress
+from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.labelers import MIN_PREFERENCE_PAIRS
@@ -100,5 +100,4 @@ def train_reward_model(
     )
     bar.close()
     save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
-    clear_progress(out.final_dir)
     return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}
