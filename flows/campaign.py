@@ -134,8 +134,8 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         if config.labeler == "import" and config.data.preferences
         else None,
     )
-    cache.save()
     check_inputs(config, base)
+    cache.save()  # only for inputs that pass: a refused command writes nothing
     return base
 
 

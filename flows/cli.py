@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR}
+_USER_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
+}  # fmt: skip
 """OS errors that are the machine's state, not a bug: a full or read-only disk, a missing or forbidden path."""
 
 
@@ -154,7 +156,10 @@ class _RunFailures(logging.Filter):
     command reports the failure itself, once. The Prefect UI keeps them all."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or not record.name.startswith(("prefect.flow_runs", "prefect.task_runs"))
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        final = record.getMessage().startswith(("Finished in state Failed", "Finished in state Crashed"))
+        return record.levelno < logging.ERROR and not final
 
 
 def _prepare(config, arguments) -> None:

@@ -12,6 +12,7 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
    ``sampling.max_new_tokens`` at most the model's ``max_position_embeddings``; every imported pair fits
    as it is scored (prompt + response + EOS). Longer ones are refused, not truncated: a prompt cut short
    silently would train on something other than the file says.
+4. The device exists on this machine and supports the precision (fp16 needs a GPU).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from flows.config import PipelineConfig
+from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
 from tasks.labelers import MIN_PREFERENCE_PAIRS
@@ -128,6 +130,12 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
     Raises:
         InputError: the first problem found.
     """
+    try:
+        device = resolve_device(config.device)
+    except ValueError as error:
+        raise InputError(str(error)) from error
+    if config.precision == "fp16" and device.type != "cuda":
+        raise InputError(f"`precision` fp16 needs a CUDA device, and `device` {config.device} is {device}; use bf16")
     context, vocabulary = _context_length("model.policy", Path(base.policy.path))
     tokenizer_setting = "model.tokenizer" if config.model.tokenizer else "model.policy"
     try:

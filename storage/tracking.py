@@ -324,13 +324,18 @@ class Tracker:
 
     @contextlib.contextmanager
     def ends_on_error(self, run_id: str) -> Iterator[None]:
-        """If the block raises, end the run KILLED (Ctrl-C) or FAILED and re-raise; nothing stays RUNNING."""
+        """If the block raises, end the run KILLED (Ctrl-C) or FAILED and re-raise; nothing stays RUNNING.
+
+        A run that is not RUNNING is left as it is: a finished iteration run keeps its record when a later
+        attempt that only reuses its outputs fails.
+        """
         try:
             yield
         except BaseException as error:
             status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
             try:
-                self.end_run(run_id, status)
+                if self.run_status(run_id) == "RUNNING":
+                    self.end_run(run_id, status)
             except Exception as end_error:  # noqa: BLE001 - the original error matters; the next attempt reconciles
                 logger.warning("could not mark run %s %s: %s", run_id, status, end_error)
             raise

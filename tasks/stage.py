@@ -41,6 +41,7 @@ from pydantic import BaseModel
 
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
+from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
 from storage.progress import clear_progress
@@ -254,6 +255,7 @@ def _produce(
                 stage_dir, stage=stage, input_key=input_key, config=key_settings, upstream=digests, code=code
             ) as out,
             _peak_memory(device) as peak,
+            disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
             out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
             out.metrics.update(produce(out))
