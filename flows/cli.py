@@ -29,6 +29,8 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core,storage,tasks,flows,demo")
+# The command checks its inputs before any flow runs; what those checks log is for the console only.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
@@ -173,9 +175,12 @@ def _prepare(config, arguments) -> None:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     from flows.campaign import campaign_layout, resolve_base
+    from flows.config import ConfigError
     from flows.prefect_server import ensure_prefect_api
     from storage.locks import refuse_if_locked
 
+    if config.run_root.exists() and not config.run_root.is_dir():
+        raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     resolve_base.fn(config)
     if not arguments.verbose:

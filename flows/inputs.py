@@ -18,6 +18,7 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -135,7 +136,9 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
     except ValueError as error:
         raise InputError(str(error)) from error
     if config.precision == "fp16" and device.type != "cuda":
-        raise InputError(f"`precision` fp16 needs a CUDA device, and `device` {config.device} is {device}; use bf16")
+        raise InputError(
+            f"`precision` fp16 needs a CUDA device; `device` {config.device} runs on the CPU: use bf16 or fp32"
+        )
     context, vocabulary = _context_length("model.policy", Path(base.policy.path))
     tokenizer_setting = "model.tokenizer" if config.model.tokenizer else "model.policy"
     try:
@@ -144,6 +147,7 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         raise InputError(
             f"`{tokenizer_setting}` {base.tokenizer.path}: no tokenizer loads: {_first_line(error)}"
         ) from error
+    tokenizer.model_max_length = sys.maxsize  # lengths are checked against the model's context here, not warned about
     if vocabulary is not None and len(tokenizer) > vocabulary:
         raise InputError(
             f"`{tokenizer_setting}` {base.tokenizer.path}: the tokenizer has {len(tokenizer)} tokens, more than the "
