@@ -58,7 +58,7 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     def settings(stage: str) -> dict:
         return stage_settings(config, base, stage)
 
-    state = state or IterationState(policy=initialize(context).result())
+    state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))

@@ -31,6 +31,11 @@ PROGRESS_FILE = "progress.json"
 OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
 
 
+def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer steps: all of them, or the adapters (and head) under LoRA."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+
 def _save_state(
     folder: Path, actor, critic, optimizers, generator: torch.Generator, progress: PPOProgress | None, tokenizer
 ) -> None:
@@ -76,8 +81,8 @@ def ppo_update(
     actor = models.load("actor", source / "actor", trainable=True)
     critic = models.load("critic", source / "critic", trainable=True)
     optimizers = (
-        torch.optim.AdamW(actor.parameters(), lr=ppo.actor_learning_rate),
-        torch.optim.AdamW(critic.parameters(), lr=ppo.critic_learning_rate),
+        torch.optim.AdamW(_trained(actor), lr=ppo.actor_learning_rate),
+        torch.optim.AdamW(_trained(critic), lr=ppo.critic_learning_rate),
     )
     if (source / OPTIMIZERS[0]).is_dir():
         for name, optimizer in zip(OPTIMIZERS, optimizers, strict=True):

@@ -35,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 from pydantic import BaseModel
 
+from rlhf_core.config import LoraConfig
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
@@ -256,9 +257,16 @@ def _produce(
     return out.manifest
 
 
-def stage_models(out: StageOutput, context: StageContext, precision: Precision) -> ModelLoader:
-    """The model seam for this stage: every model it loads is recorded in the output's ``runtime``."""
-    loader = context.execution.model_loader(precision)
+def stage_models(
+    out: StageOutput, context: StageContext, precision: Precision, *, lora: LoraConfig | None = None
+) -> ModelLoader:
+    """The model seam for this stage: every model it loads is recorded in the output's ``runtime``.
+
+    Args:
+        lora: adapters for the models this stage trains from full weights (a stage continuing an
+            adapter needs none: the folder says it holds one).
+    """
+    loader = context.execution.model_loader(precision, bases=context.base.bases, lora=lora)
     out.runtime.update(precision=precision, models=loader.loaded)
     return loader
 
