@@ -271,7 +271,7 @@ def iteration_summary(
     return "\n".join(lines) + "\n"
 
 
-def _stage_run(context: StageContext, parent_run_id: str, stage: str) -> str:
+def stage_run(context: StageContext, parent_run_id: str, stage: str) -> str:
     """The stage run whose output an iteration (or replay) run used: its own, or a reused one."""
     tracker = context.tracker
     run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
@@ -285,7 +285,7 @@ def _stage_run(context: StageContext, parent_run_id: str, stage: str) -> str:
 @task(name="load_replay_inputs", cache_policy=NO_CACHE)
 def load_replay_inputs(context: StageContext, source_run_id: str) -> tuple[StageResult, StageResult, StageResult]:
     """The source iteration's experience, the policy it was rolled out with, and its reward model."""
-    experience = recorded_result(context, _stage_run(context, source_run_id, "rollout"))
+    experience = recorded_result(context, stage_run(context, source_run_id, "rollout"))
     return (
         experience,
         upstream_result(context, experience, "policy"),
@@ -316,8 +316,8 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
     parent = tracker.find_run(
         experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
     )
-    policy = recorded_result(context, _stage_run(context, parent, "ppo_update"))
-    reward_model = recorded_result(context, _stage_run(context, parent, "train_reward_model"))
+    policy = recorded_result(context, stage_run(context, parent, "ppo_update"))
+    reward_model = recorded_result(context, stage_run(context, parent, "train_reward_model"))
     names = upstream_names(reward_model, prefix="preferences_")
     preferences = tuple(upstream_result(context, reward_model, name) for name in names)
     return latest + 1, IterationState(policy=policy, reward_model=reward_model, preferences=preferences)

@@ -4,6 +4,7 @@ rlhf run       run a campaign: config.iterations iterations (finished stages are
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
 rlhf config    print the resolved config as YAML
 """
@@ -59,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    export = commands.add_parser(
+        "export",
+        help="write a trained model of an iteration as a plain Hugging Face folder (LoRA adapters merged)",
+        description="AutoModelForCausalLM.from_pretrained(OUT_DIR) loads the exported actor with no reference to "
+        "this project. A critic or reward model is written as its backbone folder plus its head file.",
+    )
+    export.add_argument("source", help="CAMPAIGN, CAMPAIGN:ITERATION or an MLflow iteration run id")
+    export.add_argument("out_dir", type=Path, help="a new (or empty) folder")
+    export.add_argument("--model", choices=["actor", "critic", "reward_model"], default="actor")
+    _add_config_arguments(export)
     serve = commands.add_parser(
         "serve",
         help="serve Prefect deployments of the iteration, campaign and replay flows until Ctrl-C",
@@ -90,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(arguments.config, arguments.overrides)
         return _COMMANDS[arguments.command](config, arguments)
-    except (ConfigError, LookupError, FileNotFoundError) as error:
+    except (ConfigError, LookupError, FileNotFoundError, FileExistsError) as error:
         print(f"rlhf: {error}", file=sys.stderr)
         return 2
     except Exception as error:
@@ -143,6 +154,14 @@ def _compare(config, arguments) -> int:
     return 0
 
 
+def _export(config, arguments) -> int:
+    from flows.export import export_model
+
+    out_dir = export_model(config, arguments.source, arguments.out_dir, model=arguments.model)
+    print(f"wrote the {arguments.model} of {arguments.source} to {out_dir}")
+    return 0
+
+
 def _serve(config, arguments) -> int:
     from flows.serve import serve_pipeline
 
@@ -165,6 +184,7 @@ _COMMANDS = {
     "iterate": _iterate,
     "replay": _replay,
     "compare": _compare,
+    "export": _export,
     "serve": _serve,
     "config": _config,
 }

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flows.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
@@ -107,3 +108,22 @@ def test_lora_with_bf16_and_checkpointing_trains_and_stores_adapters_only(lora_c
         assert reference["shares_weights_with"] == "actor"  # the base with adapters off, never a second copy
     final = _manifests(config, "evaluate")[-1]["metrics"]
     assert 0.0 <= final["gold_win_rate"] <= 1.0 and final["kl_to_reference"] == final["kl_to_reference"]
+
+
+def test_export_merges_the_adapters_into_a_plain_hugging_face_folder(lora_campaign, checkpoint_world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flows.cli import main
+
+    config, _ = lora_campaign
+    location = [f"--set=run_root={config.run_root}"]
+    assert main(["export", f"{config.campaign}:1", str(tmp_path / "aligned"), *location]) == 0
+    assert not list((tmp_path / "aligned").glob("adapter_*")) and (tmp_path / "aligned" / "config.json").is_file()
+    aligned = AutoModelForCausalLM.from_pretrained(tmp_path / "aligned").eval()
+    base = AutoModelForCausalLM.from_pretrained(checkpoint_world["policy"]).eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert not torch.allclose(aligned(input_ids=ids).logits, base(input_ids=ids).logits)
+    assert main(["export", f"{config.campaign}:1", str(tmp_path / "aligned"), *location]) == 2  # not empty
+    assert main(["export", config.campaign, str(tmp_path / "rm"), "--model", "reward_model", *location]) == 0
+    assert (tmp_path / "rm" / "reward_head.safetensors").is_file()
