@@ -35,6 +35,7 @@ from tasks import (
     sample_candidates,
     train_reward_model,
 )
+from tasks.ppo_update import optimizer_state
 
 
 @flow(name="rlhf-iteration")
@@ -75,7 +76,7 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     ).result()
     experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
     scored = compute_advantages(context, experience, reward_model, **settings("compute_advantages")).result()
-    policy = ppo_update(context, state.policy, scored, **settings("ppo_update")).result()
+    policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [candidates, preferences, reward_model, experience, scored, policy, evaluation]
     return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences))
@@ -103,7 +104,13 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     scored = compute_advantages(
         context, experience, reward_model, **stage_settings(config, base, "compute_advantages")
     ).result()
-    new_policy = ppo_update(context, policy, scored, **stage_settings(config, base, "ppo_update")).result()
+    new_policy = ppo_update(
+        context,
+        policy,
+        optimizer_state(policy, present_only=True),
+        scored,
+        **stage_settings(config, base, "ppo_update"),
+    ).result()
     evaluation = evaluate(context, new_policy, reward_model, **stage_settings(config, base, "evaluate")).result()
     close_iteration(context, [scored, new_policy, evaluation], IterationState(new_policy, reward_model))
     return context.parent_run_id

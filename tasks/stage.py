@@ -46,6 +46,7 @@ from storage.tracking import (
     TAG_ITERATION,
     TAG_KIND,
     TAG_STAGE,
+    MissingOutputError,
     Tracker,
 )
 from tasks.code import code_fingerprint
@@ -208,9 +209,13 @@ def run_stage(
     manifest = find_stage_output(stage_dir, input_key)
     reused = manifest is not None
     if manifest is None and record is not None:
-        logger.info("%s: downloading output %s from MLflow run %s", stage, input_key[:16], record.run_id)
-        tracker.download_stage_output(record.run_id, stage_dir)
-        manifest, reused = read_manifest(stage_dir), True
+        logger.info("%s: fetching output %s recorded by MLflow run %s", stage, input_key[:16], record.run_id)
+        try:
+            tracker.download_stage_output(record.run_id, stage_dir)
+            manifest, reused = read_manifest(stage_dir), True
+        except MissingOutputError as error:
+            logger.warning("%s: %s; computing it again", stage, error)
+            record = None
     if manifest is None:
         logger.info("%s: running (input key %s)", stage, input_key[:16])
         manifest = _produce(context, stage_dir, stage, input_key, key_settings, digests, code, produce)
@@ -348,7 +353,7 @@ def _record_stage(
     )
     tracker.log_stage_output(run_id, stage_dir, manifest)
     for suffix, subfolder in (register or {}).items() if context.register_models else ():
-        tracker.register_model(run_id, name=f"{context.campaign}-{suffix}", artifact_subpath=f"output/{subfolder}")
+        tracker.register_model(run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder)
     tracker.end_run(run_id)
     return run_id
 
