@@ -5,6 +5,7 @@ rlhf iterate   run one more iteration, continuing the campaign from its latest s
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
 rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
+rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
 rlhf config    print the resolved config as YAML
 """
@@ -34,6 +35,12 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one field, e.g. --set ppo.epochs=2 --set iterations=5 (repeatable)",
     )
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", type=Path, help="a new (or empty) folder")
     export.add_argument("--model", choices=["actor", "critic", "reward_model"], default="actor")
     _add_config_arguments(export)
+    gc = commands.add_parser(
+        "gc",
+        help="remove the stage outputs of a campaign that no kept iteration, model version, replay or resume needs",
+        description="Keeps the newest --keep-last finished iterations with the inputs they were computed from, "
+        "unfinished iterations, replays of kept iterations, and model versions pinned with an alias; deletes the "
+        "other registered model versions and outputs. MLflow keeps every run's metrics.",
+    )
+    gc.add_argument("campaign", help="the campaign to clean up")
+    gc.add_argument(
+        "--keep-last", type=_at_least_one, default=1, metavar="N", help="finished iterations to keep (default 1)"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="print what would be removed and change nothing")
+    _add_config_arguments(gc)
     serve = commands.add_parser(
         "serve",
         help="serve Prefect deployments of the iteration, campaign and replay flows until Ctrl-C",
@@ -101,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(arguments.config, arguments.overrides)
         return _COMMANDS[arguments.command](config, arguments)
-    except (ConfigError, LookupError, FileNotFoundError, FileExistsError) as error:
+    except (ConfigError, LookupError, FileNotFoundError, FileExistsError, TimeoutError) as error:
         print(f"rlhf: {error}", file=sys.stderr)
         return 2
     except Exception as error:
@@ -162,6 +182,15 @@ def _export(config, arguments) -> int:
     return 0
 
 
+def _gc(config, arguments) -> int:
+    from flows.gc import collect_garbage, describe
+
+    config = config.model_copy(update={"campaign": arguments.campaign})
+    plan = collect_garbage(config, keep_last=arguments.keep_last, dry_run=arguments.dry_run)
+    print(describe(plan, dry_run=arguments.dry_run))
+    return 0
+
+
 def _serve(config, arguments) -> int:
     from flows.serve import serve_pipeline
 
@@ -185,6 +214,7 @@ _COMMANDS = {
     "replay": _replay,
     "compare": _compare,
     "export": _export,
+    "gc": _gc,
     "serve": _serve,
     "config": _config,
 }

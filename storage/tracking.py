@@ -67,6 +67,8 @@ __all__ = [
     "TAG_REPLAY_OF",
     "TAG_STAGE",
     "MissingOutputError",
+    "ModelVersionSummary",
+    "RunSummary",
     "StageRecord",
     "Tracker",
 ]
@@ -102,6 +104,25 @@ _LATEST = "latest"
 _DIGEST_LENGTH = 32  # MLflow stores dataset digests in 36 characters
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHARD_FILE = re.compile(r"(?P<table>.+)-\d{5,}\.parquet")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run's id, status and tags."""
+
+    run_id: str
+    status: str
+    tags: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ModelVersionSummary:
+    """A registered model version: its number, the run that made it, its source and aliases."""
+
+    version: str
+    run_id: str
+    source: str
+    aliases: tuple[str, ...]
 
 
 class MissingOutputError(LookupError):
@@ -317,6 +338,17 @@ class Tracker:
         )
         return runs[0].info.run_id if runs else None
 
+    def runs(self, experiment_id: str, *, tags: Mapping[str, str]) -> list[RunSummary]:
+        """Every run (any status) carrying every tag in ``tags``, page by page."""
+        clauses = " and ".join(f"tags.`{key}` = '{_quote(value)}'" for key, value in tags.items())
+        found, token = [], None
+        while True:
+            page = self._client.search_runs([experiment_id], filter_string=clauses, max_results=1000, page_token=token)
+            found += [RunSummary(run.info.run_id, run.info.status, dict(run.data.tags)) for run in page]
+            token = page.token
+            if not token:
+                return found
+
     def run_url(self, run_id: str) -> str:
         """The run's page in the MLflow UI."""
         experiment_id = self._client.get_run(run_id).info.experiment_id
@@ -513,6 +545,23 @@ class Tracker:
         if alias.lower() != _LATEST:
             self._client.set_registered_model_alias(name, alias, version)
         return str(version)
+
+    def model_versions(self, name: str) -> list[ModelVersionSummary]:
+        """Every version of the registered model ``name`` (none when it does not exist)."""
+        if not self._model_exists(name):
+            return []
+        # Version search results carry no aliases in MLflow 3; the registered model has them all.
+        aliases: dict[str, list[str]] = {}
+        for alias, version in self._client.get_registered_model(name).aliases.items():
+            aliases.setdefault(str(version), []).append(alias)
+        return [
+            ModelVersionSummary(str(v.version), v.run_id, v.source, tuple(sorted(aliases.get(str(v.version), []))))
+            for v in self._client.search_model_versions(f"name = '{_quote(name)}'")
+        ]
+
+    def delete_model_version(self, name: str, version: str) -> None:
+        """Delete one version of a registered model."""
+        self._client.delete_model_version(name, version)
 
     def _model_exists(self, name: str) -> bool:
         try:
