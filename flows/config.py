@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig, SettingError
+from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig, SettingError
 from rlhf_core.precision import DeviceChoice, Precision
 from tasks.labelers import MIN_PREFERENCE_PAIRS, LabelerName
 
@@ -33,6 +33,9 @@ class ModelSource(_Frozen):
     and uses the embedded demo model."""
     tokenizer: str | None = None
     """Tokenizer folder or name; None uses the policy's."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters on every trained model (actor, critic, reward model); `--set model.lora.r=8` alone turns
+    them on with the other defaults. None trains every weight."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of every trained model: less memory, about a third more compute.
     Results are the same, so it is part of no input key."""

@@ -36,6 +36,7 @@ from tasks import (
     train_reward_model,
 )
 from tasks.context import BaseInputs, StageContext
+from tasks.ppo_update import optimizer_state
 
 
 @flow(name="rlhf-iteration")
@@ -62,7 +63,7 @@ def _iteration(
     def settings(stage: str) -> dict:
         return stage_settings(config, base, stage)
 
-    state = state or IterationState(policy=initialize(context).result())
+    state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
@@ -79,7 +80,7 @@ def _iteration(
     ).result()
     experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
     scored = compute_advantages(context, experience, reward_model, **settings("compute_advantages")).result()
-    policy = ppo_update(context, state.policy, scored, **settings("ppo_update")).result()
+    policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [candidates, preferences, reward_model, experience, scored, policy, evaluation]
     return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences))
@@ -114,7 +115,13 @@ def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, sou
     scored = compute_advantages(
         context, experience, reward_model, **stage_settings(config, base, "compute_advantages")
     ).result()
-    new_policy = ppo_update(context, policy, scored, **stage_settings(config, base, "ppo_update")).result()
+    new_policy = ppo_update(
+        context,
+        policy,
+        optimizer_state(policy, present_only=True),
+        scored,
+        **stage_settings(config, base, "ppo_update"),
+    ).result()
     evaluation = evaluate(context, new_policy, reward_model, **stage_settings(config, base, "evaluate")).result()
     close_iteration(context, [scored, new_policy, evaluation], IterationState(new_policy, reward_model))
     return context.parent_run_id

@@ -186,3 +186,26 @@ class PPOConfig:
         check_fields(self)
         if self.aggregation not in ("token_mean", "sequence_mean"):
             raise SettingError("aggregation", f"must be 'token_mean' or 'sequence_mean', got {self.aggregation!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021) on every trained model, through peft (stages: initialize, train reward model).
+
+    The base weights stay frozen (in the precision's dtype) and are never saved again: a stage output
+    holds the adapters (and heads). The reference policy is the actor with its adapters switched off.
+    """
+
+    r: int = bounded(8, gt=0)
+    """Adapter rank (peft's default)."""
+    alpha: int = bounded(16, gt=0)
+    """Scaling numerator: updates are scaled by alpha / r (2 at the defaults, as TRL's PPO examples)."""
+    dropout: float = bounded(0.05, ge=0, lt=1)
+    """Dropout on the adapter input during reward-model training (off in the PPO update, as all dropout)."""
+    target_modules: str | tuple[str, ...] = "all-linear"
+    """Modules that get adapters: peft's ``all-linear`` (every linear layer but the output layer) or names."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.target_modules:
+            raise SettingError("target_modules", "must name at least one module, or be 'all-linear'")

@@ -48,10 +48,8 @@ def evaluate(
     """
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    sides = {
-        "policy": models.load("actor", policy.directory / "actor"),
-        "reference": models.load("reference", context.base.policy.path),
-    }
+    actor = models.load("actor", policy.directory / "actor")
+    sides = {"policy": actor, "reference": models.reference(actor)}
     scorer = models.load("reward_model", reward_model.directory / "reward_model")
     texts = read_prompt_texts(context.base.eval_prompts.path)[:prompts]
     records: list[dict] = []

@@ -3,11 +3,19 @@
 The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models,
 optimizers, the shuffling stream and running statistics); a crashed run continues from the last
 saved epoch and ends exactly where an uninterrupted one would.
+
+The optimizer states it writes are *prunable*: only the newest iteration's are needed (to continue
+the campaign), so older ones are deleted (:func:`prune_optimizer_states`). An update continues the
+optimizer states of its input policy, and their digest is part of its input key
+(:class:`OptimizerState`): re-running a finished iteration reuses its output even after its
+input's states were pruned, while computing it again then is refused (it could not be exact). A
+replay continues them while they exist, and otherwise starts from fresh optimizers, under another key.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +27,7 @@ from rlhf_core.ppo import ppo_update as update
 from rlhf_core.precision import Precision
 from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.experience_io import table_to_experience
-from storage.manifest import StageOutput
+from storage.manifest import StageOutput, prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
@@ -29,6 +37,42 @@ from tasks.text import load_tokenizer
 STAGE = "ppo_update"
 PROGRESS_FILE = "progress.json"
 OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer states a policy output was written with, identified by their content.
+
+    Args:
+        path: the policy output folder holding them.
+        digest: their identity (kept in the manifest, also once they are pruned).
+        present: whether the files are still on disk.
+    """
+
+    path: str
+    digest: str
+    present: bool
+
+
+def optimizer_state(policy: StageResult, *, present_only: bool = False) -> OptimizerState | None:
+    """The optimizer states ``policy`` (an initialize or ppo_update output) was written with, or None
+    when it has none (or, with ``present_only``, when they were pruned)."""
+    manifest = read_manifest(policy.directory, verify=False)
+    digest = prunable_digest(manifest)
+    if digest is None:
+        return None
+    present = prunable_present(policy.directory, manifest)
+    return OptimizerState(path=policy.path, digest=digest, present=present) if present or not present_only else None
+
+
+def prune_optimizer_states(folders: list[Path], *, keep: Path | None) -> int:
+    """Delete the optimizer states of the ppo_update outputs ``folders`` except ``keep``; returns the bytes freed."""
+    return sum(prune_files(folder) for folder in folders if keep is None or folder.resolve() != keep.resolve())
+
+
+def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer steps: all of them, or the adapters (and head) under LoRA."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
 
 
 def _save_state(
@@ -51,6 +95,7 @@ def ppo_update(
     out: StageOutput,
     context: StageContext,
     policy: StageResult,
+    optimizer: OptimizerState | None,
     scored: StageResult,
     *,
     ppo: PPOConfig,
@@ -60,6 +105,8 @@ def ppo_update(
     """Write ``actor/``, ``critic/`` and their optimizer states after PPO epochs over the experience.
 
     Args:
+        optimizer: the optimizer states of ``policy`` to continue (see :func:`optimizer_state`);
+            None starts fresh ones.
         temperature: the sampling temperature of the rollout (the update's log-probs use it too).
     """
     models = stage_models(out, context, precision)
@@ -68,20 +115,26 @@ def ppo_update(
     generator = context.generator(STAGE)
     checkpoint = latest_progress(out.final_dir)
     source, resume = policy.directory, None
+    if optimizer is not None and not optimizer.present and checkpoint is None:
+        raise FileNotFoundError(
+            f"the optimizer states of {optimizer.path} were pruned (only the newest iteration keeps them), so this "
+            "update cannot be computed again exactly; continue from the newest iteration, or replay it"
+        )
+    states = Path(optimizer.path) if optimizer is not None else None
     if checkpoint is not None:
-        source = checkpoint[1]
+        source = states = checkpoint[1]
         saved = json.loads((source / PROGRESS_FILE).read_text())
         resume = PPOProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
     actor = models.load("actor", source / "actor", trainable=True)
     critic = models.load("critic", source / "critic", trainable=True)
     optimizers = (
-        torch.optim.AdamW(actor.parameters(), lr=ppo.actor_learning_rate),
-        torch.optim.AdamW(critic.parameters(), lr=ppo.critic_learning_rate),
+        torch.optim.AdamW(_trained(actor), lr=ppo.actor_learning_rate),
+        torch.optim.AdamW(_trained(critic), lr=ppo.critic_learning_rate),
     )
-    if (source / OPTIMIZERS[0]).is_dir():
-        for name, optimizer in zip(OPTIMIZERS, optimizers, strict=True):
-            load_training_state(source / name, optimizer=optimizer)
+    if states is not None:
+        for name, state in zip(OPTIMIZERS, optimizers, strict=True):
+            load_training_state(states / name, optimizer=state)
     actor, critic, *optimizers = accelerator.prepare(actor, critic, *optimizers)
 
     throttle = Throttle(context.execution.checkpoint_seconds)
@@ -110,4 +163,8 @@ def ppo_update(
     bar.close()
     unwrap = accelerator.unwrap_model
     _save_state(out.path, unwrap(actor), unwrap(critic), optimizers, generator, None, tokenizer)
-    return {name: float(value) for name, value in stats._asdict().items()}
+    out.prunable.update(OPTIMIZERS)
+    return {
+        **{name: float(value) for name, value in stats._asdict().items()},
+        "optimizer_restored": float(states is not None),
+    }

@@ -36,11 +36,12 @@ def rollout(
     """Write the ``experience`` table: one scored rollout for each of ``prompts`` prompts."""
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
+    actor = models.load("actor", policy.directory / "actor")
     maker = ExperienceMaker(
-        models.load("actor", policy.directory / "actor"),
+        actor,
         models.load("critic", policy.directory / "critic"),
         models.load("reward_model", reward_model.directory / "reward_model"),
-        models.load("reference", context.base.policy.path),
+        models.reference(actor),
         sampling=sampling,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

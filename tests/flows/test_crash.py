@@ -148,8 +148,12 @@ def _store(run_root: Path, campaign: str) -> dict:
     )
     artifact_root = Path(experiment.artifact_location.removeprefix("file://"))
     for run in stage_runs:
+        # Recorded by reference (a local store): the artifacts are the manifest of the folder the tag names.
         artifacts = Path(run.info.artifact_uri.removeprefix("file://")) / "output"
-        assert read_manifest(artifacts, verify=True).digest == run.data.tags["rlhf.manifest_digest"]
+        folder = Path(run.data.tags["rlhf.output_path"])
+        assert read_manifest(folder, verify=True).digest == run.data.tags["rlhf.manifest_digest"]
+        assert [path.name for path in artifacts.iterdir()] == ["_manifest.json"]
+        assert (artifacts / "_manifest.json").read_bytes() == (folder / "_manifest.json").read_bytes()
     versions = [
         (model.name, str(version.version), version.run_id)
         for model in client.search_registered_models()

@@ -177,9 +177,10 @@ def _produce_actor(out) -> dict[str, float]:
 
 
 def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(context, monkeypatch):
-    """Killed while the stage run was recorded: RUNNING, half its artifacts copied, no model version. The
-    next attempt finishes that run: one run, FINISHED, its artifacts exactly the output, each metric and
-    model version once."""
+    """Killed while the stage run was recorded: RUNNING, its artifacts half written, no model version. The
+    next attempt finishes that run: one run, FINISHED, its ``output/`` artifacts exactly what a recording
+    that never stopped leaves (the manifest, the output being recorded by reference), each metric and model
+    version once."""
     from mlflow import MlflowClient
 
     import tasks.stage
@@ -200,8 +201,7 @@ def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(con
     client.set_tag(interrupted.info.run_id, TAG_PROCESS, _dead_writer())
     client.update_run(interrupted.info.run_id, status="RUNNING")
     artifacts = Path(interrupted.info.artifact_uri.removeprefix("file://")) / "output"
-    (artifacts / "actor" / "weights.bin").write_bytes(b"half")
-    (artifacts / "actor" / "config.json").unlink()
+    (artifacts / "_manifest.json").write_text("{half")
     (artifacts / "stray.tmp").write_text("left by the interrupted copy")
 
     monkeypatch.setattr(tasks.stage, "hold", lambda stage, window: None)
@@ -211,7 +211,9 @@ def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(con
     (finished,) = client.search_runs([context.experiment_id])
     assert finished.info.run_id == interrupted.info.run_id == result.run_id
     assert finished.info.status == "FINISHED"
-    assert read_manifest(artifacts, verify=True).digest == result.digest  # every file, nothing else
+    assert [path.name for path in artifacts.iterdir()] == ["_manifest.json"]
+    assert (artifacts / "_manifest.json").read_bytes() == (result.directory / "_manifest.json").read_bytes()
+    assert finished.data.tags["rlhf.output_path"] == str(result.directory)
     assert len(client.get_metric_history(result.run_id, "trainer/loss")) == 1
     versions = client.search_model_versions("name = 'camp-actor'")
     assert [(str(v.version), v.run_id) for v in versions] == [("1", result.run_id)]
