@@ -230,6 +230,9 @@ def run_stage(
         hold(stage, "output")
     else:
         logger.info("%s: reusing output %s", stage, input_key[:16])
+    # Only once the output is in place (a crash before keeps the mid-stage progress), and on reuse too: a
+    # crash between publishing the output and this line leaves progress nothing would read again.
+    clear_progress(stage_dir)
 
     run_id = (
         record.run_id
@@ -270,7 +273,6 @@ def _produce(
             hold(stage, "computing")
     finally:
         _release_memory()
-    clear_progress(stage_dir)  # only once the output is in place: a crash before keeps the mid-stage progress
     return out.manifest
 
 
