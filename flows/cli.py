@@ -146,6 +146,8 @@ def _user_error(error: BaseException) -> bool:
         ConfigError, InputError, ImportFormatError, CorruptOutputError, LookupError, FileNotFoundError,
         FileExistsError, TimeoutError, LockHeld, UnsafeLockFile, PrefectServerError, KeyboardInterrupt,
     )  # fmt: skip
+    if isinstance(error, KeyError | IndexError):  # LookupErrors of a bug, not a run or campaign that does not exist
+        return False
     if isinstance(error, user_errors):
         return True
     return isinstance(error, OSError) and error.errno in _USER_ERRNOS

@@ -558,3 +558,23 @@ def test_issue14_a_full_disk_is_reported_and_the_iteration_marked_failed(prefect
     runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     statuses = {run.info.run_name: run.info.status for run in runs}
     assert statuses.pop("iteration-0") == "FAILED" and set(statuses.values()) == {"FINISHED"}
+
+
+# --- what is not a user error, and --verbose ---------------------------------------------------------
+
+
+def test_issue14_a_bug_keeps_its_traceback(monkeypatch):
+    """A KeyError is a LookupError, as "no such run" is, but from a bug: it is raised, not reported as exit 2."""
+    import flows.cli
+
+    def broken(config, arguments):
+        return {}["missing"]
+
+    monkeypatch.setitem(flows.cli._COMMANDS, "config", broken)
+    with pytest.raises(KeyError):
+        main(["config"])
+
+
+def test_issue14_verbose_adds_the_traceback_to_a_user_error(capfd):
+    code, stderr = _main(["config", "--set", "ppo.clip_eps=-1", "--verbose"], capfd)
+    assert code == 2 and "Traceback" in stderr and stderr.strip().splitlines()[-1].startswith("rlhf: `ppo.clip_eps`")
