@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import PipelineConfig
-from flows.inputs import check_inputs
+from flows.inputs import InputError, check_inputs
 from flows.settings import EXECUTION, LOCATION
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
@@ -38,6 +38,7 @@ from tasks.judge import JudgeReference
 from tasks.ppo_update import prune_optimizer_states
 from tasks.records import recorded_result, upstream_names, upstream_result
 from tasks.stage import StageResult
+from tasks.text import load_tokenizer, same_tokenizer
 
 CONFIG_ARTIFACT = "config.json"
 GOLD_JUDGE = "demo.gold:JUDGE"
@@ -135,8 +136,18 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         preferences=_input_file(cache, "data.preferences", config.data.preferences)
         if config.labeler == "import" and config.data.preferences
         else None,
+        reward_model=_input_file(cache, "model.reward_model", config.model.reward_model)
+        if config.model.reward_model
+        else None,
     )
     check_inputs(config, base)
+    if config.model.critic_init == "reward_model" and not same_tokenizer(
+        load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
+    ):
+        raise InputError(
+            f"`model.critic_init` reward_model needs a reward model that uses the policy's tokenizer (the critic reads "
+            f"the policy's tokens); {config.model.reward_model} has a tokenizer of its own: use critic_init policy"
+        )
     cache.save()  # only for inputs that pass: a refused command writes nothing
     return base
 

@@ -8,10 +8,12 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
 2. Every prompts, eval-prompts and preferences row parses (:mod:`storage.importers`, rows of bounded
    size), and each file holds enough rows: a prompt at least, ``sizes.eval_prompts`` held-out prompts,
    and :data:`tasks.labelers.MIN_PREFERENCE_PAIRS` imported pairs.
-3. Every prompt the stages will use fits the model's context with a full response: prompt tokens plus
-   ``sampling.max_new_tokens`` at most the model's ``max_position_embeddings``; every imported pair fits
-   as it is scored (prompt + response + EOS). Longer ones are refused, not truncated: a prompt cut short
-   silently would train on something other than the file says.
+3. Every prompt the stages will use fits the model's context with a full response: its tokens as the
+   stages encode it (:func:`tasks.text.prompt_ids`: through the tokenizer's chat template for chat
+   turns) plus ``sampling.max_new_tokens``, at most the model's ``max_position_embeddings``; every
+   imported pair fits the reward model as it is scored (:func:`tasks.text.conversation_ids`, in the
+   reward model's own tokens). Longer ones are refused, not truncated: a prompt cut short silently
+   would train on something other than the file says.
 4. The device exists on this machine and supports the precision (fp16 needs a GPU).
 """
 
@@ -28,7 +30,7 @@ from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
 from tasks.labelers import MIN_PREFERENCE_PAIRS
-from tasks.text import encode_response, load_tokenizer
+from tasks.text import Prompt, conversation_ids, load_tokenizer, prompt_ids
 
 _BATCH = 256
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
@@ -45,8 +47,13 @@ def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
-def _context_length(setting: str, policy: Path) -> tuple[int | None, int | None]:
-    """``(context length, vocabulary size)`` of the policy, either None where its config does not say.
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _model_limits(setting: str, folder: Path) -> tuple[int | None, int | None]:
+    """``(context length, vocabulary size)`` of a model folder, either None where its config does not say.
 
     Raises:
         InputError: no readable config or weights.
@@ -55,12 +62,12 @@ def _context_length(setting: str, policy: Path) -> tuple[int | None, int | None]
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(policy)
+        config = AutoConfig.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError or KeyError here
-        raise InputError(f"`{setting}` {policy}: config.json cannot be read: {_first_line(error)}") from error
-    weights = sorted(path for pattern in _WEIGHT_FILES for path in policy.glob(pattern))
+        raise InputError(f"`{setting}` {folder}: config.json cannot be read: {_first_line(error)}") from error
+    weights = sorted(path for pattern in _WEIGHT_FILES for path in folder.glob(pattern))
     if not weights:
-        raise InputError(f"`{setting}` {policy} holds no weights (model.safetensors or pytorch_model.bin)")
+        raise InputError(f"`{setting}` {folder} holds no weights (model.safetensors or pytorch_model.bin)")
     for path in weights:
         if path.suffix == ".safetensors":
             try:
@@ -71,9 +78,18 @@ def _context_length(setting: str, policy: Path) -> tuple[int | None, int | None]
     return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
 
 
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+def _tokenizer(setting: str, folder: str):
+    """The tokenizer of ``folder`` as the stages load it, its length warnings off (lengths are checked here).
+
+    Raises:
+        InputError: none loads.
+    """
+    try:
+        tokenizer = load_tokenizer(folder)
+    except Exception as error:  # noqa: BLE001 - a missing or malformed tokenizer raises anything from OSError to TypeError
+        raise InputError(f"`{setting}` {folder}: no tokenizer loads: {_first_line(error)}") from error
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
 
 
 def _fits(setting: str, path: Path, row: int, field: str, needed: int, *, context: int | None, what: str) -> None:
@@ -81,7 +97,7 @@ def _fits(setting: str, path: Path, row: int, field: str, needed: int, *, contex
     if context is not None and needed > context:
         raise InputError(
             f"`{setting}` {path}, row {row}, field {field!r}: {what}, more than the model's context length "
-            f"{context} (`max_position_embeddings` of `model.policy`); shorten or drop it"
+            f"{context} (its `max_position_embeddings`); shorten or drop it"
         )
 
 
@@ -94,8 +110,8 @@ def _check_prompts(
         for batch in _batched(prompt_rows(path), _BATCH):
             rows += len(batch)
             checked = batch if used is None else batch[: max(used - (rows - len(batch)), 0)]
-            lengths = [len(ids) for ids in tokenizer([text for _, _, text in checked])["input_ids"]]
-            for (row, record, _), length in zip(checked, lengths, strict=True):
+            for row, record, text, messages in checked:
+                length = len(prompt_ids(tokenizer, Prompt(text, tuple(messages))))
                 field = "prompt" if record.get("prompt") is not None else "messages"
                 needed = length + max_new_tokens
                 what = f"{length} prompt tokens + `sampling.max_new_tokens`={max_new_tokens} is {needed}"
@@ -107,21 +123,21 @@ def _check_prompts(
         raise InputError(f"`{setting}` {path} holds {rows or 'no'} prompts{wanted}")
 
 
-def _check_preferences(setting: str, path: Path, tokenizer, *, context: int | None) -> None:
+def _check_preferences(setting: str, path: Path, tokenizer, *, context: int | None, at_least: int) -> None:
+    """Parse every pair; count them; check that each fits the reward model as it is scored."""
     pairs = 0
     try:
-        for row, prompt, chosen, rejected, _ in preference_rows(path):
+        for row, prompt, messages, chosen, rejected, _ in preference_rows(path):
             pairs += 1
             for field, response in (("chosen", chosen), ("rejected", rejected)):
-                tokens = len(encode_response(tokenizer, prompt, response))
-                what = f"{tokens} tokens with its prompt and EOS"
+                tokens = len(conversation_ids(tokenizer, Prompt(prompt, tuple(messages)), response))
+                what = f"{tokens} tokens with its prompt, as the reward model reads it"
                 _fits(setting, path, row, field, tokens, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
-    if pairs < MIN_PREFERENCE_PAIRS:
+    if pairs < at_least:
         raise InputError(
-            f"`{setting}` {path} holds {pairs or 'no'} preference pairs; the reward model needs at least "
-            f"{MIN_PREFERENCE_PAIRS}"
+            f"`{setting}` {path} holds {pairs or 'no'} preference pairs; the reward model needs at least {at_least}"
         )
 
 
@@ -139,15 +155,9 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         raise InputError(
             f"`precision` fp16 needs a CUDA device; `device` {config.device} runs on the CPU: use bf16 or fp32"
         )
-    context, vocabulary = _context_length("model.policy", Path(base.policy.path))
+    context, vocabulary = _model_limits("model.policy", Path(base.policy.path))
     tokenizer_setting = "model.tokenizer" if config.model.tokenizer else "model.policy"
-    try:
-        tokenizer = load_tokenizer(base.tokenizer.path)
-    except Exception as error:  # noqa: BLE001 - a missing or malformed tokenizer raises anything from OSError to TypeError
-        raise InputError(
-            f"`{tokenizer_setting}` {base.tokenizer.path}: no tokenizer loads: {_first_line(error)}"
-        ) from error
-    tokenizer.model_max_length = sys.maxsize  # lengths are checked against the model's context here, not warned about
+    tokenizer = _tokenizer(tokenizer_setting, base.tokenizer.path)
     if vocabulary is not None and len(tokenizer) > vocabulary:
         raise InputError(
             f"`{tokenizer_setting}` {base.tokenizer.path}: the tokenizer has {len(tokenizer)} tokens, more than the "
@@ -169,4 +179,12 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
     if base.preferences is not None:
-        _check_preferences("data.preferences", Path(base.preferences.path), tokenizer, context=context)
+        reward_context, reward_tokenizer = context, tokenizer
+        if base.reward_model is not None:
+            reward_tokenizer = _tokenizer("model.reward_model", base.reward_tokenizer)
+            if (Path(base.reward_model.path) / "config.json").is_file():
+                reward_context, _ = _model_limits("model.reward_model", Path(base.reward_model.path))
+        _check_preferences(
+            "data.preferences", Path(base.preferences.path), reward_tokenizer,
+            context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
+        )  # fmt: skip

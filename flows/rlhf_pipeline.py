@@ -8,6 +8,8 @@ exactly the settings :data:`flows.settings.STAGE_SETTINGS` lists for it.
 
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import flow
 
 from flows.campaign import (
@@ -37,6 +39,7 @@ from tasks import (
 )
 from tasks.context import BaseInputs, StageContext
 from tasks.ppo_update import optimizer_state
+from tasks.stage import StageResult
 
 
 @flow(name="rlhf-iteration")
@@ -60,21 +63,10 @@ def rlhf_iteration(
 def _iteration(
     config: PipelineConfig, base: BaseInputs, context: StageContext, state: IterationState | None
 ) -> IterationState:
-    def settings(stage: str) -> dict:
-        return stage_settings(config, base, stage)
-
+    settings = partial(stage_settings, config, base)
     state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
-    candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
-    labels = (
-        request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
-        if config.labeler == "human"
-        else None
-    )
-    judge_model = state.reward_model if config.labeler == "reward_model" else None
-    preferences = collect_preferences(
-        context, candidates, judge_model, labels, **settings("collect_preferences")
-    ).result()
-    all_preferences = (*state.preferences, preferences)
+    collected = _collect(config, context, settings, state) if config.reward_model.train else ()
+    all_preferences = (*state.preferences, *collected[1:])
     reward_model = train_reward_model(
         context, all_preferences, state.reward_model, **settings("train_reward_model")
     ).result()
@@ -82,8 +74,21 @@ def _iteration(
     scored = compute_advantages(context, experience, reward_model, **settings("compute_advantages")).result()
     policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
-    stages = [candidates, preferences, reward_model, experience, scored, policy, evaluation]
+    stages = [*collected, reward_model, experience, scored, policy, evaluation]
     return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences))
+
+
+def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
+    """Stages 1 and 2: candidates from the current policy, and their preference labels."""
+    candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
+    labels = (
+        request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
+        if config.labeler == "human"
+        else None
+    )
+    judge_model = state.reward_model if config.labeler == "reward_model" else None
+    preferences = collect_preferences(context, candidates, judge_model, labels, **settings("collect_preferences"))
+    return candidates, preferences.result()
 
 
 @flow(name="rlhf-campaign")

@@ -20,7 +20,7 @@ from flows.config import PipelineConfig
 from tasks.context import BaseInputs
 
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
-    "initialize": {"lora": "model.lora"},
+    "initialize": {"lora": "model.lora", "critic_init": "model.critic_init"},
     "sample_candidates": {
         "sampling": "sampling",
         "precision": "precision",

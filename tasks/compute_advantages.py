@@ -30,12 +30,15 @@ def compute_advantages(
     # Only masks and per-token floats are read here and padding is stripped again on write,
     # so the id used to pad token columns cannot change the output.
     rollouts = table_to_experience(table, pad_token_id=0)
-    scored = score_experience(
-        rollouts,
-        advantages,
-        score_mean=reward_model.metrics["score_mean"],
-        score_std=reward_model.metrics["score_std"],
-    )
+    # The reward model's held-out statistics; a pretrained one used as it is has none, so the
+    # experience's own scores stand in (a pure function of the shards all the same).
+    statistics = reward_model.metrics
+    if "score_mean" in statistics:
+        score_mean, score_std = statistics["score_mean"], statistics["score_std"]
+    else:
+        score_mean = float(rollouts.scores.mean())
+        score_std = float(rollouts.scores.std()) if rollouts.batch_size > 1 else 1.0
+    scored = score_experience(rollouts, advantages, score_mean=score_mean, score_std=score_std)
     out.write_table(
         "scored_experience",
         experience_to_table(scored, table.column("prompt_id").to_pylist(), first_row=table.column("row")[0].as_py()),

@@ -13,7 +13,7 @@ from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
 from tasks.context import StageContext
 from tasks.stage import StageResult, stage, stage_models
-from tasks.text import batches, encode_prompts, load_tokenizer, read_prompt_texts, rotating_subset
+from tasks.text import batches, encode_prompts, load_tokenizer, read_prompts, reward_scorer, rotating_subset
 
 STAGE = "rollout"
 ROLLOUT_PROMPT_OFFSET = 7919
@@ -37,18 +37,15 @@ def rollout(
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
-    maker = ExperienceMaker(
-        actor,
-        models.load("critic", policy.directory / "critic"),
+    critic = models.load("critic", policy.directory / "critic")
+    scorer = reward_scorer(
         models.load("reward_model", reward_model.directory / "reward_model"),
-        models.reference(actor),
-        sampling=sampling,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        precision=precision,
+        policy_tokenizer_dir=context.base.tokenizer.path,
+        reward_tokenizer_dir=context.base.reward_tokenizer,
     )
+    reference = models.reference(actor)
     chosen = rotating_subset(
-        read_prompt_texts(context.base.prompts.path),
+        read_prompts(context.base.prompts.path),
         count=prompts,
         iteration=context.iteration,
         offset=ROLLOUT_PROMPT_OFFSET,
@@ -56,7 +53,20 @@ def rollout(
     generator = context.generator(STAGE)
     tables = []
     for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [text for _, text in chosen[part]])
+        batch = [prompt for _, prompt in chosen[part]]
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, batch)
+        maker = ExperienceMaker(
+            actor,
+            critic,
+            lambda sequences, mask, batch=batch, length=prompt_ids.shape[1]: scorer.score(
+                batch, sequences, mask, prompt_length=length
+            ),
+            reference,
+            sampling=sampling,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            precision=precision,
+        )
         experience = maker.make_experience(prompt_ids, prompt_mask, generator=generator)
         tables.append(experience_to_table(experience, [index for index, _ in chosen[part]], first_row=part.start))
     table = pa.concat_tables(tables)
