@@ -14,7 +14,9 @@ Choices:
    it ends with the command however the command ends, ``kill -9`` included. The request is tied to
    the thread that started the child, so it is made from the command's main thread.
 3. It is stopped at exit like Prefect's own, from an ``atexit`` hook registered before any flow runs,
-   so Prefect's log and event workers (registered later, run earlier) flush to it first.
+   so Prefect's log and event workers (registered later, run earlier) flush to it first. It runs in
+   a process group of its own, so a Ctrl-C at the terminal reaches the command, which stops it when
+   it has reported the interruption, and not the server directly.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ def _launch(port: int) -> subprocess.Popen:
         "PREFECT__SERVER_EPHEMERAL": "1",
         "PREFECT__SERVER_FINAL": "1",
     }
-    return subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(os.getpid()), *uvicorn], env=environment)
+    # In a process group of its own: Ctrl-C in a terminal signals the whole foreground group, and the server
+    # must outlive the command's own handling of it (marking its runs) rather than stop under it.
+    return subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *uvicorn], env=environment, process_group=0
+    )
 
 
 def _stop(process: subprocess.Popen) -> None:

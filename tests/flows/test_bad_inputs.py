@@ -494,7 +494,9 @@ def _subprocess(argv: list[str], *, prefix: list[str] = (), **environment: str) 
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), **environment}
     command = [*prefix, sys.executable, "-m", "flows", *argv]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True
+    )
 
 
 def test_issue14_ctrl_c_mid_stage_exits_2_and_leaves_nothing_running(prefect_server, checkpoint_world, tmp_path):
@@ -507,7 +509,7 @@ def test_issue14_ctrl_c_mid_stage_exits_2_and_leaves_nothing_running(prefect_ser
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
         time.sleep(0.05)
     before = _files(tmp_path / "runs")
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C at a terminal does: to the whole process group
     _, stderr = process.communicate(timeout=120)
     _assert_refused(process.returncode, stderr, tmp_path / "runs", ("interrupted", "run the same command"), before)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
