@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import PipelineConfig
+from flows.inputs import InputError, check_inputs
 from flows.settings import EXECUTION, LOCATION
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
@@ -104,8 +105,13 @@ def _input_file(cache: FingerprintCache, setting: str, path: str | Path) -> Inpu
 
 @task(name="resolve_base", cache_policy=NO_CACHE)
 def resolve_base(config: PipelineConfig) -> BaseInputs:
-    """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, and
-    identify each by its content (cached by path, size and modification time)."""
+    """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, identify each by
+    its content (cached by path, size and modification time), and refuse any the stages could not use.
+
+    Raises:
+        FileNotFoundError: an input does not exist.
+        InputError: an input cannot be used (see :func:`flows.inputs.check_inputs`).
+    """
     policy, prompts, eval_prompts = config.model.policy, config.data.prompts, config.data.eval_prompts
     if policy is None or prompts is None or eval_prompts is None:
         from demo.build import build_default_world
@@ -134,14 +140,15 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         if config.model.reward_model
         else None,
     )
-    cache.save()
+    check_inputs(config, base)
     if config.model.critic_init == "reward_model" and not same_tokenizer(
         load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
     ):
-        raise ValueError(
+        raise InputError(
             f"`model.critic_init` reward_model needs a reward model that uses the policy's tokenizer (the critic reads "
             f"the policy's tokens); {config.model.reward_model} has a tokenizer of its own: use critic_init policy"
         )
+    cache.save()  # only for inputs that pass: a refused command writes nothing
     return base
 
 
@@ -194,15 +201,27 @@ def context_for(
 def _open_run(
     config: PipelineConfig, iteration: int, base: BaseInputs, *, key: str, name: str, tags: dict[str, str]
 ) -> StageContext:
-    """The finished-or-crashed MLflow run for exactly these inputs, or a new one, as a stage context."""
+    """The MLflow run for exactly these inputs (finished, or reopened if it failed or was killed), or a new one,
+    as a stage context.
+
+    Runs of the campaign left RUNNING by a process that died are marked KILLED first, so whatever
+    this attempt does not reopen or finish is not left looking alive.
+    """
     tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
+    tracker.reconcile_runs(experiment_id)
     parent = tracker.find_run(experiment_id, tags={TAG_ITERATION_KEY: key})
     flow_run_id = _flow_run_id()
     if parent is None:
         all_tags = {TAG_CAMPAIGN: config.campaign, TAG_ITERATION: str(iteration), TAG_ITERATION_KEY: key, **tags}
         parent = tracker.start_run(experiment_id, name=name, tags={**all_tags, TAG_FLOW_RUN_ID: flow_run_id or ""})
-        tracker.log_params(parent, config.model_dump(mode="json"))
+    elif tracker.run_status(parent) != "FINISHED":
+        tracker.reopen_run(parent)
+        tracker.set_tags(parent, {TAG_FLOW_RUN_ID: flow_run_id or ""})
+    if tracker.run_status(parent) != "FINISHED":
+        # Again on a reopened run: the attempt that created it may have died before logging these.
+        # Params it has are kept (execution settings, which may differ, are params too).
+        tracker.log_params(parent, config.model_dump(mode="json"), skip_logged=True)
         tracker.log_text(parent, config.model_dump_json(indent=2), CONFIG_ARTIFACT)
     return context_for(
         config,
@@ -254,7 +273,7 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
     tracker = context.tracker
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
-        tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration)
+        tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         tracker.end_run(context.parent_run_id)
     kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)

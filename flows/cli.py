@@ -8,19 +8,31 @@ rlhf export    write a trained model of an iteration as a plain Hugging Face fol
 rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
 rlhf config    print the resolved config as YAML
+
+Errors: a problem with what the user gave (a setting, an input file, a model, a stored output, a
+run that does not exist, a campaign another process is running, a full or read-only disk, Ctrl-C)
+is reported in one line naming it, with exit code 2 (3 for an unanswered human-label form); a
+traceback means a bug, and ``--verbose`` shows one for user errors too. Everything a run checks
+before it starts (config, input files, model, tokenizer, the campaign lock) is checked before the
+Prefect server or any flow starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 # Offline-friendly defaults, set before Prefect and MLflow are imported; the user's own settings win.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core,storage,tasks,flows,demo")
+# The command checks its inputs before any flow runs; what those checks log is for the console only.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
@@ -35,6 +47,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override one field, e.g. --set ppo.epochs=2 --set iterations=5 (repeatable)",
     )
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks of errors and of failed Prefect runs")
 
 
 def _at_least_one(text: str) -> int:
@@ -114,29 +127,107 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_USER_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
+}  # fmt: skip
+"""OS errors that are the machine's state, not a bug: a full or read-only disk, a missing or forbidden path."""
+
+
+def _user_error(error: BaseException) -> bool:
+    """Whether ``error`` is a problem with what the user gave or the machine's state, not a bug."""
+    from flows.config import ConfigError
+    from flows.inputs import InputError
+    from flows.prefect_server import PrefectServerError
+    from storage.importers import ImportFormatError
+    from storage.locks import LockHeld, UnsafeLockFile
+    from storage.manifest import CorruptOutputError
+
+    user_errors = (
+        ConfigError, InputError, ImportFormatError, CorruptOutputError, LookupError, FileNotFoundError,
+        FileExistsError, TimeoutError, LockHeld, UnsafeLockFile, PrefectServerError, KeyboardInterrupt,
+    )  # fmt: skip
+    if isinstance(error, KeyError | IndexError):  # LookupErrors of a bug, not a run or campaign that does not exist
+        return False
+    if isinstance(error, user_errors):
+        return True
+    return isinstance(error, OSError) and error.errno in _USER_ERRNOS
+
+
+def _message(error: BaseException) -> str:
+    """The error in at most two lines."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted; run the same command again to continue from the last finished stage"
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        return f"{error.strerror}: {error.filename}"
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return "\n".join(lines[:2])
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-    from flows.config import ConfigError, load_config
+    if hold_at := os.environ.get("RLHF_HOLD_AT"):  # crash tests only: see storage/holds.py
+        from storage.holds import arm
 
+        arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
     try:
+        from flows.config import load_config
+
         config = load_config(arguments.config, arguments.overrides)
         return _COMMANDS[arguments.command](config, arguments)
-    except (ConfigError, LookupError, FileNotFoundError, FileExistsError, TimeoutError) as error:
-        print(f"rlhf: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:
+    except (Exception, KeyboardInterrupt) as error:
         from flows.human_labels import HumanLabelTimeout
 
-        if not isinstance(error, HumanLabelTimeout):
+        timeout = isinstance(error, HumanLabelTimeout)
+        if not timeout and not _user_error(error):
             raise
-        print(f"rlhf: {error}", file=sys.stderr)
-        return 3
+        if arguments.verbose:
+            traceback.print_exc()
+        print(f"rlhf: {_message(error)}", file=sys.stderr)
+        return 3 if timeout else 2
+
+
+class _RunFailures(logging.Filter):
+    """Drops Prefect's console records of a failing flow or task run (its tracebacks and final states): the
+    command reports the failure itself, once. The Prefect UI keeps them all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        final = record.getMessage().startswith(("Finished in state Failed", "Finished in state Crashed"))
+        return record.levelno < logging.ERROR and not final
+
+
+def _prepare(config, arguments) -> None:
+    """What every flow-running command does first: check the campaign's inputs and that no other process runs
+    it, then make sure a Prefect server is there, one this process owns if none is configured.
+
+    Raises:
+        LockHeld: another process is running the campaign.
+        InputError, FileNotFoundError: an input the stages could not use.
+    """
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from flows.campaign import campaign_layout, resolve_base
+    from flows.config import ConfigError
+    from flows.prefect_server import ensure_prefect_api
+    from storage.locks import refuse_if_locked
+
+    if config.run_root.exists() and not config.run_root.is_dir():
+        raise ConfigError(f"`run_root` {config.run_root} is not a folder")
+    refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    resolve_base.fn(config)
+    if not arguments.verbose:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.addFilter(_RunFailures())
+    ensure_prefect_api()
 
 
 def _run(config, arguments) -> int:
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_campaign
 
+    _prepare(config, arguments)
     rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
@@ -147,6 +238,7 @@ def _iterate(config, arguments) -> int:
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_iteration
 
+    _prepare(config, arguments)
     rlhf_iteration(config)
     print(campaign_report(config))
     return 0
@@ -159,6 +251,7 @@ def _replay(config, arguments) -> int:
 
     source_run_id = resolve_run(config, arguments.source)
     replay = replay_config(config, source_run_id, arguments.overrides)
+    _prepare(replay, arguments)
     replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")

@@ -7,19 +7,22 @@ in ``configs/`` are diffs from these defaults; ``--set a.b=value`` overrides app
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig
+from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig, SettingError
 from rlhf_core.precision import DeviceChoice, Precision
-from tasks.labelers import LabelerName
+from tasks.labelers import MIN_PREFERENCE_PAIRS, LabelerName
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    # No NaN or infinity in any number; the stage configs refuse them in their own checks.
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class ModelSource(_Frozen):
@@ -62,8 +65,8 @@ class IterationSizes(_Frozen):
 
     preference_prompts: int = Field(256, gt=0)
     """Prompts whose candidates are labelled each iteration."""
-    candidates_per_prompt: int = Field(4, ge=2)
-    """Candidates sampled per preference prompt; consecutive pairs are labelled."""
+    candidates_per_prompt: int = Field(4, ge=2, multiple_of=2)
+    """Candidates sampled per preference prompt (an even number); consecutive pairs are labelled."""
     rollout_prompts: int = Field(256, gt=0)
     """Prompts rolled out for PPO each iteration."""
     eval_prompts: int = Field(64, gt=0)
@@ -143,36 +146,102 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "`model.critic_init` reward_model needs `model.reward_model`: the reward model to start from"
             )
+        pairs = self.sizes.preference_prompts * self.sizes.candidates_per_prompt // 2
+        if self.reward_model.train and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:
+            raise ValueError(
+                f"`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2 gives {pairs} preference pairs per "
+                f"iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
+            )
         return self
 
 
 class ConfigError(ValueError):
-    """A config file or override that cannot be used; the message says which and why."""
+    """A config file or override that cannot be used; the message (one line) says which and why."""
 
 
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node = tree
     *parents, leaf = dotted_key.split(".")
-    for part in parents:
+    for depth, part in enumerate(parents, start=1):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override `{dotted_key}`: `{part}` is not a section")
+            raise ConfigError(f"--set {dotted_key}: `{'.'.join(parents[:depth])}` is not a section")
     node[leaf] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"ppo.epochs=2"`` -> ``("ppo.epochs", 2)``; the value is parsed as YAML."""
+    """``"ppo.epochs=2"`` -> ``("ppo.epochs", 2)``; the value is parsed as YAML.
+
+    Raises:
+        ConfigError: not ``key=value``, or the value is not YAML (``[1,``).
+    """
     key, separator, raw = text.partition("=")
-    if not separator or not key:
-        raise ConfigError(f"override {text!r} must look like `section.field=value`")
-    return key.strip(), yaml.safe_load(raw)
+    if not separator or not key.strip():
+        raise ConfigError(f"--set {text}: an override must look like `section.field=value`")
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {text}: the value is not valid YAML ({_yaml_problem(error)})") from error
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: what and where (PyYAML's own message spans several)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
+def setting_names(model: type = PipelineConfig, prefix: str = "") -> list[str]:
+    """Every config field as a dotted path (``ppo.clip_eps``), sections included."""
+    if dataclasses.is_dataclass(model):
+        children = {f.name: None for f in dataclasses.fields(model)}
+    else:
+        children = {name: info.annotation for name, info in model.model_fields.items()}
+    names = []
+    for name, annotation in children.items():
+        names.append(prefix + name)
+        if isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation)):
+            names.extend(setting_names(annotation, f"{prefix}{name}."))
+    return names
+
+
+def _problem(error: dict[str, Any]) -> tuple[str, str]:
+    """``(dotted setting or "" for a check across fields, the problem in words)`` of one pydantic error."""
+    location = [str(part) for part in error["loc"]]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, SettingError):
+        name = ".".join([*location, cause.field])
+        return name, f"`{name}` {cause.problem}"
+    name = ".".join(location)
+    if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        close = difflib.get_close_matches(name, setting_names(), n=1)
+        return name, f"`{name}` is not a setting" + (f" (did you mean `{close[0]}`?)" if close else "")
+    message = error["msg"].removeprefix("Value error, ")
+    if not name:
+        return name, message
+    value = error.get("input")
+    got = f", got {value!r}" if not isinstance(value, dict) and error["type"] != "value_error" else ""
+    return name, f"`{name}`: {message[:1].lower()}{message[1:]}{got}"
+
+
+def describe_errors(error: ValidationError, *, overrides: dict[str, str], path: Path | None) -> str:
+    """A config validation error in one line: the first problem, the setting it names and where that came from."""
+    problems = error.errors()
+    name, problem = _problem(problems[0])
+    origin = next(
+        (f"--set {text}" for key, text in overrides.items() if name == key or name.startswith(key + ".")),
+        f"in {path}" if path is not None and name else "",
+    )
+    more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+    return f"{problem}{f' ({origin})' if origin else ''}{more}"
 
 
 def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     """Read a YAML config (a diff from the defaults), apply ``key=value`` overrides, validate.
 
     Raises:
-        ConfigError: the file is missing or not YAML, an override is malformed, or validation fails.
+        ConfigError: the file is missing or not YAML, an override is malformed, or validation fails; the
+            message names the setting, and the override or file it came from.
     """
     tree: dict[str, Any] = {}
     if path is not None:
@@ -181,13 +250,17 @@ def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...]
         try:
             tree = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from error
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"config file {path} cannot be read: {error}") from error
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping, got {type(tree).__name__}")
+    given: dict[str, str] = {}
     for text in overrides:
-        _set_dotted(tree, *parse_override(text))
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+        given[key] = text
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as error:
-        source = f"config file {path}" if path else "config"
-        raise ConfigError(f"{source} is invalid:\n{error}") from error
+        raise ConfigError(describe_errors(error, overrides=given, path=path)) from error

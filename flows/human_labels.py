@@ -11,8 +11,13 @@ Choices:
    iteration) finds the answers and asks nothing. The preference stage takes the output as an
    upstream, so the answers are part of its input key.
 3. One form holds ``human.pairs_per_form`` pairs; an iteration's pairs are asked over several
-   forms in a row, each with its own timeout. Answers are stored when the last form is answered:
-   a crash before that asks again from the first form.
+   forms in a row, each with its own timeout. Each form's answers are saved as soon as they arrive
+   (a mid-stage checkpoint beside the output, as training stages keep theirs), so after a crash or
+   a timeout the next attempt asks only what is still unanswered.
+6. The iteration keeps holding the campaign's lock while it waits for a person: the lock is what
+   keeps two iterations of a campaign apart, and any other iteration would have to wait for these
+   same answers anyway. A second ``rlhf run`` is refused at once, naming the waiting process,
+   rather than left waiting.
 4. Each pair is one required field ``pair_<n>`` (``n`` counts from 1) with the choices ``A``,
    ``B`` and ``tie/skip``; its description holds the prompt and both responses as plain text
    (Prefect's default UI shows field descriptions unrendered). The server checks answers against
@@ -24,7 +29,9 @@ Choices:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pyarrow as pa
 from prefect import get_run_logger, pause_flow_run
@@ -34,6 +41,7 @@ from pydantic import Field, create_model
 
 from flows.config import HumanLabelConfig
 from storage.manifest import StageOutput
+from storage.progress import latest_progress, save_progress
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
 from storage.shards import read_table
 from tasks.code import code_fingerprint
@@ -43,6 +51,7 @@ from tasks.labelers import SKIP, CandidatePair, HumanChoice
 from tasks.stage import StageResult, run_stage
 
 STAGE = "human_labels"
+ANSWERS_FILE = "answers.json"
 
 
 class HumanLabelTimeout(FlowPauseTimeout):
@@ -67,12 +76,21 @@ def request_human_labels(
     def produce(out: StageOutput) -> dict[str, float]:
         pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
         heading = f"Campaign `{context.campaign}`, iteration {context.iteration}"
+        saved = latest_progress(out.final_dir)
+        answered = json.loads((saved[1] / ANSWERS_FILE).read_text()) if saved is not None else []
+
+        def save(choices: list[str]) -> None:
+            # Counted in answered pairs where a training stage counts epochs.
+            save_progress(out.final_dir, len(choices), lambda folder: _write_answers(folder, choices))
+
         choices = ask_for_labels(
             pairs,
             heading=heading,
             pairs_per_form=human.pairs_per_form,
             timeout_seconds=human.timeout_seconds,
             poll_seconds=human.poll_seconds,
+            answered=answered,
+            on_form=save,
         )
         table = pa.table({PAIR_ID: list(range(len(choices))), CHOICE: choices}, schema=HUMAN_LABELS)
         out.write_table(STAGE, table, schema=HUMAN_LABELS)
@@ -95,6 +113,11 @@ def request_human_labels(
     return result
 
 
+def _write_answers(folder: Path, choices: list[str]) -> None:
+    folder.mkdir(parents=True)
+    (folder / ANSWERS_FILE).write_text(json.dumps(choices))
+
+
 def ask_for_labels(
     pairs: Sequence[CandidatePair],
     *,
@@ -102,15 +125,21 @@ def ask_for_labels(
     pairs_per_form: int,
     timeout_seconds: int,
     poll_seconds: int,
+    answered: Sequence[str] = (),
+    on_form: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
     """Pause the current flow run once per form of ``pairs_per_form`` pairs; one choice per pair, in order.
+
+    Args:
+        answered: choices for the first pairs, given before (they are not asked again).
+        on_form: called with every choice so far after each form is answered (to save them).
 
     Raises:
         HumanLabelTimeout: a form was not answered within ``timeout_seconds``.
     """
-    choices: list[str] = []
-    forms = -(-len(pairs) // pairs_per_form)
-    for number, start in enumerate(range(0, len(pairs), pairs_per_form), start=1):
+    choices: list[str] = list(answered)
+    forms = len(range(len(choices), len(pairs), pairs_per_form))
+    for number, start in enumerate(range(len(choices), len(pairs), pairs_per_form), start=1):
         where = f"form {number} of {forms}"
         form = label_form(pairs[start : start + pairs_per_form], first=start, total=len(pairs))
         form = form.with_initial_data(description=form_description(heading, where, timeout_seconds))
@@ -126,9 +155,11 @@ def ask_for_labels(
             raise HumanLabelTimeout(
                 f"{heading}: {where} was not answered within human.timeout_seconds={timeout_seconds} s, so the "
                 "flow run failed. Run the same command again to be asked again (answers to earlier forms of "
-                "this iteration were not kept), or raise `human.timeout_seconds`."
+                "this iteration were kept), or raise `human.timeout_seconds`."
             ) from error
         choices.extend(getattr(answer, name) for name in form.model_fields)
+        if on_form is not None:
+            on_form(choices)
     return choices
 
 

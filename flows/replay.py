@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.campaign import source_config, tracking_store
-from flows.config import ConfigError, PipelineConfig, _set_dotted, parse_override
+from pydantic import ValidationError
+
+from flows.campaign import source_config, store_layout, tracking_store
+from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
 from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
 
@@ -22,7 +24,14 @@ def changeable_fields() -> tuple[str, ...]:
 
 
 def resolve_run(config: PipelineConfig, name: str) -> str:
-    """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration)."""
+    """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration).
+
+    Raises:
+        LookupError: no such run, campaign or iteration, or no MLflow store at all (none is created).
+    """
+    database = store_layout(config).mlflow_db()
+    if config.tracking_uri is None and not database.exists():
+        raise LookupError(f"no MLflow store at {database}: nothing has run with `run_root` {config.run_root}")
     tracker = tracking_store(config).tracker()
     campaign, _, iteration = name.partition(":")
     try:
@@ -60,22 +69,28 @@ def _refusal(fields: list[str]) -> ConfigError:
 def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[str]) -> PipelineConfig:
     """The source run's config with ``overrides`` applied; refuses changes a replay cannot honour.
 
-    Where the store is (``run_root``, ``tracking_uri``) comes from ``config``, not the source run.
+    Where the store is (``run_root``, ``tracking_uri``) comes from ``config``, not the source run. An
+    override that sets a field to the value the source run had changes nothing and is accepted, so
+    the command that ran the campaign can replay it with the same ``--set`` options.
     """
-    tree: dict[str, Any] = source_config(config, source_run_id).model_dump(mode="json")
+    source = source_config(config, source_run_id)
+    tree: dict[str, Any] = source.model_dump(mode="json")
     for field in LOCATION:
         tree[field] = getattr(config, field) if field != "run_root" else str(config.run_root)
+    given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
         if key in LOCATION:
             continue
-        if not covers(changeable_fields(), key):
-            raise _refusal([key])
         _set_dotted(tree, key, value)
+        given[key] = text
     try:
-        return PipelineConfig.model_validate(tree)
-    except ValueError as error:
-        raise ConfigError(f"replay config is invalid:\n{error}") from error
+        replay = PipelineConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(f"replay config: {describe_errors(error, overrides=given, path=None)}") from error
+    if changed := forbidden_changes(replay, source):
+        raise _refusal(changed)
+    return replay
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -88,18 +103,22 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def forbidden_changes(config: PipelineConfig, source: PipelineConfig) -> list[str]:
+    """The fields in which ``config`` differs from ``source`` that a replay may not change, sorted."""
+    given = _flat(config.model_dump(mode="json"))
+    before = _flat(source.model_dump(mode="json"))
+    return sorted(
+        key
+        for key in given.keys() | before.keys()
+        if given.get(key) != before.get(key) and not covers(changeable_fields(), key)
+    )
+
+
 def check_replayable(config: PipelineConfig, source_run_id: str) -> None:
     """Refuse a replay config that differs from its source run's in anything but changeable fields.
 
     The command line builds replay configs that pass; this guards replays started any other way
     (a deployment triggered from the Prefect UI, a script).
     """
-    given = _flat(config.model_dump(mode="json"))
-    source = _flat(source_config(config, source_run_id).model_dump(mode="json"))
-    changed = sorted(
-        key
-        for key in given.keys() | source.keys()
-        if given.get(key) != source.get(key) and not covers(changeable_fields(), key)
-    )
-    if changed:
+    if changed := forbidden_changes(config, source_config(config, source_run_id)):
         raise _refusal(changed)

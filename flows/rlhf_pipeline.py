@@ -37,6 +37,7 @@ from tasks import (
     sample_candidates,
     train_reward_model,
 )
+from tasks.context import BaseInputs, StageContext
 from tasks.ppo_update import optimizer_state
 from tasks.stage import StageResult
 
@@ -47,18 +48,21 @@ def rlhf_iteration(
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
 
-    Holds the campaign's lock throughout, so two iterations of one campaign never run at once.
+    Holds the campaign's lock throughout, so two iterations of one campaign never run at once. If it
+    fails, its MLflow run ends FAILED (KILLED on Ctrl-C); running it again reopens and finishes it.
     """
     with exclusive_lock(campaign_layout(config).lock_file()):
-        return _iteration(config, iteration, state)
+        base = resolve_base(config)
+        if iteration is None:
+            iteration, state = load_latest_state(config, base)
+        context = open_iteration(config, iteration, base, state)
+        with context.tracker.ends_on_error(context.parent_run_id):
+            return _iteration(config, base, context, state)
 
 
-def _iteration(config: PipelineConfig, iteration: int | None, state: IterationState | None) -> IterationState:
-    base = resolve_base(config)
-    if iteration is None:
-        iteration, state = load_latest_state(config, base)
-    context = open_iteration(config, iteration, base, state)
-
+def _iteration(
+    config: PipelineConfig, base: BaseInputs, context: StageContext, state: IterationState | None
+) -> IterationState:
     settings = partial(stage_settings, config, base)
     state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
     collected = _collect(config, context, settings, state) if config.reward_model.train else ()
@@ -100,11 +104,18 @@ def rlhf_campaign(config: PipelineConfig) -> IterationState:
 def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
 
-    Returns the replay's MLflow run id (tagged ``rlhf.replay_of`` = ``source_run_id``).
+    Returns the replay's MLflow run id (tagged ``rlhf.replay_of`` = ``source_run_id``). It writes into the
+    campaign's folder and MLflow experiment, so it holds the campaign's lock like an iteration.
     """
     check_replayable(config, source_run_id)
-    base = resolve_base(config)
-    context = open_replay(config, source_run_id, base)
+    with exclusive_lock(campaign_layout(config).lock_file()):
+        base = resolve_base(config)
+        context = open_replay(config, source_run_id, base)
+        with context.tracker.ends_on_error(context.parent_run_id):
+            return _replay(config, base, context, source_run_id)
+
+
+def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, source_run_id: str) -> str:
     experience, policy, reward_model = load_replay_inputs(context, source_run_id)
     scored = compute_advantages(
         context, experience, reward_model, **stage_settings(config, base, "compute_advantages")

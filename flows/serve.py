@@ -12,7 +12,8 @@
 4. The UI's "Custom run" form is Prefect's rendering of the flows' type hints, and the server
    checks a run's parameters against the same JSON schema before it creates the run. The stage
    configs are plain dataclasses whose checks live in ``__post_init__``, which JSON schema cannot
-   see; :data:`SCHEMA_BOUNDS` restates their simple bounds so that the server (and the form)
+   see; :func:`schema_bounds` states the bounds each field declares (``rlhf_core.config.bounded``,
+   the one place they are written) as JSON-schema keywords, so that the server (and the form)
    refuses, say, ``ppo.clip_eps = -1``. Anything else (cross-field checks) is still refused when
    the flow validates its parameters, before its first task.
 5. Stopping ``serve`` (Ctrl-C or SIGTERM) pauses the deployments, so no scheduled runs pile up while
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -31,57 +34,42 @@ from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.logging import get_logger
 from prefect.runner import Runner
 from prefect.settings import get_current_settings
+from pydantic import ValidationError
 
 from flows.config import ConfigError, PipelineConfig
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
-from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
+from rlhf_core.config import field_bounds
 
 logger = get_logger("rlhf.serve")  # under prefect's logger, so it shows at INFO in the console
 
-_POSITIVE = {"exclusiveMinimum": 0}
+_SCHEMA_KEYWORDS = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
 
-SCHEMA_BOUNDS: dict[type, dict[str, dict[str, float]]] = {
-    SamplingConfig: {
-        "max_new_tokens": _POSITIVE,
-        "temperature": _POSITIVE,
-        "top_k": {"minimum": 0},
-        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-        "batch_size": _POSITIVE,
-    },
-    RewardModelConfig: {
-        "learning_rate": _POSITIVE,
-        "epochs": _POSITIVE,
-        "batch_size": _POSITIVE,
-        "max_grad_norm": _POSITIVE,
-        "eval_fraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
-    },
-    AdvantageConfig: {
-        "kl_coef": {"minimum": 0},
-        "gamma": {"minimum": 0, "maximum": 1},
-        "gae_lambda": {"minimum": 0, "maximum": 1},
-        "score_clip": _POSITIVE,
-    },
-    PPOConfig: {
-        "epochs": _POSITIVE,
-        "minibatch_size": _POSITIVE,
-        "actor_learning_rate": _POSITIVE,
-        "critic_learning_rate": _POSITIVE,
-        "clip_eps": _POSITIVE,
-        "dual_clip": {"exclusiveMinimum": 1},
-        "value_clip_eps": _POSITIVE,
-        "max_grad_norm": _POSITIVE,
-        "target_kl": _POSITIVE,
-    },
-}
-"""JSON-schema bounds of stage-config fields, restating their ``__post_init__`` checks (a test keeps
-the two in step). On an optional field they bound the number, not the null."""
+
+def schema_bounds() -> dict[type, dict[str, dict[str, float]]]:
+    """``stage config class -> {field: JSON-schema bounds}`` of every stage config in :class:`PipelineConfig`,
+    from the bounds its fields declare. On an optional field they bound the number, not the null."""
+    classes = [
+        info.annotation for info in PipelineConfig.model_fields.values() if dataclasses.is_dataclass(info.annotation)
+    ]
+    return {
+        config_class: {
+            name: {
+                _SCHEMA_KEYWORDS[limit]: value
+                for limit, value in dataclasses.asdict(bounds).items()
+                if value is not None
+            }
+            for name, bounds in field_bounds(config_class).items()
+        }
+        for config_class in classes
+    }
+
 
 HIDDEN_PARAMETERS = {"rlhf-iteration": ("state",)}
 """Flow parameters left out of a deployment's form: the in-process hand-over between the iterations of a campaign."""
 
 
 def with_bounds(schema: dict[str, Any], *, hidden: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A flow's parameter schema with :data:`SCHEMA_BOUNDS` added and ``hidden`` parameters removed.
+    """A flow's parameter schema with :func:`schema_bounds` added and ``hidden`` parameters removed.
 
     Raises:
         KeyError: a bounded config class or field is missing from the schema (renamed?).
@@ -90,7 +78,7 @@ def with_bounds(schema: dict[str, Any], *, hidden: tuple[str, ...] = ()) -> dict
     for name in hidden:
         schema["properties"].pop(name, None)
     definitions = schema.get("definitions", {})
-    for config_class, fields in SCHEMA_BOUNDS.items():
+    for config_class, fields in schema_bounds().items():
         properties = definitions[config_class.__name__]["properties"]
         for field, bounds in fields.items():
             prop = properties[field]
@@ -117,8 +105,8 @@ def build_deployments(
     """
     if cron is not None and interval is not None:
         raise ConfigError("give either a cron schedule or an interval, not both")
-    if interval is not None and interval <= 0:
-        raise ConfigError(f"the schedule interval must be positive, got {interval}")
+    if interval is not None and not (math.isfinite(interval) and interval > 0):
+        raise ConfigError(f"the schedule interval must be a positive number of seconds, got {interval}")
     defaults = {"config": config.model_dump(mode="json")}
     common = dict(
         name=config.campaign,
@@ -134,7 +122,10 @@ def build_deployments(
             **common,
         )
     except ValueError as error:
-        raise ConfigError(f"cron schedule {cron!r} is invalid: {error}") from error
+        problem = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error).splitlines()[0]
+        raise ConfigError(
+            f"--cron {cron!r} is not a valid cron schedule: {problem.removeprefix('Value error, ')}"
+        ) from error
     deployments = [
         iteration,
         rlhf_campaign.to_deployment(parameters=defaults, **common),
@@ -176,13 +167,13 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
         NoPrefectServer: no Prefect server is configured.
         ConfigError: see :func:`build_deployments`.
     """
+    deployments = build_deployments(config, cron=cron, interval=interval)  # a bad schedule is named first
     settings = get_current_settings()
     if not settings.api.url:
         raise NoPrefectServer(
             "serving needs a Prefect server: start one with `prefect server start --host 127.0.0.1 --port 4200` "
             "and `export PREFECT_API_URL=http://127.0.0.1:4200/api`"
         )
-    deployments = build_deployments(config, cron=cron, interval=interval)
     runner = _Runner(pause_on_shutdown=True)
     for deployment in deployments:
         runner.add_deployment(deployment)

@@ -1,12 +1,15 @@
 """Typed, frozen configuration: one dataclass per stage, validated once in ``__post_init__``.
 
 Defaults follow the sources noted on each field; the embedded demo overrides some in ``configs/``.
+A numeric field's range is declared with the field (:func:`bounded`), the one place it is written:
+``__post_init__`` refuses a value outside it, and NaN or infinity in any numeric field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import get_args
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, get_args
 
 from rlhf_core.losses import LossAggregation
 from rlhf_core.rewards import KLEstimator
@@ -19,60 +22,106 @@ def exact_div(numerator: int, denominator: int, *, what: str) -> int:
     return numerator // denominator
 
 
-def _require_positive(**values: float | int) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"`{name}` must be positive, got {value}")
+class SettingError(ValueError):
+    """A stage setting that cannot be used.
+
+    Attributes:
+        field: the setting's field name (``clip_eps``), so a caller can name it in full (``ppo.clip_eps``).
+        problem: what is wrong with its value.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"`{field}` {problem}")
+        self.field, self.problem = field, problem
 
 
-def _require_unit_interval(**values: float) -> None:
-    for name, value in values.items():
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"`{name}` must lie in [0, 1], got {value}")
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The range of a numeric setting: ``gt``/``lt`` are exclusive limits, ``ge``/``le`` inclusive ones.
+
+    Declared once per field (:func:`bounded`); ``__post_init__`` checks them (:func:`check_fields`) and
+    the Prefect form states them as JSON-schema bounds (``flows/serve.py``).
+    """
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+
+    def contains(self, value: float) -> bool:
+        return (
+            (self.gt is None or value > self.gt)
+            and (self.ge is None or value >= self.ge)
+            and (self.lt is None or value < self.lt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def __str__(self) -> str:
+        limits = {">": self.gt, ">=": self.ge, "<": self.lt, "<=": self.le}
+        return " and ".join(f"{sign} {limit:g}" for sign, limit in limits.items() if limit is not None)
+
+
+def bounded(default: Any, **limits: float) -> Any:
+    """A dataclass field defaulting to ``default`` whose value (unless None) must lie within ``Bounds(**limits)``."""
+    return field(default=default, metadata={"bounds": Bounds(**limits)})
+
+
+def field_bounds(config_class: type) -> dict[str, Bounds]:
+    """``field name -> Bounds`` of every bounded field of a stage config class."""
+    return {f.name: f.metadata["bounds"] for f in fields(config_class) if "bounds" in f.metadata}
+
+
+def check_fields(config: Any) -> None:
+    """Refuse a NaN or infinite number in any field of ``config``, and a value outside its field's bounds.
+
+    Raises:
+        SettingError: naming the field, its range and the value.
+    """
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value):
+            raise SettingError(f.name, f"must be a finite number, got {value}")
+        bounds = f.metadata.get("bounds")
+        if bounds is not None and not bounds.contains(value):
+            raise SettingError(f.name, f"must be {bounds}, got {value}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingConfig:
     """How responses are sampled (stages: sample candidates, rollout, evaluate)."""
 
-    max_new_tokens: int = 32
+    max_new_tokens: int = bounded(32, gt=0)
     """Longest response, in tokens; longer ones are truncated (and scored at their last token)."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Softmax temperature; log-probs use the same one (TRL, OpenRLHF)."""
-    top_k: int = 0
+    top_k: int = bounded(0, ge=0)
     """Keep only the k most likely tokens; 0 keeps all (pure sampling, as PPO theory assumes)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 keeps all."""
-    batch_size: int = 64
+    batch_size: int = bounded(64, gt=0)
     """Prompts generated together (each with all its samples)."""
 
     def __post_init__(self) -> None:
-        _require_positive(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            batch_size=self.batch_size,
-        )
-        if self.top_k < 0:
-            raise ValueError(f"`top_k` must be 0 (off) or positive, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"`top_p` must lie in (0, 1], got {self.top_p}")
+        check_fields(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RewardModelConfig:
     """Reward-model training over preference pairs (stage: train reward model)."""
 
-    learning_rate: float = 1e-4
+    learning_rate: float = bounded(1e-4, gt=0)
     """AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    epochs: int = 2
+    epochs: int = bounded(2, gt=0)
     """Passes over the training pairs."""
-    batch_size: int = 32
+    batch_size: int = bounded(32, gt=0)
     """Pairs per optimizer step."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, gt=0)
     """Gradient-norm clip."""
-    eval_fraction: float = 0.1
+    eval_fraction: float = bounded(0.1, gt=0, lt=1)
     """Share of pairs held out for accuracy."""
     use_margin: bool = True
     """Subtract each pair's margin in the Bradley-Terry loss (Llama 2)."""
@@ -81,66 +130,55 @@ class RewardModelConfig:
     collected): only with a pretrained reward model."""
 
     def __post_init__(self) -> None:
-        _require_positive(
-            learning_rate=self.learning_rate,
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            max_grad_norm=self.max_grad_norm,
-        )
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"`eval_fraction` must lie in (0, 1), got {self.eval_fraction}")
+        check_fields(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdvantageConfig:
     """Rewards, KL and GAE (stage: compute advantages). Pure: replaying with new values is cheap."""
 
-    kl_coef: float = 0.05
+    kl_coef: float = bounded(0.05, ge=0)
     """KL penalty weight beta (TRL default 0.05)."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator in the reward: k1, k2 or k3."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0, le=1)
     """Discount (TRL and OpenRLHF use 1.0 for language)."""
-    gae_lambda: float = 0.95
+    gae_lambda: float = bounded(0.95, ge=0, le=1)
     """GAE lambda (TRL default 0.95)."""
-    score_clip: float | None = None
+    score_clip: float | None = bounded(None, gt=0)
     """Clip reward-model scores to [-score_clip, score_clip] before shaping."""
     normalize_scores: bool = True
     """Standardise scores with the reward model's held-out mean and std."""
 
     def __post_init__(self) -> None:
-        if self.kl_coef < 0:
-            raise ValueError(f"`kl_coef` must be non-negative, got {self.kl_coef}")
+        check_fields(self)
         if self.kl_estimator not in get_args(KLEstimator):
-            raise ValueError(f"`kl_estimator` must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
-        _require_unit_interval(gamma=self.gamma, gae_lambda=self.gae_lambda)
-        if self.score_clip is not None:
-            _require_positive(score_clip=self.score_clip)
+            raise SettingError("kl_estimator", f"must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PPOConfig:
     """The PPO update of actor and critic (stage: ppo update)."""
 
-    epochs: int = 4
+    epochs: int = bounded(4, gt=0)
     """Passes over the experience (TRL ``num_ppo_epochs`` 4)."""
-    minibatch_size: int = 16
+    minibatch_size: int = bounded(16, gt=0)
     """Rollouts per optimizer step."""
-    actor_learning_rate: float = 1e-5
+    actor_learning_rate: float = bounded(1e-5, gt=0)
     """Actor AdamW learning rate."""
-    critic_learning_rate: float = 1e-5
+    critic_learning_rate: float = bounded(1e-5, gt=0)
     """Critic AdamW learning rate."""
-    clip_eps: float = 0.2
+    clip_eps: float = bounded(0.2, gt=0)
     """Policy ratio clip epsilon (Schulman et al. 2017)."""
-    dual_clip: float | None = None
+    dual_clip: float | None = bounded(None, gt=1)
     """Dual-clip constant c > 1 (Ye et al. 2020), or None."""
-    value_clip_eps: float | None = 0.2
+    value_clip_eps: float | None = bounded(0.2, gt=0)
     """Value clip around rollout values, or None."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus weight."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, gt=0)
     """Gradient-norm clip for each model."""
-    target_kl: float | None = None
+    target_kl: float | None = bounded(None, gt=0)
     """Stop the update early once the running approximate KL exceeds this."""
     whiten_advantages: bool = True
     """Whiten advantages over the whole experience before minibatching."""
@@ -148,22 +186,9 @@ class PPOConfig:
     """Token-level loss aggregation: token_mean or sequence_mean."""
 
     def __post_init__(self) -> None:
-        _require_positive(
-            epochs=self.epochs,
-            minibatch_size=self.minibatch_size,
-            actor_learning_rate=self.actor_learning_rate,
-            critic_learning_rate=self.critic_learning_rate,
-            clip_eps=self.clip_eps,
-            max_grad_norm=self.max_grad_norm,
-        )
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"`dual_clip` must be greater than 1, got {self.dual_clip}")
-        if self.value_clip_eps is not None:
-            _require_positive(value_clip_eps=self.value_clip_eps)
-        if self.target_kl is not None:
-            _require_positive(target_kl=self.target_kl)
+        check_fields(self)
         if self.aggregation not in ("token_mean", "sequence_mean"):
-            raise ValueError(f"`aggregation` must be 'token_mean' or 'sequence_mean', got {self.aggregation!r}")
+            raise SettingError("aggregation", f"must be 'token_mean' or 'sequence_mean', got {self.aggregation!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,18 +199,16 @@ class LoraConfig:
     holds the adapters (and heads). The reference policy is the actor with its adapters switched off.
     """
 
-    r: int = 8
+    r: int = bounded(8, gt=0)
     """Adapter rank (peft's default)."""
-    alpha: int = 16
+    alpha: int = bounded(16, gt=0)
     """Scaling numerator: updates are scaled by alpha / r (2 at the defaults, as TRL's PPO examples)."""
-    dropout: float = 0.05
+    dropout: float = bounded(0.05, ge=0, lt=1)
     """Dropout on the adapter input during reward-model training (off in the PPO update, as all dropout)."""
     target_modules: str | tuple[str, ...] = "all-linear"
     """Modules that get adapters: peft's ``all-linear`` (every linear layer but the output layer) or names."""
 
     def __post_init__(self) -> None:
-        _require_positive(r=self.r, alpha=self.alpha)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"`dropout` must lie in [0, 1), got {self.dropout}")
+        check_fields(self)
         if not self.target_modules:
-            raise ValueError("`target_modules` must name at least one module, or be 'all-linear'")
+            raise SettingError("target_modules", "must name at least one module, or be 'all-linear'")

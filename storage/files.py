@@ -7,12 +7,16 @@ import each other.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 _CHUNK = 1 << 20
+_NEARLY_FULL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,35 @@ def file_sha256(path: Path, *, sync: bool = False) -> str:
         if sync:
             os.fsync(handle.fileno())
     return digest.hexdigest()
+
+
+def _disk_full(path: Path) -> bool:
+    """Whether the file system holding ``path`` (or its nearest existing parent) has under 1 MiB left."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < _NEARLY_FULL
+
+
+@contextlib.contextmanager
+def disk_errors(path: Path) -> Iterator[None]:
+    """Report a write that failed on a full disk as the ``OSError(ENOSPC)`` it is.
+
+    safetensors and torch report a full disk in their own exception types (``SafetensorError``, a
+    ``RuntimeError`` saying "file write failed"), with no errno to tell it from a bug; a file system
+    left with less than 1 MiB after the failure is taken to be why.
+    """
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as error:
+        if _disk_full(Path(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
+        raise
 
 
 def fsync_directory(directory: Path) -> None:

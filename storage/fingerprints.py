@@ -10,6 +10,10 @@ Choices:
 1. The cache is one JSON file, written to a temporary name and renamed, so a crash never leaves
    it half written; an unreadable cache is ignored (everything is hashed again).
 2. Entries for files that no longer match are replaced, never trusted.
+3. A file modified in the last :data:`SETTLE_SECONDS` is hashed but not remembered: file systems
+   stamp modification times coarsely (a few ms), so a file rewritten again within the same tick,
+   at the same size, would keep its stamp, and a remembered hash would go stale ("racily clean"
+   in git's terms).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -26,11 +31,14 @@ from storage.files import file_sha256
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 1
+SETTLE_SECONDS = 2.0
 
 
-def _stat_key(path: Path) -> str:
+def _stat_key(path: Path) -> tuple[str, bool]:
+    """``(size:mtime:inode, whether the file has settled)`` (see choice 3)."""
     stat = path.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    settled = time.time_ns() - stat.st_mtime_ns > SETTLE_SECONDS * 1e9
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}", settled
 
 
 class FingerprintCache:
@@ -56,13 +64,14 @@ class FingerprintCache:
     def file_sha256(self, path: Path) -> str:
         """The sha256 of one file, from the cache when its path, size, mtime and inode match."""
         path = Path(path).resolve()
-        key = _stat_key(path)
+        key, settled = _stat_key(path)
         entry = self._entries.get(str(path))
-        if entry is not None and entry.get("stat") == key:
+        if entry is not None and entry.get("stat") == key and settled:
             return entry["sha256"]
         sha256 = file_sha256(path)
-        self._entries[str(path)] = {"stat": key, "sha256": sha256}
-        self._changed = True
+        if settled:
+            self._entries[str(path)] = {"stat": key, "sha256": sha256}
+            self._changed = True
         return sha256
 
     def fingerprint(self, path: Path) -> str:

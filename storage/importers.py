@@ -24,6 +24,10 @@ the final assistant turns.
 
 Errors: the first malformed row raises :class:`ImportFormatError`, whose message names the file,
 the 1-based row (the line, for JSONL) and the field. Nothing is returned half-imported.
+
+Memory: files are read row by row (Parquet in record batches), and a row (a JSONL line, a CSV or
+Parquet text field) longer than :data:`MAX_ROW_BYTES` is refused before it is parsed, so a file
+with one enormous line costs a bounded amount of memory, not the whole line several times over.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ from storage.schemas import (
     PROMPTS,
     REJECTED,
 )
+
+MAX_ROW_BYTES = 4 << 20
+"""The longest row (or text field) read: 4 MiB of text is about a million tokens, more than any model's context."""
+_PARQUET_BATCH_ROWS = 1024
 
 ASSISTANT_CUE = "\n\nAssistant:"
 _ROLE_PREFIX = {"user": "\n\nHuman:", "assistant": ASSISTANT_CUE, "system": "\n\nSystem:"}
@@ -92,9 +100,19 @@ def render_chat(messages: list[Message], *, add_generation_prompt: bool) -> str:
 # Reading rows ----------------------------------------------------------------------------------
 
 
+def _too_long(path: Path, row: int, field: str | None) -> ImportFormatError:
+    return ImportFormatError(
+        path, row, field, f"longer than {MAX_ROW_BYTES >> 20} MiB, more than any model's context can hold"
+    )
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while raw := handle.readline(MAX_ROW_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_ROW_BYTES:
+                raise _too_long(path, number, None)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -112,13 +130,20 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+        number = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                number += 1
+                yield number, record
     except (pa.ArrowInvalid, OSError) as error:
         raise ImportFormatError(path, None, None, f"not a readable Parquet file: {error}") from error
-    yield from enumerate(table.to_pylist(), start=1)
 
 
 def _read_csv(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    if csv.field_size_limit() < MAX_ROW_BYTES:
+        csv.field_size_limit(MAX_ROW_BYTES)  # the default, 128 KiB, would refuse a long prompt as "invalid CSV"
+    number = 0
     try:
         with open(path, newline="", encoding="utf-8") as handle:
             for number, record in enumerate(csv.DictReader(handle), start=1):
@@ -128,7 +153,9 @@ def _read_csv(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     except UnicodeDecodeError as error:
         raise ImportFormatError(path, None, None, f"not UTF-8: {error}") from error
     except csv.Error as error:
-        raise ImportFormatError(path, None, None, f"invalid CSV: {error}") from error
+        if "field larger than field limit" in str(error):
+            raise _too_long(path, number + 1, None) from error
+        raise ImportFormatError(path, number + 1, None, f"invalid CSV: {error}") from error
 
 
 def _read_dataset_folder(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -172,6 +199,8 @@ def _string(path: Path, row: int, record: dict[str, Any], field: str, *, allow_e
     value = record[field]
     if not isinstance(value, str):
         raise ImportFormatError(path, row, field, f"expected a string, got {type(value).__name__}")
+    if len(value) > MAX_ROW_BYTES:  # a Parquet cell: the JSONL and CSV readers refuse long rows before parsing
+        raise _too_long(path, row, field)
     if not allow_empty and not value.strip():
         raise ImportFormatError(path, row, field, "empty")
     return value
@@ -198,6 +227,8 @@ def _messages(path: Path, row: int, value: Any, field: str) -> list[Message]:
             raise ImportFormatError(
                 path, row, f"{field}[{index}].content", f"expected a string, got {type(content).__name__}"
             )
+        if len(content) > MAX_ROW_BYTES:
+            raise _too_long(path, row, f"{field}[{index}].content")
         messages.append({"role": role, "content": content})
     return messages
 
@@ -214,6 +245,29 @@ def _margin(path: Path, row: int, record: dict[str, Any]) -> float:
 
 
 # Prompts ---------------------------------------------------------------------------------------
+
+
+def prompt_rows(path: Path, *, text_column: str = "prompt") -> Iterator[tuple[int, dict[str, Any], str, list[Message]]]:
+    """``(row, record, prompt text, chat turns or [])`` of each row of a prompts file or folder, checked, in
+    file order (see :func:`import_prompts`).
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    path = Path(path)
+    readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
+    for row, record in _rows(path, readers):
+        messages: list[Message] = []
+        if record.get(text_column) is not None:
+            prompt = _string(path, row, record, text_column, allow_empty=False)
+        elif record.get(MESSAGES) is not None:
+            messages = _messages(path, row, record[MESSAGES], MESSAGES)
+            if messages[-1]["role"] == "assistant":
+                raise ImportFormatError(path, row, MESSAGES, "a prompt must not end with an assistant turn")
+            prompt = render_chat(messages, add_generation_prompt=True)
+        else:
+            raise ImportFormatError(path, row, text_column, f"missing (and no {MESSAGES!r} field either)")
+        yield row, record, prompt, messages
 
 
 def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
@@ -235,18 +289,7 @@ def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
     prompts: list[str] = []
     conversations: list[list[Message]] = []
     explicit_ids: bool | None = None
-    readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
-    for row, record in _rows(path, readers):
-        messages: list[Message] = []
-        if record.get(text_column) is not None:
-            prompt = _string(path, row, record, text_column, allow_empty=False)
-        elif record.get(MESSAGES) is not None:
-            messages = _messages(path, row, record[MESSAGES], MESSAGES)
-            if messages[-1]["role"] == "assistant":
-                raise ImportFormatError(path, row, MESSAGES, "a prompt must not end with an assistant turn")
-            prompt = render_chat(messages, add_generation_prompt=True)
-        else:
-            raise ImportFormatError(path, row, text_column, f"missing (and no {MESSAGES!r} field either)")
+    for row, record, prompt, messages in prompt_rows(path, text_column=text_column):
         has_id = record.get(PROMPT_ID) not in (None, "")
         if explicit_ids is None:
             explicit_ids = has_id
@@ -338,6 +381,18 @@ def _preference(path: Path, row: int, record: dict[str, Any]) -> Pair:
     return _split_conversation(path, row, chosen_messages, rejected_messages)
 
 
+def preference_rows(path: Path) -> Iterator[tuple[int, str, list[Message], str, str, float]]:
+    """``(row, prompt, prompt turns or [], chosen, rejected, margin)`` of each pair in a preferences file or
+    folder, checked, in file order (see :func:`import_preferences`).
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    path = Path(path)
+    for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
+        yield row, *_preference(path, row, record), _margin(path, row, record)
+
+
 def import_preferences(path: Path) -> pa.Table:
     """Read preference pairs from a ``.jsonl`` or ``.parquet`` file or a ``datasets`` folder (formats in the
     module docstring).
@@ -354,13 +409,12 @@ def import_preferences(path: Path) -> pa.Table:
     """
     path = Path(path)
     columns: dict[str, list[Any]] = {PROMPT: [], MESSAGES: [], CHOSEN: [], REJECTED: [], MARGIN: []}
-    for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
-        prompt, messages, chosen, rejected = _preference(path, row, record)
+    for _, prompt, messages, chosen, rejected, margin in preference_rows(path):
         columns[PROMPT].append(prompt)
         columns[MESSAGES].append(messages)
         columns[CHOSEN].append(chosen)
         columns[REJECTED].append(rejected)
-        columns[MARGIN].append(_margin(path, row, record))
+        columns[MARGIN].append(margin)
     count = len(columns[PROMPT])
     return pa.table(
         {

@@ -348,7 +348,12 @@ def find_stage_output(final_dir: Path, input_key: str) -> Manifest | None:
     final_dir = Path(final_dir)
     if not final_dir.exists():
         return None
-    manifest = read_manifest(final_dir, verify=True)
+    try:
+        manifest = read_manifest(final_dir, verify=True)
+    except UnsupportedSchemaError:
+        raise
+    except CorruptOutputError as error:
+        raise CorruptOutputError(f"{error}; delete {final_dir} to recompute it", path=error.path) from error
     if manifest.input_key != input_key:
         logger.warning("%s holds input key %s, not %s", final_dir, manifest.input_key, input_key)
         return None

@@ -21,6 +21,14 @@ Choices:
    downloaded on demand. Either way its Parquet tables are logged as MLflow datasets (digest from
    the manifest's sha256s) and the run is tagged with the input key and the manifest digest, so
    :meth:`Tracker.find_stage_record` can answer "was this stage already done for these inputs?".
+6. Recording is idempotent. Every run is tagged, while it is written, with the process writing it
+   (``rlhf.process``: host, pid and the pid's start time, so a reused pid is not mistaken for the
+   writer). A run left RUNNING by a writer that died is found by the next attempt
+   (:meth:`Tracker.reconcile_runs` marks it KILLED, :meth:`Tracker.find_unfinished_stage_run` finds
+   a stage's by its input key) and finished or replaced in place: params and metrics logged again
+   are skipped when already there, ``output/`` artifacts are cleared and logged again, datasets and
+   model versions are not added twice. A run on another host is never touched: its writer cannot be
+   seen.
 
 Environment: nothing here reads or sets environment variables. Set ``MLFLOW_DISABLE_TELEMETRY=true``
 in the environment of offline machines (tests do it in ``tests/conftest.py``).
@@ -30,10 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 import uuid
@@ -45,6 +56,7 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
 
@@ -64,6 +76,7 @@ __all__ = [
     "TAG_OUTPUT_PATH",
     "TAG_OUTPUT_PREFIX",
     "TAG_PARENT_RUN_ID",
+    "TAG_PROCESS",
     "TAG_REPLAY_OF",
     "TAG_STAGE",
     "MissingOutputError",
@@ -88,6 +101,8 @@ TAG_OUTPUT_PREFIX = "rlhf.output."
 which is another iteration's run when the stage was reused."""
 TAG_OUTPUT_PATH = "rlhf.output_path"
 """On a stage run recorded by reference: the folder holding its output."""
+TAG_PROCESS = "rlhf.process"
+"""The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
 TAG_PARENT_RUN_ID = MLFLOW_PARENT_RUN_ID
 
@@ -104,6 +119,8 @@ _LATEST = "latest"
 _DIGEST_LENGTH = 32  # MLflow stores dataset digests in 36 characters
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHARD_FILE = re.compile(r"(?P<table>.+)-\d{5,}\.parquet")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -191,6 +208,42 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, from ``/proc``), None if it does not run.
+
+    Falls back to "" for a running process where ``/proc`` is unavailable (then a reused pid looks alive).
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+    return stat[stat.rindex(")") + 2 :].split()[19]  # field 22, counted after the command name
+
+
+@functools.cache
+def process_token() -> str:
+    """This process as a writer: ``host:pid:start time``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid()) or ''}"
+
+
+def writer_alive(token: str) -> bool:
+    """Whether the process a :data:`TAG_PROCESS` value names still runs; True for another host (unknowable)."""
+    parts = token.rsplit(":", 2)
+    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return True
+    started = parts[2]
+    now = _start_time(int(parts[1]))
+    return now is not None and (now == started or not now or not started)
+
+
 def _sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI, None for anything else (servers, in-memory)."""
     if not tracking_uri.startswith("sqlite:///"):
@@ -267,11 +320,80 @@ class Tracker:
     def start_run(
         self, experiment_id: str, *, name: str, tags: Mapping[str, str], parent_run_id: str | None = None
     ) -> str:
-        """Create a run (nested under ``parent_run_id`` when given) and return its id."""
+        """Create a run (nested under ``parent_run_id`` when given, tagged with this process as its writer)."""
         run_tags = {key: str(value) for key, value in tags.items()}
+        run_tags[TAG_PROCESS] = process_token()
         if parent_run_id is not None:
             run_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
         return self._client.create_run(experiment_id, run_name=name, tags=run_tags).info.run_id
+
+    def reopen_run(self, run_id: str) -> None:
+        """Make a finished, failed or killed run RUNNING again, written by this process (to finish or redo it)."""
+        self.set_tags(run_id, {TAG_PROCESS: process_token()})
+        self._client.update_run(run_id, status="RUNNING")
+
+    def reconcile_runs(self, experiment_id: str) -> list[str]:
+        """Mark KILLED every RUNNING run of the experiment whose writer, on this host, is dead; their ids.
+
+        A run without a writer tag (recorded by an older version) or written on another host is left alone.
+        """
+        dead = []
+        for run in self._search_all(experiment_id, "attributes.status = 'RUNNING'"):
+            token = run.data.tags.get(TAG_PROCESS)
+            if token is not None and not writer_alive(token):
+                self._client.set_terminated(run.info.run_id, status="KILLED")
+                dead.append(run.info.run_id)
+        if dead:
+            logger.warning("marked %d run(s) KILLED whose writing process died: %s", len(dead), ", ".join(dead))
+        return dead
+
+    def find_unfinished_stage_run(self, experiment_id: str, stage: str, input_key: str) -> str | None:
+        """The newest stage run for ``input_key`` that never finished (FAILED, KILLED, or RUNNING with a dead
+        writer on this host): the one to finish rather than record the stage twice. None if there is none."""
+        _check_name(stage, "stage")
+        runs = self._client.search_runs(
+            [experiment_id],
+            filter_string=(
+                f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_INPUT_KEY}` = '{_quote(input_key)}' "
+                "and attributes.status != 'FINISHED'"
+            ),
+            order_by=["attributes.start_time DESC"],
+        )
+        for run in runs:
+            token = run.data.tags.get(TAG_PROCESS)
+            if run.info.status != "RUNNING" or token is None or not writer_alive(token):
+                return run.info.run_id
+        return None
+
+    @contextlib.contextmanager
+    def ends_on_error(self, run_id: str) -> Iterator[None]:
+        """If the block raises, end the run KILLED (Ctrl-C) or FAILED and re-raise; nothing stays RUNNING.
+
+        A run that is not RUNNING is left as it is: a finished iteration run keeps its record when a later
+        attempt that only reuses its outputs fails.
+        """
+        try:
+            yield
+        except BaseException as error:
+            status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+            try:
+                if self.run_status(run_id) == "RUNNING":
+                    self.end_run(run_id, status)
+            except Exception as end_error:  # noqa: BLE001 - the original error matters; the next attempt reconciles
+                logger.warning("could not mark run %s %s: %s", run_id, status, end_error)
+            raise
+
+    def _search_all(self, experiment_id: str, filter_string: str) -> Iterator[Run]:
+        """Every run of the experiment matching ``filter_string``, page by page."""
+        token = None
+        while True:
+            page = self._client.search_runs(
+                [experiment_id], filter_string=filter_string, max_results=1000, page_token=token
+            )
+            yield from page
+            token = page.token
+            if not token:
+                return
 
     def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
         """Set tags on a run in one batch (values stringified)."""
@@ -279,16 +401,32 @@ class Tracker:
         for chunk in _chunks(run_tags, _PARAMS_PER_BATCH):
             self._client.log_batch(run_id, tags=chunk)
 
-    def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
-        """Log params; nested dicts are flattened with dots (``ppo.clip_eps``), values stringified."""
-        entries = [Param(key, value) for key, value in _flatten(params)]
+    def log_params(self, run_id: str, params: Mapping[str, object], *, skip_logged: bool = False) -> None:
+        """Log params; nested dicts are flattened with dots (``ppo.clip_eps``), values stringified.
+
+        MLflow accepts a param logged again with its value and refuses a new value; with ``skip_logged``,
+        params the run already has are left as they are (a reopened run whose execution settings changed).
+        """
+        logged = self._client.get_run(run_id).data.params if skip_logged else {}
+        entries = [Param(key, value) for key, value in _flatten(params) if key not in logged]
         for chunk in _chunks(entries, _PARAMS_PER_BATCH):
             self._client.log_batch(run_id, params=chunk)
 
-    def log_metrics(self, run_id: str, metrics: Mapping[str, float], *, step: int | None = None) -> None:
-        """Log metrics (named ``stage/metric`` by the caller) in one batch; values may be 0-d tensors."""
+    def log_metrics(
+        self, run_id: str, metrics: Mapping[str, float], *, step: int | None = None, skip_logged: bool = False
+    ) -> None:
+        """Log metrics (named ``stage/metric`` by the caller) in one batch; values may be 0-d tensors.
+
+        With ``skip_logged``, a metric whose latest value is already this one is not logged again (a run
+        finished by a second attempt keeps one entry per metric).
+        """
         timestamp = int(time.time() * 1000)
-        entries = [Metric(key, float(value), timestamp, step or 0) for key, value in metrics.items()]
+        logged = self._client.get_run(run_id).data.metrics if skip_logged else {}
+        entries = [
+            Metric(key, float(value), timestamp, step or 0)
+            for key, value in metrics.items()
+            if logged.get(key) != float(value)
+        ]
         for chunk in _chunks(entries, _METRICS_PER_BATCH):
             self._client.log_batch(run_id, metrics=chunk)
 
@@ -399,6 +537,12 @@ class Tracker:
         self.log_datasets(run_id, stage_dir, manifest, context="output")
         self.set_tags(run_id, tags)
 
+    def clear_stage_output(self, run_id: str) -> None:
+        """Delete a run's ``output/`` artifacts: what an interrupted copy left, before copying them again."""
+        repository = get_artifact_repository(self._client.get_run(run_id).info.artifact_uri)
+        with contextlib.suppress(FileNotFoundError, OSError):
+            repository.delete_artifacts(OUTPUT_ARTIFACT_PATH)
+
     def find_stage_record(self, experiment_id: str, stage: str, input_key: str) -> StageRecord | None:
         """The newest FINISHED run of ``stage`` tagged with ``input_key``, or None."""
         _check_name(stage, "stage")
@@ -482,18 +626,9 @@ class Tracker:
 
     def _finished_iteration_runs(self, experiment_id: str) -> Iterator[Run]:
         """Every FINISHED iteration run of the experiment, page by page."""
-        token = None
-        while True:
-            page = self._client.search_runs(
-                [experiment_id],
-                filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'",
-                max_results=1000,
-                page_token=token,
-            )
-            yield from page
-            token = page.token
-            if not token:
-                return
+        return self._search_all(
+            experiment_id, f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'"
+        )
 
     def iteration_metrics(self, experiment_id: str) -> list[tuple[int, dict[str, float]]]:
         """``(iteration, latest metrics)`` of every FINISHED iteration run, by iteration; the newest
@@ -515,7 +650,8 @@ class Tracker:
         return max(iterations, default=None)
 
     def register_model(self, run_id: str, *, name: str, stage_dir: Path, subfolder: str, alias: str = "latest") -> str:
-        """Register the folder ``subfolder`` (e.g. ``actor``) of a stage output recorded on ``run_id`` as a new version.
+        """Register the folder ``subfolder`` (e.g. ``actor``) of a stage output recorded on ``run_id`` as a new
+        version, once: a run registered already under ``name`` with this source keeps its version.
 
         The version's source is the folder itself when outputs are recorded by reference, else the
         run's artifact ``output/<subfolder>``.
@@ -540,7 +676,9 @@ class Tracker:
         else:
             artifact_uri = self._client.get_run(run_id).info.artifact_uri.rstrip("/")
             source = f"{artifact_uri}/{OUTPUT_ARTIFACT_PATH}/{subfolder.strip('/')}"
-        version = self._client.create_model_version(name, source, run_id=run_id).version
+        existing = self._client.search_model_versions(f"name = '{_quote(name)}' and run_id = '{_quote(run_id)}'")
+        same = [v for v in existing if v.source == source]
+        version = same[0].version if same else self._client.create_model_version(name, source, run_id=run_id).version
         # MLflow reserves `latest` and always resolves it to the newest version, which this one now is.
         if alias.lower() != _LATEST:
             self._client.set_registered_model_alias(name, alias, version)

@@ -28,7 +28,7 @@ from rlhf_core.precision import Precision
 from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.experience_io import table_to_experience
 from storage.manifest import StageOutput, prunable_digest, prunable_present, prune_files, read_manifest
-from storage.progress import clear_progress, latest_progress, save_progress
+from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.stage import StageResult, Throttle, stage, stage_models
@@ -164,7 +164,6 @@ def ppo_update(
     unwrap = accelerator.unwrap_model
     _save_state(out.path, unwrap(actor), unwrap(critic), optimizers, generator, None, tokenizer)
     out.prunable.update(OPTIMIZERS)
-    clear_progress(out.final_dir)
     return {
         **{name: float(value) for name, value in stats._asdict().items()},
         "optimizer_restored": float(states is not None),

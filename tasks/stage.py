@@ -13,6 +13,10 @@ stage receives, so what a stage reads and what decides its reuse cannot drift ap
 Every stage also records its wall time (``seconds``) and peak memory (``peak_memory_mb``: the
 growth of the process's resident memory on CPU, ``max_memory_allocated`` on CUDA) as metrics, and
 where it ran (device, threads, the models it loaded) in its manifest's ``runtime``.
+
+Recording a stage in MLflow is idempotent: a stage run that an earlier attempt left unfinished (its
+process was killed while copying artifacts, say) is finished in place, never recorded a second time
+(:func:`_record_stage`).
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ from pydantic import BaseModel
 from rlhf_core.config import LoraConfig
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
+from storage.files import disk_errors
+from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
+from storage.progress import clear_progress
 from storage.tracking import (
     KIND_STAGE,
     TAG_CAMPAIGN,
     TAG_FLOW_RUN_ID,
+    TAG_INPUT_KEY,
     TAG_ITERATION,
     TAG_KIND,
     TAG_STAGE,
@@ -219,8 +227,12 @@ def run_stage(
     if manifest is None:
         logger.info("%s: running (input key %s)", stage, input_key[:16])
         manifest = _produce(context, stage_dir, stage, input_key, key_settings, digests, code, produce)
+        hold(stage, "output")
     else:
         logger.info("%s: reusing output %s", stage, input_key[:16])
+    # Only once the output is in place (a crash before keeps the mid-stage progress), and on reuse too: a
+    # crash between publishing the output and this line leaves progress nothing would read again.
+    clear_progress(stage_dir)
 
     run_id = (
         record.run_id
@@ -252,11 +264,13 @@ def _produce(
                 stage_dir, stage=stage, input_key=input_key, config=key_settings, upstream=digests, code=code
             ) as out,
             _peak_memory(device) as peak,
+            disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
             out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
             out.metrics.update(produce(out))
             out.metrics["seconds"] = time.perf_counter() - started
             out.metrics["peak_memory_mb"] = peak()
+            hold(stage, "computing")
     finally:
         _release_memory()
     return out.manifest
@@ -337,24 +351,39 @@ def _record_stage(
     stage_dir: Path,
     register: Mapping[str, str] | None,
 ) -> str:
-    """Log a finished stage output as a nested MLflow run (params, metrics, artifacts, datasets, models)."""
-    tags = {
-        TAG_CAMPAIGN: context.campaign,
-        TAG_ITERATION: str(context.iteration),
-        TAG_STAGE: stage,
-        TAG_KIND: KIND_STAGE,
-    }
-    if context.flow_run_id:
-        tags[TAG_FLOW_RUN_ID] = context.flow_run_id
-    run_id = tracker.start_run(context.experiment_id, name=stage, tags=tags, parent_run_id=context.parent_run_id)
-    tracker.log_params(run_id, settings)
-    tracker.log_metrics(
-        run_id, {f"{stage}/{name}": value for name, value in manifest.metrics.items()}, step=context.iteration
-    )
-    tracker.log_stage_output(run_id, stage_dir, manifest)
-    for suffix, subfolder in (register or {}).items() if context.register_models else ():
-        tracker.register_model(run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder)
-    tracker.end_run(run_id)
+    """Log a finished stage output as a nested MLflow run (params, metrics, artifacts, datasets, models).
+
+    A run an earlier attempt left unfinished for this input key is finished instead of starting another:
+    its ``output/`` artifacts are cleared and logged again, and what it already holds is not logged twice. A failure
+    while recording ends the run FAILED (KILLED on Ctrl-C), so it never stays RUNNING.
+    """
+    run_id = tracker.find_unfinished_stage_run(context.experiment_id, stage, manifest.input_key)
+    if run_id is None:
+        tags = {
+            TAG_CAMPAIGN: context.campaign,
+            TAG_ITERATION: str(context.iteration),
+            TAG_STAGE: stage,
+            TAG_KIND: KIND_STAGE,
+            TAG_INPUT_KEY: manifest.input_key,  # from the start, so an interrupted record can be found
+        }
+        if context.flow_run_id:
+            tags[TAG_FLOW_RUN_ID] = context.flow_run_id
+        run_id = tracker.start_run(context.experiment_id, name=stage, tags=tags, parent_run_id=context.parent_run_id)
+    else:
+        logger.info("%s: finishing MLflow run %s, whose recording was interrupted", stage, run_id)
+        tracker.reopen_run(run_id)
+        tracker.clear_stage_output(run_id)
+    with tracker.ends_on_error(run_id):
+        tracker.log_params(run_id, settings)
+        metrics = {f"{stage}/{name}": value for name, value in manifest.metrics.items()}
+        tracker.log_metrics(run_id, metrics, step=context.iteration, skip_logged=True)
+        tracker.log_stage_output(run_id, stage_dir, manifest)
+        hold(stage, "recording")
+        for suffix, subfolder in (register or {}).items() if context.register_models else ():
+            tracker.register_model(
+                run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder
+            )
+        tracker.end_run(run_id)
     return run_id
 
 

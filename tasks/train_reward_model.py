@@ -22,9 +22,10 @@ from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.manifest import StageOutput
-from storage.progress import clear_progress, latest_progress, save_progress
+from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
+from tasks.labelers import MIN_PREFERENCE_PAIRS
 from tasks.stage import StageResult, Throttle, stage, stage_models
 from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
@@ -70,8 +71,10 @@ def train_reward_model(
         return {"pairs": 0.0}
     accelerator = models.accelerator()
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
-    if table.num_rows < 4:
-        raise ValueError(f"train_reward_model needs at least 4 preference pairs, got {table.num_rows}")
+    if table.num_rows < MIN_PREFERENCE_PAIRS:
+        raise ValueError(
+            f"train_reward_model needs at least {MIN_PREFERENCE_PAIRS} preference pairs, got {table.num_rows}"
+        )
     generator = context.generator(STAGE)
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
@@ -117,5 +120,4 @@ def train_reward_model(
     )
     bar.close()
     save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
-    clear_progress(out.final_dir)
     return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}

@@ -228,3 +228,38 @@ def test_relabel_asks_again_and_other_answers_make_other_preferences(answered):
     assert len(forms) == 2
     before, after = first.result().preferences[-1], state.result().preferences[-1]
     assert not after.reused and after.digest != before.digest and after.metrics["pairs"] == len(ANSWERS)
+
+
+def test_issue14_each_form_is_saved_as_it_arrives_so_a_failed_run_asks_only_the_rest(answered):
+    """Form 1 answered, form 2 left to time out (the run fails); the next run asks form 2 only."""
+    from prefect import tags
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.rlhf_pipeline import rlhf_iteration
+
+    config, _, _, _ = answered
+    human = config.human.model_copy(update={"relabel": 2, "timeout_seconds": 6})
+    relabelled = config.model_copy(update={"human": human})
+    outcome: dict = {}
+
+    def run() -> None:
+        with tags(TAG):
+            outcome["state"] = rlhf_iteration(relabelled, iteration=0, return_state=True)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    seen: set[str] = set()
+    first = _wait_for_pause(seen, deadline=time.monotonic() + 60)
+    resume_flow_run(first.id, run_input={name: "A" for name in _form_schema(first)["properties"]})
+    thread.join(timeout=60)
+    assert not thread.is_alive() and outcome["state"].is_failed(), "form 2 was left unanswered: the run fails"
+
+    again = ["A"] * PAIRS_PER_FORM + ANSWERS[PAIRS_PER_FORM:]
+    state, forms, _ = _run_answering(relabelled, again[PAIRS_PER_FORM:])
+    assert state.is_completed(), state
+    assert [list(form["properties"]) for form in forms] == [["pair_6", "pair_7", "pair_8"]]
+    labels_dirs = sorted(
+        (config.run_root / config.campaign / "human_labels").iterdir(), key=lambda p: p.stat().st_mtime
+    )
+    assert read_table(labels_dirs[-1], "human_labels").column("choice").to_pylist() == again
+    assert not list((config.run_root / config.campaign / "human_labels").glob("*.partial"))

@@ -81,3 +81,41 @@ def test_kill_minus_nine_mid_training_then_rerun_equals_a_run_that_never_crashed
     assert any(path.startswith("ppo_update/") and path.endswith("actor/model.safetensors") for path in uninterrupted)
     assert resumed == uninterrupted
     assert not list(stage_dir.glob("*.partial")), "mid-stage checkpoints are removed once the output is finished"
+
+
+def test_issue14_inputs_edited_in_place_re_run_what_reads_them(prefect_server, checkpoint_world, tmp_path):
+    """A prompt file edited in place, then a retrained checkpoint of the same size at the same path: each is
+    a base input, part of every stage's key, so each edit re-runs the campaign; nothing made from the old
+    content is reused."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    world = {name: tmp_path / "world" / path.name for name, path in checkpoint_world.items()}
+    shutil.copytree(checkpoint_world["policy"], world["policy"])
+    for name in ("prompts", "eval_prompts"):
+        shutil.copy(checkpoint_world[name], world[name])
+    config = load_config(TINY, [f"run_root={tmp_path / 'runs'}", *_world(world), "iterations=1"])
+    campaign = config.run_root / config.campaign
+
+    def outputs(stage: str) -> int:
+        return len(list((campaign / stage).glob("*/_manifest.json")))
+
+    rlhf_campaign(config)
+    text = world["prompts"].read_text()
+    world["prompts"].write_text(text.replace("the", "eht", 1))  # same size, same inode
+    rlhf_campaign(config)
+    assert (outputs("initialize"), outputs("evaluate")) == (2, 2)
+
+    weights = world["policy"] / "model.safetensors"
+    size = weights.stat().st_size
+    torch.manual_seed(1)
+    retrained = AutoModelForCausalLM.from_pretrained(world["policy"])
+    with torch.no_grad():
+        for parameter in retrained.parameters():
+            parameter.add_(0.01)
+    retrained.save_pretrained(world["policy"])
+    assert weights.stat().st_size == size
+    rlhf_campaign(config)
+    assert (outputs("initialize"), outputs("evaluate")) == (3, 3)

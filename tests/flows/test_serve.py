@@ -17,7 +17,7 @@ from prefect.utilities.schema_tools import ValidationError as SchemaValidationEr
 from prefect.utilities.schema_tools import validate
 
 from flows.config import ConfigError, PipelineConfig, load_config
-from flows.serve import SCHEMA_BOUNDS, build_deployments, with_bounds
+from flows.serve import build_deployments, schema_bounds, with_bounds
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -86,14 +86,23 @@ def _just_outside(keyword: str, bound: float, kind: str) -> float:
     ]
 
 
-def test_schema_bounds_restate_the_stage_config_checks(tiny):
-    """Each bound refuses exactly what the dataclass refuses at its edge, and the defaults pass."""
+def test_schema_bounds_state_the_stage_config_checks(tiny):
+    """Each bound, derived from the dataclass fields, refuses exactly what the dataclass refuses at its edge,
+    and the defaults pass."""
     config = tiny[0]
     schema = build_deployments(config)[0]._parameter_openapi_schema.model_dump()
     validate({"config": config.model_dump(mode="json")}, schema, raise_on_error=True)
     validate({"config": PipelineConfig().model_dump(mode="json")}, schema, raise_on_error=True)
     section_of = {type(getattr(config, name)): name for name in ("sampling", "reward_model", "advantages", "ppo")}
-    for config_class, fields in SCHEMA_BOUNDS.items():
+    bounds_of = schema_bounds()
+    assert {cls.__name__ for cls in bounds_of} == {
+        "SamplingConfig",
+        "RewardModelConfig",
+        "AdvantageConfig",
+        "PPOConfig",
+    }
+    assert bounds_of[type(config.ppo)]["clip_eps"] == {"exclusiveMinimum": 0}
+    for config_class, fields in bounds_of.items():
         properties = schema["definitions"][config_class.__name__]["properties"]
         for field, bounds in fields.items():
             kind = next(o["type"] for o in properties[field].get("anyOf", [properties[field]]) if "type" in o)

@@ -1,12 +1,25 @@
-"""Stage configs: every __post_init__ check raises with a message naming the field; exact_div; frozen."""
+"""Stage configs: every __post_init__ check raises with a message naming the field; NaN and infinity are
+refused in every numeric field; exact_div; frozen."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
-from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig, exact_div
+from rlhf_core.config import (
+    AdvantageConfig,
+    Bounds,
+    PPOConfig,
+    RewardModelConfig,
+    SamplingConfig,
+    SettingError,
+    exact_div,
+    field_bounds,
+)
+
+CLASSES = [SamplingConfig, RewardModelConfig, AdvantageConfig, PPOConfig]
 
 INVALID = [
     # (config class, field, bad value)
@@ -21,6 +34,7 @@ INVALID = [
     (RewardModelConfig, "epochs", 0),
     (RewardModelConfig, "batch_size", -2),
     (RewardModelConfig, "max_grad_norm", 0.0),
+    (RewardModelConfig, "weight_decay", -0.01),
     (RewardModelConfig, "eval_fraction", 0.0),
     (RewardModelConfig, "eval_fraction", 1.0),
     (AdvantageConfig, "kl_coef", -0.1),
@@ -40,6 +54,7 @@ INVALID = [
     (PPOConfig, "dual_clip", 0.5),
     (PPOConfig, "value_clip_eps", 0.0),
     (PPOConfig, "target_kl", 0.0),
+    (PPOConfig, "entropy_coef", -0.01),
     (PPOConfig, "aggregation", "sum"),
 ]
 
@@ -50,7 +65,28 @@ def test_each_check_raises_with_a_message_naming_the_field(cls, field, value):
         cls(**{field: value})
 
 
-@pytest.mark.parametrize("cls", [SamplingConfig, RewardModelConfig, AdvantageConfig, PPOConfig])
+NUMERIC_FIELDS = [
+    (cls, f.name) for cls in CLASSES for f in dataclasses.fields(cls) if "float" in f.type or "int" in f.type
+]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(("cls", "field"), NUMERIC_FIELDS, ids=lambda item: getattr(item, "__name__", str(item)))
+def test_issue14_nan_and_infinity_are_refused_in_every_numeric_field(cls, field, value):
+    with pytest.raises(SettingError, match=f"`{field}` must be a finite number") as caught:
+        cls(**{field: value})
+    assert caught.value.field == field
+
+
+def test_bounds_are_declared_with_the_field_and_read_back():
+    assert field_bounds(SamplingConfig)["top_p"] == Bounds(gt=0, le=1)
+    assert str(Bounds(gt=0, le=1)) == "> 0 and <= 1"
+    assert "temperature" in field_bounds(SamplingConfig) and "aggregation" not in field_bounds(PPOConfig)
+    with pytest.raises(SettingError, match=r"`top_p` must be > 0 and <= 1, got 1.5"):
+        SamplingConfig(top_p=1.5)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
 def test_defaults_are_valid_frozen_and_keyword_only(cls):
     config = cls()
     first_field = dataclasses.fields(cls)[0].name

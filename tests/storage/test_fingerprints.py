@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,13 @@ def reads(monkeypatch) -> list[Path]:
     return seen
 
 
+def _settle(*paths: Path, age: float = 10.0) -> None:
+    """Date the files ``age`` seconds back, past the window in which a fresh file's hash is not remembered."""
+    then = time.time_ns() - int(age * 1e9)
+    for path in paths:
+        os.utime(path, ns=(then, then))
+
+
 def test_an_edit_of_the_same_size_and_time_is_still_a_new_fingerprint(tmp_path: Path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a"}\n')
@@ -40,6 +48,7 @@ def test_the_cache_reads_a_file_once_until_it_changes(tmp_path: Path, reads: lis
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    _settle(model / "config.json", model / "model.safetensors")
     cache_file = tmp_path / "cache" / "fingerprints.json"
     first = FingerprintCache(cache_file)
     fingerprint = first.fingerprint(model)
@@ -47,6 +56,7 @@ def test_the_cache_reads_a_file_once_until_it_changes(tmp_path: Path, reads: lis
     assert len(reads) == 2
     assert FingerprintCache(cache_file).fingerprint(model) == fingerprint and len(reads) == 2  # from the cache
     (model / "model.safetensors").write_bytes(b"\1" * 1000)  # retrained: same size, new bytes and time
+    _settle(model / "model.safetensors", age=5.0)
     changed = FingerprintCache(cache_file).fingerprint(model)
     assert changed != fingerprint and reads[-1].name == "model.safetensors" and len(reads) == 3
 
@@ -67,7 +77,23 @@ def test_an_unreadable_cache_is_ignored(tmp_path: Path):
     cache_file = tmp_path / "fingerprints.json"
     cache_file.write_text("{not json")
     (tmp_path / "f").write_text("x")
+    _settle(tmp_path / "f")
     cache = FingerprintCache(cache_file)
     assert cache.fingerprint(tmp_path / "f") == FingerprintCache(None).fingerprint(tmp_path / "f")
     cache.save()
     assert FingerprintCache(cache_file)._entries  # rewritten whole
+
+
+def test_issue14_a_file_still_being_written_is_hashed_but_not_remembered(tmp_path: Path, reads: list[Path]):
+    """Two same-size writes within one time-stamp tick leave size, time and inode equal: only the content differs."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    stamp = path.stat().st_mtime_ns
+    cache_file = tmp_path / "fingerprints.json"
+    cache = FingerprintCache(cache_file)
+    first = cache.fingerprint(path)
+    cache.save()
+    path.write_text('{"prompt": "b"}\n')
+    os.utime(path, ns=(stamp, stamp))  # the same tick
+    assert FingerprintCache(cache_file).fingerprint(path) != first
+    assert len(reads) == 2

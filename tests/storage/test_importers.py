@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage.importers import ImportFormatError, import_preferences, import_prompts, render_chat
+from storage.importers import MAX_ROW_BYTES, ImportFormatError, import_preferences, import_prompts, render_chat
 from storage.schemas import PREFERENCES, PROMPTS
 
 HH_CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell a joke\n\nAssistant: Why did the chicken..."
@@ -134,6 +135,38 @@ def test_parquet_with_a_wrongly_typed_column(tmp_path: Path) -> None:
     path = _parquet(tmp_path / "p.parquet", [{"prompt": "ok"}, {"prompt": None}])
     with pytest.raises(ImportFormatError, match=r"row 2, field 'prompt'.*missing"):
         import_prompts(path)
+
+
+def test_issue14_a_huge_line_is_refused_with_its_row_in_bounded_memory(tmp_path: Path) -> None:
+    """A 10 MB JSONL line: refused once MAX_ROW_BYTES are read, never parsed (it used to end in an OOM kill)."""
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "word " * 2_000_000}) + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ImportFormatError, match=r"row 2: longer than 4 MiB") as caught:
+            import_prompts(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert caught.value.row == 2
+    assert peak < 3 * MAX_ROW_BYTES, f"reading the file took {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("writer", [_parquet, _csv])
+def test_issue14_a_huge_field_is_refused_with_its_row_and_field(tmp_path: Path, writer) -> None:
+    suffix = {_parquet: ".parquet", _csv: ".csv"}[writer]
+    path = writer(tmp_path / f"huge{suffix}", [{"prompt": "ok"}, {"prompt": "x" * (MAX_ROW_BYTES + 1)}])
+    with pytest.raises(ImportFormatError, match="longer than 4 MiB") as caught:
+        import_prompts(path)
+    assert caught.value.row == 2
+    if writer is _parquet:
+        assert caught.value.field == "prompt"
+
+
+def test_a_long_csv_field_below_the_limit_is_read(tmp_path: Path) -> None:
+    """Python's csv module refuses fields over 128 KiB by default; a long prompt is not a malformed file."""
+    path = _csv(tmp_path / "long.csv", [{"prompt": "y" * 200_000}])
+    assert len(import_prompts(path).column("prompt")[0].as_py()) == 200_000
 
 
 # Preferences -----------------------------------------------------------------------------------

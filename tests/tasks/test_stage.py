@@ -159,3 +159,78 @@ def test_a_stages_models_are_freed_when_it_returns_and_are_recorded(context, tmp
         gc.enable()
     models = read_manifest(result.directory).runtime["models"]
     assert models == [{"role": "actor", "device": "cpu", "dtype": "float32", "trainable": True}]
+
+
+def _dead_writer() -> str:
+    """A ``rlhf.process`` value naming a process of this host that has exited."""
+    import socket
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return f"{socket.gethostname()}:{process.pid}:1"
+
+
+def _produce_actor(out) -> dict[str, float]:
+    (out.path / "actor").mkdir()
+    (out.path / "actor" / "weights.bin").write_bytes(bytes(range(256)) * 64)
+    (out.path / "actor" / "config.json").write_text("{}")
+    return {"loss": 0.5}
+
+
+def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(context, monkeypatch):
+    """Killed while the stage run was recorded: RUNNING, its artifacts half written, no model version. The
+    next attempt finishes that run: one run, FINISHED, its ``output/`` artifacts exactly what a recording
+    that never stopped leaves (the manifest, the output being recorded by reference), each metric and model
+    version once."""
+    from mlflow import MlflowClient
+
+    import tasks.stage
+    from storage.tracking import TAG_PROCESS
+
+    def killed(stage, window):
+        if window == "recording":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tasks.stage, "hold", killed)
+    run = dict(settings={"n": 1}, upstream={}, code="3" * 64, produce=_produce_actor, register={"actor": "actor"})
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(context, "trainer", **run)
+    client = MlflowClient(context.tracking.uri, registry_uri=context.tracking.uri)
+    (interrupted,) = client.search_runs([context.experiment_id])
+    assert interrupted.info.status == "KILLED"
+    # As kill -9 leaves it: RUNNING, written by a process that is gone, one artifact cut short, one missing.
+    client.set_tag(interrupted.info.run_id, TAG_PROCESS, _dead_writer())
+    client.update_run(interrupted.info.run_id, status="RUNNING")
+    artifacts = Path(interrupted.info.artifact_uri.removeprefix("file://")) / "output"
+    (artifacts / "_manifest.json").write_text("{half")
+    (artifacts / "stray.tmp").write_text("left by the interrupted copy")
+
+    monkeypatch.setattr(tasks.stage, "hold", lambda stage, window: None)
+    assert context.tracker.reconcile_runs(context.experiment_id) == [interrupted.info.run_id]
+    result = run_stage(context, "trainer", **run)
+
+    (finished,) = client.search_runs([context.experiment_id])
+    assert finished.info.run_id == interrupted.info.run_id == result.run_id
+    assert finished.info.status == "FINISHED"
+    assert [path.name for path in artifacts.iterdir()] == ["_manifest.json"]
+    assert (artifacts / "_manifest.json").read_bytes() == (result.directory / "_manifest.json").read_bytes()
+    assert finished.data.tags["rlhf.output_path"] == str(result.directory)
+    assert len(client.get_metric_history(result.run_id, "trainer/loss")) == 1
+    versions = client.search_model_versions("name = 'camp-actor'")
+    assert [(str(v.version), v.run_id) for v in versions] == [("1", result.run_id)]
+
+
+def test_issue14_a_run_being_written_by_a_live_process_or_another_host_is_left_alone(context):
+    from mlflow import MlflowClient
+
+    from storage.tracking import TAG_PROCESS
+
+    tracker = context.tracker
+    mine = tracker.start_run(context.experiment_id, name="live", tags={})
+    elsewhere = tracker.start_run(context.experiment_id, name="remote", tags={})
+    dead = tracker.start_run(context.experiment_id, name="dead", tags={})
+    MlflowClient(context.tracking.uri).set_tag(elsewhere, TAG_PROCESS, "another-host:1:1")
+    MlflowClient(context.tracking.uri).set_tag(dead, TAG_PROCESS, _dead_writer())
+    assert tracker.reconcile_runs(context.experiment_id) == [dead]
+    assert [tracker.run_status(run) for run in (mine, elsewhere, dead)] == ["RUNNING", "RUNNING", "KILLED"]

@@ -1,0 +1,190 @@
+"""Checks of a campaign's inputs before anything runs, so a bad file fails the command, not its fifth stage.
+
+:func:`check_inputs` reads every input the stages will read, the way they will read it, and refuses
+with an :class:`InputError` naming the setting, the file and, where it applies, the row and field:
+
+1. The policy folder holds a readable ``config.json`` and readable weights (safetensors headers are
+   parsed, which catches a truncated file), and the tokenizer loads and fits the model's vocabulary.
+2. Every prompts, eval-prompts and preferences row parses (:mod:`storage.importers`, rows of bounded
+   size), and each file holds enough rows: a prompt at least, ``sizes.eval_prompts`` held-out prompts,
+   and :data:`tasks.labelers.MIN_PREFERENCE_PAIRS` imported pairs.
+3. Every prompt the stages will use fits the model's context with a full response: its tokens as the
+   stages encode it (:func:`tasks.text.prompt_ids`: through the tokenizer's chat template for chat
+   turns) plus ``sampling.max_new_tokens``, at most the model's ``max_position_embeddings``; every
+   imported pair fits the reward model as it is scored (:func:`tasks.text.conversation_ids`, in the
+   reward model's own tokens). Longer ones are refused, not truncated: a prompt cut short silently
+   would train on something other than the file says.
+4. The device exists on this machine and supports the precision (fp16 needs a GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from flows.config import PipelineConfig
+from rlhf_core.precision import resolve_device
+from storage.importers import ImportFormatError, preference_rows, prompt_rows
+from tasks.context import BaseInputs
+from tasks.labelers import MIN_PREFERENCE_PAIRS
+from tasks.text import Prompt, conversation_ids, load_tokenizer, prompt_ids
+
+_BATCH = 256
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
+T = TypeVar("T")
+
+
+class InputError(ValueError):
+    """An input file or model the campaign cannot use; the message names the setting, file, row and field."""
+
+
+def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _model_limits(setting: str, folder: Path) -> tuple[int | None, int | None]:
+    """``(context length, vocabulary size)`` of a model folder, either None where its config does not say.
+
+    Raises:
+        InputError: no readable config or weights.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError or KeyError here
+        raise InputError(f"`{setting}` {folder}: config.json cannot be read: {_first_line(error)}") from error
+    weights = sorted(path for pattern in _WEIGHT_FILES for path in folder.glob(pattern))
+    if not weights:
+        raise InputError(f"`{setting}` {folder} holds no weights (model.safetensors or pytorch_model.bin)")
+    for path in weights:
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(path, "pt"):
+                    pass
+            except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError
+                raise InputError(f"`{setting}` {path} is not a readable safetensors file: {error}") from error
+    return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
+
+
+def _tokenizer(setting: str, folder: str):
+    """The tokenizer of ``folder`` as the stages load it, its length warnings off (lengths are checked here).
+
+    Raises:
+        InputError: none loads.
+    """
+    try:
+        tokenizer = load_tokenizer(folder)
+    except Exception as error:  # noqa: BLE001 - a missing or malformed tokenizer raises anything from OSError to TypeError
+        raise InputError(f"`{setting}` {folder}: no tokenizer loads: {_first_line(error)}") from error
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
+
+
+def _fits(setting: str, path: Path, row: int, field: str, needed: int, *, context: int | None, what: str) -> None:
+    """Refuse a row needing ``needed`` positions (``what`` says how they add up) beyond the model's context."""
+    if context is not None and needed > context:
+        raise InputError(
+            f"`{setting}` {path}, row {row}, field {field!r}: {what}, more than the model's context length "
+            f"{context} (its `max_position_embeddings`); shorten or drop it"
+        )
+
+
+def _check_prompts(
+    setting: str, path: Path, tokenizer, *, used: int | None, at_least: int, context: int | None, max_new_tokens: int
+) -> None:
+    """Parse every row; count them; check that the first ``used`` (all: None) fit with a full response."""
+    rows = 0
+    try:
+        for batch in _batched(prompt_rows(path), _BATCH):
+            rows += len(batch)
+            checked = batch if used is None else batch[: max(used - (rows - len(batch)), 0)]
+            for row, record, text, messages in checked:
+                length = len(prompt_ids(tokenizer, Prompt(text, tuple(messages))))
+                field = "prompt" if record.get("prompt") is not None else "messages"
+                needed = length + max_new_tokens
+                what = f"{length} prompt tokens + `sampling.max_new_tokens`={max_new_tokens} is {needed}"
+                _fits(setting, path, row, field, needed, context=context, what=what)
+    except ImportFormatError as error:
+        raise InputError(f"`{setting}` {error}") from error
+    if rows < at_least:
+        wanted = "" if at_least == 1 else f"; `sizes.eval_prompts` asks for {at_least}"
+        raise InputError(f"`{setting}` {path} holds {rows or 'no'} prompts{wanted}")
+
+
+def _check_preferences(setting: str, path: Path, tokenizer, *, context: int | None, at_least: int) -> None:
+    """Parse every pair; count them; check that each fits the reward model as it is scored."""
+    pairs = 0
+    try:
+        for row, prompt, messages, chosen, rejected, _ in preference_rows(path):
+            pairs += 1
+            for field, response in (("chosen", chosen), ("rejected", rejected)):
+                tokens = len(conversation_ids(tokenizer, Prompt(prompt, tuple(messages)), response))
+                what = f"{tokens} tokens with its prompt, as the reward model reads it"
+                _fits(setting, path, row, field, tokens, context=context, what=what)
+    except ImportFormatError as error:
+        raise InputError(f"`{setting}` {error}") from error
+    if pairs < at_least:
+        raise InputError(
+            f"`{setting}` {path} holds {pairs or 'no'} preference pairs; the reward model needs at least {at_least}"
+        )
+
+
+def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
+    """Refuse inputs the stages could not use (see the module docstring); reads them, changes nothing.
+
+    Raises:
+        InputError: the first problem found.
+    """
+    try:
+        device = resolve_device(config.device)
+    except ValueError as error:
+        raise InputError(str(error)) from error
+    if config.precision == "fp16" and device.type != "cuda":
+        raise InputError(
+            f"`precision` fp16 needs a CUDA device; `device` {config.device} runs on the CPU: use bf16 or fp32"
+        )
+    context, vocabulary = _model_limits("model.policy", Path(base.policy.path))
+    tokenizer_setting = "model.tokenizer" if config.model.tokenizer else "model.policy"
+    tokenizer = _tokenizer(tokenizer_setting, base.tokenizer.path)
+    if vocabulary is not None and len(tokenizer) > vocabulary:
+        raise InputError(
+            f"`{tokenizer_setting}` {base.tokenizer.path}: the tokenizer has {len(tokenizer)} tokens, more than the "
+            f"model's vocabulary of {vocabulary}"
+        )
+    max_new_tokens = config.sampling.max_new_tokens
+    if context is not None and max_new_tokens >= context:
+        raise InputError(
+            f"`sampling.max_new_tokens`={max_new_tokens} leaves no room for a prompt in the model's context "
+            f"length {context}"
+        )
+    _check_prompts(
+        "data.prompts", Path(base.prompts.path), tokenizer,
+        used=None, at_least=1, context=context, max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    _check_prompts(
+        "data.eval_prompts", Path(base.eval_prompts.path), tokenizer,
+        used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
+        max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    if base.preferences is not None:
+        reward_context, reward_tokenizer = context, tokenizer
+        if base.reward_model is not None:
+            reward_tokenizer = _tokenizer("model.reward_model", base.reward_tokenizer)
+            if (Path(base.reward_model.path) / "config.json").is_file():
+                reward_context, _ = _model_limits("model.reward_model", Path(base.reward_model.path))
+        _check_preferences(
+            "data.preferences", Path(base.preferences.path), reward_tokenizer,
+            context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
+        )  # fmt: skip

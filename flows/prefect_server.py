@@ -1,0 +1,142 @@
+"""A temporary Prefect server owned by the command that needs one, and gone when the command is.
+
+Without ``PREFECT_API_URL``, Prefect starts a temporary server itself, in a subprocess
+(``prefect.server.api.server.SubprocessASGIServer``) that it stops from an ``atexit`` hook. A
+``kill -9`` of the command runs no hook, so that server lived on, an orphan holding its port.
+
+Choices:
+
+1. The command starts the same server (uvicorn serving ``prefect.server.api.server:create_app``, with
+   the environment Prefect gives its own) before any flow runs, and points Prefect at it through
+   ``PREFECT_API_URL``, so Prefect never starts one of its own.
+2. The server is started through a two-line launcher that asks the kernel to send it SIGTERM when
+   its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, kept across the ``exec`` into uvicorn), so
+   it ends with the command however the command ends, ``kill -9`` included. The request is tied to
+   the thread that started the child, so it is made from the command's main thread.
+3. It is stopped at exit like Prefect's own, from an ``atexit`` hook registered before any flow runs,
+   so Prefect's log and event workers (registered later, run earlier) flush to it first. It runs in
+   a process group of its own, so a Ctrl-C at the terminal reaches the command, which stops it when
+   it has reported the interruption, and not the server directly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from prefect.context import refresh_global_settings_context
+from prefect.logging import get_logger
+from prefect.settings import get_current_settings
+
+logger = get_logger("rlhf.prefect_server")
+
+_LAUNCHER = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
+if os.getppid() != int(sys.argv[1]):  # the parent died before the request took effect
+    sys.exit(1)
+os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
+"""
+_ADDRESS_IN_USE = 3  # uvicorn's exit code when the port was taken meanwhile
+_STOP_SECONDS = 5.0
+
+
+class PrefectServerError(RuntimeError):
+    """The temporary Prefect server did not start."""
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _launch(port: int) -> subprocess.Popen:
+    import prefect
+
+    uvicorn = [
+        "--app-dir", str(prefect.__module_path__.parent),
+        "--factory", "prefect.server.api.server:create_app",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--log-level", "error", "--lifespan", "on",
+    ]  # fmt: skip
+    environment = {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        # What Prefect sets for its own temporary server: no UI, ephemeral mode.
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    # In a process group of its own: Ctrl-C in a terminal signals the whole foreground group, and the server
+    # must outlive the command's own handling of it (marking its runs) rather than stop under it.
+    return subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *uvicorn], env=environment, process_group=0
+    )
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _wait_until_healthy(process: subprocess.Popen, url: str, timeout: float) -> bool:
+    """True once the server answers, False if it exited because its port was taken.
+
+    Raises:
+        PrefectServerError: it exited otherwise, or did not answer within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            code = process.poll()
+            if code == _ADDRESS_IN_USE:
+                return False
+            if code is not None:
+                raise PrefectServerError(f"the temporary Prefect server exited with code {code} while starting")
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return True
+            time.sleep(0.1)
+    _stop(process)
+    raise PrefectServerError(
+        f"the temporary Prefect server did not answer within {timeout:.0f} s "
+        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); or start one and set PREFECT_API_URL"
+    )
+
+
+def ensure_prefect_api() -> None:
+    """Make sure Prefect has an API to talk to: the configured server, or a temporary one owned by this process.
+
+    Does nothing when ``PREFECT_API_URL`` is set (in the environment or the Prefect profile), when the
+    profile forbids a temporary server, on a system without ``prctl``, or when this process already
+    started one.
+
+    Raises:
+        PrefectServerError: the temporary server did not start.
+    """
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled or not sys.platform.startswith("linux"):
+        return
+    for _ in range(3):
+        port = _free_port()
+        process = _launch(port)
+        url = f"http://127.0.0.1:{port}/api"
+        if _wait_until_healthy(process, url, settings.server.ephemeral.startup_timeout_seconds):
+            break
+    else:
+        raise PrefectServerError("no free port for the temporary Prefect server after 3 tries")
+    atexit.register(_stop, process)
+    os.environ["PREFECT_API_URL"] = url
+    refresh_global_settings_context()
+    logger.info("Started a temporary Prefect server on %s; it stops with this command", url.removesuffix("/api"))

@@ -1,0 +1,582 @@
+"""Issue 14 bad-input suite: everything a hostile but fair user can get wrong, refused cleanly.
+
+Each case runs the ``rlhf`` command (in this process through ``flows.cli.main``, or as a subprocess
+where it takes a signal, a mount or a second process) and asserts the same four things:
+
+* exit code 2;
+* stderr ends in one message of at most two lines, ``rlhf: ...``, naming the problem (the setting,
+  file, row or field), with no traceback and no Prefect error record before it;
+* nothing half-written: no file under the run root appeared or changed except the MLflow database
+  and the lock file, and no hidden temporary or partial folder is left;
+* no MLflow run is left RUNNING.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from flows.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+@dataclass(frozen=True)
+class Case:
+    """``make(tmp_path, world) -> argv`` (after ``rlhf``); the message must contain every string of ``names``."""
+
+    id: str
+    make: Callable[[Path, dict[str, Path]], list[str]]
+    names: tuple[str, ...]
+
+
+def _run(tmp: Path, world: dict[str, Path], *overrides: str, command: str = "run") -> list[str]:
+    """``rlhf <command> --config tiny.yaml`` on the test's checkpoint world, with ``overrides`` last."""
+    sets = [
+        f"run_root={tmp / 'runs'}",
+        f"model.policy={world['policy']}",
+        f"data.prompts={world['prompts']}",
+        f"data.eval_prompts={world['eval_prompts']}",
+        "iterations=1",
+        *overrides,
+    ]
+    return [command, "--config", str(TINY), *(f"--set={item}" for item in sets)]
+
+
+def _file(tmp: Path, name: str, content: str | bytes) -> Path:
+    path = tmp / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+def _with(tmp: Path, setting: str, name: str, content: str | bytes) -> str:
+    """The override pointing ``setting`` at a new file ``name`` holding ``content``."""
+    return f"{setting}={_file(tmp, name, content)}"
+
+
+def _jsonl(rows: list[object]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def _policy(tmp: Path, world: dict[str, Path], change: Callable[[Path], None]) -> str:
+    """A copy of the test's policy folder with ``change`` applied."""
+    copy = tmp / "policy"
+    shutil.copytree(world["policy"], copy)
+    change(copy)
+    return f"model.policy={copy}"
+
+
+def _config_file(tmp: Path, text: str) -> list[str]:
+    return ["run", "--config", str(_file(tmp, "bad.yaml", text)), f"--set=run_root={tmp / 'runs'}"]
+
+
+BAD_JSON_LINE = "{oops\n"
+ARRAY_LINE = "[1, 2]\n"
+NOT_UTF8 = b'{"prompt": "\xff\xfe"}\n'
+RAGGED_CSV = "prompt\nok\nok,extra\n"
+PAIR = {"prompt": "the sun", "chosen": "is warm", "rejected": "is cold"}
+LONG = " ".join(["the sun is warm"] * 20)  # 80 words: more than the test model's 64 positions
+
+CONFIG_CASES = [
+    Case("config-missing", lambda t, w: ["run", "--config", str(t / "nope.yaml")], ("nope.yaml", "does not exist")),
+    Case("config-not-yaml", lambda t, w: _config_file(t, "ppo: [1, 2\n"), ("bad.yaml", "not valid YAML", "line")),
+    Case("config-not-a-mapping", lambda t, w: _config_file(t, "- 1\n- 2\n"), ("bad.yaml", "mapping")),
+    Case("config-unknown-key", lambda t, w: _config_file(t, "ppo:\n  epoch: 2\n"), ("`ppo.epoch`", "ppo.epochs")),
+    Case("config-bad-type", lambda t, w: _config_file(t, "sampling:\n  temperature: hot\n"), ("sampling.temperature",)),
+    Case("set-malformed", lambda t, w: _run(t, w, "nonsense"), ("--set nonsense", "section.field=value")),
+    Case("set-bad-yaml", lambda t, w: _run(t, w, "k=[1,"), ("--set k=[1,", "not valid YAML")),
+    Case("set-not-a-section", lambda t, w: _run(t, w, "ppo.epochs.x=1"), ("`ppo.epochs` is not a section",)),
+    Case("set-unknown-key", lambda t, w: _run(t, w, "sampling.max_new_token=3"), ("sampling.max_new_tokens",)),
+    Case("set-nan", lambda t, w: _run(t, w, "ppo.clip_eps=.nan"), ("`ppo.clip_eps`", "finite", "--set")),
+    Case("set-inf", lambda t, w: _run(t, w, "reward_model.learning_rate=.inf"), ("reward_model.learning_rate",)),
+    Case("set-nan-lr", lambda t, w: _run(t, w, "ppo.actor_learning_rate=.nan"), ("ppo.actor_learning_rate",)),
+    Case("set-inf-seconds", lambda t, w: _run(t, w, "checkpoint_seconds=.inf"), ("checkpoint_seconds", "finite")),
+    Case("set-gamma-range", lambda t, w: _run(t, w, "advantages.gamma=1.5"), ("`advantages.gamma`", "<= 1")),
+    Case("set-top-p-zero", lambda t, w: _run(t, w, "sampling.top_p=0"), ("`sampling.top_p`", "> 0")),
+    Case("set-negative-epochs", lambda t, w: _run(t, w, "ppo.epochs=-1"), ("`ppo.epochs`",)),
+    Case("set-zero-prompts", lambda t, w: _run(t, w, "sizes.rollout_prompts=0"), ("sizes.rollout_prompts",)),
+    Case("set-odd-candidates", lambda t, w: _run(t, w, "sizes.candidates_per_prompt=3"), ("candidates_per_prompt",)),
+    Case("set-too-few-pairs", lambda t, w: _run(t, w, "sizes.preference_prompts=1"), ("preference pairs", "4")),
+    Case("set-unknown-labeler", lambda t, w: _run(t, w, "labeler=nope"), ("`labeler`", "nope")),
+    Case("set-import-without-file", lambda t, w: _run(t, w, "labeler=import"), ("data.preferences",)),
+    Case("set-bad-campaign-name", lambda t, w: _run(t, w, "campaign=has space"), ("`campaign`",)),
+    Case("serve-bad-cron", lambda t, w: ["serve", "--cron", "not a cron"], ("--cron", "not a cron")),
+    Case("serve-bad-interval", lambda t, w: ["serve", "--interval", "nan"], ("interval", "positive")),
+    Case("fp16-on-cpu", lambda t, w: _run(t, w, "precision=fp16", "device=cpu"), ("`precision` fp16",)),
+]
+
+FILE_CASES = [
+    Case(
+        "prompts-missing",
+        lambda t, w: _run(t, w, f"data.prompts={t / 'missing.jsonl'}"),
+        ("`data.prompts`", "does not exist"),
+    ),
+    Case(
+        "prompts-empty",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", "")),
+        ("`data.prompts`", "holds no prompts"),
+    ),
+    Case(
+        "prompts-bad-json",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", _jsonl([{"prompt": "a"}]) + BAD_JSON_LINE)),
+        ("`data.prompts`", "row 2", "invalid JSON"),
+    ),
+    Case(
+        "prompts-not-an-object",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", ARRAY_LINE)),
+        ("row 1", "JSON object"),
+    ),
+    Case(
+        "prompts-missing-field",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", _jsonl([{"prompt": "a"}, {"text": "b"}]))),
+        ("row 2", "field 'prompt'", "missing"),
+    ),
+    Case(
+        "prompts-empty-prompt",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", _jsonl([{"prompt": "  "}]))),
+        ("row 1", "field 'prompt'", "empty"),
+    ),
+    Case(
+        "prompts-not-utf8",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", NOT_UTF8)),
+        ("row 1", "not UTF-8"),
+    ),
+    Case(
+        "prompts-10mb-line",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", _jsonl([{"prompt": "w " * 5_000_000}]))),
+        ("`data.prompts`", "row 1", "4 MiB"),
+    ),
+    Case(
+        "prompts-longer-than-the-context",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.jsonl", _jsonl([{"prompt": "a"}, {"prompt": LONG}]))),
+        ("`data.prompts`", "row 2", "`sampling.max_new_tokens`=8", "context length 64"),
+    ),
+    Case(
+        "prompts-unsupported-type",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.txt", "hello")),
+        ("p.txt", "unsupported file type"),
+    ),
+    Case(
+        "prompts-ragged-csv",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.csv", RAGGED_CSV)),
+        ("p.csv", "row 2", "more values"),
+    ),
+    Case(
+        "prompts-corrupt-parquet",
+        lambda t, w: _run(t, w, _with(t, "data.prompts", "p.parquet", "not parquet")),
+        ("p.parquet", "not a readable Parquet file"),
+    ),
+    Case(
+        "eval-prompts-empty",
+        lambda t, w: _run(t, w, _with(t, "data.eval_prompts", "e.jsonl", "")),
+        ("`data.eval_prompts`", "holds no prompts"),
+    ),
+    Case(
+        "eval-prompts-too-few",
+        lambda t, w: _run(t, w, _with(t, "data.eval_prompts", "e.jsonl", _jsonl([{"prompt": "a"}] * 3))),
+        ("`data.eval_prompts`", "holds 3 prompts", "`sizes.eval_prompts` asks for 8"),
+    ),
+    Case(
+        "response-longer-than-the-context",
+        lambda t, w: _run(t, w, "sampling.max_new_tokens=64"),
+        ("`sampling.max_new_tokens`=64", "context length 64"),
+    ),
+    Case(
+        "preferences-missing-field",
+        lambda t, w: _run(
+            t, w, "labeler=import", f"data.preferences={_file(t, 'p.jsonl', _jsonl([PAIR, {'prompt': 'x'}]))}"
+        ),
+        ("`data.preferences`", "row 2", "field 'chosen'", "missing"),
+    ),
+    Case(
+        "preferences-too-few",
+        lambda t, w: _run(t, w, "labeler=import", _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 2))),
+        ("`data.preferences`", "2 preference pairs", "at least 4"),
+    ),
+    Case(
+        "preferences-transcript-without-turn",
+        lambda t, w: _run(
+            t,
+            w,
+            "labeler=import",
+            _with(t, "data.preferences", "p.jsonl", _jsonl([{"chosen": "a", "rejected": "b"}])),
+        ),
+        ("row 1", "field 'chosen'", "Assistant:"),
+    ),
+    Case(
+        "preferences-nan-margin",
+        lambda t, w: _run(
+            t,
+            w,
+            "labeler=import",
+            _with(t, "data.preferences", "p.jsonl", _jsonl([{**PAIR, "margin": float("nan")}])),
+        ),
+        ("row 1", "field 'margin'", "finite"),
+    ),
+    Case(
+        "preferences-longer-than-the-context",
+        lambda t, w: _run(
+            t,
+            w,
+            "labeler=import",
+            _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 4 + [{**PAIR, "chosen": LONG}])),
+        ),
+        ("`data.preferences`", "row 5", "field 'chosen'", "context length 64"),
+    ),
+]
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _shrink_vocabulary(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 5}))
+
+
+MODEL_CASES = [
+    Case("policy-missing", lambda t, w: _run(t, w, f"model.policy={t / 'nowhere'}"), ("`model.policy`", "nowhere")),
+    Case("policy-not-a-checkpoint", lambda t, w: _run(t, w, f"model.policy={t}"), ("`model.policy`", "config.json")),
+    Case(
+        "policy-corrupt-config",
+        lambda t, w: _run(t, w, _policy(t, w, lambda f: (f / "config.json").write_text("{not json"))),
+        ("`model.policy`", "config.json cannot be read"),
+    ),
+    Case(
+        "policy-truncated-weights",
+        lambda t, w: _run(t, w, _policy(t, w, _truncate)),
+        ("model.safetensors", "not a readable safetensors file"),
+    ),
+    Case(
+        "policy-without-weights",
+        lambda t, w: _run(t, w, _policy(t, w, lambda f: (f / "model.safetensors").unlink())),
+        ("`model.policy`", "holds no weights"),
+    ),
+    Case(
+        "tokenizer-missing",
+        lambda t, w: _run(t, w, f"model.tokenizer={t / 'no-tokenizer'}"),
+        ("`model.tokenizer`", "does not exist"),
+    ),
+    Case(
+        "tokenizer-folder-without-one",
+        lambda t, w: _run(t, w, f"model.tokenizer={(t / 'empty').mkdir() or t / 'empty'}"),
+        ("`model.tokenizer`", "no tokenizer loads"),
+    ),
+    Case(
+        "tokenizer-larger-than-the-vocabulary",
+        lambda t, w: _run(t, w, _policy(t, w, _shrink_vocabulary)),
+        ("tokens, more than the model's vocabulary of 5",),
+    ),
+]
+if not torch.cuda.is_available():
+    MODEL_CASES.append(Case("cuda-without-a-gpu", lambda t, w: _run(t, w, "device=cuda"), ("`device`", "no CUDA")))
+
+
+def _files(run_root: Path) -> dict[str, str]:
+    """``path -> sha256`` of every file under the run root but the MLflow database and the lock (which a refused
+    run may touch) and hidden temporary folders (checked apart: none may be left)."""
+    if not run_root.exists():
+        return {}
+    return {
+        str(path.relative_to(run_root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in run_root.rglob("*")
+        if path.is_file()
+        and not path.name.startswith("mlflow.db")
+        and path.name != ".lock"
+        and not any(".tmp-" in part for part in path.parts)
+    }
+
+
+def _assert_refused(code: int | None, stderr: str, run_root: Path, names: tuple[str, ...], before: dict) -> None:
+    lines = stderr.strip().splitlines()
+    assert code == 2, f"exit code {code}; stderr:\n{stderr[-3000:]}"
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert not [line for line in lines if "| ERROR" in line], stderr[-3000:]
+    starts = [index for index, line in enumerate(lines) if line.startswith("rlhf: ")]
+    assert len(starts) == 1, f"one message expected:\n{stderr[-3000:]}"
+    message = "\n".join(lines[starts[0] :])
+    assert len(lines) - starts[0] <= 2, f"the message is more than two lines:\n{message}"
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    after = _files(run_root)
+    assert after == before, f"written or changed: {sorted(set(after.items()) ^ set(before.items()))[:5]}"
+    hidden = [
+        p for p in run_root.rglob("*") if ".tmp-" in p.name or p.name.endswith(".partial") or ".download-" in p.name
+    ]
+    assert not hidden, f"half-written: {hidden}"
+    database = run_root / "mlflow.db"
+    if database.exists():
+        client = MlflowClient(tracking_uri=f"sqlite:///{database}")
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        running = [r.info.run_name for r in client.search_runs(experiments) if r.info.status == "RUNNING"]
+        assert not running, f"left RUNNING: {running}"
+
+
+def _main(argv: list[str], capfd) -> tuple[int, str]:
+    capfd.readouterr()
+    code = main(argv)
+    return code, capfd.readouterr().err
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES + FILE_CASES + MODEL_CASES, ids=lambda case: case.id)
+def test_issue14_refused_before_anything_runs(case: Case, checkpoint_world, tmp_path, capfd):
+    argv = case.make(tmp_path, checkpoint_world)
+    code, stderr = _main(argv, capfd)
+    _assert_refused(code, stderr, tmp_path / "runs", case.names, {})
+    assert not (tmp_path / "runs").exists(), "a refused command creates no run root"
+
+
+# --- a finished campaign, then outputs edited, replays of what does not exist, locks ----------
+
+
+@pytest.fixture(scope="module")
+def finished(prefect_server, checkpoint_world, tmp_path_factory) -> Path:
+    """The run root of a finished one-iteration campaign (copy it before changing anything)."""
+    tmp = tmp_path_factory.mktemp("finished")
+    assert main(_run(tmp, checkpoint_world)) == 0
+    return tmp / "runs"
+
+
+def _copy_of(finished: Path, tmp_path: Path) -> Path:
+    run_root = tmp_path / "runs"
+    shutil.copytree(finished, run_root, symlinks=True)
+    return run_root
+
+
+def _output(run_root: Path, stage: str) -> Path:
+    (folder,) = (run_root / "tiny" / stage).iterdir()
+    return folder
+
+
+def _alter_shard(run_root: Path) -> str:
+    shard = next(_output(run_root, "sample_candidates").glob("candidates-*.parquet"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard.name
+
+
+def _edit_manifest(run_root: Path) -> str:
+    path = _output(run_root, "initialize") / "_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["metrics"]["actor_parameters"] = 1.0
+    path.write_text(json.dumps(manifest))
+    return "_manifest.json"
+
+
+def _add_a_file(run_root: Path) -> str:
+    (_output(run_root, "rollout") / "notes.txt").write_text("mine")
+    return "notes.txt"
+
+
+def _old_schema(run_root: Path) -> str:
+    path = _output(run_root, "initialize") / "_manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": 1}))
+    return "schema version 1"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (_alter_shard, "has been altered"),
+        (_edit_manifest, "is corrupt"),
+        (_add_a_file, "is not listed"),
+        (_old_schema, "run the iteration again"),
+    ],  # fmt: skip
+    ids=["altered-shard", "edited-manifest", "unlisted-file", "older-schema"],
+)
+def test_issue14_an_edited_output_is_refused_naming_the_file(
+    change, named, finished, checkpoint_world, tmp_path, capfd
+):
+    run_root = _copy_of(finished, tmp_path)
+    what = change(run_root)
+    before = _files(run_root)
+    code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    _assert_refused(code, stderr, run_root, (what, named), before)
+
+
+REPLAYS = [
+    (lambda t, w: [*_run(t, w, command="replay"), "nosuch:0"], ("no campaign 'nosuch'",)),
+    (lambda t, w: [*_run(t, w, command="replay"), "tiny:5"], ("no finished iteration 5",)),
+    (lambda t, w: [*_run(t, w, command="replay"), "0123abcd"], ("'0123abcd'", "neither a campaign nor a run id")),
+    (
+        lambda t, w: [*_run(t, w, "sampling.temperature=0.5", command="replay"), "tiny:0"],
+        ("cannot change `sampling.temperature`",),
+    ),
+    (lambda t, w: [*_run(t, w, command="compare"), "tiny", "--metrics", "nope/x"], ("nope/x",)),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "names"), REPLAYS, ids=["unknown-campaign", "unknown-iteration", "unknown-run", "forbidden", "metric"]
+)
+def test_issue14_replays_and_comparisons_of_what_does_not_exist_are_refused(
+    make, names, finished, checkpoint_world, tmp_path, capfd
+):
+    run_root = _copy_of(finished, tmp_path)
+    before = _files(run_root)
+    code, stderr = _main(make(tmp_path, checkpoint_world), capfd)
+    _assert_refused(code, stderr, run_root, names, before)
+
+
+def test_issue14_a_replay_with_no_store_at_all_creates_none(checkpoint_world, tmp_path, capfd):
+    code, stderr = _main([*_run(tmp_path, checkpoint_world, command="replay"), "tiny:0"], capfd)
+    _assert_refused(code, stderr, tmp_path / "runs", ("no MLflow store",), {})
+    assert not (tmp_path / "runs").exists()
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from storage.locks import exclusive_lock
+with exclusive_lock(Path(sys.argv[1])):
+    Path(sys.argv[2]).write_text("held")
+    time.sleep(600)
+"""
+
+
+def test_issue14_a_second_run_of_a_campaign_is_refused_naming_the_first(finished, checkpoint_world, tmp_path, capfd):
+    run_root = _copy_of(finished, tmp_path)
+    before = _files(run_root)
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_root / "tiny" / ".lock"), str(ready)], cwd=ROOT)
+    try:
+        while not ready.exists():
+            assert holder.poll() is None
+            time.sleep(0.05)
+        code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    finally:
+        holder.kill()
+        holder.wait()
+    _assert_refused(code, stderr, run_root, ("campaign `tiny`", f"process {holder.pid}"), before)
+
+
+def test_issue14_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_kept(checkpoint_world, tmp_path, capfd):
+    target = _file(tmp_path, "precious.txt", "keep me")
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "runs" / "tiny" / ".lock").symlink_to(target)
+    code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    _assert_refused(code, stderr, tmp_path / "runs", (".lock", "symbolic link"), {})
+    assert target.read_text() == "keep me"
+
+
+def test_issue14_a_run_root_that_is_a_file_is_refused(checkpoint_world, tmp_path, capfd):
+    _file(tmp_path, "runs", "not a folder")
+    code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    _assert_refused(code, stderr, tmp_path / "runs", ("`run_root`", "not a folder"), {})
+    assert (tmp_path / "runs").read_text() == "not a folder"
+
+
+# --- as a subprocess: Ctrl-C, a read-only run root, a full disk ----------------------------------
+
+
+def _subprocess(argv: list[str], *, prefix: list[str] = (), **environment: str) -> subprocess.Popen:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), **environment}
+    command = [*prefix, sys.executable, "-m", "flows", *argv]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+
+
+def test_issue14_ctrl_c_mid_stage_exits_2_and_leaves_nothing_running(prefect_server, checkpoint_world, tmp_path):
+    held = tmp_path / "held"
+    process = _subprocess(
+        _run(tmp_path, checkpoint_world), RLHF_HOLD_AT="sample_candidates:computing", RLHF_HOLD_FILE=str(held)
+    )
+    deadline = time.monotonic() + 300
+    while not held.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.05)
+    before = _files(tmp_path / "runs")
+    os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C at a terminal does: to the whole process group
+    _, stderr = process.communicate(timeout=120)
+    _assert_refused(process.returncode, stderr, tmp_path / "runs", ("interrupted", "run the same command"), before)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert {run.info.run_name: run.info.status for run in runs} == {"iteration-0": "KILLED", "initialize": "FINISHED"}
+
+
+def _private_mount(script: str) -> list[str]:
+    """A command prefix running ``script`` (then the command) in a mount namespace of its own."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{script} && exec "$@"', "sh"]
+
+
+def _can_mount(tmp_path: Path) -> bool:
+    probe = subprocess.run(
+        [*_private_mount(f"mount -t tmpfs -o size=1m tmpfs {tmp_path}"), "true"], capture_output=True, check=False
+    )
+    return probe.returncode == 0
+
+
+def test_issue14_a_read_only_run_root_is_refused(prefect_server, checkpoint_world, tmp_path):
+    run_root = tmp_path / "runs"
+    run_root.mkdir()
+    if os.geteuid() != 0:
+        run_root.chmod(0o555)
+        prefix = []
+    elif _can_mount(tmp_path):
+        prefix = _private_mount(f"mount --bind {run_root} {run_root} && mount -o remount,bind,ro {run_root}")
+    else:
+        pytest.skip("root without mount namespaces: a read-only folder cannot be made")
+    process = _subprocess(_run(tmp_path, checkpoint_world), prefix=prefix)
+    _, stderr = process.communicate(timeout=300)
+    _assert_refused(process.returncode, stderr, run_root, ("Read-only file system", str(run_root)), {})
+
+
+def test_issue14_a_full_disk_is_reported_and_the_iteration_marked_failed(prefect_server, checkpoint_world, tmp_path):
+    """The run root on a 1 MiB tmpfs (the MLflow store elsewhere, as on a tracking server): the first
+    checkpoint that does not fit ends the command."""
+    run_root, store = tmp_path / "runs", tmp_path / "store"
+    run_root.mkdir()
+    store.mkdir()
+    if not _can_mount(tmp_path):
+        pytest.skip("no mount namespaces here: a small disk cannot be made")
+    argv = _run(tmp_path, checkpoint_world, f"tracking_uri=sqlite:///{store / 'mlflow.db'}")
+    process = _subprocess(argv, prefix=_private_mount(f"mount -t tmpfs -o size=1m tmpfs {run_root}"))
+    _, stderr = process.communicate(timeout=300)
+    _assert_refused(process.returncode, stderr, run_root, ("No space left on device", str(run_root)), {})
+    client = MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    statuses = {run.info.run_name: run.info.status for run in runs}
+    assert statuses.pop("iteration-0") == "FAILED" and set(statuses.values()) == {"FINISHED"}
+
+
+# --- what is not a user error, and --verbose ---------------------------------------------------------
+
+
+def test_issue14_a_bug_keeps_its_traceback(monkeypatch):
+    """A KeyError is a LookupError, as "no such run" is, but from a bug: it is raised, not reported as exit 2."""
+    import flows.cli
+
+    def broken(config, arguments):
+        return {}["missing"]
+
+    monkeypatch.setitem(flows.cli._COMMANDS, "config", broken)
+    with pytest.raises(KeyError):
+        main(["config"])
+
+
+def test_issue14_verbose_adds_the_traceback_to_a_user_error(capfd):
+    code, stderr = _main(["config", "--set", "ppo.clip_eps=-1", "--verbose"], capfd)
+    assert code == 2 and "Traceback" in stderr and stderr.strip().splitlines()[-1].startswith("rlhf: `ppo.clip_eps`")

@@ -1,0 +1,64 @@
+"""The temporary Prefect server a command starts when no PREFECT_API_URL is set: it answers, Prefect uses
+it, and it dies with the command, ``kill -9`` included (issue 14: it used to outlive it as an orphan)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMAND = """
+import time
+from flows.prefect_server import ensure_prefect_api
+from prefect.settings import get_current_settings
+ensure_prefect_api()
+print(get_current_settings().api.url, flush=True)
+time.sleep(600)
+"""
+
+
+def _children(pid: int) -> set[int]:
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                children.add(int(entry.name))
+    return children
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_issue14_the_temporary_server_dies_with_its_command_even_on_kill_minus_nine():
+    environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", COMMAND], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = process.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/api"), url
+        (server,) = _children(process.pid)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(server), "the server outlived the command"
+    finally:
+        process.kill()
+        process.wait()
