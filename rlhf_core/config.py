@@ -6,10 +6,13 @@ Defaults follow the sources noted on each field; the embedded demo overrides som
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args
+from typing import Literal, get_args
 
+from rlhf_core.advantages import CRITIC_ESTIMATORS, Estimator
 from rlhf_core.losses import LossAggregation
 from rlhf_core.rewards import KLEstimator
+
+KLPlacement = Literal["reward", "loss"]
 
 
 def exact_div(numerator: int, denominator: int, *, what: str) -> int:
@@ -90,29 +93,60 @@ class RewardModelConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdvantageConfig:
-    """Rewards, KL and GAE (stage: compute advantages). Pure: replaying with new values is cheap."""
+    """Rewards, KL and advantages (stage: compute advantages). Pure: replaying with new values is cheap."""
 
+    estimator: Estimator = "gae"
+    """Advantage estimator: gae (with a critic), or critic-free grpo, dr_grpo, rloo (groups of samples of a
+    prompt, `sizes.samples_per_prompt` >= 2) or reinforce_pp (see rlhf_core.advantages)."""
     kl_coef: float = 0.05
-    """KL penalty weight beta (TRL default 0.05)."""
+    """KL penalty weight beta in the reward (TRL default 0.05); the adaptive controller's start with `kl_target`."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator in the reward: k1, k2 or k3."""
+    kl_in: KLPlacement = "reward"
+    """Where the KL to the reference acts: `reward` (shaped per-token reward, weight `kl_coef`) or `loss` (k3 term
+    in the policy loss, weight `ppo.kl_loss_coef`, GRPO style)."""
+    kl_target: float | None = None
+    """Turns on the adaptive KL controller (Ziegler et al. 2019): `kl_coef` moves to hold the rollouts' KL to the
+    reference (nats per response) near this. None keeps `kl_coef` fixed."""
+    kl_horizon: int = 10000
+    """Rollouts the adaptive controller takes to correct by its clipped error (Ziegler et al. 2019; TRL 10000)."""
     gamma: float = 1.0
     """Discount (TRL and OpenRLHF use 1.0 for language)."""
     gae_lambda: float = 0.95
     """GAE lambda (TRL default 0.95)."""
     score_clip: float | None = None
-    """Clip reward-model scores to [-score_clip, score_clip] before shaping."""
+    """Clip scores to [-score_clip, score_clip] before shaping."""
     normalize_scores: bool = True
-    """Standardise scores with the reward model's held-out mean and std."""
+    """Standardise reward-model scores with the reward model's held-out mean and std (a reward function's
+    scores are used as they are)."""
 
     def __post_init__(self) -> None:
+        if self.estimator not in get_args(Estimator):
+            raise ValueError(f"`estimator` must be one of {get_args(Estimator)}, got {self.estimator!r}")
         if self.kl_coef < 0:
             raise ValueError(f"`kl_coef` must be non-negative, got {self.kl_coef}")
         if self.kl_estimator not in get_args(KLEstimator):
             raise ValueError(f"`kl_estimator` must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
+        if self.kl_in not in get_args(KLPlacement):
+            raise ValueError(f"`kl_in` must be one of {get_args(KLPlacement)}, got {self.kl_in!r}")
+        if self.kl_target is not None:
+            _require_positive(kl_target=self.kl_target)
+            if self.kl_in != "reward":
+                raise ValueError("`kl_target` adapts the KL coefficient of the reward: it needs `kl_in` = 'reward'")
+        _require_positive(kl_horizon=self.kl_horizon)
         _require_unit_interval(gamma=self.gamma, gae_lambda=self.gae_lambda)
         if self.score_clip is not None:
             _require_positive(score_clip=self.score_clip)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs a value model (only GAE does)."""
+        return self.estimator in CRITIC_ESTIMATORS
+
+    @property
+    def reward_kl_coef(self) -> float:
+        """The KL weight in the reward: ``kl_coef``, or 0 when the KL acts in the loss instead."""
+        return self.kl_coef if self.kl_in == "reward" else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +176,11 @@ class PPOConfig:
     whiten_advantages: bool = True
     """Whiten advantages over the whole experience before minibatching."""
     aggregation: LossAggregation = "token_mean"
-    """Token-level loss aggregation: token_mean or sequence_mean."""
+    """Token-level loss aggregation: token_mean, sequence_mean, or token_sum_norm (each response's token sum over
+    the generation budget `sampling.max_new_tokens`, as Dr. GRPO)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the k3 KL to the reference in the policy loss (GRPO's beta; DeepSeekMath 0.04); needs
+    `advantages.kl_in` = loss."""
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -159,5 +197,7 @@ class PPOConfig:
             _require_positive(value_clip_eps=self.value_clip_eps)
         if self.target_kl is not None:
             _require_positive(target_kl=self.target_kl)
-        if self.aggregation not in ("token_mean", "sequence_mean"):
-            raise ValueError(f"`aggregation` must be 'token_mean' or 'sequence_mean', got {self.aggregation!r}")
+        if self.aggregation not in get_args(LossAggregation):
+            raise ValueError(f"`aggregation` must be one of {get_args(LossAggregation)}, got {self.aggregation!r}")
+        if self.kl_loss_coef < 0:
+            raise ValueError(f"`kl_loss_coef` must be non-negative, got {self.kl_loss_coef}")
