@@ -1,5 +1,6 @@
-"""The RLHF flows: one iteration is seven stages; a campaign is N iterations; a replay re-runs
-stages 5-7 of a recorded iteration from its saved experience with new settings.
+"""The RLHF flows: one iteration is seven stages (four with a reward function, which needs no candidates,
+labels or reward model); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded
+iteration from its saved experience with new settings.
 
 Every stage is reused when its output for the same inputs already exists, so running a flow
 again does no work, and a crashed run continues from its first unfinished stage. Each stage gets
@@ -7,6 +8,8 @@ exactly the settings :data:`flows.settings.STAGE_SETTINGS` lists for it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prefect import flow
 
@@ -22,7 +25,7 @@ from flows.campaign import (
 )
 from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
-from flows.replay import check_replayable
+from flows.replay import check_replay_data, check_replayable
 from flows.settings import stage_settings
 from storage.locks import exclusive_lock
 from tasks import (
@@ -35,6 +38,8 @@ from tasks import (
     sample_candidates,
     train_reward_model,
 )
+from tasks.context import StageContext
+from tasks.stage import StageResult
 
 
 @flow(name="rlhf-iteration")
@@ -58,7 +63,27 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     def settings(stage: str) -> dict:
         return stage_settings(config, base, stage)
 
-    state = state or IterationState(policy=initialize(context).result())
+    state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
+    reward_model, all_preferences, learned = None, (), []
+    if config.reward.source == "reward_model":
+        reward_model, all_preferences, learned = _learn_reward_model(context, config, state, settings)
+    experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
+    scored = compute_advantages(
+        context, experience, reward_model, state.advantages, **settings("compute_advantages")
+    ).result()
+    policy = ppo_update(context, state.policy, scored, **settings("ppo_update")).result()
+    evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
+    stages = [*learned, experience, scored, policy, evaluation]
+    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences, scored))
+
+
+def _learn_reward_model(
+    context: StageContext, config: PipelineConfig, state: IterationState, settings: Callable[[str], dict]
+) -> tuple[StageResult, tuple[StageResult, ...], list[StageResult]]:
+    """Stages 1-3: sample candidates, label pairs, train the reward model on every pair so far.
+
+    Returns the reward model, every preference table so far, and the three stages' outputs.
+    """
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
@@ -66,19 +91,12 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
         else None
     )
     judge_model = state.reward_model if config.labeler == "reward_model" else None
-    preferences = collect_preferences(
-        context, candidates, judge_model, labels, **settings("collect_preferences")
-    ).result()
-    all_preferences = (*state.preferences, preferences)
+    preferences = collect_preferences(context, candidates, judge_model, labels, **settings("collect_preferences"))
+    all_preferences = (*state.preferences, preferences.result())
     reward_model = train_reward_model(
         context, all_preferences, state.reward_model, **settings("train_reward_model")
     ).result()
-    experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
-    scored = compute_advantages(context, experience, reward_model, **settings("compute_advantages")).result()
-    policy = ppo_update(context, state.policy, scored, **settings("ppo_update")).result()
-    evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
-    stages = [candidates, preferences, reward_model, experience, scored, policy, evaluation]
-    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences))
+    return reward_model, all_preferences, [candidates, all_preferences[-1], reward_model]
 
 
 @flow(name="rlhf-campaign")
@@ -98,12 +116,18 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     """
     check_replayable(config, source_run_id)
     base = resolve_base(config)
+    inputs = load_replay_inputs(config, source_run_id, base)
+    check_replay_data(config, inputs.experience)
     context = open_replay(config, source_run_id, base)
-    experience, policy, reward_model = load_replay_inputs(context, source_run_id)
+
+    def settings(stage: str) -> dict:
+        return stage_settings(config, base, stage)
+
     scored = compute_advantages(
-        context, experience, reward_model, **stage_settings(config, base, "compute_advantages")
+        context, inputs.experience, inputs.reward_model, inputs.previous, **settings("compute_advantages")
     ).result()
-    new_policy = ppo_update(context, policy, scored, **stage_settings(config, base, "ppo_update")).result()
-    evaluation = evaluate(context, new_policy, reward_model, **stage_settings(config, base, "evaluate")).result()
-    close_iteration(context, [scored, new_policy, evaluation], IterationState(new_policy, reward_model))
+    new_policy = ppo_update(context, inputs.policy, scored, **settings("ppo_update")).result()
+    evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
+    state = IterationState(new_policy, inputs.reward_model, advantages=scored)
+    close_iteration(context, [scored, new_policy, evaluation], state)
     return context.parent_run_id

@@ -26,18 +26,11 @@ Choices:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from rlhf_core.config import GROUP_ESTIMATORS, Estimator
 from rlhf_core.gae import Advantages
 from rlhf_core.masked import masked_whiten
-
-Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
-GROUP_ESTIMATORS: tuple[Estimator, ...] = ("grpo", "dr_grpo", "rloo")
-"""Estimators whose baseline is the other samples of the same prompt: they need groups of at least 2."""
-CRITIC_ESTIMATORS: tuple[Estimator, ...] = ("gae",)
-"""Estimators that need a value model (a critic)."""
 
 
 @torch.no_grad()

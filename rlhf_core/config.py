@@ -8,11 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from rlhf_core.advantages import CRITIC_ESTIMATORS, Estimator
 from rlhf_core.losses import LossAggregation
 from rlhf_core.rewards import KLEstimator
 
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
+"""Advantage estimators (:mod:`rlhf_core.gae`, :mod:`rlhf_core.advantages`). Named here, not beside their
+maths, so that a stage importing the config does not import (and fingerprint) the estimators' code."""
+GROUP_ESTIMATORS: tuple[Estimator, ...] = ("grpo", "dr_grpo", "rloo")
+"""Estimators whose baseline is the other samples of the same prompt: they need groups of at least 2."""
+CRITIC_ESTIMATORS: tuple[Estimator, ...] = ("gae",)
+"""Estimators that need a value model (a critic)."""
 KLPlacement = Literal["reward", "loss"]
+"""Where the KL to the reference acts: the shaped reward, or the policy loss."""
 
 
 def exact_div(numerator: int, denominator: int, *, what: str) -> int:

@@ -22,14 +22,8 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from rlhf_core.advantages import (
-    GROUP_ESTIMATORS,
-    broadcast_over_tokens,
-    group_advantages,
-    reinforce_pp_advantages,
-    reward_to_go,
-)
-from rlhf_core.config import AdvantageConfig, SamplingConfig
+from rlhf_core.advantages import broadcast_over_tokens, group_advantages, reinforce_pp_advantages, reward_to_go
+from rlhf_core.config import GROUP_ESTIMATORS, AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
 from rlhf_core.gae import Advantages, compute_gae
 from rlhf_core.generation import generate

@@ -26,6 +26,7 @@ from rlhf_core.precision import Precision, resolve_device
 from storage.layout import RunLayout
 from storage.tracking import Tracker
 from tasks.judge import JudgeReference
+from tasks.reward_function import RewardFunctionReference
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class BaseInputs:
             or None when no gold judge applies.
         preferences: the file of preference pairs to import (labeler ``import``), or None. Only
             the preference stage reads it, so it is that stage's setting, not in :attr:`fingerprint`.
+        reward_function: the reward function that scores rollouts (``reward.source: function``),
+            or None when a reward model does. A setting of the stages that score, like ``judge``.
     """
 
     policy: InputFile
@@ -61,6 +64,7 @@ class BaseInputs:
     eval_prompts: InputFile
     judge: JudgeReference | None = None
     preferences: InputFile | None = None
+    reward_function: RewardFunctionReference | None = None
 
     @property
     def fingerprint(self) -> str:

@@ -1,19 +1,35 @@
-"""Stage 4, roll out experience: sample from the actor, score with reference, critic and reward model."""
+"""Stage 4, roll out experience: sample from the actor, score with reference, critic and a reward.
+
+Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLOO); the prompt's
+id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
+policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
+a reward function of the prompt's and the response's text.
+"""
 
 from __future__ import annotations
 
 import pyarrow as pa
+import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import SamplingConfig
-from rlhf_core.experience_maker import ExperienceMaker
+from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
 from rlhf_core.precision import Precision
 from storage.experience_io import experience_to_table
 from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
 from tasks.context import StageContext
+from tasks.reward_function import RewardFunction, RewardFunctionReference, score_texts
 from tasks.stage import StageResult, stage, stage_models
-from tasks.text import batches, encode_prompts, load_tokenizer, read_prompt_texts, rotating_subset
+from tasks.text import (
+    batches,
+    decode,
+    encode_prompts,
+    load_tokenizer,
+    read_prompt_texts,
+    response_token_lists,
+    rotating_subset,
+)
 
 STAGE = "rollout"
 ROLLOUT_PROMPT_OFFSET = 7919
@@ -21,31 +37,60 @@ ROLLOUT_PROMPT_OFFSET = 7919
 preference prompts of the same iteration, so the two stages see different prompts where they can."""
 
 
+def text_scorer(
+    function: RewardFunction, name: str, tokenizer, prompt_length: int, prompts: list[str], prompt_ids: list[int]
+) -> ScoreFn:
+    """One batch's :data:`ScoreFn` from a reward function of text: decode each row's response, score it.
+
+    Args:
+        prompt_length: P, the batch's padded prompt width (responses start there).
+        prompts, prompt_ids: the text and id of each row's prompt.
+    """
+
+    def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        action_mask = attention_mask[:, prompt_length:].bool()  # (B, R)
+        responses = decode(tokenizer, response_token_lists(sequences, action_mask))
+        return score_texts(function, name, prompts, responses, prompt_ids).to(sequences.device)
+
+    return score
+
+
 @stage(STAGE)
 def rollout(
     out: StageOutput,
     context: StageContext,
     policy: StageResult,
-    reward_model: StageResult,
+    reward_model: StageResult | None,
     *,
     sampling: SamplingConfig,
     precision: Precision,
     prompts: int,
+    samples_per_prompt: int,
     rows_per_shard: int,
+    reward_function: RewardFunctionReference | None,
 ) -> dict[str, float]:
-    """Write the ``experience`` table: one scored rollout for each of ``prompts`` prompts."""
+    """Write the ``experience`` table: ``samples_per_prompt`` scored rollouts for each of ``prompts`` prompts.
+
+    Args:
+        reward_model: the reward model's output, or None when ``reward_function`` scores instead.
+        reward_function: the reward function (``reward.source: function``), or None.
+    """
+    if (reward_model is None) == (reward_function is None):
+        raise ValueError("rollout needs exactly one reward: a reward model or a reward function")
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
+    has_critic = (policy.directory / "critic").is_dir()
     maker = ExperienceMaker(
         models.load("actor", policy.directory / "actor"),
-        models.load("critic", policy.directory / "critic"),
-        models.load("reward_model", reward_model.directory / "reward_model"),
+        models.load("critic", policy.directory / "critic") if has_critic else None,
+        models.load("reward_model", reward_model.directory / "reward_model") if reward_model is not None else None,
         models.load("reference", context.base.policy.path),
         sampling=sampling,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         precision=precision,
     )
+    function = reward_function.load() if reward_function is not None else None
     chosen = rotating_subset(
         read_prompt_texts(context.base.prompts.path),
         count=prompts,
@@ -55,9 +100,19 @@ def rollout(
     generator = context.generator(STAGE)
     tables = []
     for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
+        # Each prompt's G samples sit in consecutive rows.
+        row_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
+        row_texts = [text for _, text in chosen[part] for _ in range(samples_per_prompt)]
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [text for _, text in chosen[part]])
-        experience = maker.make_experience(prompt_ids, prompt_mask, generator=generator)
-        tables.append(experience_to_table(experience, [index for index, _ in chosen[part]], first_row=part.start))
+        prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+        prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+        score_fn = None
+        if function is not None:
+            score_fn = text_scorer(function, reward_function.name, tokenizer, prompt_ids.shape[1], row_texts, row_ids)
+        experience = maker.make_experience(
+            prompt_ids, prompt_mask, group_ids=torch.tensor(row_ids), generator=generator, score_fn=score_fn
+        )
+        tables.append(experience_to_table(experience, first_row=part.start * samples_per_prompt))
     table = pa.concat_tables(tables)
     out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
     scores = table.column("scores").to_pylist()

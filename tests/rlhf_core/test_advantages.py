@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from rlhf_core.advantages import (
-    GROUP_ESTIMATORS,
     adaptive_kl_coef,
     broadcast_over_tokens,
     group_advantages,
     reinforce_pp_advantages,
     reward_to_go,
 )
+from rlhf_core.config import GROUP_ESTIMATORS
 
 F64 = torch.float64
 TIGHT = dict(rtol=1e-12, atol=1e-12)
