@@ -1,0 +1,189 @@
+"""Advantage estimators and reward sources on the demo world at equal budget: the README's table.
+
+``.venv/bin/python -m bench.estimators`` (about 25 minutes on 2 cores) writes ``bench/ESTIMATORS.md``
+(raw figures in ``bench/.scratch/estimators.json``). Options: ``--estimators gae,rloo``,
+``--rewards reward_model,function``, ``--set KEY=VALUE`` (applied to every run), ``--parallel N``
+(for exploring settings only: parallel runs share the cores, so their seconds are not comparable).
+
+Every run is the real iteration flow (Prefect, MLflow on SQLite, Parquet shards, checkpoints) on
+``configs/demo.yaml`` in a temporary run root holding a copy of the demo world, in its own
+subprocess with one torch thread, one run at a time. At equal budget: every run rolls out the same
+prompts (``sizes.rollout_prompts`` x ``sizes.samples_per_prompt``), generates at most the same
+tokens and takes the same optimizer steps; only the advantage estimator (with its own loss
+aggregation, :data:`ESTIMATORS`) and the reward source change. With the learned reward model,
+stages 1-3 (candidates, gold labels, reward-model training) run as in the demo; with the gold
+function (``demo.gold:gold_score``, the rubric the evaluation judges by, as a verifiable reward)
+they are skipped. Reported: the last iteration's gold win rate against the initial policy, gold
+score, KL to the reference (evaluation on the 64 held-out prompts), and wall seconds per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.common import PROJECT_PYTHON, REPO, SCRATCH, machine, median, set_threads, thread_env
+
+COMMAND = ".venv/bin/python -m bench.estimators"
+RESULTS = REPO / "bench" / "ESTIMATORS.md"
+RAW = SCRATCH / "estimators.json"
+DEMO = REPO / "configs" / "demo.yaml"
+
+BUDGET = ["sizes.rollout_prompts=64", "sizes.samples_per_prompt=4"]
+"""Every run: 64 prompts x 4 samples = 256 rollouts per iteration (the demo's rollouts), groups of 4."""
+ESTIMATORS: dict[str, list[str]] = {
+    "gae": ["advantages.estimator=gae"],
+    "grpo": ["advantages.estimator=grpo"],
+    "dr_grpo": ["advantages.estimator=dr_grpo", "ppo.aggregation=token_sum_norm"],
+    "rloo": ["advantages.estimator=rloo"],
+    "reinforce_pp": ["advantages.estimator=reinforce_pp"],
+}
+"""Each estimator with its own conventions; the KL penalty (the demo's) shapes the reward for all."""
+REWARDS: dict[str, list[str]] = {
+    "reward_model": [],
+    "function": ["reward.source=function", "reward.function=demo.gold:gold_score"],
+}
+REWARD_NAMES = {"reward_model": "learned reward model", "function": "gold function (verifiable)"}
+
+
+def run_campaign(world: Path, overrides: list[str]) -> dict:
+    """The demo campaign with ``overrides`` in a temporary run root: per-iteration wall seconds and metrics."""
+    started = time.perf_counter()
+    from flows import rlhf_pipeline
+    from flows.campaign import tracking_store
+    from flows.config import load_config
+
+    imported = time.perf_counter() - started
+    root = Path(tempfile.mkdtemp(prefix="rlhf-estimators-", dir=SCRATCH))
+    try:
+        shutil.copytree(world, root / "cache" / "demo-world")
+        config = load_config(DEMO, [*overrides, f"run_root={root}", "torch_threads=1"])
+        state, seconds = None, []
+        for iteration in range(config.iterations):
+            begin = time.perf_counter()
+            state = rlhf_pipeline.rlhf_iteration(config, iteration, state)
+            seconds.append(time.perf_counter() - begin)
+        tracker = tracking_store(config).tracker()
+        metrics = [values for _, values in tracker.iteration_metrics(tracker.experiment_id(config.campaign))]
+        return {"overrides": overrides, "import_seconds": imported, "iteration_seconds": seconds, "metrics": metrics}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def worker(world: Path, overrides: list[str]) -> dict:
+    """Run :func:`run_campaign` in a fresh subprocess (its own Prefect home and ephemeral server)."""
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as folder:
+        out = Path(folder) / "result.json"
+        env = {
+            **thread_env(1),
+            "PREFECT_HOME": str(Path(folder) / "prefect"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+        }
+        command = [str(PROJECT_PYTHON), "-m", "bench.estimators", "--worker", str(world), "--out", str(out)]
+        completed = subprocess.run(
+            [*command, *(f"--set={item}" for item in overrides)], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        if completed.returncode != 0:
+            raise RuntimeError(f"run {overrides} failed:\n{completed.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def row(reward: str, estimator: str, result: dict) -> dict:
+    last = result["metrics"][-1]
+    seconds = result["iteration_seconds"]
+    return {
+        "reward": reward,
+        "estimator": estimator,
+        "gold_win_rate": last["evaluate/gold_win_rate"],
+        "gold": last["evaluate/gold_mean"],
+        "kl": last["evaluate/kl_to_reference"],
+        "seconds_per_iteration": median(seconds[1:] or seconds),
+        "total_seconds": sum(seconds),
+        "win_rates": [m["evaluate/gold_win_rate"] for m in result["metrics"]],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| reward | estimator | gold win rate | gold score | KL to ref | s / iteration | 8 iterations, s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {REWARD_NAMES[r['reward']]} | `{r['estimator']}` | {r['gold_win_rate']:.3f} | {r['gold']:.3f} | "
+            f"{r['kl']:.2f} | {r['seconds_per_iteration']:.1f} | {r['total_seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def report(rows: list[dict], extra: list[str], parallel: int) -> str:
+    facts = machine()
+    header = [
+        "# Advantage estimators and reward sources on the demo world",
+        "",
+        f"Regenerate: `{COMMAND}` (writes this file; raw figures in `bench/.scratch/estimators.json`).",
+        "",
+        "Every run: `configs/demo.yaml` (8 iterations), "
+        + ", ".join(f"`{item}`" for item in BUDGET + extra)
+        + "; the estimator's own settings: "
+        + "; ".join(f"`{name}`: " + ", ".join(f"`{item}`" for item in items) for name, items in ESTIMATORS.items())
+        + ". Gold win rate, gold score and KL to the reference are the last iteration's evaluation on 64 held-out "
+        "prompts; s / iteration is the median wall time of iterations 1-7 (iteration 0 also starts Prefect's "
+        "server); the last column is the whole campaign.",
+        "",
+        "Machine: " + "; ".join(f"{key}: {value}" for key, value in facts.items()) + ".",
+    ]
+    if parallel > 1:
+        header.append(f"\n**{parallel} runs at a time: the seconds are not comparable with one-at-a-time runs.**")
+    return "\n".join([*header, "", table(rows), ""])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--estimators", default=",".join(ESTIMATORS))
+    parser.add_argument("--rewards", default=",".join(REWARDS))
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        set_threads(1)
+        args.out.write_text(json.dumps(run_campaign(args.worker, args.extra)))
+        return
+
+    from demo.build import build_default_world
+
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    world = build_default_world(SCRATCH / "demo-world", seed=0, progress=False).model_dir.parent
+    runs = [
+        (reward, estimator, [*BUDGET, *REWARDS[reward], *ESTIMATORS[estimator], *args.extra])
+        for reward in args.rewards.split(",")
+        for estimator in args.estimators.split(",")
+    ]
+
+    def measure(run: tuple[str, str, list[str]]) -> dict:
+        reward, estimator, overrides = run
+        result = row(reward, estimator, worker(world, overrides))
+        print(f"{reward:>12} {estimator:>12}: {json.dumps(result)}", flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        rows = list(pool.map(measure, runs))
+    RAW.write_text(json.dumps(rows, indent=2))
+    text = report(rows, args.extra, args.parallel)
+    args.results.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
