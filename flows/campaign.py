@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
@@ -23,6 +23,7 @@ from storage.tracking import (
     KIND_REPLAY,
     TAG_CAMPAIGN,
     TAG_FLOW_RUN_ID,
+    TAG_INPUT_KEY,
     TAG_ITERATION,
     TAG_ITERATION_KEY,
     TAG_KIND,
@@ -33,6 +34,7 @@ from storage.tracking import (
 )
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
 from tasks.judge import JudgeReference
+from tasks.ppo_update import prune_optimizer_states
 from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
 from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult
@@ -264,12 +266,35 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         tracker.end_run(context.parent_run_id)
     kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
+    _prune_optimizer_states(context, stages, kind=kind)
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
         markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
+
+
+def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:
+    """Keep optimizer states only where continuing needs them: the newest finished iteration's PPO output.
+
+    A replay's own PPO output is never continued, so a replay prunes just that one; an iteration
+    (which holds the campaign lock) prunes every other PPO output of the campaign.
+    """
+    if kind == KIND_REPLAY:
+        folders, keep = [result.directory for result in stages if result.stage == "ppo_update"], None
+    else:
+        tracker = context.tracker
+        latest = tracker.latest_iteration(context.experiment_id)
+        parent = tracker.find_run(
+            context.experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
+        )
+        run_id = stage_run(context, parent, "ppo_update")
+        folders = context.layout.stage_outputs("ppo_update")
+        keep = context.layout.stage_dir("ppo_update", tracker.run_tags(run_id)[TAG_INPUT_KEY])
+    freed = prune_optimizer_states(folders, keep=keep)
+    if freed:
+        get_run_logger().info("pruned %.1f MB of optimizer states no iteration continues from", freed / 2**20)
 
 
 def iteration_summary(
@@ -290,7 +315,7 @@ def iteration_summary(
     return "\n".join(lines) + "\n"
 
 
-def _stage_run(context: StageContext, parent_run_id: str, stage: str, *, required: bool = True) -> str | None:
+def stage_run(context: StageContext, parent_run_id: str, stage: str, *, required: bool = True) -> str | None:
     """The stage run whose output an iteration (or replay) run used: its own, or a reused one.
 
     Raises:
@@ -315,8 +340,8 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     tracker = tracking_store(config).tracker()
     iteration = int(tracker.run_tags(source_run_id)[TAG_ITERATION])
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
-    experience = recorded_result(context, _stage_run(context, source_run_id, "rollout"))
-    scored = recorded_result(context, _stage_run(context, source_run_id, "compute_advantages"))
+    experience = recorded_result(context, stage_run(context, source_run_id, "rollout"))
+    scored = recorded_result(context, stage_run(context, source_run_id, "compute_advantages"))
     return ReplayInputs(
         experience=experience,
         policy=upstream_result(context, experience, "policy"),
@@ -349,9 +374,9 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
     parent = tracker.find_run(
         experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
     )
-    policy = recorded_result(context, _stage_run(context, parent, "ppo_update"))
-    advantages = recorded_result(context, _stage_run(context, parent, "compute_advantages"))
-    reward_model_run = _stage_run(context, parent, "train_reward_model", required=False)
+    policy = recorded_result(context, stage_run(context, parent, "ppo_update"))
+    advantages = recorded_result(context, stage_run(context, parent, "compute_advantages"))
+    reward_model_run = stage_run(context, parent, "train_reward_model", required=False)
     reward_model, preferences = None, ()
     if reward_model_run is not None:
         reward_model = recorded_result(context, reward_model_run)

@@ -4,6 +4,8 @@ rlhf run       run a campaign: config.iterations iterations (finished stages are
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
+rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
 rlhf config    print the resolved config as YAML
 """
@@ -35,6 +37,12 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
@@ -59,6 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    export = commands.add_parser(
+        "export",
+        help="write a trained model of an iteration as a plain Hugging Face folder (LoRA adapters merged)",
+        description="AutoModelForCausalLM.from_pretrained(OUT_DIR) loads the exported actor with no reference to "
+        "this project. A critic or reward model is written as its backbone folder plus its head file.",
+    )
+    export.add_argument("source", help="CAMPAIGN, CAMPAIGN:ITERATION or an MLflow iteration run id")
+    export.add_argument("out_dir", type=Path, help="a new (or empty) folder")
+    export.add_argument("--model", choices=["actor", "critic", "reward_model"], default="actor")
+    _add_config_arguments(export)
+    gc = commands.add_parser(
+        "gc",
+        help="remove the stage outputs of a campaign that no kept iteration, model version, replay or resume needs",
+        description="Keeps the newest --keep-last finished iterations with the inputs they were computed from, "
+        "unfinished iterations, replays of kept iterations, and model versions pinned with an alias; deletes the "
+        "other registered model versions and outputs. MLflow keeps every run's metrics.",
+    )
+    gc.add_argument("campaign", help="the campaign to clean up")
+    gc.add_argument(
+        "--keep-last", type=_at_least_one, default=1, metavar="N", help="finished iterations to keep (default 1)"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="print what would be removed and change nothing")
+    _add_config_arguments(gc)
     serve = commands.add_parser(
         "serve",
         help="serve Prefect deployments of the iteration, campaign and replay flows until Ctrl-C",
@@ -90,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(arguments.config, arguments.overrides)
         return _COMMANDS[arguments.command](config, arguments)
-    except (ConfigError, LookupError, FileNotFoundError) as error:
+    except (ConfigError, LookupError, FileNotFoundError, FileExistsError, TimeoutError) as error:
         print(f"rlhf: {error}", file=sys.stderr)
         return 2
     except Exception as error:
@@ -143,6 +174,23 @@ def _compare(config, arguments) -> int:
     return 0
 
 
+def _export(config, arguments) -> int:
+    from flows.export import export_model
+
+    out_dir = export_model(config, arguments.source, arguments.out_dir, model=arguments.model)
+    print(f"wrote the {arguments.model} of {arguments.source} to {out_dir}")
+    return 0
+
+
+def _gc(config, arguments) -> int:
+    from flows.gc import collect_garbage, describe
+
+    config = config.model_copy(update={"campaign": arguments.campaign})
+    plan = collect_garbage(config, keep_last=arguments.keep_last, dry_run=arguments.dry_run)
+    print(describe(plan, dry_run=arguments.dry_run))
+    return 0
+
+
 def _serve(config, arguments) -> int:
     from flows.serve import serve_pipeline
 
@@ -165,6 +213,8 @@ _COMMANDS = {
     "iterate": _iterate,
     "replay": _replay,
     "compare": _compare,
+    "export": _export,
+    "gc": _gc,
     "serve": _serve,
     "config": _config,
 }

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlhf_core.config import GROUP_ESTIMATORS, AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
+from rlhf_core.config import GROUP_ESTIMATORS, AdvantageConfig, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig
 from rlhf_core.precision import DeviceChoice, Precision
 from tasks.labelers import LabelerName
 
@@ -30,6 +30,9 @@ class ModelSource(_Frozen):
     and uses the embedded demo model."""
     tokenizer: str | None = None
     """Tokenizer folder or name; None uses the policy's."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters on every trained model (actor, critic, reward model); `--set model.lora.r=8` alone turns
+    them on with the other defaults. None trains every weight."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of every trained model: less memory, about a third more compute.
     Results are the same, so it is part of no input key."""

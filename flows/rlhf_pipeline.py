@@ -39,6 +39,7 @@ from tasks import (
     train_reward_model,
 )
 from tasks.context import StageContext
+from tasks.ppo_update import optimizer_state
 from tasks.stage import StageResult
 
 
@@ -71,7 +72,7 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     scored = compute_advantages(
         context, experience, reward_model, state.advantages, **settings("compute_advantages")
     ).result()
-    policy = ppo_update(context, state.policy, scored, **settings("ppo_update")).result()
+    policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [*learned, experience, scored, policy, evaluation]
     return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences, scored))
@@ -126,7 +127,9 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     scored = compute_advantages(
         context, inputs.experience, inputs.reward_model, inputs.previous, **settings("compute_advantages")
     ).result()
-    new_policy = ppo_update(context, inputs.policy, scored, **settings("ppo_update")).result()
+    new_policy = ppo_update(
+        context, inputs.policy, optimizer_state(inputs.policy, present_only=True), scored, **settings("ppo_update")
+    ).result()
     evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
     close_iteration(context, [scored, new_policy, evaluation], state)

@@ -21,7 +21,7 @@ from flows.config import PipelineConfig
 from tasks.context import BaseInputs
 
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
-    "initialize": {"critic": "advantages.uses_critic"},
+    "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora"},
     "sample_candidates": {
         "sampling": "sampling",
         "precision": "precision",
@@ -37,7 +37,7 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
         "precision": "precision",
         "rows_per_shard": "sizes.rows_per_shard",
     },
-    "train_reward_model": {"reward_model": "reward_model", "precision": "precision"},
+    "train_reward_model": {"reward_model": "reward_model", "precision": "precision", "lora": "model.lora"},
     "rollout": {
         "sampling": "sampling",
         "precision": "precision",

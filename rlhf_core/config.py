@@ -208,3 +208,28 @@ class PPOConfig:
             raise ValueError(f"`aggregation` must be one of {get_args(LossAggregation)}, got {self.aggregation!r}")
         if self.kl_loss_coef < 0:
             raise ValueError(f"`kl_loss_coef` must be non-negative, got {self.kl_loss_coef}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021) on every trained model, through peft (stages: initialize, train reward model).
+
+    The base weights stay frozen (in the precision's dtype) and are never saved again: a stage output
+    holds the adapters (and heads). The reference policy is the actor with its adapters switched off.
+    """
+
+    r: int = 8
+    """Adapter rank (peft's default)."""
+    alpha: int = 16
+    """Scaling numerator: updates are scaled by alpha / r (2 at the defaults, as TRL's PPO examples)."""
+    dropout: float = 0.05
+    """Dropout on the adapter input during reward-model training (off in the PPO update, as all dropout)."""
+    target_modules: str | tuple[str, ...] = "all-linear"
+    """Modules that get adapters: peft's ``all-linear`` (every linear layer but the output layer) or names."""
+
+    def __post_init__(self) -> None:
+        _require_positive(r=self.r, alpha=self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"`dropout` must lie in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("`target_modules` must name at least one module, or be 'all-linear'")

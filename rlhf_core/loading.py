@@ -1,4 +1,4 @@
-"""The model seam: the one place that loads the models a stage needs, onto its device, in its precision.
+"""The model seam: the one place that loads (and saves) the models a stage needs, on its device, in its precision.
 
 Every stage gets its actor, reference, critic and reward model from a :class:`ModelLoader`; no
 stage calls ``from_pretrained`` itself. The loader also builds the stage's ``Accelerator`` and
@@ -12,21 +12,35 @@ Choices:
    mixed precision does in training. So every log-prob a rollout records is computed the way
    the update's forward computes it. Any other frozen model (reference, a critic or reward
    model used for scoring) is held in the precision's dtype: half the memory.
-3. A frozen model has gradients off and is in eval mode; a trained one has gradients on and,
+3. With LoRA (:class:`rlhf_core.config.LoraConfig`), a trained model is a frozen base in the
+   precision's dtype plus fp32 adapters (peft); the reference is the actor with its adapters
+   switched off (:class:`AdapterDisabled`), never a second copy of the base.
+4. A model folder written by :func:`save_model_folder` holds the backbone's weights, or a LoRA
+   adapter, or nothing but a reference to a *base* (a head-only critic over the initial policy),
+   plus the head of a critic or reward model; ``rlhf_model.json`` says which. Bases are named
+   (``policy``: the initial policy; ``reward_model``: a pretrained reward model) and the loader is
+   given their folders, so an output never stores base weights twice and never depends on where
+   the base lives.
+5. A reward model may also be any ``AutoModelForSequenceClassification`` checkpoint with one label
+   (its backbone, and its linear score head as the reward head).
+6. A frozen model has gradients off and is in eval mode; a trained one has gradients on and,
    with ``gradient_checkpointing``, recomputes its activations in the backward pass (Hugging
    Face's checkpointing, non-reentrant; active in train mode only, see
    :func:`rlhf_core.models.dropout_disabled`).
-4. On CUDA, weights are loaded straight onto the GPU (``device_map``), never staged in host memory.
-5. ``fp16`` needs a GPU: Accelerate applies fp16 autocast and loss scaling on GPUs only, and would
+7. On CUDA, weights are loaded straight onto the GPU (``device_map``), never staged in host memory.
+8. ``fp16`` needs a GPU: Accelerate applies fp16 autocast and loss scaling on GPUs only, and would
    otherwise silently train in fp32.
-6. Every load is recorded in :attr:`ModelLoader.loaded` (role, device, dtype, trainable), so a
+9. Every load is recorded in :attr:`ModelLoader.loaded` (role, device, dtype, trainable), so a
    stage output can say where its models ran.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -34,14 +48,90 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, DistributedType
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+)
 
+from rlhf_core.config import LoraConfig
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.precision import Precision, accelerate_mixed_precision, autocast, check_precision, compute_dtype
 
 logger = logging.getLogger(__name__)
 
 ModelRole = Literal["actor", "reference", "critic", "reward_model"]
+ModelKind = Literal["causal_lm", "critic", "reward_model"]
+MODEL_META_FILE = "rlhf_model.json"
+_KIND_OF_ROLE: dict[str, ModelKind] = {
+    "actor": "causal_lm",
+    "reference": "causal_lm",
+    "critic": "critic",
+    "reward_model": "reward_model",
+}
+_HEADED = {"critic": Critic, "reward_model": RewardModel}
+
+
+@dataclass(frozen=True)
+class FolderMeta:
+    """What a model folder written by :func:`save_model_folder` holds (``rlhf_model.json``).
+
+    Args:
+        kind: ``causal_lm``, ``critic`` or ``reward_model``.
+        base: None when the folder holds the backbone's weights; else the name of the base model
+            they come from (``policy`` or ``reward_model``).
+        adapter: the folder holds a LoRA adapter (peft files) applied over the backbone.
+    """
+
+    kind: ModelKind
+    base: str | None
+    adapter: bool
+
+    @classmethod
+    def read(cls, folder: Path) -> FolderMeta | None:
+        """The meta of ``folder``, or None for a plain Hugging Face folder."""
+        path = Path(folder) / MODEL_META_FILE
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        return cls(kind=raw["kind"], base=raw["base"], adapter=bool(raw["adapter"]))
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / MODEL_META_FILE).write_text(json.dumps(asdict(self), sort_keys=True) + "\n")
+
+
+def _peft():
+    """peft, imported only when LoRA is used (it takes a second to import)."""
+    import peft
+
+    return peft
+
+
+def _is_adapted(model: nn.Module) -> bool:
+    """Whether ``model`` (or a critic's / reward model's backbone) carries LoRA adapters."""
+    backbone = model.model if isinstance(model, Critic | RewardModel) else model
+    return type(backbone).__module__.startswith("peft.")
+
+
+class AdapterDisabled(nn.Module):
+    """The base of a LoRA-adapted causal LM: the same weights with the adapters switched off.
+
+    This is how the reference policy exists under LoRA: no second copy of the base in memory.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.model.disable_adapter():
+            return self.model(*args, **kwargs)
 
 
 def _describe(model: nn.Module) -> tuple[str, str]:
@@ -56,26 +146,44 @@ class ModelLoader:
         device: where every model runs (see :func:`rlhf_core.precision.resolve_device`).
         precision: ``fp32``, ``bf16`` or ``fp16``.
         gradient_checkpointing: trade compute for memory in trained models.
+        bases: base-model name -> folder (``policy``: the initial policy, which is also the
+            reference; ``reward_model``: a pretrained reward model).
+        lora: adapters for models loaded trainable from full weights; None trains every weight.
     """
 
-    def __init__(self, *, device: torch.device, precision: Precision, gradient_checkpointing: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        precision: Precision,
+        gradient_checkpointing: bool = False,
+        bases: Mapping[str, str | Path] | None = None,
+        lora: LoraConfig | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.precision = check_precision(precision)
         if self.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("`precision` fp16 needs a CUDA device (loss scaling); on the CPU use bf16 or fp32")
         self.gradient_checkpointing = gradient_checkpointing
+        self.bases = {name: Path(folder) for name, folder in (bases or {}).items()}
+        self.lora = lora
         self.loaded: list[dict[str, Any]] = []
-        """Every model loaded so far, in order: ``{"role", "device", "dtype", "trainable"}``."""
+        """Every model loaded so far, in order: ``{"role", "device", "dtype", "trainable"}``, plus
+        ``"adapters"`` (their dtype) for a LoRA model and ``"shares_weights_with"`` for a reference
+        that is the actor with its adapters off."""
+
+    # Loading ----------------------------------------------------------------------------------------
 
     def load(self, role: ModelRole, source: str | Path, *, trainable: bool = False) -> nn.Module:
-        """Load the model of ``role`` from the folder (or hub name) ``source``.
+        """Load the model of ``role`` from the folder ``source``.
 
         Args:
             role: ``actor``, ``reference``, ``critic`` or ``reward_model``.
-            source: a ``save_pretrained`` folder. For ``critic`` and ``reward_model`` a plain
-                causal-LM folder gives a freshly initialised head, which only a trained model
-                may have (the caller seeds the initialisation).
-            trainable: gradients on (and checkpointing, if set); otherwise frozen.
+            source: a folder written by :func:`save_model_folder`, a plain Hugging Face folder,
+                or (``reward_model``) an ``AutoModelForSequenceClassification`` checkpoint. For a
+                critic or reward model, a folder without their head gives a freshly initialised head,
+                which only a trained model may have (the caller seeds the initialisation).
+            trainable: gradients on (for the adapters and head only, under LoRA); otherwise frozen.
 
         Returns:
             A causal LM (``actor``, ``reference``), a :class:`Critic` or a :class:`RewardModel`.
@@ -84,28 +192,105 @@ class ModelLoader:
             raise ValueError(f"`role` must be one of {get_args(ModelRole)}, got {role!r}")
         if role == "reference" and trainable:
             raise ValueError("the reference policy is frozen; it cannot be loaded trainable")
-        dtype = torch.float32 if trainable or role == "actor" else compute_dtype(self.precision)
+        source = Path(source)
+        meta = FolderMeta.read(source)
+        if meta is not None and meta.kind != _KIND_OF_ROLE[role]:
+            raise ValueError(f"{source} holds a {meta.kind}, not the {role} asked for")
+        base_name = meta.base if meta is not None and meta.base else self._base_name(source)
+        weights = self._base_folder(meta.base) if meta is not None and meta.base else source
+        with_adapter = meta is not None and meta.adapter
+        new_adapter = trainable and self.lora is not None and not with_adapter
+        if with_adapter or new_adapter:
+            dtype = compute_dtype(self.precision)  # a frozen base; peft keeps the adapters in fp32
+        elif trainable or role == "actor":
+            dtype = torch.float32
+        else:
+            dtype = compute_dtype(self.precision)
         placement: dict[str, Any] = {"dtype": dtype}
         if self.device.type == "cuda":
             placement["device_map"] = {"": self.device}
+
         if role in ("actor", "reference"):
-            model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **placement)
+            model: nn.Module = AutoModelForCausalLM.from_pretrained(weights, **placement)
+            model = self._adapt(model, source, with_adapter, new_adapter, trainable, task_type="CAUSAL_LM")
         else:
-            model_class = Critic if role == "critic" else RewardModel
-            model = model_class.from_pretrained(source, require_head=not trainable, **placement)
-        model.to(device=self.device, dtype=dtype)
-        if trainable:
-            model.requires_grad_(True)
-            if self.gradient_checkpointing:
-                _enable_gradient_checkpointing(model)
-        else:
-            freeze(model)
-        device, dtype_name = _describe(model)
-        self.loaded.append({"role": role, "device": device, "dtype": dtype_name, "trainable": trainable})
-        logger.info(
-            "loaded %s from %s on %s (%s%s)", role, source, device, dtype_name, ", trainable" if trainable else ""
-        )
+            backbone, checkpoint_head = _backbone(weights, placement)
+            backbone = self._adapt(backbone, source, with_adapter, new_adapter, trainable, task_type=None)
+            model = _HEADED[role].wrap(backbone, checkpoint_head)
+            if not model.load_head(source) and checkpoint_head is None and not trainable:
+                raise FileNotFoundError(
+                    f"{source / (_HEADED[role].head_name + '.safetensors')} is missing: {source} is not a saved "
+                    f"{_HEADED[role].__name__}"
+                )
+            model.head.to(dtype=torch.float32 if trainable or with_adapter or new_adapter else dtype)
+        model.to(device=self.device)
+        if not (with_adapter or new_adapter):
+            model.to(dtype=dtype)
+        model.rlhf_base = base_name  # type: ignore[attr-defined]  # where the backbone's weights come from
+        self._set_trainable(model, trainable)
+        self._record(role, model, trainable)
+        logger.info("loaded %s from %s on %s", role, source, self.loaded[-1])
         return model
+
+    def reference(self, actor: nn.Module | None = None) -> nn.Module:
+        """The frozen initial policy: ``actor`` with its adapters off under LoRA, else the base loaded frozen."""
+        if actor is not None and _is_adapted(actor):
+            view = AdapterDisabled(actor)
+            self._record("reference", view, False, shares_weights_with="actor")
+            return view
+        if "policy" not in self.bases:
+            raise ValueError("the loader knows no `policy` base to load the reference from")
+        return self.load("reference", self.bases["policy"])
+
+    def _adapt(
+        self, model: nn.Module, source: Path, with_adapter: bool, new_adapter: bool, trainable: bool, *, task_type
+    ) -> nn.Module:
+        if with_adapter:
+            return _peft().PeftModel.from_pretrained(model, source, is_trainable=trainable)
+        if new_adapter:
+            assert self.lora is not None
+            config = _peft().LoraConfig(
+                r=self.lora.r,
+                lora_alpha=self.lora.alpha,
+                lora_dropout=self.lora.dropout,
+                target_modules=self.lora.target_modules
+                if isinstance(self.lora.target_modules, str)
+                else list(self.lora.target_modules),
+                task_type=task_type,
+            )
+            return _peft().get_peft_model(model, config)
+        return model
+
+    def _set_trainable(self, model: nn.Module, trainable: bool) -> None:
+        if not trainable:
+            freeze(model)
+            return
+        if _is_adapted(model):  # peft already froze the base and left the adapters trainable
+            if isinstance(model, Critic | RewardModel):
+                model.head.requires_grad_(True)
+        else:
+            model.requires_grad_(True)
+        if self.gradient_checkpointing:
+            _enable_gradient_checkpointing(model)
+
+    def _record(self, role: str, model: nn.Module, trainable: bool, **extra: str) -> None:
+        device, dtype = _describe(model)
+        record = {"role": role, "device": device, "dtype": dtype, "trainable": trainable, **extra}
+        if _is_adapted(model) and "shares_weights_with" not in extra:
+            record["adapters"] = "float32"  # over a frozen base in `dtype`
+        self.loaded.append(record)
+
+    def _base_name(self, folder: Path) -> str | None:
+        """The name of the base whose folder ``folder`` is, or None."""
+        resolved = folder.resolve()
+        return next((name for name, base in self.bases.items() if base.resolve() == resolved), None)
+
+    def _base_folder(self, name: str) -> Path:
+        if name not in self.bases:
+            raise ValueError(f"a model folder refers to the base {name!r}, which this run does not have")
+        return self.bases[name]
+
+    # Precision ---------------------------------------------------------------------------------------
 
     def autocast(self) -> AbstractContextManager[None]:
         """The forward-pass context of this precision (see :func:`rlhf_core.precision.autocast`)."""
@@ -126,8 +311,28 @@ class ModelLoader:
         return Accelerator(cpu=self.device.type == "cpu", mixed_precision=mixed_precision)
 
 
+def _backbone(folder: Path, placement: dict[str, Any]) -> tuple[PreTrainedModel, nn.Linear | None]:
+    """The backbone in ``folder``, and the score head of a sequence-classification checkpoint (else None)."""
+    architectures = getattr(AutoConfig.from_pretrained(folder), "architectures", None) or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return AutoModel.from_pretrained(folder, **placement), None
+    classifier = AutoModelForSequenceClassification.from_pretrained(folder, **placement)
+    if classifier.config.num_labels != 1:
+        raise ValueError(f"{folder} has {classifier.config.num_labels} labels; a reward model has exactly one")
+    score = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
+    if not isinstance(score, nn.Linear):
+        raise ValueError(f"{folder}: the classification head is not one linear layer, so it cannot be a reward head")
+    head = nn.Linear(score.in_features, 1)
+    with torch.no_grad():
+        head.weight.copy_(score.weight.float())
+        head.bias.copy_(score.bias.float() if score.bias is not None else torch.zeros(1))
+    return classifier.base_model, head
+
+
 def _enable_gradient_checkpointing(model: nn.Module) -> None:
     backbone = model.model if isinstance(model, Critic | RewardModel) else model
+    if _is_adapted(model):
+        backbone = backbone.get_base_model()
     if not isinstance(backbone, PreTrainedModel) or not backbone.supports_gradient_checkpointing:
         raise ValueError(f"{type(backbone).__name__} does not support gradient checkpointing")
     options = {"use_reentrant": False}
@@ -135,3 +340,45 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
         backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
     else:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def save_model_folder(model: nn.Module, directory: str | Path, *, weights: bool = True) -> FolderMeta:
+    """Save a model the seam loaded, holding no base weights twice.
+
+    A LoRA-adapted model saves its adapter; otherwise the backbone's weights are saved, unless
+    ``weights`` is False (the model is its base, unchanged: e.g. the first actor, or a critic that is
+    the base plus a fresh head). A critic's or reward model's head is always saved.
+
+    Raises:
+        ValueError: ``weights`` is False for a model not loaded from a named base.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    headed = model if isinstance(model, Critic | RewardModel) else None
+    backbone = headed.model if headed is not None else model
+    kind: ModelKind = "causal_lm" if headed is None else ("critic" if isinstance(headed, Critic) else "reward_model")
+    base = getattr(model, "rlhf_base", None)
+    adapted = _is_adapted(model)
+    if adapted or not weights:
+        if base is None:
+            raise ValueError("this model was not loaded from a named base, so its backbone's weights must be saved")
+    if adapted:
+        for config in backbone.peft_config.values():  # say which base, not where it lived on this machine
+            config.base_model_name_or_path = base
+        backbone.save_pretrained(directory, save_embedding_layers=False)  # adapters never touch embeddings here
+    elif weights:
+        backbone.save_pretrained(directory)
+    if headed is not None:
+        headed.save_head(directory)
+    meta = FolderMeta(kind=kind, base=base if adapted or not weights else None, adapter=adapted)
+    meta.write(directory)
+    return meta
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The model with its LoRA adapters merged into the base weights (unchanged without adapters)."""
+    if not _is_adapted(model):
+        return model
+    if isinstance(model, Critic | RewardModel):
+        return type(model).wrap(model.model.merge_and_unload(), model.head)
+    return model.merge_and_unload()

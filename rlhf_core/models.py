@@ -6,7 +6,9 @@ Choices:
 2. Position ids come from the attention mask (:func:`position_ids_from_mask`), so left or right
    padding never changes a score or a value.
 3. ``save_pretrained`` writes the backbone as an ordinary Hugging Face folder and the head beside
-   it as ``<head>.safetensors``; nothing is ever pickled.
+   it as ``<head>.safetensors``; nothing is ever pickled. (The pipeline saves through the model
+   seam, :func:`rlhf_core.loading.save_model_folder`, which can also save a LoRA adapter or only a
+   reference to a base model instead of the backbone's weights.)
 4. The reward head is initialised normal(0, 1/(H+1)) as in ColossalChat's RewardModel; the value
    head keeps PyTorch's default Linear initialisation.
 5. Inside :func:`fused_activations`, GPT-2's Python tanh-GELU runs as PyTorch's fused kernel (the
@@ -16,7 +18,6 @@ Choices:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,9 +29,6 @@ from torch.nn import functional as F
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 from rlhf_core.sequences import last_token_index, position_ids_from_mask
-
-_HEAD_META_FILE = "rlhf_head.json"
-
 
 _PYTHON_TANH_GELUS = frozenset({"NewGELUActivation", "FastGELUActivation"})
 """transformers' Python spellings of ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (``gelu_new``, ``gelu_fast``)."""
@@ -122,9 +120,34 @@ class _HeadedBackbone(nn.Module):
         """Write the backbone (Hugging Face folder) and the head (safetensors) into ``directory``."""
         directory = Path(directory)
         self.model.save_pretrained(directory, **kwargs)
+        self.save_head(directory)
+
+    def save_head(self, directory: str | Path) -> None:
+        """Write only the head, as ``<directory>/<head_name>.safetensors``."""
         head_state = {key: value.detach().contiguous().cpu() for key, value in self.head.state_dict().items()}
-        save_file(head_state, directory / f"{self.head_name}.safetensors")
-        (directory / _HEAD_META_FILE).write_text(json.dumps({"class": type(self).__name__, "head": self.head_name}))
+        save_file(head_state, Path(directory) / f"{self.head_name}.safetensors")
+
+    def load_head(self, directory: str | Path) -> bool:
+        """Load the head saved in ``directory``; False (head unchanged) when there is none."""
+        head_file = Path(directory) / f"{self.head_name}.safetensors"
+        if not head_file.is_file():
+            return False
+        self.head.load_state_dict(load_file(head_file))
+        return True
+
+    @classmethod
+    def wrap(cls, backbone: nn.Module, head: nn.Linear | None = None):
+        """An instance around an existing backbone (e.g. a LoRA-wrapped one), with ``head`` or a fresh one."""
+        model = cls.__new__(cls)
+        _HeadedBackbone.__init__(
+            model, backbone, head if head is not None else cls.new_head(_hidden_size(backbone.config))
+        )
+        return model
+
+    @staticmethod
+    def new_head(hidden_size: int) -> nn.Linear:
+        """A freshly initialised head (PyTorch's default Linear initialisation)."""
+        return nn.Linear(hidden_size, 1)
 
     @classmethod
     def from_pretrained(cls, pretrained: str | Path, *, require_head: bool = False, **kwargs):
@@ -137,8 +160,7 @@ class _HeadedBackbone(nn.Module):
         if require_head and not head_file.is_file():
             raise FileNotFoundError(f"{head_file} is missing: {pretrained} is not a saved {cls.__name__}")
         model = cls(pretrained=pretrained, **kwargs)
-        if head_file.is_file():
-            model.head.load_state_dict(load_file(head_file))
+        model.load_head(pretrained)
         return model
 
 
@@ -153,7 +175,7 @@ class Critic(_HeadedBackbone):
 
     def __init__(self, pretrained: str | Path | None = None, config: PretrainedConfig | None = None, **kwargs) -> None:
         backbone = _load_backbone(pretrained, config, **kwargs)
-        super().__init__(backbone, nn.Linear(_hidden_size(backbone.config), 1))
+        super().__init__(backbone, self.new_head(_hidden_size(backbone.config)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-position values.
@@ -172,11 +194,15 @@ class RewardModel(_HeadedBackbone):
 
     def __init__(self, pretrained: str | Path | None = None, config: PretrainedConfig | None = None, **kwargs) -> None:
         backbone = _load_backbone(pretrained, config, **kwargs)
-        hidden_size = _hidden_size(backbone.config)
+        super().__init__(backbone, self.new_head(_hidden_size(backbone.config)))
+
+    @staticmethod
+    def new_head(hidden_size: int) -> nn.Linear:
+        """A fresh score head: weight normal(0, 1/(H+1)), bias 0 (ColossalChat's initialisation)."""
         head = nn.Linear(hidden_size, 1)
         nn.init.normal_(head.weight, std=1.0 / (hidden_size + 1))
         nn.init.zeros_(head.bias)
-        super().__init__(backbone, head)
+        return head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Sequence scores.

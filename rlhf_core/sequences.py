@@ -69,7 +69,7 @@ def response_logits(
     if prompt_length < 1:
         raise ValueError(f"`prompt_length` must be at least 1, got {prompt_length}")
     keep = sequences.shape[1] - prompt_length + 1  # R + 1: columns P - 1 .. T - 1
-    extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    extra = {"logits_to_keep": keep} if _takes_logits_to_keep(model) else {}
     logits = model(
         input_ids=sequences,
         attention_mask=attention_mask,
@@ -78,6 +78,17 @@ def response_logits(
         **extra,
     ).logits  # (B, R + 1, V) or (B, T, V)
     return logits[:, -keep:-1]  # (B, R, V)
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the causal LM under any wrappers (peft's, the adapters-off view) takes ``logits_to_keep``."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            return True
+        model = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "model", model)
+    return False
 
 
 def response_logprobs(

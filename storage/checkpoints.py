@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rlhf_core.loading import save_model_folder
+
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -31,22 +33,23 @@ RNG_FILE = "rng_state.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 
 
-def save_model(directory: Path, model: Any, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-    """Save a model (and optionally its tokenizer) as a ``save_pretrained`` folder of safetensors.
+def save_model(
+    directory: Path, model: Any, tokenizer: PreTrainedTokenizerBase | None = None, *, weights: bool = True
+) -> Path:
+    """Save a model the model seam loaded (and optionally its tokenizer) as a folder of safetensors.
 
     Args:
         directory: the folder to write; created if missing.
-        model: a Hugging Face ``PreTrainedModel``, a ``Critic`` or a ``RewardModel``.
+        model: a causal LM, ``Critic`` or ``RewardModel`` from :class:`rlhf_core.loading.ModelLoader`.
         tokenizer: saved into the same folder when given.
+        weights: save the backbone's weights; False when the model is its base unchanged (see
+            :func:`rlhf_core.loading.save_model_folder`; a LoRA model saves only its adapter anyway).
 
     Returns:
         ``directory``.
     """
-    if not hasattr(model, "save_pretrained"):
-        raise TypeError(f"`model` must have `save_pretrained`, got {type(model).__name__}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
+    save_model_folder(model, directory, weights=weights)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory

@@ -24,15 +24,24 @@ class FileEntry:
         sha256: hex sha256 of the file's bytes.
         bytes: the file's size.
         rows: the row count for a Parquet file, None for any other file.
+        prunable: the file may be deleted later (e.g. optimizer states, needed only to continue
+            from the newest iteration); it is not part of the output's digest.
     """
 
     path: str
     sha256: str
     bytes: int
     rows: int | None = None
+    prunable: bool = False
 
     def to_dict(self) -> dict[str, object]:
-        return {"path": self.path, "sha256": self.sha256, "bytes": self.bytes, "rows": self.rows}
+        return {
+            "path": self.path,
+            "sha256": self.sha256,
+            "bytes": self.bytes,
+            "rows": self.rows,
+            "prunable": self.prunable,
+        }
 
 
 def file_sha256(path: Path, *, sync: bool = False) -> str:

@@ -42,6 +42,13 @@ class RunLayout:
             raise ValueError(f"`input_key` must be a lowercase hex digest, got {input_key!r}")
         return self.root / stage / input_key[:KEY_PREFIX_LENGTH]
 
+    def stage_outputs(self, stage: str) -> list[Path]:
+        """Every finished output folder of ``stage`` (those holding a manifest), sorted."""
+        folder = self.root / stage
+        return (
+            sorted(path for path in folder.iterdir() if (path / "_manifest.json").is_file()) if folder.is_dir() else []
+        )
+
     def mlflow_db(self) -> Path:
         """The MLflow SQLite database file."""
         return self.root / "mlflow.db"

@@ -57,6 +57,9 @@ __all__ = [
     "compute_input_key",
     "find_stage_output",
     "package_version",
+    "prunable_digest",
+    "prunable_present",
+    "prune_files",
     "read_manifest",
 ]
 
@@ -177,7 +180,7 @@ class Manifest:
             "stage": self.stage,
             "input_key": self.input_key,
             "schema_version": self.schema_version,
-            "files": [entry.to_dict() for entry in self.files],
+            "files": [entry.to_dict() for entry in self.files if not entry.prunable],
         }
         return _sha256_text(canonical_json(identity))
 
@@ -209,7 +212,13 @@ class Manifest:
             raise ValueError(f"manifest keys {sorted(raw)} differ from the expected {sorted(names)}")
         try:
             files = tuple(
-                FileEntry(path=str(e["path"]), sha256=str(e["sha256"]), bytes=int(e["bytes"]), rows=e["rows"])
+                FileEntry(
+                    path=str(e["path"]),
+                    sha256=str(e["sha256"]),
+                    bytes=int(e["bytes"]),
+                    rows=e["rows"],
+                    prunable=bool(e["prunable"]),
+                )
                 for e in raw["files"]
             )
         except (KeyError, TypeError) as error:
@@ -290,6 +299,8 @@ def _verify_files(stage_dir: Path, manifest: Manifest) -> None:
         if not _safe_relative(entry.path) or entry.path == MANIFEST_FILE:
             raise CorruptOutputError(f"{stage_dir / MANIFEST_FILE} lists an invalid path {entry.path!r}", path=path)
         listed.add(entry.path)
+        if entry.prunable and not path.exists():
+            continue  # pruned
         if not path.is_file():
             raise CorruptOutputError(f"{path} is missing (listed in {MANIFEST_FILE})", path=path)
         size = path.stat().st_size
@@ -414,7 +425,9 @@ class StageOutput:
         upstream: upstream stage name -> upstream manifest digest, recorded in the manifest.
         code: the fingerprint of the code that produces the output, recorded in the manifest.
 
-    Fill :attr:`metrics` and :attr:`runtime` inside the block; they are recorded too.
+    Fill :attr:`metrics` and :attr:`runtime` inside the block; they are recorded too. Add to
+    :attr:`prunable` the relative paths (files or folders) that may be deleted later without
+    changing the output's identity (see :func:`prune_files`).
 
     Raises:
         FileExistsError: on entry or exit, ``final_dir`` already holds a valid output.
@@ -429,6 +442,7 @@ class StageOutput:
     code: str = field(kw_only=True)
     metrics: dict[str, float] = field(default_factory=dict, init=False)
     runtime: dict[str, Any] = field(default_factory=dict, init=False)
+    prunable: set[str] = field(default_factory=set, init=False)
     _path: Path | None = field(default=None, init=False, repr=False)
     _manifest: Manifest | None = field(default=None, init=False, repr=False)
 
@@ -487,7 +501,8 @@ class StageOutput:
             relative = path.relative_to(temporary).as_posix()
             sha256 = file_sha256(path, sync=True)
             rows = pq.read_metadata(path).num_rows if path.suffix == ".parquet" else None
-            entries.append(FileEntry(relative, sha256, path.stat().st_size, rows))
+            prunable = any(relative == prefix or relative.startswith(prefix + "/") for prefix in self.prunable)
+            entries.append(FileEntry(relative, sha256, path.stat().st_size, rows, prunable))
         metrics = {key: float(value) for key, value in self.metrics.items()}
         if not all(math.isfinite(value) for value in metrics.values()):
             logger.warning("stage %s records non-finite metrics: %s", self.stage, metrics)
@@ -523,3 +538,29 @@ class StageOutput:
             raise
         fsync_directory(self.final_dir.parent)
         return manifest
+
+
+def prune_files(stage_dir: Path) -> int:
+    """Delete the prunable files of a stage output (its manifest keeps listing them); returns the bytes freed."""
+    manifest = read_manifest(stage_dir, verify=False)
+    freed = 0
+    for entry in manifest.files:
+        path = Path(stage_dir) / entry.path
+        if entry.prunable and path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    for folder in sorted({(Path(stage_dir) / e.path).parent for e in manifest.files if e.prunable}, reverse=True):
+        if folder != Path(stage_dir) and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    return freed
+
+
+def prunable_digest(manifest: Manifest) -> str | None:
+    """sha256 over the prunable entries of a manifest (as written, present or pruned), or None when it has none."""
+    prunable = [entry.to_dict() for entry in manifest.files if entry.prunable]
+    return _sha256_text(canonical_json(prunable)) if prunable else None
+
+
+def prunable_present(stage_dir: Path, manifest: Manifest) -> bool:
+    """Whether every prunable file of the output is still there (False when any was pruned)."""
+    return all((Path(stage_dir) / entry.path).is_file() for entry in manifest.files if entry.prunable)

@@ -14,10 +14,13 @@ Choices:
 3. Experiments are created with an explicit artifact location (``artifact_root/<campaign>``), so
    artifacts do not depend on the working directory.
 4. Params and metrics go through ``log_batch`` (about 100x faster than one call per value on SQLite).
-5. A stage's output folder is logged as the run's ``output`` artifacts, its Parquet tables as
-   MLflow datasets whose digest is taken from the manifest's sha256s, and the run is tagged with
-   the input key and the manifest digest, so :meth:`Tracker.find_stage_record` can answer "was
-   this stage already done for these inputs?".
+5. A stage's output exists once on local disk. With a local store (a SQLite tracking URI, the
+   default) it is recorded *by reference*: the run gets the manifest as its ``output/`` artifact and
+   the output folder's path as a tag, and registered model versions point at the folder; nothing is
+   copied. With a tracking server the folder is uploaded as the run's ``output/`` artifacts and
+   downloaded on demand. Either way its Parquet tables are logged as MLflow datasets (digest from
+   the manifest's sha256s) and the run is tagged with the input key and the manifest digest, so
+   :meth:`Tracker.find_stage_record` can answer "was this stage already done for these inputs?".
 
 Environment: nothing here reads or sets environment variables. Set ``MLFLOW_DISABLE_TELEMETRY=true``
 in the environment of offline machines (tests do it in ``tests/conftest.py``).
@@ -45,7 +48,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
 
-from storage.manifest import Manifest, read_manifest
+from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 
 __all__ = [
     "KIND_ITERATION",
@@ -58,10 +61,14 @@ __all__ = [
     "TAG_ITERATION_KEY",
     "TAG_KIND",
     "TAG_MANIFEST_DIGEST",
+    "TAG_OUTPUT_PATH",
     "TAG_OUTPUT_PREFIX",
     "TAG_PARENT_RUN_ID",
     "TAG_REPLAY_OF",
     "TAG_STAGE",
+    "MissingOutputError",
+    "ModelVersionSummary",
+    "RunSummary",
     "StageRecord",
     "Tracker",
 ]
@@ -79,6 +86,8 @@ TAG_REPLAY_OF = "rlhf.replay_of"
 TAG_OUTPUT_PREFIX = "rlhf.output."
 """An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
 which is another iteration's run when the stage was reused."""
+TAG_OUTPUT_PATH = "rlhf.output_path"
+"""On a stage run recorded by reference: the folder holding its output."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
 TAG_PARENT_RUN_ID = MLFLOW_PARENT_RUN_ID
 
@@ -95,6 +104,29 @@ _LATEST = "latest"
 _DIGEST_LENGTH = 32  # MLflow stores dataset digests in 36 characters
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHARD_FILE = re.compile(r"(?P<table>.+)-\d{5,}\.parquet")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run's id, status and tags."""
+
+    run_id: str
+    status: str
+    tags: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ModelVersionSummary:
+    """A registered model version: its number, the run that made it, its source and aliases."""
+
+    version: str
+    run_id: str
+    source: str
+    aliases: tuple[str, ...]
+
+
+class MissingOutputError(LookupError):
+    """A stage run recorded its output by reference, and that folder is gone (e.g. removed by ``rlhf gc``)."""
 
 
 @dataclass(frozen=True)
@@ -176,12 +208,22 @@ class Tracker:
         artifact_root: where new experiments keep their artifacts (``artifact_root/<campaign>``);
             None leaves it to the tracking server or MLflow's default.
         ui_base: the MLflow UI address used by :meth:`run_url`.
+        outputs_by_reference: record stage outputs by reference instead of uploading them; the
+            default is True for a local (``sqlite:``) store, False for a tracking server.
     """
 
     def __init__(
-        self, tracking_uri: str, *, artifact_root: Path | None = None, ui_base: str = "http://127.0.0.1:5000"
+        self,
+        tracking_uri: str,
+        *,
+        artifact_root: Path | None = None,
+        ui_base: str = "http://127.0.0.1:5000",
+        outputs_by_reference: bool | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
+        self.outputs_by_reference = (
+            tracking_uri.startswith(("sqlite:", "file:")) if outputs_by_reference is None else outputs_by_reference
+        )
         self.artifact_root = None if artifact_root is None else Path(artifact_root).absolute()
         self.ui_base = ui_base.rstrip("/")
         database = _sqlite_path(tracking_uri)
@@ -296,6 +338,17 @@ class Tracker:
         )
         return runs[0].info.run_id if runs else None
 
+    def runs(self, experiment_id: str, *, tags: Mapping[str, str]) -> list[RunSummary]:
+        """Every run (any status) carrying every tag in ``tags``, page by page."""
+        clauses = " and ".join(f"tags.`{key}` = '{_quote(value)}'" for key, value in tags.items())
+        found, token = [], None
+        while True:
+            page = self._client.search_runs([experiment_id], filter_string=clauses, max_results=1000, page_token=token)
+            found += [RunSummary(run.info.run_id, run.info.status, dict(run.data.tags)) for run in page]
+            token = page.token
+            if not token:
+                return found
+
     def run_url(self, run_id: str) -> str:
         """The run's page in the MLflow UI."""
         experiment_id = self._client.get_run(run_id).info.experiment_id
@@ -332,17 +385,19 @@ class Tracker:
     def log_stage_output(self, run_id: str, stage_dir: Path, manifest: Manifest) -> None:
         """Record a finished stage output on its run: artifacts, datasets and lookup tags.
 
-        Uploads ``stage_dir`` as the run's ``output/`` artifacts, logs its tables as datasets
+        Uploads ``stage_dir`` as the run's ``output/`` artifacts (by reference: only its manifest,
+        and the folder's path as the tag ``rlhf.output_path``), logs its tables as datasets
         (context ``output``), and tags the run with ``rlhf.stage``, ``rlhf.input_key`` and
-        ``rlhf.manifest_digest``. End the run FINISHED afterwards so
-        :meth:`find_stage_record` sees it.
+        ``rlhf.manifest_digest``. End the run FINISHED afterwards so :meth:`find_stage_record` sees it.
         """
-        self._client.log_artifacts(run_id, str(stage_dir), artifact_path=OUTPUT_ARTIFACT_PATH)
+        tags = {TAG_STAGE: manifest.stage, TAG_INPUT_KEY: manifest.input_key, TAG_MANIFEST_DIGEST: manifest.digest}
+        if self.outputs_by_reference:
+            self._client.log_artifact(run_id, str(Path(stage_dir) / MANIFEST_FILE), artifact_path=OUTPUT_ARTIFACT_PATH)
+            tags[TAG_OUTPUT_PATH] = str(Path(stage_dir).absolute())
+        else:
+            self._client.log_artifacts(run_id, str(stage_dir), artifact_path=OUTPUT_ARTIFACT_PATH)
         self.log_datasets(run_id, stage_dir, manifest, context="output")
-        self.set_tags(
-            run_id,
-            {TAG_STAGE: manifest.stage, TAG_INPUT_KEY: manifest.input_key, TAG_MANIFEST_DIGEST: manifest.digest},
-        )
+        self.set_tags(run_id, tags)
 
     def find_stage_record(self, experiment_id: str, stage: str, input_key: str) -> StageRecord | None:
         """The newest FINISHED run of ``stage`` tagged with ``input_key``, or None."""
@@ -384,10 +439,14 @@ class Tracker:
         Raises:
             FileExistsError: ``destination`` exists and is not an empty folder.
             CorruptOutputError: the downloaded files do not match their manifest.
+            MissingOutputError: the run recorded its output by reference and that folder is gone.
         """
         destination = Path(destination).absolute()
         if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
             raise FileExistsError(f"{destination} must be a new or empty folder")
+        referenced = self._client.get_run(run_id).data.tags.get(TAG_OUTPUT_PATH)
+        if referenced is not None:
+            return self._copy_referenced(run_id, Path(referenced), destination)
         destination.parent.mkdir(parents=True, exist_ok=True)
         staging = destination.parent / f".{destination.name}.download-{os.getpid()}-{uuid.uuid4().hex}"
         staging.mkdir()
@@ -399,6 +458,24 @@ class Tracker:
             os.rename(downloaded, destination)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        return destination
+
+    def _copy_referenced(self, run_id: str, referenced: Path, destination: Path) -> Path:
+        """The output a run recorded by reference: ``destination`` itself, or a verified copy of it there."""
+        if not referenced.is_dir():
+            raise MissingOutputError(
+                f"stage run {run_id} recorded its output by reference at {referenced}, which no longer exists"
+            )
+        read_manifest(referenced, verify=True)
+        if referenced != destination:
+            staging = destination.parent / f".{destination.name}.copy-{os.getpid()}-{uuid.uuid4().hex}"
+            try:
+                shutil.copytree(referenced, staging)
+                if destination.exists():
+                    destination.rmdir()
+                os.rename(staging, destination)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return destination
 
     # Campaign state and models ----------------------------------------------------------------------
@@ -437,13 +514,17 @@ class Tracker:
         ]
         return max(iterations, default=None)
 
-    def register_model(self, run_id: str, *, name: str, artifact_subpath: str, alias: str = "latest") -> str:
-        """Register the run's artifact folder ``artifact_subpath`` (e.g. ``output/actor``) as a new version.
+    def register_model(self, run_id: str, *, name: str, stage_dir: Path, subfolder: str, alias: str = "latest") -> str:
+        """Register the folder ``subfolder`` (e.g. ``actor``) of a stage output recorded on ``run_id`` as a new version.
+
+        The version's source is the folder itself when outputs are recorded by reference, else the
+        run's artifact ``output/<subfolder>``.
 
         Args:
-            run_id: the run holding the artifact.
+            run_id: the stage run that recorded the output.
             name: the registered model (created if missing).
-            artifact_subpath: the folder under the run's artifacts.
+            stage_dir: the stage output folder.
+            subfolder: the model's folder inside it.
             alias: moved to the new version (``latest``, reserved by MLflow, always means the newest).
 
         Returns:
@@ -454,13 +535,33 @@ class Tracker:
         except MlflowException as error:
             if _error_code(error) != "RESOURCE_ALREADY_EXISTS" and not self._model_exists(name):
                 raise
-        run = self._client.get_run(run_id)
-        source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_subpath.strip('/')}"
+        if self.outputs_by_reference:
+            source = (Path(stage_dir).absolute() / subfolder).as_uri()
+        else:
+            artifact_uri = self._client.get_run(run_id).info.artifact_uri.rstrip("/")
+            source = f"{artifact_uri}/{OUTPUT_ARTIFACT_PATH}/{subfolder.strip('/')}"
         version = self._client.create_model_version(name, source, run_id=run_id).version
         # MLflow reserves `latest` and always resolves it to the newest version, which this one now is.
         if alias.lower() != _LATEST:
             self._client.set_registered_model_alias(name, alias, version)
         return str(version)
+
+    def model_versions(self, name: str) -> list[ModelVersionSummary]:
+        """Every version of the registered model ``name`` (none when it does not exist)."""
+        if not self._model_exists(name):
+            return []
+        # Version search results carry no aliases in MLflow 3; the registered model has them all.
+        aliases: dict[str, list[str]] = {}
+        for alias, version in self._client.get_registered_model(name).aliases.items():
+            aliases.setdefault(str(version), []).append(alias)
+        return [
+            ModelVersionSummary(str(v.version), v.run_id, v.source, tuple(sorted(aliases.get(str(v.version), []))))
+            for v in self._client.search_model_versions(f"name = '{_quote(name)}'")
+        ]
+
+    def delete_model_version(self, name: str, version: str) -> None:
+        """Delete one version of a registered model."""
+        self._client.delete_model_version(name, version)
 
     def _model_exists(self, name: str) -> bool:
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.config import LoraConfig
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.layout import RunLayout
@@ -67,6 +68,11 @@ class BaseInputs:
     reward_function: RewardFunctionReference | None = None
 
     @property
+    def bases(self) -> dict[str, str]:
+        """Base-model name -> folder, for :class:`rlhf_core.loading.ModelLoader`."""
+        return {"policy": self.policy.path}
+
+    @property
     def fingerprint(self) -> str:
         """One hash of the four files' contents: part of every input key."""
         parts = (self.policy, self.tokenizer, self.prompts, self.eval_prompts)
@@ -89,12 +95,16 @@ class Execution:
     checkpoint_seconds: float = 60.0
     gradient_checkpointing: bool = False
 
-    def model_loader(self, precision: Precision) -> ModelLoader:
+    def model_loader(
+        self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None
+    ) -> ModelLoader:
         """The model seam for one stage (:class:`rlhf_core.loading.ModelLoader`)."""
         return ModelLoader(
             device=resolve_device(self.device),
             precision=precision,
             gradient_checkpointing=self.gradient_checkpointing,
+            bases=bases,
+            lora=lora,
         )
 
 

@@ -54,10 +54,8 @@ def evaluate(
         raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    sides = {
-        "policy": models.load("actor", policy.directory / "actor"),
-        "reference": models.load("reference", context.base.policy.path),
-    }
+    actor = models.load("actor", policy.directory / "actor")
+    sides = {"policy": actor, "reference": models.reference(actor)}
     scorer = None if reward_model is None else models.load("reward_model", reward_model.directory / "reward_model")
     function = None if reward_function is None else reward_function.load()
     texts = read_prompt_texts(context.base.eval_prompts.path)[:prompts]

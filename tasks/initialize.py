@@ -1,15 +1,16 @@
 """Stage 0, initialize: the campaign's starting actor and critic, saved as the first policy state.
 
-The actor is a copy of the base policy; the critic is the base backbone with a fresh value head
-(the usual initialisation when no separate value model is given), made only for an estimator that
-uses one (GAE). Both are trained weights, so both are fp32 whatever the precision (see
-:mod:`rlhf_core.loading`).
+The actor is the base policy; the critic, made only for an estimator that uses one (GAE), is the
+base backbone with a fresh value head (the usual initialisation when no separate value model is
+given). Neither copies the base's weights: with full fine-tuning the folders refer to the base (the
+critic adds its head); with LoRA they hold fresh adapters (which change nothing until trained).
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlhf_core.config import LoraConfig
 from storage.checkpoints import save_model
 from storage.manifest import StageOutput
 from tasks.context import StageContext
@@ -20,13 +21,17 @@ STAGE = "initialize"
 
 
 @stage(STAGE)
-def initialize(out: StageOutput, context: StageContext, *, critic: bool) -> dict[str, float]:
+def initialize(out: StageOutput, context: StageContext, *, critic: bool, lora: LoraConfig | None) -> dict[str, float]:
     """Write ``actor/`` (and ``critic/`` when ``critic`` is set) for iteration 0 to start from."""
-    models = stage_models(out, context, "fp32")
+    models = stage_models(out, context, "fp32", lora=lora)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
+    torch.manual_seed(context.stage_seed(STAGE))  # fresh adapters and the value head
     actor = models.load("actor", context.base.policy.path, trainable=True)
-    save_model(out.path / "actor", actor, tokenizer)
+    save_model(out.path / "actor", actor, tokenizer, weights=False)
     if critic:
-        torch.manual_seed(context.stage_seed(STAGE))  # the value head's initialisation
-        save_model(out.path / "critic", models.load("critic", context.base.policy.path, trainable=True), tokenizer)
-    return {"actor_parameters": float(sum(p.numel() for p in actor.parameters()))}
+        value_model = models.load("critic", context.base.policy.path, trainable=True)
+        save_model(out.path / "critic", value_model, tokenizer, weights=False)
+    return {
+        "actor_parameters": float(sum(p.numel() for p in actor.parameters())),
+        "trained_parameters": float(sum(p.numel() for p in actor.parameters() if p.requires_grad)),
+    }

@@ -6,11 +6,19 @@ new policy has no ``critic/``, and neither have the policies after it.
 The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models,
 optimizers, the shuffling stream and running statistics); a crashed run continues from the last
 saved epoch and ends exactly where an uninterrupted one would.
+
+The optimizer states it writes are *prunable*: only the newest iteration's are needed (to continue
+the campaign), so older ones are deleted (:func:`prune_optimizer_states`). An update continues the
+optimizer states of its input policy, and their digest is part of its input key
+(:class:`OptimizerState`): re-running a finished iteration reuses its output even after its
+input's states were pruned, while computing it again then is refused (it could not be exact). A
+replay continues them while they exist, and otherwise starts from fresh optimizers, under another key.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +30,7 @@ from rlhf_core.ppo import ppo_update as update
 from rlhf_core.precision import Precision
 from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.experience_io import table_to_experience
-from storage.manifest import StageOutput
+from storage.manifest import StageOutput, prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import clear_progress, latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
@@ -32,6 +40,42 @@ from tasks.text import load_tokenizer
 STAGE = "ppo_update"
 PROGRESS_FILE = "progress.json"
 OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer states a policy output was written with, identified by their content.
+
+    Args:
+        path: the policy output folder holding them.
+        digest: their identity (kept in the manifest, also once they are pruned).
+        present: whether the files are still on disk.
+    """
+
+    path: str
+    digest: str
+    present: bool
+
+
+def optimizer_state(policy: StageResult, *, present_only: bool = False) -> OptimizerState | None:
+    """The optimizer states ``policy`` (an initialize or ppo_update output) was written with, or None
+    when it has none (or, with ``present_only``, when they were pruned)."""
+    manifest = read_manifest(policy.directory, verify=False)
+    digest = prunable_digest(manifest)
+    if digest is None:
+        return None
+    present = prunable_present(policy.directory, manifest)
+    return OptimizerState(path=policy.path, digest=digest, present=present) if present or not present_only else None
+
+
+def prune_optimizer_states(folders: list[Path], *, keep: Path | None) -> int:
+    """Delete the optimizer states of the ppo_update outputs ``folders`` except ``keep``; returns the bytes freed."""
+    return sum(prune_files(folder) for folder in folders if keep is None or folder.resolve() != keep.resolve())
+
+
+def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer steps: all of them, or the adapters (and head) under LoRA."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
 
 
 def _save_state(
@@ -55,6 +99,7 @@ def ppo_update(
     out: StageOutput,
     context: StageContext,
     policy: StageResult,
+    optimizer: OptimizerState | None,
     scored: StageResult,
     *,
     ppo: PPOConfig,
@@ -66,6 +111,8 @@ def ppo_update(
     """Write ``actor/`` (and ``critic/``) and their optimizer states after PPO epochs over the experience.
 
     Args:
+        optimizer: the optimizer states of ``policy`` to continue (see :func:`optimizer_state`);
+            None starts fresh ones.
         critic: train the policy's critic (GAE), or update the actor alone (critic-free estimators).
         temperature: the sampling temperature of the rollout (the update's log-probs use it too).
         max_new_tokens: the generation budget, the constant of the ``token_sum_norm`` aggregation.
@@ -81,8 +128,14 @@ def ppo_update(
     generator = context.generator(STAGE)
     checkpoint = latest_progress(out.final_dir)
     source, resume = policy.directory, None
+    if optimizer is not None and not optimizer.present and checkpoint is None:
+        raise FileNotFoundError(
+            f"the optimizer states of {optimizer.path} were pruned (only the newest iteration keeps them), so this "
+            "update cannot be computed again exactly; continue from the newest iteration, or replay it"
+        )
+    states = Path(optimizer.path) if optimizer is not None else None
     if checkpoint is not None:
-        source = checkpoint[1]
+        source = states = checkpoint[1]
         saved = json.loads((source / PROGRESS_FILE).read_text())
         resume = PPOProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
@@ -90,11 +143,11 @@ def ppo_update(
     trained = [(actor, ppo.actor_learning_rate)]
     if critic:
         trained.append((models.load("critic", source / "critic", trainable=True), ppo.critic_learning_rate))
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=rate) for model, rate in trained]
-    # A critic-free policy (or one that continues critic-free from a GAE one) has no critic optimizer to restore.
-    for name, optimizer in zip(OPTIMIZERS, optimizers, strict=False):
-        if (source / name).is_dir():
-            load_training_state(source / name, optimizer=optimizer)
+    optimizers = [torch.optim.AdamW(_trained(model), lr=rate) for model, rate in trained]
+    if states is not None:
+        # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
+        for name, state in zip(OPTIMIZERS, optimizers, strict=False):
+            load_training_state(states / name, optimizer=state)
     actor, *rest = accelerator.prepare(*(model for model, _ in trained), *optimizers)
     value_model = rest.pop(0) if critic else None
     optimizers = rest
@@ -122,5 +175,9 @@ def ppo_update(
     )  # fmt: skip
     bar.close()
     save(out.path, None)
+    out.prunable.update(OPTIMIZERS)
     clear_progress(out.final_dir)
-    return {name: float(value) for name, value in stats._asdict().items() if value is not None}
+    return {
+        **{name: float(value) for name, value in stats._asdict().items() if value is not None},
+        "optimizer_restored": float(states is not None),
+    }

@@ -79,12 +79,13 @@ def rollout(
         raise ValueError("rollout needs exactly one reward: a reward model or a reward function")
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
+    actor = models.load("actor", policy.directory / "actor")
     has_critic = (policy.directory / "critic").is_dir()
     maker = ExperienceMaker(
-        models.load("actor", policy.directory / "actor"),
+        actor,
         models.load("critic", policy.directory / "critic") if has_critic else None,
         models.load("reward_model", reward_model.directory / "reward_model") if reward_model is not None else None,
-        models.load("reference", context.base.policy.path),
+        models.reference(actor),
         sampling=sampling,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

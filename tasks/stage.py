@@ -35,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 from pydantic import BaseModel
 
+from rlhf_core.config import LoraConfig
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
@@ -45,6 +46,7 @@ from storage.tracking import (
     TAG_ITERATION,
     TAG_KIND,
     TAG_STAGE,
+    MissingOutputError,
     Tracker,
 )
 from tasks.code import code_fingerprint
@@ -207,9 +209,13 @@ def run_stage(
     manifest = find_stage_output(stage_dir, input_key)
     reused = manifest is not None
     if manifest is None and record is not None:
-        logger.info("%s: downloading output %s from MLflow run %s", stage, input_key[:16], record.run_id)
-        tracker.download_stage_output(record.run_id, stage_dir)
-        manifest, reused = read_manifest(stage_dir), True
+        logger.info("%s: fetching output %s recorded by MLflow run %s", stage, input_key[:16], record.run_id)
+        try:
+            tracker.download_stage_output(record.run_id, stage_dir)
+            manifest, reused = read_manifest(stage_dir), True
+        except MissingOutputError as error:
+            logger.warning("%s: %s; computing it again", stage, error)
+            record = None
     if manifest is None:
         logger.info("%s: running (input key %s)", stage, input_key[:16])
         manifest = _produce(context, stage_dir, stage, input_key, key_settings, digests, code, produce)
@@ -256,9 +262,16 @@ def _produce(
     return out.manifest
 
 
-def stage_models(out: StageOutput, context: StageContext, precision: Precision) -> ModelLoader:
-    """The model seam for this stage: every model it loads is recorded in the output's ``runtime``."""
-    loader = context.execution.model_loader(precision)
+def stage_models(
+    out: StageOutput, context: StageContext, precision: Precision, *, lora: LoraConfig | None = None
+) -> ModelLoader:
+    """The model seam for this stage: every model it loads is recorded in the output's ``runtime``.
+
+    Args:
+        lora: adapters for the models this stage trains from full weights (a stage continuing an
+            adapter needs none: the folder says it holds one).
+    """
+    loader = context.execution.model_loader(precision, bases=context.base.bases, lora=lora)
     out.runtime.update(precision=precision, models=loader.loaded)
     return loader
 
@@ -340,7 +353,10 @@ def _record_stage(
     )
     tracker.log_stage_output(run_id, stage_dir, manifest)
     for suffix, subfolder in (register or {}).items() if context.register_models else ():
-        tracker.register_model(run_id, name=f"{context.campaign}-{suffix}", artifact_subpath=f"output/{subfolder}")
+        if (stage_dir / subfolder).is_dir():  # a critic-free update writes no critic to register
+            tracker.register_model(
+                run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder
+            )
     tracker.end_run(run_id)
     return run_id
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import RewardModelConfig
+from rlhf_core.config import LoraConfig, RewardModelConfig
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -44,10 +44,11 @@ def train_reward_model(
     *,
     reward_model: RewardModelConfig,
     precision: Precision,
+    lora: LoraConfig | None,
 ) -> dict[str, float]:
     """Continue training the previous reward model (or a fresh head on the base policy) on all pairs."""
     config = reward_model
-    models = stage_models(out, context, precision)
+    models = stage_models(out, context, precision, lora=lora)
     accelerator = models.accelerator()
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
@@ -63,7 +64,8 @@ def train_reward_model(
     if checkpoint is not None:
         source = checkpoint[1] / "reward_model"
     model = models.load("reward_model", source, trainable=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
     if checkpoint is not None:
         saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]  # restores dropout RNG
         resume = RewardTrainingProgress(**saved["progress"])

@@ -63,6 +63,8 @@ def test_a_critic_free_campaign_never_makes_loads_or_trains_a_critic(grouped):
         assert not (update / "critic").exists() and not (update / "critic_optimizer").exists()
         assert "value_loss" not in _manifest(update)["metrics"]
         assert {model["role"] for model in _manifest(update)["runtime"]["models"]} == {"actor"}
+    tracker = tracking_store(grouped).tracker()
+    assert tracker.model_versions("grpo-critic") == [] and len(tracker.model_versions("grpo-actor")) == 2
     for rollout in _outputs(grouped, "rollout"):
         assert "critic" not in {model["role"] for model in _manifest(rollout)["runtime"]["models"]}
         table = pq.read_table(next(rollout.glob("experience-*.parquet")))

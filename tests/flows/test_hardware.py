@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flows.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
@@ -75,3 +76,54 @@ def test_every_stage_ran_its_models_on_the_seams_device_in_its_roles_dtype(bf16_
         if MODELS[stage]:  # initialize only copies weights, which are fp32 whatever the precision
             assert runtime["precision"] == ("fp32" if stage == "initialize" else "bf16")
         assert manifest["metrics"]["peak_memory_mb"] >= 0 and manifest["metrics"]["seconds"] > 0
+
+
+@pytest.fixture(scope="module")
+def lora_campaign(prefect_server, checkpoint_world, tmp_path_factory):
+    config = load_config(
+        TINY,
+        [
+            f"run_root={tmp_path_factory.mktemp('lora')}",
+            f"model.policy={checkpoint_world['policy']}",
+            f"data.prompts={checkpoint_world['prompts']}",
+            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+            "precision=bf16",
+            "model.lora.r=4",
+            "model.gradient_checkpointing=true",
+        ],
+    )
+    return config, rlhf_campaign(config, return_state=True)
+
+
+def test_lora_with_bf16_and_checkpointing_trains_and_stores_adapters_only(lora_campaign):
+    config, state = lora_campaign
+    assert state.is_completed(), state
+    campaign = config.run_root / config.campaign
+    for stage, folder in (("ppo_update", "actor"), ("ppo_update", "critic"), ("train_reward_model", "reward_model")):
+        for output in sorted((campaign / stage).iterdir()):
+            names = {path.name for path in (output / folder).iterdir()}
+            assert "adapter_model.safetensors" in names and "model.safetensors" not in names, (stage, names)
+    for manifest in _manifests(config, "rollout") + _manifests(config, "evaluate"):
+        reference = next(m for m in manifest["runtime"]["models"] if m["role"] == "reference")
+        assert reference["shares_weights_with"] == "actor"  # the base with adapters off, never a second copy
+    final = _manifests(config, "evaluate")[-1]["metrics"]
+    assert 0.0 <= final["gold_win_rate"] <= 1.0 and final["kl_to_reference"] == final["kl_to_reference"]
+
+
+def test_export_merges_the_adapters_into_a_plain_hugging_face_folder(lora_campaign, checkpoint_world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flows.cli import main
+
+    config, _ = lora_campaign
+    location = [f"--set=run_root={config.run_root}"]
+    assert main(["export", f"{config.campaign}:1", str(tmp_path / "aligned"), *location]) == 0
+    assert not list((tmp_path / "aligned").glob("adapter_*")) and (tmp_path / "aligned" / "config.json").is_file()
+    aligned = AutoModelForCausalLM.from_pretrained(tmp_path / "aligned").eval()
+    base = AutoModelForCausalLM.from_pretrained(checkpoint_world["policy"]).eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert not torch.allclose(aligned(input_ids=ids).logits, base(input_ids=ids).logits)
+    assert main(["export", f"{config.campaign}:1", str(tmp_path / "aligned"), *location]) == 2  # not empty
+    assert main(["export", config.campaign, str(tmp_path / "rm"), "--model", "reward_model", *location]) == 0
+    assert (tmp_path / "rm" / "reward_head.safetensors").is_file()

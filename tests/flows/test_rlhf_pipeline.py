@@ -72,6 +72,23 @@ def test_campaign_writes_every_stage_and_records_it_in_mlflow(campaign):
     for suffix in ("actor", "critic", "reward-model"):
         version = client.get_model_version_by_alias(f"{config.campaign}-{suffix}", "latest")
         assert int(version.version) == config.iterations
+        assert version.source.startswith("file://") and Path(version.source[len("file://") :]).is_dir()
+
+
+def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_states(campaign):
+    config, state = campaign
+    final = state.result()
+    # MLflow holds each stage's manifest, never a second copy of its files.
+    artifacts = [path for path in (config.run_root / "mlartifacts").rglob("*") if path.is_file()]
+    assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json"}
+    with_states = [
+        folder.name
+        for folder in (config.run_root / config.campaign / "ppo_update").iterdir()
+        if (folder / "actor_optimizer").is_dir()
+    ]
+    assert with_states == [final.policy.directory.name]
+    # The newest update continued the previous optimizer states; the first started fresh.
+    assert final.policy.metrics["optimizer_restored"] == 1.0
 
 
 def test_running_again_does_no_work_and_says_so(campaign):

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification
 
-from rlhf_core.loading import ModelLoader
+from rlhf_core.config import LoraConfig
+from rlhf_core.loading import FolderMeta, ModelLoader, merged, save_model_folder
 from rlhf_core.models import Critic, RewardModel, dropout_disabled
-from tests.conftest import left_padded, tiny_causal_lm, tiny_config
+from tests.conftest import PAD, left_padded, tiny_causal_lm, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -122,3 +124,104 @@ def test_each_precision_gets_an_accelerator_of_its_own_in_one_process():
     assert ModelLoader(device=CPU, precision="bf16").accelerator().mixed_precision == "bf16"
     assert ModelLoader(device=CPU, precision="fp32").accelerator().mixed_precision == "no"
     assert ModelLoader(device=CPU, precision="bf16").accelerator().native_amp
+
+
+# ----------------------------------------------------------------------------- LoRA, base references, exports
+
+LORA = LoraConfig(r=4, alpha=8, dropout=0.0)
+
+
+def _logits(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+def test_lora_trains_only_adapters_over_a_bf16_base_and_the_reference_is_the_same_base(folders):
+    loader = ModelLoader(device=CPU, precision="bf16", bases={"policy": folders["policy"]}, lora=LORA)
+    actor = loader.load("actor", folders["policy"], trainable=True)
+    trained = {name for name, p in actor.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained)
+    assert {p.dtype for p in actor.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in actor.parameters() if not p.requires_grad} == {torch.bfloat16}
+    reference = loader.reference(actor)
+    # No second copy: the reference's parameters are the actor's own tensors.
+    assert {id(p) for p in reference.parameters()} == {id(p) for p in actor.parameters()}
+    assert loader.loaded[-1] == {
+        "role": "reference", "device": "cpu", "dtype": "bfloat16", "trainable": False, "shares_weights_with": "actor"
+    }  # fmt: skip
+    ids, mask = left_padded([[3, 4, 5], [6]])
+    with torch.no_grad():  # move the adapters away from their zero start, so they change the function
+        for name, parameter in actor.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    base = ModelLoader(device=CPU, precision="bf16").load("reference", folders["policy"])
+    with loader.autocast():
+        assert torch.equal(_logits(reference, ids, mask), _logits(base, ids, mask))
+        assert not torch.equal(_logits(actor, ids, mask), _logits(base, ids, mask))
+
+
+def test_an_adapter_folder_holds_no_base_weights_and_loads_back_identically(folders, tmp_path):
+    bases = {"policy": folders["policy"]}
+    loader = ModelLoader(device=CPU, precision="fp32", bases=bases, lora=LORA)
+    torch.manual_seed(0)
+    critic = loader.load("critic", folders["policy"], trainable=True)
+    with torch.no_grad():
+        for name, parameter in critic.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    save_model_folder(critic, tmp_path / "critic")
+    names = {path.name for path in (tmp_path / "critic").iterdir()}
+    assert {"adapter_model.safetensors", "value_head.safetensors", "rlhf_model.json"} <= names
+    assert "model.safetensors" not in names
+    assert FolderMeta.read(tmp_path / "critic") == FolderMeta(kind="critic", base="policy", adapter=True)
+    again = ModelLoader(device=CPU, precision="fp32", bases=bases).load("critic", tmp_path / "critic")
+    ids, mask = left_padded([[3, 4, 5], [6]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids, mask), critic(ids, mask), rtol=0.0, atol=0.0)
+    with pytest.raises(ValueError, match="refers to the base 'policy'"):
+        ModelLoader(device=CPU, precision="fp32").load("critic", tmp_path / "critic")
+    with pytest.raises(ValueError, match="holds a critic, not the actor"):
+        ModelLoader(device=CPU, precision="fp32", bases=bases).load("actor", tmp_path / "critic")
+
+
+def test_a_base_reference_folder_is_the_base(folders, tmp_path):
+    bases = {"policy": folders["policy"]}
+    loader = ModelLoader(device=CPU, precision="fp32", bases=bases)
+    save_model_folder(loader.load("actor", folders["policy"], trainable=True), tmp_path / "actor", weights=False)
+    assert sorted(path.name for path in (tmp_path / "actor").iterdir()) == ["rlhf_model.json"]
+    ids, mask = left_padded([[3, 4, 5]])
+    loaded = loader.load("actor", tmp_path / "actor")
+    assert torch.equal(_logits(loaded, ids, mask), _logits(loader.load("reference", folders["policy"]), ids, mask))
+    stray = ModelLoader(device=CPU, precision="fp32").load("actor", folders["policy"])  # no named base
+    with pytest.raises(ValueError, match="not loaded from a named base"):
+        save_model_folder(stray, tmp_path / "stray", weights=False)
+
+
+def test_merging_adapters_keeps_the_function(folders):
+    loader = ModelLoader(device=CPU, precision="fp32", bases={"policy": folders["policy"]}, lora=LORA)
+    actor = loader.load("actor", folders["policy"], trainable=True)
+    with torch.no_grad():
+        for name, parameter in actor.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    ids, mask = left_padded([[3, 4, 5], [6]])
+    expected = _logits(actor, ids, mask)
+    plain = merged(actor)
+    assert type(plain).__name__ == "GPT2LMHeadModel"
+    torch.testing.assert_close(_logits(plain, ids, mask), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_classification_checkpoint_is_a_reward_model_with_the_same_scores(tmp_path):
+    config = tiny_config("llama")
+    config.num_labels = 1
+    torch.manual_seed(3)
+    classifier = AutoModelForSequenceClassification.from_config(config).eval()
+    classifier.save_pretrained(tmp_path / "rm")
+    reward_model = ModelLoader(device=CPU, precision="fp32").load("reward_model", tmp_path / "rm")
+    ids, mask = torch.tensor([[5, 6, 7, 8], [9, 10, PAD, PAD]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with torch.no_grad():
+        torch.testing.assert_close(reward_model(ids, mask), classifier(input_ids=ids, attention_mask=mask).logits[:, 0])
+    config.num_labels = 3
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "three")
+    with pytest.raises(ValueError, match="has 3 labels; a reward model has exactly one"):
+        ModelLoader(device=CPU, precision="fp32").load("reward_model", tmp_path / "three")

@@ -38,3 +38,13 @@ def tracker(layout: RunLayout, migrated_mlflow_db: Path):
     layout.root.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(migrated_mlflow_db, layout.mlflow_db())
     return Tracker(layout.tracking_uri(), artifact_root=layout.artifact_root())
+
+
+@pytest.fixture
+def uploading_tracker(layout: RunLayout, migrated_mlflow_db: Path):
+    """The same store, uploading stage outputs as artifacts the way a tracking server gets them."""
+    from storage.tracking import Tracker
+
+    layout.root.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(migrated_mlflow_db, layout.mlflow_db())
+    return Tracker(layout.tracking_uri(), artifact_root=layout.artifact_root(), outputs_by_reference=False)

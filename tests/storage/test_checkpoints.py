@@ -65,11 +65,14 @@ def test_heads_are_saved_beside_the_backbone(tmp_path: Path, kind, role) -> None
 
 
 def test_loading_a_head_from_a_folder_without_one_is_refused(tmp_path: Path) -> None:
-    save_model(tmp_path / "actor", tiny_causal_lm("gpt2"))
+    tiny_causal_lm("gpt2").save_pretrained(tmp_path / "plain")  # a plain Hugging Face folder
     with pytest.raises(FileNotFoundError, match="value_head.safetensors"):
-        _loader().load("critic", tmp_path / "actor")
+        _loader().load("critic", tmp_path / "plain")
     with pytest.raises(FileNotFoundError, match="reward_head.safetensors"):
-        _loader().load("reward_model", tmp_path / "actor")
+        _loader().load("reward_model", tmp_path / "plain")
+    save_model(tmp_path / "actor", tiny_causal_lm("gpt2"))  # a folder the pipeline saved says what it holds
+    with pytest.raises(ValueError, match="holds a causal_lm, not the critic asked for"):
+        _loader().load("critic", tmp_path / "actor")
 
 
 def _train(model, optimizer, scheduler, steps: int) -> list[float]:

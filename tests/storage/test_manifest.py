@@ -20,6 +20,9 @@ from storage.manifest import (
     UnsupportedSchemaError,
     compute_input_key,
     find_stage_output,
+    prunable_digest,
+    prunable_present,
+    prune_files,
     read_manifest,
 )
 from storage.schemas import PROMPTS, SCHEMA_VERSION
@@ -329,3 +332,27 @@ def test_digest_ignores_creation_time_and_metrics_but_the_checksum_does_not(tmp_
     )
     assert rewritten.digest == manifest.digest
     assert rewritten.checksum != manifest.checksum
+
+
+def test_prunable_files_leave_the_digest_and_may_be_pruned(tmp_path: Path) -> None:
+    final = tmp_path / "ppo"
+    with StageOutput(final, stage="ppo_update", input_key="cd" * 32, config={}, upstream={}, code=CODE) as out:
+        (out.path / "actor").mkdir()
+        (out.path / "actor" / "model.safetensors").write_bytes(b"weights")
+        (out.path / "actor_optimizer").mkdir()
+        (out.path / "actor_optimizer" / "optimizer.pt").write_bytes(b"adam moments")
+        out.prunable.add("actor_optimizer")
+    manifest = out.manifest
+    assert [(e.path, e.prunable) for e in manifest.files] == [
+        ("actor/model.safetensors", False),
+        ("actor_optimizer/optimizer.pt", True),
+    ]
+    state = prunable_digest(manifest)
+    assert state is not None and prunable_present(final, manifest)
+    assert prune_files(final) == len(b"adam moments")
+    assert not (final / "actor_optimizer").exists()
+    assert read_manifest(final).digest == manifest.digest  # verifies, identity unchanged
+    assert prunable_digest(read_manifest(final)) == state and not prunable_present(final, manifest)
+    (final / "actor" / "model.safetensors").write_bytes(b"other!!")  # a kept file is still verified
+    with pytest.raises(CorruptOutputError, match="altered"):
+        read_manifest(final)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import multiprocessing
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,7 +15,7 @@ from storage.layout import RunLayout
 from storage.manifest import CorruptOutputError, Manifest, StageOutput, compute_input_key, read_manifest
 from storage.schemas import PROMPTS
 from storage.shards import read_table
-from storage.tracking import StageRecord, Tracker
+from storage.tracking import MissingOutputError, StageRecord, Tracker
 from tests.storage import _tracking_worker
 
 CODE = "c0de" * 16
@@ -90,7 +91,8 @@ def test_unfinished_stage_run_is_not_a_record(tracker: Tracker, layout: RunLayou
     assert tracker.find_stage_record(experiment_id, "sample", manifest.input_key) is None
 
 
-def test_stage_output_downloads_into_an_empty_folder_identically(tracker: Tracker, layout: RunLayout) -> None:
+def test_stage_output_downloads_into_an_empty_folder_identically(uploading_tracker: Tracker, layout: RunLayout) -> None:
+    tracker = uploading_tracker
     _, run_id, manifest = _record(tracker, layout)
     original = layout.stage_dir("sample", manifest.input_key)
     restored = tracker.download_stage_output(run_id, layout.cache_dir() / "restored")
@@ -107,13 +109,30 @@ def test_stage_output_downloads_into_an_empty_folder_identically(tracker: Tracke
         tracker.download_stage_output(run_id, restored)
 
 
-def test_corrupt_artifacts_are_refused_on_download(tracker: Tracker, layout: RunLayout) -> None:
+def test_corrupt_artifacts_are_refused_on_download(uploading_tracker: Tracker, layout: RunLayout) -> None:
+    tracker = uploading_tracker
     _, run_id, manifest = _record(tracker, layout)
     artifact = next(layout.artifact_root().rglob("output/prompts-00001.parquet"))
     artifact.write_bytes(artifact.read_bytes()[:-3])
     with pytest.raises(CorruptOutputError, match="prompts-00001.parquet"):
         tracker.download_stage_output(run_id, layout.cache_dir() / "restored")
     assert not layout.cache_dir().exists() or not list(layout.cache_dir().iterdir())
+
+
+def test_a_local_store_records_outputs_by_reference_and_copies_nothing(tracker: Tracker, layout: RunLayout) -> None:
+    _, run_id, manifest = _record(tracker, layout)
+    output = layout.stage_dir("sample", manifest.input_key)
+    artifacts = [
+        path.relative_to(layout.artifact_root()) for path in layout.artifact_root().rglob("*") if path.is_file()
+    ]
+    assert [path.parts[-2:] for path in artifacts] == [("output", "_manifest.json")]  # the manifest, no data
+    assert client(tracker).get_run(run_id).data.tags["rlhf.output_path"] == str(output)
+    elsewhere = tracker.download_stage_output(run_id, layout.cache_dir() / "copy")  # a verified copy on demand
+    assert read_manifest(elsewhere) == manifest
+    assert tracker.download_stage_output(run_id, output.parent / "fresh").is_dir()
+    shutil.rmtree(output)
+    with pytest.raises(MissingOutputError, match="no longer exists"):
+        tracker.download_stage_output(run_id, layout.cache_dir() / "again")
 
 
 def test_tables_are_logged_as_datasets(tracker: Tracker, layout: RunLayout) -> None:
@@ -145,17 +164,30 @@ def test_params_are_flattened_and_metrics_batched(tracker: Tracker) -> None:
 
 
 def test_register_model_adds_versions_and_moves_aliases(tracker: Tracker, layout: RunLayout) -> None:
-    _, run_id, _ = _record(tracker, layout)
-    assert tracker.register_model(run_id, name="camp-actor", artifact_subpath="output/actor") == "1"
-    _, second_run, _ = _record(tracker, layout, stage="sample_again")
-    assert (
-        tracker.register_model(second_run, name="camp-actor", artifact_subpath="output/actor", alias="champion") == "2"
+    _, run_id, manifest = _record(tracker, layout)
+    first_dir = layout.stage_dir("sample", manifest.input_key)
+    assert tracker.register_model(run_id, name="camp-actor", stage_dir=first_dir, subfolder="actor") == "1"
+    _, second_run, second = _record(tracker, layout, stage="sample_again")
+    second_dir = layout.stage_dir("sample_again", second.input_key)
+    version = tracker.register_model(
+        second_run, name="camp-actor", stage_dir=second_dir, subfolder="actor", alias="champion"
     )
+    assert version == "2"
     registry = client(tracker)
     latest = registry.get_model_version_by_alias("camp-actor", "latest")  # MLflow's own: the newest version
-    assert latest.run_id == second_run and latest.source.endswith(f"{second_run}/artifacts/output/actor")
+    assert latest.run_id == second_run and latest.source == (second_dir / "actor").as_uri()  # by reference
     assert str(registry.get_model_version_by_alias("camp-actor", "champion").version) == "2"
-    restored = Path(registry.download_artifacts(second_run, "output/actor", dst_path=str(layout.cache_dir())))
+
+
+def test_an_uploading_store_registers_the_uploaded_folder(uploading_tracker: Tracker, layout: RunLayout) -> None:
+    _, run_id, manifest = _record(uploading_tracker, layout)
+    stage_dir = layout.stage_dir("sample", manifest.input_key)
+    uploading_tracker.register_model(run_id, name="camp-actor", stage_dir=stage_dir, subfolder="actor")
+    registry = client(uploading_tracker)
+    assert registry.get_model_version_by_alias("camp-actor", "latest").source.endswith(
+        f"{run_id}/artifacts/output/actor"
+    )
+    restored = Path(registry.download_artifacts(run_id, "output/actor", dst_path=str(layout.cache_dir())))
     assert (restored / "model.safetensors").read_bytes() == bytes(range(256)) * 8
 
 

@@ -1,0 +1,89 @@
+"""rlhf gc against a real campaign: what it removes, and that continuing, resuming a crashed iteration and
+replaying a kept iteration all still work afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.campaign import load_latest_state, open_iteration, resolve_base, tracking_store
+from flows.cli import main
+from flows.config import load_config
+from flows.gc import collect_garbage, plan_gc
+from flows.replay import replay_config, resolve_run
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+from flows.settings import stage_settings
+from tasks import collect_preferences, sample_candidates
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def _outputs(config) -> set[str]:
+    root = config.run_root / config.campaign
+    return {f"{path.parent.parent.name}/{path.parent.name}" for path in root.glob("*/*/_manifest.json")}
+
+
+@pytest.fixture(scope="module")
+def collected(prefect_server, checkpoint_world, tmp_path_factory):
+    """A 3-iteration campaign, a pinned model version, a crashed 4th iteration, then `rlhf gc --keep-last 1`."""
+    config = load_config(
+        TINY,
+        [
+            f"run_root={tmp_path_factory.mktemp('gc')}",
+            f"model.policy={checkpoint_world['policy']}",
+            f"data.prompts={checkpoint_world['prompts']}",
+            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+            "iterations=3",
+        ],
+    )
+    rlhf_campaign(config)
+    tracker = tracking_store(config).tracker()
+    client = MlflowClient(tracker.tracking_uri)
+    client.set_registered_model_alias(f"{config.campaign}-actor", "champion", "1")  # a person pins iteration 0's actor
+    # A 4th iteration that crashed after two stages: its run stays RUNNING with two recorded outputs.
+    base = resolve_base.fn(config)
+    iteration, state = load_latest_state.fn(config, base)
+    context = open_iteration.fn(config, iteration, base, state)
+    candidates = sample_candidates.fn(context, state.policy, **stage_settings(config, base, "sample_candidates")).data
+    collect_preferences.fn(context, candidates, None, None, **stage_settings(config, base, "collect_preferences"))
+    before = _outputs(config)
+    source_of_iteration_0 = resolve_run(config, f"{config.campaign}:0")
+    assert main(["gc", config.campaign, "--dry-run", f"--set=run_root={config.run_root}"]) == 0
+    assert _outputs(config) == before  # a dry run changes nothing
+    plan = collect_garbage(config, keep_last=1)
+    return config, before, plan, source_of_iteration_0
+
+
+def test_gc_removes_old_outputs_and_unpinned_versions_and_keeps_what_is_needed(collected):
+    config, before, plan, _ = collected
+    after = _outputs(config)
+    assert plan.remove and plan.bytes > 0 and after == before - {f"{f.parent.name}/{f.name}" for f, _ in plan.remove}
+    stages_left = {name.split("/")[0] for name in after}
+    assert {"ppo_update", "train_reward_model", "rollout", "evaluate", "sample_candidates"} <= stages_left
+    # Iteration 0's reward model goes. Its actor is pinned (and the critic lives in the same folder),
+    # and iteration 1's models are the inputs iteration 2 started from (a replay of iteration 2 needs them).
+    assert plan.versions == [(f"{config.campaign}-reward-model", "1")]
+    assert not plan_gc(config, keep_last=1).remove  # nothing more to remove
+
+
+def test_after_gc_the_crashed_iteration_resumes_from_its_recorded_stages(collected):
+    config, *_ = collected
+    state = rlhf_iteration(config, return_state=True)
+    assert state.is_completed(), state
+    assert (
+        tracking_store(config)
+        .tracker()
+        .latest_iteration(tracking_store(config).tracker().experiment_id(config.campaign))
+        == 3
+    )
+
+
+def test_after_gc_a_kept_iteration_replays_and_a_removed_one_is_refused_clearly(collected):
+    config, _, _, source_of_iteration_0 = collected
+    source = resolve_run(config, f"{config.campaign}:2")
+    replayed = rlhf_replay(replay_config(config, source, ["advantages.kl_coef=0.2"]), source)
+    assert tracking_store(config).tracker().run_tags(replayed)["rlhf.replay_of"] == source
+    with pytest.raises(Exception, match="no longer exists"):
+        rlhf_replay(replay_config(config, source_of_iteration_0, ["advantages.kl_coef=0.2"]), source_of_iteration_0)
