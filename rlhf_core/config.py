@@ -118,9 +118,9 @@ class AdvantageConfig:
     kl_horizon: int = 10000
     """Rollouts the adaptive controller takes to correct by its clipped error (Ziegler et al. 2019; TRL 10000)."""
     gamma: float = 1.0
-    """Discount (TRL and OpenRLHF use 1.0 for language)."""
+    """Discount of GAE and REINFORCE++ (TRL and OpenRLHF use 1.0 for language); the group estimators use 1."""
     gae_lambda: float = 0.95
-    """GAE lambda (TRL default 0.95)."""
+    """GAE lambda (TRL default 0.95); GAE only."""
     score_clip: float | None = None
     """Clip scores to [-score_clip, score_clip] before shaping."""
     normalize_scores: bool = True
@@ -181,7 +181,8 @@ class PPOConfig:
     target_kl: float | None = None
     """Stop the update early once the running approximate KL exceeds this."""
     whiten_advantages: bool = True
-    """Whiten advantages over the whole experience before minibatching."""
+    """Whiten GAE advantages over the whole experience before minibatching (critic-free estimators normalise their
+    own, see rlhf_core.advantages)."""
     aggregation: LossAggregation = "token_mean"
     """Token-level loss aggregation: token_mean, sequence_mean, or token_sum_norm (each response's token sum over
     the generation budget `sampling.max_new_tokens`, as Dr. GRPO)."""

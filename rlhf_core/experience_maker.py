@@ -75,7 +75,8 @@ def score_experience(
        * ``grpo``, ``dr_grpo``, ``rloo``: the score against its group (:func:`group_advantages`) at
          every token, plus the KL penalty still to come from that token (gamma = 1).
 
-       A critic-free estimator's ``returns`` are the rewards' return (reward-to-go with ``config.gamma``).
+       A critic-free estimator's ``returns`` are the rewards' return (reward-to-go; discounted by
+       ``config.gamma`` for REINFORCE++ only, like its advantages).
 
     Args:
         experience: a rollout (scored or not; scored fields are recomputed); group estimators need
@@ -114,7 +115,7 @@ def score_experience(
             raise ValueError(f"estimator `{config.estimator}` needs `group_ids`: the prompt of each rollout")
         outcome = group_advantages(scores, experience.group_ids, config.estimator)  # (B,)
         advantages = broadcast_over_tokens(outcome, mask) + reward_to_go(-coef * kl, mask)  # (B, R)
-        result = Advantages(advantages=advantages, returns=reward_to_go(rewards, mask, gamma=config.gamma))
+        result = Advantages(advantages=advantages, returns=reward_to_go(rewards, mask))
     else:
         raise ValueError(f"unknown estimator {config.estimator!r}")
     return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
