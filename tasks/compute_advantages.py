@@ -10,6 +10,8 @@ data carries, never from a value kept in memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlhf_core.advantages import adaptive_kl_coef
 from rlhf_core.config import AdvantageConfig
 from rlhf_core.experience_maker import score_experience
@@ -58,7 +60,11 @@ def compute_advantages(
     # so the id used to pad token columns cannot change the output.
     rollouts = table_to_experience(table, pad_token_id=0)
     kl_coef = starting_kl_coef(advantages, previous)
-    statistics = reward_model.metrics if reward_model is not None else {"score_mean": 0.0, "score_std": 1.0}
+    statistics = {"score_mean": 0.0, "score_std": 1.0}
+    if reward_model is not None:
+        statistics = reward_model.metrics
+    else:  # a reward function has no held-out score statistics: its scores are used as they are
+        advantages = dataclasses.replace(advantages, normalize_scores=False)
     scored = score_experience(
         rollouts,
         advantages,
