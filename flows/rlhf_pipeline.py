@@ -92,12 +92,14 @@ def _learn_reward_model(
         else None
     )
     judge_model = state.reward_model if config.labeler == "reward_model" else None
-    preferences = collect_preferences(context, candidates, judge_model, labels, **settings("collect_preferences"))
-    all_preferences = (*state.preferences, preferences.result())
+    preferences = collect_preferences(
+        context, candidates, judge_model, labels, **settings("collect_preferences")
+    ).result()
+    all_preferences = (*state.preferences, preferences)
     reward_model = train_reward_model(
         context, all_preferences, state.reward_model, **settings("train_reward_model")
     ).result()
-    return reward_model, all_preferences, [candidates, all_preferences[-1], reward_model]
+    return reward_model, all_preferences, [candidates, preferences, reward_model]
 
 
 @flow(name="rlhf-campaign")
