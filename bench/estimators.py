@@ -1,20 +1,24 @@
 """Advantage estimators and reward sources on the demo world at equal budget: the README's table.
 
-``.venv/bin/python -m bench.estimators`` (about 25 minutes on 2 cores) writes ``bench/ESTIMATORS.md``
+``.venv/bin/python -m bench.estimators`` (about 20 minutes on 2 cores) writes ``bench/ESTIMATORS.md``
 (raw figures in ``bench/.scratch/estimators.json``). Options: ``--estimators gae,rloo``,
-``--rewards reward_model,function``, ``--set KEY=VALUE`` (applied to every run), ``--parallel N``
-(for exploring settings only: parallel runs share the cores, so their seconds are not comparable).
+``--rewards reward_model,function``, ``--set KEY=VALUE`` (applied to every compared run),
+``--no-demo``, ``--parallel N`` (for exploring settings only: parallel runs share the cores, so
+their seconds are not comparable).
 
 Every run is the real iteration flow (Prefect, MLflow on SQLite, Parquet shards, checkpoints) on
-``configs/demo.yaml`` in a temporary run root holding a copy of the demo world, in its own
-subprocess with one torch thread, one run at a time. At equal budget: every run rolls out the same
-prompts (``sizes.rollout_prompts`` x ``sizes.samples_per_prompt``), generates at most the same
-tokens and takes the same optimizer steps; only the advantage estimator (with its own loss
-aggregation, :data:`ESTIMATORS`) and the reward source change. With the learned reward model,
-stages 1-3 (candidates, gold labels, reward-model training) run as in the demo; with the gold
-function (``demo.gold:gold_score``, the rubric the evaluation judges by, as a verifiable reward)
-they are skipped. Reported: the last iteration's gold win rate against the initial policy, gold
-score, KL to the reference (evaluation on the 64 held-out prompts), and wall seconds per iteration.
+the embedded demo world, in a temporary run root holding a copy of it, in its own subprocess with
+one torch thread, one run at a time. The comparison starts from the built-in defaults (the RLHF
+demo that ``rlhf run`` with no config runs: 8 iterations, PPO 4 epochs of minibatch 32, KL penalty
+0.05 in the reward) and rolls out 64 prompts x 4 samples per iteration (:data:`BUDGET`, the
+defaults' 256 rollouts, in groups). At equal budget: every run rolls out the same prompts,
+generates at most the same tokens and takes the same optimizer steps; only the advantage
+estimator (with its own loss aggregation, :data:`ESTIMATORS`) and the reward source change. With
+the learned reward model, stages 1-3 (candidates, gold labels, reward-model training) run; with
+the gold function (``demo.gold:gold_score``, the rubric evaluation judges by, as a verifiable
+reward) they are skipped. A last row runs ``configs/demo.yaml`` as it is. Reported: the last
+iteration's gold win rate against the initial policy, gold score and KL to the reference
+(evaluation on the 64 held-out prompts), and wall seconds per iteration.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ RAW = SCRATCH / "estimators.json"
 DEMO = REPO / "configs" / "demo.yaml"
 
 BUDGET = ["sizes.rollout_prompts=64", "sizes.samples_per_prompt=4"]
-"""Every run: 64 prompts x 4 samples = 256 rollouts per iteration (the demo's rollouts), groups of 4."""
+"""Every compared run: 64 prompts x 4 samples = 256 rollouts per iteration (the defaults' count), in groups of 4."""
 ESTIMATORS: dict[str, list[str]] = {
     "gae": ["advantages.estimator=gae"],
     "grpo": ["advantages.estimator=grpo"],
@@ -45,16 +49,21 @@ ESTIMATORS: dict[str, list[str]] = {
     "rloo": ["advantages.estimator=rloo"],
     "reinforce_pp": ["advantages.estimator=reinforce_pp"],
 }
-"""Each estimator with its own conventions; the KL penalty (the demo's) shapes the reward for all."""
+"""Each estimator with its own conventions; the defaults' KL penalty shapes the reward for all."""
 REWARDS: dict[str, list[str]] = {
     "reward_model": [],
     "function": ["reward.source=function", "reward.function=demo.gold:gold_score"],
 }
-REWARD_NAMES = {"reward_model": "learned reward model", "function": "gold function (verifiable)"}
+REWARD_NAMES = {
+    "reward_model": "learned reward model",
+    "function": "gold function (verifiable)",
+    "demo": "`configs/demo.yaml`",
+}
 
 
-def run_campaign(world: Path, overrides: list[str]) -> dict:
-    """The demo campaign with ``overrides`` in a temporary run root: per-iteration wall seconds and metrics."""
+def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) -> dict:
+    """A campaign (``config_file``, or the built-in defaults, with ``overrides``) in a temporary run root:
+    per-iteration wall seconds and metrics."""
     started = time.perf_counter()
     from flows import rlhf_pipeline
     from flows.campaign import tracking_store
@@ -64,7 +73,7 @@ def run_campaign(world: Path, overrides: list[str]) -> dict:
     root = Path(tempfile.mkdtemp(prefix="rlhf-estimators-", dir=SCRATCH))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
-        config = load_config(DEMO, [*overrides, f"run_root={root}", "torch_threads=1"])
+        config = load_config(config_file, [*overrides, f"run_root={root}", "torch_threads=1"])
         state, seconds = None, []
         for iteration in range(config.iterations):
             begin = time.perf_counter()
@@ -77,7 +86,7 @@ def run_campaign(world: Path, overrides: list[str]) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def worker(world: Path, overrides: list[str]) -> dict:
+def worker(world: Path, config_file: Path | None, overrides: list[str]) -> dict:
     """Run :func:`run_campaign` in a fresh subprocess (its own Prefect home and ephemeral server)."""
     with tempfile.TemporaryDirectory(dir=SCRATCH) as folder:
         out = Path(folder) / "result.json"
@@ -88,6 +97,7 @@ def worker(world: Path, overrides: list[str]) -> dict:
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         }
         command = [str(PROJECT_PYTHON), "-m", "bench.estimators", "--worker", str(world), "--out", str(out)]
+        command += ["--config", str(config_file)] if config_file is not None else []
         completed = subprocess.run(
             [*command, *(f"--set={item}" for item in overrides)], cwd=REPO, env=env, capture_output=True, text=True
         )
@@ -134,7 +144,7 @@ def report(rows: list[dict], extra: list[str], parallel: int) -> str:
         "",
         f"Regenerate: `{COMMAND}` (writes this file; raw figures in `bench/.scratch/estimators.json`).",
         "",
-        "Every run: `configs/demo.yaml`, "
+        "Every compared run: the built-in defaults (`rlhf run` with no config: the RLHF demo), "
         + ", ".join(f"`{item}`" for item in BUDGET + extra)
         + "; the estimator's own settings: "
         + "; ".join(f"`{name}`: " + ", ".join(f"`{item}`" for item in items) for name, items in ESTIMATORS.items())
@@ -142,7 +152,7 @@ def report(rows: list[dict], extra: list[str], parallel: int) -> str:
         "prompts (one sample of each side per prompt, so a win rate moves by about 0.05 from one iteration to the "
         "next by chance alone; the mean over the last three iterations is steadier); s / iteration is the median "
         "wall time of iterations 1-7 (iteration 0 also starts Prefect's server); the last column is the whole "
-        "campaign.",
+        "campaign. The last row is `configs/demo.yaml` as it is.",
         "",
         "Machine: " + "; ".join(f"{key}: {value}" for key, value in facts.items()) + ".",
     ]
@@ -156,29 +166,34 @@ def main() -> None:
     parser.add_argument("--estimators", default=",".join(ESTIMATORS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--no-demo", dest="demo", action="store_false", help="leave out the configs/demo.yaml row")
     parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         set_threads(1)
-        args.out.write_text(json.dumps(run_campaign(args.worker, args.extra)))
+        args.out.write_text(json.dumps(run_campaign(args.worker, args.config, args.extra)))
         return
 
     from demo.build import build_default_world
+    from flows.config import load_config
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
     world = build_default_world(SCRATCH / "demo-world", seed=0, progress=False).model_dir.parent
     runs = [
-        (reward, estimator, [*BUDGET, *REWARDS[reward], *ESTIMATORS[estimator], *args.extra])
+        (reward, estimator, None, [*BUDGET, *REWARDS[reward], *ESTIMATORS[estimator], *args.extra])
         for reward in args.rewards.split(",")
         for estimator in args.estimators.split(",")
     ]
+    if args.demo:
+        runs.append(("demo", load_config(DEMO).advantages.estimator, DEMO, []))
 
-    def measure(run: tuple[str, str, list[str]]) -> dict:
-        reward, estimator, overrides = run
-        result = row(reward, estimator, worker(world, overrides))
+    def measure(run: tuple[str, str, Path | None, list[str]]) -> dict:
+        reward, estimator, config_file, overrides = run
+        result = row(reward, estimator, worker(world, config_file, overrides))
         print(f"{reward:>12} {estimator:>12}: {json.dumps(result)}", flush=True)
         return result
 

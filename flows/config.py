@@ -88,15 +88,16 @@ class RewardSource(_Frozen):
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
     """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward)."""
+    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward); unused with `reward_model`."""
 
 
 class PipelineConfig(_Frozen):
     """Everything one campaign needs; validated once, when a flow starts.
 
-    The defaults run the embedded demo: sizes and learning rates were tuned on it (8 iterations,
-    about two minutes on one CPU thread; see configs/demo.yaml). The stage configs' own defaults
-    in ``rlhf_core.config`` are the literature's.
+    The defaults run the embedded demo as an RLHF loop (a reward model learned from the hidden rubric's
+    labels, PPO with GAE): sizes and learning rates were tuned on it (8 iterations, about two minutes
+    on one CPU thread). configs/demo.yaml scores with the rubric itself as a verifiable reward instead.
+    The stage configs' own defaults in ``rlhf_core.config`` are the literature's.
     """
 
     campaign: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -163,8 +164,6 @@ class PipelineConfig(_Frozen):
     def _reward_function_is_named(self) -> PipelineConfig:
         if self.reward.source == "function" and not self.reward.function:
             raise ValueError("`reward.source` function needs `reward.function`: a `module:callable`")
-        if self.reward.source != "function" and self.reward.function:
-            raise ValueError("`reward.function` is set but `reward.source` is reward_model: set it to function")
         return self
 
 

@@ -34,7 +34,6 @@ def test_overrides_apply_on_top_of_the_file():
         (["nonsense"], "section.field=value"),
         (["ppo.kl_loss_coef=0.1"], "advantages.kl_in"),
         (["reward.source=function"], "reward.function"),
-        (["reward.function=demo.gold:gold_score"], "reward.source"),
         (["reward.source=model"], "reward.source"),
     ],
 )
