@@ -33,6 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import yaml
+
 from bench.common import PROJECT_PYTHON, REPO, SCRATCH, machine, median, set_threads, thread_env
 
 COMMAND = ".venv/bin/python -m bench.estimators"
@@ -67,12 +69,18 @@ def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) ->
     started = time.perf_counter()
     from flows import rlhf_pipeline
     from flows.campaign import tracking_store
-    from flows.config import load_config
+    from flows.config import PipelineConfig, load_config
 
     imported = time.perf_counter() - started
     root = Path(tempfile.mkdtemp(prefix="rlhf-estimators-", dir=SCRATCH))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
+        if config_file is None:
+            # The defaults written out in full: an override like `ppo.aggregation=...` then changes that one field.
+            # (Without a file, `load_config` would build the `ppo` section from the override alone, with
+            # PPOConfig's own defaults, not the pipeline's.)
+            config_file = root / "defaults.yaml"
+            config_file.write_text(yaml.safe_dump(PipelineConfig().model_dump(mode="json")))
         config = load_config(config_file, [*overrides, f"run_root={root}", "torch_threads=1"])
         state, seconds = None, []
         for iteration in range(config.iterations):
