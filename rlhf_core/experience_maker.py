@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rlhf_core.advantages import broadcast_over_tokens, group_advantages, reinforce_pp_advantages, reward_to_go
-from rlhf_core.config import GROUP_ESTIMATORS, AdvantageConfig, SamplingConfig
+from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
 from rlhf_core.gae import Advantages, compute_gae
 from rlhf_core.generation import generate
@@ -110,14 +110,12 @@ def score_experience(
         result = compute_gae(rewards, experience.old_values, mask, gamma=config.gamma, gae_lambda=config.gae_lambda)
     elif config.estimator == "reinforce_pp":
         result = reinforce_pp_advantages(rewards, mask, gamma=config.gamma)
-    elif config.estimator in GROUP_ESTIMATORS:
+    else:  # a group estimator (AdvantageConfig admits no other)
         if experience.group_ids is None:
             raise ValueError(f"estimator `{config.estimator}` needs `group_ids`: the prompt of each rollout")
         outcome = group_advantages(scores, experience.group_ids, config.estimator)  # (B,)
         advantages = broadcast_over_tokens(outcome, mask) + reward_to_go(-coef * kl, mask)  # (B, R)
         result = Advantages(advantages=advantages, returns=reward_to_go(rewards, mask))
-    else:
-        raise ValueError(f"unknown estimator {config.estimator!r}")
     return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
 
 

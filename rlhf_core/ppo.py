@@ -211,7 +211,6 @@ def ppo_update(
     totals = {name: torch.tensor(total) for name, total in resume.totals.items()} if resume else None
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
-    trained = [(actor, actor_optimizer)] + ([(critic, critic_optimizer)] if critic is not None else [])
     with dropout_disabled(actor, critic), fused_activations(actor, critic):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             for batch in experience.minibatches(config.minibatch_size, generator=generator):
@@ -223,7 +222,10 @@ def ppo_update(
                     early_stopped = True
                     break
                 # 2. one step for each model, each with its own gradient clip
-                for loss, (model, optimizer) in zip((losses.actor_loss, losses.critic_loss), trained, strict=False):
+                steps_to_take = [(losses.actor_loss, actor, actor_optimizer)]
+                if critic is not None:
+                    steps_to_take.append((losses.critic_loss, critic, critic_optimizer))
+                for loss, model, optimizer in steps_to_take:
                     optimizer.zero_grad(set_to_none=True)
                     accelerator.backward(loss)
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)

@@ -177,3 +177,30 @@ def test_a_reward_function_returning_nan_fails_the_rollout_naming_the_prompt(fun
     )
     with pytest.raises(RewardFunctionError, match=r"tests\.flows\.rewards:not_finite returned nan for prompt \d+"):
         rlhf_campaign(broken)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["advantages.estimator=rloo"], ["advantages.estimator=dr_grpo", "ppo.aggregation=token_sum_norm"]],
+    ids=["rloo", "dr_grpo"],
+)
+def test_the_other_group_estimators_run_the_campaign_too(prefect_server, checkpoint_world, tmp_path_factory, overrides):
+    """GAE (test_rlhf_pipeline), GRPO and REINFORCE++ (above) run whole campaigns; so do RLOO and Dr. GRPO."""
+    campaign = overrides[0].rpartition("=")[2].replace("_", "-")
+    config = load_config(
+        TINY,
+        [
+            *_world(checkpoint_world, tmp_path_factory.mktemp(f"{campaign}-runs")),
+            f"campaign={campaign}",
+            "iterations=1",
+            "sizes.samples_per_prompt=2",
+            "sizes.rollout_prompts=8",
+            "reward.source=function",
+            "reward.function=tests.flows.rewards:length_score",
+            *overrides,
+        ],
+    )
+    rlhf_campaign(config)
+    metrics = tracking_store(config).tracker().run_metrics(resolve_run(config, f"{campaign}:0"))
+    assert metrics["ppo_update/optimizer_steps"] == 2 and 0.0 <= metrics["evaluate/gold_win_rate"] <= 1.0
+    assert not (_outputs(config, "ppo_update")[0] / "critic").exists()
