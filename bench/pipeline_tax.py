@@ -138,12 +138,12 @@ def plain_run(world: Path, iterations: int) -> dict:
     from tasks.labelers import CandidatePair, JudgeLabeler
     from tasks.text import (
         batches,
+        conversation_ids,
         decode,
         encode_prompts,
-        encode_response,
         load_tokenizer,
         pad_token_lists,
-        read_prompt_texts,
+        read_prompts,
         response_token_lists,
         rotating_subset,
     )
@@ -153,7 +153,7 @@ def plain_run(world: Path, iterations: int) -> dict:
     clock = Clock()
     tokenizer = load_tokenizer(str(paths.model_dir))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    train_prompts, eval_prompts = read_prompt_texts(paths.prompts_path), read_prompt_texts(paths.eval_prompts_path)
+    train_prompts, eval_prompts = read_prompts(paths.prompts_path), read_prompts(paths.eval_prompts_path)
     models = ModelLoader(device=torch.device("cpu"), precision="fp32")
     accelerator = models.accelerator()
     actor = models.load("actor", paths.model_dir, trainable=True)
@@ -208,8 +208,8 @@ def plain_run(world: Path, iterations: int) -> dict:
                     labelled.append((pair.prompt, better, worse, label.margin))
             # 3. continue training the reward model on every pair so far
             with clock.measure("train_reward_model"):
-                rows = [encode_response(tokenizer, p, c) for p, c, _, _ in labelled]
-                rows += [encode_response(tokenizer, p, r) for p, _, r, _ in labelled]
+                rows = [conversation_ids(tokenizer, p, c) for p, c, _, _ in labelled]
+                rows += [conversation_ids(tokenizer, p, r) for p, _, r, _ in labelled]
                 ids, mask = pad_token_lists(rows, pad_token_id=pad)
                 n = len(labelled)
                 margin = torch.tensor([m for *_, m in labelled], dtype=torch.float32)
@@ -289,7 +289,7 @@ def plain_run(world: Path, iterations: int) -> dict:
                                 temperature=single.temperature,
                             )
                     records += [
-                        {"prompt": prompt, **{f"{k}_response": v[row] for k, v in answers.items()}}
+                        {"prompt": prompt.text, **{f"{k}_response": v[row] for k, v in answers.items()}}
                         for row, prompt in enumerate(texts)
                     ]
                 _gold_metrics(records, JudgeReference.of(GOLD_JUDGE))

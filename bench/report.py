@@ -182,7 +182,68 @@ def _scaling_section(scaling: dict) -> list[str]:
     return lines
 
 
-def write_results(results: dict, path: Path, *, command: str) -> None:
+def _scale_section(scale: dict) -> list[str]:
+    first = next(iter(scale.values()))
+    lines = [
+        "## 6. Model scale: full fine-tuning against LoRA, fp32 against bf16",
+        "",
+        f"`.venv/bin/python -m bench.run --only scale`: a GPT-2 of 12 layers x 768 ({first['parameters'] / 1e6:.1f} M "
+        f"parameters, {first['model_bytes'] / 2**20:.0f} MiB in fp32), random init, the demo tokenizer and prompts; two "
+        "iterations of 16 preference prompts x 2 candidates, 16 rollouts of 8 tokens, 8 held-out prompts, one epoch "
+        "of reward-model and PPO training; one thread. Seconds and peak memory (growth of resident memory) per stage "
+        "from the stage manifests, summed (seconds) or maxed (memory) over the two iterations. Disk: everything under "
+        "the run root after the two iterations (stage outputs, the MLflow store), over the model's bytes.",
+        "",
+        "| variant | wall s | " + " | ".join(STAGE_COLUMNS) + " | disk / model |",
+        "| --- | --- | " + " | ".join("---" for _ in STAGE_COLUMNS) + " | --- |",
+    ]
+    for variant, run in scale.items():
+        cells = []
+        for stage in STAGE_COLUMNS:
+            row = run["stages"].get(stage)
+            cells.append("-" if row is None else f"{sum(row['seconds']):.1f} s / {max(row['peak_memory_mb']):.0f} MB")
+        lines.append(
+            f"| {variant} | {run['wall_seconds']:.0f} | "
+            + " | ".join(cells)
+            + f" | {run['disk_bytes'] / run['model_bytes']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Goals (issue 10): disk at most 12x the model's bytes with full fine-tuning, at most 1x with LoRA.",
+        "",
+    ]
+    return lines
+
+
+STAGE_COLUMNS = (
+    "initialize",
+    "sample_candidates",
+    "train_reward_model",
+    "rollout",
+    "ppo_update",
+    "evaluate",
+)
+
+
+def _kept_sections(path: Path) -> dict[str, str]:
+    """``## N.`` sections of an existing results file, by number, so a partial run keeps the others."""
+    if not path.is_file():
+        return {}
+    sections, current = {}, None
+    for line in path.read_text().splitlines(keepends=True):
+        if line.startswith("## ") and line[3:4].isdigit():
+            current = line[3 : line.index(".")]
+            sections[current] = ""
+        elif line.startswith("## "):
+            current = None
+        if current is not None:
+            sections[current] += line
+    return sections
+
+
+def write_results(results: dict, path: Path, *, command: str, keep: Path | None = None) -> None:
+    """Write the results file; sections whose part was not run come from ``keep`` (the file as it was)."""
+    kept = _kept_sections(keep) if keep is not None else {}
     lines = [
         "# Benchmark results",
         "",
@@ -194,16 +255,19 @@ def write_results(results: dict, path: Path, *, command: str) -> None:
         "One torch thread everywhere; runs one at a time; the machine is shared, so CPU seconds are the steadier figure.",
         "",
     ]
-    if "trl" in results:
-        lines += _trl_section(results["trl"])
-    if "roofline" in results and "trl" in results:
-        lines += _roofline_section(results["roofline"], results["trl"])
-    if "tax" in results:
-        lines += _tax_section(results["tax"])
-    if "scaling" in results:
-        lines += _scaling_section(results["scaling"])
-    if "tax" in results:
-        lines += _replay_section(results["tax"])
+    parts = [
+        ("1", "trl", lambda: _trl_section(results["trl"])),
+        ("2", "roofline", lambda: _roofline_section(results["roofline"], results["trl"])),
+        ("3", "tax", lambda: _tax_section(results["tax"])),
+        ("4", "scaling", lambda: _scaling_section(results["scaling"])),
+        ("5", "tax", lambda: _replay_section(results["tax"])),
+        ("6", "scale", lambda: _scale_section(results["scale"])),
+    ]
+    for number, part, section in parts:
+        if part in results and (part != "roofline" or "trl" in results):
+            lines += section()
+        elif number in kept:
+            lines += kept[number].rstrip("\n").split("\n") + [""]
     notes = Path(__file__).with_name("NOTES.md")
     if notes.is_file():
         lines += [notes.read_text().rstrip(), ""]

@@ -8,7 +8,9 @@ Every measurement runs in its own subprocess, one at a time, with one torch thre
 2. generation tokens/s against the measured fp32 matmul peak (roofline);
 3. pipeline tax: the real flow against the same calls in a plain loop;
 4. scaling of our iteration as prompts and response length double;
-5. replay against the full iteration it replays.
+5. replay against the full iteration it replays;
+6. model scale: an 85 M-parameter model through two iterations, full fine-tuning against LoRA,
+   fp32 against bf16: seconds and peak memory per stage, bytes on disk against the model's bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from bench.common import (
 
 RESULTS = REPO / "bench" / "RESULTS.md"
 COMMAND = ".venv/bin/python -m bench.run --all"
-PARTS = ("trl", "roofline", "tax", "scaling")
+PARTS = ("trl", "roofline", "tax", "scaling", "scale")
+SCALE_VARIANTS = ("full-fp32", "full-bf16", "lora-fp32", "lora-bf16")
 
 
 def ensure_trl_venv() -> Path:
@@ -156,6 +159,20 @@ def scaling() -> dict:
     return rows
 
 
+def model_scale() -> dict:
+    world = SCRATCH / "scale-world"
+    world.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for variant in SCALE_VARIANTS:
+        print(f"  model scale: {variant}", flush=True)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as home:
+            env = thread_env(1) | {"PREFECT_HOME": home, "PREFECT_LOGGING_LEVEL": "WARNING"}
+            results[variant] = worker(
+                PROJECT_PYTHON, "bench.scale_worker", "--variant", variant, "--world", str(world), env=env
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="run every part (the default when --only is not given)")
@@ -180,10 +197,13 @@ def main() -> None:
     if "scaling" in parts:
         print("scaling", flush=True)
         results["scaling"] = scaling()
+    if "scale" in parts:
+        print("model scale", flush=True)
+        results["scale"] = model_scale()
     args.json.write_text(json.dumps(results, indent=2))
     from bench.report import write_results
 
-    write_results(results, RESULTS, command=COMMAND)
+    write_results(results, RESULTS, command=COMMAND, keep=RESULTS)
     print(RESULTS.read_text())
 
 

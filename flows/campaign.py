@@ -38,6 +38,7 @@ from tasks.ppo_update import prune_optimizer_states
 from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
 from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult
+from tasks.text import load_tokenizer, same_tokenizer
 
 CONFIG_ARTIFACT = "config.json"
 GOLD_JUDGE = "demo.gold:JUDGE"
@@ -145,11 +146,21 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         preferences=_input_file(cache, "data.preferences", config.data.preferences)
         if config.labeler == "import" and config.data.preferences
         else None,
+        reward_model=_input_file(cache, "model.reward_model", config.model.reward_model)
+        if config.model.reward_model
+        else None,
         reward_function=RewardFunctionReference.of(config.reward.function)
         if config.reward.source == "function" and config.reward.function
         else None,
     )
     cache.save()
+    if config.model.critic_init == "reward_model" and not same_tokenizer(
+        load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
+    ):
+        raise ValueError(
+            f"`model.critic_init` reward_model needs a reward model that uses the policy's tokenizer (the critic reads "
+            f"the policy's tokens); {config.model.reward_model} has a tokenizer of its own: use critic_init policy"
+        )
     return base
 
 

@@ -30,6 +30,14 @@ class ModelSource(_Frozen):
     and uses the embedded demo model."""
     tokenizer: str | None = None
     """Tokenizer folder or name; None uses the policy's."""
+    reward_model: str | None = None
+    """A pretrained reward model: a folder this project saved (`reward_model/` of a stage output, or an export), or
+    any `AutoModelForSequenceClassification` checkpoint with one label. Its own tokenizer scores the conversations.
+    `reward_model.train` false uses it as it is; true fine-tunes it on the collected pairs. None: a reward model
+    is trained from the policy."""
+    critic_init: Literal["policy", "reward_model"] = "policy"
+    """What the critic starts from: the policy's backbone with a fresh value head, or the pretrained reward model
+    (its backbone, and its score head as the value head; as OpenRLHF and verl do)."""
     lora: LoraConfig | None = None
     """Low-rank adapters on every trained model (actor, critic, reward model); `--set model.lora.r=8` alone turns
     them on with the other defaults. None trains every weight."""
@@ -143,6 +151,14 @@ class PipelineConfig(_Frozen):
     def _labeler_has_its_data(self) -> PipelineConfig:
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
+        if self.model.reward_model is None and not self.reward_model.train:
+            raise ValueError(
+                "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
+            )
+        if self.model.reward_model is None and self.model.critic_init == "reward_model":
+            raise ValueError(
+                "`model.critic_init` reward_model needs `model.reward_model`: the reward model to start from"
+            )
         return self
 
     @model_validator(mode="after")

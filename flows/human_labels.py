@@ -145,7 +145,7 @@ def label_form(pairs: Sequence[CandidatePair], *, first: int, total: int) -> typ
             HumanChoice,
             Field(
                 title=f"Pair {first + offset + 1} of {total}",
-                description=f'Prompt: "{pair.prompt}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"',
+                description=f'Prompt: "{pair.prompt.text}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"',
                 json_schema_extra={"position": offset},
             ),
         )

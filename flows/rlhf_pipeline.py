@@ -9,7 +9,7 @@ exactly the settings :data:`flows.settings.STAGE_SETTINGS` lists for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 
 from prefect import flow
 
@@ -38,7 +38,6 @@ from tasks import (
     sample_candidates,
     train_reward_model,
 )
-from tasks.context import StageContext
 from tasks.ppo_update import optimizer_state
 from tasks.stage import StageResult
 
@@ -61,13 +60,16 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
         iteration, state = load_latest_state(config, base)
     context = open_iteration(config, iteration, base, state)
 
-    def settings(stage: str) -> dict:
-        return stage_settings(config, base, stage)
-
+    settings = partial(stage_settings, config, base)
     state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
-        reward_model, all_preferences, learned = _learn_reward_model(context, config, state, settings)
+        collected = _collect(config, context, settings, state) if config.reward_model.train else ()
+        all_preferences = (*state.preferences, *collected[1:])
+        reward_model = train_reward_model(
+            context, all_preferences, state.reward_model, **settings("train_reward_model")
+        ).result()
+        learned = [*collected, reward_model]
     experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
     scored = compute_advantages(
         context, experience, reward_model, state.advantages, **settings("compute_advantages")
@@ -78,13 +80,8 @@ def _iteration(config: PipelineConfig, iteration: int | None, state: IterationSt
     return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences, scored))
 
 
-def _learn_reward_model(
-    context: StageContext, config: PipelineConfig, state: IterationState, settings: Callable[[str], dict]
-) -> tuple[StageResult, tuple[StageResult, ...], list[StageResult]]:
-    """Stages 1-3: sample candidates, label pairs, train the reward model on every pair so far.
-
-    Returns the reward model, every preference table so far, and the three stages' outputs.
-    """
+def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
+    """Stages 1 and 2: candidates from the current policy, and their preference labels."""
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
@@ -92,14 +89,8 @@ def _learn_reward_model(
         else None
     )
     judge_model = state.reward_model if config.labeler == "reward_model" else None
-    preferences = collect_preferences(
-        context, candidates, judge_model, labels, **settings("collect_preferences")
-    ).result()
-    all_preferences = (*state.preferences, preferences)
-    reward_model = train_reward_model(
-        context, all_preferences, state.reward_model, **settings("train_reward_model")
-    ).result()
-    return reward_model, all_preferences, [candidates, preferences, reward_model]
+    preferences = collect_preferences(context, candidates, judge_model, labels, **settings("collect_preferences"))
+    return candidates, preferences.result()
 
 
 @flow(name="rlhf-campaign")
@@ -123,9 +114,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     check_replay_data(config, inputs.experience)
     context = open_replay(config, source_run_id, base)
 
-    def settings(stage: str) -> dict:
-        return stage_settings(config, base, stage)
-
+    settings = partial(stage_settings, config, base)
     scored = compute_advantages(
         context, inputs.experience, inputs.reward_model, inputs.previous, **settings("compute_advantages")
     ).result()

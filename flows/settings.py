@@ -21,7 +21,7 @@ from flows.config import PipelineConfig
 from tasks.context import BaseInputs
 
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
-    "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora"},
+    "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora", "critic_init": "model.critic_init"},
     "sample_candidates": {
         "sampling": "sampling",
         "precision": "precision",

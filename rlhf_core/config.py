@@ -86,6 +86,9 @@ class RewardModelConfig:
     """Share of pairs held out for accuracy."""
     use_margin: bool = True
     """Subtract each pair's margin in the Bradley-Terry loss (Llama 2)."""
+    train: bool = True
+    """Train the reward model on the collected pairs. False uses a pretrained one as it is (no pairs are
+    collected): only with a pretrained reward model."""
 
     def __post_init__(self) -> None:
         _require_positive(

@@ -9,7 +9,7 @@ Choices:
    TRL, OpenRLHF and verl always do): the first PPO step then starts from a ratio of 1.
 2. Reference log-probs, values and scores each take one forward pass over ``(B, T)``.
 3. The reward is any callable ``(sequences, attention_mask) -> (B,)``: a :class:`RewardModel`,
-   or a programmatic score (a verifiable reward, a test's rubric), given to the maker or per batch.
+   or a programmatic score (a verifiable reward, a test's rubric).
 4. Without a critic (critic-free estimators) no values are computed: ``old_values`` is None.
 5. :func:`score_experience` (stage 5) dispatches on the estimator: GAE over the KL-shaped rewards
    and the rollout values, or a critic-free estimator of :mod:`rlhf_core.advantages`.
@@ -127,8 +127,7 @@ class ExperienceMaker:
     Args:
         actor: the policy being trained (a causal LM).
         critic: its value model, or None (critic-free estimators: no values).
-        reward_model: any callable ``(sequences, attention_mask) -> (B,)``, e.g. a :class:`RewardModel`;
-            None when every batch brings its own (``make_experience(score_fn=...)``).
+        reward_model: any callable ``(sequences, attention_mask) -> (B,)``, e.g. a :class:`RewardModel`.
         reference: the frozen initial policy.
         sampling: temperature, top-k, top-p, response length.
         eos_token_id, pad_token_id: the tokenizer's.
@@ -141,7 +140,7 @@ class ExperienceMaker:
         self,
         actor: PreTrainedModel,
         critic: Critic | None,
-        reward_model: ScoreFn | None,
+        reward_model: ScoreFn,
         reference: PreTrainedModel,
         *,
         sampling: SamplingConfig,
@@ -166,7 +165,6 @@ class ExperienceMaker:
         *,
         group_ids: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
-        score_fn: ScoreFn | None = None,
     ) -> Experience:
         """One response per prompt row, scored by reference, critic and reward.
 
@@ -175,15 +173,11 @@ class ExperienceMaker:
                 A prompt sampled G times appears in G rows.
             group_ids: the prompt of each row, carried into the Experience (its ``group_ids``).
             generator: CPU random stream for sampling.
-            score_fn: scores this batch instead of the maker's ``reward_model``.
 
         Shapes:
             input_ids, attention_mask: (B, P); group_ids: (B,); returns Experience with T = P + R, on
             the actor's device.
         """
-        score = score_fn or self.reward_model
-        if score is None:
-            raise ValueError("no reward: the maker has no `reward_model` and no `score_fn` was given")
         device = next(self.actor.parameters()).device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         prompt_length = input_ids.shape[1]
@@ -200,7 +194,7 @@ class ExperienceMaker:
             )
             sequences, full_mask = generation.sequences, generation.attention_mask  # (B, T)
             old_logprobs = generation.logprobs  # (B, R)
-            models = (self.actor, self.critic, score, self.reference)  # None and plain functions are skipped
+            models = (self.actor, self.critic, self.reward_model, self.reference)  # None and functions are skipped
             with evaluating(*models), fused_activations(*models):
                 if self.precision != "fp32":
                     old_logprobs = sequence_logprobs(
@@ -212,7 +206,7 @@ class ExperienceMaker:
                 old_values = None
                 if self.critic is not None:
                     old_values = response_slice(self.critic(sequences, full_mask), prompt_length)  # (B, R)
-                scores = score(sequences, full_mask).float()  # (B,)
+                scores = self.reward_model(sequences, full_mask).float()  # (B,)
         action_mask = generation.action_mask  # (B, R)
         return Experience(
             sequences=sequences,

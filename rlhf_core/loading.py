@@ -47,6 +47,7 @@ from typing import Any, Literal, get_args
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, DistributedType
+from safetensors.torch import load_file
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -57,7 +58,7 @@ from transformers import (
 )
 
 from rlhf_core.config import LoraConfig
-from rlhf_core.models import Critic, RewardModel, freeze
+from rlhf_core.models import Critic, RewardModel, freeze, hidden_size
 from rlhf_core.precision import Precision, accelerate_mixed_precision, autocast, check_precision, compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -214,10 +215,10 @@ class ModelLoader:
             model: nn.Module = AutoModelForCausalLM.from_pretrained(weights, **placement)
             model = self._adapt(model, source, with_adapter, new_adapter, trainable, task_type="CAUSAL_LM")
         else:
-            backbone, checkpoint_head = _backbone(weights, placement)
+            backbone, weights_head = _backbone(weights, placement)
             backbone = self._adapt(backbone, source, with_adapter, new_adapter, trainable, task_type=None)
-            model = _HEADED[role].wrap(backbone, checkpoint_head)
-            if not model.load_head(source) and checkpoint_head is None and not trainable:
+            model = _HEADED[role].wrap(backbone, weights_head)
+            if not model.load_head(source) and weights_head is None and not trainable:
                 raise FileNotFoundError(
                     f"{source / (_HEADED[role].head_name + '.safetensors')} is missing: {source} is not a saved "
                     f"{_HEADED[role].__name__}"
@@ -312,10 +313,19 @@ class ModelLoader:
 
 
 def _backbone(folder: Path, placement: dict[str, Any]) -> tuple[PreTrainedModel, nn.Linear | None]:
-    """The backbone in ``folder``, and the score head of a sequence-classification checkpoint (else None)."""
+    """The backbone in ``folder`` and the head it comes with: the score head of a sequence-classification
+    checkpoint, or a head this project saved beside it (a reward model's score head starts a critic's
+    value head, when the critic starts from a reward model); None for a plain backbone."""
     architectures = getattr(AutoConfig.from_pretrained(folder), "architectures", None) or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        return AutoModel.from_pretrained(folder, **placement), None
+        backbone = AutoModel.from_pretrained(folder, **placement)
+        for kind in (RewardModel, Critic):
+            head_file = Path(folder) / f"{kind.head_name}.safetensors"
+            if head_file.is_file():
+                head = nn.Linear(hidden_size(backbone.config), 1)
+                head.load_state_dict(load_file(head_file))
+                return backbone, head
+        return backbone, None
     classifier = AutoModelForSequenceClassification.from_pretrained(folder, **placement)
     if classifier.config.num_labels != 1:
         raise ValueError(f"{folder} has {classifier.config.num_labels} labels; a reward model has exactly one")

@@ -73,7 +73,7 @@ def _load_backbone(pretrained: str | Path | None, config: PretrainedConfig | Non
     return AutoModel.from_config(config, **kwargs)
 
 
-def _hidden_size(config: PretrainedConfig) -> int:
+def hidden_size(config: PretrainedConfig) -> int:
     for name in ("hidden_size", "n_embd", "d_model"):
         if getattr(config, name, None) is not None:
             return int(getattr(config, name))
@@ -140,7 +140,7 @@ class _HeadedBackbone(nn.Module):
         """An instance around an existing backbone (e.g. a LoRA-wrapped one), with ``head`` or a fresh one."""
         model = cls.__new__(cls)
         _HeadedBackbone.__init__(
-            model, backbone, head if head is not None else cls.new_head(_hidden_size(backbone.config))
+            model, backbone, head if head is not None else cls.new_head(hidden_size(backbone.config))
         )
         return model
 
@@ -175,7 +175,7 @@ class Critic(_HeadedBackbone):
 
     def __init__(self, pretrained: str | Path | None = None, config: PretrainedConfig | None = None, **kwargs) -> None:
         backbone = _load_backbone(pretrained, config, **kwargs)
-        super().__init__(backbone, self.new_head(_hidden_size(backbone.config)))
+        super().__init__(backbone, self.new_head(hidden_size(backbone.config)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-position values.
@@ -194,7 +194,7 @@ class RewardModel(_HeadedBackbone):
 
     def __init__(self, pretrained: str | Path | None = None, config: PretrainedConfig | None = None, **kwargs) -> None:
         backbone = _load_backbone(pretrained, config, **kwargs)
-        super().__init__(backbone, self.new_head(_hidden_size(backbone.config)))
+        super().__init__(backbone, self.new_head(hidden_size(backbone.config)))
 
     @staticmethod
     def new_head(hidden_size: int) -> nn.Linear:

@@ -1,6 +1,7 @@
 """Import prompts and preference pairs from the files people already have.
 
-Supported inputs:
+Supported inputs (a file, or a folder a Hugging Face ``datasets.Dataset`` was saved to with
+``save_to_disk``, read like a Parquet file):
 
 * Prompts (:func:`import_prompts`): JSONL, Parquet or CSV with a text column, or a ``messages``
   column of chat turns (in CSV, a JSON string). An optional integer ``prompt_id`` column is kept;
@@ -11,12 +12,15 @@ Supported inputs:
   - the same as chat message lists (TRL conversational): the prompt is the shared conversation,
     chosen and rejected are its final assistant turns;
   - ``chosen`` / ``rejected`` only, as message lists (TRL implicit prompt) or as Anthropic HH
-    transcripts (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``), split at the last ``"\\n\\nAssistant:"``.
+    transcripts (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``), read as chat turns.
 
-Chat rendering (the Anthropic HH format, so every source lands in the same text form): each
-turn becomes ``"\\n\\nHuman: {content}"`` (user), ``"\\n\\nAssistant: {content}"`` (assistant) or
-``"\\n\\nSystem: {content}"`` (system), and a prompt ends with ``"\\n\\nAssistant:"``. A response
-is ``" " + content``, so ``prompt + chosen`` is exactly the HH transcript.
+Chat prompts keep their turns (the ``messages`` column): the models see them through their own
+tokenizer's chat template (:mod:`tasks.text`). The ``prompt`` column then holds a readable
+rendering in the Anthropic HH format, which is also the plain format for a tokenizer without a
+chat template (:func:`render_chat`): each turn becomes ``"\\n\\nHuman: {content}"`` (user),
+``"\\n\\nAssistant: {content}"`` (assistant) or ``"\\n\\nSystem: {content}"`` (system), and a prompt
+ends with ``"\\n\\nAssistant:"``. For a chat pair, ``chosen`` and ``rejected`` are the contents of
+the final assistant turns.
 
 Errors: the first malformed row raises :class:`ImportFormatError`, whose message names the file,
 the 1-based row (the line, for JSONL) and the field. Nothing is returned half-imported.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,11 +39,26 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.schemas import CHOSEN, LABELER, MARGIN, PAIR_ID, PREFERENCES, PROMPT, PROMPT_ID, PROMPTS, REJECTED
+from storage.schemas import (
+    CHAT_MESSAGES,
+    CHOSEN,
+    LABELER,
+    MARGIN,
+    MESSAGES,
+    PAIR_ID,
+    PREFERENCES,
+    PROMPT,
+    PROMPT_ID,
+    PROMPTS,
+    REJECTED,
+)
 
 ASSISTANT_CUE = "\n\nAssistant:"
 _ROLE_PREFIX = {"user": "\n\nHuman:", "assistant": ASSISTANT_CUE, "system": "\n\nSystem:"}
-MESSAGES = "messages"
+_TURN = re.compile(r"\n\n(Human|Assistant|System):")
+_ROLE_OF_PREFIX = {"Human": "user", "Assistant": "assistant", "System": "system"}
+Message = dict[str, str]
+"""``{"role": "user" | "assistant" | "system", "content": str}``."""
 
 
 class ImportFormatError(ValueError):
@@ -58,7 +78,7 @@ class ImportFormatError(ValueError):
         self.path, self.row, self.field = path, row, field
 
 
-def render_chat(messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+def render_chat(messages: list[Message], *, add_generation_prompt: bool) -> str:
     """Render chat turns in the HH text format (see the module docstring).
 
     Args:
@@ -111,7 +131,30 @@ def _read_csv(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         raise ImportFormatError(path, None, None, f"invalid CSV: {error}") from error
 
 
+def _read_dataset_folder(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Rows of a ``datasets.Dataset`` saved with ``save_to_disk`` (one split; a DatasetDict is refused)."""
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise ImportFormatError(path, None, None, f"not a folder `datasets.save_to_disk` wrote: {error}") from error
+    if isinstance(dataset, datasets.DatasetDict):
+        raise ImportFormatError(
+            path, None, None, f"holds the splits {sorted(dataset)}: point at one split's folder, e.g. {path / 'train'}"
+        )
+    yield from enumerate(dataset, start=1)
+
+
+def _is_dataset_folder(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
+
+
 def _rows(path: Path, readers: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    if _is_dataset_folder(path):
+        return _read_dataset_folder(path)
     suffix = path.suffix.lower()
     if suffix not in readers:
         raise ImportFormatError(path, None, None, f"unsupported file type {suffix!r}; use one of {sorted(readers)}")
@@ -134,7 +177,7 @@ def _string(path: Path, row: int, record: dict[str, Any], field: str, *, allow_e
     return value
 
 
-def _messages(path: Path, row: int, value: Any, field: str) -> list[dict[str, str]]:
+def _messages(path: Path, row: int, value: Any, field: str) -> list[Message]:
     if isinstance(value, str):  # CSV cells hold the list as JSON text
         try:
             value = json.loads(value)
@@ -174,12 +217,12 @@ def _margin(path: Path, row: int, record: dict[str, Any]) -> float:
 
 
 def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
-    """Read prompts from a ``.jsonl``, ``.parquet`` or ``.csv`` file.
+    """Read prompts from a ``.jsonl``, ``.parquet`` or ``.csv`` file, or a ``datasets`` folder.
 
     Args:
-        path: the file.
+        path: the file or folder.
         text_column: the column holding the prompt text; rows without it may have ``messages``
-            (chat turns, rendered as in the module docstring, ending with the assistant cue).
+            (chat turns, kept as turns; ``prompt`` is then their readable rendering).
 
     Returns:
         A table with the ``PROMPTS`` schema, in file order.
@@ -190,9 +233,11 @@ def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
     path = Path(path)
     ids: list[int] = []
     prompts: list[str] = []
+    conversations: list[list[Message]] = []
     explicit_ids: bool | None = None
     readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
     for row, record in _rows(path, readers):
+        messages: list[Message] = []
         if record.get(text_column) is not None:
             prompt = _string(path, row, record, text_column, allow_empty=False)
         elif record.get(MESSAGES) is not None:
@@ -209,12 +254,20 @@ def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
             raise ImportFormatError(path, row, PROMPT_ID, "given for some rows but not others")
         ids.append(_prompt_id(path, row, record[PROMPT_ID]) if has_id else len(ids))
         prompts.append(prompt)
+        conversations.append(messages)
     seen: set[int] = set()
     for value in ids:
         if value in seen:
             raise ImportFormatError(path, None, PROMPT_ID, f"duplicate id {value}")
         seen.add(value)
-    return pa.table({PROMPT_ID: pa.array(ids, pa.int64()), PROMPT: pa.array(prompts, pa.string())}, schema=PROMPTS)
+    return pa.table(
+        {
+            PROMPT_ID: pa.array(ids, pa.int64()),
+            PROMPT: pa.array(prompts, pa.string()),
+            MESSAGES: pa.array(conversations, CHAT_MESSAGES),
+        },
+        schema=PROMPTS,
+    )
 
 
 def _prompt_id(path: Path, row: int, value: Any) -> int:
@@ -231,28 +284,34 @@ def _prompt_id(path: Path, row: int, value: Any) -> int:
 # Preferences -----------------------------------------------------------------------------------
 
 
-def _split_transcript(path: Path, row: int, text: str, field: str) -> tuple[str, str]:
-    """``(prompt up to and including the last assistant cue, response after it)``."""
-    cut = text.rfind(ASSISTANT_CUE)
-    if cut < 0:
-        raise ImportFormatError(path, row, field, f"no {ASSISTANT_CUE!r} turn to split the transcript at")
-    end = cut + len(ASSISTANT_CUE)
-    return text[:end], text[end:]
+def _transcript_messages(path: Path, row: int, text: str, field: str) -> list[Message]:
+    """The turns of an Anthropic HH transcript (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``)."""
+    parts = _TURN.split(text)
+    if len(parts) < 3 or parts[0].strip():
+        raise ImportFormatError(path, row, field, f"not a transcript of {ASSISTANT_CUE.strip()!r} / 'Human:' turns")
+    return [
+        {"role": _ROLE_OF_PREFIX[prefix], "content": content.strip()}
+        for prefix, content in zip(parts[1::2], parts[2::2], strict=True)
+    ]
 
 
-def _split_conversation(
-    path: Path, row: int, chosen: list[dict[str, str]], rejected: list[dict[str, str]]
-) -> tuple[str, str, str]:
+Pair = tuple[str, list[Message], str, str]
+"""``(prompt, messages, chosen, rejected)``: a plain prompt has no messages."""
+
+
+def _split_conversation(path: Path, row: int, chosen: list[Message], rejected: list[Message]) -> Pair:
     for field, messages in ((CHOSEN, chosen), (REJECTED, rejected)):
         if messages[-1]["role"] != "assistant":
             raise ImportFormatError(path, row, field, "the last message must be an assistant turn")
+        if len(messages) < 2:
+            raise ImportFormatError(path, row, field, "needs at least one turn before the final assistant turn")
     if chosen[:-1] != rejected[:-1]:
         raise ImportFormatError(path, row, REJECTED, "its conversation before the last turn differs from 'chosen'")
-    prompt = render_chat(chosen[:-1], add_generation_prompt=True)
-    return prompt, " " + chosen[-1]["content"], " " + rejected[-1]["content"]
+    context = chosen[:-1]
+    return render_chat(context, add_generation_prompt=True), context, chosen[-1]["content"], rejected[-1]["content"]
 
 
-def _preference(path: Path, row: int, record: dict[str, Any]) -> tuple[str, str, str]:
+def _preference(path: Path, row: int, record: dict[str, Any]) -> Pair:
     for field in (CHOSEN, REJECTED):
         if record.get(field) is None:
             raise ImportFormatError(path, row, field, "missing")
@@ -261,14 +320,13 @@ def _preference(path: Path, row: int, record: dict[str, Any]) -> tuple[str, str,
         for field in (CHOSEN, REJECTED):
             _string(path, row, record, field)
         if prompt is not None:
-            return _string(path, row, record, PROMPT, allow_empty=False), chosen, rejected
-        prompt, chosen = _split_transcript(path, row, chosen, CHOSEN)
-        rejected_prompt, rejected = _split_transcript(path, row, rejected, REJECTED)
-        if rejected_prompt != prompt:
-            raise ImportFormatError(
-                path, row, REJECTED, "its transcript before the last assistant turn differs from 'chosen'"
-            )
-        return prompt, chosen, rejected
+            return _string(path, row, record, PROMPT, allow_empty=False), [], chosen, rejected
+        return _split_conversation(
+            path,
+            row,
+            _transcript_messages(path, row, chosen, CHOSEN),
+            _transcript_messages(path, row, rejected, REJECTED),
+        )
     chosen_messages = _messages(path, row, chosen, CHOSEN)
     rejected_messages = _messages(path, row, rejected, REJECTED)
     if prompt is not None:
@@ -281,10 +339,11 @@ def _preference(path: Path, row: int, record: dict[str, Any]) -> tuple[str, str,
 
 
 def import_preferences(path: Path) -> pa.Table:
-    """Read preference pairs from a ``.jsonl`` or ``.parquet`` file (formats in the module docstring).
+    """Read preference pairs from a ``.jsonl`` or ``.parquet`` file or a ``datasets`` folder (formats in the
+    module docstring).
 
     Args:
-        path: the file.
+        path: the file or folder.
 
     Returns:
         A table with the ``PREFERENCES`` schema, ``pair_id`` numbered from 0 in file order,
@@ -294,10 +353,11 @@ def import_preferences(path: Path) -> pa.Table:
         ImportFormatError: a malformed row or file (the message names file, row and field).
     """
     path = Path(path)
-    columns: dict[str, list[Any]] = {PROMPT: [], CHOSEN: [], REJECTED: [], MARGIN: []}
+    columns: dict[str, list[Any]] = {PROMPT: [], MESSAGES: [], CHOSEN: [], REJECTED: [], MARGIN: []}
     for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
-        prompt, chosen, rejected = _preference(path, row, record)
+        prompt, messages, chosen, rejected = _preference(path, row, record)
         columns[PROMPT].append(prompt)
+        columns[MESSAGES].append(messages)
         columns[CHOSEN].append(chosen)
         columns[REJECTED].append(rejected)
         columns[MARGIN].append(_margin(path, row, record))
@@ -306,6 +366,7 @@ def import_preferences(path: Path) -> pa.Table:
         {
             PAIR_ID: pa.array(range(count), pa.int64()),
             PROMPT: pa.array(columns[PROMPT], pa.string()),
+            MESSAGES: pa.array(columns[MESSAGES], CHAT_MESSAGES),
             CHOSEN: pa.array(columns[CHOSEN], pa.string()),
             REJECTED: pa.array(columns[REJECTED], pa.string()),
             MARGIN: pa.array(columns[MARGIN], pa.float32()),

@@ -16,15 +16,17 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
 ``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime.
-3: ``old_values`` is null in every row of a rollout made without a critic (critic-free estimators);
+3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files.
+4: ``old_values`` is null in every row of a rollout made without a critic (critic-free estimators);
 ``prompt_id`` is also the group of each row (``Experience.group_ids``)."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
 PROMPT = "prompt"
+MESSAGES = "messages"
 CANDIDATE_INDEX = "candidate_index"
 RESPONSE = "response"
 PROMPT_IDS = "prompt_ids"
@@ -46,6 +48,10 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 
 TOKEN_IDS = pa.list_(pa.int32())
+CHAT_MESSAGES = pa.list_(
+    pa.struct([pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string(), nullable=False)])
+)
+"""Chat turns ``{role, content}``; an empty list for a plain-text prompt."""
 TOKEN_FLOATS = pa.list_(pa.float32())
 
 
@@ -53,23 +59,28 @@ def _schema(*fields: tuple[str, pa.DataType], nullable: tuple[str, ...] = ()) ->
     return pa.schema([pa.field(name, dtype, nullable=name in nullable) for name, dtype in fields])
 
 
-#: Prompts to sample from (stage 1 input).
-PROMPTS = _schema((PROMPT_ID, pa.int64()), (PROMPT, pa.string()))
+#: Prompts to sample from (stage 1 input). ``prompt`` is the text of a plain prompt, or a readable
+#: rendering of a chat prompt's ``messages`` (for judges, forms and logs; the models see the turns
+#: through their tokenizer's chat template).
+PROMPTS = _schema((PROMPT_ID, pa.int64()), (PROMPT, pa.string()), (MESSAGES, CHAT_MESSAGES))
 
 #: Candidate responses, N per prompt (stage 1 output).
 CANDIDATES = _schema(
     (PROMPT_ID, pa.int64()),
     (CANDIDATE_INDEX, pa.int32()),
     (PROMPT, pa.string()),
+    (MESSAGES, CHAT_MESSAGES),
     (RESPONSE, pa.string()),
     (PROMPT_IDS, TOKEN_IDS),
     (RESPONSE_IDS, TOKEN_IDS),
 )
 
-#: Preference pairs (stage 2 output); ``margin`` is 0.0 when the labeler gives none.
+#: Preference pairs (stage 2 output); ``margin`` is 0.0 when the labeler gives none. For a chat
+#: prompt, ``chosen`` and ``rejected`` are the contents of the final assistant turn.
 PREFERENCES = _schema(
     (PAIR_ID, pa.int64()),
     (PROMPT, pa.string()),
+    (MESSAGES, CHAT_MESSAGES),
     (CHOSEN, pa.string()),
     (REJECTED, pa.string()),
     (MARGIN, pa.float32()),
@@ -128,6 +139,8 @@ def _kind(dtype: pa.DataType) -> str:
         return "bool"
     if pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
         return f"list<{_kind(dtype.value_type)}>"
+    if pa.types.is_struct(dtype):
+        return "struct<" + ",".join(f"{field.name}:{_kind(field.type)}" for field in dtype) + ">"
     return str(dtype)
 
 

@@ -27,7 +27,7 @@ from tasks.labelers import (
     RewardModelLabeler,
 )
 from tasks.stage import StageResult, stage, stage_models
-from tasks.text import load_tokenizer
+from tasks.text import Prompt, reward_scorer
 
 STAGE = "collect_preferences"
 
@@ -41,7 +41,7 @@ def candidate_pairs(candidates: pa.Table) -> list[CandidatePair]:
             raise ValueError(f"prompt {first['prompt_id']} has an odd number of candidates")
         pairs.append(
             CandidatePair(
-                prompt=first["prompt"],
+                prompt=Prompt(first["prompt"], tuple(first["messages"])),
                 first=first["response"],
                 second=second["response"],
                 first_ids=first["prompt_ids"] + first["response_ids"],
@@ -58,7 +58,8 @@ def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_i
     return pa.table(
         {
             "pair_id": list(range(first_pair_id, first_pair_id + len(pairs))),
-            "prompt": [pair.prompt for pair in pairs],
+            "prompt": [pair.prompt.text for pair in pairs],
+            "messages": [list(pair.prompt.messages) for pair in pairs],
             "chosen": chosen,
             "rejected": rejected,
             "margin": [label.margin for label in labels],
@@ -149,9 +150,9 @@ def _labeler(
             "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
         )
     models = stage_models(out, context, precision)
-    tokenizer = load_tokenizer(context.base.tokenizer.path)
-    return RewardModelLabeler(
+    scorer = reward_scorer(
         models.load("reward_model", reward_model.directory / "reward_model"),
-        pad_token_id=tokenizer.pad_token_id,
-        autocast=models.autocast(),
+        policy_tokenizer_dir=context.base.tokenizer.path,
+        reward_tokenizer_dir=context.base.reward_tokenizer,
     )
+    return RewardModelLabeler(scorer, autocast=models.autocast)

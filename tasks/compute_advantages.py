@@ -60,18 +60,17 @@ def compute_advantages(
     # so the id used to pad token columns cannot change the output.
     rollouts = table_to_experience(table, pad_token_id=0)
     kl_coef = starting_kl_coef(advantages, previous)
-    statistics = {"score_mean": 0.0, "score_std": 1.0}
-    if reward_model is not None:
-        statistics = reward_model.metrics
-    else:  # a reward function has no held-out score statistics: its scores are used as they are
+    if reward_model is None:  # a reward function has no held-out score statistics: its scores are used as they are
         advantages = dataclasses.replace(advantages, normalize_scores=False)
-    scored = score_experience(
-        rollouts,
-        advantages,
-        score_mean=statistics["score_mean"],
-        score_std=statistics["score_std"],
-        kl_coef=kl_coef,
-    )
+        score_mean, score_std = 0.0, 1.0
+    elif "score_mean" in reward_model.metrics:  # the reward model's held-out statistics
+        score_mean, score_std = reward_model.metrics["score_mean"], reward_model.metrics["score_std"]
+    else:
+        # A pretrained reward model used as it is has none, so the experience's own scores stand in
+        # (a pure function of the shards all the same).
+        score_mean = float(rollouts.scores.mean())
+        score_std = float(rollouts.scores.std()) if rollouts.batch_size > 1 else 1.0
+    scored = score_experience(rollouts, advantages, score_mean=score_mean, score_std=score_std, kl_coef=kl_coef)
     out.write_table(
         "scored_experience",
         experience_to_table(scored, first_row=table.column("row")[0].as_py()),

@@ -55,6 +55,7 @@ class BaseInputs:
             or None when no gold judge applies.
         preferences: the file of preference pairs to import (labeler ``import``), or None. Only
             the preference stage reads it, so it is that stage's setting, not in :attr:`fingerprint`.
+        reward_model: a pretrained reward model folder (with its own tokenizer), or None.
         reward_function: the reward function that scores rollouts (``reward.source: function``),
             or None when a reward model does. A setting of the stages that score, like ``judge``.
     """
@@ -65,18 +66,24 @@ class BaseInputs:
     eval_prompts: InputFile
     judge: JudgeReference | None = None
     preferences: InputFile | None = None
+    reward_model: InputFile | None = None
     reward_function: RewardFunctionReference | None = None
 
     @property
     def bases(self) -> dict[str, str]:
         """Base-model name -> folder, for :class:`rlhf_core.loading.ModelLoader`."""
-        return {"policy": self.policy.path}
+        return {"policy": self.policy.path, **({"reward_model": self.reward_model.path} if self.reward_model else {})}
+
+    @property
+    def reward_tokenizer(self) -> str:
+        """The folder of the reward model's tokenizer: a pretrained reward model's own, else the policy's."""
+        return (self.reward_model or self.tokenizer).path
 
     @property
     def fingerprint(self) -> str:
-        """One hash of the four files' contents: part of every input key."""
-        parts = (self.policy, self.tokenizer, self.prompts, self.eval_prompts)
-        return hashlib.sha256("/".join(part.sha256 for part in parts).encode()).hexdigest()
+        """One hash of the base files' contents: part of every input key."""
+        parts = (self.policy, self.tokenizer, self.prompts, self.eval_prompts, self.reward_model)
+        return hashlib.sha256("/".join(part.sha256 if part else "-" for part in parts).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

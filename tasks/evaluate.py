@@ -16,14 +16,21 @@ from rlhf_core.config import SamplingConfig
 from rlhf_core.evaluation import response_kl, win_rate
 from rlhf_core.experience_maker import sequence_logprobs
 from rlhf_core.generation import generate
-from rlhf_core.models import evaluating
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from tasks.context import StageContext
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.stage import StageResult, stage, stage_models
-from tasks.text import batches, decode, encode_prompts, load_tokenizer, read_prompt_texts, response_token_lists
+from tasks.text import (
+    batches,
+    decode,
+    encode_prompts,
+    load_tokenizer,
+    read_prompts,
+    response_token_lists,
+    reward_scorer,
+)
 
 STAGE = "evaluate"
 SIDES = ("policy", "reference")
@@ -56,17 +63,23 @@ def evaluate(
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
     sides = {"policy": actor, "reference": models.reference(actor)}
-    scorer = None if reward_model is None else models.load("reward_model", reward_model.directory / "reward_model")
+    scorer = None
+    if reward_model is not None:
+        scorer = reward_scorer(
+            models.load("reward_model", reward_model.directory / "reward_model"),
+            policy_tokenizer_dir=context.base.tokenizer.path,
+            reward_tokenizer_dir=context.base.reward_tokenizer,
+        )
     function = None if reward_function is None else reward_function.load()
-    texts = read_prompt_texts(context.base.eval_prompts.path)[:prompts]
+    held_out = read_prompts(context.base.eval_prompts.path)[:prompts]
     records: list[dict] = []
     rewards: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
     kl: list[torch.Tensor] = []
-    for part in batches(len(texts), sampling.batch_size):
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, texts[part])
+    for part in batches(len(held_out), sampling.batch_size):
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
         prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
         responses: dict[str, list[str]] = {}
-        with models.autocast(), evaluating(scorer), torch.no_grad():
+        with models.autocast(), torch.no_grad():
             for side, model in sides.items():
                 generation = generate(
                     model,
@@ -79,10 +92,17 @@ def evaluate(
                 )
                 responses[side] = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
                 if scorer is not None:
-                    rewards[side].append(scorer(generation.sequences, generation.attention_mask).float().cpu())
-                else:
-                    ids = range(part.start, part.stop)  # held-out prompts are named by their line
-                    rewards[side].append(score_texts(function, reward_function.name, texts[part], responses[side], ids))
+                    scores = scorer.score(
+                        held_out[part],
+                        generation.sequences,
+                        generation.attention_mask,
+                        prompt_length=prompt_ids.shape[1],
+                    )
+                else:  # held-out prompts are named by their line in the file
+                    texts = [prompt.text for prompt in held_out[part]]
+                    ids = range(part.start, part.stop)
+                    scores = score_texts(function, reward_function.name, texts, responses[side], ids)
+                rewards[side].append(scores.cpu())
                 if side == "policy":
                     ref_logprobs = sequence_logprobs(
                         sides["reference"],
@@ -92,10 +112,10 @@ def evaluate(
                         temperature=sampling.temperature,
                     )
                     kl.append(response_kl(generation.logprobs, ref_logprobs, generation.action_mask).cpu())
-        for row, prompt in enumerate(texts[part]):
+        for row, prompt in enumerate(held_out[part]):
             records.append(
                 {
-                    "prompt": prompt,
+                    "prompt": prompt.text,
                     **{f"{side}_response": responses[side][row] for side in SIDES},
                     **{f"{side}_reward": float(rewards[side][-1][row]) for side in SIDES},
                 }

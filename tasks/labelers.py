@@ -11,23 +11,22 @@ A labeler takes candidate pairs and returns, per pair, the index of the preferre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol, get_args
 
 import torch
 
 from rlhf_core.evaluation import Judge
-from rlhf_core.models import RewardModel, evaluating
-from tasks.text import pad_token_lists
+from tasks.text import Prompt, RewardScorer
 
 
 @dataclass(frozen=True)
 class CandidatePair:
     """Two responses to one prompt, as text and as full token lists (prompt + response)."""
 
-    prompt: str
+    prompt: Prompt
     first: str
     second: str
     first_ids: list[int]
@@ -64,7 +63,7 @@ class JudgeLabeler:
         self.judge = judge
 
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
-        return [Label(*self.judge.prefers(pair.prompt, pair.first, pair.second)) for pair in pairs]
+        return [Label(*self.judge.prefers(pair.prompt.text, pair.first, pair.second)) for pair in pairs]
 
 
 class RewardModelLabeler:
@@ -72,18 +71,20 @@ class RewardModelLabeler:
 
     name = "reward_model"
 
-    def __init__(self, model: RewardModel, *, pad_token_id: int, autocast: AbstractContextManager[None]) -> None:
-        self.model = model
-        self.pad_token_id = pad_token_id
+    def __init__(
+        self, scorer: RewardScorer, *, autocast: Callable[[], AbstractContextManager[None]] = nullcontext
+    ) -> None:
+        self.scorer = scorer
         self.autocast = autocast
 
     @torch.no_grad()
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
-        rows = [pair.first_ids for pair in pairs] + [pair.second_ids for pair in pairs]
-        ids, mask = pad_token_lists(rows, pad_token_id=self.pad_token_id)
-        device = next(self.model.parameters()).device
-        with evaluating(self.model), self.autocast:
-            scores = self.model(ids.to(device), mask.to(device))  # (2B,)
+        with self.autocast():
+            scores = self.scorer.score_candidates(
+                [pair.prompt for pair in pairs] * 2,
+                [pair.first_ids for pair in pairs] + [pair.second_ids for pair in pairs],
+                [pair.first for pair in pairs] + [pair.second for pair in pairs],
+            )  # (2B,)
         gap = scores[: len(pairs)] - scores[len(pairs) :]  # (B,)
         return [Label(0 if value >= 0 else 1, abs(value)) for value in gap.tolist()]
 

@@ -19,15 +19,18 @@ from storage.experience_io import experience_to_table
 from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
 from tasks.context import StageContext
-from tasks.reward_function import RewardFunction, RewardFunctionReference, score_texts
+from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.stage import StageResult, stage, stage_models
 from tasks.text import (
+    Prompt,
+    RewardScorer,
     batches,
     decode,
     encode_prompts,
     load_tokenizer,
-    read_prompt_texts,
+    read_prompts,
     response_token_lists,
+    reward_scorer,
     rotating_subset,
 )
 
@@ -37,20 +40,35 @@ ROLLOUT_PROMPT_OFFSET = 7919
 preference prompts of the same iteration, so the two stages see different prompts where they can."""
 
 
-def text_scorer(
-    function: RewardFunction, name: str, tokenizer, prompt_length: int, prompts: list[str], prompt_ids: list[int]
-) -> ScoreFn:
-    """One batch's :data:`ScoreFn` from a reward function of text: decode each row's response, score it.
-
-    Args:
-        prompt_length: P, the batch's padded prompt width (responses start there).
-        prompts, prompt_ids: the text and id of each row's prompt.
-    """
+def model_scorer(scorer: RewardScorer, prompts: list[Prompt], prompt_length: int) -> ScoreFn:
+    """One batch's :data:`ScoreFn` from the reward model (in its own tokens; see :class:`tasks.text.RewardScorer`)."""
 
     def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        action_mask = attention_mask[:, prompt_length:].bool()  # (B, R)
-        responses = decode(tokenizer, response_token_lists(sequences, action_mask))
-        return score_texts(function, name, prompts, responses, prompt_ids).to(sequences.device)
+        return scorer.score(prompts, sequences, attention_mask, prompt_length=prompt_length)
+
+    return score
+
+
+def function_scorer(
+    reward_function: RewardFunctionReference,
+    tokenizer,
+    prompts: list[Prompt],
+    prompt_ids: list[int],
+    prompt_length: int,
+) -> ScoreFn:
+    """One batch's :data:`ScoreFn` from a reward function of text: decode each row's response and score it
+    with its prompt's text (a chat prompt's readable rendering).
+
+    Args:
+        prompts, prompt_ids: each row's prompt and its id (a prompt sampled G times appears G times).
+        prompt_length: P, the batch's padded prompt width (responses start there).
+    """
+    function = reward_function.load()
+    texts = [prompt.text for prompt in prompts]
+
+    def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        responses = decode(tokenizer, response_token_lists(sequences, attention_mask[:, prompt_length:].bool()))
+        return score_texts(function, reward_function.name, texts, responses, prompt_ids).to(sequences.device)
 
     return score
 
@@ -80,20 +98,17 @@ def rollout(
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
-    has_critic = (policy.directory / "critic").is_dir()
-    maker = ExperienceMaker(
-        actor,
-        models.load("critic", policy.directory / "critic") if has_critic else None,
-        models.load("reward_model", reward_model.directory / "reward_model") if reward_model is not None else None,
-        models.reference(actor),
-        sampling=sampling,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        precision=precision,
-    )
-    function = reward_function.load() if reward_function is not None else None
+    critic = models.load("critic", policy.directory / "critic") if (policy.directory / "critic").is_dir() else None
+    scorer = None
+    if reward_model is not None:
+        scorer = reward_scorer(
+            models.load("reward_model", reward_model.directory / "reward_model"),
+            policy_tokenizer_dir=context.base.tokenizer.path,
+            reward_tokenizer_dir=context.base.reward_tokenizer,
+        )
+    reference = models.reference(actor)
     chosen = rotating_subset(
-        read_prompt_texts(context.base.prompts.path),
+        read_prompts(context.base.prompts.path),
         count=prompts,
         iteration=context.iteration,
         offset=ROLLOUT_PROMPT_OFFSET,
@@ -102,16 +117,28 @@ def rollout(
     tables = []
     for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
         # Each prompt's G samples sit in consecutive rows.
-        row_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
-        row_texts = [text for _, text in chosen[part] for _ in range(samples_per_prompt)]
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [text for _, text in chosen[part]])
+        batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
+        group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
         prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
         prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
-        score_fn = None
-        if function is not None:
-            score_fn = text_scorer(function, reward_function.name, tokenizer, prompt_ids.shape[1], row_texts, row_ids)
+        length = prompt_ids.shape[1]
+        if scorer is not None:
+            score = model_scorer(scorer, batch, length)
+        else:
+            score = function_scorer(reward_function, tokenizer, batch, group_ids, length)
+        maker = ExperienceMaker(
+            actor,
+            critic,
+            score,
+            reference,
+            sampling=sampling,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            precision=precision,
+        )
         experience = maker.make_experience(
-            prompt_ids, prompt_mask, group_ids=torch.tensor(row_ids), generator=generator, score_fn=score_fn
+            prompt_ids, prompt_mask, group_ids=torch.tensor(group_ids), generator=generator
         )
         tables.append(experience_to_table(experience, first_row=part.start * samples_per_prompt))
     table = pa.concat_tables(tables)

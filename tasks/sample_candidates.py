@@ -18,7 +18,7 @@ from tasks.text import (
     encode_prompts,
     load_tokenizer,
     prompt_token_lists,
-    read_prompt_texts,
+    read_prompts,
     response_token_lists,
     rotating_subset,
 )
@@ -42,11 +42,11 @@ def sample_candidates(
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
-    chosen = rotating_subset(read_prompt_texts(context.base.prompts.path), count=prompts, iteration=context.iteration)
+    chosen = rotating_subset(read_prompts(context.base.prompts.path), count=prompts, iteration=context.iteration)
     generator = context.generator(STAGE)
     rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
     for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [text for _, text in chosen[part]])
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
         with models.autocast():
             generation = sample(
                 actor,
@@ -64,7 +64,8 @@ def sample_candidates(
             prompt_index, prompt = chosen[part][row // candidates_per_prompt]
             rows["prompt_id"].append(prompt_index)
             rows["candidate_index"].append(row % candidates_per_prompt)
-            rows["prompt"].append(prompt)
+            rows["prompt"].append(prompt.text)
+            rows["messages"].append(list(prompt.messages))
             rows["response"].append(text)
             rows["prompt_ids"].append(prompt_lists[row // candidates_per_prompt])
             rows["response_ids"].append(response_ids)

@@ -1,28 +1,51 @@
-"""Text in and out of token ids for the stage tasks: prompts, responses, preference pairs.
+"""Text in and out of token ids for the stage tasks: prompts, conversations, responses, reward scoring.
 
-Choices:
-1. Prompts are tokenised with the tokenizer's own special tokens (a BOS where the model expects
-   one) and left-padded, the layout every ``rlhf_core`` function assumes.
-2. A response's text is decoded from its action tokens without special tokens; its token ids
-   are kept beside it wherever the pipeline generated them, so the reward model sees exactly
-   what the policy produced.
-3. A pair imported as text is tokenised as prompt ids + response ids + EOS.
+One rendering, used the same way by every stage (sampling, preference pairs, reward-model
+training and scoring, rollout, evaluation):
+
+1. A :class:`Prompt` is plain text or chat turns. Plain text is tokenised with the tokenizer's own
+   special tokens (a BOS where the model expects one). Chat turns go through the tokenizer's chat
+   template with its generation prompt; a tokenizer without a template gets the plain Anthropic HH
+   format (:func:`storage.importers.render_chat`).
+2. A conversation (a prompt and a response) for a reward model is rendered through the reward
+   model's own tokenizer the same way: the template with the response as the final assistant turn,
+   or, for a plain prompt (or no template), prompt ids + the response's ids + EOS.
+3. Prompts are left-padded, the layout every ``rlhf_core`` function assumes, whatever the
+   tokenizer's own padding side.
+4. A response's text is decoded from its action tokens without special tokens; its token ids are
+   kept beside it wherever the pipeline generated them, so a reward model with the policy's
+   tokenizer sees exactly what the policy produced. A reward model with another tokenizer sees the
+   prompt and the decoded response re-rendered in its own tokens (:class:`RewardScorer`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from storage.checkpoints import load_tokenizer as load_saved_tokenizer
-from storage.importers import import_prompts
+from storage.importers import import_prompts, render_chat
+from storage.schemas import MESSAGES, PROMPT
+
+logger = logging.getLogger(__name__)
+
+
+class Prompt(NamedTuple):
+    """A prompt: its text (for a chat prompt, a readable rendering of its turns) and its chat turns
+    (empty for a plain-text prompt)."""
+
+    text: str
+    messages: tuple[dict[str, str], ...] = ()
 
 
 def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
-    """The policy's tokenizer, left-padded, with a pad token (EOS when it has none).
+    """A tokenizer, left-padded, with a pad token (EOS when it has none, said once in the log).
 
     Each call loads a fresh object: a fast tokenizer keeps the padding settings of its last call,
     and a checkpoint must never save state that depends on what ran before in the process.
@@ -33,17 +56,76 @@ def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer in {directory} has neither a pad nor an EOS token; set one")
         tokenizer.pad_token = tokenizer.eos_token
+        _say_once(f"the tokenizer in {directory} has no pad token: padding with its EOS token {tokenizer.eos_token!r}")
     return tokenizer
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.info(message)
+
+
+def prompts_of(table: pa.Table) -> list[Prompt]:
+    """The prompts of a table with ``prompt`` and ``messages`` columns (prompts, candidates, preferences)."""
+    return [
+        Prompt(text, tuple(messages))
+        for text, messages in zip(table.column(PROMPT).to_pylist(), table.column(MESSAGES).to_pylist(), strict=True)
+    ]
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSONL, Parquet or CSV file or a ``datasets`` folder (see :func:`storage.importers.import_prompts`)."""
+    return prompts_of(import_prompts(Path(path)))
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """The token ids a model is given for ``prompt`` (see the module docstring, 1)."""
+    if prompt.messages and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template writes any BOS itself
+    text = render_chat(list(prompt.messages), add_generation_prompt=True) if prompt.messages else prompt.text
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def conversation_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, response: str) -> list[int]:
+    """The token ids of ``prompt`` answered by ``response``, for a reward model (module docstring, 2)."""
+    if prompt.messages and tokenizer.chat_template:
+        turns = [*prompt.messages, {"role": "assistant", "content": response}]
+        return list(
+            tokenizer(tokenizer.apply_chat_template(turns, tokenize=False), add_special_tokens=False)["input_ids"]
+        )
+    response_ids = tokenizer(" " + response if response else "", add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return prompt_ids(tokenizer, prompt) + list(response_ids) + eos
+
+
+def left_pad(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists.
+
+    Shapes:
+        returns (B, P) long ids and (B, P) long mask.
+    """
+    width = max(1, max((len(row) for row in rows), default=1))
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            ids[index, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+            mask[index, width - len(row) :] = 1
+    return ids, mask
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask.
 
     Shapes:
         returns (B, P) long and (B, P) long.
     """
-    encoded = tokenizer(list(prompts), padding=True, return_tensors="pt", add_special_tokens=True)
-    return encoded["input_ids"], encoded["attention_mask"]
+    return left_pad([prompt_ids(tokenizer, prompt) for prompt in prompts], pad_token_id=tokenizer.pad_token_id)
 
 
 def prompt_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
@@ -54,7 +136,7 @@ def prompt_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> l
 def response_token_lists(sequences: torch.Tensor, action_mask: torch.Tensor) -> list[list[int]]:
     """The action tokens of each row. Shapes: sequences: (B, T); action_mask: (B, R)."""
     responses = sequences[:, sequences.shape[1] - action_mask.shape[1] :]  # (B, R)
-    return [row[mask].tolist() for row, mask in zip(responses, action_mask, strict=True)]
+    return [row[mask].tolist() for row, mask in zip(responses.cpu(), action_mask.cpu(), strict=True)]
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, token_lists: Sequence[Sequence[int]]) -> list[str]:
@@ -62,16 +144,8 @@ def decode(tokenizer: PreTrainedTokenizerBase, token_lists: Sequence[Sequence[in
     return [tokenizer.decode(list(tokens), skip_special_tokens=True).strip() for tokens in token_lists]
 
 
-def encode_response(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> list[int]:
-    """Token ids of ``prompt`` + ``response`` + EOS, for a pair that arrived as text."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    response_ids = tokenizer(" " + response if response else "", add_special_tokens=False)["input_ids"]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return list(prompt_ids) + list(response_ids) + eos
-
-
 def pad_token_lists(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists (the reward model reads the last real token, so either side works).
+    """Right-pad token lists (a reward model reads the last real token, so either side works).
 
     Shapes:
         returns (B, T) long ids and (B, T) long mask.
@@ -85,20 +159,97 @@ def pad_token_lists(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tupl
     return ids, mask
 
 
+class RewardScorer:
+    """Scores responses with a reward model, in the reward model's own tokens.
+
+    The caller puts the model in eval mode and the stage's autocast around the calls.
+
+    Args:
+        model: the reward model (``(ids, mask) -> (B,)``).
+        policy_tokenizer, reward_tokenizer: the tokenizers of the policy and of the reward model.
+        same_tokens: the two tokenizers are the same (by content): the policy's ids are scored as they are.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        reward_tokenizer: PreTrainedTokenizerBase,
+        same_tokens: bool,
+    ) -> None:
+        self.model = model
+        self.policy_tokenizer = policy_tokenizer
+        self.reward_tokenizer = reward_tokenizer
+        self.same_tokens = same_tokens
+
+    @torch.no_grad()
+    def score(
+        self, prompts: Sequence[Prompt], sequences: torch.Tensor, attention_mask: torch.Tensor, *, prompt_length: int
+    ) -> torch.Tensor:
+        """Scores of generated responses to ``prompts``.
+
+        Shapes:
+            sequences, attention_mask: (B, T) policy tokens, ``[left-padded prompt | right-padded response]``;
+            returns (B,) float32 on the model's device.
+        """
+        if self.same_tokens:
+            device = next(self.model.parameters()).device
+            return self.model(sequences.to(device), attention_mask.to(device)).float()
+        action_mask = attention_mask[:, prompt_length:].bool()  # (B, R)
+        responses = decode(self.policy_tokenizer, response_token_lists(sequences, action_mask))
+        return self.score_texts(prompts, responses)
+
+    @torch.no_grad()
+    def score_candidates(
+        self, prompts: Sequence[Prompt], token_lists: Sequence[Sequence[int]], responses: Sequence[str]
+    ) -> torch.Tensor:
+        """Scores of candidates kept as full policy token lists (prompt + response) and as response text.
+
+        Shapes: returns (B,).
+        """
+        if not self.same_tokens:
+            return self.score_texts(prompts, responses)
+        ids, mask = pad_token_lists(token_lists, pad_token_id=self.policy_tokenizer.pad_token_id)
+        device = next(self.model.parameters()).device
+        return self.model(ids.to(device), mask.to(device)).float()
+
+    @torch.no_grad()
+    def score_texts(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+        """Scores of text responses, rendered as conversations in the reward model's tokens. Shapes: returns (B,)."""
+        rows = [conversation_ids(self.reward_tokenizer, p, r) for p, r in zip(prompts, responses, strict=True)]
+        ids, mask = pad_token_lists(rows, pad_token_id=self.reward_tokenizer.pad_token_id)
+        device = next(self.model.parameters()).device
+        return self.model(ids.to(device), mask.to(device)).float()
+
+
 def batches(count: int, size: int) -> Iterator[slice]:
     """Consecutive slices of ``size`` covering ``range(count)``."""
     for start in range(0, count, size):
         yield slice(start, min(start + size, count))
 
 
-def read_prompt_texts(path: str | Path) -> list[str]:
-    """Prompts from a JSONL, Parquet or CSV file (see :func:`storage.importers.import_prompts`)."""
-    return import_prompts(Path(path)).column("prompt").to_pylist()
-
-
-def rotating_subset(items: Sequence[str], *, count: int, iteration: int, offset: int = 0) -> list[tuple[int, str]]:
+def rotating_subset(items: Sequence, *, count: int, iteration: int, offset: int = 0) -> list[tuple[int, object]]:
     """``count`` items starting where the previous iteration stopped, wrapping around: ``(index, item)``."""
     if not items:
         raise ValueError("no prompts to choose from")
     start = iteration * count + offset
     return [((start + k) % len(items), items[(start + k) % len(items)]) for k in range(count)]
+
+
+def same_tokenizer(first: PreTrainedTokenizerBase, second: PreTrainedTokenizerBase) -> bool:
+    """Whether two tokenizers turn text into the same ids: the same vocabulary and special tokens."""
+    specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    return first.get_vocab() == second.get_vocab() and all(getattr(first, s) == getattr(second, s) for s in specials)
+
+
+def reward_scorer(model: torch.nn.Module, *, policy_tokenizer_dir: str, reward_tokenizer_dir: str) -> RewardScorer:
+    """A :class:`RewardScorer` for a reward model with the tokenizer in ``reward_tokenizer_dir``."""
+    policy_tokenizer = load_tokenizer(policy_tokenizer_dir)
+    reward_tokenizer = load_tokenizer(reward_tokenizer_dir)
+    return RewardScorer(
+        model,
+        policy_tokenizer=policy_tokenizer,
+        reward_tokenizer=reward_tokenizer,
+        same_tokens=same_tokenizer(policy_tokenizer, reward_tokenizer),
+    )

@@ -1,5 +1,11 @@
 """Stage 3, train the reward model on every preference pair collected so far.
 
+It continues the previous iteration's reward model, or starts from a pretrained one
+(``model.reward_model``) or from the policy's backbone with a fresh head. With
+``reward_model.train`` false it takes the pretrained one as it is: its output then refers to it
+(nothing is copied) and carries no held-out statistics.
+
+Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_ids`).
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer,
 the shuffling stream and the global RNG that drives dropout); a crashed run continues from the
 last saved epoch.
@@ -20,19 +26,23 @@ from storage.progress import clear_progress, latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.stage import StageResult, Throttle, stage, stage_models
-from tasks.text import encode_response, load_tokenizer, pad_token_lists
+from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
 STAGE = "train_reward_model"
 
 
-def preference_batch(table: pa.Table, tokenizer, *, pad_token_id: int) -> PreferenceBatch:
-    """Tokenise ``prompt + chosen`` and ``prompt + rejected`` to one padded width."""
-    rows = table.to_pylist()
-    chosen = [encode_response(tokenizer, row["prompt"], row["chosen"]) for row in rows]
-    rejected = [encode_response(tokenizer, row["prompt"], row["rejected"]) for row in rows]
-    ids, mask = pad_token_lists(chosen + rejected, pad_token_id=pad_token_id)  # (2B, T)
-    margin = torch.tensor([row["margin"] for row in rows], dtype=torch.float32)
-    return PreferenceBatch(ids[: len(rows)], mask[: len(rows)], ids[len(rows) :], mask[len(rows) :], margin)
+def preference_batch(table: pa.Table, tokenizer) -> PreferenceBatch:
+    """The conversations ``prompt + chosen`` and ``prompt + rejected`` in ``tokenizer``'s ids, padded to one width."""
+    prompts = prompts_of(table)
+    chosen = [
+        conversation_ids(tokenizer, p, r) for p, r in zip(prompts, table.column("chosen").to_pylist(), strict=True)
+    ]
+    rejected = [
+        conversation_ids(tokenizer, p, r) for p, r in zip(prompts, table.column("rejected").to_pylist(), strict=True)
+    ]
+    ids, mask = pad_token_lists(chosen + rejected, pad_token_id=tokenizer.pad_token_id)  # (2B, T)
+    margin = torch.tensor(table.column("margin").to_pylist(), dtype=torch.float32)
+    return PreferenceBatch(ids[: len(prompts)], mask[: len(prompts)], ids[len(prompts) :], mask[len(prompts) :], margin)
 
 
 @stage(STAGE, register={"reward-model": "reward_model"})
@@ -49,17 +59,25 @@ def train_reward_model(
     """Continue training the previous reward model (or a fresh head on the base policy) on all pairs."""
     config = reward_model
     models = stage_models(out, context, precision, lora=lora)
+    tokenizer = load_tokenizer(context.base.reward_tokenizer)
+    pretrained = context.base.reward_model.path if context.base.reward_model else None
+    if not config.train:
+        if pretrained is None:
+            raise ValueError(
+                "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
+            )
+        save_model(out.path / "reward_model", models.load("reward_model", pretrained), tokenizer, weights=False)
+        return {"pairs": 0.0}
     accelerator = models.accelerator()
-    tokenizer = load_tokenizer(context.base.tokenizer.path)
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
     if table.num_rows < 4:
         raise ValueError(f"train_reward_model needs at least 4 preference pairs, got {table.num_rows}")
     generator = context.generator(STAGE)
-    pairs = preference_batch(table, tokenizer, pad_token_id=tokenizer.pad_token_id)
+    pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
     held_out = max(1, int(len(pairs) * config.eval_fraction))
     torch.manual_seed(context.stage_seed(STAGE))
-    source = previous.directory / "reward_model" if previous is not None else context.base.policy.path
+    source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None
     if checkpoint is not None:
         source = checkpoint[1] / "reward_model"

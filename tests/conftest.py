@@ -19,7 +19,15 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 # Small models on 2 shared cores run several times faster on one thread (see bench/).
 torch.set_num_threads(1)
@@ -77,3 +85,30 @@ def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([[PAD] * (width - len(row)) + row for row in rows])
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
     return ids, mask
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BPE_CORPUS = ["the cat is happy .", "a dog is sad .", "tell me a joke", "why did the chicken cross the road"] * 20
+
+
+def byte_level_bpe(
+    *, vocab_size: int = 300, template: str | None = CHATML, corpus: list[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained here (no hub), with ChatML special tokens and, optionally, a chat template."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(corpus or BPE_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
+    tokenizer.padding_side = "left"
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer

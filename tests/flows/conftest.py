@@ -50,3 +50,46 @@ def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
     for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
         (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}
+
+
+@pytest.fixture(scope="session")
+def chat_world(tmp_path_factory) -> dict[str, Path]:
+    """A Qwen2 chat policy with a byte-level BPE and a ChatML template, chat prompts, and a pretrained
+    `AutoModelForSequenceClassification` reward model (Llama) whose own tokenizer (another BPE, no
+    template) differs from the policy's."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.conftest import byte_level_bpe, tiny_config
+
+    root = tmp_path_factory.mktemp("chat-world")
+    train, held_out = generate_prompts(48, 16, seed=5)
+    corpus = train + held_out
+    policy_tokenizer = byte_level_bpe(vocab_size=400, corpus=corpus)
+    torch.manual_seed(0)
+    config = tiny_config("qwen2", vocab_size=len(policy_tokenizer))
+    config.pad_token_id = policy_tokenizer.pad_token_id
+    config.eos_token_id = policy_tokenizer.eos_token_id
+    config.bos_token_id = None
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "policy")
+    policy_tokenizer.save_pretrained(root / "policy")
+    reward_tokenizer = byte_level_bpe(vocab_size=350, template=None, corpus=corpus)
+    reward_config = tiny_config("llama", vocab_size=len(reward_tokenizer))
+    reward_config.num_labels = 1
+    reward_config.pad_token_id = reward_tokenizer.pad_token_id
+    AutoModelForSequenceClassification.from_config(reward_config).save_pretrained(root / "reward_model")
+    reward_tokenizer.save_pretrained(root / "reward_model")
+    same_config = tiny_config("qwen2", vocab_size=len(policy_tokenizer))
+    same_config.num_labels = 1
+    same_config.pad_token_id = policy_tokenizer.pad_token_id
+    AutoModelForSequenceClassification.from_config(same_config).save_pretrained(root / "reward_model_policy_tokens")
+    policy_tokenizer.save_pretrained(root / "reward_model_policy_tokens")
+    for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
+        rows = [{"messages": [{"role": "user", "content": prompt}]} for prompt in prompts]
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {
+        "policy": root / "policy",
+        "reward_model": root / "reward_model",
+        "reward_model_policy_tokens": root / "reward_model_policy_tokens",
+        "prompts": root / "prompts.jsonl",
+        "eval_prompts": root / "eval_prompts.jsonl",
+    }

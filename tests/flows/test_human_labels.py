@@ -18,6 +18,7 @@ from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.collect_preferences import candidate_pairs
 from tasks.labelers import CandidatePair
+from tasks.text import Prompt
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TAG = "test-human-labels"
@@ -27,7 +28,9 @@ PAIRS_PER_FORM = 5
 
 
 def _pair(index: int) -> CandidatePair:
-    return CandidatePair(prompt=f"prompt {index}", first=f"a{index}", second=f"b{index}", first_ids=[1], second_ids=[2])
+    return CandidatePair(
+        prompt=Prompt(f"prompt {index}"), first=f"a{index}", second=f"b{index}", first_ids=[1], second_ids=[2]
+    )
 
 
 def test_form_has_one_required_choice_per_pair_and_refuses_anything_else():
@@ -183,14 +186,14 @@ def test_forms_show_each_pair_and_answers_become_human_preferences(answered):
     assert [len(form["properties"]) for form in forms] == [5, 3]
     assert list(fields) == [f"pair_{n}" for n in range(1, len(ANSWERS) + 1)]
     for pair, field in zip(pairs, fields.values(), strict=True):
-        assert field["description"] == f'Prompt: "{pair.prompt}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"'
+        assert field["description"] == f'Prompt: "{pair.prompt.text}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"'
         assert field["enum"] == ["A", "B", "tie/skip"]
 
     preferences = state.result().preferences[-1]
     table = read_table(preferences.directory, "preferences").to_pylist()
     kept = [(pair, answer) for pair, answer in zip(pairs, ANSWERS, strict=True) if answer != "tie/skip"]
     assert [(row["prompt"], row["chosen"], row["rejected"]) for row in table] == [
-        (pair.prompt, *((pair.first, pair.second) if answer == "A" else (pair.second, pair.first)))
+        (pair.prompt.text, *((pair.first, pair.second) if answer == "A" else (pair.second, pair.first)))
         for pair, answer in kept
     ]
     assert {row["labeler"] for row in table} == {"human"} and {row["margin"] for row in table} == {0.0}

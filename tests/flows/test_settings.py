@@ -43,7 +43,7 @@ def test_stage_settings_read_the_config_and_the_base_inputs():
     assert stage_settings(config, base, "ppo_update")["temperature"] == config.sampling.temperature
     # A derived property is a setting too: the update and initialize read whether the estimator uses a critic.
     grpo = PipelineConfig(advantages={"estimator": "grpo"}, sizes={"samples_per_prompt": 4})
-    assert stage_settings(config, base, "initialize") == {"critic": True, "lora": None}
+    assert stage_settings(config, base, "initialize") == {"critic": True, "lora": None, "critic_init": "policy"}
     assert stage_settings(grpo, base, "ppo_update")["critic"] is False
 
 

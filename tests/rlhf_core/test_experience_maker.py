@@ -168,15 +168,15 @@ def test_rescoring_a_scored_experience_recomputes_every_scored_field(parts):
         torch.testing.assert_close(getattr(again, name), getattr(first, name), rtol=0.0, atol=0.0)
 
 
-# ----------------------------------------------------------------------------- without a critic, per-batch rewards
+# ----------------------------------------------------------------------------- without a critic
 
 
-def test_without_a_critic_no_values_are_computed_and_a_batch_may_bring_its_own_score(parts):
+def test_without_a_critic_no_values_are_computed(parts):
     actor, reference, _ = parts
     maker = ExperienceMaker(
         actor,
         None,
-        None,
+        count_score,
         reference,
         sampling=SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE),
         eos_token_id=EOS,
@@ -184,15 +184,11 @@ def test_without_a_critic_no_values_are_computed_and_a_batch_may_bring_its_own_s
     )
     ids, mask = left_padded(PROMPTS)
     groups = torch.tensor([3, 3, 8, 8])
-    experience = maker.make_experience(
-        ids, mask, group_ids=groups, generator=torch.Generator().manual_seed(24), score_fn=count_score
-    )
+    experience = maker.make_experience(ids, mask, group_ids=groups, generator=torch.Generator().manual_seed(24))
     with_critic = make(parts)  # the same seed samples the same tokens
     assert experience.old_values is None and torch.equal(experience.group_ids, groups)
     assert torch.equal(experience.sequences, with_critic.sequences)
     assert torch.equal(experience.scores, with_critic.scores)
-    with pytest.raises(ValueError, match="no reward"):
-        maker.make_experience(ids, mask)
 
 
 # ----------------------------------------------------------------------------- critic-free estimators, by hand

@@ -27,7 +27,8 @@ def write_stage(root: str, stage: str, barrier) -> None:
     key = compute_input_key(stage, {"stage": stage}, {}, code=CODE)
     final_dir = layout.stage_dir(stage, key)
     with StageOutput(final_dir, stage=stage, input_key=key, config={"stage": stage}, upstream={}, code=CODE) as out:
-        out.write_table("prompts", pa.table({"prompt_id": [1, 2], "prompt": [stage, stage]}), schema=PROMPTS)
+        table = pa.table({"prompt_id": [1, 2], "prompt": [stage, stage], "messages": [[], []]}, schema=PROMPTS)
+        out.write_table("prompts", table, schema=PROMPTS)
     run_id = tracker.start_run(experiment_id, name=stage, tags={"rlhf.kind": "stage"}, parent_run_id=parent)
     tracker.log_params(run_id, {f"p{i}": i for i in range(PARAMS)})
     for step in range(METRIC_STEPS):

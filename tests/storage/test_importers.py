@@ -54,22 +54,26 @@ def test_prompts_from_a_text_column(tmp_path: Path, writer) -> None:
     suffix = {_jsonl: ".jsonl", _parquet: ".parquet", _csv: ".csv"}[writer]
     table = import_prompts(writer(tmp_path / f"prompts{suffix}", PROMPT_ROWS))
     assert table.schema == PROMPTS
-    assert table.to_pylist() == [{"prompt_id": 0, "prompt": "Write a poem"}, {"prompt_id": 1, **PROMPT_ROWS[1]}]
+    assert table.to_pylist() == [
+        {"prompt_id": 0, "prompt": "Write a poem", "messages": []},
+        {"prompt_id": 1, **PROMPT_ROWS[1], "messages": []},
+    ]
 
 
 def test_prompts_from_another_column_with_ids(tmp_path: Path) -> None:
     path = _csv(tmp_path / "p.csv", [{"prompt_id": "7", "text": "a"}, {"prompt_id": "3", "text": "b"}])
     assert import_prompts(path, text_column="text").to_pylist() == [
-        {"prompt_id": 7, "prompt": "a"},
-        {"prompt_id": 3, "prompt": "b"},
+        {"prompt_id": 7, "prompt": "a", "messages": []},
+        {"prompt_id": 3, "prompt": "b", "messages": []},
     ]
 
 
 @pytest.mark.parametrize("writer", [_jsonl, _parquet])
 def test_prompts_from_chat_messages(tmp_path: Path, writer) -> None:
-    rows = [{"messages": [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke")]}]
+    turns = [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke")]
     suffix = ".jsonl" if writer is _jsonl else ".parquet"
-    assert import_prompts(writer(tmp_path / f"chat{suffix}", rows)).column("prompt").to_pylist() == [HH_PROMPT]
+    table = import_prompts(writer(tmp_path / f"chat{suffix}", [{"messages": turns}]))
+    assert table.to_pylist() == [{"prompt_id": 0, "prompt": HH_PROMPT, "messages": turns}]  # the turns are kept
 
 
 def test_chat_messages_in_csv_are_json(tmp_path: Path) -> None:
@@ -135,6 +139,13 @@ def test_parquet_with_a_wrongly_typed_column(tmp_path: Path) -> None:
 # Preferences -----------------------------------------------------------------------------------
 
 EXPECTED_JOKE = {"prompt": HH_PROMPT, "chosen": " Why did the chicken...", "rejected": " No."}
+JOKE_TURNS = [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke")]
+EXPECTED_CHAT_JOKE = {
+    "prompt": HH_PROMPT,
+    "messages": JOKE_TURNS,
+    "chosen": "Why did the chicken...",
+    "rejected": "No.",
+}
 
 
 @pytest.mark.parametrize("writer", [_jsonl, _parquet])
@@ -142,7 +153,6 @@ EXPECTED_JOKE = {"prompt": HH_PROMPT, "chosen": " Why did the chicken...", "reje
     "row",
     [
         pytest.param({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, id="anthropic-hh"),
-        pytest.param({**EXPECTED_JOKE}, id="explicit-prompt-text"),
         pytest.param(
             {
                 "prompt": [_user("Hi there"), _assistant("Hello!"), _user("Tell a joke")],
@@ -165,16 +175,21 @@ EXPECTED_JOKE = {"prompt": HH_PROMPT, "chosen": " Why did the chicken...", "reje
         ),
     ],
 )
-def test_every_preference_format_lands_in_the_same_pair(tmp_path: Path, writer, row: dict) -> None:
+def test_every_chat_preference_format_lands_in_the_same_chat_pair(tmp_path: Path, writer, row: dict) -> None:
     suffix = ".jsonl" if writer is _jsonl else ".parquet"
     path = writer(tmp_path / f"pairs{suffix}", [row, row])
     table = import_preferences(path)
     assert table.schema == PREFERENCES
     label = f"import:pairs{suffix}"
-    expected = {**EXPECTED_JOKE, "margin": 0.0, "labeler": label}
+    expected = {**EXPECTED_CHAT_JOKE, "margin": 0.0, "labeler": label}
     assert table.to_pylist() == [{"pair_id": 0, **expected}, {"pair_id": 1, **expected}]
-    pair = table.to_pylist()[0]
-    assert pair["prompt"] + pair["chosen"] == HH_CHOSEN  # the response continues the prompt exactly
+
+
+def test_a_text_pair_stays_text(tmp_path: Path) -> None:
+    table = import_preferences(_jsonl(tmp_path / "pairs.jsonl", [EXPECTED_JOKE]))
+    assert table.to_pylist() == [
+        {"pair_id": 0, **EXPECTED_JOKE, "messages": [], "margin": 0.0, "labeler": "import:pairs.jsonl"}
+    ]
 
 
 def test_margins_are_kept(tmp_path: Path) -> None:
@@ -199,7 +214,7 @@ def test_empty_file_gives_an_empty_table(tmp_path: Path) -> None:
         ({"prompt": 1, "chosen": "c", "rejected": "r"}, "prompt", "expected a string"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": "big"}, "margin", "expected a number"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": True}, "margin", "expected a number"),
-        ({"chosen": "no assistant turn", "rejected": HH_REJECTED}, "chosen", "no '\\\\n\\\\nAssistant:' turn"),
+        ({"chosen": "no assistant turn", "rejected": HH_REJECTED}, "chosen", "not a transcript"),
         ({"chosen": HH_CHOSEN, "rejected": "\n\nHuman: other\n\nAssistant: x"}, "rejected", "differs"),
         ({"chosen": [_user("a"), _assistant("b")], "rejected": [_user("z"), _assistant("c")]}, "rejected", "differs"),
         ({"chosen": [_user("a"), _assistant("b")], "rejected": [_user("a")]}, "rejected", "assistant turn"),
@@ -240,3 +255,15 @@ def test_preferences_do_not_read_csv(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         import_preferences(tmp_path / "absent.jsonl")
+
+
+def test_datasets_folders_are_read_like_parquet(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(PROMPT_ROWS).save_to_disk(str(tmp_path / "prompts"))
+    assert import_prompts(tmp_path / "prompts").column("prompt").to_pylist() == [row["prompt"] for row in PROMPT_ROWS]
+    chat = {"prompt": JOKE_TURNS, "chosen": [_assistant("Why did the chicken...")], "rejected": [_assistant("No.")]}
+    datasets.Dataset.from_list([chat]).save_to_disk(str(tmp_path / "pairs"))
+    assert import_preferences(tmp_path / "pairs").to_pylist()[0]["messages"] == JOKE_TURNS
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(PROMPT_ROWS)}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ImportFormatError, match="holds the splits \\['train'\\]: point at one split"):
+        import_prompts(tmp_path / "splits")

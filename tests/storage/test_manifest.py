@@ -34,7 +34,10 @@ CODE = "c0de" * 16
 
 
 def _prompts(count: int) -> pa.Table:
-    return pa.table({"prompt_id": list(range(count)), "prompt": [f"prompt {i}" for i in range(count)]})
+    return pa.table(
+        {"prompt_id": list(range(count)), "prompt": [f"prompt {i}" for i in range(count)], "messages": [[]] * count},
+        schema=PROMPTS,
+    )
 
 
 def _write(final_dir: Path, *, key: str = "ab" * 32, rows: int = 10) -> Manifest:

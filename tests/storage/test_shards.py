@@ -30,6 +30,8 @@ def _rows(schema: pa.Schema, count: int) -> pa.Table:
             columns[field.name] = [list(range(1, 2 + i % 3)) for i in range(count)]
         elif field.name == "response_ids":
             columns[field.name] = [[7 + i] * (i % 4) for i in range(count)]
+        elif field.name == "messages":  # a chat prompt every other row
+            columns[field.name] = [[{"role": "user", "content": f"turn {i}"}] * (i % 2) for i in range(count)]
         elif pa.types.is_list(field.type):  # per-token floats: as long as the response
             columns[field.name] = [[0.5 * i - 1.25 + k / 3 for k in range(i % 4)] for i in range(count)]
         elif pa.types.is_floating(field.type):
@@ -93,6 +95,7 @@ def test_casts_within_a_type_family(tmp_path: Path) -> None:
             "margin": pa.array([1], pa.int64()),  # int -> float32
             "pair_id": pa.array([3], pa.int32()),  # int32 -> int64, columns reordered
             "prompt": pa.array(["p"], pa.large_string()),
+            "messages": [[{"role": "user", "content": "p"}]],  # struct fields nullable -> not null
             "chosen": ["c"],
             "rejected": ["r"],
         }
@@ -109,10 +112,10 @@ def test_casts_within_a_type_family(tmp_path: Path) -> None:
         (lambda t: t.append_column("extra", pa.array([1, 2])), r"unexpected columns \['extra'\]"),
         (lambda t: t.set_column(0, "prompt_id", pa.array(["0", "1"])), "column `prompt_id` has type string"),
         (lambda t: t.set_column(0, "prompt_id", pa.array([0, None])), "column `prompt_id` has 1 null"),
-        (lambda t: t.set_column(4, "prompt_ids", pa.array([[1], [2**40]])), "column `prompt_ids` cannot be cast"),
-        (lambda t: t.set_column(4, "prompt_ids", pa.array([[1], [None]])), "column `prompt_ids` has null values"),
+        (lambda t: t.set_column(5, "prompt_ids", pa.array([[1], [2**40]])), "column `prompt_ids` cannot be cast"),
+        (lambda t: t.set_column(5, "prompt_ids", pa.array([[1], [None]])), "column `prompt_ids` has null values"),
         (
-            lambda t: t.set_column(5, "response_ids", pa.array([[1.5], []])),
+            lambda t: t.set_column(6, "response_ids", pa.array([[1.5], []])),
             "column `response_ids` has type list<item: double>",
         ),
     ],

@@ -35,7 +35,10 @@ def _stage_output(layout: RunLayout, stage: str = "sample", *, rows: int = 6) ->
     final_dir = layout.stage_dir(stage, key)
     with StageOutput(final_dir, stage=stage, input_key=key, config=config, upstream={}, code=CODE) as out:
         out.write_table(
-            "prompts", pa.table({"prompt_id": range(rows), "prompt": ["p"] * rows}), schema=PROMPTS, rows_per_shard=4
+            "prompts",
+            pa.table({"prompt_id": range(rows), "prompt": ["p"] * rows, "messages": [[]] * rows}, schema=PROMPTS),
+            schema=PROMPTS,
+            rows_per_shard=4,
         )
         (out.path / "actor").mkdir()
         (out.path / "actor" / "config.json").write_text('{"model_type": "gpt2"}')

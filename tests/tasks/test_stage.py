@@ -73,7 +73,7 @@ SEEN: list[dict] = []
 def toy(out, context: StageContext, source: StageResult | None, *, rows: int, prompts: InputFile) -> dict[str, float]:
     """A stage writing ``rows`` prompt rows; notes what it saw, to check what the mechanism set up."""
     SEEN.append({"threads": torch.get_num_threads(), "rows": rows})
-    table = pa.table({"prompt_id": list(range(rows)), "prompt": ["p"] * rows})
+    table = pa.table({"prompt_id": list(range(rows)), "prompt": ["p"] * rows, "messages": [[]] * rows}, schema=PROMPTS)
     out.write_table("prompts", table, schema=PROMPTS)
     _ = torch.ones(16_000_000)  # 64 MB written (above glibc's mmap threshold), so the peak is visible
     return {"rows": float(rows)}
@@ -104,7 +104,9 @@ def test_a_stage_runs_once_per_input_key_and_any_argument_changes_the_key(contex
 
 def test_the_code_is_part_of_the_key(context):
     def produce(out):
-        out.write_table("prompts", pa.table({"prompt_id": [0], "prompt": ["p"]}), schema=PROMPTS)
+        out.write_table(
+            "prompts", pa.table({"prompt_id": [0], "prompt": ["p"], "messages": [[]]}, schema=PROMPTS), schema=PROMPTS
+        )
         return {}
 
     one = run_stage(context, "coded", settings={}, upstream={}, code="1" * 64, produce=produce)

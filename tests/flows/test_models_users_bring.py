@@ -1,0 +1,102 @@
+"""Models and data users bring: a chat policy with its template, chat prompts, and a pretrained
+sequence-classification reward model with a tokenizer of its own, fine-tuned or used as it is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.rlhf_pipeline import rlhf_campaign
+from storage.shards import read_table
+from tasks.text import Prompt, load_tokenizer, prompt_ids, same_tokenizer
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def _config(world, run_root, *extra, reward_model: str = "reward_model"):
+    return load_config(
+        TINY,
+        [
+            f"run_root={run_root}",
+            f"model.policy={world['policy']}",
+            f"model.reward_model={world[reward_model]}",
+            f"data.prompts={world['prompts']}",
+            f"data.eval_prompts={world['eval_prompts']}",
+            "iterations=1",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(prefect_server, chat_world, tmp_path_factory):
+    config = _config(chat_world, tmp_path_factory.mktemp("chat-finetuned"))
+    return config, rlhf_campaign(config, return_state=True)
+
+
+def test_chat_prompts_render_through_the_policy_template_the_same_way_in_every_stage(fine_tuned, chat_world):
+    config, state = fine_tuned
+    assert state.is_completed(), state
+    policy_tokenizer = load_tokenizer(str(chat_world["policy"]))
+    assert not same_tokenizer(policy_tokenizer, load_tokenizer(str(chat_world["reward_model"])))
+    campaign = config.run_root / config.campaign
+    (candidates_dir,) = (campaign / "sample_candidates").iterdir()
+    (rollout_dir,) = (campaign / "rollout").iterdir()
+    candidates = read_table(candidates_dir, "candidates").to_pylist()
+    start = policy_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for row in candidates:
+        prompt = Prompt(row["prompt"], tuple(row["messages"]))
+        assert row["messages"] and row["prompt_ids"] == prompt_ids(policy_tokenizer, prompt)
+        assert row["prompt_ids"][0] == start  # ChatML, not the plain format
+    rollout_prompts = {row["prompt_id"]: row["prompt_ids"] for row in read_table(rollout_dir, "experience").to_pylist()}
+    by_id = {row["prompt_id"]: row["prompt_ids"] for row in candidates}
+    shared = by_id.keys() & rollout_prompts.keys()
+    assert all(by_id[key] == rollout_prompts[key] for key in shared)  # one rendering for sampling and rollout
+    (preferences_dir,) = (campaign / "collect_preferences").iterdir()
+    assert all(row["messages"] for row in read_table(preferences_dir, "preferences").to_pylist())
+
+
+def test_the_pretrained_reward_model_with_its_own_tokenizer_is_fine_tuned(fine_tuned):
+    config, _ = fine_tuned
+    campaign = config.run_root / config.campaign
+    (rm_dir,) = (campaign / "train_reward_model").iterdir()
+    assert (rm_dir / "reward_model" / "model.safetensors").is_file()  # fine-tuned: its own weights
+    manifest = json.loads((rm_dir / "_manifest.json").read_text())
+    assert manifest["metrics"]["pairs"] > 0 and 0 <= manifest["metrics"]["eval_accuracy"] <= 1
+
+
+def test_a_pretrained_reward_model_used_as_it_is_collects_no_pairs_copies_nothing_and_starts_the_critic(
+    prefect_server, chat_world, tmp_path
+):
+    config = _config(
+        chat_world,
+        tmp_path,
+        "reward_model.train=false",
+        "model.critic_init=reward_model",
+        reward_model="reward_model_policy_tokens",
+    )
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    campaign = config.run_root / config.campaign
+    (initialize_dir,) = (campaign / "initialize").iterdir()
+    meta = json.loads((initialize_dir / "critic" / "rlhf_model.json").read_text())
+    assert meta == {"adapter": False, "base": "reward_model", "kind": "critic"}  # its backbone, not copied
+    assert not (campaign / "sample_candidates").exists() and not (campaign / "collect_preferences").exists()
+    (rm_dir,) = (campaign / "train_reward_model").iterdir()
+    assert not list((rm_dir / "reward_model").glob("model*.safetensors"))
+    assert json.loads((rm_dir / "reward_model" / "rlhf_model.json").read_text())["base"] == "reward_model"
+    (scored_dir,) = (campaign / "compute_advantages").iterdir()
+    reward_mean = json.loads((scored_dir / "_manifest.json").read_text())["metrics"]["reward_mean"]
+    assert reward_mean == reward_mean  # finite: normalised by the rollout's own scores (no held-out statistics)
+
+
+def test_a_critic_cannot_start_from_a_reward_model_with_another_tokenizer(prefect_server, chat_world, tmp_path):
+    from flows.campaign import resolve_base
+
+    config = _config(chat_world, tmp_path, "model.critic_init=reward_model")
+    with pytest.raises(
+        ValueError, match="critic_init` reward_model needs a reward model that uses the policy's tokenizer"
+    ):
+        resolve_base.fn(config)
