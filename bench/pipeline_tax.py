@@ -242,8 +242,9 @@ def plain_run(world: Path, iterations: int) -> dict:
                 generator, tables = seeded("rollout", iteration), []
                 for part in batches(len(prompts), single.batch_size):
                     ids, mask = encode_prompts(tokenizer, [text for _, text in prompts[part]])
-                    rollouts = maker.make_experience(ids, mask, generator=generator)
-                    tables.append(experience_to_table(rollouts, [index for index, _ in prompts[part]]))
+                    group_ids = torch.tensor([index for index, _ in prompts[part]])
+                    rollouts = maker.make_experience(ids, mask, group_ids=group_ids, generator=generator)
+                    tables.append(experience_to_table(rollouts))
                 # the rows as the pipeline's stages hand them on: Arrow rows, re-padded on read
                 experience = table_to_experience(pa.concat_tables(tables), pad_token_id=pad)
             # 5. rewards, KL, GAE

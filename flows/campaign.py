@@ -36,7 +36,8 @@ from storage.tracking import (
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
 from tasks.judge import JudgeReference
 from tasks.ppo_update import prune_optimizer_states
-from tasks.records import recorded_result, upstream_names, upstream_result
+from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
+from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult
 from tasks.text import load_tokenizer, same_tokenizer
 
@@ -47,11 +48,26 @@ GOLD_JUDGE = "demo.gold:JUDGE"
 
 @dataclass(frozen=True)
 class IterationState:
-    """What one iteration hands the next: the policy (actor + critic), reward model and all pairs so far."""
+    """What one iteration hands the next: the policy (actor, and critic if any), the reward model and all
+    pairs so far (none with a reward function), and its scored experience (where the adaptive KL
+    coefficient comes from)."""
 
     policy: StageResult
     reward_model: StageResult | None = None
     preferences: tuple[StageResult, ...] = ()
+    advantages: StageResult | None = None
+
+
+@dataclass(frozen=True)
+class ReplayInputs:
+    """What a replay reuses from its source iteration: the experience, the policy it was rolled out with,
+    the reward model that scored it (None for a reward function), and the previous iteration's scored
+    experience (None in iteration 0), whose adaptive KL coefficient the source started from."""
+
+    experience: StageResult
+    policy: StageResult
+    reward_model: StageResult | None
+    previous: StageResult | None
 
 
 def campaign_layout(config: PipelineConfig) -> RunLayout:
@@ -138,6 +154,9 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         else None,
         reward_model=_input_file(cache, "model.reward_model", config.model.reward_model)
         if config.model.reward_model
+        else None,
+        reward_function=RewardFunctionReference.of(config.reward.function)
+        if config.reward.source == "function" and config.reward.function
         else None,
     )
     check_inputs(config, base)
@@ -326,25 +345,38 @@ def iteration_summary(
     return "\n".join(lines) + "\n"
 
 
-def stage_run(context: StageContext, parent_run_id: str, stage: str) -> str:
-    """The stage run whose output an iteration (or replay) run used: its own, or a reused one."""
+def stage_run(context: StageContext, parent_run_id: str, stage: str, *, required: bool = True) -> str | None:
+    """The stage run whose output an iteration (or replay) run used: its own, or a reused one.
+
+    Raises:
+        LookupError: the run records none and ``required`` is set (else None is returned: an
+            iteration with a reward function has no reward-model stage).
+    """
     tracker = context.tracker
     run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
         context.experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
     )  # runs recorded before the output tags existed: their own nested stage run
-    if run_id is None:
+    if run_id is None and required:
         raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
     return run_id
 
 
 @task(name="load_replay_inputs", cache_policy=NO_CACHE)
-def load_replay_inputs(context: StageContext, source_run_id: str) -> tuple[StageResult, StageResult, StageResult]:
-    """The source iteration's experience, the policy it was rolled out with, and its reward model."""
+def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInputs) -> ReplayInputs:
+    """What the source iteration's stages 5-7 started from (see :class:`ReplayInputs`), found through MLflow.
+
+    Opens no run, so a replay can check these before it records anything.
+    """
+    tracker = tracking_store(config).tracker()
+    iteration = int(tracker.run_tags(source_run_id)[TAG_ITERATION])
+    context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
     experience = recorded_result(context, stage_run(context, source_run_id, "rollout"))
-    return (
-        experience,
-        upstream_result(context, experience, "policy"),
-        upstream_result(context, experience, "reward_model"),
+    scored = recorded_result(context, stage_run(context, source_run_id, "compute_advantages"))
+    return ReplayInputs(
+        experience=experience,
+        policy=upstream_result(context, experience, "policy"),
+        reward_model=optional_upstream_result(context, experience, "reward_model"),
+        previous=optional_upstream_result(context, scored, "previous"),
     )
 
 
@@ -359,8 +391,9 @@ def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
 def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, IterationState | None]:
     """Where a campaign stands in MLflow: the next iteration to run and the state to run it from.
 
-    The state comes from the newest finished iteration run: its PPO output (actor and critic), its
-    reward model, and every preference table that reward model was trained on.
+    The state comes from the newest finished iteration run: its PPO output (actor, and critic if
+    any), its scored experience, its reward model and every preference table that reward model was
+    trained on (none when a reward function scored that iteration).
     """
     tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
@@ -372,7 +405,11 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
         experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
     )
     policy = recorded_result(context, stage_run(context, parent, "ppo_update"))
-    reward_model = recorded_result(context, stage_run(context, parent, "train_reward_model"))
-    names = upstream_names(reward_model, prefix="preferences_")
-    preferences = tuple(upstream_result(context, reward_model, name) for name in names)
-    return latest + 1, IterationState(policy=policy, reward_model=reward_model, preferences=preferences)
+    advantages = recorded_result(context, stage_run(context, parent, "compute_advantages"))
+    reward_model_run = stage_run(context, parent, "train_reward_model", required=False)
+    reward_model, preferences = None, ()
+    if reward_model_run is not None:
+        reward_model = recorded_result(context, reward_model_run)
+        names = upstream_names(reward_model, prefix="preferences_")
+        preferences = tuple(upstream_result(context, reward_model, name) for name in names)
+    return latest + 1, IterationState(policy, reward_model, preferences, advantages)

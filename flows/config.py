@@ -15,7 +15,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig, SettingError
+from rlhf_core.config import (
+    GROUP_ESTIMATORS,
+    AdvantageConfig,
+    LoraConfig,
+    PPOConfig,
+    RewardModelConfig,
+    SamplingConfig,
+    SettingError,
+)
 from rlhf_core.precision import DeviceChoice, Precision
 from tasks.labelers import MIN_PREFERENCE_PAIRS, LabelerName
 
@@ -69,6 +77,9 @@ class IterationSizes(_Frozen):
     """Candidates sampled per preference prompt (an even number); consecutive pairs are labelled."""
     rollout_prompts: int = Field(256, gt=0)
     """Prompts rolled out for PPO each iteration."""
+    samples_per_prompt: int = Field(1, gt=0)
+    """Responses sampled for each rollout prompt (the group size G): rollouts per iteration = rollout_prompts * G.
+    The group estimators (grpo, dr_grpo, rloo) need at least 2."""
     eval_prompts: int = Field(64, gt=0)
     """Held-out prompts evaluated each iteration."""
     rows_per_shard: int = Field(4096, gt=0)
@@ -88,12 +99,24 @@ class HumanLabelConfig(_Frozen):
     """Answers are stored per value: raise it to be asked again for candidates that were already labelled."""
 
 
+class RewardSource(_Frozen):
+    """What scores the rollouts: a reward model learned from preferences, or a reward function."""
+
+    source: Literal["reward_model", "function"] = "reward_model"
+    """`reward_model`: learned each iteration from labelled candidate pairs (stages 1-3). `function`: the callable
+    `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
+    function: str | None = None
+    """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
+    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward); unused with `reward_model`."""
+
+
 class PipelineConfig(_Frozen):
     """Everything one campaign needs; validated once, when a flow starts.
 
-    The defaults run the embedded demo: sizes and learning rates were tuned on it (8 iterations,
-    about two minutes on one CPU thread; see configs/demo.yaml). The stage configs' own defaults
-    in ``rlhf_core.config`` are the literature's.
+    The defaults run the embedded demo as an RLHF loop (a reward model learned from the hidden rubric's
+    labels, PPO with GAE): sizes and learning rates were tuned on it (8 iterations, about two minutes
+    on one CPU thread). configs/demo-verifiable.yaml scores with the rubric itself as a verifiable reward instead.
+    The stage configs' own defaults in ``rlhf_core.config`` are the literature's.
     """
 
     campaign: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -124,6 +147,7 @@ class PipelineConfig(_Frozen):
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
     human: HumanLabelConfig = HumanLabelConfig()
+    reward: RewardSource = RewardSource()
     sampling: SamplingConfig = SamplingConfig(max_new_tokens=16, temperature=1.0, batch_size=64)
     reward_model: RewardModelConfig = RewardModelConfig(learning_rate=3e-4, epochs=4, batch_size=32)
     advantages: AdvantageConfig = AdvantageConfig(kl_coef=0.05)
@@ -152,6 +176,27 @@ class PipelineConfig(_Frozen):
                 f"`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2 gives {pairs} preference pairs per "
                 f"iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _estimator_fits_the_rollout(self) -> PipelineConfig:
+        estimator, group = self.advantages.estimator, self.sizes.samples_per_prompt
+        if estimator in GROUP_ESTIMATORS and group < 2:
+            raise ValueError(
+                f"`advantages.estimator` {estimator} compares the samples of each prompt: it needs "
+                f"`sizes.samples_per_prompt` >= 2, got {group}"
+            )
+        if self.ppo.kl_loss_coef > 0 and self.advantages.kl_in != "loss":
+            raise ValueError(
+                f"`ppo.kl_loss_coef` {self.ppo.kl_loss_coef} puts the KL in the loss: set `advantages.kl_in` to loss "
+                "(it is `reward`, which would count the KL twice)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_function_is_named(self) -> PipelineConfig:
+        if self.reward.source == "function" and not self.reward.function:
+            raise ValueError("`reward.source` function needs `reward.function`: a `module:callable`")
         return self
 
 

@@ -49,6 +49,8 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
     context = context_for(recorded, 0, base, tracker.experiment_id(recorded.campaign))
     output = recorded_result(context, stage_run(context, run_id, _STAGE_OF[model]))
     folder = output.directory / model
+    if not folder.is_dir():
+        raise LookupError(f"{source} has no {model}: it was trained by a critic-free estimator")
     loader = ModelLoader(device=torch.device("cpu"), precision="fp32", bases=base.bases)
     plain = merged(loader.load(model, folder))
     staging = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}-{uuid.uuid4().hex}"

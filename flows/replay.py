@@ -4,10 +4,15 @@ A replay takes the config its source iteration was run with (stored beside the r
 ``config.json``) and changes only what can change without generating again: the settings that
 only the replayed stages receive (:func:`flows.settings.replayable_fields`: the advantage and PPO
 settings and how many held-out prompts evaluation uses), plus where and how stages run.
+
+The advantage estimator may change too, as far as the stored experience allows
+(:func:`check_replay_data`): a group estimator needs every prompt sampled at least twice, and GAE
+needs the critic values of a rollout made with a critic.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from pydantic import ValidationError
@@ -15,7 +20,11 @@ from pydantic import ValidationError
 from flows.campaign import source_config, store_layout, tracking_store
 from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
+from rlhf_core.config import GROUP_ESTIMATORS
+from storage.schemas import OLD_VALUES, PROMPT_ID
+from storage.shards import read_table
 from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
+from tasks.stage import StageResult
 
 
 def changeable_fields() -> tuple[str, ...]:
@@ -84,6 +93,13 @@ def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[st
             continue
         _set_dotted(tree, key, value)
         given[key] = text
+    estimator, group = tree["advantages"].get("estimator"), tree["sizes"]["samples_per_prompt"]
+    if estimator in GROUP_ESTIMATORS and group < 2:
+        raise ConfigError(
+            f"a replay with `advantages.estimator` {estimator} needs groups of samples of each prompt, but the source "
+            f"iteration rolled out `sizes.samples_per_prompt` {group}; a replay generates nothing, so replay an "
+            "iteration rolled out with samples_per_prompt >= 2, or use gae or reinforce_pp"
+        )
     try:
         replay = PipelineConfig.model_validate(tree)
     except ValidationError as error:
@@ -122,3 +138,27 @@ def check_replayable(config: PipelineConfig, source_run_id: str) -> None:
     """
     if changed := forbidden_changes(config, source_config(config, source_run_id)):
         raise _refusal(changed)
+
+
+def check_replay_data(config: PipelineConfig, experience: StageResult) -> None:
+    """Refuse an estimator the stored experience cannot serve, before the replay records or runs anything.
+
+    Raises:
+        ConfigError: a group estimator and a prompt sampled once, or GAE and a rollout without critic values.
+    """
+    table = read_table(experience.directory, "experience")
+    estimator = config.advantages.estimator
+    if estimator in GROUP_ESTIMATORS:
+        sizes = Counter(table.column(PROMPT_ID).to_pylist())
+        lonely = sorted(prompt for prompt, size in sizes.items() if size < 2)
+        if lonely:
+            raise ConfigError(
+                f"`advantages.estimator` {estimator} needs at least 2 samples of every prompt, but the source rollout "
+                f"sampled {len(lonely)} of its {len(sizes)} prompts once (prompt ids "
+                f"{', '.join(map(str, lonely[:5]))}{', ...' if len(lonely) > 5 else ''})"
+            )
+    if config.advantages.uses_critic and table.column(OLD_VALUES).null_count:
+        raise ConfigError(
+            f"`advantages.estimator` {estimator} needs critic values, but the source iteration rolled out without a "
+            "critic (a critic-free estimator): replay it with grpo, dr_grpo, rloo or reinforce_pp"
+        )

@@ -17,7 +17,7 @@ HEADLINE_METRICS = {
     "evaluate/gold_mean": "gold",
     "evaluate/reference_gold_mean": "gold (initial)",
     "evaluate/kl_to_reference": "KL to ref",
-    "evaluate/reward_mean": "RM reward",
+    "evaluate/reward_mean": "reward",
     "train_reward_model/eval_accuracy": "RM accuracy",
     "ppo_update/approx_kl": "PPO approx KL",
 }

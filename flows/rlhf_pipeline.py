@@ -1,5 +1,6 @@
-"""The RLHF flows: one iteration is seven stages; a campaign is N iterations; a replay re-runs
-stages 5-7 of a recorded iteration from its saved experience with new settings.
+"""The RLHF flows: one iteration is seven stages (four with a reward function, which needs no candidates,
+labels or reward model); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded
+iteration from its saved experience with new settings.
 
 Every stage is reused when its output for the same inputs already exists, so running a flow
 again does no work, and a crashed run continues from its first unfinished stage. Each stage gets
@@ -14,6 +15,7 @@ from prefect import flow
 
 from flows.campaign import (
     IterationState,
+    ReplayInputs,
     campaign_layout,
     close_iteration,
     load_latest_state,
@@ -24,7 +26,7 @@ from flows.campaign import (
 )
 from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
-from flows.replay import check_replayable
+from flows.replay import check_replay_data, check_replayable
 from flows.settings import stage_settings
 from storage.locks import exclusive_lock
 from tasks import (
@@ -65,17 +67,22 @@ def _iteration(
 ) -> IterationState:
     settings = partial(stage_settings, config, base)
     state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
-    collected = _collect(config, context, settings, state) if config.reward_model.train else ()
-    all_preferences = (*state.preferences, *collected[1:])
-    reward_model = train_reward_model(
-        context, all_preferences, state.reward_model, **settings("train_reward_model")
-    ).result()
+    reward_model, all_preferences, learned = None, (), []
+    if config.reward.source == "reward_model":
+        collected = _collect(config, context, settings, state) if config.reward_model.train else ()
+        all_preferences = (*state.preferences, *collected[1:])
+        reward_model = train_reward_model(
+            context, all_preferences, state.reward_model, **settings("train_reward_model")
+        ).result()
+        learned = [*collected, reward_model]
     experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
-    scored = compute_advantages(context, experience, reward_model, **settings("compute_advantages")).result()
+    scored = compute_advantages(
+        context, experience, reward_model, state.advantages, **settings("compute_advantages")
+    ).result()
     policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
-    stages = [*collected, reward_model, experience, scored, policy, evaluation]
-    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences))
+    stages = [*learned, experience, scored, policy, evaluation]
+    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences, scored))
 
 
 def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
@@ -110,23 +117,22 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     check_replayable(config, source_run_id)
     with exclusive_lock(campaign_layout(config).lock_file()):
         base = resolve_base(config)
+        inputs = load_replay_inputs(config, source_run_id, base)
+        check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)
         with context.tracker.ends_on_error(context.parent_run_id):
-            return _replay(config, base, context, source_run_id)
+            return _replay(config, base, context, inputs)
 
 
-def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, source_run_id: str) -> str:
-    experience, policy, reward_model = load_replay_inputs(context, source_run_id)
+def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, inputs: ReplayInputs) -> str:
+    settings = partial(stage_settings, config, base)
     scored = compute_advantages(
-        context, experience, reward_model, **stage_settings(config, base, "compute_advantages")
+        context, inputs.experience, inputs.reward_model, inputs.previous, **settings("compute_advantages")
     ).result()
     new_policy = ppo_update(
-        context,
-        policy,
-        optimizer_state(policy, present_only=True),
-        scored,
-        **stage_settings(config, base, "ppo_update"),
+        context, inputs.policy, optimizer_state(inputs.policy, present_only=True), scored, **settings("ppo_update")
     ).result()
-    evaluation = evaluate(context, new_policy, reward_model, **stage_settings(config, base, "evaluate")).result()
-    close_iteration(context, [scored, new_policy, evaluation], IterationState(new_policy, reward_model))
+    evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
+    state = IterationState(new_policy, inputs.reward_model, advantages=scored)
+    close_iteration(context, [scored, new_policy, evaluation], state)
     return context.parent_run_id

@@ -6,7 +6,8 @@ exactly those (:mod:`tasks.stage`). :data:`STAGE_SETTINGS` says, per stage, whic
 
 * the flows call ``stage(context, *upstream, **stage_settings(config, base, stage))``;
 * what a replay may change is derived, not kept by hand (:func:`replayable_fields`): the
-  settings the replayed stages receive, minus those a stage it reuses also received.
+  settings the replayed stages receive, minus those a stage of the iteration it reuses also
+  received.
 
 Settings of :data:`EXECUTION` (where and how stages run) and :data:`LOCATION` (where the store
 is) reach no input key and may always change.
@@ -20,7 +21,7 @@ from flows.config import PipelineConfig
 from tasks.context import BaseInputs
 
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
-    "initialize": {"lora": "model.lora", "critic_init": "model.critic_init"},
+    "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora", "critic_init": "model.critic_init"},
     "sample_candidates": {
         "sampling": "sampling",
         "precision": "precision",
@@ -41,21 +42,33 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
         "sampling": "sampling",
         "precision": "precision",
         "prompts": "sizes.rollout_prompts",
+        "samples_per_prompt": "sizes.samples_per_prompt",
         "rows_per_shard": "sizes.rows_per_shard",
+        "reward_function": "base.reward_function",
     },
     "compute_advantages": {"advantages": "advantages", "rows_per_shard": "sizes.rows_per_shard"},
-    "ppo_update": {"ppo": "ppo", "precision": "precision", "temperature": "sampling.temperature"},
+    "ppo_update": {
+        "ppo": "ppo",
+        "critic": "advantages.uses_critic",
+        "precision": "precision",
+        "temperature": "sampling.temperature",
+        "max_new_tokens": "sampling.max_new_tokens",
+    },
     "evaluate": {
         "sampling": "sampling",
         "precision": "precision",
         "prompts": "sizes.eval_prompts",
         "judge": "base.judge",
+        "reward_function": "base.reward_function",
     },
 }
-"""stage -> {argument: config path or ``base.<field>``}."""
+"""stage -> {argument: config path (a field, or a property such as ``advantages.uses_critic``) or ``base.<field>``}."""
 
 REPLAYED_STAGES = ("compute_advantages", "ppo_update", "evaluate")
 """The stages a replay runs again; every other stage's output is reused from the source iteration."""
+CAMPAIGN_START = ("initialize",)
+"""Stages that run once per campaign, before its first iteration. What they received shaped the policy a replay
+starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""
 
 EXECUTION = ("device", "torch_threads", "checkpoint_seconds", "model.gradient_checkpointing")
 """Where and how stages run: part of no input key, so a campaign can continue elsewhere."""
@@ -82,23 +95,25 @@ def stage_settings(config: PipelineConfig, base: BaseInputs, stage: str) -> dict
 
 
 def replayable_fields() -> tuple[str, ...]:
-    """Config paths a replay may change: read by a replayed stage and by no stage it reuses.
+    """Config paths a replay may change: read by a replayed stage and by no stage of the iteration it reuses.
 
     A base input is never among them (it is part of every input key), nor is anything a reused
-    stage read: the rollout's ``sampling`` must stay what generated the experience.
+    stage read: the rollout's ``sampling`` must stay what generated the experience. A path inside
+    another replayable one (``advantages.uses_critic`` in ``advantages``) is not listed twice.
     """
     replayed = {path for stage in REPLAYED_STAGES for path in STAGE_SETTINGS[stage].values()}
     reused = {
-        path for stage, paths in STAGE_SETTINGS.items() if stage not in REPLAYED_STAGES for path in paths.values()
+        path
+        for stage, paths in STAGE_SETTINGS.items()
+        if stage not in REPLAYED_STAGES + CAMPAIGN_START
+        for path in paths.values()
     }
-    return tuple(
-        sorted(
-            path
-            for path in replayed
-            if not path.startswith(_BASE)
-            and not any(covers((other,), path) or covers((path,), other) for other in reused)
-        )
-    )
+    allowed = {
+        path
+        for path in replayed
+        if not path.startswith(_BASE) and not any(covers((other,), path) or covers((path,), other) for other in reused)
+    }
+    return tuple(sorted(path for path in allowed if not covers(tuple(allowed - {path}), path)))
 
 
 def covers(paths: tuple[str, ...], field: str) -> bool:

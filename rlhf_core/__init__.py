@@ -13,6 +13,7 @@ Shape legend, used in every ``Shapes:`` docstring line and trailing ``# (B, R)``
     V     vocabulary size
     H     hidden size
     N     candidates per prompt
+    G     samples per prompt in a rollout (a group)
     ====  ===================================
 
 Conventions:
@@ -29,6 +30,7 @@ Conventions:
 from __future__ import annotations
 
 __all__ = [
+    "advantages",
     "config",
     "evaluation",
     "experience",

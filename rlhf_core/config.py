@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from rlhf_core.losses import LossAggregation
 from rlhf_core.rewards import KLEstimator
+
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
+"""Advantage estimators (:mod:`rlhf_core.gae`, :mod:`rlhf_core.advantages`). Named here, not beside their
+maths, so that a stage importing the config does not import (and fingerprint) the estimators' code."""
+GROUP_ESTIMATORS: tuple[Estimator, ...] = ("grpo", "dr_grpo", "rloo")
+"""Estimators whose baseline is the other samples of the same prompt: they need groups of at least 2."""
+CRITIC_ESTIMATORS: tuple[Estimator, ...] = ("gae",)
+"""Estimators that need a value model (a critic)."""
+KLPlacement = Literal["reward", "loss"]
+"""Where the KL to the reference acts: the shaped reward, or the policy loss."""
 
 
 def exact_div(numerator: int, denominator: int, *, what: str) -> int:
@@ -69,6 +79,12 @@ def bounded(default: Any, **limits: float) -> Any:
 def field_bounds(config_class: type) -> dict[str, Bounds]:
     """``field name -> Bounds`` of every bounded field of a stage config class."""
     return {f.name: f.metadata["bounds"] for f in fields(config_class) if "bounds" in f.metadata}
+
+
+def _check_choice(name: str, value: str, choices: Any) -> None:
+    """Refuse ``value`` unless it is one of the ``Literal`` type ``choices``."""
+    if value not in get_args(choices):
+        raise SettingError(name, f"must be one of {get_args(choices)}, got {value!r}")
 
 
 def check_fields(config: Any) -> None:
@@ -135,25 +151,50 @@ class RewardModelConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdvantageConfig:
-    """Rewards, KL and GAE (stage: compute advantages). Pure: replaying with new values is cheap."""
+    """Rewards, KL and advantages (stage: compute advantages). Pure: replaying with new values is cheap."""
 
+    estimator: Estimator = "gae"
+    """Advantage estimator: gae (with a critic), or critic-free grpo, dr_grpo, rloo (groups of samples of a
+    prompt, `sizes.samples_per_prompt` >= 2) or reinforce_pp (see rlhf_core.advantages)."""
     kl_coef: float = bounded(0.05, ge=0)
-    """KL penalty weight beta (TRL default 0.05)."""
+    """KL penalty weight beta in the reward (TRL default 0.05); the adaptive controller's start with `kl_target`."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator in the reward: k1, k2 or k3."""
+    kl_in: KLPlacement = "reward"
+    """Where the KL to the reference acts: `reward` (shaped per-token reward, weight `kl_coef`) or `loss` (k3 term
+    in the policy loss, weight `ppo.kl_loss_coef`, GRPO style)."""
+    kl_target: float | None = bounded(None, gt=0)
+    """Turns on the adaptive KL controller (Ziegler et al. 2019): `kl_coef` moves to hold the rollouts' KL to the
+    reference (nats per response) near this. None keeps `kl_coef` fixed."""
+    kl_horizon: int = bounded(10000, gt=0)
+    """Rollouts the adaptive controller takes to correct by its clipped error (Ziegler et al. 2019; TRL 10000)."""
     gamma: float = bounded(1.0, ge=0, le=1)
-    """Discount (TRL and OpenRLHF use 1.0 for language)."""
+    """Discount of GAE and REINFORCE++ (TRL and OpenRLHF use 1.0 for language); the group estimators use 1."""
     gae_lambda: float = bounded(0.95, ge=0, le=1)
-    """GAE lambda (TRL default 0.95)."""
+    """GAE lambda (TRL default 0.95); GAE only."""
     score_clip: float | None = bounded(None, gt=0)
-    """Clip reward-model scores to [-score_clip, score_clip] before shaping."""
+    """Clip scores to [-score_clip, score_clip] before shaping."""
     normalize_scores: bool = True
-    """Standardise scores with the reward model's held-out mean and std."""
+    """Standardise reward-model scores with the reward model's held-out mean and std (a reward function's
+    scores are used as they are)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.kl_estimator not in get_args(KLEstimator):
-            raise SettingError("kl_estimator", f"must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
+        _check_choice("estimator", self.estimator, Estimator)
+        _check_choice("kl_estimator", self.kl_estimator, KLEstimator)
+        _check_choice("kl_in", self.kl_in, KLPlacement)
+        if self.kl_target is not None and self.kl_in != "reward":
+            raise SettingError("kl_target", "adapts the KL coefficient of the reward: it needs `kl_in` = 'reward'")
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs a value model (only GAE does)."""
+        return self.estimator in CRITIC_ESTIMATORS
+
+    @property
+    def reward_kl_coef(self) -> float:
+        """The KL weight in the reward: ``kl_coef``, or 0 when the KL acts in the loss instead."""
+        return self.kl_coef if self.kl_in == "reward" else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,14 +222,18 @@ class PPOConfig:
     target_kl: float | None = bounded(None, gt=0)
     """Stop the update early once the running approximate KL exceeds this."""
     whiten_advantages: bool = True
-    """Whiten advantages over the whole experience before minibatching."""
+    """Whiten GAE advantages over the whole experience before minibatching (critic-free estimators normalise their
+    own, see rlhf_core.advantages)."""
     aggregation: LossAggregation = "token_mean"
-    """Token-level loss aggregation: token_mean or sequence_mean."""
+    """Token-level loss aggregation: token_mean, sequence_mean, or token_sum_norm (each response's token sum over
+    the generation budget `sampling.max_new_tokens`, as Dr. GRPO)."""
+    kl_loss_coef: float = bounded(0.0, ge=0)
+    """Weight of the k3 KL to the reference in the policy loss (GRPO's beta; DeepSeekMath 0.04); needs
+    `advantages.kl_in` = loss."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.aggregation not in ("token_mean", "sequence_mean"):
-            raise SettingError("aggregation", f"must be 'token_mean' or 'sequence_mean', got {self.aggregation!r}")
+        _check_choice("aggregation", self.aggregation, LossAggregation)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,9 @@
 """Experience: one batch of PPO rollouts, with every field's shape written down.
 
 Rollout (stage 4) fills the first block; compute advantages (stage 5) fills ``rewards``, ``kl``,
-``advantages`` and ``returns``. The ``old_`` prefix marks rollout-time quantities of the models
+``advantages`` and ``returns``. ``group_ids`` names the prompt each row answers: the rows of one
+prompt are the group that GRPO and RLOO compare (:mod:`rlhf_core.advantages`); on disk it is the
+``prompt_id`` column. ``old_values`` is None for a rollout made without a critic. The ``old_`` prefix marks rollout-time quantities of the models
 being trained (``old_logprobs``, ``old_values``), against the current ones the update computes;
 ``ref_logprobs`` come from the frozen reference policy. The same names are the Parquet columns
 (:mod:`storage.schemas`) and the arguments of the maths.
@@ -34,12 +36,14 @@ class Experience:
         action_mask: (B, R) bool, True for generated tokens up to and including EOS.
         old_logprobs: (B, R) float, log-probs of the actions under the rollout policy.
         ref_logprobs: (B, R) float, log-probs under the frozen reference policy.
-        old_values: (B, R) float, critic values of the state before each action, at rollout time.
+        old_values: (B, R) float or None, critic values of the state before each action, at rollout
+            time; None when the rollout had no critic (critic-free estimators).
         scores: (B,) float, reward score of each sequence.
         rewards: (B, R) float or None, shaped per-token reward.
-        kl: (B, R) float or None, per-token KL estimate used in ``rewards``.
-        advantages: (B, R) float or None, advantages (not whitened).
-        returns: (B, R) float or None, critic targets.
+        kl: (B, R) float or None, per-token KL estimate (in ``rewards`` when the KL acts there).
+        advantages: (B, R) float or None, advantages (GAE's not whitened).
+        returns: (B, R) float or None, critic targets (GAE) or the reward-to-go (critic-free).
+        group_ids: (B,) integer or None, the prompt (group) of each row.
     """
 
     sequences: torch.Tensor
@@ -47,12 +51,13 @@ class Experience:
     action_mask: torch.Tensor
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    old_values: torch.Tensor
+    old_values: torch.Tensor | None
     scores: torch.Tensor
     rewards: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,7 +94,12 @@ class Experience:
         response = self.action_mask.shape[1]
         if response >= total:
             raise ValueError(f"`action_mask` length {response} must be shorter than `sequences` length {total}")
-        expected = {"attention_mask": (batch, total), "action_mask": (batch, response), "scores": (batch,)}
+        expected = {
+            "attention_mask": (batch, total),
+            "action_mask": (batch, response),
+            "scores": (batch,),
+            "group_ids": (batch,),
+        }
         expected.update({name: (batch, response) for name in TOKEN_FIELDS + SCORED_FIELDS})
         for name, shape in expected.items():
             value = getattr(self, name)
@@ -97,6 +107,8 @@ class Experience:
                 raise ValueError(f"`{name}` must have shape {shape}, got {tuple(value.shape)}")
         if self.action_mask.dtype != torch.bool:
             raise ValueError(f"`action_mask` must be bool, got {self.action_mask.dtype}")
+        if self.group_ids is not None and (self.group_ids.is_floating_point() or self.group_ids.dtype == torch.bool):
+            raise ValueError(f"`group_ids` must be integers, got {self.group_ids.dtype}")
         filled = [getattr(self, name) is not None for name in SCORED_FIELDS]
         if any(filled) and not all(filled):
             raise ValueError(f"{', '.join(SCORED_FIELDS)} must be set together")

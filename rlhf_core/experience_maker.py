@@ -9,7 +9,10 @@ Choices:
    TRL, OpenRLHF and verl always do): the first PPO step then starts from a ratio of 1.
 2. Reference log-probs, values and scores each take one forward pass over ``(B, T)``.
 3. The reward is any callable ``(sequences, attention_mask) -> (B,)``: a :class:`RewardModel`,
-   or a programmatic score for tests and gold-labelled demos.
+   or a programmatic score (a verifiable reward, a test's rubric).
+4. Without a critic (critic-free estimators) no values are computed: ``old_values`` is None.
+5. :func:`score_experience` (stage 5) dispatches on the estimator: GAE over the KL-shaped rewards
+   and the rollout values, or a critic-free estimator of :mod:`rlhf_core.advantages`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from rlhf_core.advantages import broadcast_over_tokens, group_advantages, reinforce_pp_advantages, reward_to_go
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
-from rlhf_core.gae import compute_gae
+from rlhf_core.gae import Advantages, compute_gae
 from rlhf_core.generation import generate
 from rlhf_core.models import Critic, evaluating, fused_activations
 from rlhf_core.precision import Precision, autocast, check_precision
@@ -52,35 +56,67 @@ def sequence_logprobs(
 
 @torch.no_grad()
 def score_experience(
-    experience: Experience, config: AdvantageConfig, *, score_mean: float = 0.0, score_std: float = 1.0
+    experience: Experience,
+    config: AdvantageConfig,
+    *,
+    score_mean: float = 0.0,
+    score_std: float = 1.0,
+    kl_coef: float | None = None,
 ) -> Experience:
     """Fill rewards, KL, advantages and returns from a rollout (pure; the replayable stage).
 
+    1. Scores are normalised (``config.normalize_scores``) and clipped (``config.score_clip``).
+    2. Per-token rewards: the KL penalty (``kl_coef`` when ``config.kl_in`` is ``reward``, else 0)
+       plus the score on the last action token (:func:`rlhf_core.rewards.shaped_rewards`).
+    3. Advantages by ``config.estimator``:
+
+       * ``gae``: GAE over those rewards and the rollout's values; returns are the critic targets.
+       * ``reinforce_pp``: the rewards' return, whitened over the batch (:func:`reinforce_pp_advantages`).
+       * ``grpo``, ``dr_grpo``, ``rloo``: the score against its group (:func:`group_advantages`) at
+         every token, plus the KL penalty still to come from that token (gamma = 1).
+
+       A critic-free estimator's ``returns`` are the rewards' return (reward-to-go; discounted by
+       ``config.gamma`` for REINFORCE++ only, like its advantages).
+
     Args:
-        experience: a rollout (scored or not; scored fields are recomputed).
-        config: KL coefficient and estimator, gamma, lambda, score clipping and normalisation.
+        experience: a rollout (scored or not; scored fields are recomputed); group estimators need
+            its ``group_ids``, GAE its ``old_values``.
+        config: estimator, KL coefficient, estimator and placement, gamma, lambda, score clipping
+            and normalisation.
         score_mean, score_std: reward-model score statistics on held-out data, used when
             ``config.normalize_scores`` is set.
+        kl_coef: the reward's KL coefficient when it differs from ``config.kl_coef`` (the adaptive
+            controller's current value).
 
     Shapes:
         every (B, R) field of ``experience``; returns a new Experience.
+
+    Raises:
+        ValueError: GAE on a rollout without values, or a group estimator without ``group_ids``.
     """
-    scores = experience.scores
+    scores = experience.scores  # (B,)
     if config.normalize_scores:
         scores = normalize_scores(scores, mean=score_mean, std=score_std)
+    if config.score_clip is not None:
+        scores = scores.clamp(-config.score_clip, config.score_clip)
+    coef = (config.kl_coef if kl_coef is None else kl_coef) if config.kl_in == "reward" else 0.0
+    mask = experience.action_mask
     rewards, kl = shaped_rewards(
-        scores,
-        experience.old_logprobs,
-        experience.ref_logprobs,
-        experience.action_mask,
-        kl_coef=config.kl_coef,
-        estimator=config.kl_estimator,
-        score_clip=config.score_clip,
+        scores, experience.old_logprobs, experience.ref_logprobs, mask, kl_coef=coef, estimator=config.kl_estimator
     )
-    advantages, returns = compute_gae(
-        rewards, experience.old_values, experience.action_mask, gamma=config.gamma, gae_lambda=config.gae_lambda
-    )
-    return experience.replace(rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+    if config.estimator == "gae":
+        if experience.old_values is None:
+            raise ValueError("estimator `gae` needs the critic's values, but this rollout was made without a critic")
+        result = compute_gae(rewards, experience.old_values, mask, gamma=config.gamma, gae_lambda=config.gae_lambda)
+    elif config.estimator == "reinforce_pp":
+        result = reinforce_pp_advantages(rewards, mask, gamma=config.gamma)
+    else:  # a group estimator (AdvantageConfig admits no other)
+        if experience.group_ids is None:
+            raise ValueError(f"estimator `{config.estimator}` needs `group_ids`: the prompt of each rollout")
+        outcome = group_advantages(scores, experience.group_ids, config.estimator)  # (B,)
+        advantages = broadcast_over_tokens(outcome, mask) + reward_to_go(-coef * kl, mask)  # (B, R)
+        result = Advantages(advantages=advantages, returns=reward_to_go(rewards, mask))
+    return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
 
 
 class ExperienceMaker:
@@ -90,7 +126,7 @@ class ExperienceMaker:
 
     Args:
         actor: the policy being trained (a causal LM).
-        critic: its value model.
+        critic: its value model, or None (critic-free estimators: no values).
         reward_model: any callable ``(sequences, attention_mask) -> (B,)``, e.g. a :class:`RewardModel`.
         reference: the frozen initial policy.
         sampling: temperature, top-k, top-p, response length.
@@ -103,7 +139,7 @@ class ExperienceMaker:
     def __init__(
         self,
         actor: PreTrainedModel,
-        critic: Critic,
+        critic: Critic | None,
         reward_model: ScoreFn,
         reference: PreTrainedModel,
         *,
@@ -123,16 +159,24 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def make_experience(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, generator: torch.Generator | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        group_ids: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
     ) -> Experience:
-        """One response per prompt row, scored by reference, critic and reward model.
+        """One response per prompt row, scored by reference, critic and reward.
 
         Args:
             input_ids, attention_mask: left-padded prompts, on any device (moved to the actor's).
+                A prompt sampled G times appears in G rows.
+            group_ids: the prompt of each row, carried into the Experience (its ``group_ids``).
             generator: CPU random stream for sampling.
 
         Shapes:
-            input_ids, attention_mask: (B, P); returns Experience with T = P + R, on the actor's device.
+            input_ids, attention_mask: (B, P); group_ids: (B,); returns Experience with T = P + R, on
+            the actor's device.
         """
         device = next(self.actor.parameters()).device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -150,7 +194,7 @@ class ExperienceMaker:
             )
             sequences, full_mask = generation.sequences, generation.attention_mask  # (B, T)
             old_logprobs = generation.logprobs  # (B, R)
-            models = (self.actor, self.critic, self.reward_model, self.reference)
+            models = (self.actor, self.critic, self.reward_model, self.reference)  # None and functions are skipped
             with evaluating(*models), fused_activations(*models):
                 if self.precision != "fp32":
                     old_logprobs = sequence_logprobs(
@@ -159,7 +203,9 @@ class ExperienceMaker:
                 ref_logprobs = sequence_logprobs(
                     self.reference, sequences, full_mask, prompt_length, temperature=temperature
                 )
-                old_values = response_slice(self.critic(sequences, full_mask), prompt_length)  # (B, R)
+                old_values = None
+                if self.critic is not None:
+                    old_values = response_slice(self.critic(sequences, full_mask), prompt_length)  # (B, R)
                 scores = self.reward_model(sequences, full_mask).float()  # (B,)
         action_mask = generation.action_mask  # (B, R)
         return Experience(
@@ -168,6 +214,7 @@ class ExperienceMaker:
             action_mask=action_mask,
             old_logprobs=torch.where(action_mask, old_logprobs, 0.0),
             ref_logprobs=torch.where(action_mask, ref_logprobs, 0.0),
-            old_values=torch.where(action_mask, old_values.float(), 0.0),
-            scores=scores,
+            old_values=None if old_values is None else torch.where(action_mask, old_values.float(), 0.0),
+            scores=scores.to(device),
+            group_ids=None if group_ids is None else group_ids.to(device),
         )

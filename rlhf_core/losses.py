@@ -7,35 +7,52 @@ Choices:
    ``value_clip_eps`` of the rollout value (the OpenAI baselines / TRL form).
 3. Aggregation over tokens is a choice: ``"token_mean"`` weighs every valid token equally
    across the batch; ``"sequence_mean"`` averages each sequence's token mean, so long and short
-   responses weigh the same.
+   responses weigh the same; ``"token_sum_norm"`` sums each sequence's tokens and divides by a
+   constant (the generation budget), so no length normalisation biases the gradient (Dr. GRPO).
 4. Reward model: Bradley-Terry ``-log sigmoid(r_chosen - r_rejected - margin)``.
 5. Inputs at padding positions are replaced before any arithmetic, so whatever sits there (even
    inf or nan) changes neither a loss nor a gradient.
+6. KL in the loss (GRPO style): the k3 estimate of KL(policy || reference) per token, aggregated
+   like the policy loss, is added with its own weight (Shao et al. 2024, DeepSeekMath, section 4.1; TRL
+   ``GRPOTrainer``).
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 
 from rlhf_core.masked import masked_mean
+from rlhf_core.rewards import kl_estimate
 
-LossAggregation = Literal["token_mean", "sequence_mean"]
+LossAggregation = Literal["token_mean", "sequence_mean", "token_sum_norm"]
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, *, mode: LossAggregation = "token_mean") -> torch.Tensor:
+def aggregate_loss(
+    loss: torch.Tensor, mask: torch.Tensor, *, mode: LossAggregation = "token_mean", norm_tokens: int | None = None
+) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
+
+    Naive equivalent of ``"token_sum_norm"``: ``sum(loss[b, t] for valid (b, t)) / (B * norm_tokens)``.
 
     Args:
         loss: per-token loss.
         mask: valid tokens.
-        mode: ``"token_mean"`` (mean over all valid tokens) or ``"sequence_mean"`` (mean over
-            sequences of the per-sequence token mean; sequences without a valid token are left out).
+        mode: ``"token_mean"`` (mean over all valid tokens), ``"sequence_mean"`` (mean over
+            sequences of the per-sequence token mean; sequences without a valid token are left out)
+            or ``"token_sum_norm"`` (each sequence's token sum divided by ``norm_tokens``, averaged
+            over all ``B`` sequences: Dr. GRPO's constant normaliser).
+        norm_tokens: the constant of ``"token_sum_norm"``, the generation budget in tokens (TRL's
+            ``max_completion_length``); unused by the other modes.
 
     Shapes:
         loss, mask: (B, R); returns ().
+
+    References:
+        Liu et al. 2025 (Dr. GRPO); TRL ``GRPOTrainer`` (``loss_type="dr_grpo"``); verl
+        ``agg_loss`` (``seq-mean-token-sum-norm``).
     """
     if mode == "token_mean":
         return masked_mean(loss, mask)
@@ -43,7 +60,12 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, *, mode: LossAggregat
         per_sequence = masked_mean(loss, mask, dim=1)  # (B,)
         has_token = mask.any(dim=1)  # (B,)
         return masked_mean(per_sequence, has_token)
-    raise ValueError(f"`mode` must be 'token_mean' or 'sequence_mean', got {mode!r}")
+    if mode == "token_sum_norm":
+        if norm_tokens is None or norm_tokens <= 0:
+            raise ValueError(f"`norm_tokens` must be positive for 'token_sum_norm', got {norm_tokens}")
+        valid = torch.where(mask.bool(), loss, torch.zeros_like(loss))  # (B, R)
+        return valid.sum() / (loss.shape[0] * norm_tokens)
+    raise ValueError(f"`mode` must be one of {get_args(LossAggregation)}, got {mode!r}")
 
 
 class PolicyLossStats(NamedTuple):
@@ -63,6 +85,7 @@ def policy_loss(
     clip_eps: float = 0.2,
     dual_clip: float | None = None,
     aggregation: LossAggregation = "token_mean",
+    norm_tokens: int | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate policy loss.
 
@@ -79,7 +102,7 @@ def policy_loss(
         action_mask: valid tokens.
         clip_eps: PPO clip range epsilon.
         dual_clip: the dual-clip constant ``c > 1``, or None.
-        aggregation: see :func:`aggregate_loss`.
+        aggregation, norm_tokens: see :func:`aggregate_loss`.
 
     Returns:
         The scalar loss and :class:`PolicyLossStats` (clip fractions over valid tokens, and the
@@ -107,7 +130,7 @@ def policy_loss(
         bound = -dual_clip * advantages  # (B, R)
         dual_clipped = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_clipped, bound, per_token)
-    loss = aggregate_loss(per_token, action_mask, mode=aggregation)
+    loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens)
     with torch.no_grad():
         stats = PolicyLossStats(
             clip_fraction=masked_mean((clipped > unclipped).to(per_token.dtype), action_mask),
@@ -131,6 +154,7 @@ def value_loss(
     *,
     value_clip_eps: float | None = 0.2,
     aggregation: LossAggregation = "token_mean",
+    norm_tokens: int | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
 
@@ -156,9 +180,55 @@ def value_loss(
         clipped = (values_clipped - returns).square()  # (B, R)
         per_token = torch.maximum(unclipped, clipped)
         clipped_more = clipped > unclipped
-    loss = 0.5 * aggregate_loss(per_token, action_mask, mode=aggregation)
+    loss = 0.5 * aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens)
     with torch.no_grad():
         stats = ValueLossStats(clip_fraction=masked_mean(clipped_more.to(values.dtype), action_mask))
+    return loss, stats
+
+
+class ReferenceKLStats(NamedTuple):
+    """Detached diagnostics of one reference-KL loss evaluation (scalars)."""
+
+    kl: torch.Tensor
+
+
+def reference_kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    aggregation: LossAggregation = "token_mean",
+    norm_tokens: int | None = None,
+) -> tuple[torch.Tensor, ReferenceKLStats]:
+    """KL(policy || reference) as a loss term: the k3 estimate per token, aggregated like the policy loss.
+
+    Per token, with ``d = logprobs - ref_logprobs``: ``k3 = exp(-d) - 1 + d``, which is
+    non-negative, 0 where the policy agrees with the reference, and has the gradient
+    ``1 - exp(-d)`` with respect to ``logprobs``.
+
+    Args:
+        logprobs: current policy log-probs of the sampled tokens (with grad).
+        ref_logprobs: the frozen reference's log-probs of the same tokens (from the rollout).
+        action_mask: valid tokens.
+        aggregation, norm_tokens: see :func:`aggregate_loss`.
+
+    Returns:
+        The scalar loss and :class:`ReferenceKLStats` (the mean k3 over valid tokens).
+
+    Shapes:
+        logprobs, ref_logprobs, action_mask: (B, R); returns ().
+
+    References:
+        Shao et al. 2024 (DeepSeekMath, GRPO), section 4.1; TRL ``GRPOTrainer`` (``beta``); Schulman,
+        "Approximating KL divergence", 2020.
+    """
+    valid = action_mask.bool()
+    logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # (B, R)
+    ref_logprobs = torch.where(valid, ref_logprobs, torch.zeros_like(ref_logprobs))  # (B, R)
+    per_token = kl_estimate(logprobs, ref_logprobs, estimator="k3")  # (B, R)
+    loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens)
+    with torch.no_grad():
+        stats = ReferenceKLStats(kl=masked_mean(per_token, action_mask))
     return loss, stats
 
 

@@ -1,18 +1,25 @@
-"""The PPO update of actor and critic over one batch of scored experience.
+"""The PPO update of actor and critic (or of the actor alone) over one batch of scored experience.
 
 Choices:
 1. Actor and critic are separate models with separate optimizers, so the value loss needs no
    weight against the policy loss (with Adam a constant factor would not change the step).
+   Critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) update the actor alone.
 2. Dropout is off during the update, as in TRL's PPO: the probability ratio at the first
    minibatch is then exactly the rollout's, 1. The models stay in train mode with every dropout
    probability at 0 (:func:`rlhf_core.models.dropout_disabled`), so gradient checkpointing,
    which runs in train mode only, still applies.
-3. Advantages are whitened once over the whole experience, then minibatched.
+3. With a critic (GAE), advantages are whitened once over the whole experience
+   (``config.whiten_advantages``), then minibatched. Without one they are used as stage 5 made
+   them: each critic-free estimator normalises its own (:mod:`rlhf_core.advantages`, choice 4),
+   and whitening again would scale Dr. GRPO's and RLOO's advantages, which those methods avoid.
 4. Early stop: when ``target_kl`` is set, the update stops at the first minibatch whose
    approximate KL(old || new), measured before its step, exceeds it; that minibatch takes no
    step (OpenAI Spinning Up's rule, without its 1.5 factor).
 5. Driven through ``accelerate.Accelerator``: pass models and optimizers already ``prepare``d,
    and the same code runs on one CPU or many GPUs under ``accelerate launch``.
+6. KL in the loss (``config.kl_loss_coef`` > 0, GRPO style): the k3 KL to the reference, from the
+   rollout's reference log-probs, is added to the policy loss (:func:`rlhf_core.losses.reference_kl_loss`);
+   its value is reported as ``ref_kl`` either way.
 """
 
 from __future__ import annotations
@@ -26,33 +33,42 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.experience import Experience
-from rlhf_core.losses import entropy_from_logits, policy_loss, value_loss
+from rlhf_core.losses import entropy_from_logits, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_mean, masked_var, masked_whiten
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
 from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
 
 
 class MinibatchStats(NamedTuple):
-    """Detached statistics of one minibatch (scalar tensors); :class:`PPOStats` averages them."""
+    """Detached statistics of one minibatch (scalar tensors); :class:`PPOStats` averages them.
+
+    The value statistics are None in an update without a critic.
+    """
 
     policy_loss: torch.Tensor
-    value_loss: torch.Tensor
+    value_loss: torch.Tensor | None
     clip_fraction: torch.Tensor
-    value_clip_fraction: torch.Tensor
+    value_clip_fraction: torch.Tensor | None
     approx_kl: torch.Tensor
     entropy: torch.Tensor
+    ref_kl: torch.Tensor
 
 
 class PPOStats(NamedTuple):
-    """Means over the optimizer steps taken (scalar tensors), plus counts."""
+    """Means over the optimizer steps taken (scalar tensors), plus counts; value statistics None without a critic.
+
+    ``policy_loss`` includes the KL term when ``kl_loss_coef`` > 0; ``ref_kl`` is the mean k3 KL
+    of the current policy to the reference over valid tokens.
+    """
 
     policy_loss: torch.Tensor
-    value_loss: torch.Tensor
+    value_loss: torch.Tensor | None
     clip_fraction: torch.Tensor
-    value_clip_fraction: torch.Tensor
+    value_clip_fraction: torch.Tensor | None
     approx_kl: torch.Tensor
     entropy: torch.Tensor
-    explained_variance: torch.Tensor
+    ref_kl: torch.Tensor
+    explained_variance: torch.Tensor | None
     optimizer_steps: int
     early_stopped: bool
 
@@ -60,7 +76,8 @@ class PPOStats(NamedTuple):
 class PPOProgress(NamedTuple):
     """Where an update stands after a whole epoch: enough to continue it exactly after a crash.
 
-    ``totals`` are the running sums of the :class:`MinibatchStats` fields, by name, as floats.
+    ``totals`` are the running sums of the :class:`MinibatchStats` fields that the update has
+    (the value ones only with a critic), by name, as floats.
     """
 
     epochs_done: int
@@ -70,7 +87,7 @@ class PPOProgress(NamedTuple):
 
 class _Losses(NamedTuple):
     actor_loss: torch.Tensor
-    critic_loss: torch.Tensor
+    critic_loss: torch.Tensor | None
     stats: MinibatchStats
 
 
@@ -85,10 +102,17 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def _minibatch_losses(
-    actor: PreTrainedModel, critic: Critic, batch: Experience, config: PPOConfig, *, temperature: float
+    actor: PreTrainedModel,
+    critic: Critic | None,
+    batch: Experience,
+    config: PPOConfig,
+    *,
+    temperature: float,
+    norm_tokens: int | None,
 ) -> _Losses:
-    """Policy loss, value loss and detached stats for one minibatch."""
+    """Policy loss (with its KL term), value loss (with a critic) and detached stats for one minibatch."""
     prompt_length = batch.prompt_length
+    aggregation = {"aggregation": config.aggregation, "norm_tokens": norm_tokens}
     logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
     scaled = logits.float() / temperature  # (b, R, V)
     logprobs = logprobs_from_logits(scaled, batch.sequences[:, prompt_length:])  # (b, R)
@@ -99,43 +123,53 @@ def _minibatch_losses(
         batch.action_mask,
         clip_eps=config.clip_eps,
         dual_clip=config.dual_clip,
-        aggregation=config.aggregation,
+        **aggregation,
     )
+    # Without the KL term it is only a statistic: no graph through it.
+    with torch.set_grad_enabled(bool(config.kl_loss_coef) and torch.is_grad_enabled()):
+        kl_loss, kl_stats = reference_kl_loss(logprobs, batch.ref_logprobs, batch.action_mask, **aggregation)
+    if config.kl_loss_coef:
+        actor_loss = actor_loss + config.kl_loss_coef * kl_loss
     # Without an entropy bonus the entropy is only a statistic: no autograd graph over (b, R, V).
     with torch.set_grad_enabled(bool(config.entropy_coef) and torch.is_grad_enabled()):
         entropy = masked_mean(entropy_from_logits(scaled), batch.action_mask)
     if config.entropy_coef:
         actor_loss = actor_loss - config.entropy_coef * entropy
-    values = response_slice(critic(batch.sequences, batch.attention_mask), prompt_length)  # (b, R)
-    critic_loss, value_stats = value_loss(
-        values,
-        batch.old_values,
-        batch.returns,
-        batch.action_mask,
-        value_clip_eps=config.value_clip_eps,
-        aggregation=config.aggregation,
-    )
+    critic_loss = value_clip_fraction = None
+    if critic is not None:
+        values = response_slice(critic(batch.sequences, batch.attention_mask), prompt_length)  # (b, R)
+        critic_loss, value_stats = value_loss(
+            values,
+            batch.old_values,
+            batch.returns,
+            batch.action_mask,
+            value_clip_eps=config.value_clip_eps,
+            **aggregation,
+        )
+        value_clip_fraction = value_stats.clip_fraction
     stats = MinibatchStats(
         policy_loss=actor_loss.detach(),
-        value_loss=critic_loss.detach(),
+        value_loss=None if critic_loss is None else critic_loss.detach(),
         clip_fraction=policy_stats.clip_fraction,
-        value_clip_fraction=value_stats.clip_fraction,
+        value_clip_fraction=value_clip_fraction,
         approx_kl=policy_stats.approx_kl,
         entropy=entropy.detach(),
+        ref_kl=kl_stats.kl,
     )
     return _Losses(actor_loss, critic_loss, stats)
 
 
 def ppo_update(
     actor: PreTrainedModel,
-    critic: Critic,
+    critic: Critic | None,
     actor_optimizer: torch.optim.Optimizer,
-    critic_optimizer: torch.optim.Optimizer,
+    critic_optimizer: torch.optim.Optimizer | None,
     experience: Experience,
     config: PPOConfig,
     *,
     accelerator: Accelerator,
     temperature: float,
+    norm_tokens: int | None = None,
     generator: torch.Generator | None = None,
     resume: PPOProgress | None = None,
     on_epoch_end: Callable[[PPOProgress], None] | None = None,
@@ -143,12 +177,15 @@ def ppo_update(
     """``config.epochs`` passes of minibatch PPO over ``experience``.
 
     Args:
-        actor, critic: trainable models, ``accelerator.prepare``d.
-        actor_optimizer, critic_optimizer: their optimizers, ``prepare``d too.
-        experience: scored experience (advantages and returns filled in).
-        config: epochs, minibatch size, clip ranges, entropy weight, gradient clip, target KL.
+        actor, critic: trainable models, ``accelerator.prepare``d; ``critic`` None for a
+            critic-free estimator (the actor alone is updated).
+        actor_optimizer, critic_optimizer: their optimizers, ``prepare``d too (None with no critic).
+        experience: scored experience (advantages and returns filled in; values with a critic).
+        config: epochs, minibatch size, clip ranges, entropy and KL weights, gradient clip,
+            target KL, loss aggregation.
         accelerator: drives backward passes, gradient clipping and mixed precision.
         temperature: the sampling temperature the rollout used (log-probs must match it).
+        norm_tokens: the constant of the ``token_sum_norm`` aggregation (the generation budget).
         generator: CPU random stream for minibatch shuffling.
         resume: continue after ``resume.epochs_done`` epochs; the caller restores the models,
             optimizers and ``generator`` state saved at that point.
@@ -160,35 +197,41 @@ def ppo_update(
     """
     if not experience.is_scored:
         raise ValueError("`experience` has no advantages/returns: run score_experience first")
+    if (critic is None) != (critic_optimizer is None):
+        raise ValueError("pass `critic` and `critic_optimizer` together, or neither (a critic-free update)")
+    if critic is not None and experience.old_values is None:
+        raise ValueError("the experience has no critic values (a rollout without a critic): it cannot train one")
     experience = experience.to(accelerator.device)
-    advantages = experience.advantages
-    if config.whiten_advantages:
-        advantages = masked_whiten(advantages, experience.action_mask)
-    experience = experience.replace(advantages=advantages)
-    variance_explained = explained_variance(experience.old_values, experience.returns, experience.action_mask)
+    variance_explained = None
+    if critic is not None:
+        if config.whiten_advantages:
+            experience = experience.replace(advantages=masked_whiten(experience.advantages, experience.action_mask))
+        variance_explained = explained_variance(experience.old_values, experience.returns, experience.action_mask)
 
-    totals = {name: torch.tensor(resume.totals[name]) for name in MinibatchStats._fields} if resume else None
+    totals = {name: torch.tensor(total) for name, total in resume.totals.items()} if resume else None
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
     with dropout_disabled(actor, critic), fused_activations(actor, critic):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             for batch in experience.minibatches(config.minibatch_size, generator=generator):
-                # 1. losses on the current policy and critic; stop before stepping past the KL target
-                losses = _minibatch_losses(actor, critic, batch, config, temperature=temperature)
+                # 1. losses on the current policy (and critic); stop before stepping past the KL target
+                losses = _minibatch_losses(
+                    actor, critic, batch, config, temperature=temperature, norm_tokens=norm_tokens
+                )
                 if config.target_kl is not None and losses.stats.approx_kl.item() > config.target_kl:
                     early_stopped = True
                     break
                 # 2. one step for each model, each with its own gradient clip
-                for loss, model, optimizer in (
-                    (losses.actor_loss, actor, actor_optimizer),
-                    (losses.critic_loss, critic, critic_optimizer),
-                ):
+                steps_to_take = [(losses.actor_loss, actor, actor_optimizer)]
+                if critic is not None:
+                    steps_to_take.append((losses.critic_loss, critic, critic_optimizer))
+                for loss, model, optimizer in steps_to_take:
                     optimizer.zero_grad(set_to_none=True)
                     accelerator.backward(loss)
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                     optimizer.step()
-                # 3. bookkeeping
-                step_stats = losses.stats._asdict()
+                # 3. bookkeeping (the value statistics only with a critic)
+                step_stats = {name: value for name, value in losses.stats._asdict().items() if value is not None}
                 totals = step_stats if totals is None else {name: totals[name] + step_stats[name] for name in totals}
                 steps += 1
             if early_stopped:
@@ -197,5 +240,5 @@ def ppo_update(
                 on_epoch_end(PPOProgress(epoch + 1, {name: float(total) for name, total in totals.items()}, steps))
     if steps == 0 or totals is None:
         raise ValueError("the update took no optimizer step (`target_kl` exceeded before the first step)")
-    means = {name: total / steps for name, total in totals.items()}
+    means = {name: totals[name] / steps if name in totals else None for name in MinibatchStats._fields}
     return PPOStats(**means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)

@@ -14,11 +14,11 @@ Choices:
    ``pad_token_id`` and attention 0, response right-padded with ``pad_token_id``, attention 0,
    action mask False and 0.0 in every float field. So a batch written padded to its longest row
    reads back equal (``torch.equal``) field by field.
+5. ``Experience.group_ids`` is the ``prompt_id`` column; ``old_values`` None is a null
+   ``old_values`` in every row (a rollout without a critic), and only all or none may be null.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +29,7 @@ from rlhf_core.experience import Experience
 from storage.schemas import (
     EXPERIENCE,
     EXPERIENCE_TOKEN_COLUMNS,
+    OLD_VALUES,
     PROMPT_ID,
     PROMPT_IDS,
     RESPONSE_IDS,
@@ -36,6 +37,7 @@ from storage.schemas import (
     SCORED_EXPERIENCE,
     SCORED_TOKEN_COLUMNS,
     SCORES,
+    TOKEN_FLOATS,
     conform,
 )
 
@@ -72,31 +74,29 @@ def _float_values(experience: Experience, name: str, mask: torch.Tensor) -> torc
     return tensor.float()[mask]  # (sum of lengths,)
 
 
-def experience_to_table(
-    experience: Experience, prompt_ids: Sequence[int] | torch.Tensor, *, first_row: int = 0
-) -> pa.Table:
+def experience_to_table(experience: Experience, *, first_row: int = 0) -> pa.Table:
     """Turn a padded Experience batch into rows with unpadded token and per-token float lists.
 
     Args:
-        experience: the batch; scored (rewards, kl, advantages, returns set) or not.
-        prompt_ids: the dataset id of each row's prompt, one int per row (not token ids).
+        experience: the batch, with ``group_ids`` (each row's prompt id, stored as ``prompt_id``);
+            scored (rewards, kl, advantages, returns set) or not.
         first_row: the ``row`` value of the first row (rows are numbered consecutively from it).
 
     Returns:
         A table with the ``SCORED_EXPERIENCE`` schema if ``experience.is_scored``, else ``EXPERIENCE``.
 
     Raises:
-        ValueError: the padding is not the left-prompt/right-response layout, the response half of
-            the attention mask differs from the action mask, a float field is float64, or a token
-            id does not fit int32.
+        ValueError: ``group_ids`` is missing, the padding is not the left-prompt/right-response
+            layout, the response half of the attention mask differs from the action mask, a float
+            field is float64, or a token id does not fit int32.
 
     Shapes:
-        experience: sequences (B, T), action_mask (B, R), ...; prompt_ids: (B,).
+        experience: sequences (B, T), action_mask (B, R), group_ids (B,), ...
     """
     batch, prompt_length = experience.batch_size, experience.prompt_length
-    row_prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).cpu().reshape(-1)  # (B,)
-    if row_prompt_ids.shape[0] != batch:
-        raise ValueError(f"`prompt_ids` has {row_prompt_ids.shape[0]} entries for a batch of {batch} rows")
+    if experience.group_ids is None:
+        raise ValueError("`group_ids` is None: every stored row needs its prompt's id (the `prompt_id` column)")
+    row_prompt_ids = experience.group_ids.detach().cpu().long()  # (B,)
     sequences = experience.sequences.detach().cpu().long()  # (B, T)
     attention = experience.attention_mask.detach().cpu()  # (B, T)
     action_mask = experience.action_mask.detach().cpu()  # (B, R)
@@ -122,6 +122,9 @@ def experience_to_table(
     }
     token_columns = EXPERIENCE_TOKEN_COLUMNS + (SCORED_TOKEN_COLUMNS if experience.is_scored else ())
     for name in token_columns:
+        if getattr(experience, name) is None:
+            columns[name] = pa.nulls(batch, type=TOKEN_FLOATS)
+            continue
         columns[name] = _list_array(_float_values(experience, name, action_mask), response_lengths, pa.float32())
     scores = experience.scores.detach().cpu()
     if scores.dtype not in _EXACT_FLOATS:
@@ -148,11 +151,13 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
 
     Returns:
         An Experience with ``P`` / ``R`` the longest prompt / response in the table; int64
-        ``sequences`` and ``attention_mask``, bool ``action_mask``, float32 everything else.
+        ``sequences``, ``attention_mask`` and ``group_ids``, bool ``action_mask``, float32
+        everything else; ``old_values`` None when the column is null.
 
     Raises:
-        ValueError: the table is empty, does not match the schema, or a per-token list's length
-            differs from its row's ``response_ids`` (the message names the column and row).
+        ValueError: the table is empty, does not match the schema, a per-token list's length
+            differs from its row's ``response_ids`` (the message names the column and row), or
+            ``old_values`` is null in some rows only.
 
     Shapes:
         returns sequences, attention_mask: (B, P + R); action_mask and per-token fields: (B, R); scores: (B,).
@@ -174,12 +179,19 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
     prompt[prompt_mask] = torch.from_numpy(prompt_values.astype(np.int64))
     response = torch.full((batch, response_length), pad_token_id, dtype=torch.long)  # (B, R)
     response[action_mask] = torch.from_numpy(response_values.astype(np.int64))
-    fields: dict[str, torch.Tensor] = {
+    fields: dict[str, torch.Tensor | None] = {
         "sequences": torch.cat([prompt, response], dim=1),  # (B, T)
         "attention_mask": torch.cat([prompt_mask, action_mask], dim=1).long(),  # (B, T)
         "action_mask": action_mask,
+        "group_ids": torch.from_numpy(table.column(PROMPT_ID).to_numpy().astype(np.int64, copy=True)),  # (B,)
     }
     for name in EXPERIENCE_TOKEN_COLUMNS + (SCORED_TOKEN_COLUMNS if scored else ()):
+        nulls = table.column(name).null_count
+        if name == OLD_VALUES and nulls == batch:
+            fields[name] = None
+            continue
+        if nulls:
+            raise ValueError(f"column `{name}` is null in {nulls} of {batch} rows: all or none may be null")
         values, lengths = _flat(table.column(name))
         if not np.array_equal(lengths, response_lengths):
             row = int(np.nonzero(lengths != response_lengths)[0][0])

@@ -5,7 +5,8 @@ Conventions:
 1. Token ids are ``list<int32>`` and per-token floats ``list<float32>``; every per-token list of
    a row has the length of that row's response action tokens (``len(response_ids)``), with no
    padding stored. Padding is re-created on read (:mod:`storage.experience_io`).
-2. Top-level columns are non-nullable: a missing value is an error, never a silent null.
+2. Top-level columns are non-nullable: a missing value is an error, never a silent null. The one
+   exception says something: ``old_values`` is null in every row of a rollout without a critic.
 3. ``SCHEMA_VERSION`` goes into every manifest and every input key; bump it whenever a schema
    changes so old outputs are recomputed rather than misread.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
 ``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime.
-3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files."""
+3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files.
+4: ``old_values`` is null in every row of a rollout made without a critic (critic-free estimators);
+``prompt_id`` is also the group of each row (``Experience.group_ids``)."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
@@ -52,8 +55,8 @@ CHAT_MESSAGES = pa.list_(
 TOKEN_FLOATS = pa.list_(pa.float32())
 
 
-def _schema(*fields: tuple[str, pa.DataType]) -> pa.Schema:
-    return pa.schema([pa.field(name, dtype, nullable=False) for name, dtype in fields])
+def _schema(*fields: tuple[str, pa.DataType], nullable: tuple[str, ...] = ()) -> pa.Schema:
+    return pa.schema([pa.field(name, dtype, nullable=name in nullable) for name, dtype in fields])
 
 
 #: Prompts to sample from (stage 1 input). ``prompt`` is the text of a plain prompt, or a readable
@@ -93,8 +96,9 @@ EXPERIENCE_TOKEN_COLUMNS = (OLD_LOGPROBS, REF_LOGPROBS, OLD_VALUES)
 #: Per-token fields that stage 5 adds, in schema order.
 SCORED_TOKEN_COLUMNS = (REWARDS, KL, ADVANTAGES, RETURNS)
 
-#: Rollout experience (stage 4 output). ``prompt_ids`` is the unpadded prompt, ``response_ids``
-#: the unpadded action tokens.
+#: Rollout experience (stage 4 output). ``prompt_id`` is the prompt's id in its file (the rows of one
+#: prompt form a group), ``prompt_ids`` the unpadded prompt tokens, ``response_ids`` the unpadded
+#: action tokens; ``old_values`` is null throughout when the rollout had no critic.
 EXPERIENCE = _schema(
     (ROW, pa.int64()),
     (PROMPT_ID, pa.int64()),
@@ -102,6 +106,7 @@ EXPERIENCE = _schema(
     (RESPONSE_IDS, TOKEN_IDS),
     *((name, TOKEN_FLOATS) for name in EXPERIENCE_TOKEN_COLUMNS),
     (SCORES, pa.float32()),
+    nullable=(OLD_VALUES,),
 )
 
 #: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).

@@ -1,7 +1,18 @@
-"""Stage 5, compute rewards, KL and GAE: pure, so replaying it with new settings is cheap."""
+"""Stage 5, compute rewards, KL and advantages: pure, so replaying it with new settings is cheap.
+
+With ``advantages.kl_target`` set, the KL coefficient is the adaptive controller's (Ziegler et al.
+2019): this stage shapes with the coefficient the previous iteration's stage 5 handed on (or
+``advantages.kl_coef`` at the start), records it as ``kl_coef``, and records the next one,
+updated from the KL it measured here, as ``next_kl_coef``. The previous iteration's output is an
+upstream of this one, so resuming, continuing and replaying all start from the coefficient the
+data carries, never from a value kept in memory.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+from rlhf_core.advantages import adaptive_kl_coef
 from rlhf_core.config import AdvantageConfig
 from rlhf_core.experience_maker import score_experience
 from rlhf_core.masked import masked_mean
@@ -13,6 +24,16 @@ from tasks.context import StageContext
 from tasks.stage import StageResult, stage
 
 STAGE = "compute_advantages"
+NEXT_KL_COEF = "next_kl_coef"
+"""The metric that hands the adaptive controller's coefficient to the next iteration's stage 5."""
+
+
+def starting_kl_coef(advantages: AdvantageConfig, previous: StageResult | None) -> float:
+    """The reward's KL coefficient for this iteration: the controller's carried value when it is on and
+    the previous iteration handed one on, else the configured ``kl_coef``."""
+    if advantages.kl_target is not None and previous is not None and NEXT_KL_COEF in previous.metrics:
+        return previous.metrics[NEXT_KL_COEF]
+    return advantages.kl_coef
 
 
 @stage(STAGE)
@@ -20,35 +41,53 @@ def compute_advantages(
     out: StageOutput,
     context: StageContext,
     experience: StageResult,
-    reward_model: StageResult,
+    reward_model: StageResult | None,
+    previous: StageResult | None,
     *,
     advantages: AdvantageConfig,
     rows_per_shard: int,
 ) -> dict[str, float]:
-    """Write the ``scored_experience`` table: per-token rewards, KL, advantages and returns."""
+    """Write the ``scored_experience`` table: per-token rewards, KL, advantages and returns.
+
+    Args:
+        reward_model: the reward model whose held-out score statistics normalise the scores, or
+            None for a reward function's scores (used as they are).
+        previous: the previous iteration's output of this stage (None in the first iteration):
+            where the adaptive KL coefficient comes from.
+    """
     table = read_table(experience.directory, "experience")
     # Only masks and per-token floats are read here and padding is stripped again on write,
     # so the id used to pad token columns cannot change the output.
     rollouts = table_to_experience(table, pad_token_id=0)
-    # The reward model's held-out statistics; a pretrained one used as it is has none, so the
-    # experience's own scores stand in (a pure function of the shards all the same).
-    statistics = reward_model.metrics
-    if "score_mean" in statistics:
-        score_mean, score_std = statistics["score_mean"], statistics["score_std"]
+    kl_coef = starting_kl_coef(advantages, previous)
+    if reward_model is None:  # a reward function has no held-out score statistics: its scores are used as they are
+        advantages = dataclasses.replace(advantages, normalize_scores=False)
+        score_mean, score_std = 0.0, 1.0
+    elif "score_mean" in reward_model.metrics:  # the reward model's held-out statistics
+        score_mean, score_std = reward_model.metrics["score_mean"], reward_model.metrics["score_std"]
     else:
+        # A pretrained reward model used as it is has none, so the experience's own scores stand in
+        # (a pure function of the shards all the same).
         score_mean = float(rollouts.scores.mean())
         score_std = float(rollouts.scores.std()) if rollouts.batch_size > 1 else 1.0
-    scored = score_experience(rollouts, advantages, score_mean=score_mean, score_std=score_std)
+    scored = score_experience(rollouts, advantages, score_mean=score_mean, score_std=score_std, kl_coef=kl_coef)
     out.write_table(
         "scored_experience",
-        experience_to_table(scored, table.column("prompt_id").to_pylist(), first_row=table.column("row")[0].as_py()),
+        experience_to_table(scored, first_row=table.column("row")[0].as_py()),
         schema=SCORED_EXPERIENCE,
         rows_per_shard=rows_per_shard,
     )
     mask = scored.action_mask
-    return {
-        "kl_mean": float(scored.kl.sum(dim=1).mean()),
+    kl_mean = float(scored.kl.sum(dim=1).mean())
+    metrics = {
+        "kl_mean": kl_mean,
+        "kl_coef": kl_coef if advantages.kl_in == "reward" else 0.0,
         "reward_mean": float(scored.rewards.sum(dim=1).mean()),
         "advantage_mean": float(masked_mean(scored.advantages, mask)),
         "return_mean": float(masked_mean(scored.returns, mask)),
     }
+    if advantages.kl_target is not None:
+        metrics[NEXT_KL_COEF] = adaptive_kl_coef(
+            kl_coef, kl_mean, target=advantages.kl_target, horizon=advantages.kl_horizon, steps=scored.batch_size
+        )
+    return metrics

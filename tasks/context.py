@@ -27,6 +27,7 @@ from rlhf_core.precision import Precision, resolve_device
 from storage.layout import RunLayout
 from storage.tracking import Tracker
 from tasks.judge import JudgeReference
+from tasks.reward_function import RewardFunctionReference
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class BaseInputs:
         preferences: the file of preference pairs to import (labeler ``import``), or None. Only
             the preference stage reads it, so it is that stage's setting, not in :attr:`fingerprint`.
         reward_model: a pretrained reward model folder (with its own tokenizer), or None.
+        reward_function: the reward function that scores rollouts (``reward.source: function``),
+            or None when a reward model does. A setting of the stages that score, like ``judge``.
     """
 
     policy: InputFile
@@ -64,6 +67,7 @@ class BaseInputs:
     judge: JudgeReference | None = None
     preferences: InputFile | None = None
     reward_model: InputFile | None = None
+    reward_function: RewardFunctionReference | None = None
 
     @property
     def bases(self) -> dict[str, str]:

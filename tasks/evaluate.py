@@ -1,6 +1,6 @@
 """Stage 7, evaluate: the policy against the frozen initial policy (the reference) on held-out prompts.
 
-Reports the reward model's score of both, the KL to the reference (mean over responses of the
+Reports the reward's score of both (the reward model's, or the reward function's), the KL to the reference (mean over responses of the
 summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
 applies, the gold score of both and the policy's gold win rate against the reference (ties count
 half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed.
@@ -20,6 +20,7 @@ from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from tasks.context import StageContext
 from tasks.judge import JudgeReference
+from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.stage import StageResult, stage, stage_models
 from tasks.text import (
     batches,
@@ -40,28 +41,36 @@ def evaluate(
     out: StageOutput,
     context: StageContext,
     policy: StageResult,
-    reward_model: StageResult,
+    reward_model: StageResult | None,
     *,
     sampling: SamplingConfig,
     precision: Precision,
     prompts: int,
     judge: JudgeReference | None,
+    reward_function: RewardFunctionReference | None,
 ) -> dict[str, float]:
     """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics.
 
     Args:
+        reward_model: the reward model's output, or None when ``reward_function`` scores instead.
         prompts: how many held-out prompts to evaluate (the first ones of the file).
         judge: the gold judge, or None for no gold metrics.
+        reward_function: the reward function (``reward.source: function``), or None.
     """
+    if (reward_model is None) == (reward_function is None):
+        raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
     sides = {"policy": actor, "reference": models.reference(actor)}
-    scorer = reward_scorer(
-        models.load("reward_model", reward_model.directory / "reward_model"),
-        policy_tokenizer_dir=context.base.tokenizer.path,
-        reward_tokenizer_dir=context.base.reward_tokenizer,
-    )
+    scorer = None
+    if reward_model is not None:
+        scorer = reward_scorer(
+            models.load("reward_model", reward_model.directory / "reward_model"),
+            policy_tokenizer_dir=context.base.tokenizer.path,
+            reward_tokenizer_dir=context.base.reward_tokenizer,
+        )
+    function = None if reward_function is None else reward_function.load()
     held_out = read_prompts(context.base.eval_prompts.path)[:prompts]
     records: list[dict] = []
     rewards: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
@@ -82,9 +91,17 @@ def evaluate(
                     generator=torch.Generator().manual_seed(context.stage_seed(STAGE) + part.start),
                 )
                 responses[side] = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
-                scores = scorer.score(
-                    held_out[part], generation.sequences, generation.attention_mask, prompt_length=prompt_ids.shape[1]
-                )
+                if scorer is not None:
+                    scores = scorer.score(
+                        held_out[part],
+                        generation.sequences,
+                        generation.attention_mask,
+                        prompt_length=prompt_ids.shape[1],
+                    )
+                else:  # held-out prompts are named by their line in the file
+                    texts = [prompt.text for prompt in held_out[part]]
+                    ids = range(part.start, part.stop)
+                    scores = score_texts(function, reward_function.name, texts, responses[side], ids)
                 rewards[side].append(scores.cpu())
                 if side == "policy":
                     ref_logprobs = sequence_logprobs(

@@ -1,5 +1,8 @@
 """Stage 6, PPO update: new actor and critic checkpoints from the scored experience.
 
+With a critic-free estimator (``critic`` False) the actor alone is loaded, trained and saved: the
+new policy has no ``critic/``, and neither have the policies after it.
+
 The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models,
 optimizers, the shuffling stream and running statistics); a crashed run continues from the last
 saved epoch and ends exactly where an uninterrupted one would.
@@ -78,10 +81,11 @@ def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 def _save_state(
     folder: Path, actor, critic, optimizers, generator: torch.Generator, progress: PPOProgress | None, tokenizer
 ) -> None:
-    """Actor, critic, both optimizer states and (mid-stage) the progress and shuffling stream."""
+    """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
     save_model(folder / "actor", actor, tokenizer)
-    save_model(folder / "critic", critic, tokenizer)
-    for name, optimizer in zip(OPTIMIZERS, optimizers, strict=True):
+    if critic is not None:
+        save_model(folder / "critic", critic, tokenizer)
+    for name, optimizer in zip(OPTIMIZERS, optimizers, strict=False):
         save_training_state(
             folder / name, optimizer=optimizer, step=progress.optimizer_steps if progress else 0, rng=False
         )
@@ -99,16 +103,25 @@ def ppo_update(
     scored: StageResult,
     *,
     ppo: PPOConfig,
+    critic: bool,
     precision: Precision,
     temperature: float,
+    max_new_tokens: int,
 ) -> dict[str, float]:
-    """Write ``actor/``, ``critic/`` and their optimizer states after PPO epochs over the experience.
+    """Write ``actor/`` (and ``critic/``) and their optimizer states after PPO epochs over the experience.
 
     Args:
         optimizer: the optimizer states of ``policy`` to continue (see :func:`optimizer_state`);
             None starts fresh ones.
+        critic: train the policy's critic (GAE), or update the actor alone (critic-free estimators).
         temperature: the sampling temperature of the rollout (the update's log-probs use it too).
+        max_new_tokens: the generation budget, the constant of the ``token_sum_norm`` aggregation.
     """
+    if critic and not (policy.directory / "critic").is_dir():
+        raise ValueError(
+            f"advantages.estimator gae trains a critic, but the policy in {policy.directory} has none (it was "
+            "trained by a critic-free estimator): keep a critic-free estimator, or start a new campaign"
+        )
     models = stage_models(out, context, precision)
     accelerator = models.accelerator()
     tokenizer = load_tokenizer(context.base.tokenizer.path)
@@ -127,44 +140,43 @@ def ppo_update(
         resume = PPOProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
     actor = models.load("actor", source / "actor", trainable=True)
-    critic = models.load("critic", source / "critic", trainable=True)
-    optimizers = (
-        torch.optim.AdamW(_trained(actor), lr=ppo.actor_learning_rate),
-        torch.optim.AdamW(_trained(critic), lr=ppo.critic_learning_rate),
-    )
+    trained = [(actor, ppo.actor_learning_rate)]
+    if critic:
+        trained.append((models.load("critic", source / "critic", trainable=True), ppo.critic_learning_rate))
+    optimizers = [torch.optim.AdamW(_trained(model), lr=rate) for model, rate in trained]
     if states is not None:
-        for name, state in zip(OPTIMIZERS, optimizers, strict=True):
+        # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
+        for name, state in zip(OPTIMIZERS, optimizers, strict=False):
             load_training_state(states / name, optimizer=state)
-    actor, critic, *optimizers = accelerator.prepare(actor, critic, *optimizers)
+    actor, *rest = accelerator.prepare(*(model for model, _ in trained), *optimizers)
+    value_model = rest.pop(0) if critic else None
+    optimizers = rest
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     bar = tqdm(total=ppo.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch")
 
+    def save(folder: Path, progress: PPOProgress | None) -> None:
+        unwrap = accelerator.unwrap_model
+        critic_model = None if value_model is None else unwrap(value_model)
+        _save_state(folder, unwrap(actor), critic_model, optimizers, generator, progress, tokenizer)
+
     def save_epoch(progress: PPOProgress) -> None:
         bar.update(1)
         if progress.epochs_done < ppo.epochs and throttle.due():
-            unwrap = accelerator.unwrap_model
-            save_progress(
-                out.final_dir,
-                progress.epochs_done,
-                lambda folder: _save_state(
-                    folder, unwrap(actor), unwrap(critic), optimizers, generator, progress, tokenizer
-                ),
-            )
+            save_progress(out.final_dir, progress.epochs_done, lambda folder: save(folder, progress))
 
     experience = table_to_experience(
         read_table(scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
     stats = update(
-        actor, critic, *optimizers, experience, ppo,
-        accelerator=accelerator, temperature=temperature, generator=generator,
+        actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
+        accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
         resume=resume, on_epoch_end=save_epoch,
     )  # fmt: skip
     bar.close()
-    unwrap = accelerator.unwrap_model
-    _save_state(out.path, unwrap(actor), unwrap(critic), optimizers, generator, None, tokenizer)
+    save(out.path, None)
     out.prunable.update(OPTIMIZERS)
     return {
-        **{name: float(value) for name, value in stats._asdict().items()},
+        **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),
     }

@@ -32,6 +32,13 @@ def upstream_result(context: StageContext, result: StageResult, name: str) -> St
     return recorded_result(context, run_id)
 
 
+def optional_upstream_result(context: StageContext, result: StageResult, name: str) -> StageResult | None:
+    """:func:`upstream_result`, or None when ``result`` had no upstream ``name`` (it was called with None)."""
+    if name not in read_manifest(result.directory, verify=False).upstream:
+        return None
+    return upstream_result(context, result, name)
+
+
 def upstream_names(result: StageResult, *, prefix: str) -> list[str]:
     """The names of ``result``'s upstream outputs that start with ``prefix``, in their numeric order
     (``preferences_0``, ``preferences_1``, ...)."""

@@ -1,19 +1,38 @@
-"""Stage 4, roll out experience: sample from the actor, score with reference, critic and reward model."""
+"""Stage 4, roll out experience: sample from the actor, score with reference, critic and a reward.
+
+Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLOO); the prompt's
+id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
+policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
+a reward function of the prompt's and the response's text.
+"""
 
 from __future__ import annotations
 
 import pyarrow as pa
+import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import SamplingConfig
-from rlhf_core.experience_maker import ExperienceMaker
+from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
 from rlhf_core.precision import Precision
 from storage.experience_io import experience_to_table
 from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
 from tasks.context import StageContext
+from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.stage import StageResult, stage, stage_models
-from tasks.text import batches, encode_prompts, load_tokenizer, read_prompts, reward_scorer, rotating_subset
+from tasks.text import (
+    Prompt,
+    RewardScorer,
+    batches,
+    decode,
+    encode_prompts,
+    load_tokenizer,
+    read_prompts,
+    response_token_lists,
+    reward_scorer,
+    rotating_subset,
+)
 
 STAGE = "rollout"
 ROLLOUT_PROMPT_OFFSET = 7919
@@ -21,28 +40,72 @@ ROLLOUT_PROMPT_OFFSET = 7919
 preference prompts of the same iteration, so the two stages see different prompts where they can."""
 
 
+def model_scorer(scorer: RewardScorer, prompts: list[Prompt], prompt_length: int) -> ScoreFn:
+    """One batch's :data:`ScoreFn` from the reward model (in its own tokens; see :class:`tasks.text.RewardScorer`)."""
+
+    def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return scorer.score(prompts, sequences, attention_mask, prompt_length=prompt_length)
+
+    return score
+
+
+def function_scorer(
+    reward_function: RewardFunctionReference,
+    tokenizer,
+    prompts: list[Prompt],
+    prompt_ids: list[int],
+    prompt_length: int,
+) -> ScoreFn:
+    """One batch's :data:`ScoreFn` from a reward function of text: decode each row's response and score it
+    with its prompt's text (a chat prompt's readable rendering).
+
+    Args:
+        prompts, prompt_ids: each row's prompt and its id (a prompt sampled G times appears G times).
+        prompt_length: P, the batch's padded prompt width (responses start there).
+    """
+    function = reward_function.load()
+    texts = [prompt.text for prompt in prompts]
+
+    def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        responses = decode(tokenizer, response_token_lists(sequences, attention_mask[:, prompt_length:].bool()))
+        return score_texts(function, reward_function.name, texts, responses, prompt_ids).to(sequences.device)
+
+    return score
+
+
 @stage(STAGE)
 def rollout(
     out: StageOutput,
     context: StageContext,
     policy: StageResult,
-    reward_model: StageResult,
+    reward_model: StageResult | None,
     *,
     sampling: SamplingConfig,
     precision: Precision,
     prompts: int,
+    samples_per_prompt: int,
     rows_per_shard: int,
+    reward_function: RewardFunctionReference | None,
 ) -> dict[str, float]:
-    """Write the ``experience`` table: one scored rollout for each of ``prompts`` prompts."""
+    """Write the ``experience`` table: ``samples_per_prompt`` scored rollouts for each of ``prompts`` prompts.
+
+    Args:
+        reward_model: the reward model's output, or None when ``reward_function`` scores instead.
+        reward_function: the reward function (``reward.source: function``), or None.
+    """
+    if (reward_model is None) == (reward_function is None):
+        raise ValueError("rollout needs exactly one reward: a reward model or a reward function")
     models = stage_models(out, context, precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
-    critic = models.load("critic", policy.directory / "critic")
-    scorer = reward_scorer(
-        models.load("reward_model", reward_model.directory / "reward_model"),
-        policy_tokenizer_dir=context.base.tokenizer.path,
-        reward_tokenizer_dir=context.base.reward_tokenizer,
-    )
+    critic = models.load("critic", policy.directory / "critic") if (policy.directory / "critic").is_dir() else None
+    scorer = None
+    if reward_model is not None:
+        scorer = reward_scorer(
+            models.load("reward_model", reward_model.directory / "reward_model"),
+            policy_tokenizer_dir=context.base.tokenizer.path,
+            reward_tokenizer_dir=context.base.reward_tokenizer,
+        )
     reference = models.reference(actor)
     chosen = rotating_subset(
         read_prompts(context.base.prompts.path),
@@ -53,22 +116,31 @@ def rollout(
     generator = context.generator(STAGE)
     tables = []
     for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
-        batch = [prompt for _, prompt in chosen[part]]
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, batch)
+        # Each prompt's G samples sit in consecutive rows.
+        batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
+        group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
+        prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+        prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+        length = prompt_ids.shape[1]
+        if scorer is not None:
+            score = model_scorer(scorer, batch, length)
+        else:
+            score = function_scorer(reward_function, tokenizer, batch, group_ids, length)
         maker = ExperienceMaker(
             actor,
             critic,
-            lambda sequences, mask, batch=batch, length=prompt_ids.shape[1]: scorer.score(
-                batch, sequences, mask, prompt_length=length
-            ),
+            score,
             reference,
             sampling=sampling,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             precision=precision,
         )
-        experience = maker.make_experience(prompt_ids, prompt_mask, generator=generator)
-        tables.append(experience_to_table(experience, [index for index, _ in chosen[part]], first_row=part.start))
+        experience = maker.make_experience(
+            prompt_ids, prompt_mask, group_ids=torch.tensor(group_ids), generator=generator
+        )
+        tables.append(experience_to_table(experience, first_row=part.start * samples_per_prompt))
     table = pa.concat_tables(tables)
     out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
     scores = table.column("scores").to_pylist()

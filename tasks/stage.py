@@ -380,9 +380,10 @@ def _record_stage(
         tracker.log_stage_output(run_id, stage_dir, manifest)
         hold(stage, "recording")
         for suffix, subfolder in (register or {}).items() if context.register_models else ():
-            tracker.register_model(
-                run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder
-            )
+            if (stage_dir / subfolder).is_dir():  # a critic-free update writes no critic to register
+                tracker.register_model(
+                    run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder
+                )
         tracker.end_run(run_id)
     return run_id
 

@@ -11,7 +11,7 @@ from flows.config import ConfigError, PipelineConfig, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "tiny.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "demo-verifiable.yaml", "tiny.yaml"])
 def test_shipped_configs_load(name):
     assert isinstance(load_config(CONFIGS / name), PipelineConfig)
 
@@ -32,6 +32,9 @@ def test_overrides_apply_on_top_of_the_file():
         (["labeler=import"], "data.preferences"),  # a cross-field check
         (["campaign=has space"], "campaign"),
         (["nonsense"], "section.field=value"),
+        (["ppo.kl_loss_coef=0.1"], "advantages.kl_in"),
+        (["reward.source=function"], "reward.function"),
+        (["reward.source=model"], "reward.source"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_problem(overrides, named):
@@ -56,3 +59,13 @@ def test_config_renders_as_a_json_schema_form():
     schema = PipelineConfig.model_json_schema()
     assert {"sampling", "ppo", "advantages", "reward_model", "labeler"} <= set(schema["properties"])
     assert schema["properties"]["labeler"]["enum"] == ["gold", "import", "reward_model", "human"]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_estimator_without_groups_is_refused_naming_both_settings(estimator):
+    with pytest.raises(ConfigError, match=r"`advantages\.estimator` .*`sizes\.samples_per_prompt` >= 2, got 1"):
+        load_config(CONFIGS / "tiny.yaml", [f"advantages.estimator={estimator}"])
+    config = load_config(CONFIGS / "tiny.yaml", [f"advantages.estimator={estimator}", "sizes.samples_per_prompt=2"])
+    assert config.sizes.samples_per_prompt == 2
+    # REINFORCE++ and GAE need no groups.
+    load_config(CONFIGS / "tiny.yaml", ["advantages.estimator=reinforce_pp"])

@@ -44,6 +44,10 @@ INVALID = [
     (AdvantageConfig, "gae_lambda", 1.5),
     (AdvantageConfig, "gae_lambda", -0.5),
     (AdvantageConfig, "score_clip", 0.0),
+    (AdvantageConfig, "estimator", "ppo"),
+    (AdvantageConfig, "kl_in", "both"),
+    (AdvantageConfig, "kl_target", 0.0),
+    (AdvantageConfig, "kl_horizon", 0),
     (PPOConfig, "epochs", 0),
     (PPOConfig, "minibatch_size", 0),
     (PPOConfig, "actor_learning_rate", 0.0),
@@ -56,6 +60,7 @@ INVALID = [
     (PPOConfig, "target_kl", 0.0),
     (PPOConfig, "entropy_coef", -0.01),
     (PPOConfig, "aggregation", "sum"),
+    (PPOConfig, "kl_loss_coef", -0.01),
 ]
 
 
@@ -102,8 +107,21 @@ def test_boundary_values_are_accepted():
     AdvantageConfig(gamma=1.0, gae_lambda=0.0, score_clip=5.0)
     PPOConfig(dual_clip=None, value_clip_eps=None, target_kl=None, aggregation="sequence_mean")
     PPOConfig(dual_clip=1.5)
+    PPOConfig(aggregation="token_sum_norm", kl_loss_coef=0.0)
     for estimator in ("k1", "k2", "k3"):
         AdvantageConfig(kl_estimator=estimator)
+
+
+def test_the_adaptive_controller_needs_the_kl_in_the_reward():
+    with pytest.raises(ValueError, match="`kl_target`.*`kl_in`"):
+        AdvantageConfig(kl_target=3.0, kl_in="loss")
+    assert AdvantageConfig(kl_in="loss", kl_coef=0.3).reward_kl_coef == 0.0
+    assert AdvantageConfig(kl_coef=0.3).reward_kl_coef == 0.3
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_only_gae_uses_a_critic(estimator):
+    assert AdvantageConfig(estimator=estimator).uses_critic == (estimator == "gae")
 
 
 def test_replace_revalidates():

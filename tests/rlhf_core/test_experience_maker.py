@@ -166,3 +166,112 @@ def test_rescoring_a_scored_experience_recomputes_every_scored_field(parts):
     again = score_experience(second, AdvantageConfig(kl_coef=0.0, normalize_scores=False))
     for name in ("rewards", "kl", "advantages", "returns"):
         torch.testing.assert_close(getattr(again, name), getattr(first, name), rtol=0.0, atol=0.0)
+
+
+# ----------------------------------------------------------------------------- without a critic
+
+
+def test_without_a_critic_no_values_are_computed(parts):
+    actor, reference, _ = parts
+    maker = ExperienceMaker(
+        actor,
+        None,
+        count_score,
+        reference,
+        sampling=SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE),
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    ids, mask = left_padded(PROMPTS)
+    groups = torch.tensor([3, 3, 8, 8])
+    experience = maker.make_experience(ids, mask, group_ids=groups, generator=torch.Generator().manual_seed(24))
+    with_critic = make(parts)  # the same seed samples the same tokens
+    assert experience.old_values is None and torch.equal(experience.group_ids, groups)
+    assert torch.equal(experience.sequences, with_critic.sequences)
+    assert torch.equal(experience.scores, with_critic.scores)
+
+
+# ----------------------------------------------------------------------------- critic-free estimators, by hand
+
+
+def hand_experience() -> Experience:
+    """Two prompts with two samples each; d = logprobs - ref_logprobs per valid token (k1 = d):
+    row 0 [0.2, 0.1], row 1 [0.3 | pad], row 2 [0, 0], row 3 [-0.1, 0.4]; scores [1, 3, 2, 2]."""
+    f64 = torch.float64
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    ref = torch.tensor([[-1.0, -2.0], [-1.5, 0.0], [-0.5, -0.7], [-1.2, -0.9]], dtype=f64)
+    d = torch.tensor([[0.2, 0.1], [0.3, 0.0], [0.0, 0.0], [-0.1, 0.4]], dtype=f64)
+    sequences = torch.tensor([[5, 6, 7], [5, 8, PAD], [9, 6, 7], [9, 8, 6]])
+    return Experience(
+        sequences=sequences,
+        attention_mask=torch.cat([torch.ones(4, 1, dtype=torch.long), mask.long()], dim=1),
+        action_mask=mask,
+        old_logprobs=torch.where(mask, ref + d, 0.0),
+        ref_logprobs=torch.where(mask, ref, 0.0),
+        old_values=None,
+        scores=torch.tensor([1.0, 3.0, 2.0, 2.0], dtype=f64),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+    )
+
+
+EXACTISH = dict(rtol=1e-12, atol=1e-12)
+
+
+def test_rloo_with_the_kl_in_the_reward_by_hand():
+    # kl_coef 0.5: KL penalties -0.5 * d = row 0 [-0.1, -0.05], row 1 [-0.15], row 2 [0, 0], row 3 [0.05, -0.2];
+    # still to come from each token: row 0 [-0.15, -0.05], row 1 [-0.15], row 2 [0, 0], row 3 [-0.15, -0.2].
+    # RLOO: group 0 (scores 1, 3): 1 - 3 = -2, 3 - 1 = 2; group 1 (2, 2): 0, 0.
+    # Rewards (penalty + score on the last token): [-0.1, 0.95], [2.85 | 0], [0, 2], [0.05, 1.8];
+    # returns (reward-to-go): [0.85, 0.95], [2.85 | 0], [2, 2], [1.85, 1.8].
+    config = AdvantageConfig(estimator="rloo", kl_coef=0.5, normalize_scores=False)
+    scored = score_experience(hand_experience(), config)
+    f64 = torch.float64
+    expected_advantages = torch.tensor([[-2.15, -2.05], [1.85, 0.0], [0.0, 0.0], [-0.15, -0.2]], dtype=f64)
+    torch.testing.assert_close(scored.advantages, expected_advantages, **EXACTISH)
+    expected_rewards = torch.tensor([[-0.1, 0.95], [2.85, 0.0], [0.0, 2.0], [0.05, 1.8]], dtype=f64)
+    torch.testing.assert_close(scored.rewards, expected_rewards, **EXACTISH)
+    expected_returns = torch.tensor([[0.85, 0.95], [2.85, 0.0], [2.0, 2.0], [1.85, 1.8]], dtype=f64)
+    torch.testing.assert_close(scored.returns, expected_returns, **EXACTISH)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "outcome"),
+    [("rloo", [-2.0, 2.0, 0.0, 0.0]), ("dr_grpo", [-1.0, 1.0, 0.0, 0.0]), ("grpo", [-1 / 2**0.5, 1 / 2**0.5, 0, 0])],
+)
+def test_with_the_kl_in_the_loss_a_group_advantage_is_its_outcome_at_every_token(estimator, outcome):
+    # Group 0 (1, 3): mean 2, centred [-1, 1], unbiased std sqrt(2); group 1 (2, 2): all 0. No KL in the reward.
+    config = AdvantageConfig(estimator=estimator, kl_coef=0.5, kl_in="loss", normalize_scores=False)
+    scored = score_experience(hand_experience(), config)
+    mask = scored.action_mask
+    expected = torch.where(mask, torch.tensor(outcome, dtype=torch.float64)[:, None].expand(4, 2), 0.0)
+    torch.testing.assert_close(scored.advantages, expected, rtol=1e-6, atol=1e-6)
+    # the reward holds only the score (on the last token); the KL column still reports the estimate
+    torch.testing.assert_close(scored.rewards.sum(dim=1), scored.scores, **EXACTISH)
+    torch.testing.assert_close(scored.kl[0], torch.tensor([0.2, 0.1], dtype=torch.float64), **EXACTISH)
+
+
+def test_reinforce_pp_whitens_the_return_of_the_shaped_rewards():
+    from rlhf_core.masked import masked_whiten
+
+    config = AdvantageConfig(estimator="reinforce_pp", kl_coef=0.5, normalize_scores=False)
+    scored = score_experience(hand_experience(), config)
+    # returns as in the RLOO case above: [0.85, 0.95], [2.85 | 0], [2, 2], [1.85, 1.8]
+    expected_returns = torch.tensor([[0.85, 0.95], [2.85, 0.0], [2.0, 2.0], [1.85, 1.8]], dtype=torch.float64)
+    torch.testing.assert_close(scored.returns, expected_returns, **EXACTISH)
+    torch.testing.assert_close(scored.advantages, masked_whiten(expected_returns, scored.action_mask), **EXACTISH)
+
+
+def test_the_adaptive_coefficient_overrides_the_configured_one():
+    config = AdvantageConfig(estimator="reinforce_pp", kl_coef=0.5, normalize_scores=False)
+    overridden = score_experience(hand_experience(), config, kl_coef=0.25)
+    direct = score_experience(
+        hand_experience(), AdvantageConfig(estimator="reinforce_pp", kl_coef=0.25, normalize_scores=False)
+    )
+    torch.testing.assert_close(overridden.rewards, direct.rewards, **EXACTISH)
+
+
+def test_gae_needs_values_and_group_estimators_need_groups():
+    with pytest.raises(ValueError, match="`gae` needs the critic's values"):
+        score_experience(hand_experience(), AdvantageConfig())
+    with pytest.raises(ValueError, match="`grpo` needs `group_ids`"):
+        score_experience(hand_experience().replace(group_ids=None), AdvantageConfig(estimator="grpo"))

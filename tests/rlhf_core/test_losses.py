@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from rlhf_core.losses import aggregate_loss, entropy_from_logits, pairwise_reward_loss, policy_loss, value_loss
+from rlhf_core.losses import (
+    aggregate_loss,
+    entropy_from_logits,
+    pairwise_reward_loss,
+    policy_loss,
+    reference_kl_loss,
+    value_loss,
+)
 
 EXACT = dict(rtol=0.0, atol=0.0)
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -138,10 +145,21 @@ def test_dual_clip_must_exceed_one():
         policy_loss(OLD_LOGPROBS, OLD_LOGPROBS, ADVANTAGES, MASK, dual_clip=1.0)
 
 
+def reference_aggregate(per_row: list[list[float]], aggregation: str, norm_tokens: int | None = None) -> float:
+    """The three aggregations of per-token losses (one list per row, valid tokens only), in Python floats."""
+    all_tokens = [loss for row in per_row for loss in row]
+    if aggregation == "token_mean":
+        return sum(all_tokens) / len(all_tokens)
+    if aggregation == "token_sum_norm":
+        return sum(sum(row) / norm_tokens for row in per_row) / len(per_row)
+    means = [sum(row) / len(row) for row in per_row if row]
+    return sum(means) / len(means)
+
+
 def reference_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_eps, dual_clip, aggregation):
     """Plain loop in Python floats: per-token clipped surrogate, then the chosen aggregation."""
     rows, length = mask.shape
-    per_row, all_tokens = [], []
+    per_row = []
     clipped_count = dual_count = 0
     for b in range(rows):
         row = []
@@ -157,11 +175,10 @@ def reference_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_eps,
                 loss = -dual_clip * a
                 dual_count += 1
             row.append(loss)
-        all_tokens += row
-        if row:
-            per_row.append(sum(row) / len(row))
-    value = sum(all_tokens) / len(all_tokens) if aggregation == "token_mean" else sum(per_row) / len(per_row)
-    return value, clipped_count / len(all_tokens), dual_count / len(all_tokens)
+        per_row.append(row)
+    tokens = sum(len(row) for row in per_row)
+    value = reference_aggregate(per_row, aggregation, norm_tokens=NORM_TOKENS)
+    return value, clipped_count / tokens, dual_count / tokens
 
 
 def ragged_mask(rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -170,7 +187,12 @@ def ragged_mask(rows: int, length: int, generator: torch.Generator) -> torch.Ten
     return torch.arange(length)[None, :] < lengths[:, None]
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+NORM_TOKENS = 9
+"""The generation budget the reference loops use for ``token_sum_norm``."""
+AGGREGATIONS = ["token_mean", "sequence_mean", "token_sum_norm"]
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("dual_clip", [None, 2.0])
 @pytest.mark.parametrize("seed", range(3))
 def test_policy_loss_equals_the_reference_loop(aggregation, dual_clip, seed):
@@ -181,7 +203,14 @@ def test_policy_loss_equals_the_reference_loop(aggregation, dual_clip, seed):
     advantages = torch.randn(shape, generator=generator, dtype=F64)
     mask = ragged_mask(*shape, generator)
     loss, stats = policy_loss(
-        logprobs, old, advantages, mask, clip_eps=0.2, dual_clip=dual_clip, aggregation=aggregation
+        logprobs,
+        old,
+        advantages,
+        mask,
+        clip_eps=0.2,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+        norm_tokens=NORM_TOKENS,
     )
     expected, clip_fraction, dual_fraction = reference_policy_loss(
         logprobs, old, advantages, mask, clip_eps=0.2, dual_clip=dual_clip, aggregation=aggregation
@@ -240,7 +269,7 @@ def test_value_loss_sequence_mean_by_hand():
 
 def reference_value_loss(values, old_values, returns, mask, *, value_clip_eps, aggregation):
     rows, length = mask.shape
-    per_row, all_tokens = [], []
+    per_row = []
     for b in range(rows):
         row = []
         for t in range(length):
@@ -251,13 +280,11 @@ def reference_value_loss(values, old_values, returns, mask, *, value_clip_eps, a
                     clipped = old + min(max(v - old, -value_clip_eps), value_clip_eps)
                     loss = max(loss, (clipped - ret) ** 2)
                 row.append(0.5 * loss)
-        all_tokens += row
-        if row:
-            per_row.append(sum(row) / len(row))
-    return sum(all_tokens) / len(all_tokens) if aggregation == "token_mean" else sum(per_row) / len(per_row)
+        per_row.append(row)
+    return reference_aggregate(per_row, aggregation, norm_tokens=NORM_TOKENS)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("value_clip_eps", [None, 0.1])
 def test_value_loss_equals_the_reference_loop(aggregation, value_clip_eps):
     generator = torch.Generator().manual_seed(3)
@@ -266,7 +293,9 @@ def test_value_loss_equals_the_reference_loop(aggregation, value_clip_eps):
     values = old + 0.3 * torch.randn(shape, generator=generator, dtype=F64)
     returns = torch.randn(shape, generator=generator, dtype=F64)
     mask = ragged_mask(*shape, generator)
-    loss, _ = value_loss(values, old, returns, mask, value_clip_eps=value_clip_eps, aggregation=aggregation)
+    loss, _ = value_loss(
+        values, old, returns, mask, value_clip_eps=value_clip_eps, aggregation=aggregation, norm_tokens=NORM_TOKENS
+    )
     expected = reference_value_loss(values, old, returns, mask, value_clip_eps=value_clip_eps, aggregation=aggregation)
     torch.testing.assert_close(loss, torch.tensor(expected, dtype=F64), **TIGHT)
 
@@ -275,28 +304,32 @@ def test_value_loss_equals_the_reference_loop(aggregation, value_clip_eps):
 
 
 @pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_padding_positions_never_change_losses_or_gradients(poison, aggregation):
     generator = torch.Generator().manual_seed(4)
     shape = (4, 6)
     mask = ragged_mask(*shape, generator)
-    tensors = [torch.randn(shape, generator=generator, dtype=F64) for _ in range(6)]
+    tensors = [torch.randn(shape, generator=generator, dtype=F64) for _ in range(7)]
     if poison is None:
-        garbage = [100 * torch.randn(shape, generator=generator, dtype=F64) for _ in range(6)]
+        garbage = [100 * torch.randn(shape, generator=generator, dtype=F64) for _ in range(7)]
     else:
-        garbage = [torch.full(shape, poison, dtype=F64) for _ in range(6)]
+        garbage = [torch.full(shape, poison, dtype=F64) for _ in range(7)]
     results = []
+    options = dict(aggregation=aggregation, norm_tokens=NORM_TOKENS)
     for fill in (None, garbage):
-        logprobs, old, advantages, values, old_values, returns = (
+        logprobs, old, advantages, values, old_values, returns, ref = (
             tensor if fill is None else torch.where(mask, tensor, junk)
             for tensor, junk in zip(tensors, fill or tensors, strict=True)
         )
         logprobs = logprobs.clone().requires_grad_(True)
         values = values.clone().requires_grad_(True)
-        actor_loss, policy_stats = policy_loss(logprobs, old, advantages, mask, dual_clip=3.0, aggregation=aggregation)
-        critic_loss, value_stats = value_loss(values, old_values, returns, mask, aggregation=aggregation)
-        (actor_loss + critic_loss).backward()
-        results.append((actor_loss, critic_loss, *policy_stats, *value_stats, logprobs.grad, values.grad))
+        actor_loss, policy_stats = policy_loss(logprobs, old, advantages, mask, dual_clip=3.0, **options)
+        kl_loss, kl_stats = reference_kl_loss(logprobs, ref, mask, **options)
+        critic_loss, value_stats = value_loss(values, old_values, returns, mask, **options)
+        (actor_loss + kl_loss + critic_loss).backward()
+        results.append(
+            (actor_loss, kl_loss, critic_loss, *policy_stats, *kl_stats, *value_stats, logprobs.grad, values.grad)
+        )
     for clean, dirty in zip(*results, strict=True):
         torch.testing.assert_close(dirty, clean, **EXACT)
     logprobs_grad, values_grad = results[0][-2:]
@@ -315,6 +348,43 @@ def test_token_mean_and_sequence_mean_by_hand():
     torch.testing.assert_close(aggregate_loss(loss, mask, mode="sequence_mean"), torch.tensor(3.0, dtype=F64))
     with pytest.raises(ValueError, match="`mode`"):
         aggregate_loss(loss, mask, mode="sum")  # type: ignore[arg-type]
+
+
+def test_token_sum_norm_divides_the_sum_by_rows_times_the_budget_by_hand():
+    # Dr. GRPO: (1 + 2 + 3 + 4) / (3 rows * budget 4) = 10 / 12, whatever the lengths or padding hold.
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0], [7.0, 8.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
+    result = aggregate_loss(loss, mask, mode="token_sum_norm", norm_tokens=4)
+    torch.testing.assert_close(result, torch.tensor(10 / 12, dtype=F64), **TIGHT)
+    with pytest.raises(ValueError, match="`norm_tokens`"):
+        aggregate_loss(loss, mask, mode="token_sum_norm")
+
+
+# ----------------------------------------------------------------------------- KL to the reference in the loss
+
+
+def test_reference_kl_loss_is_k3_with_its_gradient_by_hand():
+    # d = logprobs - ref = [0.5, 0.0 | pad]: k3 = exp(-d) - 1 + d = [0.1065307, 0]; token mean over 2 tokens
+    # = 0.0532653. d k3 / d logprobs = 1 - exp(-d) = [0.3934693, 0], divided by the 2 tokens.
+    logprobs = torch.tensor([[-1.0, -2.0, 7.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0, float("nan")]], dtype=F64)
+    mask = torch.tensor([[True, True, False]])
+    loss, stats = reference_kl_loss(logprobs, ref, mask)
+    k3 = math.exp(-0.5) - 1 + 0.5
+    torch.testing.assert_close(loss, torch.tensor(k3 / 2, dtype=F64), **TIGHT)
+    torch.testing.assert_close(stats.kl, torch.tensor(k3 / 2, dtype=F64), **TIGHT)
+    assert abs(k3 - 0.1065307) < 1e-7
+    loss.backward()
+    expected_grad = torch.tensor([[(1 - math.exp(-0.5)) / 2, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(logprobs.grad, expected_grad, **TIGHT)
+
+
+def test_reference_kl_loss_is_zero_with_zero_gradient_at_the_reference():
+    ref = torch.randn(3, 4, dtype=F64)
+    logprobs = ref.clone().requires_grad_(True)
+    loss, _ = reference_kl_loss(logprobs, ref, torch.ones(3, 4, dtype=torch.bool), aggregation="sequence_mean")
+    loss.backward()
+    assert loss.item() == 0.0 and bool((logprobs.grad == 0).all())
 
 
 # ----------------------------------------------------------------------------- entropy

@@ -235,3 +235,79 @@ def test_resuming_after_an_epoch_gives_exactly_the_uninterrupted_update():
             resumed_model.named_parameters(), expected_model.parameters(), strict=True
         ):
             assert torch.equal(value, expected_value), name
+
+
+# ----------------------------------------------------------------------------- critic-free updates
+
+
+def critic_free(parts, advantages: AdvantageConfig):
+    """The setup's rollout as if made without a critic (no values), in groups of 2 with distinct scores, rescored."""
+    accelerator, actor, _, actor_optimizer, _, experience = parts
+    rollout = experience.replace(
+        old_values=None, group_ids=torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
+        scores=torch.tensor([0.0, 3.0, 1.0, 1.0, 5.0, 2.0, 0.0, 4.0]),
+        rewards=None, kl=None, advantages=None, returns=None,
+    )  # fmt: skip
+    return accelerator, actor, actor_optimizer, score_experience(rollout, advantages)
+
+
+def update_actor(accelerator, actor, actor_optimizer, experience, config: PPOConfig, **kwargs):
+    return ppo_update(
+        actor, None, actor_optimizer, None, experience, config,
+        accelerator=accelerator, temperature=TEMPERATURE, generator=torch.Generator().manual_seed(0), **kwargs,
+    )  # fmt: skip
+
+
+def test_without_a_critic_the_actor_alone_is_updated_and_value_statistics_are_absent():
+    parts = setup()
+    critic = parts[2]
+    critic_before = {name: value.detach().clone() for name, value in critic.named_parameters()}
+    accelerator, actor, actor_optimizer, experience = critic_free(parts, AdvantageConfig(estimator="rloo"))
+    actor_before = {name: value.detach().clone() for name, value in actor.named_parameters()}
+    stats = update_actor(accelerator, actor, actor_optimizer, experience, PPOConfig(epochs=1, minibatch_size=8))
+    assert stats.value_loss is None and stats.value_clip_fraction is None and stats.explained_variance is None
+    assert not [name for name, value in actor.named_parameters() if torch.equal(value, actor_before[name])]
+    assert all(torch.equal(value, critic_before[name]) for name, value in critic.named_parameters())
+
+
+def test_without_a_critic_advantages_are_not_whitened_and_the_kl_term_enters_the_loss():
+    # First step, one minibatch: ratio 1, the current policy is the rollout's, so
+    # loss = -token_mean(A) + kl_loss_coef * token_mean(k3(old_logprobs, ref_logprobs)), A as stage 5 left it.
+    # (RLOO advantages with the KL penalty still to come have a non-zero mean; whitened, they would not.)
+    parts = setup()
+    advantages = AdvantageConfig(estimator="rloo", kl_coef=0.5, normalize_scores=False)
+    accelerator, actor, actor_optimizer, experience = critic_free(parts, advantages)
+    mask = experience.action_mask
+    mean_advantage = masked_mean(experience.advantages, mask)
+    assert abs(mean_advantage.item()) > 1e-3  # whitening would have made it 0
+    d = experience.old_logprobs - experience.ref_logprobs
+    k3 = masked_mean(torch.expm1(-d) + d, mask)
+    config = PPOConfig(epochs=1, minibatch_size=8, kl_loss_coef=0.5, whiten_advantages=True)
+    stats = update_actor(accelerator, actor, actor_optimizer, experience, config)
+    torch.testing.assert_close(stats.ref_kl, k3, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(stats.policy_loss, -mean_advantage + 0.5 * k3, rtol=1e-4, atol=1e-5)
+
+
+def test_token_sum_norm_divides_by_rows_times_the_generation_budget():
+    parts = setup()
+    accelerator, actor, actor_optimizer, experience = critic_free(parts, AdvantageConfig(estimator="rloo"))
+    mask = experience.action_mask
+    expected = -torch.where(mask, experience.advantages, 0.0).sum() / (8 * 6)  # 8 rows, budget 6 tokens
+    config = PPOConfig(epochs=1, minibatch_size=8, aggregation="token_sum_norm")
+    stats = update_actor(accelerator, actor, actor_optimizer, experience, config, norm_tokens=6)
+    torch.testing.assert_close(stats.policy_loss, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_critic_cannot_train_on_a_rollout_without_values():
+    parts = setup()
+    accelerator, actor, critic, actor_optimizer, critic_optimizer, experience = parts
+    with pytest.raises(ValueError, match="no critic values"):
+        ppo_update(
+            actor, critic, actor_optimizer, critic_optimizer, experience.replace(old_values=None),
+            PPOConfig(epochs=1, minibatch_size=8), accelerator=accelerator, temperature=TEMPERATURE,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="together"):
+        ppo_update(
+            actor, critic, actor_optimizer, None, experience,
+            PPOConfig(epochs=1, minibatch_size=8), accelerator=accelerator, temperature=TEMPERATURE,
+        )  # fmt: skip

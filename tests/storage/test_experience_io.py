@@ -46,12 +46,13 @@ def _experience(
         attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1),
         action_mask=action_mask,
         scores=torch.randn(len(responses), generator=generator),
+        group_ids=torch.arange(len(responses)),
         **fields,
     )
 
 
 def _assert_identical(expected: Experience, actual: Experience) -> None:
-    for name in ("sequences", "attention_mask", "action_mask", "scores", *FLOAT_FIELDS, *SCORED_FIELDS):
+    for name in ("sequences", "attention_mask", "action_mask", "scores", "group_ids", *FLOAT_FIELDS, *SCORED_FIELDS):
         left, right = getattr(expected, name), getattr(actual, name)
         if left is None:
             assert right is None, name
@@ -69,8 +70,10 @@ RAGGED_RESPONSES = [[13, 14, EOS], [], [15], [16, 17, 18, 19, 20]]
 
 @pytest.mark.parametrize("scored", [False, True])
 def test_round_trip_is_bit_identical(scored: bool) -> None:
-    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=scored)
-    table = experience_to_table(experience, [40, 41, 42, 43], first_row=100)
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=scored).replace(
+        group_ids=torch.tensor([40, 41, 42, 43])
+    )
+    table = experience_to_table(experience, first_row=100)
     assert table.schema == (SCORED_EXPERIENCE if scored else EXPERIENCE)
     assert table.column("row").to_pylist() == [100, 101, 102, 103]
     assert table.column("prompt_id").to_pylist() == [40, 41, 42, 43]
@@ -86,7 +89,7 @@ def test_round_trip_through_parquet_shards(tmp_path: Path) -> None:
     write_shards(
         tmp_path,
         "experience",
-        experience_to_table(experience, list(range(12))),
+        experience_to_table(experience),
         schema=SCORED_EXPERIENCE,
         rows_per_shard=5,
     )
@@ -96,12 +99,12 @@ def test_round_trip_through_parquet_shards(tmp_path: Path) -> None:
 def test_every_response_empty() -> None:
     experience = _experience([[3, 4], [5]], [[], []], scored=False)
     assert experience.response_length == 0
-    _assert_identical(experience, table_to_experience(experience_to_table(experience, [0, 1]), pad_token_id=PAD))
+    _assert_identical(experience, table_to_experience(experience_to_table(experience), pad_token_id=PAD))
 
 
 def test_pad_token_need_not_be_zero() -> None:
     experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=False, pad=EOS)  # GPT-2 pads with EOS
-    _assert_identical(experience, table_to_experience(experience_to_table(experience, [0, 1, 2, 3]), pad_token_id=EOS))
+    _assert_identical(experience, table_to_experience(experience_to_table(experience), pad_token_id=EOS))
 
 
 def test_over_padded_batch_reads_back_padded_to_its_longest_row() -> None:
@@ -114,20 +117,20 @@ def test_over_padded_batch_reads_back_padded_to_its_longest_row() -> None:
             for name, value in experience._tensors().items()
         }
     )
-    _assert_identical(experience, table_to_experience(experience_to_table(wider, [0, 1, 2, 3]), pad_token_id=PAD))
+    _assert_identical(experience, table_to_experience(experience_to_table(wider), pad_token_id=PAD))
 
 
 def test_special_float_values_survive() -> None:
     experience = _experience([[3]], [[4, 5, 6, 7]], scored=False)
     values = torch.tensor([[float("nan"), float("-inf"), -0.0, 1e-45]])
     experience = experience.replace(old_values=values)
-    back = table_to_experience(experience_to_table(experience, [0]), pad_token_id=PAD)
+    back = table_to_experience(experience_to_table(experience), pad_token_id=PAD)
     assert torch.equal(back.old_values.view(torch.int32), values.view(torch.int32))
 
 
 def test_slices_and_chunked_tables_read_correctly() -> None:
     experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=False)
-    table = experience_to_table(experience, [0, 1, 2, 3])
+    table = experience_to_table(experience)
     chunked = pa.concat_tables([table.slice(0, 1), table.slice(1, 2), table.slice(3)])
     _assert_identical(experience, table_to_experience(chunked, pad_token_id=PAD))
     part = table_to_experience(table.slice(2, 2), pad_token_id=PAD)
@@ -137,14 +140,14 @@ def test_slices_and_chunked_tables_read_correctly() -> None:
 def test_low_precision_floats_widen_exactly() -> None:
     experience = _experience([[3]], [[4, 5]], scored=False)
     half = experience.replace(old_values=experience.old_values.bfloat16())
-    back = table_to_experience(experience_to_table(half, [0]), pad_token_id=PAD)
+    back = table_to_experience(experience_to_table(half), pad_token_id=PAD)
     assert torch.equal(back.old_values, half.old_values.float())
 
 
 def test_float64_is_refused() -> None:
     experience = _experience([[3]], [[4, 5]], scored=False)
     with pytest.raises(ValueError, match="`old_values` is torch.float64"):
-        experience_to_table(experience.replace(old_values=experience.old_values.double()), [0])
+        experience_to_table(experience.replace(old_values=experience.old_values.double()))
 
 
 @pytest.mark.parametrize(
@@ -161,7 +164,7 @@ def test_unrepresentable_layouts_are_refused(edit, message: str) -> None:
     fields = {name: value.clone() for name, value in fields.items() if value is not None}
     edit(fields)
     with pytest.raises(ValueError, match=message):
-        experience_to_table(Experience(**fields), [0, 1])
+        experience_to_table(Experience(**fields))
 
 
 def test_response_not_right_padded_is_refused() -> None:
@@ -170,16 +173,38 @@ def test_response_not_right_padded_is_refused() -> None:
     fields["action_mask"][0, 1] = False
     fields["attention_mask"][0, 2] = 0
     with pytest.raises(ValueError, match="`action_mask` row 0 is not right-padded"):
-        experience_to_table(Experience(**fields), [0, 1])
+        experience_to_table(Experience(**fields))
 
 
-def test_prompt_ids_must_match_the_batch() -> None:
-    with pytest.raises(ValueError, match="`prompt_ids` has 1 entries for a batch of 2"):
-        experience_to_table(_experience([[3], [4]], [[5], [6]], scored=False), [0])
+def test_group_ids_are_required_and_must_match_the_batch() -> None:
+    experience = _experience([[3], [4]], [[5], [6]], scored=False)
+    with pytest.raises(ValueError, match="`group_ids` is None"):
+        experience_to_table(experience.replace(group_ids=None))
+    with pytest.raises(ValueError, match=r"`group_ids` must have shape \(2,\)"):
+        experience.replace(group_ids=torch.tensor([0]))
+
+
+def test_a_rollout_without_a_critic_stores_null_values_and_reads_back_none() -> None:
+    """Schema 3: a critic-free rollout has no values; the column is null in every row, not zeros."""
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=True).replace(old_values=None)
+    table = experience_to_table(experience)
+    assert table.column("old_values").null_count == 4
+    back = table_to_experience(table, pad_token_id=PAD)
+    assert back.old_values is None
+    _assert_identical(experience, back)
+
+
+def test_values_null_in_some_rows_only_are_refused() -> None:
+    table = experience_to_table(_experience([[3], [4]], [[5], [6, 7]], scored=False))
+    broken = table.set_column(
+        table.schema.get_field_index("old_values"), "old_values", pa.array([[0.5], None], pa.list_(pa.float32()))
+    )
+    with pytest.raises(ValueError, match="column `old_values` is null in 1 of 2 rows"):
+        table_to_experience(broken, pad_token_id=PAD)
 
 
 def test_mismatched_list_lengths_name_the_column_and_row() -> None:
-    table = experience_to_table(_experience([[3], [4]], [[5], [6, 7]], scored=False), [0, 1])
+    table = experience_to_table(_experience([[3], [4]], [[5], [6, 7]], scored=False))
     broken = table.set_column(
         table.schema.get_field_index("old_values"), "old_values", pa.array([[0.5], [0.5]], pa.list_(pa.float32()))
     )
@@ -207,9 +232,11 @@ def test_real_rollout_round_trips() -> None:
         pad_token_id=PAD,
     )
     input_ids, attention_mask = left_padded([[3, 4, 5, 6], [7], [8, 9], [10, 11, 12]])
-    experience = maker.make_experience(input_ids, attention_mask, generator=torch.Generator().manual_seed(4))
+    experience = maker.make_experience(
+        input_ids, attention_mask, group_ids=torch.tensor([5, 5, 9, 9]), generator=torch.Generator().manual_seed(4)
+    )
     experience = score_experience(experience, AdvantageConfig(normalize_scores=False))
     assert experience.is_scored
     # The sampler pads to the longest prompt and stops at the longest response, with zeros in
     # padded float positions, so the whole batch comes back identical, not only its valid part.
-    _assert_identical(experience, table_to_experience(experience_to_table(experience, [0, 1, 2, 3]), pad_token_id=PAD))
+    _assert_identical(experience, table_to_experience(experience_to_table(experience), pad_token_id=PAD))
