@@ -92,6 +92,12 @@ def execution_of(config: PipelineConfig) -> Execution:
         torch_threads=config.torch_threads,
         checkpoint_seconds=config.checkpoint_seconds,
         gradient_checkpointing=config.model.gradient_checkpointing,
+        task_runner=config.execution.task_runner,
+        address=config.execution.address,
+        training_processes=config.execution.training_processes,
+        accelerate_config=None
+        if config.execution.accelerate_config is None
+        else str(config.execution.accelerate_config),
     )
 
 
