@@ -5,6 +5,9 @@ Choices:
 2. Held-out accuracy, loss, and the mean / std of scores on held-out responses are reported;
    the pipeline uses the latter to normalise scores before PPO.
 3. Dropout stays on during training (the model is in train mode) and off for evaluation.
+4. With N processes (``accelerate launch``) each trains on its share of every minibatch, with the loss
+   divided by the whole minibatch's pairs, so the result equals one process's up to float rounding when
+   the model has no dropout (with dropout, each process draws its own masks) (:mod:`rlhf_core.distributed`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig
+from rlhf_core.distributed import global_sum, rank_share
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models import RewardModel, evaluating, fused_activations
 
@@ -150,23 +154,39 @@ def fit_reward_model(
     loss_sum, accuracy_sum, steps = (
         (resume.loss_sum, resume.accuracy_sum, resume.optimizer_steps) if resume else (0.0, 0.0, 0)
     )
+    world, rank = accelerator.num_processes, accelerator.process_index
     with fused_activations(model):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             order = torch.randperm(len(train_pairs), generator=generator)
             for start in range(0, len(train_pairs), config.batch_size):
-                batch = train_pairs.select(order[start : start + config.batch_size].to(accelerator.device))
+                # 1. this process's share of the minibatch; the loss divides by the whole minibatch's pairs
+                minibatch = order[start : start + config.batch_size]
+                share, weight = rank_share(len(minibatch), rank=rank, world=world)
+                batch = train_pairs.select(minibatch[share].to(accelerator.device))
                 chosen, rejected = _pair_scores(model, batch)
-                loss, stats = pairwise_reward_loss(chosen, rejected, margin=batch.margin if config.use_margin else None)
+                loss, stats = pairwise_reward_loss(
+                    chosen, rejected, margin=batch.margin if config.use_margin else None, pairs=len(minibatch)
+                )
+                # 2. DDP averages the processes' gradients: each backpropagates N times its share
                 optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)
+                accelerator.backward(loss * (world * weight))
                 accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()
-                loss_sum += loss.item()
-                accuracy_sum += stats.accuracy.item()
+                # 3. the whole minibatch's loss and accuracy (the shares' sum, and their pair-weighted mean)
+                if world == 1:
+                    loss_sum += loss.item()
+                    accuracy_sum += stats.accuracy.item()
+                else:
+                    pairs = weight * len(share)
+                    shares = torch.stack([loss.detach() * weight, stats.accuracy * pairs / len(minibatch)])
+                    total_loss, total_accuracy = global_sum(accelerator, shares).tolist()
+                    loss_sum += total_loss
+                    accuracy_sum += total_accuracy
                 steps += 1
             if on_epoch_end is not None:
                 on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
-    held_out = evaluate_reward_model(model, eval_pairs, batch_size=config.batch_size)
+    # Every process evaluates every held-out pair (a small fraction), on the model without its DDP wrapper.
+    held_out = evaluate_reward_model(accelerator.unwrap_model(model), eval_pairs, batch_size=config.batch_size)
     return RewardModelStats(
         train_loss=loss_sum / steps,
         train_accuracy=accuracy_sum / steps,
