@@ -12,14 +12,19 @@ Choices:
 3. Two iterations of one campaign never run at once on any machine: an iteration or replay holds a slot
    of the Prefect global concurrency limit ``rlhf-campaign-<name>`` (limit 1, created when missing) beside
    the campaign's lock file (which only covers one machine, or one shared file system). Slots are
-   leased: a process that dies without releasing its slot loses it within :data:`LEASE_SECONDS`.
+   leased: a process that dies without releasing its slot loses it once the lease runs out
+   (:data:`LEASE_SECONDS`, when the server's repossessor service runs), or at once when the next run
+   of the campaign on the same machine finds its lease recorded (:func:`campaign_slot`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
 
 from flows.config import PipelineConfig
 
@@ -71,21 +76,46 @@ def campaign_limit(campaign: str) -> str:
 
 
 @contextmanager
-def campaign_slot(campaign: str) -> Iterator[None]:
-    """Hold the campaign's one slot of its Prefect global concurrency limit (waiting for it), creating the limit."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+def campaign_slot(campaign: str, record: Path) -> Iterator[None]:
+    """Hold the campaign's one slot of its Prefect global concurrency limit (waiting for it), creating the limit.
+
+    Call it holding the campaign's lock file: ``record`` (:meth:`storage.layout.RunLayout.slot_file`) keeps
+    the lease of the slot taken under that lock, so a holder killed before releasing its slot (``kill -9``)
+    leaves its lease there, and the next holder of the lock, which knows the killed one is gone, releases
+    it first instead of waiting for the lease to run out.
+    """
+    from prefect.concurrency._sync import (
+        acquire_concurrency_slots_with_lease,
+        maintain_concurrency_lease,
+        release_concurrency_slots_with_lease,
+    )
 
     name = campaign_limit(campaign)
+    _create_limit(name)
+    if record.is_file():
+        with contextlib.suppress(Exception):  # already released, or expired and revoked by the server
+            release_concurrency_slots_with_lease(UUID(record.read_text().strip()))
+            logger.info("released the campaign slot of a run that stopped without releasing it")
+        record.unlink()
+    lease = acquire_concurrency_slots_with_lease([name], 1, lease_duration=LEASE_SECONDS, strict=True).lease_id
+    record.write_text(f"{lease}\n")
+    try:
+        with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
+            yield
+    finally:
+        release_concurrency_slots_with_lease(lease)
+        record.unlink(missing_ok=True)
+
+
+def _create_limit(name: str) -> None:
+    """Create the global concurrency limit ``name`` with one slot, unless it exists (its limit is left as set)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            try:
+            with contextlib.suppress(ObjectAlreadyExists):  # another process created it first
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-            except ObjectAlreadyExists:  # another process created it first
-                pass
-    with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_SECONDS):
-        yield

@@ -51,12 +51,17 @@ def rlhf_iteration(
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
 
-    Holds the campaign's slot of its Prefect global concurrency limit and its lock file throughout, so two
+    Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
     iterations of one campaign never run at once, on one machine or several; runs on the engines of
     ``config.execution`` (:mod:`flows.engines`). If it fails, its MLflow run ends FAILED (KILLED on
     Ctrl-C); running it again reopens and finishes it.
     """
-    with campaign_slot(config.campaign), exclusive_lock(campaign_layout(config).lock_file()), engine(config) as config:
+    layout = campaign_layout(config)
+    with (
+        exclusive_lock(layout.lock_file()),
+        campaign_slot(config.campaign, layout.slot_file()),
+        engine(config) as config,
+    ):
         base = resolve_base(config)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
@@ -119,7 +124,12 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     campaign's folder and MLflow experiment, so it holds the campaign's lock like an iteration.
     """
     check_replayable(config, source_run_id)
-    with campaign_slot(config.campaign), exclusive_lock(campaign_layout(config).lock_file()), engine(config) as config:
+    layout = campaign_layout(config)
+    with (
+        exclusive_lock(layout.lock_file()),
+        campaign_slot(config.campaign, layout.slot_file()),
+        engine(config) as config,
+    ):
         base = resolve_base(config)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)

@@ -7,11 +7,13 @@ Choices:
 3. Dropout stays on during training (the model is in train mode) and off for evaluation.
 4. With N processes (``accelerate launch``) each trains on its share of every minibatch, with the loss
    divided by the whole minibatch's pairs, so the result equals one process's up to float rounding when
-   the model has no dropout (with dropout, each process draws its own masks) (:mod:`rlhf_core.distributed`).
+   the model has no dropout (with dropout, each process draws its own masks, seeded per epoch and process)
+   (:mod:`rlhf_core.distributed`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -123,6 +125,12 @@ class RewardTrainingProgress(NamedTuple):
     optimizer_steps: int
 
 
+def epoch_seed(seed: int, *, epoch: int, rank: int) -> int:
+    """A seed from the coordinates ``(seed, epoch, rank)``, stable across runs and machines."""
+    digest = hashlib.sha256(f"{seed}/epoch-{epoch}/rank-{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
 def fit_reward_model(
     model: RewardModel,
     optimizer: torch.optim.Optimizer,
@@ -134,6 +142,7 @@ def fit_reward_model(
     generator: torch.Generator | None = None,
     resume: RewardTrainingProgress | None = None,
     on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
+    dropout_seed: int | None = None,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
 
@@ -146,6 +155,10 @@ def fit_reward_model(
         resume: continue after ``resume.epochs_done`` epochs; the caller restores the model,
             optimizer, ``generator`` and global RNG (dropout) states saved at that point.
         on_epoch_end: called after every epoch, e.g. to save a checkpoint of all of those.
+        dropout_seed: seed torch's global RNG, which draws the dropout masks, at the start of every epoch from
+            ``(dropout_seed, epoch, process index)`` (:func:`epoch_seed`): every process draws its own masks,
+            and a run resumed at an epoch draws the masks of one that never stopped, in any process. None
+            leaves the global RNG to the caller.
     """
     if len(train_pairs) == 0 or len(eval_pairs) == 0:
         raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
@@ -157,6 +170,8 @@ def fit_reward_model(
     world, rank = accelerator.num_processes, accelerator.process_index
     with fused_activations(model):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
+            if dropout_seed is not None:
+                torch.manual_seed(epoch_seed(dropout_seed, epoch=epoch, rank=rank))
             order = torch.randperm(len(train_pairs), generator=generator)
             for start in range(0, len(train_pairs), config.batch_size):
                 # 1. this process's share of the minibatch; the loss divides by the whole minibatch's pairs

@@ -6,9 +6,10 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 (nothing is copied) and carries no held-out statistics.
 
 Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_ids`).
-Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer,
-the shuffling stream and the global RNG that drives dropout); a crashed run continues from the
-last saved epoch.
+Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
+the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
+crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N ``accelerate launch`` processes,
+each on its share of every minibatch (:mod:`tasks.launch`, :mod:`rlhf_core.distributed`); the main process saves.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from rlhf_core.config import LoraConfig, RewardModelConfig
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
-from storage.manifest import StageOutput
+from storage.manifest import StageOutput, read_manifest
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.labelers import MIN_PREFERENCE_PAIRS
+from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models
 from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
@@ -57,29 +59,53 @@ def train_reward_model(
     precision: Precision,
     lora: LoraConfig | None,
 ) -> dict[str, float]:
-    """Continue training the previous reward model (or a fresh head on the base policy) on all pairs."""
-    config = reward_model
-    models = stage_models(out, context, precision, lora=lora)
-    tokenizer = load_tokenizer(context.base.reward_tokenizer)
+    """Continue training the previous reward model (or a fresh head on the base policy) on all pairs.
+
+    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`tasks.launch`).
+    """
     pretrained = context.base.reward_model.path if context.base.reward_model else None
-    if not config.train:
+    if not reward_model.train:
         if pretrained is None:
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
             )
+        models = stage_models(out, context, precision)
+        tokenizer = load_tokenizer(context.base.reward_tokenizer)
         save_model(out.path / "reward_model", models.load("reward_model", pretrained), tokenizer, weights=False)
         return {"pairs": 0.0}
+    pairs = sum(
+        entry.rows or 0
+        for result in preferences
+        for entry in read_manifest(result.directory, verify=False).files
+        if entry.path.startswith("preferences-")
+    )
+    if pairs < MIN_PREFERENCE_PAIRS:
+        raise ValueError(f"train_reward_model needs at least {MIN_PREFERENCE_PAIRS} preference pairs, got {pairs}")
+    return train(out, context, fit, preferences, previous, precision=precision, reward_model=reward_model, lora=lora)
+
+
+def fit(
+    out: StageOutput | TrainingOutput,
+    context: StageContext,
+    preferences: tuple[StageResult, ...],
+    previous: StageResult | None,
+    *,
+    reward_model: RewardModelConfig,
+    precision: Precision,
+    lora: LoraConfig | None,
+) -> dict[str, float]:
+    """The training itself, in each training process: the main process writes the output and its checkpoints."""
+    config = reward_model
+    models = stage_models(out, context, precision, lora=lora)
+    tokenizer = load_tokenizer(context.base.reward_tokenizer)
+    pretrained = context.base.reward_model.path if context.base.reward_model else None
     accelerator = models.accelerator()
+    main = accelerator.is_main_process
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
-    if table.num_rows < MIN_PREFERENCE_PAIRS:
-        raise ValueError(
-            f"train_reward_model needs at least {MIN_PREFERENCE_PAIRS} preference pairs, got {table.num_rows}"
-        )
     generator = context.generator(STAGE)
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
     held_out = max(1, int(len(pairs) * config.eval_fraction))
-    torch.manual_seed(context.stage_seed(STAGE))
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None
     if checkpoint is not None:
@@ -88,13 +114,15 @@ def train_reward_model(
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
     if checkpoint is not None:
-        saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]  # restores dropout RNG
+        saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]
         resume = RewardTrainingProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
     model, optimizer = accelerator.prepare(model, optimizer)
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(total=config.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch")
+    bar = tqdm(
+        total=config.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", disable=not main
+    )
 
     def save_epoch(progress: RewardTrainingProgress) -> None:
         bar.update(1)
@@ -102,9 +130,11 @@ def train_reward_model(
         def write(folder):
             save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
             extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
-            save_training_state(folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra)
+            save_training_state(
+                folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra, rng=False
+            )
 
-        if progress.epochs_done < config.epochs and throttle.due():
+        if main and progress.epochs_done < config.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, write)
 
     stats = fit_reward_model(
@@ -117,7 +147,9 @@ def train_reward_model(
         generator=generator,
         resume=resume,
         on_epoch_end=save_epoch,
+        dropout_seed=context.stage_seed(STAGE),
     )
     bar.close()
-    save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
+    if main:
+        save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
     return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}
