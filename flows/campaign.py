@@ -83,6 +83,9 @@ def store_layout(config: PipelineConfig) -> RunLayout:
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
     layout = store_layout(config)
+    if config.tracking_uri is not None and config.tracking_uri.startswith(("http://", "https://")):
+        # The server decides where artifacts go (its --artifacts-destination, proxied as mlflow-artifacts:).
+        return TrackingStore(uri=config.tracking_uri, artifact_root=None)
     return TrackingStore(uri=config.tracking_uri or layout.tracking_uri(), artifact_root=str(layout.artifact_root()))
 
 

@@ -106,6 +106,7 @@ def fit(
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
     held_out = max(1, int(len(pairs) * config.eval_fraction))
+    torch.manual_seed(context.stage_seed(STAGE))  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None
     if checkpoint is not None:

@@ -65,3 +65,85 @@ def test_dask_outputs_are_byte_identical_to_local(local_run, checkpoint_world, t
     rollout = json.loads(next((tmp_path / "tiny" / "rollout").glob("*/_manifest.json")).read_text())
     assert rollout["runtime"]["shards"] == 2
     assert not list((tmp_path / "tiny").glob("*/*.partial")), "the shard pieces are removed with the output in place"
+
+
+@pytest.mark.slow
+def test_ray_outputs_are_byte_identical_to_local(local_run, checkpoint_world, tmp_path):
+    """A real local Ray instance of 2 CPUs started and stopped by the campaign."""
+    config = tiny_config(checkpoint_world, tmp_path, "execution.task_runner=ray", "execution.workers=2")
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    assert stage_files(tmp_path) == stage_files(local_run)
+    (manifest,) = (tmp_path / "tiny" / "rollout").glob("*/_manifest.json")
+    assert json.loads(manifest.read_text())["runtime"]["task_runner"] == "ray"
+
+
+def _safetensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_two_training_processes_train_the_policy_of_one(local_run, checkpoint_world, tmp_path):
+    """A verifiable-reward campaign (no reward model, whose dropout would differ per process): the update in 2
+    `accelerate launch` processes (gloo) has the input key of the in-process one and its weights to float rounding."""
+    import torch
+
+    verifiable = ("reward.source=function", "reward.function=demo.gold:gold_score", "ppo.epochs=2")
+    one = tiny_config(checkpoint_world, tmp_path / "one", *verifiable)
+    two = tiny_config(checkpoint_world, tmp_path / "two", *verifiable, "execution.training_processes=2")
+    for config in (one, two):
+        assert rlhf_campaign(config, return_state=True).is_completed()
+    (update_one,) = (one.run_root / "tiny" / "ppo_update").glob("*/_manifest.json")
+    (update_two,) = (two.run_root / "tiny" / "ppo_update").glob("*/_manifest.json")
+    assert update_one.parent.name == update_two.parent.name, "the process count is part of no input key"
+    weights_one, weights_two = _safetensors(update_one.parent / "actor"), _safetensors(update_two.parent / "actor")
+    for name, value in weights_one.items():
+        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert weights_one.keys() == weights_two.keys()
+
+
+@pytest.mark.slow
+def test_two_training_processes_resume_after_kill_minus_nine_as_if_never_crashed(
+    prefect_server, checkpoint_world, tmp_path
+):
+    """`rlhf run` with 2 training processes killed while its launched PPO workers have saved an epoch of iteration
+    1, then run again: every output (the reward models and policies the workers trained included) is the one of a
+    2-process campaign that never crashed, byte for byte."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    overrides = [
+        f"model.policy={checkpoint_world['policy']}",
+        f"data.prompts={checkpoint_world['prompts']}",
+        f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+        "execution.training_processes=2", "ppo.epochs=6", "reward_model.epochs=3", "checkpoint_seconds=0",
+    ]  # fmt: skip
+    uninterrupted = load_config(CONFIGS / "tiny.yaml", [f"run_root={tmp_path / 'uninterrupted'}", *overrides])
+    assert rlhf_campaign(uninterrupted, return_state=True).is_completed()
+
+    crashed = load_config(CONFIGS / "tiny.yaml", [f"run_root={tmp_path / 'crashed'}", *overrides])
+    stage_dir = crashed.run_root / "tiny" / "ppo_update"
+    command = [sys.executable, "-m", "flows", "run", "--config", str(CONFIGS / "tiny.yaml")]
+    command += [f"--set={o}" for o in (f"run_root={crashed.run_root}", *overrides)]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    try:
+        while not (
+            len(list(stage_dir.glob("[!.]*/_manifest.json"))) == 1 and list(stage_dir.glob("*.partial/epoch-*"))
+        ):
+            assert process.poll() is None, "the campaign ended before it could be killed mid-stage"
+            assert time.monotonic() < deadline, "timed out waiting for ppo_update of iteration 1"
+            time.sleep(0.002)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    time.sleep(2)  # the launched workers end with their launcher (it ends with the killed process)
+    assert rlhf_campaign(crashed, return_state=True).is_completed()
+    assert stage_files(crashed.run_root) == stage_files(uninterrupted.run_root)
