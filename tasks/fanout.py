@@ -33,6 +33,7 @@ import pyarrow as pa
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
 
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
@@ -147,7 +148,8 @@ def run_shards(
                 )
                 for shard in todo
             ]
-            results = [future.result() for future in futures]  # the first failed shard's error, once all ran
+            wait(futures)  # every shard ends before the stage does, failed or not: none keeps writing after it
+            results = [future.result() for future in futures]  # raises the first failed shard's error
         runtime = results[0]
     out.runtime.update(precision=precision, task_runner=execution.task_runner, shards=len(shards))
     if runtime:

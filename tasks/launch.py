@@ -118,9 +118,11 @@ def launch_options(execution: Any, precision: Precision) -> list[str]:
     """``accelerate launch`` options: the config file if given, the process count, the precision, a free port."""
     options = []
     if execution.accelerate_config is not None:
-        options += ["--config_file", execution.accelerate_config]
+        options += ["--config_file", execution.accelerate_config]  # its distributed type (FSDP, DeepSpeed) stands
+    elif execution.training_processes > 1:
+        options += ["--multi_gpu"]  # DDP: NCCL on GPUs, gloo on CPUs
     if execution.training_processes > 1:
-        options += ["--multi_gpu", "--num_processes", str(execution.training_processes)]  # gloo on CPUs
+        options += ["--num_processes", str(execution.training_processes)]
     options += ["--num_machines", "1", "--mixed_precision", accelerate_mixed_precision(precision)]
     options += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
     return options
