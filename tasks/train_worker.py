@@ -18,11 +18,14 @@ from tasks.launch import TrainingOutput, decode, resolve
 
 def main(argv: list[str] | None = None) -> None:
     (spec_path,) = sys.argv[1:] if argv is None else argv
+    # Join the process group first: on GPUs this makes the process's own GPU the current one, which is where
+    # `device: cuda` then puts its models.
+    state = PartialState()
     job = json.loads(Path(spec_path).read_text())
     function = resolve(job["function"])
     out = TrainingOutput(path=Path(job["output"]), final_dir=Path(job["final_dir"]))
     metrics = function(out, decode(job["context"]), *decode(job["upstream"]), **decode(job["settings"]))
-    if PartialState().is_main_process:
+    if state.is_main_process:
         result = Path(job["result"])
         staging = result.with_name(f".{result.name}.tmp-{os.getpid()}")
         staging.write_text(json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
