@@ -103,8 +103,10 @@ def campaign_slot(campaign: str, record: Path) -> Iterator[None]:
         with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
             yield
     finally:
-        release_concurrency_slots_with_lease(lease)
-        record.unlink(missing_ok=True)
+        try:
+            release_concurrency_slots_with_lease(lease)
+        finally:  # a release that fails (the server is gone, Ctrl-C) leaves a lease that expires on its own
+            record.unlink(missing_ok=True)
 
 
 def _create_limit(name: str) -> None:

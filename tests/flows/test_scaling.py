@@ -67,6 +67,13 @@ def test_dask_outputs_are_byte_identical_to_local(local_run, checkpoint_world, t
     assert not list((tmp_path / "tiny").glob("*/*.partial")), "the shard pieces are removed with the output in place"
 
 
+def test_a_campaign_started_locally_continues_on_dask_reusing_what_exists(local_run, checkpoint_world):
+    before = stage_files(local_run)
+    final = rlhf_campaign(tiny_config(checkpoint_world, local_run, "execution.task_runner=dask"))
+    assert final.policy.reused and final.reward_model.reused
+    assert stage_files(local_run) == before, "nothing was computed again"
+
+
 @pytest.mark.slow
 def test_ray_outputs_are_byte_identical_to_local(local_run, checkpoint_world, tmp_path):
     """A real local Ray instance of 2 CPUs started and stopped by the campaign."""
