@@ -31,6 +31,7 @@ from storage.tracking import (
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
+    TAG_REUSE,
     TAG_STAGE,
 )
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
@@ -295,7 +296,13 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         tracker.end_run(context.parent_run_id)
-    kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
+    tags = tracker.run_tags(context.parent_run_id)
+    kind = tags.get(TAG_KIND, KIND_ITERATION)
+    if kind == KIND_ITERATION:
+        from flows.reuse import reuse_record  # flows.reuse reads this module's run key and layout
+
+        if tags.get(TAG_REUSE) != (record := reuse_record(stages)):
+            tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",

@@ -197,9 +197,12 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments) -> None:
+def _prepare(config, arguments, *, server: bool = True):
     """What every flow-running command does first: check the campaign's inputs and that no other process runs
-    it, then make sure a Prefect server is there, one this process owns if none is configured.
+    it, then (with ``server``) make sure a Prefect server is there, one this process owns if none is configured.
+
+    Returns:
+        The campaign's base inputs (:class:`tasks.context.BaseInputs`).
 
     Raises:
         LockHeld: another process is running the campaign.
@@ -215,20 +218,28 @@ def _prepare(config, arguments) -> None:
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
-    resolve_base.fn(config)
+    base = resolve_base.fn(config)
     if not arguments.verbose:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, PrefectConsoleHandler):
                 handler.addFilter(_RunFailures())
-    ensure_prefect_api()
+    if server:
+        ensure_prefect_api()
+    return base
 
 
 def _run(config, arguments) -> int:
+    from flows.prefect_server import ensure_prefect_api
     from flows.report import campaign_report
+    from flows.reuse import reused_iterations
     from flows.rlhf_pipeline import rlhf_campaign
 
-    _prepare(config, arguments)
-    rlhf_campaign(config)
+    base = _prepare(config, arguments, server=False)
+    if reused_iterations(config, base) == config.iterations:  # decided without a Prefect server or a model
+        print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
+    else:
+        ensure_prefect_api()
+        rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0
