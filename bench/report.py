@@ -225,6 +225,32 @@ STAGE_COLUMNS = (
 )
 
 
+def _noop_section(noop: dict) -> list[str]:
+    parts = noop["breakdown"]
+    per_iteration = parts["decision_s"] / parts["iterations"]
+    return [
+        "## 7. No-op run: the finished demo campaign again",
+        "",
+        "`.venv/bin/python -m bench.run --only noop`: `rlhf run --config configs/demo.yaml` (8 iterations) once, then"
+        " the same command again in fresh processes, timed as whole commands. Goal (issue 13): at most 8 s,"
+        " at most 2 s of it per finished iteration.",
+        "",
+        "| | seconds |",
+        "| --- | --- |",
+        f"| the campaign (first run, or already finished) | {noop['first_run_s']:.1f} |",
+        f"| no-op run, median of {len(noop['noop_wall_s'])} (wall) | {noop['noop_median_s']:.2f} |",
+        f"| of it: importing the command's modules (flows.config pulls in torch, transformers, Prefect, MLflow)"
+        f" | {parts['import_s']:.2f} |",
+        f"| of it: config, base inputs resolved and checked | {parts['config_and_base_s']:.2f} |",
+        f"| of it: opening the MLflow store | {parts['mlflow_store_s']:.2f} |",
+        f"| of it: the reuse decision, {parts['iterations']} iterations ({parts['reused']} reused) |"
+        f" {parts['decision_s']:.2f} ({per_iteration:.3f} per iteration) |",
+        "",
+        f'Every no-op run printed "nothing to run": {"yes" if noop["nothing_to_run"] else "NO"}.',
+        "",
+    ]
+
+
 def _kept_sections(path: Path) -> dict[str, str]:
     """``## N.`` sections of an existing results file, by number, so a partial run keeps the others."""
     if not path.is_file():
@@ -262,6 +288,7 @@ def write_results(results: dict, path: Path, *, command: str, keep: Path | None 
         ("4", "scaling", lambda: _scaling_section(results["scaling"])),
         ("5", "tax", lambda: _replay_section(results["tax"])),
         ("6", "scale", lambda: _scale_section(results["scale"])),
+        ("7", "noop", lambda: _noop_section(results["noop"])),
     ]
     for number, part, section in parts:
         if part in results and (part != "roofline" or "trl" in results):

@@ -10,7 +10,8 @@ Every measurement runs in its own subprocess, one at a time, with one torch thre
 4. scaling of our iteration as prompts and response length double;
 5. replay against the full iteration it replays;
 6. model scale: an 85 M-parameter model through two iterations, full fine-tuning against LoRA,
-   fp32 against bf16: seconds and peak memory per stage, bytes on disk against the model's bytes.
+   fp32 against bf16: seconds and peak memory per stage, bytes on disk against the model's bytes;
+7. the no-op run: ``rlhf run`` of the finished demo campaign again (:mod:`bench.noop`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from bench.common import (
 
 RESULTS = REPO / "bench" / "RESULTS.md"
 COMMAND = ".venv/bin/python -m bench.run --all"
-PARTS = ("trl", "roofline", "tax", "scaling", "scale")
+PARTS = ("trl", "roofline", "tax", "scaling", "scale", "noop")
 SCALE_VARIANTS = ("full-fp32", "full-bf16", "lora-fp32", "lora-bf16")
 
 
@@ -179,6 +180,7 @@ def main() -> None:
     parser.add_argument("--only", choices=PARTS, action="append", help="run only these parts (repeatable)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and size in the TRL comparison")
     parser.add_argument("--iterations", type=int, default=3, help="flow and plain-loop iterations")
+    parser.add_argument("--noop-repeats", type=int, default=3, help="timed no-op runs of the demo campaign")
     parser.add_argument("--json", type=Path, default=SCRATCH / "results.json")
     args = parser.parse_args()
     parts = set(args.only or PARTS)
@@ -200,6 +202,11 @@ def main() -> None:
     if "scale" in parts:
         print("model scale", flush=True)
         results["scale"] = model_scale()
+    if "noop" in parts:
+        from bench.noop import measure
+
+        print("no-op run of the finished demo campaign", flush=True)
+        results["noop"] = measure(args.noop_repeats)
     args.json.write_text(json.dumps(results, indent=2))
     from bench.report import write_results
 
