@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import median
+from bench.flops import iteration_gflops
 
 GOALS = "PPO iteration >= 1.5x faster than TRL at equal work; pipeline tax < 10%; generation >= 30% of roofline"
 
@@ -41,6 +42,33 @@ def _trl_section(trl: dict) -> list[str]:
             f"| {name} | {model} | {work} | {steps} | {_pair(peer['iteration'])} | {_pair(ours['iteration'])} | "
             f"{peer['iteration'][0] / ours['iteration'][0]:.2f}x | {peer['iteration'][1] / ours['iteration'][1]:.2f}x | "
             f"{phases} | {our_phases} | {peer['peak_rss_mib']:.0f} / {ours['peak_rss_mib']:.0f} MiB |"
+        )
+    lines += _flops_lines(trl)
+    return lines
+
+
+def _flops_lines(trl: dict) -> list[str]:
+    """Matmul FLOPs per iteration of each side (:mod:`bench.flops`) and the rate each achieves."""
+    from bench.artifacts import prompt_columns
+    from bench.common import SCRATCH, Size
+
+    lines = [
+        "",
+        "Matmul work per iteration (`bench/flops.py`: weights, attention and LM head; P = left-padded prompt"
+        " width) and the rate it was done at (GFLOP / CPU seconds):",
+        "",
+        "| size | P | TRL GFLOP gen / rollout / update / iteration | ours GFLOP gen / rollout / update / iteration |"
+        " TRL GFLOP/s | ours GFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in trl.items():
+        width = prompt_columns(SCRATCH / f"artifacts-{name}", Size(**row["size"]))
+        work = {side: iteration_gflops(row["size"], width, side) for side in ("trl", "ours")}
+        cells = {side: " / ".join(f"{work[side][p]:.0f}" for p in ("generation", "rollout", "update", "iteration"))
+                 for side in work}  # fmt: skip
+        rates = {side: work[side]["iteration"] / row[side]["iteration"][1] for side in work}
+        lines.append(
+            f"| {name} | {width:.1f} | {cells['trl']} | {cells['ours']} | {rates['trl']:.0f} | {rates['ours']:.0f} |"
         )
     lines.append("")
     return lines
