@@ -23,8 +23,8 @@ answers "not reused", and the flow runs as usual, reusing what it can and report
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from flows.campaign import campaign_layout, run_key, tracking_store
 from flows.config import PipelineConfig
@@ -40,10 +40,10 @@ from storage.tracking import (
     TAG_STAGE,
 )
 from tasks.code import code_fingerprint
-from tasks.context import BaseInputs
-from tasks.stage import StageResult
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # types only: deciding reuse loads no torch or Prefect of its own
+    from tasks.context import BaseInputs
+    from tasks.stage import StageResult
 
 PIPELINE_MODULE = "flows.rlhf_pipeline"
 """The module whose code fingerprint a reuse record holds: the flows' wiring and, through its imports,
