@@ -174,6 +174,22 @@ def model_scale() -> dict:
     return results
 
 
+TITLES = {
+    "trl": "ours vs TRL",
+    "roofline": "roofline",
+    "tax": "pipeline tax and replay",
+    "scaling": "scaling",
+    "scale": "model scale",
+    "noop": "no-op run of the finished demo campaign",
+}
+
+
+def noop_run(repeats: int) -> dict:
+    from bench.noop import measure
+
+    return measure(repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="run every part (the default when --only is not given)")
@@ -187,27 +203,19 @@ def main() -> None:
     SCRATCH.mkdir(parents=True, exist_ok=True)
     previous = json.loads(args.json.read_text()) if args.json.is_file() else {}
     results = {**previous, "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if "trl" in parts:
-        print("ours vs TRL", flush=True)
-        results["trl"] = compare_trl(args.repeats)
-    if "roofline" in parts:
-        print("roofline", flush=True)
-        results["roofline"] = worker(PROJECT_PYTHON, "bench.roofline")["gflops"]
-    if "tax" in parts:
-        print("pipeline tax and replay", flush=True)
-        results["tax"] = pipeline_tax(args.iterations)
-    if "scaling" in parts:
-        print("scaling", flush=True)
-        results["scaling"] = scaling()
-    if "scale" in parts:
-        print("model scale", flush=True)
-        results["scale"] = model_scale()
-    if "noop" in parts:
-        from bench.noop import measure
-
-        print("no-op run of the finished demo campaign", flush=True)
-        results["noop"] = measure(args.noop_repeats)
-    args.json.write_text(json.dumps(results, indent=2))
+    runners = {
+        "trl": lambda: compare_trl(args.repeats),
+        "roofline": lambda: worker(PROJECT_PYTHON, "bench.roofline")["gflops"],
+        "tax": lambda: pipeline_tax(args.iterations),
+        "scaling": scaling,
+        "scale": model_scale,
+        "noop": lambda: noop_run(args.noop_repeats),
+    }
+    for part in PARTS:
+        if part in parts:
+            print(TITLES[part], flush=True)
+            results[part] = runners[part]()
+            args.json.write_text(json.dumps(results, indent=2))  # a later part failing keeps this one
     from bench.report import write_results
 
     write_results(results, RESULTS, command=COMMAND, keep=RESULTS)
