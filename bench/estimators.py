@@ -174,7 +174,9 @@ def main() -> None:
     parser.add_argument("--estimators", default=",".join(ESTIMATORS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--no-demo", dest="demo", action="store_false", help="leave out the configs/demo-verifiable.yaml row")
+    parser.add_argument(
+        "--no-demo", dest="demo", action="store_false", help="leave out the configs/demo-verifiable.yaml row"
+    )
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, default=RESULTS)

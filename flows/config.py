@@ -186,6 +186,13 @@ class PipelineConfig(_Frozen):
                 f"`advantages.estimator` {estimator} compares the samples of each prompt: it needs "
                 f"`sizes.samples_per_prompt` >= 2, got {group}"
             )
+        rollouts = self.sizes.rollout_prompts * group
+        if self.advantages.kl_target is not None and self.advantages.kl_horizon < rollouts:
+            raise ValueError(
+                f"`advantages.kl_horizon` {self.advantages.kl_horizon} is below the {rollouts} rollouts of an iteration "
+                "(`sizes.rollout_prompts` x `sizes.samples_per_prompt`): the adaptive KL controller would move its "
+                "coefficient by more than 20% in one iteration; raise `advantages.kl_horizon`"
+            )
         if self.ppo.kl_loss_coef > 0 and self.advantages.kl_in != "loss":
             raise ValueError(
                 f"`ppo.kl_loss_coef` {self.ppo.kl_loss_coef} puts the KL in the loss: set `advantages.kl_in` to loss "

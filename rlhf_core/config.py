@@ -157,7 +157,9 @@ class AdvantageConfig:
     """Advantage estimator: gae (with a critic), or critic-free grpo, dr_grpo, rloo (groups of samples of a
     prompt, `sizes.samples_per_prompt` >= 2) or reinforce_pp (see rlhf_core.advantages)."""
     kl_coef: float = bounded(0.05, ge=0)
-    """KL penalty weight beta in the reward (TRL default 0.05); the adaptive controller's start with `kl_target`."""
+    """KL penalty weight beta in the reward (TRL default 0.05). With `kl_target` it is only where the adaptive
+    controller starts: later iterations, and replays, start from the coefficient the previous stage-5 output
+    handed on, so changing it mid-campaign has no effect."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator in the reward: k1, k2 or k3."""
     kl_in: KLPlacement = "reward"
@@ -185,6 +187,10 @@ class AdvantageConfig:
         _check_choice("kl_in", self.kl_in, KLPlacement)
         if self.kl_target is not None and self.kl_in != "reward":
             raise SettingError("kl_target", "adapts the KL coefficient of the reward: it needs `kl_in` = 'reward'")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise SettingError(
+                "kl_coef", "is where the adaptive controller (`kl_target`) starts, and it scales it: > 0"
+            )
 
     @property
     def uses_critic(self) -> bool:

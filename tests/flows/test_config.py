@@ -35,6 +35,9 @@ def test_overrides_apply_on_top_of_the_file():
         (["ppo.kl_loss_coef=0.1"], "advantages.kl_in"),
         (["reward.source=function"], "reward.function"),
         (["reward.source=model"], "reward.source"),
+        # 16 rollouts per iteration in tiny.yaml: a horizon of 8 would move the coefficient by up to 40% at once
+        (["advantages.kl_target=1", "advantages.kl_horizon=8"], "advantages.kl_horizon"),
+        (["advantages.kl_target=1", "advantages.kl_coef=0"], "kl_coef"),  # 0 times any factor stays 0
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_problem(overrides, named):
