@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from flows.config import load_config
 
-        config = load_config(arguments.config, arguments.overrides)
+        config = load_config(arguments.config, arguments.overrides, store_only=arguments.command in _STORE_COMMANDS)
         return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
         from flows.human_labels import HumanLabelTimeout
@@ -197,17 +197,19 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments) -> None:
-    """What every flow-running command does first: check the campaign's inputs and that no other process runs
-    it, then make sure a Prefect server is there, one this process owns if none is configured.
+def _prepare(config, arguments, *, replay: bool = False) -> None:
+    """What every flow-running command does first: check the campaign's inputs, that no other process runs
+    it and (but for a replay, whose config is its source's) that it was started with this config, then make
+    sure a Prefect server is there, one this process owns if none is configured.
 
     Raises:
         LockHeld: another process is running the campaign.
+        ConfigError: the campaign was started with another config.
         InputError, FileNotFoundError: an input the stages could not use.
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from flows.campaign import campaign_layout, resolve_base
+    from flows.campaign import campaign_layout, check_campaign_config, existing_tracker, resolve_base
     from flows.config import ConfigError
     from flows.prefect_server import ensure_prefect_api
     from storage.locks import refuse_if_locked
@@ -215,6 +217,8 @@ def _prepare(config, arguments) -> None:
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if not replay and (tracker := existing_tracker(config)) is not None:
+        check_campaign_config(config, tracker)
     resolve_base.fn(config)
     if not arguments.verbose:
         for handler in logging.getLogger().handlers:
@@ -251,7 +255,7 @@ def _replay(config, arguments) -> int:
 
     source_run_id = resolve_run(config, arguments.source)
     replay = replay_config(config, source_run_id, arguments.overrides)
-    _prepare(replay, arguments)
+    _prepare(replay, arguments, replay=True)
     replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
@@ -300,6 +304,9 @@ def _config(config, arguments) -> int:
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
+
+_STORE_COMMANDS = ("compare", "export", "gc", "config")
+"""Commands that only read what runs recorded (or print the config): they need no model or prompts set."""
 
 _COMMANDS = {
     "run": _run,

@@ -67,6 +67,8 @@ __all__ = [
     "KIND_REPLAY",
     "KIND_STAGE",
     "TAG_CAMPAIGN",
+    "TAG_CAMPAIGN_CONFIG",
+    "TAG_CONFIG_FINGERPRINT",
     "TAG_FLOW_RUN_ID",
     "TAG_INPUT_KEY",
     "TAG_ITERATION",
@@ -104,6 +106,13 @@ TAG_OUTPUT_PATH = "rlhf.output_path"
 TAG_PROCESS = "rlhf.process"
 """The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
+TAG_CONFIG_FINGERPRINT = "rlhf.config_fingerprint"
+"""Experiment tag: the fingerprint of the config that defines the campaign (``flows.campaign.campaign_fields``)."""
+TAG_CAMPAIGN_CONFIG = "rlhf.campaign_config"
+"""Experiment tag: those fields as JSON, so a conflicting config can be told which fields differ."""
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""MLflow 3's experiment type: its UI opens a training experiment on its runs, not on the (empty) GenAI traces."""
 TAG_PARENT_RUN_ID = MLFLOW_PARENT_RUN_ID
 
 KIND_ITERATION = "iteration"
@@ -308,14 +317,28 @@ class Tracker:
         if experiment is None:
             location = None if self.artifact_root is None else (self.artifact_root / campaign).as_uri()
             try:
-                return self._client.create_experiment(campaign, artifact_location=location)
+                return self._client.create_experiment(
+                    campaign, artifact_location=location, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
+                )
             except MlflowException:
                 experiment = self._client.get_experiment_by_name(campaign)
                 if experiment is None:
                     raise
         if experiment.lifecycle_stage != "active":
             raise ValueError(f"experiment {campaign!r} is deleted; restore it in MLflow or delete it permanently")
+        if TAG_EXPERIMENT_KIND not in experiment.tags:  # made before the type was set, or by MLflow itself
+            self._client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
         return experiment.experiment_id
+
+    def experiment_tags(self, campaign: str) -> dict[str, str]:
+        """The tags of ``campaign``'s experiment; empty when it does not exist (nothing is created)."""
+        experiment = self._client.get_experiment_by_name(campaign)
+        return {} if experiment is None else dict(experiment.tags)
+
+    def set_experiment_tags(self, experiment_id: str, tags: Mapping[str, str]) -> None:
+        """Set tags on an experiment."""
+        for key, value in tags.items():
+            self._client.set_experiment_tag(experiment_id, key, value)
 
     def start_run(
         self, experiment_id: str, *, name: str, tags: Mapping[str, str], parent_run_id: str | None = None
