@@ -17,8 +17,8 @@ from prefect.context import get_run_context
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.inputs import InputError, check_inputs
 from flows.settings import EXECUTION, LOCATION
+from flows.store import campaign_layout, store_layout, tracking_uri
 from storage.fingerprints import FingerprintCache
-from storage.layout import RunLayout
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
@@ -73,27 +73,9 @@ class ReplayInputs:
     previous: StageResult | None
 
 
-def campaign_layout(config: PipelineConfig) -> RunLayout:
-    """The campaign's folder: ``run_root / campaign``."""
-    return RunLayout(root=config.run_root / config.campaign)
-
-
-def store_layout(config: PipelineConfig) -> RunLayout:
-    """The layout of ``run_root`` itself: one MLflow store and cache for every campaign under it."""
-    return RunLayout(root=config.run_root)
-
-
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
-    layout = store_layout(config)
-    return TrackingStore(uri=config.tracking_uri or layout.tracking_uri(), artifact_root=str(layout.artifact_root()))
-
-
-def existing_tracker(config: PipelineConfig) -> Tracker | None:
-    """The tracker of ``config``'s store, or None for a local store that does not exist yet (none is created)."""
-    if config.tracking_uri is None and not store_layout(config).mlflow_db().is_file():
-        return None
-    return tracking_store(config).tracker()
+    return TrackingStore(uri=tracking_uri(config), artifact_root=str(store_layout(config).artifact_root()))
 
 
 def execution_of(config: PipelineConfig) -> Execution:

@@ -133,22 +133,30 @@ _USER_ERRNOS = {
 """OS errors that are the machine's state, not a bug: a full or read-only disk, a missing or forbidden path."""
 
 
+_USER_ERROR_TYPES = (
+    "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
+    "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
+    "flows.prefect_server:PrefectServerError",
+)  # fmt: skip
+"""The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
+checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
+
+
+def _raised_one_of(error: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``error`` is an instance of one of the ``module:Class`` ``names`` (of modules already imported)."""
+    for name in names:
+        module, _, attribute = name.partition(":")
+        if module in sys.modules and isinstance(error, getattr(sys.modules[module], attribute)):
+            return True
+    return False
+
+
 def _user_error(error: BaseException) -> bool:
     """Whether ``error`` is a problem with what the user gave or the machine's state, not a bug."""
-    from flows.config import ConfigError
-    from flows.inputs import InputError
-    from flows.prefect_server import PrefectServerError
-    from storage.importers import ImportFormatError
-    from storage.locks import LockHeld, UnsafeLockFile
-    from storage.manifest import CorruptOutputError
-
-    user_errors = (
-        ConfigError, InputError, ImportFormatError, CorruptOutputError, LookupError, FileNotFoundError,
-        FileExistsError, TimeoutError, LockHeld, UnsafeLockFile, PrefectServerError, KeyboardInterrupt,
-    )  # fmt: skip
+    user_errors = (LookupError, FileNotFoundError, FileExistsError, TimeoutError, KeyboardInterrupt)
     if isinstance(error, KeyError | IndexError):  # LookupErrors of a bug, not a run or campaign that does not exist
         return False
-    if isinstance(error, user_errors):
+    if isinstance(error, user_errors) or _raised_one_of(error, _USER_ERROR_TYPES):
         return True
     return isinstance(error, OSError) and error.errno in _USER_ERRNOS
 
@@ -175,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(arguments.config, arguments.overrides, store_only=arguments.command in _STORE_COMMANDS)
         return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
-        from flows.human_labels import HumanLabelTimeout
-
-        timeout = isinstance(error, HumanLabelTimeout)
+        timeout = _raised_one_of(error, ("flows.human_labels:HumanLabelTimeout",))
         if not timeout and not _user_error(error):
             raise
         if arguments.verbose:
@@ -209,9 +215,10 @@ def _prepare(config, arguments, *, replay: bool = False) -> None:
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from flows.campaign import campaign_layout, check_campaign_config, existing_tracker, resolve_base
+    from flows.campaign import check_campaign_config, resolve_base
     from flows.config import ConfigError
     from flows.prefect_server import ensure_prefect_api
+    from flows.store import campaign_layout, existing_tracker
     from storage.locks import refuse_if_locked
 
     if config.run_root.exists() and not config.run_root.is_dir():
@@ -249,9 +256,10 @@ def _iterate(config, arguments) -> int:
 
 
 def _replay(config, arguments) -> int:
-    from flows.replay import replay_config, resolve_run
+    from flows.replay import replay_config
     from flows.report import compare_report
     from flows.rlhf_pipeline import rlhf_replay
+    from flows.store import resolve_run
 
     source_run_id = resolve_run(config, arguments.source)
     replay = replay_config(config, source_run_id, arguments.overrides)
@@ -263,8 +271,8 @@ def _replay(config, arguments) -> int:
 
 
 def _compare(config, arguments) -> int:
-    from flows.replay import resolve_run
     from flows.report import compare_report
+    from flows.store import resolve_run
 
     metrics = arguments.metrics.split(",") if arguments.metrics else None
     print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))

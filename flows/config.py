@@ -25,15 +25,17 @@ from pydantic import (
 
 from rlhf_core.config import (
     GROUP_ESTIMATORS,
+    MIN_PREFERENCE_PAIRS,
     AdvantageConfig,
+    DeviceChoice,
+    LabelerName,
     LoraConfig,
     PPOConfig,
+    Precision,
     RewardModelConfig,
     SamplingConfig,
     SettingError,
 )
-from rlhf_core.precision import DeviceChoice, Precision
-from tasks.labelers import MIN_PREFERENCE_PAIRS, LabelerName
 
 
 class _Frozen(BaseModel):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flows.campaign import tracking_store
 from flows.config import PipelineConfig
+from flows.store import store_tracker
 from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND
 
 HEADLINE_METRICS = {
@@ -34,7 +34,7 @@ def _cell(metrics: dict[str, float], name: str) -> str:
 
 def campaign_report(config: PipelineConfig) -> str:
     """One row per finished iteration of the campaign, headline metrics as columns."""
-    tracker = tracking_store(config).tracker()
+    tracker = store_tracker(config)
     rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
     columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
     header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
@@ -45,7 +45,7 @@ def campaign_report(config: PipelineConfig) -> str:
 
 def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: Sequence[str] | None = None) -> str:
     """Metrics as rows, runs as columns; the first rows say what each run is."""
-    tracker = tracking_store(config).tracker()
+    tracker = store_tracker(config)
     tags = [tracker.run_tags(run_id) for run_id in run_ids]
     values = [tracker.run_metrics(run_id) for run_id in run_ids]
     names = list(metrics) if metrics else [name for name in HEADLINE_METRICS if any(name in v for v in values)]

@@ -11,9 +11,21 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from rlhf_core.losses import LossAggregation
-from rlhf_core.rewards import KLEstimator
-
+KLEstimator = Literal["k1", "k2", "k3"]
+"""Per-token KL estimators (:func:`rlhf_core.rewards.kl_estimate`)."""
+LossAggregation = Literal["token_mean", "sequence_mean", "token_sum_norm"]
+"""How token losses become one loss (:func:`rlhf_core.losses.aggregate`)."""
+Precision = Literal["fp32", "bf16", "fp16"]
+"""Numeric precision of forward passes (:mod:`rlhf_core.precision`)."""
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+"""Where models run (:func:`rlhf_core.precision.resolve_device`)."""
+LabelerName = Literal["gold", "import", "reward_model", "human"]
+"""Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
+person."""
+MIN_PREFERENCE_PAIRS = 4
+"""The fewest preference pairs a reward model trains on: at least one held out and three to learn from."""
+# The names above are declared here, not beside their code, so that reading a config (the `rlhf` command's start)
+# imports no torch.
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 """Advantage estimators (:mod:`rlhf_core.gae`, :mod:`rlhf_core.advantages`). Named here, not beside their
 maths, so that a stage importing the config does not import (and fingerprint) the estimators' code."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlhf_core.config import LabelerName
 from rlhf_core.precision import Precision
 from storage.importers import import_preferences
 from storage.manifest import StageOutput
@@ -23,7 +24,6 @@ from tasks.labelers import (
     HumanLabeler,
     JudgeLabeler,
     Labeler,
-    LabelerName,
     RewardModelLabeler,
 )
 from tasks.stage import StageResult, stage, stage_models

@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import LoraConfig, RewardModelConfig
+from rlhf_core.config import MIN_PREFERENCE_PAIRS, LoraConfig, RewardModelConfig
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -25,7 +25,6 @@ from storage.manifest import StageOutput
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
-from tasks.labelers import MIN_PREFERENCE_PAIRS
 from tasks.stage import StageResult, Throttle, stage, stage_models
 from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
