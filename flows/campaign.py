@@ -16,7 +16,7 @@ from prefect.context import get_run_context
 
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.inputs import InputError, check_inputs
-from flows.settings import EXECUTION, LOCATION
+from flows.settings import EXECUTION, LOCATION, replayable_fields
 from flows.store import campaign_layout, store_layout, tracking_uri
 from storage.fingerprints import FingerprintCache
 from storage.tracking import (
@@ -189,9 +189,16 @@ def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
     return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
 
 
-CAMPAIGN_FREE = (*EXECUTION, *LOCATION, "iterations", *(f"human.{name}" for name in HumanLabelConfig.model_fields))
-"""Fields a campaign may be run with differently from one command to the next: where and how it runs, how many
-iterations, and how the human-label forms are shown. Every other field defines the campaign."""
+CAMPAIGN_FREE = (
+    *EXECUTION,
+    *LOCATION,
+    *replayable_fields(),
+    "iterations",
+    *(f"human.{name}" for name in HumanLabelConfig.model_fields),
+)
+"""Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
+replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
+human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
 
 
 def campaign_fields(config: PipelineConfig) -> dict:

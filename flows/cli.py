@@ -20,6 +20,7 @@ Prefect server or any flow starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -173,6 +174,10 @@ def _message(error: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
+    if not arguments.verbose:
+        from flows.console import quiet_libraries
+
+        quiet_libraries()
     if hold_at := os.environ.get("RLHF_HOLD_AT"):  # crash tests only: see storage/holds.py
         from storage.holds import arm
 
@@ -203,10 +208,14 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments, *, replay: bool = False) -> None:
+def _prepare(config, arguments, *, replay: bool = False):
     """What every flow-running command does first: check the campaign's inputs, that no other process runs
     it and (but for a replay, whose config is its source's) that it was started with this config, then make
     sure a Prefect server is there, one this process owns if none is configured.
+
+    Returns:
+        The console that shows the stages (:func:`flows.console.show_stages`; close it when the flows end), or
+        None with ``--verbose``, which shows the whole log instead.
 
     Raises:
         LockHeld: another process is running the campaign.
@@ -217,6 +226,7 @@ def _prepare(config, arguments, *, replay: bool = False) -> None:
 
     from flows.campaign import check_campaign_config, resolve_base
     from flows.config import ConfigError
+    from flows.console import show_stages
     from flows.prefect_server import ensure_prefect_api
     from flows.store import campaign_layout, existing_tracker
     from storage.locks import refuse_if_locked
@@ -227,19 +237,32 @@ def _prepare(config, arguments, *, replay: bool = False) -> None:
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
     resolve_base.fn(config)
+    console = None
     if not arguments.verbose:
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, PrefectConsoleHandler):
-                handler.addFilter(_RunFailures())
+        handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
+        for handler in handlers:
+            handler.addFilter(_RunFailures())
+        console = show_stages(handlers)
     ensure_prefect_api()
+    return console
+
+
+@contextlib.contextmanager
+def _showing(console):
+    """Close the stage console (if any) when the flows end, before the command prints its report."""
+    try:
+        yield
+    finally:
+        if console is not None:
+            console.close()
 
 
 def _run(config, arguments) -> int:
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_campaign
 
-    _prepare(config, arguments)
-    rlhf_campaign(config)
+    with _showing(_prepare(config, arguments)):
+        rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0
@@ -249,8 +272,8 @@ def _iterate(config, arguments) -> int:
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_iteration
 
-    _prepare(config, arguments)
-    rlhf_iteration(config)
+    with _showing(_prepare(config, arguments)):
+        rlhf_iteration(config)
     print(campaign_report(config))
     return 0
 
@@ -263,8 +286,8 @@ def _replay(config, arguments) -> int:
 
     source_run_id = resolve_run(config, arguments.source)
     replay = replay_config(config, source_run_id, arguments.overrides)
-    _prepare(replay, arguments, replay=True)
-    replay_run_id = rlhf_replay(replay, source_run_id)
+    with _showing(_prepare(replay, arguments, replay=True)):
+        replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
     return 0
