@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
+from flows.figures import FIGURE_FILE, overoptimisation_figure
 from flows.inputs import InputError, check_inputs
 from flows.settings import EXECUTION, LOCATION, replayable_fields
 from flows.store import campaign_layout, store_layout, tracking_uri
@@ -358,19 +359,30 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
     An iteration whose stages were all reused and whose run is already finished logs nothing new.
     """
     tracker = context.tracker
+    kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
+        if kind == KIND_ITERATION:
+            _log_overoptimisation(context, metrics)
         tracker.end_run(context.parent_run_id)
-    kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
     _prune_optimizer_states(context, stages, kind=kind)
+    figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
-        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind),
+        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind, figure=figure),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
+
+
+def _log_overoptimisation(context: StageContext, metrics: dict[str, float]) -> None:
+    """The campaign's over-optimisation figure up to this iteration (:mod:`flows.figures`), on the iteration run."""
+    tracker = context.tracker
+    earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
+    figure = overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
+    tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
 
 
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:
@@ -396,20 +408,32 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
 
 
 def iteration_summary(
-    context: StageContext, stages: list[StageResult], run_url: str, *, kind: str = KIND_ITERATION
+    context: StageContext,
+    stages: list[StageResult],
+    run_url: str,
+    *,
+    kind: str = KIND_ITERATION,
+    figure: str | None = None,
 ) -> str:
-    """Markdown: one row per stage (ran or reused, headline metrics), and the MLflow link."""
+    """Markdown: one row per stage (ran or reused, seconds), the over-optimisation figure, then every metric on a
+    row of its own (one cell per value, so the UI cuts none off), and the MLflow link."""
     lines = [
         f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",
         f"MLflow run: [{context.parent_run_id}]({run_url})",
         "",
-        "| stage | status | metrics |",
-        "| --- | --- | --- |",
+        "| stage | status | seconds |",
+        "| --- | --- | ---: |",
     ]
     for result in stages:
-        shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(result.metrics.items()))
-        lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {shown} |")
+        seconds = result.metrics.get("seconds")
+        took = "" if result.reused or seconds is None else f"{seconds:.1f}"
+        lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {took} |")
+    if figure is not None:
+        lines += ["", f"![over-optimisation: reward and gold score against the KL to the reference]({figure})"]
+    lines += ["", "| metric | value |", "| --- | ---: |"]
+    for result in stages:
+        lines += [f"| {result.stage}/{name} | {value:.4g} |" for name, value in sorted(result.metrics.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""What ``rlhf run`` shows in a terminal: a line per iteration, a live line per running stage, a summary per stage.
+"""What ``rlhf run`` shows in a terminal: a line per iteration, a progress bar per running stage, a summary per stage.
 
 Without ``--verbose`` the console shows the stages, not the log: Prefect's own lines (task runs created,
 states) and the project's INFO records stay out of the terminal but still reach the Prefect UI (every
@@ -7,13 +7,13 @@ progress bars and load reports are off. The stages announce themselves with log 
 :data:`tasks.stage.STAGE_EVENT`; :class:`StageConsole` turns them into::
 
     iteration 3 of campaign demo
-      sample_candidates    1.9 s  1024 candidates
-      collect_preferences  0.2 s  512 pairs, 3% ties
-      train_reward_model   2.8 s  RM accuracy 0.88 on 52 held-out pairs
-      rollout              ⠹ 2 s                    (while it runs, on a terminal)
+      sample_candidates      1.9 s  1024 candidates
+      collect_preferences    0.2 s  512 pairs, 3% ties
+      train_reward_model     2.8 s  RM accuracy 0.88 on 51 held-out pairs
+    rollout:  50%|█████     | 2/4 [00:00<00:00,  7.59batch/s]      (while it runs)
 
-One line per stage while it runs, redrawn in place on a terminal (elapsed seconds: the stages report no
-finer progress), replaced by its summary when it ends; reused stages are counted, not listed.
+A running stage shows its own progress bar (batches or epochs; it disappears when the stage ends), a
+finished one its summary; reused stages are counted, not listed.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
-import time
-from typing import IO, Any
+from typing import IO
 
 STAGE_EVENT = "rlhf_stage_event"
 """The record attribute :mod:`tasks.stage` and the flows mark their announcements with (the same string there)."""
@@ -33,7 +31,7 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "collect_preferences": (("pairs", "{:.0f} pairs"), ("tie_fraction", "{:.0%} ties")),
     "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "on {:.0f} held-out pairs")),
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
-    "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL {:.3g}")),
+    "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL (k1) {:.3g}")),
     "ppo_update": (("approx_kl", "approx KL {:.3g}"), ("clip_fraction", "clipped {:.0%}")),
     "evaluate": (
         ("gold_win_rate", "gold win rate {:.2f}"),
@@ -42,8 +40,6 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 """Per stage, the metrics its summary line shows, and how."""
-
-_SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 
 def summary_line(stage: str, metrics: dict[str, float], *, width: int = 20) -> str:
@@ -55,79 +51,38 @@ def summary_line(stage: str, metrics: dict[str, float], *, width: int = 20) -> s
 
 
 class StageConsole(logging.Handler):
-    """Prints iteration headers and stage summaries from the stages' announcements, with a live line per running
-    stage on a terminal. Attach it to the loggers that announce (``tasks.stage``, ``flows``)."""
+    """Prints iteration headers and stage summaries from the stages' announcements. Attach it to the loggers
+    that announce (:data:`_ANNOUNCING`)."""
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         super().__init__(level=logging.INFO)
         self.stream = stream or sys.stderr
-        self.live = self.stream.isatty() and os.environ.get("TERM") != "dumb"
         self.reused = 0
-        self._running: tuple[str, float] | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, STAGE_EVENT, None)
-        if event == "iteration":
+        if event in ("iteration", "started"):
             self._flush_reused()
+        if event == "iteration":
             self._write(record.getMessage())
-        elif event == "started":
-            self._start(record.rlhf_stage)  # type: ignore[attr-defined]
         elif event == "finished":
-            self._finish(record.rlhf_result)  # type: ignore[attr-defined]
-
-    def _start(self, stage: str) -> None:
-        self._flush_reused()
-        with self._lock:
-            self._running = (stage, time.monotonic())
-        if self.live and self._ticker is None:
-            self._stop.clear()
-            self._ticker = threading.Thread(target=self._tick, name="rlhf-console", daemon=True)
-            self._ticker.start()
-
-    def _finish(self, result: Any) -> None:
-        self._stop_ticker()
-        if result.reused:
-            self.reused += 1
-            return
-        self._write(summary_line(result.stage, result.metrics))
+            result = record.rlhf_result  # type: ignore[attr-defined]
+            if result.reused:
+                self.reused += 1
+            else:
+                self._write(summary_line(result.stage, result.metrics))
 
     def _flush_reused(self) -> None:
         if self.reused:
             self._write(f"  ({self.reused} stage(s) reused: their outputs exist)")
             self.reused = 0
 
-    def _tick(self) -> None:
-        frame = 0
-        while not self._stop.wait(0.25):
-            with self._lock:
-                if self._running is None:
-                    continue
-                stage, started = self._running
-                self.stream.write(
-                    f"\r\x1b[2K  {stage:<20} {_SPINNER[frame % len(_SPINNER)]} {time.monotonic() - started:.0f} s"
-                )
-                self.stream.flush()
-            frame += 1
-
-    def _stop_ticker(self) -> None:
-        with self._lock:
-            self._running = None
-        if self._ticker is not None:
-            self._stop.set()
-            self._ticker.join()
-            self._ticker = None
-
     def _write(self, line: str) -> None:
-        with self._lock:
-            self.stream.write(("\r\x1b[2K" if self.live else "") + line + "\n")
-            self.stream.flush()
+        self.stream.write(line + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
-        """Stop the live line, say how many stages were reused, and detach from the loggers."""
-        self._stop_ticker()
+        """Say how many stages were reused since the last line, and detach from the loggers."""
         self._flush_reused()
         for name in _ANNOUNCING:
             logging.getLogger(name).removeHandler(self)
@@ -147,6 +102,9 @@ def quiet_libraries() -> None:
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial MLflow database tables..."
+    if "mlflow" in sys.modules:
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
     if "transformers" in sys.modules:  # imported already: the settings above were read at its import
         from transformers.utils import logging as transformers_logging
 

@@ -38,9 +38,28 @@ def campaign_report(config: PipelineConfig) -> str:
     rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
     columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
     header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
-    return _table(
+    table = _table(
         [header, *([str(iteration), *(_cell(metrics, name) for name in columns)] for iteration, metrics in rows)]
     )
+    notes = []
+    if any(metrics.get("train_reward_model/eval_pairs", 0) for _, metrics in rows):
+        pairs = [
+            int(metrics["train_reward_model/eval_pairs"])
+            for _, metrics in rows
+            if "train_reward_model/eval_pairs" in metrics
+        ]
+        notes.append(f"RM accuracy: on {min(pairs)} to {max(pairs)} held-out pairs per iteration.")
+    if any(metrics.get(KL_TO_REFERENCE, 0) < 0 for _, metrics in rows):
+        notes.append(KL_NOTE)
+    return "\n".join([table, *notes])
+
+
+KL_TO_REFERENCE = "evaluate/kl_to_reference"
+KL_NOTE = (
+    "KL to ref: the k1 estimate, log pi(y|x) - log pi_ref(y|x) summed over each sampled response and averaged over "
+    "the held-out prompts. It is unbiased but not positive per sample, so while the policy is still close to the "
+    "reference (iteration 0) its mean can come out slightly below 0."
+)
 
 
 def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: Sequence[str] | None = None) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import re
 import time
@@ -406,6 +407,13 @@ def _record_stage(
         tracker.log_params(run_id, settings)
         metrics = {f"{stage}/{name}": value for name, value in manifest.metrics.items()}
         tracker.log_metrics(run_id, metrics, step=context.iteration, skip_logged=True)
+        curve = stage_dir / TRAINING_CURVE
+        if curve.is_file():
+            tracker.log_metric_steps(run_id, f"{stage}/train", json.loads(curve.read_text()))
+        samples = stage_dir / SAMPLES
+        if samples.is_file():
+            rows = [json.loads(line) for line in samples.read_text().splitlines()]
+            tracker.log_table(run_id, {name: [row.get(name) for row in rows] for name in rows[0]}, "samples.json")
         tracker.log_stage_output(run_id, stage_dir, manifest)
         hold(stage, "recording")
         for suffix, subfolder in (register or {}).items() if context.register_models else ():
@@ -415,6 +423,21 @@ def _record_stage(
                 )
         tracker.end_run(run_id)
     return run_id
+
+
+TRAINING_CURVE = "training_curve.json"
+"""A training stage's per-step statistics in its output: ``[{"step": 1, "loss": ...}, ...]``, logged in MLflow as
+``<stage>/train/<name>`` at each step (:func:`_record_stage`), so the UI draws curves, not one point per stage."""
+
+
+def write_training_curve(folder: Path, rows: list[dict[str, float]]) -> None:
+    """Write ``rows`` (one per optimizer step, each with its ``step``) as the output's :data:`TRAINING_CURVE`."""
+    (folder / TRAINING_CURVE).write_text(json.dumps(rows))
+
+
+SAMPLES = "samples.jsonl"
+"""A stage output's sample rows (evaluation: prompt, responses, scores, KL), also logged as an MLflow table, so the UI
+shows what the policy writes beside what the reward model and the gold judge made of it."""
 
 
 class Throttle:
