@@ -327,12 +327,21 @@ def _serve(config, arguments) -> int:
 
 
 def _config(config, arguments) -> int:
-    import yaml
+    from flows.config import ConfigError, commented_yaml, load_config
 
+    try:  # as `rlhf run` would read it: say so if it would refuse it
+        load_config(arguments.config, arguments.overrides)
+        refused = None
+    except ConfigError as error:
+        refused = str(error)
     if arguments.json:
+        if refused:
+            raise ConfigError(refused)
         print(config.model_dump_json())
         return 0
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    if refused:
+        print(f"# `rlhf run` would refuse this config: {refused}\n")
+    print(commented_yaml(config), end="")
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
@@ -131,7 +133,8 @@ class PipelineConfig(_Frozen):
 
     campaign: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Campaign name: the MLflow experiment and the folder under `run_root`. A campaign keeps the config it was
-    started with (all but where and how it runs, and `iterations`): a different one needs a new name."""
+    started with (all but where and how it runs, `iterations`, the human-label forms and what a replay may change:
+    the advantage and PPO settings): a different one needs a new name."""
     demo: bool = False
     """Use the embedded demo world: a tiny GPT-2 pretrained on a generated toy language (built and cached on first
     use) for whichever of `model.policy`, `data.prompts` and `data.eval_prompts` is not set, and its hidden gold
@@ -382,3 +385,27 @@ def load_config(
         return PipelineConfig.model_validate(tree, context={"store_only": store_only})
     except ValidationError as error:
         raise ConfigError(describe_errors(error, overrides=given, path=path)) from error
+
+
+def commented_yaml(config: PipelineConfig) -> str:
+    """``config`` as YAML, each field preceded by its description as a comment (what ``rlhf config`` prints); it
+    loads back as the same config."""
+    schema = PipelineConfig.model_json_schema()
+    definitions = schema["$defs"]
+    lines: list[str] = []
+
+    def section(properties: dict[str, Any], values: dict[str, Any], indent: str) -> None:
+        for name, value in values.items():
+            field = properties.get(name, {})
+            refs = [field.get("$ref"), *(option.get("$ref") for option in field.get("anyOf", []))]
+            definition = next((definitions[ref.rsplit("/", 1)[-1]] for ref in refs if ref), None)
+            description = field.get("description") or (definition or {}).get("description", "")
+            lines.extend(f"{indent}# {line}" for line in textwrap.wrap(" ".join(description.split()), 100))
+            if isinstance(value, dict) and definition is not None:
+                lines.append(f"{indent}{name}:")
+                section(definition["properties"], value, indent + "  ")
+            else:  # JSON is YAML: strings quoted, null and lists as they are
+                lines.append(f"{indent}{name}: {json.dumps(value)}")
+
+    section(schema["properties"], config.model_dump(mode="json"), "")
+    return "\n".join(lines) + "\n"

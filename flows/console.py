@@ -9,7 +9,7 @@ progress bars and load reports are off. The stages announce themselves with log 
     iteration 3 of campaign demo
       sample_candidates      1.9 s  1024 candidates
       collect_preferences    0.2 s  512 pairs, 3% ties
-      train_reward_model     2.8 s  RM accuracy 0.88 on 51 held-out pairs
+      train_reward_model     2.8 s  RM accuracy 0.88, 51 held-out pairs
     rollout:  50%|█████     | 2/4 [00:00<00:00,  7.59batch/s]      (while it runs)
 
 A running stage shows its own progress bar (batches or epochs; it disappears when the stage ends), a
@@ -29,7 +29,7 @@ STAGE_EVENT = "rlhf_stage_event"
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "sample_candidates": (("candidates", "{:.0f} candidates"),),
     "collect_preferences": (("pairs", "{:.0f} pairs"), ("tie_fraction", "{:.0%} ties")),
-    "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "on {:.0f} held-out pairs")),
+    "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "{:.0f} held-out pairs")),
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
     "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL (k1) {:.3g}")),
     "ppo_update": (("approx_kl", "approx KL {:.3g}"), ("clip_fraction", "clipped {:.0%}")),

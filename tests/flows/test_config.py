@@ -107,3 +107,39 @@ def test_issue15_your_own_model_with_the_demo_rubric_is_refused(overrides, named
         load_config(None, [*USER_WORLD, *overrides])
     # The demo itself may (its model, prompts and rubric are the demo's, or in its language: `demo`).
     load_config(None, ["demo=true", *overrides])
+
+
+def test_issue15_rlhf_config_prints_each_description_as_a_comment_and_loads_back(tmp_path):
+    from flows.config import commented_yaml
+
+    config = load_config(CONFIGS / "demo.yaml", ["ppo.clip_eps=0.1"])
+    text = commented_yaml(config)
+    assert "# Policy ratio clip epsilon (Schulman et al. 2017).\n  clip_eps: 0.1" in text
+    (tmp_path / "printed.yaml").write_text(text)
+    assert load_config(tmp_path / "printed.yaml") == config
+
+
+def test_issue15_a_misspelt_key_gets_a_did_you_mean():
+    with pytest.raises(ConfigError, match=r"`ppo\.epoch` is not a setting \(did you mean `ppo\.epochs`\?\)"):
+        load_config(CONFIGS / "demo.yaml", ["ppo.epoch=3"])
+
+
+def test_issue15_commands_that_read_the_store_import_neither_torch_nor_prefect(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from flows.cli import main\n"
+        f"code = main(['compare', 'demo:1', '--set', 'run_root={tmp_path}'])\n"
+        "print(code, sorted(m for m in ('torch', 'transformers', 'prefect') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "2 []", result  # no store: a one-line error, and no heavy import
+
+
+def test_issue15_a_finished_stage_is_one_summary_line():
+    from flows.console import summary_line
+
+    line = summary_line("train_reward_model", {"seconds": 2.04, "eval_accuracy": 0.875, "eval_pairs": 51.0})
+    assert line == "  train_reward_model       2.0 s  RM accuracy 0.88, 51 held-out pairs"
