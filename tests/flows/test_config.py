@@ -142,4 +142,4 @@ def test_issue15_a_finished_stage_is_one_summary_line():
     from flows.console import summary_line
 
     line = summary_line("train_reward_model", {"seconds": 2.04, "eval_accuracy": 0.875, "eval_pairs": 51.0})
-    assert line == "  train_reward_model       2.0 s  RM accuracy 0.88, 51 held-out pairs"
+    assert line == "  train_reward_model     2.0 s  RM accuracy 0.88, 51 held-out pairs"
