@@ -117,8 +117,16 @@ CONFIG_CASES = [
     Case("set-unknown-labeler", lambda t, w: _run(t, w, "labeler=nope"), ("`labeler`", "nope")),
     Case("set-import-without-file", lambda t, w: _run(t, w, "labeler=import"), ("data.preferences",)),
     Case("set-bad-campaign-name", lambda t, w: _run(t, w, "campaign=has space"), ("`campaign`",)),
-    Case("serve-bad-cron", lambda t, w: ["serve", "--cron", "not a cron"], ("--cron", "not a cron")),
-    Case("serve-bad-interval", lambda t, w: ["serve", "--interval", "nan"], ("interval", "positive")),
+    Case(
+        "serve-bad-cron",
+        lambda t, w: ["serve", "--config", str(TINY), "--cron", "not a cron"],
+        ("--cron", "not a cron"),
+    ),
+    Case(
+        "serve-bad-interval",
+        lambda t, w: ["serve", "--config", str(TINY), "--interval", "nan"],
+        ("interval", "positive"),
+    ),
     Case("fp16-on-cpu", lambda t, w: _run(t, w, "precision=fp16", "device=cpu"), ("`precision` fp16",)),
 ]
 
