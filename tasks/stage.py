@@ -432,7 +432,7 @@ TRAINING_CURVE = "training_curve.json"
 
 def write_training_curve(folder: Path, rows: list[dict[str, float]]) -> None:
     """Write ``rows`` (one per optimizer step, each with its ``step``) as the output's :data:`TRAINING_CURVE`."""
-    (folder / TRAINING_CURVE).write_text(json.dumps(rows))
+    (folder / TRAINING_CURVE).write_text(json.dumps(rows, sort_keys=True))  # the same text after a resume
 
 
 SAMPLES = "samples.jsonl"
