@@ -120,7 +120,7 @@ def _tax_section(tax: dict) -> list[str]:
         "",
         "The real `rlhf_iteration` flow (Prefect ephemeral server, MLflow on SQLite, Parquet shards, checkpoints,"
         " manifests; a temporary run root and `PREFECT_HOME`) against the same `rlhf_core` calls in one plain loop"
-        " with models in memory, both on `PipelineConfig()` defaults (the demo). Steady = median of iterations 1..n.",
+        " with models in memory, both on `configs/demo.yaml` (the RLHF demo). Steady = median of iterations 1..n.",
         "",
         "| | flow | plain loop | tax (flow - plain) / flow |",
         "| --- | --- | --- | --- |",

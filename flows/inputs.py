@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from flows.config import PipelineConfig
+from rlhf_core.config import MIN_PREFERENCE_PAIRS
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
-from tasks.labelers import MIN_PREFERENCE_PAIRS
 from tasks.text import Prompt, conversation_ids, load_tokenizer, prompt_ids
 
 _BATCH = 256

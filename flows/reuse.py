@@ -26,8 +26,9 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from flows.campaign import campaign_layout, run_key, tracking_store
+from flows.campaign import resolve_base, run_key
 from flows.config import PipelineConfig
+from flows.store import campaign_layout, existing_tracker, store_tracker
 from storage.manifest import CorruptOutputError, read_manifest
 from storage.tracking import (
     KIND_ITERATION,
@@ -86,7 +87,7 @@ def reused_iterations(config: PipelineConfig, base: BaseInputs) -> int:
     One MLflow query per iteration (its runs: the iteration run and its stage runs), plus verifying the
     recorded outputs (:func:`storage.manifest.read_manifest`). Reads only; runs nothing.
     """
-    tracker = tracking_store(config).tracker()
+    tracker = store_tracker(config)
     if not tracker.has_experiment(config.campaign):
         return 0
     experiment_id = tracker.experiment_id(config.campaign)
@@ -113,3 +114,15 @@ def reused_iterations(config: PipelineConfig, base: BaseInputs) -> int:
             return iteration
         previous = digests["ppo_update"]
     return config.iterations
+
+
+def campaign_finished(config: PipelineConfig) -> bool:
+    """Whether running ``config``'s campaign again would reuse every stage of its ``config.iterations``
+    iterations (:func:`reused_iterations`); False at once when there is no MLflow store yet (none is created).
+
+    Raises:
+        FileNotFoundError, InputError: a base input the stages could not use (as any run refuses it).
+    """
+    if existing_tracker(config) is None:
+        return False
+    return reused_iterations(config, resolve_base.fn(config)) == config.iterations

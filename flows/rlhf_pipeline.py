@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from flows.campaign import (
     IterationState,
@@ -41,10 +42,30 @@ from tasks import (
 )
 from tasks.context import BaseInputs, StageContext
 from tasks.ppo_update import optimizer_state
-from tasks.stage import StageResult
+from tasks.stage import STAGE_EVENT, StageResult
 
 
-@flow(name="rlhf-iteration")
+def _iteration_run_name() -> str:
+    """``<campaign>-iteration-N`` (``-next`` when it continues from the latest): the Prefect UI's flow run name."""
+    parameters = flow_run.parameters
+    iteration = parameters.get("iteration")
+    return f"{_campaign(parameters)}-iteration-{'next' if iteration is None else iteration}"
+
+
+def _replay_run_name() -> str:
+    return f"{_campaign(flow_run.parameters)}-replay-of-{flow_run.parameters['source_run_id'][:12]}"
+
+
+def _campaign_run_name() -> str:
+    return f"{_campaign(flow_run.parameters)}-campaign"
+
+
+def _campaign(parameters: dict) -> str:
+    config = parameters["config"]
+    return config.campaign if isinstance(config, PipelineConfig) else config["campaign"]
+
+
+@flow(name="rlhf-iteration", flow_run_name=_iteration_run_name)
 def rlhf_iteration(
     config: PipelineConfig, iteration: int | None = None, state: IterationState | None = None
 ) -> IterationState:
@@ -58,6 +79,9 @@ def rlhf_iteration(
         if iteration is None:
             iteration, state = load_latest_state(config, base)
         context = open_iteration(config, iteration, base, state)
+        get_run_logger().info(
+            "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
+        )
         with context.tracker.ends_on_error(context.parent_run_id):
             return _iteration(config, base, context, state)
 
@@ -98,7 +122,7 @@ def _collect(config: PipelineConfig, context, settings, state: IterationState) -
     return candidates, preferences.result()
 
 
-@flow(name="rlhf-campaign")
+@flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)
 def rlhf_campaign(config: PipelineConfig) -> IterationState:
     """``config.iterations`` iterations, each continuing from the previous one's policy and reward model."""
     state = None
@@ -107,7 +131,7 @@ def rlhf_campaign(config: PipelineConfig) -> IterationState:
     return state
 
 
-@flow(name="rlhf-replay")
+@flow(name="rlhf-replay", flow_run_name=_replay_run_name)
 def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
 

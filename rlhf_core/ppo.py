@@ -174,6 +174,7 @@ def ppo_update(
     generator: torch.Generator | None = None,
     resume: PPOProgress | None = None,
     on_epoch_end: Callable[[PPOProgress], None] | None = None,
+    on_step: Callable[[int, MinibatchStats], None] | None = None,
 ) -> PPOStats:
     """``config.epochs`` passes of minibatch PPO over ``experience``.
 
@@ -192,6 +193,8 @@ def ppo_update(
             optimizers and ``generator`` state saved at that point.
         on_epoch_end: called after every whole epoch (not after an early stop), e.g. to save a
             checkpoint with the models, optimizers and ``generator`` state.
+        on_step: called after every optimizer step with the step number (from 1) and the minibatch's
+            statistics, e.g. to record training curves.
 
     Returns:
         :class:`PPOStats` averaged over the optimizer steps taken.
@@ -235,6 +238,8 @@ def ppo_update(
                 step_stats = {name: value for name, value in losses.stats._asdict().items() if value is not None}
                 totals = step_stats if totals is None else {name: totals[name] + step_stats[name] for name in totals}
                 steps += 1
+                if on_step is not None:
+                    on_step(steps, losses.stats)
             if early_stopped:
                 break
             if on_epoch_end is not None:

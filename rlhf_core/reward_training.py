@@ -130,6 +130,7 @@ def fit_reward_model(
     generator: torch.Generator | None = None,
     resume: RewardTrainingProgress | None = None,
     on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
 
@@ -142,6 +143,8 @@ def fit_reward_model(
         resume: continue after ``resume.epochs_done`` epochs; the caller restores the model,
             optimizer, ``generator`` and global RNG (dropout) states saved at that point.
         on_epoch_end: called after every epoch, e.g. to save a checkpoint of all of those.
+        on_step: called after every optimizer step with the step number (from 1) and the batch's
+            ``loss`` and ``accuracy``, e.g. to record training curves.
     """
     if len(train_pairs) == 0 or len(eval_pairs) == 0:
         raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
@@ -161,9 +164,12 @@ def fit_reward_model(
                 accelerator.backward(loss)
                 accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()
-                loss_sum += loss.item()
-                accuracy_sum += stats.accuracy.item()
+                step_loss, step_accuracy = loss.item(), stats.accuracy.item()
+                loss_sum += step_loss
+                accuracy_sum += step_accuracy
                 steps += 1
+                if on_step is not None:
+                    on_step(steps, {"loss": step_loss, "accuracy": step_accuracy})
             if on_epoch_end is not None:
                 on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
     held_out = evaluate_reward_model(model, eval_pairs, batch_size=config.batch_size)

@@ -21,7 +21,7 @@ from storage.manifest import StageOutput
 from tasks.context import StageContext
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
-from tasks.stage import StageResult, stage, stage_models
+from tasks.stage import SAMPLES, StageResult, stage, stage_models
 from tasks.text import (
     batches,
     decode,
@@ -118,6 +118,7 @@ def evaluate(
                     "prompt": prompt.text,
                     **{f"{side}_response": responses[side][row] for side in SIDES},
                     **{f"{side}_reward": float(rewards[side][-1][row]) for side in SIDES},
+                    "policy_kl": float(kl[-1][row]),
                 }
             )
     metrics = {
@@ -127,7 +128,7 @@ def evaluate(
     }
     if judge is not None:
         metrics.update(_gold_metrics(records, judge))
-    (out.path / "samples.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
     return metrics
 
 

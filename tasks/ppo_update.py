@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.ppo import PPOProgress
+from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
 from rlhf_core.precision import Precision
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -34,7 +34,7 @@ from storage.manifest import StageOutput, prunable_digest, prunable_present, pru
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
-from tasks.stage import StageResult, Throttle, stage, stage_models
+from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import load_tokenizer
 
 STAGE = "ppo_update"
@@ -79,7 +79,14 @@ def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _save_state(
-    folder: Path, actor, critic, optimizers, generator: torch.Generator, progress: PPOProgress | None, tokenizer
+    folder: Path,
+    actor,
+    critic,
+    optimizers,
+    generator: torch.Generator,
+    progress: PPOProgress | None,
+    tokenizer,
+    curve: list[dict[str, float]],
 ) -> None:
     """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
     save_model(folder / "actor", actor, tokenizer)
@@ -90,7 +97,7 @@ def _save_state(
             folder / name, optimizer=optimizer, step=progress.optimizer_steps if progress else 0, rng=False
         )
     if progress is not None:
-        state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
+        state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
         (folder / PROGRESS_FILE).write_text(json.dumps(state))
 
 
@@ -127,7 +134,7 @@ def ppo_update(
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     generator = context.generator(STAGE)
     checkpoint = latest_progress(out.final_dir)
-    source, resume = policy.directory, None
+    source, resume, curve = policy.directory, None, []
     if optimizer is not None and not optimizer.present and checkpoint is None:
         raise FileNotFoundError(
             f"the optimizer states of {optimizer.path} were pruned (only the newest iteration keeps them), so this "
@@ -139,6 +146,7 @@ def ppo_update(
         saved = json.loads((source / PROGRESS_FILE).read_text())
         resume = PPOProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
+        curve = saved["curve"]
     actor = models.load("actor", source / "actor", trainable=True)
     trained = [(actor, ppo.actor_learning_rate)]
     if critic:
@@ -153,17 +161,22 @@ def ppo_update(
     optimizers = rest
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(total=ppo.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch")
+    bar = tqdm(total=ppo.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", leave=False)
 
     def save(folder: Path, progress: PPOProgress | None) -> None:
         unwrap = accelerator.unwrap_model
         critic_model = None if value_model is None else unwrap(value_model)
-        _save_state(folder, unwrap(actor), critic_model, optimizers, generator, progress, tokenizer)
+        _save_state(folder, unwrap(actor), critic_model, optimizers, generator, progress, tokenizer, curve)
 
     def save_epoch(progress: PPOProgress) -> None:
         bar.update(1)
         if progress.epochs_done < ppo.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, lambda folder: save(folder, progress))
+
+    def record_step(step: int, stats: MinibatchStats) -> None:
+        curve.append(
+            {"step": step, **{name: float(value) for name, value in stats._asdict().items() if value is not None}}
+        )
 
     experience = table_to_experience(
         read_table(scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
@@ -171,10 +184,11 @@ def ppo_update(
     stats = update(
         actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
         accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
-        resume=resume, on_epoch_end=save_epoch,
+        resume=resume, on_epoch_end=save_epoch, on_step=record_step,
     )  # fmt: skip
     bar.close()
     save(out.path, None)
+    write_training_curve(out.path, curve)
     out.prunable.update(OPTIMIZERS)
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},

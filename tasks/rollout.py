@@ -115,7 +115,7 @@ def rollout(
     )
     generator = context.generator(STAGE)
     tables = []
-    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
+    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch", leave=False):
         # Each prompt's G samples sit in consecutive rows.
         batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
         group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]

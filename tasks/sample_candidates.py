@@ -45,7 +45,7 @@ def sample_candidates(
     chosen = rotating_subset(read_prompts(context.base.prompts.path), count=prompts, iteration=context.iteration)
     generator = context.generator(STAGE)
     rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
-    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch"):
+    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch", leave=False):
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
         with models.autocast():
             generation = sample(

@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import LoraConfig, RewardModelConfig
+from rlhf_core.config import MIN_PREFERENCE_PAIRS, LoraConfig, RewardModelConfig
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -25,8 +25,7 @@ from storage.manifest import StageOutput
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
-from tasks.labelers import MIN_PREFERENCE_PAIRS
-from tasks.stage import StageResult, Throttle, stage, stage_models
+from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
 STAGE = "train_reward_model"
@@ -87,21 +86,27 @@ def train_reward_model(
     model = models.load("reward_model", source, trainable=True)
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
+    curve: list[dict[str, float]] = []
     if checkpoint is not None:
         saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]  # restores dropout RNG
         resume = RewardTrainingProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
+        curve = saved["curve"]
     model, optimizer = accelerator.prepare(model, optimizer)
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(total=config.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch")
+    bar = tqdm(total=config.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", leave=False)
 
     def save_epoch(progress: RewardTrainingProgress) -> None:
         bar.update(1)
 
         def write(folder):
             save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
-            extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
+            extra = {
+                "progress": progress._asdict(),
+                "generator_state": generator.get_state().tolist(),
+                "curve": curve,
+            }
             save_training_state(folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra)
 
         if progress.epochs_done < config.epochs and throttle.due():
@@ -117,7 +122,11 @@ def train_reward_model(
         generator=generator,
         resume=resume,
         on_epoch_end=save_epoch,
+        on_step=lambda step, values: curve.append({"step": step, **values}),
     )
     bar.close()
     save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
-    return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}
+    write_training_curve(out.path, curve)
+    # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
+    metrics = {k: float(v) for k, v in stats._asdict().items()}
+    return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(held_out)}

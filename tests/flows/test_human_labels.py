@@ -49,11 +49,11 @@ def test_form_has_one_required_choice_per_pair_and_refuses_anything_else():
 
 
 def test_config_human_section_is_validated():
-    config = load_config(None, ["labeler=human", "human.timeout_seconds=30", "human.pairs_per_form=4"])
+    config = load_config(None, ["demo=true", "labeler=human", "human.timeout_seconds=30", "human.pairs_per_form=4"])
     assert (config.human.timeout_seconds, config.human.pairs_per_form, config.human.poll_seconds) == (30, 4, 10)
     for override in ("human.timeout_seconds=0", "human.pairs_per_form=0", "human.poll_seconds=-1", "human.pairs=3"):
         with pytest.raises(ConfigError):
-            load_config(None, ["labeler=human", override])
+            load_config(None, ["demo=true", "labeler=human", override])
 
 
 def test_an_unanswered_form_fails_the_run_saying_what_to_do(prefect_server):
