@@ -1,8 +1,9 @@
 """The no-op run: ``rlhf run`` of the finished demo campaign, timed as a whole command.
 
-``.venv/bin/python -m bench.run --only noop``: runs the demo campaign (``configs/demo.yaml``) into
-``bench/.scratch/noop-root`` unless it is already finished there with this code, then times running
-the same command again ``--repeats`` times (each a fresh process, as a user runs it). Also reports,
+``.venv/bin/python -m bench.run --only noop``: runs the demo campaign (``configs/demo.yaml``) into a fresh
+``bench/.scratch/noop-root`` (its demo world kept from an earlier run: a campaign cannot be recomputed in
+place under other code once its older optimizer states are pruned), then times running the same command
+again ``--repeats`` times (each a fresh process, as a user runs it). Also reports,
 from one more process, where that command's time goes: importing the command's modules, resolving
 and checking the base inputs, and the reuse decision per iteration (one MLflow query and the
 manifests' verification each; :func:`flows.reuse.reused_iterations`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -37,8 +39,11 @@ def _timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
 
 def measure(repeats: int) -> dict:
     root = SCRATCH / "noop-root"
+    for entry in root.glob("*") if root.is_dir() else ():
+        if entry.name != "cache":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     env = thread_env(1) | {"PREFECT_HOME": str(SCRATCH / "noop-prefect-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    first, _ = _timed(_command(root), env)  # the campaign itself, or already a no-op
+    first, _ = _timed(_command(root), env)  # the campaign itself
     walls, outputs = zip(*(_timed(_command(root), env) for _ in range(repeats)), strict=True)
     out = SCRATCH / "noop-breakdown.json"
     subprocess.run(
