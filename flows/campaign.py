@@ -354,10 +354,14 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
-def close_iteration(context: StageContext, stages: list[StageResult], state: IterationState) -> IterationState:
+def close_iteration(
+    context: StageContext, stages: list[StageResult], state: IterationState, *, initialized: StageResult | None = None
+) -> IterationState:
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
 
-    An iteration whose stages were all reused and whose run is already finished logs nothing new.
+    An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
+    run also gets its reuse record (:mod:`flows.reuse`): ``stages`` and, in the campaign's first iteration, the
+    ``initialized`` policy it started from.
     """
     tracker = context.tracker
     tags = tracker.run_tags(context.parent_run_id)
@@ -372,7 +376,7 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
     if kind == KIND_ITERATION:
         from flows.reuse import reuse_record  # flows.reuse reads this module's run key
 
-        if tags.get(TAG_REUSE) != (record := reuse_record(stages)):
+        if tags.get(TAG_REUSE) != (record := reuse_record([*filter(None, [initialized]), *stages])):
             tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
     figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
