@@ -34,6 +34,7 @@ from storage.tracking import (
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
+    TAG_REUSE,
     TAG_STAGE,
     Tracker,
 )
@@ -353,13 +354,18 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
-def close_iteration(context: StageContext, stages: list[StageResult], state: IterationState) -> IterationState:
+def close_iteration(
+    context: StageContext, stages: list[StageResult], state: IterationState, *, initialized: StageResult | None = None
+) -> IterationState:
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
 
-    An iteration whose stages were all reused and whose run is already finished logs nothing new.
+    An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
+    run also gets its reuse record (:mod:`flows.reuse`): ``stages`` and, in the campaign's first iteration, the
+    ``initialized`` policy it started from.
     """
     tracker = context.tracker
-    kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
+    tags = tracker.run_tags(context.parent_run_id)
+    kind = tags.get(TAG_KIND, KIND_ITERATION)
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
@@ -367,6 +373,11 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
         if kind == KIND_ITERATION:
             _log_overoptimisation(context, metrics)
         tracker.end_run(context.parent_run_id)
+    if kind == KIND_ITERATION:
+        from flows.reuse import reuse_record  # flows.reuse reads this module's run key
+
+        if tags.get(TAG_REUSE) != (record := reuse_record([*filter(None, [initialized]), *stages])):
+            tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
     figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
     create_markdown_artifact(

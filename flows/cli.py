@@ -259,10 +259,19 @@ def _showing(console):
 
 def _run(config, arguments) -> int:
     from flows.report import campaign_report
-    from flows.rlhf_pipeline import rlhf_campaign
+    from flows.reuse import campaign_finished
+    from flows.store import campaign_layout
+    from storage.locks import refuse_if_locked
 
-    with _showing(_prepare(config, arguments)):
-        rlhf_campaign(config)
+    if config.run_root.is_dir():  # as every run does first (see _prepare)
+        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if campaign_finished(config):  # decided from MLflow and the manifests: no Prefect server, flow or model
+        print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
+    else:
+        from flows.rlhf_pipeline import rlhf_campaign
+
+        with _showing(_prepare(config, arguments)):
+            rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0

@@ -90,7 +90,8 @@ def _iteration(
     config: PipelineConfig, base: BaseInputs, context: StageContext, state: IterationState | None
 ) -> IterationState:
     settings = partial(stage_settings, config, base)
-    state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
+    initialized = None if state else initialize(context, **settings("initialize")).result()  # iteration 0 only
+    state = state or IterationState(policy=initialized)
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
         collected = _collect(config, context, settings, state) if config.reward_model.train else ()
@@ -106,7 +107,8 @@ def _iteration(
     policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [*learned, experience, scored, policy, evaluation]
-    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences, scored))
+    new_state = IterationState(policy, reward_model, all_preferences, scored)
+    return close_iteration(context, stages, new_state, initialized=initialized)
 
 
 def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:

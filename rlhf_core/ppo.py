@@ -36,7 +36,7 @@ from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_mean, masked_var, masked_whiten
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
-from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
+from rlhf_core.sequences import response_logits, response_slice, token_logprobs
 
 
 class MinibatchStats(NamedTuple):
@@ -114,8 +114,7 @@ def _minibatch_losses(
     prompt_length = batch.prompt_length
     aggregation = {"aggregation": config.aggregation, "norm_tokens": norm_tokens}
     logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
-    scaled = logits.float() / temperature  # (b, R, V)
-    logprobs = logprobs_from_logits(scaled, batch.sequences[:, prompt_length:])  # (b, R)
+    logprobs, entropy = token_logprobs(logits, batch.sequences[:, prompt_length:], temperature=temperature)  # (b, R)
     actor_loss, policy_stats = policy_loss(
         logprobs,
         batch.old_logprobs,
@@ -130,9 +129,11 @@ def _minibatch_losses(
         kl_loss, kl_stats = reference_kl_loss(logprobs, batch.ref_logprobs, batch.action_mask, **aggregation)
     if config.kl_loss_coef:
         actor_loss = actor_loss + config.kl_loss_coef * kl_loss
-    # Without an entropy bonus the entropy is only a statistic: no autograd graph over (b, R, V).
-    with torch.set_grad_enabled(bool(config.entropy_coef) and torch.is_grad_enabled()):
-        entropy = masked_mean(entropy_from_logits(scaled), batch.action_mask)
+    # Without an entropy bonus the entropy is only a statistic, computed in the fused pass above; with one it
+    # needs an autograd graph over (b, R, V).
+    if config.entropy_coef:
+        entropy = entropy_from_logits(logits.float() / temperature)  # (b, R)
+    entropy = masked_mean(entropy, batch.action_mask)
     if config.entropy_coef:
         actor_loss = actor_loss - config.entropy_coef * entropy
     critic_loss = value_clip_fraction = None

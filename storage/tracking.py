@@ -80,6 +80,7 @@ __all__ = [
     "TAG_PARENT_RUN_ID",
     "TAG_PROCESS",
     "TAG_REPLAY_OF",
+    "TAG_REUSE",
     "TAG_STAGE",
     "MissingOutputError",
     "ModelVersionSummary",
@@ -98,6 +99,8 @@ TAG_ITERATION_KEY = "rlhf.iteration_key"
 """An iteration (or replay) run's identity: the hash of its config, base inputs and starting point."""
 TAG_REPLAY_OF = "rlhf.replay_of"
 """On a replay run: the iteration run it replays."""
+TAG_REUSE = "rlhf.reuse"
+"""On an iteration run: its reuse record, the code and stage outputs it used (see ``flows/reuse.py``)."""
 TAG_OUTPUT_PREFIX = "rlhf.output."
 """An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
 which is another iteration's run when the stage was reused."""

@@ -161,3 +161,47 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
     assert "![over-optimisation" in markdown and "get-artifact?path=overoptimisation.png" in markdown
     assert "http://127.0.0.1:5000/#/experiments/" in markdown  # a local store: the README's MLflow UI address
     assert {f"{config.campaign}-iteration-0", f"{config.campaign}-campaign"} <= {run.name for run in flow_runs}
+
+
+def test_a_finished_campaign_is_known_to_be_reused_from_mlflow_and_manifests_alone(campaign):
+    import json
+
+    from flows.campaign import resolve_base
+    from flows.reuse import reused_iterations
+    from flows.store import campaign_layout, store_tracker
+    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, TAG_REUSE
+
+    config, _ = campaign
+    base = resolve_base.fn(config)
+    assert reused_iterations(config, base) == config.iterations
+    # Every setting is part of the iteration runs' key (`iterations` too): another config has runs of its own.
+    assert reused_iterations(config.model_copy(update={"seed": config.seed + 1}), base) == 0
+    # An output of the last iteration gone: the iterations before it are still reused, that one is not.
+    tracker = store_tracker(config)
+    experiment_id = tracker.experiment_id(config.campaign)
+    last = str(config.iterations - 1)
+    (run,) = [r for r in tracker.runs(experiment_id, tags={TAG_ITERATION: last}) if r.tags[TAG_KIND] == KIND_ITERATION]
+    stage, input_key, _ = json.loads(run.tags[TAG_REUSE])["outputs"][-1]
+    folder = campaign_layout(config).stage_dir(stage, input_key)
+    aside = folder.with_name(folder.name + ".aside")
+    folder.rename(aside)
+    try:
+        assert reused_iterations(config, base) == config.iterations - 1
+    finally:
+        aside.rename(folder)
+    assert reused_iterations(config, base) == config.iterations
+
+
+def test_rlhf_run_of_a_finished_campaign_starts_no_flow(campaign, capsys):
+    from flows.cli import main
+
+    config, _ = campaign
+    overrides = {
+        "run_root": config.run_root,
+        "model.policy": config.model.policy,
+        "data.prompts": config.data.prompts,
+        "data.eval_prompts": config.data.eval_prompts,
+    }
+    arguments = [part for name, value in overrides.items() for part in ("--set", f"{name}={value}")]
+    assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), *arguments]) == 0
+    assert "nothing to run" in capsys.readouterr().out
