@@ -210,7 +210,9 @@ def test_forms_show_each_pair_and_answers_become_human_preferences(answered):
         assert field["enum"] == ["A", "B", "tie/skip"]
     assert forms[0]["description"].endswith(pairs_markdown(pairs[:5], first=0))
     assert forms[1]["description"].endswith(pairs_markdown(pairs[5:], first=5))
-    assert forms[1]["description"].startswith("### Campaign `human`, iteration 0: which response is better? (form 2 of 2)")
+    assert forms[1]["description"].startswith(
+        "### Campaign `human`, iteration 0: which response is better? (form 2 of 2)"
+    )
 
     preferences = state.result().preferences[-1]
     table = read_table(preferences.directory, "preferences").to_pylist()
