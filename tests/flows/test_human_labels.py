@@ -180,6 +180,7 @@ def answered(prefect_server, checkpoint_world, tmp_path_factory):
             "campaign=human",
             "labeler=human",
             f"sizes.preference_prompts={len(ANSWERS)}",
+            "reward_model.eval_fraction=0.7",  # 6 pairs after the two tie/skip answers: 4 held out, 2 to train on
             f"human.pairs_per_form={PAIRS_PER_FORM}",
             "human.poll_seconds=1",
             "human.timeout_seconds=120",
