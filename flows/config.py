@@ -37,6 +37,7 @@ from rlhf_core.config import (
     RewardModelConfig,
     SamplingConfig,
     SettingError,
+    eval_split_error,
 )
 
 
@@ -241,6 +242,10 @@ class PipelineConfig(_Frozen):
                 f"`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2 gives {pairs} preference pairs per "
                 f"iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
             )
+        if self.learns_from_labels and self.labeler != "import":
+            # The first iteration's pairs: later iterations train on these and their own.
+            if (error := eval_split_error(pairs, self.reward_model.eval_fraction)) is not None:
+                raise ValueError(f"{error} (`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2)")
         return self
 
     @model_validator(mode="after")

@@ -24,6 +24,28 @@ LabelerName = Literal["gold", "import", "reward_model", "human"]
 person."""
 MIN_PREFERENCE_PAIRS = 4
 """The fewest preference pairs a reward model trains on: at least one held out and three to learn from."""
+MIN_EVAL_PAIRS = 4
+"""The fewest held-out pairs a reward model's accuracy may rest on: on fewer, one pair moves it by over 25 points
+(an "accuracy 0" from a single pair said nothing)."""
+
+
+def held_out_pairs(pairs: int, eval_fraction: float) -> int:
+    """How many of ``pairs`` preference pairs are held out for the reward model's accuracy."""
+    return int(pairs * eval_fraction)
+
+
+def eval_split_error(pairs: int, eval_fraction: float) -> str | None:
+    """Why ``pairs`` pairs split by ``eval_fraction`` cannot train a reward model, or None when they can."""
+    held_out = held_out_pairs(pairs, eval_fraction)
+    if held_out >= MIN_EVAL_PAIRS:  # eval_fraction < 1 leaves at least one pair to train on
+        return None
+    return (
+        f"`reward_model.eval_fraction` {eval_fraction} of {pairs} preference pairs holds out {held_out}: the reward "
+        f"model's accuracy needs at least {MIN_EVAL_PAIRS} held-out pairs; raise "
+        "`reward_model.eval_fraction` or the number of pairs"
+    )
+
+
 # The names above are declared here, not beside their code, so that reading a config (the `rlhf` command's start)
 # imports no torch.
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]

@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import MIN_PREFERENCE_PAIRS, LoraConfig, RewardModelConfig
+from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, held_out_pairs
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -70,14 +70,12 @@ def train_reward_model(
         return {"pairs": 0.0}
     accelerator = models.accelerator()
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
-    if table.num_rows < MIN_PREFERENCE_PAIRS:
-        raise ValueError(
-            f"train_reward_model needs at least {MIN_PREFERENCE_PAIRS} preference pairs, got {table.num_rows}"
-        )
+    if (error := eval_split_error(table.num_rows, config.eval_fraction)) is not None:
+        raise ValueError(f"train_reward_model: {error}")  # after tie/skip answers, say: checked before for the rest
     generator = context.generator(STAGE)
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
-    held_out = max(1, int(len(pairs) * config.eval_fraction))
+    held_out = held_out_pairs(len(pairs), config.eval_fraction)
     torch.manual_seed(context.stage_seed(STAGE))
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None

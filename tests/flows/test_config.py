@@ -146,3 +146,8 @@ def test_issue15_a_finished_stage_is_one_summary_line():
 
     line = summary_line("train_reward_model", {"seconds": 2.04, "eval_accuracy": 0.875, "eval_pairs": 51.0})
     assert line == "  train_reward_model     2.0 s  RM accuracy 0.88, 51 held-out pairs"
+
+
+def test_a_reward_model_eval_split_below_four_pairs_is_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match=r"reward_model.eval_fraction` 0.1 of 16 preference pairs holds out 1"):
+        load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])
