@@ -42,7 +42,7 @@ from storage.tracking import (
 )
 from tasks.code import code_fingerprint
 
-if TYPE_CHECKING:  # types only: deciding reuse loads no torch or Prefect of its own
+if TYPE_CHECKING:
     from tasks.context import BaseInputs
     from tasks.stage import StageResult
 
