@@ -75,3 +75,14 @@ def build_artifacts(size: Size, directory: Path) -> Path:
 def read_prompts(directory: Path) -> list[list[int]]:
     with (Path(directory) / "prompts.jsonl").open() as lines:
         return [json.loads(line)["input_ids"] for line in lines if line.strip()]
+
+
+def prompt_columns(directory: Path, size: Size) -> float:
+    """The left-padded prompt width P, averaged over a run's iterations (both sides take the same rows)."""
+    prompts = read_prompts(directory)
+    batch = size.rollout_batch
+    widths = [
+        max(len(prompts[(iteration * batch + row) % len(prompts)]) for row in range(batch))
+        for iteration in range(size.iterations)
+    ]
+    return sum(widths) / len(widths)

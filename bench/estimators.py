@@ -8,9 +8,8 @@ their seconds are not comparable).
 
 Every run is the real iteration flow (Prefect, MLflow on SQLite, Parquet shards, checkpoints) on
 the embedded demo world, in a temporary run root holding a copy of it, in its own subprocess with
-one torch thread, one run at a time. The comparison starts from the built-in defaults (the RLHF
-demo that ``rlhf run`` with no config runs: 8 iterations, PPO 4 epochs of minibatch 32, KL penalty
-0.05 in the reward) and rolls out 64 prompts x 4 samples per iteration (:data:`BUDGET`, the
+one torch thread, one run at a time. The comparison starts from ``configs/demo.yaml`` (the RLHF
+demo: 8 iterations, PPO 4 epochs of minibatch 32, KL penalty 0.05 in the reward) and rolls out 64 prompts x 4 samples per iteration (:data:`BUDGET`, the
 defaults' 256 rollouts, in groups). At equal budget: every run rolls out the same prompts,
 generates at most the same tokens and takes the same optimizer steps; only the advantage
 estimator (with its own loss aggregation, :data:`ESTIMATORS`) and the reward source change. With
@@ -33,14 +32,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 from bench.common import PROJECT_PYTHON, REPO, SCRATCH, machine, median, set_threads, thread_env
 
 COMMAND = ".venv/bin/python -m bench.estimators"
 RESULTS = REPO / "bench" / "ESTIMATORS.md"
 RAW = SCRATCH / "estimators.json"
 DEMO = REPO / "configs" / "demo-verifiable.yaml"
+RLHF_DEMO = REPO / "configs" / "demo.yaml"
+"""Where every compared run starts from: the RLHF demo."""
 
 BUDGET = ["sizes.rollout_prompts=64", "sizes.samples_per_prompt=4"]
 """Every compared run: 64 prompts x 4 samples = 256 rollouts per iteration (the defaults' count), in groups of 4."""
@@ -64,24 +63,18 @@ REWARD_NAMES = {
 
 
 def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) -> dict:
-    """A campaign (``config_file``, or the built-in defaults, with ``overrides``) in a temporary run root:
+    """A campaign (``config_file``, or the RLHF demo's, with ``overrides``) in a temporary run root:
     per-iteration wall seconds and metrics."""
     started = time.perf_counter()
     from flows import rlhf_pipeline
     from flows.campaign import tracking_store
-    from flows.config import PipelineConfig, load_config
+    from flows.config import load_config
 
     imported = time.perf_counter() - started
     root = Path(tempfile.mkdtemp(prefix="rlhf-estimators-", dir=SCRATCH))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
-        if config_file is None:
-            # The defaults written out in full: an override like `ppo.aggregation=...` then changes that one field.
-            # (Without a file, `load_config` would build the `ppo` section from the override alone, with
-            # PPOConfig's own defaults, not the pipeline's.)
-            config_file = root / "defaults.yaml"
-            config_file.write_text(yaml.safe_dump(PipelineConfig().model_dump(mode="json")))
-        config = load_config(config_file, [*overrides, f"run_root={root}", "torch_threads=1"])
+        config = load_config(config_file or RLHF_DEMO, [*overrides, f"run_root={root}", "torch_threads=1"])
         state, seconds = None, []
         for iteration in range(config.iterations):
             begin = time.perf_counter()
@@ -152,7 +145,7 @@ def report(rows: list[dict], extra: list[str], parallel: int) -> str:
         "",
         f"Regenerate: `{COMMAND}` (writes this file; raw figures in `bench/.scratch/estimators.json`).",
         "",
-        "Every compared run: the built-in defaults (`rlhf run` with no config: the RLHF demo), "
+        "Every compared run: `configs/demo.yaml` (the RLHF demo), "
         + ", ".join(f"`{item}`" for item in BUDGET + extra)
         + "; the estimator's own settings: "
         + "; ".join(f"`{name}`: " + ", ".join(f"`{item}`" for item in items) for name, items in ESTIMATORS.items())

@@ -7,7 +7,7 @@ checkpoints and manifests under a temporary ``run_root``; ``PREFECT_HOME`` is se
 one top-level flow run per iteration as ``rlhf_campaign`` does, then ``rlhf_replay`` of the last
 iteration with another ``kl_coef`` when that flow exists. ``plain`` calls the same ``rlhf_core``
 entry points (and the same gold labeler and prompt helpers) in one loop with every model kept in
-memory: no Prefect, no MLflow, no files. Both use ``PipelineConfig()``'s defaults (the demo).
+memory: no Prefect, no MLflow, no files. Both use ``configs/demo.yaml`` (the RLHF demo).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import Clock, set_threads
+from bench.common import REPO, Clock, set_threads
 
 STAGES = (
     "sample_candidates",
@@ -80,13 +80,13 @@ def flow_run(world: Path, iterations: int) -> dict:
     with clock.measure("import"):
         from flows import rlhf_pipeline
         from flows.campaign import tracking_store
-        from flows.config import PipelineConfig
+        from flows.config import load_config
         from rlhf_core.config import AdvantageConfig
         from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
     root = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
-        config = PipelineConfig(run_root=root, torch_threads=1)
+        config = load_config(REPO / "configs" / "demo.yaml", [f"run_root={root}", "torch_threads=1"])
         state, profile = None, cProfile.Profile()
         for iteration in range(iterations):
             if iteration == iterations - 1:
@@ -124,7 +124,7 @@ def plain_run(world: Path, iterations: int) -> dict:
 
     from demo.build import world_at
     from flows.campaign import GOLD_JUDGE
-    from flows.config import PipelineConfig
+    from flows.config import load_config
     from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
     from rlhf_core.generation import generate, sample_candidates
     from rlhf_core.loading import ModelLoader
@@ -148,7 +148,7 @@ def plain_run(world: Path, iterations: int) -> dict:
         rotating_subset,
     )
 
-    config = PipelineConfig(torch_threads=1)
+    config = load_config(REPO / "configs" / "demo.yaml", ["torch_threads=1"])
     paths = world_at(world)
     clock = Clock()
     tokenizer = load_tokenizer(str(paths.model_dir))

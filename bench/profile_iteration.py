@@ -44,11 +44,11 @@ def main() -> None:
 
     def profiled(*a, **k):
         profiler = cProfile.Profile()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as ops:
             profiler.enable()
             result = original(*a, **k)
             profiler.disable()
-        print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(ops.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.rows))
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
         return result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import median
+from bench.flops import iteration_gflops
 
 GOALS = "PPO iteration >= 1.5x faster than TRL at equal work; pipeline tax < 10%; generation >= 30% of roofline"
 
@@ -41,6 +42,33 @@ def _trl_section(trl: dict) -> list[str]:
             f"| {name} | {model} | {work} | {steps} | {_pair(peer['iteration'])} | {_pair(ours['iteration'])} | "
             f"{peer['iteration'][0] / ours['iteration'][0]:.2f}x | {peer['iteration'][1] / ours['iteration'][1]:.2f}x | "
             f"{phases} | {our_phases} | {peer['peak_rss_mib']:.0f} / {ours['peak_rss_mib']:.0f} MiB |"
+        )
+    lines += _flops_lines(trl)
+    return lines
+
+
+def _flops_lines(trl: dict) -> list[str]:
+    """Matmul FLOPs per iteration of each side (:mod:`bench.flops`) and the rate each achieves."""
+    from bench.artifacts import prompt_columns
+    from bench.common import SCRATCH, Size
+
+    lines = [
+        "",
+        "Matmul work per iteration (`bench/flops.py`: weights, attention and LM head; P = left-padded prompt"
+        " width) and the rate it was done at (GFLOP / CPU seconds):",
+        "",
+        "| size | P | TRL GFLOP gen / rollout / update / iteration | ours GFLOP gen / rollout / update / iteration |"
+        " TRL GFLOP/s | ours GFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in trl.items():
+        width = prompt_columns(SCRATCH / f"artifacts-{name}", Size(**row["size"]))
+        work = {side: iteration_gflops(row["size"], width, side) for side in ("trl", "ours")}
+        cells = {side: " / ".join(f"{work[side][p]:.0f}" for p in ("generation", "rollout", "update", "iteration"))
+                 for side in work}  # fmt: skip
+        rates = {side: work[side]["iteration"] / row[side]["iteration"][1] for side in work}
+        lines.append(
+            f"| {name} | {width:.1f} | {cells['trl']} | {cells['ours']} | {rates['trl']:.0f} | {rates['ours']:.0f} |"
         )
     lines.append("")
     return lines
@@ -92,7 +120,7 @@ def _tax_section(tax: dict) -> list[str]:
         "",
         "The real `rlhf_iteration` flow (Prefect ephemeral server, MLflow on SQLite, Parquet shards, checkpoints,"
         " manifests; a temporary run root and `PREFECT_HOME`) against the same `rlhf_core` calls in one plain loop"
-        " with models in memory, both on `PipelineConfig()` defaults (the demo). Steady = median of iterations 1..n.",
+        " with models in memory, both on `configs/demo.yaml` (the RLHF demo). Steady = median of iterations 1..n.",
         "",
         "| | flow | plain loop | tax (flow - plain) / flow |",
         "| --- | --- | --- | --- |",
@@ -225,6 +253,32 @@ STAGE_COLUMNS = (
 )
 
 
+def _noop_section(noop: dict) -> list[str]:
+    parts = noop["breakdown"]
+    per_iteration = parts["decision_s"] / parts["iterations"]
+    return [
+        "## 7. No-op run: the finished demo campaign again",
+        "",
+        "`.venv/bin/python -m bench.run --only noop`: `rlhf run --config configs/demo.yaml` (8 iterations) once, then"
+        " the same command again in fresh processes, timed as whole commands. Goal (issue 13): at most 8 s,"
+        " at most 2 s of it per finished iteration.",
+        "",
+        "| | seconds |",
+        "| --- | --- |",
+        f"| the campaign (first run) | {noop['first_run_s']:.1f} |",
+        f"| no-op run, median of {len(noop['noop_wall_s'])} (wall) | {noop['noop_median_s']:.2f} |",
+        f"| of it, in one more process: importing the command's modules (`flows.reuse` imports `flows.campaign`,"
+        f" and with it Prefect, torch, transformers and every task) | {parts['import_s']:.2f} |",
+        f"| of it: config, base inputs resolved and checked | {parts['config_and_base_s']:.2f} |",
+        f"| of it: opening the MLflow store | {parts['mlflow_store_s']:.2f} |",
+        f"| of it: the reuse decision, {parts['iterations']} iterations ({parts['reused']} reused) |"
+        f" {parts['decision_s']:.2f} ({per_iteration:.3f} per iteration) |",
+        "",
+        f'Every no-op run printed "nothing to run": {"yes" if noop["nothing_to_run"] else "NO"}.',
+        "",
+    ]
+
+
 def _kept_sections(path: Path) -> dict[str, str]:
     """``## N.`` sections of an existing results file, by number, so a partial run keeps the others."""
     if not path.is_file():
@@ -262,6 +316,7 @@ def write_results(results: dict, path: Path, *, command: str, keep: Path | None 
         ("4", "scaling", lambda: _scaling_section(results["scaling"])),
         ("5", "tax", lambda: _replay_section(results["tax"])),
         ("6", "scale", lambda: _scale_section(results["scale"])),
+        ("7", "noop", lambda: _noop_section(results["noop"])),
     ]
     for number, part, section in parts:
         if part in results and (part != "roofline" or "trl" in results):

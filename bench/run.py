@@ -10,7 +10,8 @@ Every measurement runs in its own subprocess, one at a time, with one torch thre
 4. scaling of our iteration as prompts and response length double;
 5. replay against the full iteration it replays;
 6. model scale: an 85 M-parameter model through two iterations, full fine-tuning against LoRA,
-   fp32 against bf16: seconds and peak memory per stage, bytes on disk against the model's bytes.
+   fp32 against bf16: seconds and peak memory per stage, bytes on disk against the model's bytes;
+7. the no-op run: ``rlhf run`` of the finished demo campaign again (:mod:`bench.noop`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from bench.common import (
 
 RESULTS = REPO / "bench" / "RESULTS.md"
 COMMAND = ".venv/bin/python -m bench.run --all"
-PARTS = ("trl", "roofline", "tax", "scaling", "scale")
+PARTS = ("trl", "roofline", "tax", "scaling", "scale", "noop")
 SCALE_VARIANTS = ("full-fp32", "full-bf16", "lora-fp32", "lora-bf16")
 
 
@@ -173,34 +174,48 @@ def model_scale() -> dict:
     return results
 
 
+TITLES = {
+    "trl": "ours vs TRL",
+    "roofline": "roofline",
+    "tax": "pipeline tax and replay",
+    "scaling": "scaling",
+    "scale": "model scale",
+    "noop": "no-op run of the finished demo campaign",
+}
+
+
+def noop_run(repeats: int) -> dict:
+    from bench.noop import measure
+
+    return measure(repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="run every part (the default when --only is not given)")
     parser.add_argument("--only", choices=PARTS, action="append", help="run only these parts (repeatable)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and size in the TRL comparison")
     parser.add_argument("--iterations", type=int, default=3, help="flow and plain-loop iterations")
+    parser.add_argument("--noop-repeats", type=int, default=3, help="timed no-op runs of the demo campaign")
     parser.add_argument("--json", type=Path, default=SCRATCH / "results.json")
     args = parser.parse_args()
     parts = set(args.only or PARTS)
     SCRATCH.mkdir(parents=True, exist_ok=True)
     previous = json.loads(args.json.read_text()) if args.json.is_file() else {}
     results = {**previous, "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if "trl" in parts:
-        print("ours vs TRL", flush=True)
-        results["trl"] = compare_trl(args.repeats)
-    if "roofline" in parts:
-        print("roofline", flush=True)
-        results["roofline"] = worker(PROJECT_PYTHON, "bench.roofline")["gflops"]
-    if "tax" in parts:
-        print("pipeline tax and replay", flush=True)
-        results["tax"] = pipeline_tax(args.iterations)
-    if "scaling" in parts:
-        print("scaling", flush=True)
-        results["scaling"] = scaling()
-    if "scale" in parts:
-        print("model scale", flush=True)
-        results["scale"] = model_scale()
-    args.json.write_text(json.dumps(results, indent=2))
+    runners = {
+        "trl": lambda: compare_trl(args.repeats),
+        "roofline": lambda: worker(PROJECT_PYTHON, "bench.roofline")["gflops"],
+        "tax": lambda: pipeline_tax(args.iterations),
+        "scaling": scaling,
+        "scale": model_scale,
+        "noop": lambda: noop_run(args.noop_repeats),
+    }
+    for part in PARTS:
+        if part in parts:
+            print(TITLES[part], flush=True)
+            results[part] = runners[part]()
+            args.json.write_text(json.dumps(results, indent=2))  # a later part failing keeps this one
     from bench.report import write_results
 
     write_results(results, RESULTS, command=COMMAND, keep=RESULTS)

@@ -112,6 +112,8 @@ def main() -> None:
             None,
             [
                 f"run_root={run_root}",
+                "demo=true",  # the demo world's prompts and its gold rubric as the labeler, on this bigger model
+                "labeler=gold",
                 f"model.policy={model}",
                 f"data.prompts={demo / 'prompts.jsonl'}",
                 f"data.eval_prompts={demo / 'eval_prompts.jsonl'}",

@@ -14,15 +14,18 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from flows.config import PipelineConfig
+from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
+from flows.figures import FIGURE_FILE, overoptimisation_figure
 from flows.inputs import InputError, check_inputs
-from flows.settings import EXECUTION, LOCATION
+from flows.settings import EXECUTION, LOCATION, replayable_fields
+from flows.store import campaign_layout, store_layout, tracking_uri
 from storage.fingerprints import FingerprintCache
-from storage.layout import RunLayout
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
     TAG_CAMPAIGN,
+    TAG_CAMPAIGN_CONFIG,
+    TAG_CONFIG_FINGERPRINT,
     TAG_FLOW_RUN_ID,
     TAG_INPUT_KEY,
     TAG_ITERATION,
@@ -31,7 +34,9 @@ from storage.tracking import (
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
+    TAG_REUSE,
     TAG_STAGE,
+    Tracker,
 )
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
 from tasks.judge import JudgeReference
@@ -43,7 +48,7 @@ from tasks.text import load_tokenizer, same_tokenizer
 
 CONFIG_ARTIFACT = "config.json"
 GOLD_JUDGE = "demo.gold:JUDGE"
-"""The embedded demo's hidden gold rater, used with the demo world and with labeler `gold`."""
+"""The embedded demo's hidden gold rater: it judges evaluation in the demo world (`demo`), and labels with `gold`."""
 
 
 @dataclass(frozen=True)
@@ -70,23 +75,12 @@ class ReplayInputs:
     previous: StageResult | None
 
 
-def campaign_layout(config: PipelineConfig) -> RunLayout:
-    """The campaign's folder: ``run_root / campaign``."""
-    return RunLayout(root=config.run_root / config.campaign)
-
-
-def store_layout(config: PipelineConfig) -> RunLayout:
-    """The layout of ``run_root`` itself: one MLflow store and cache for every campaign under it."""
-    return RunLayout(root=config.run_root)
-
-
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
-    layout = store_layout(config)
     if config.tracking_uri is not None and config.tracking_uri.startswith(("http://", "https://")):
         # The server decides where artifacts go (its --artifacts-destination, proxied as mlflow-artifacts:).
         return TrackingStore(uri=config.tracking_uri, artifact_root=None)
-    return TrackingStore(uri=config.tracking_uri or layout.tracking_uri(), artifact_root=str(layout.artifact_root()))
+    return TrackingStore(uri=tracking_uri(config), artifact_root=str(store_layout(config).artifact_root()))
 
 
 def execution_of(config: PipelineConfig) -> Execution:
@@ -138,7 +132,7 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         InputError: an input cannot be used (see :func:`flows.inputs.check_inputs`).
     """
     policy, prompts, eval_prompts = config.model.policy, config.data.prompts, config.data.eval_prompts
-    if policy is None or prompts is None or eval_prompts is None:
+    if config.demo and (policy is None or prompts is None or eval_prompts is None):
         from demo.build import build_default_world
 
         world = build_default_world(store_layout(config).cache_dir() / "demo-world", seed=0)
@@ -157,7 +151,7 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         else policy_file,
         prompts=_input_file(cache, "data.prompts", prompts),
         eval_prompts=_input_file(cache, "data.eval_prompts", eval_prompts),
-        judge=JudgeReference.of(GOLD_JUDGE) if config.model.policy is None or config.labeler == "gold" else None,
+        judge=JudgeReference.of(GOLD_JUDGE) if config.demo else None,
         preferences=_input_file(cache, "data.preferences", config.data.preferences)
         if config.labeler == "import" and config.data.preferences
         else None,
@@ -187,17 +181,91 @@ def _flow_run_id() -> str | None:
         return None
 
 
-def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
-    """An iteration (or replay) run's identity: its config without execution and location settings,
-    its base inputs and ``parts`` (its starting point)."""
+def _fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
+    """The config as JSON values, less the fields at ``paths`` (dotted)."""
     fields = config.model_dump(mode="json")
-    for path in EXECUTION + LOCATION:
+    for path in paths:
         *parents, leaf = path.split(".")
         node = fields
         for parent in parents:
             node = node[parent]
         node.pop(leaf)
+    return fields
+
+
+def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
+    """An iteration (or replay) run's identity: its config without execution and location settings,
+    its base inputs and ``parts`` (its starting point)."""
+    fields = _fields_without(config, EXECUTION + LOCATION)
     return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
+
+
+CAMPAIGN_FREE = (
+    *EXECUTION,
+    *LOCATION,
+    *replayable_fields(),
+    "iterations",
+    *(f"human.{name}" for name in HumanLabelConfig.model_fields),
+)
+"""Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
+replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
+human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
+
+
+def campaign_fields(config: PipelineConfig) -> dict:
+    """The fields that define ``config``'s campaign (all but :data:`CAMPAIGN_FREE`), as JSON values."""
+    return _fields_without(config, CAMPAIGN_FREE)
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{dotted path: value}`` of every leaf of a nested dict."""
+    leaves: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[prefix + key] = value
+    return leaves
+
+
+def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
+    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it.
+
+    Returns:
+        The config's campaign fingerprint (what the campaign's experiment records as
+        ``rlhf.config_fingerprint``).
+
+    Raises:
+        ConfigError: naming the first differing fields, their values there and here, and what to do.
+    """
+    fields = campaign_fields(config)
+    fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    tags = tracker.experiment_tags(config.campaign)
+    recorded = tags.get(TAG_CONFIG_FINGERPRINT)
+    if recorded is None or recorded == fingerprint:
+        return fingerprint
+    theirs, ours = _leaves(json.loads(tags.get(TAG_CAMPAIGN_CONFIG, "{}"))), _leaves(fields)
+    differing = sorted(name for name in theirs.keys() | ours.keys() if theirs.get(name) != ours.get(name))
+    shown = "; ".join(f"`{name}` {theirs.get(name)!r} there, {ours.get(name)!r} here" for name in differing[:3])
+    more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
+    raise ConfigError(
+        f"campaign `{config.campaign}` was started with another config ({shown or 'another version'}{more}): give "
+        "this config a `campaign` of its own (--set campaign=NAME), or run the campaign with the config it was "
+        "started with"
+    )
+
+
+def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
+    """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered."""
+    fingerprint = check_campaign_config(config, tracker)
+    if TAG_CONFIG_FINGERPRINT not in tracker.experiment_tags(config.campaign):
+        tracker.set_experiment_tags(
+            experiment_id,
+            {
+                TAG_CAMPAIGN_CONFIG: json.dumps(campaign_fields(config), sort_keys=True),
+                TAG_CONFIG_FINGERPRINT: fingerprint,
+            },
+        )
 
 
 def context_for(
@@ -237,6 +305,8 @@ def _open_run(
     """
     tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
+    if tags[TAG_KIND] == KIND_ITERATION:  # a replay's config is its source's, changed where a replay may change it
+        record_campaign_config(config, tracker, experiment_id)
     tracker.reconcile_runs(experiment_id)
     parent = tracker.find_run(experiment_id, tags={TAG_ITERATION_KEY: key})
     flow_run_id = _flow_run_id()
@@ -293,25 +363,46 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
-def close_iteration(context: StageContext, stages: list[StageResult], state: IterationState) -> IterationState:
+def close_iteration(
+    context: StageContext, stages: list[StageResult], state: IterationState, *, initialized: StageResult | None = None
+) -> IterationState:
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
 
-    An iteration whose stages were all reused and whose run is already finished logs nothing new.
+    An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
+    run also gets its reuse record (:mod:`flows.reuse`): ``stages`` and, in the campaign's first iteration, the
+    ``initialized`` policy it started from.
     """
     tracker = context.tracker
+    tags = tracker.run_tags(context.parent_run_id)
+    kind = tags.get(TAG_KIND, KIND_ITERATION)
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
+        if kind == KIND_ITERATION:
+            _log_overoptimisation(context, metrics)
         tracker.end_run(context.parent_run_id)
-    kind = tracker.run_tags(context.parent_run_id).get(TAG_KIND, KIND_ITERATION)
+    if kind == KIND_ITERATION:
+        from flows.reuse import reuse_record  # flows.reuse reads this module's run key
+
+        if tags.get(TAG_REUSE) != (record := reuse_record([*filter(None, [initialized]), *stages])):
+            tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
+    figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
-        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind),
+        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind, figure=figure),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
+
+
+def _log_overoptimisation(context: StageContext, metrics: dict[str, float]) -> None:
+    """The campaign's over-optimisation figure up to this iteration (:mod:`flows.figures`), on the iteration run."""
+    tracker = context.tracker
+    earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
+    figure = overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
+    tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
 
 
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:
@@ -337,20 +428,32 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
 
 
 def iteration_summary(
-    context: StageContext, stages: list[StageResult], run_url: str, *, kind: str = KIND_ITERATION
+    context: StageContext,
+    stages: list[StageResult],
+    run_url: str,
+    *,
+    kind: str = KIND_ITERATION,
+    figure: str | None = None,
 ) -> str:
-    """Markdown: one row per stage (ran or reused, headline metrics), and the MLflow link."""
+    """Markdown: one row per stage (ran or reused, seconds), the over-optimisation figure, then every metric on a
+    row of its own (one cell per value, so the UI cuts none off), and the MLflow link."""
     lines = [
         f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",
         f"MLflow run: [{context.parent_run_id}]({run_url})",
         "",
-        "| stage | status | metrics |",
-        "| --- | --- | --- |",
+        "| stage | status | seconds |",
+        "| --- | --- | ---: |",
     ]
     for result in stages:
-        shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(result.metrics.items()))
-        lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {shown} |")
+        seconds = result.metrics.get("seconds")
+        took = "" if result.reused or seconds is None else f"{seconds:.1f}"
+        lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {took} |")
+    if figure is not None:
+        lines += ["", f"![over-optimisation: reward and gold score against the KL to the reference]({figure})"]
+    lines += ["", "| metric | value |", "| --- | ---: |"]
+    for result in stages:
+        lines += [f"| {result.stage}/{name} | {value:.4g} |" for name, value in sorted(result.metrics.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ Prefect server or any flow starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -133,22 +134,30 @@ _USER_ERRNOS = {
 """OS errors that are the machine's state, not a bug: a full or read-only disk, a missing or forbidden path."""
 
 
+_USER_ERROR_TYPES = (
+    "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
+    "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
+    "flows.prefect_server:PrefectServerError",
+)  # fmt: skip
+"""The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
+checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
+
+
+def _raised_one_of(error: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``error`` is an instance of one of the ``module:Class`` ``names`` (of modules already imported)."""
+    for name in names:
+        module, _, attribute = name.partition(":")
+        if module in sys.modules and isinstance(error, getattr(sys.modules[module], attribute)):
+            return True
+    return False
+
+
 def _user_error(error: BaseException) -> bool:
     """Whether ``error`` is a problem with what the user gave or the machine's state, not a bug."""
-    from flows.config import ConfigError
-    from flows.inputs import InputError
-    from flows.prefect_server import PrefectServerError
-    from storage.importers import ImportFormatError
-    from storage.locks import LockHeld, UnsafeLockFile
-    from storage.manifest import CorruptOutputError
-
-    user_errors = (
-        ConfigError, InputError, ImportFormatError, CorruptOutputError, LookupError, FileNotFoundError,
-        FileExistsError, TimeoutError, LockHeld, UnsafeLockFile, PrefectServerError, KeyboardInterrupt,
-    )  # fmt: skip
+    user_errors = (LookupError, FileNotFoundError, FileExistsError, TimeoutError, KeyboardInterrupt)
     if isinstance(error, KeyError | IndexError):  # LookupErrors of a bug, not a run or campaign that does not exist
         return False
-    if isinstance(error, user_errors):
+    if isinstance(error, user_errors) or _raised_one_of(error, _USER_ERROR_TYPES):
         return True
     return isinstance(error, OSError) and error.errno in _USER_ERRNOS
 
@@ -165,6 +174,10 @@ def _message(error: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
+    if not arguments.verbose:
+        from flows.console import quiet_libraries
+
+        quiet_libraries()
     if hold_at := os.environ.get("RLHF_HOLD_AT"):  # crash tests only: see storage/holds.py
         from storage.holds import arm
 
@@ -172,12 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from flows.config import load_config
 
-        config = load_config(arguments.config, arguments.overrides)
+        config = load_config(arguments.config, arguments.overrides, store_only=arguments.command in _STORE_COMMANDS)
         return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
-        from flows.human_labels import HumanLabelTimeout
-
-        timeout = isinstance(error, HumanLabelTimeout)
+        timeout = _raised_one_of(error, ("flows.human_labels:HumanLabelTimeout",))
         if not timeout and not _user_error(error):
             raise
         if arguments.verbose:
@@ -197,38 +208,70 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments) -> None:
-    """What every flow-running command does first: check the campaign's inputs and that no other process runs
-    it, then make sure a Prefect server is there, one this process owns if none is configured.
+def _prepare(config, arguments, *, replay: bool = False):
+    """What every flow-running command does first: check the campaign's inputs, that no other process runs
+    it and (but for a replay, whose config is its source's) that it was started with this config, then make
+    sure a Prefect server is there, one this process owns if none is configured.
+
+    Returns:
+        The console that shows the stages (:func:`flows.console.show_stages`; close it when the flows end), or
+        None with ``--verbose``, which shows the whole log instead.
 
     Raises:
         LockHeld: another process is running the campaign.
+        ConfigError: the campaign was started with another config.
         InputError, FileNotFoundError: an input the stages could not use.
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from flows.campaign import campaign_layout, resolve_base
+    from flows.campaign import check_campaign_config, resolve_base
     from flows.config import ConfigError
+    from flows.console import show_stages
     from flows.prefect_server import ensure_prefect_api
+    from flows.store import campaign_layout, existing_tracker
     from storage.locks import refuse_if_locked
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if not replay and (tracker := existing_tracker(config)) is not None:
+        check_campaign_config(config, tracker)
     resolve_base.fn(config)
+    console = None
     if not arguments.verbose:
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, PrefectConsoleHandler):
-                handler.addFilter(_RunFailures())
+        handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
+        for handler in handlers:
+            handler.addFilter(_RunFailures())
+        console = show_stages(handlers)
     ensure_prefect_api()
+    return console
+
+
+@contextlib.contextmanager
+def _showing(console):
+    """Close the stage console (if any) when the flows end, before the command prints its report."""
+    try:
+        yield
+    finally:
+        if console is not None:
+            console.close()
 
 
 def _run(config, arguments) -> int:
     from flows.report import campaign_report
-    from flows.rlhf_pipeline import rlhf_campaign
+    from flows.reuse import campaign_finished
+    from flows.store import campaign_layout
+    from storage.locks import refuse_if_locked
 
-    _prepare(config, arguments)
-    rlhf_campaign(config)
+    if config.run_root.is_dir():  # as every run does first (see _prepare)
+        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if campaign_finished(config):  # decided from MLflow and the manifests: no Prefect server, flow or model
+        print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
+    else:
+        from flows.rlhf_pipeline import rlhf_campaign
+
+        with _showing(_prepare(config, arguments)):
+            rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0
@@ -238,29 +281,30 @@ def _iterate(config, arguments) -> int:
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_iteration
 
-    _prepare(config, arguments)
-    rlhf_iteration(config)
+    with _showing(_prepare(config, arguments)):
+        rlhf_iteration(config)
     print(campaign_report(config))
     return 0
 
 
 def _replay(config, arguments) -> int:
-    from flows.replay import replay_config, resolve_run
+    from flows.replay import replay_config
     from flows.report import compare_report
     from flows.rlhf_pipeline import rlhf_replay
+    from flows.store import resolve_run
 
     source_run_id = resolve_run(config, arguments.source)
     replay = replay_config(config, source_run_id, arguments.overrides)
-    _prepare(replay, arguments)
-    replay_run_id = rlhf_replay(replay, source_run_id)
+    with _showing(_prepare(replay, arguments, replay=True)):
+        replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
     return 0
 
 
 def _compare(config, arguments) -> int:
-    from flows.replay import resolve_run
     from flows.report import compare_report
+    from flows.store import resolve_run
 
     metrics = arguments.metrics.split(",") if arguments.metrics else None
     print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))
@@ -292,14 +336,26 @@ def _serve(config, arguments) -> int:
 
 
 def _config(config, arguments) -> int:
-    import yaml
+    from flows.config import ConfigError, commented_yaml, load_config
 
+    try:  # as `rlhf run` would read it: say so if it would refuse it
+        load_config(arguments.config, arguments.overrides)
+        refused = None
+    except ConfigError as error:
+        refused = str(error)
     if arguments.json:
+        if refused:
+            raise ConfigError(refused)
         print(config.model_dump_json())
         return 0
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    if refused:
+        print(f"# `rlhf run` would refuse this config: {refused}\n")
+    print(commented_yaml(config), end="")
     return 0
 
+
+_STORE_COMMANDS = ("compare", "export", "gc", "config")
+"""Commands that only read what runs recorded (or print the config): they need no model or prompts set."""
 
 _COMMANDS = {
     "run": _run,

@@ -10,23 +10,36 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rlhf_core.config import (
     GROUP_ESTIMATORS,
+    MIN_PREFERENCE_PAIRS,
     AdvantageConfig,
+    DeviceChoice,
+    LabelerName,
     LoraConfig,
     PPOConfig,
+    Precision,
     RewardModelConfig,
     SamplingConfig,
     SettingError,
+    eval_split_error,
 )
-from rlhf_core.precision import DeviceChoice, Precision
-from tasks.labelers import MIN_PREFERENCE_PAIRS, LabelerName
 
 
 class _Frozen(BaseModel):
@@ -38,8 +51,8 @@ class ModelSource(_Frozen):
     """Where the initial policy comes from."""
 
     policy: str | None = None
-    """A Hugging Face causal-LM folder (or a hub name, if the machine can reach the hub); None builds
-    and uses the embedded demo model."""
+    """A Hugging Face causal-LM folder (or a hub name, if the machine can reach the hub). Needed unless `demo` is
+    true, where None builds and uses the embedded demo model."""
     tokenizer: str | None = None
     """Tokenizer folder or name; None uses the policy's."""
     reward_model: str | None = None
@@ -62,9 +75,10 @@ class DataSource(_Frozen):
     """Where prompts and imported preferences come from."""
 
     prompts: Path | None = None
-    """Training prompts (JSONL, Parquet or CSV with a `prompt` column or chat `messages`); None uses the demo's."""
+    """Training prompts (JSONL, Parquet, CSV or a datasets folder with a `prompt` column or chat `messages`). Needed
+    unless `demo` is true, where None uses the demo's."""
     eval_prompts: Path | None = None
-    """Held-out prompts for evaluation; None uses the demo's."""
+    """Held-out prompts for evaluation, in the same forms. Needed unless `demo` is true, where None uses the demo's."""
     preferences: Path | None = None
     """Preference pairs to import (labeler `import`): prompt/chosen/rejected rows or Anthropic HH transcripts."""
 
@@ -147,14 +161,19 @@ class ExecutionConfig(_Frozen):
 class PipelineConfig(_Frozen):
     """Everything one campaign needs; validated once, when a flow starts.
 
-    The defaults run the embedded demo as an RLHF loop (a reward model learned from the hidden rubric's
-    labels, PPO with GAE): sizes and learning rates were tuned on it (8 iterations, about two minutes
-    on one CPU thread). configs/demo-verifiable.yaml scores with the rubric itself as a verifiable reward instead.
-    The stage configs' own defaults in ``rlhf_core.config`` are the literature's.
+    The defaults are for a real model: the stage configs' own defaults (``rlhf_core.config``), which
+    follow TRL and OpenRLHF. Nothing of the embedded demo is on unless `demo` is true: its tiny model,
+    prompts, hidden rubric and the sizes and learning rates tuned for it live in ``configs/demo.yaml``.
     """
 
-    campaign: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    """Campaign name: the MLflow experiment and the folder under `run_root`."""
+    campaign: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Campaign name: the MLflow experiment and the folder under `run_root`. A campaign keeps the config it was
+    started with (all but where and how it runs, `iterations`, the human-label forms and what a replay may change:
+    the advantage and PPO settings): a different one needs a new name."""
+    demo: bool = False
+    """Use the embedded demo world: a tiny GPT-2 pretrained on a generated toy language (built and cached on first
+    use) for whichever of `model.policy`, `data.prompts` and `data.eval_prompts` is not set, and its hidden gold
+    rubric to judge evaluation (labeler `gold`). Only for models and prompts in the demo's language."""
     run_root: Path = Field(Path(".rlhf"), validate_default=True)
     """Folder for stage outputs, the MLflow SQLite store and caches (made absolute at load time)."""
     tracking_uri: str | None = None
@@ -175,18 +194,20 @@ class PipelineConfig(_Frozen):
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
     execution: ExecutionConfig = ExecutionConfig()
-    labeler: LabelerName = "gold"
-    """Who labels candidate pairs: the demo's hidden gold rubric, an imported file, the current reward model,
-    or a person answering Prefect UI forms (see `human`)."""
+    labeler: LabelerName | None = None
+    """Who labels candidate pairs when a reward model learns from them: an imported file (`import`, with
+    `data.preferences`), a person answering Prefect UI forms (`human`), the current reward model
+    (`reward_model`), or the demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function
+    or a pretrained reward model used as it is."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
     human: HumanLabelConfig = HumanLabelConfig()
     reward: RewardSource = RewardSource()
-    sampling: SamplingConfig = SamplingConfig(max_new_tokens=16, temperature=1.0, batch_size=64)
-    reward_model: RewardModelConfig = RewardModelConfig(learning_rate=3e-4, epochs=4, batch_size=32)
-    advantages: AdvantageConfig = AdvantageConfig(kl_coef=0.05)
-    ppo: PPOConfig = PPOConfig(epochs=4, minibatch_size=32, actor_learning_rate=2e-4, critic_learning_rate=5e-4)
+    sampling: SamplingConfig = SamplingConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
+    advantages: AdvantageConfig = AdvantageConfig()
+    ppo: PPOConfig = PPOConfig()
 
     @field_validator("run_root")
     @classmethod
@@ -194,7 +215,52 @@ class PipelineConfig(_Frozen):
         return value.expanduser().resolve()
 
     @model_validator(mode="after")
-    def _labeler_has_its_data(self) -> PipelineConfig:
+    def _demo_only_where_asked(self, info: ValidationInfo) -> PipelineConfig:
+        """Nothing of the demo world reaches a campaign that did not ask for it (`demo`), and nothing is guessed."""
+        if self.demo:
+            return self
+        missing = (
+            []
+            if _store_only(info)
+            else [
+                name
+                for name, value in (
+                    ("model.policy", self.model.policy),
+                    ("data.prompts", self.data.prompts),
+                    ("data.eval_prompts", self.data.eval_prompts),
+                )
+                if value is None
+            ]
+        )
+        if missing:
+            raise ValueError(
+                f"set {', '.join(f'`{name}`' for name in missing)}: the model and prompts to train on "
+                "(or run the embedded demo: --config configs/demo.yaml)"
+            )
+        if self.labeler == "gold":
+            raise ValueError(
+                "labeler gold is the embedded demo's hidden rubric for its toy language: with your own model set "
+                "`labeler` to import (with `data.preferences`), human or reward_model"
+            )
+        if self.reward.source == "function" and (self.reward.function or "").startswith("demo."):
+            raise ValueError(
+                f"`reward.function` {self.reward.function} is the embedded demo's rubric for its toy language: "
+                "name a function that scores your own model's responses"
+            )
+        return self
+
+    @property
+    def learns_from_labels(self) -> bool:
+        """Whether each iteration labels candidate pairs for the reward model to train on."""
+        return self.reward.source == "reward_model" and self.reward_model.train
+
+    @model_validator(mode="after")
+    def _labeler_has_its_data(self, info: ValidationInfo) -> PipelineConfig:
+        if self.learns_from_labels and self.labeler is None and not _store_only(info):
+            raise ValueError(
+                "set `labeler`: who labels the candidate pairs the reward model learns from (import with "
+                "`data.preferences`, human, or reward_model with `model.reward_model`)"
+            )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
         if self.model.reward_model is None and not self.reward_model.train:
@@ -206,11 +272,15 @@ class PipelineConfig(_Frozen):
                 "`model.critic_init` reward_model needs `model.reward_model`: the reward model to start from"
             )
         pairs = self.sizes.preference_prompts * self.sizes.candidates_per_prompt // 2
-        if self.reward_model.train and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:
+        if self.learns_from_labels and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:
             raise ValueError(
                 f"`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2 gives {pairs} preference pairs per "
                 f"iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
             )
+        if self.learns_from_labels and self.labeler != "import":
+            # The first iteration's pairs: later iterations train on these and their own.
+            if (error := eval_split_error(pairs, self.reward_model.eval_fraction)) is not None:
+                raise ValueError(f"{error} (`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2)")
         return self
 
     @model_validator(mode="after")
@@ -220,6 +290,13 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 f"`advantages.estimator` {estimator} compares the samples of each prompt: it needs "
                 f"`sizes.samples_per_prompt` >= 2, got {group}"
+            )
+        rollouts = self.sizes.rollout_prompts * group
+        if self.advantages.kl_target is not None and self.advantages.kl_horizon < rollouts:
+            raise ValueError(
+                f"`advantages.kl_horizon` {self.advantages.kl_horizon} is below the {rollouts} rollouts of an iteration "
+                "(`sizes.rollout_prompts` x `sizes.samples_per_prompt`): the adaptive KL controller would move its "
+                "coefficient by more than 20% in one iteration; raise `advantages.kl_horizon`"
             )
         if self.ppo.kl_loss_coef > 0 and self.advantages.kl_in != "loss":
             raise ValueError(
@@ -233,6 +310,11 @@ class PipelineConfig(_Frozen):
         if self.reward.source == "function" and not self.reward.function:
             raise ValueError("`reward.source` function needs `reward.function`: a `module:callable`")
         return self
+
+
+def _store_only(info: ValidationInfo) -> bool:
+    """Whether the config is validated for a command that only reads the store (``load_config(store_only=True)``)."""
+    return bool(info.context and info.context.get("store_only"))
 
 
 class ConfigError(ValueError):
@@ -316,8 +398,14 @@ def describe_errors(error: ValidationError, *, overrides: dict[str, str], path: 
     return f"{problem}{f' ({origin})' if origin else ''}{more}"
 
 
-def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+def load_config(
+    path: Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, store_only: bool = False
+) -> PipelineConfig:
     """Read a YAML config (a diff from the defaults), apply ``key=value`` overrides, validate.
+
+    Args:
+        store_only: for commands that only read what runs recorded (compare, export, gc): what only a run
+            needs (a model, prompts, a labeler) need not be set.
 
     Raises:
         ConfigError: the file is missing or not YAML, an override is malformed, or validation fails; the
@@ -341,6 +429,30 @@ def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...]
         _set_dotted(tree, key, value)
         given[key] = text
     try:
-        return PipelineConfig.model_validate(tree)
+        return PipelineConfig.model_validate(tree, context={"store_only": store_only})
     except ValidationError as error:
         raise ConfigError(describe_errors(error, overrides=given, path=path)) from error
+
+
+def commented_yaml(config: PipelineConfig) -> str:
+    """``config`` as YAML, each field preceded by its description as a comment (what ``rlhf config`` prints); it
+    loads back as the same config."""
+    schema = PipelineConfig.model_json_schema()
+    definitions = schema["$defs"]
+    lines: list[str] = []
+
+    def section(properties: dict[str, Any], values: dict[str, Any], indent: str) -> None:
+        for name, value in values.items():
+            field = properties.get(name, {})
+            refs = [field.get("$ref"), *(option.get("$ref") for option in field.get("anyOf", []))]
+            definition = next((definitions[ref.rsplit("/", 1)[-1]] for ref in refs if ref), None)
+            description = field.get("description") or (definition or {}).get("description", "")
+            lines.extend(f"{indent}# {line}" for line in textwrap.wrap(" ".join(description.split()), 100))
+            if isinstance(value, dict) and definition is not None:
+                lines.append(f"{indent}{name}:")
+                section(definition["properties"], value, indent + "  ")
+            else:  # JSON is YAML: strings quoted, null and lists as they are
+                lines.append(f"{indent}{name}: {json.dumps(value)}")
+
+    section(schema["properties"], config.model_dump(mode="json"), "")
+    return "\n".join(lines) + "\n"

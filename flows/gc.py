@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from flows.campaign import campaign_layout, tracking_store
 from flows.config import PipelineConfig
+from flows.store import campaign_layout, store_tracker
 from storage.locks import LockTimeout, exclusive_lock
 from storage.manifest import Manifest, prune_files, read_manifest
 from storage.tracking import (
@@ -97,7 +97,7 @@ def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:
         raise ValueError(
             f"`--keep-last` must be at least 1 (the newest iteration is what continuing needs), got {keep_last}"
         )
-    tracker = tracking_store(config).tracker()
+    tracker = store_tracker(config)
     if not tracker.has_experiment(config.campaign):
         raise LookupError(f"no campaign {config.campaign!r} in the MLflow store {tracker.tracking_uri}")
     experiment_id = tracker.experiment_id(config.campaign)
@@ -184,7 +184,7 @@ def collect_garbage(config: PipelineConfig, *, keep_last: int = 1, dry_run: bool
         with exclusive_lock(lock, timeout=0):
             plan = plan_gc(config, keep_last=keep_last)
             if not dry_run:
-                tracker = tracking_store(config).tracker()
+                tracker = store_tracker(config)
                 for name, version in plan.versions:
                     tracker.delete_model_version(name, version)
                 for folder, _ in plan.remove:

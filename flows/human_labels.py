@@ -19,10 +19,12 @@ Choices:
    same answers anyway. A second ``rlhf run`` is refused at once, naming the waiting process,
    rather than left waiting.
 4. Each pair is one required field ``pair_<n>`` (``n`` counts from 1) with the choices ``A``,
-   ``B`` and ``tie/skip``; its description holds the prompt and both responses as plain text
-   (Prefect's default UI shows field descriptions unrendered). The server checks answers against
-   the form's JSON schema, so a missing, unknown or misspelt answer is refused and the run stays
-   paused.
+   ``B`` and ``tie/skip``, drawn by Prefect's UI as a short dropdown titled "Pair n of N". The pairs
+   themselves are the form's markdown description (field descriptions are shown unrendered): each
+   prompt once, then its pairs' responses A and B as block quotes, one above the other (the UI's
+   modal is 512 pixels wide and never wraps a markdown table cell, so A and B side by side would
+   cut long responses off). The server checks answers against the form's JSON schema, so a
+   missing, unknown or misspelt answer is refused and the run stays paused.
 5. A form left unanswered for ``human.timeout_seconds`` fails the flow run with
    :class:`HumanLabelTimeout` (a ``FlowPauseTimeout``) saying what to do.
 """
@@ -142,7 +144,9 @@ def ask_for_labels(
     for number, start in enumerate(range(len(choices), len(pairs), pairs_per_form), start=1):
         where = f"form {number} of {forms}"
         form = label_form(pairs[start : start + pairs_per_form], first=start, total=len(pairs))
-        form = form.with_initial_data(description=form_description(heading, where, timeout_seconds))
+        batch = pairs[start : start + pairs_per_form]
+        description = form_description(heading, where, timeout_seconds) + "\n\n" + pairs_markdown(batch, first=start)
+        form = form.with_initial_data(description=description)
         get_run_logger().info(
             "%s: waiting for a person to answer %s (%d pairs): open this flow run in the Prefect UI and press Resume",
             heading,
@@ -166,6 +170,9 @@ def ask_for_labels(
 def label_form(pairs: Sequence[CandidatePair], *, first: int, total: int) -> type[RunInput]:
     """A RunInput with one required field ``pair_<first + i + 1>`` per pair (choices A, B, tie/skip).
 
+    The fields carry only their title: the pairs themselves are the form's markdown description
+    (:func:`pairs_markdown`), the only text Prefect's UI renders as markdown.
+
     Args:
         pairs: the pairs on this form.
         first: index of the first of them among the iteration's pairs.
@@ -174,23 +181,44 @@ def label_form(pairs: Sequence[CandidatePair], *, first: int, total: int) -> typ
     fields = {
         f"pair_{first + offset + 1}": (
             HumanChoice,
-            Field(
-                title=f"Pair {first + offset + 1} of {total}",
-                description=f'Prompt: "{pair.prompt.text}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"',
-                json_schema_extra={"position": offset},
-            ),
+            Field(title=f"Pair {first + offset + 1} of {total}", json_schema_extra={"position": offset}),
         )
-        for offset, pair in enumerate(pairs)
+        for offset in range(len(pairs))
     }
     return create_model("HumanLabels", __base__=RunInput, **fields)
+
+
+def pairs_markdown(pairs: Sequence[CandidatePair], *, first: int) -> str:
+    """The pairs as markdown: each prompt once, then each of its pairs' responses A and B, one above the other.
+
+    Not a table with A and B side by side: Prefect's UI shows the form in a 512-pixel modal whose
+    markdown tables never wrap a cell, so a long response would be cut off after a line.
+    """
+    blocks, previous = [], None
+    for offset, pair in enumerate(pairs):
+        if pair.prompt != previous:
+            blocks.append(f"---\n\n#### Prompt\n\n{_quoted(pair.prompt.text)}")
+            previous = pair.prompt
+        blocks.append(
+            f"**Pair {first + offset + 1}, A:**\n\n{_quoted(pair.first)}\n\n"
+            f"**Pair {first + offset + 1}, B:**\n\n{_quoted(pair.second)}"
+        )
+    return "\n\n".join(blocks)
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a markdown block quote, its line breaks kept (an empty text says so)."""
+    lines = text.splitlines() or ["*(empty)*"]
+    return "\n".join(f"> {line}  " if line else ">" for line in lines)
 
 
 def form_description(heading: str, where: str, timeout_seconds: int) -> str:
     """The markdown shown above a form's fields."""
     return (
         f"### {heading}: which response is better? ({where})\n\n"
-        "Each pair below shows a prompt and two responses, **A** and **B**. Choose `A` or `B` for the "
-        "better one, or `tie/skip` when neither is (the pair is then left out of the preference data). "
-        "Every pair needs an answer; **Resume** submits the form.\n\n"
+        "Below, each prompt is followed by its pairs of responses, **A** and **B**. Under **Pair n of N** "
+        "at the end of the form, choose `A` or `B` for the better one, or `tie/skip` when neither is (the "
+        "pair is then left out of the preference data). Every pair needs an answer; **Submit** resumes "
+        "the run.\n\n"
         f"Unanswered after {timeout_seconds} s, the flow run fails; running the same command again asks again."
     )

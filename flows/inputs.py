@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from flows.config import PipelineConfig
+from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
-from tasks.labelers import MIN_PREFERENCE_PAIRS
 from tasks.text import Prompt, conversation_ids, load_tokenizer, prompt_ids
 
 _BATCH = 256
@@ -123,7 +123,9 @@ def _check_prompts(
         raise InputError(f"`{setting}` {path} holds {rows or 'no'} prompts{wanted}")
 
 
-def _check_preferences(setting: str, path: Path, tokenizer, *, context: int | None, at_least: int) -> None:
+def _check_preferences(
+    setting: str, path: Path, tokenizer, *, context: int | None, at_least: int, eval_fraction: float | None
+) -> None:
     """Parse every pair; count them; check that each fits the reward model as it is scored."""
     pairs = 0
     try:
@@ -139,6 +141,8 @@ def _check_preferences(setting: str, path: Path, tokenizer, *, context: int | No
         raise InputError(
             f"`{setting}` {path} holds {pairs or 'no'} preference pairs; the reward model needs at least {at_least}"
         )
+    if eval_fraction is not None and (error := eval_split_error(pairs, eval_fraction)) is not None:
+        raise InputError(f"`{setting}` {path}: {error}")
 
 
 def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
@@ -187,4 +191,5 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         _check_preferences(
             "data.preferences", Path(base.preferences.path), reward_tokenizer,
             context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
+            eval_fraction=config.reward_model.eval_fraction if config.reward_model.train else None,
         )  # fmt: skip

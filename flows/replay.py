@@ -17,55 +17,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flows.campaign import source_config, store_layout, tracking_store
+from flows.campaign import source_config
 from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
 from rlhf_core.config import GROUP_ESTIMATORS
 from storage.schemas import OLD_VALUES, PROMPT_ID
 from storage.shards import read_table
-from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
 from tasks.stage import StageResult
 
 
 def changeable_fields() -> tuple[str, ...]:
     """Every config path a replay may set: the replayable settings, execution and location."""
     return replayable_fields() + EXECUTION + LOCATION
-
-
-def resolve_run(config: PipelineConfig, name: str) -> str:
-    """An MLflow run id from a run id, ``CAMPAIGN:ITERATION``, or ``CAMPAIGN`` (its latest iteration).
-
-    Raises:
-        LookupError: no such run, campaign or iteration, or no MLflow store at all (none is created).
-    """
-    database = store_layout(config).mlflow_db()
-    if config.tracking_uri is None and not database.exists():
-        raise LookupError(f"no MLflow store at {database}: nothing has run with `run_root` {config.run_root}")
-    tracker = tracking_store(config).tracker()
-    campaign, _, iteration = name.partition(":")
-    try:
-        experiment_id = tracker.experiment_id(campaign) if tracker.has_experiment(campaign) else None
-    except ValueError:
-        experiment_id = None
-    if experiment_id is None:
-        if ":" in name:
-            raise LookupError(f"no campaign {campaign!r} in the MLflow store {tracker.tracking_uri}")
-        try:
-            tracker.run_tags(name)
-        except Exception as error:  # noqa: BLE001 - MLflow raises its own exception type for a missing run
-            raise LookupError(f"{name!r} is neither a campaign nor a run id in {tracker.tracking_uri}") from error
-        return name
-    if not iteration:
-        latest = tracker.latest_iteration(experiment_id)
-        if latest is None:
-            raise LookupError(f"campaign {campaign!r} has no finished iteration")
-        iteration = str(latest)
-    run_id = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: iteration}, status="FINISHED"
-    )
-    if run_id is None:
-        raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
-    return run_id
 
 
 def _refusal(fields: list[str]) -> ConfigError:

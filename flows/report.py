@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flows.campaign import tracking_store
 from flows.config import PipelineConfig
+from flows.store import store_tracker
 from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND
 
 HEADLINE_METRICS = {
@@ -34,18 +34,37 @@ def _cell(metrics: dict[str, float], name: str) -> str:
 
 def campaign_report(config: PipelineConfig) -> str:
     """One row per finished iteration of the campaign, headline metrics as columns."""
-    tracker = tracking_store(config).tracker()
+    tracker = store_tracker(config)
     rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
     columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
     header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
-    return _table(
+    table = _table(
         [header, *([str(iteration), *(_cell(metrics, name) for name in columns)] for iteration, metrics in rows)]
     )
+    notes = []
+    if any(metrics.get("train_reward_model/eval_pairs", 0) for _, metrics in rows):
+        pairs = [
+            int(metrics["train_reward_model/eval_pairs"])
+            for _, metrics in rows
+            if "train_reward_model/eval_pairs" in metrics
+        ]
+        notes.append(f"RM accuracy: on {min(pairs)} to {max(pairs)} held-out pairs per iteration.")
+    if any(metrics.get(KL_TO_REFERENCE, 0) < 0 for _, metrics in rows):
+        notes.append(KL_NOTE)
+    return "\n".join([table, *notes])
+
+
+KL_TO_REFERENCE = "evaluate/kl_to_reference"
+KL_NOTE = (
+    "KL to ref: the k1 estimate, log pi(y|x) - log pi_ref(y|x) summed over each sampled response and averaged over "
+    "the held-out prompts. It is unbiased but not positive per sample, so while the policy is still close to the "
+    "reference (iteration 0) its mean can come out slightly below 0."
+)
 
 
 def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: Sequence[str] | None = None) -> str:
     """Metrics as rows, runs as columns; the first rows say what each run is."""
-    tracker = tracking_store(config).tracker()
+    tracker = store_tracker(config)
     tags = [tracker.run_tags(run_id) for run_id in run_ids]
     values = [tracker.run_metrics(run_id) for run_id in run_ids]
     names = list(metrics) if metrics else [name for name in HEADLINE_METRICS if any(name in v for v in values)]

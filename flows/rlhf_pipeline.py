@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from flows.campaign import (
     IterationState,
@@ -42,10 +43,30 @@ from tasks import (
 )
 from tasks.context import BaseInputs, StageContext
 from tasks.ppo_update import optimizer_state
-from tasks.stage import StageResult
+from tasks.stage import STAGE_EVENT, StageResult
 
 
-@flow(name="rlhf-iteration")
+def _iteration_run_name() -> str:
+    """``<campaign>-iteration-N`` (``-next`` when it continues from the latest): the Prefect UI's flow run name."""
+    parameters = flow_run.parameters
+    iteration = parameters.get("iteration")
+    return f"{_campaign(parameters)}-iteration-{'next' if iteration is None else iteration}"
+
+
+def _replay_run_name() -> str:
+    return f"{_campaign(flow_run.parameters)}-replay-of-{flow_run.parameters['source_run_id'][:12]}"
+
+
+def _campaign_run_name() -> str:
+    return f"{_campaign(flow_run.parameters)}-campaign"
+
+
+def _campaign(parameters: dict) -> str:
+    config = parameters["config"]
+    return config.campaign if isinstance(config, PipelineConfig) else config["campaign"]
+
+
+@flow(name="rlhf-iteration", flow_run_name=_iteration_run_name)
 def rlhf_iteration(
     config: PipelineConfig, iteration: int | None = None, state: IterationState | None = None
 ) -> IterationState:
@@ -66,6 +87,9 @@ def rlhf_iteration(
         if iteration is None:
             iteration, state = load_latest_state(config, base)
         context = open_iteration(config, iteration, base, state)
+        get_run_logger().info(
+            "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
+        )
         with context.tracker.ends_on_error(context.parent_run_id):
             return _iteration(config, base, context, state)
 
@@ -74,7 +98,8 @@ def _iteration(
     config: PipelineConfig, base: BaseInputs, context: StageContext, state: IterationState | None
 ) -> IterationState:
     settings = partial(stage_settings, config, base)
-    state = state or IterationState(policy=initialize(context, **settings("initialize")).result())
+    initialized = None if state else initialize(context, **settings("initialize")).result()  # iteration 0 only
+    state = state or IterationState(policy=initialized)
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
         collected = _collect(config, context, settings, state) if config.reward_model.train else ()
@@ -90,7 +115,8 @@ def _iteration(
     policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [*learned, experience, scored, policy, evaluation]
-    return close_iteration(context, stages, IterationState(policy, reward_model, all_preferences, scored))
+    new_state = IterationState(policy, reward_model, all_preferences, scored)
+    return close_iteration(context, stages, new_state, initialized=initialized)
 
 
 def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
@@ -106,7 +132,7 @@ def _collect(config: PipelineConfig, context, settings, state: IterationState) -
     return candidates, preferences.result()
 
 
-@flow(name="rlhf-campaign")
+@flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)
 def rlhf_campaign(config: PipelineConfig) -> IterationState:
     """``config.iterations`` iterations, each continuing from the previous one's policy and reward model."""
     state = None
@@ -116,7 +142,7 @@ def rlhf_campaign(config: PipelineConfig) -> IterationState:
     return state
 
 
-@flow(name="rlhf-replay")
+@flow(name="rlhf-replay", flow_run_name=_replay_run_name)
 def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
 

@@ -85,16 +85,20 @@ def group_advantages(
             f"group {lonely} has {int(counts[counts < 2][0])} sample; `{estimator}` needs at least 2 samples of "
             "every prompt (sizes.samples_per_prompt)"
         )
-    size = counts.to(scores.dtype)[group]  # (B,)
-    total = torch.zeros(len(ids), dtype=scores.dtype, device=scores.device).index_add(0, group, scores)[group]  # (B,)
+    # float64: k equal fp32 scores then sum exactly and divide back to themselves, so an all-equal group
+    # centres to exactly 0 (in fp32 the mean can be one rounding step off, and GRPO divides that step by a
+    # std of the same size: about 0.5 instead of 0 for eight copies of 7.839086532592773).
+    x = scores.double()  # (B,)
+    size = counts.double()[group]  # (B,)
+    total = torch.zeros(len(ids), dtype=x.dtype, device=x.device).index_add(0, group, x)[group]  # (B,)
     if estimator == "rloo":
-        return scores - (total - scores) / (size - 1)
-    centered = scores - total / size  # (B,)
+        return (x - (total - x) / (size - 1)).to(scores.dtype)
+    centered = x - total / size  # (B,)
     if estimator == "dr_grpo":
-        return centered
-    squares = torch.zeros(len(ids), dtype=scores.dtype, device=scores.device).index_add(0, group, centered.square())
+        return centered.to(scores.dtype)
+    squares = torch.zeros(len(ids), dtype=x.dtype, device=x.device).index_add(0, group, centered.square())
     std = (squares[group] / (size - 1)).sqrt()  # (B,)
-    return centered / (std + eps)
+    return (centered / (std + eps)).to(scores.dtype)
 
 
 def broadcast_over_tokens(values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -171,7 +175,8 @@ def adaptive_kl_coef(coef: float, kl: float, *, target: float, horizon: int, ste
 
     ``error = clip(kl / target - 1, -0.2, 0.2)``; ``next = coef * (1 + error * steps / horizon)``:
     the coefficient grows while the measured KL is above the target and shrinks below it, by at
-    most 20% per ``horizon`` samples.
+    most 20% per ``horizon`` samples. A batch larger than the horizon could move it by more than
+    the clipped error meant (and below 0 past 5 horizons), so ``steps`` may not exceed ``horizon``.
 
     Args:
         coef: the coefficient the batch was shaped with.
@@ -185,9 +190,10 @@ def adaptive_kl_coef(coef: float, kl: float, *, target: float, horizon: int, ste
         Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", section 2.2;
         TRL's and OpenRLHF's ``AdaptiveKLController``.
     """
-    if target <= 0 or horizon <= 0 or steps < 0 or coef < 0:
+    if target <= 0 or horizon <= 0 or not 0 <= steps <= horizon or coef < 0:
         raise ValueError(
-            f"need `target` > 0, `horizon` > 0, `steps` >= 0 and `coef` >= 0, got {target}, {horizon}, {steps}, {coef}"
+            f"need `target` > 0, `horizon` > 0, 0 <= `steps` <= `horizon` and `coef` >= 0, got {target}, {horizon}, "
+            f"{steps}, {coef}"
         )
     error = min(max(kl / target - 1.0, -0.2), 0.2)
     return coef * (1.0 + error * steps / horizon)

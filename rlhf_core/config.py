@@ -11,9 +11,43 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from rlhf_core.losses import LossAggregation
-from rlhf_core.rewards import KLEstimator
+KLEstimator = Literal["k1", "k2", "k3"]
+"""Per-token KL estimators (:func:`rlhf_core.rewards.kl_estimate`)."""
+LossAggregation = Literal["token_mean", "sequence_mean", "token_sum_norm"]
+"""How token losses become one loss (:func:`rlhf_core.losses.aggregate`)."""
+Precision = Literal["fp32", "bf16", "fp16"]
+"""Numeric precision of forward passes (:mod:`rlhf_core.precision`)."""
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+"""Where models run (:func:`rlhf_core.precision.resolve_device`)."""
+LabelerName = Literal["gold", "import", "reward_model", "human"]
+"""Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
+person."""
+MIN_PREFERENCE_PAIRS = 4
+"""The fewest preference pairs a reward model trains on: at least one held out and three to learn from."""
+MIN_EVAL_PAIRS = 4
+"""The fewest held-out pairs a reward model's accuracy may rest on: on fewer, one pair moves it by over 25 points
+(an "accuracy 0" from a single pair said nothing)."""
 
+
+def held_out_pairs(pairs: int, eval_fraction: float) -> int:
+    """How many of ``pairs`` preference pairs are held out for the reward model's accuracy."""
+    return int(pairs * eval_fraction)
+
+
+def eval_split_error(pairs: int, eval_fraction: float) -> str | None:
+    """Why ``pairs`` pairs split by ``eval_fraction`` cannot train a reward model, or None when they can."""
+    held_out = held_out_pairs(pairs, eval_fraction)
+    if held_out >= MIN_EVAL_PAIRS:  # eval_fraction < 1 leaves at least one pair to train on
+        return None
+    return (
+        f"`reward_model.eval_fraction` {eval_fraction} of {pairs} preference pairs holds out {held_out}: the reward "
+        f"model's accuracy needs at least {MIN_EVAL_PAIRS} held-out pairs; raise "
+        "`reward_model.eval_fraction` or the number of pairs"
+    )
+
+
+# The names above are declared here, not beside their code, so that reading a config (the `rlhf` command's start)
+# imports no torch.
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 """Advantage estimators (:mod:`rlhf_core.gae`, :mod:`rlhf_core.advantages`). Named here, not beside their
 maths, so that a stage importing the config does not import (and fingerprint) the estimators' code."""
@@ -108,8 +142,9 @@ def check_fields(config: Any) -> None:
 class SamplingConfig:
     """How responses are sampled (stages: sample candidates, rollout, evaluate)."""
 
-    max_new_tokens: int = bounded(32, gt=0)
-    """Longest response, in tokens; longer ones are truncated (and scored at their last token)."""
+    max_new_tokens: int = bounded(256, gt=0)
+    """Longest response, in tokens; longer ones are truncated (and scored at their last token). Between TRL's PPO
+    default (53) and OpenRLHF's (1024): room for a chat answer."""
     temperature: float = bounded(1.0, gt=0)
     """Softmax temperature; log-probs use the same one (TRL, OpenRLHF)."""
     top_k: int = bounded(0, ge=0)
@@ -127,12 +162,12 @@ class SamplingConfig:
 class RewardModelConfig:
     """Reward-model training over preference pairs (stage: train reward model)."""
 
-    learning_rate: float = bounded(1e-4, gt=0)
-    """AdamW learning rate."""
+    learning_rate: float = bounded(9e-6, gt=0)
+    """AdamW learning rate (OpenRLHF's reward-model default, for full fine-tuning of a pretrained backbone)."""
     weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    epochs: int = bounded(2, gt=0)
-    """Passes over the training pairs."""
+    epochs: int = bounded(1, gt=0)
+    """Passes over the training pairs (OpenRLHF 1: a reward model overfits its pairs quickly)."""
     batch_size: int = bounded(32, gt=0)
     """Pairs per optimizer step."""
     max_grad_norm: float = bounded(1.0, gt=0)
@@ -157,7 +192,9 @@ class AdvantageConfig:
     """Advantage estimator: gae (with a critic), or critic-free grpo, dr_grpo, rloo (groups of samples of a
     prompt, `sizes.samples_per_prompt` >= 2) or reinforce_pp (see rlhf_core.advantages)."""
     kl_coef: float = bounded(0.05, ge=0)
-    """KL penalty weight beta in the reward (TRL default 0.05); the adaptive controller's start with `kl_target`."""
+    """KL penalty weight beta in the reward (TRL default 0.05). With `kl_target` it is only where the adaptive
+    controller starts: later iterations, and replays, start from the coefficient the previous stage-5 output
+    handed on, so changing it mid-campaign has no effect."""
     kl_estimator: KLEstimator = "k1"
     """Per-token KL estimator in the reward: k1, k2 or k3."""
     kl_in: KLPlacement = "reward"
@@ -185,6 +222,10 @@ class AdvantageConfig:
         _check_choice("kl_in", self.kl_in, KLPlacement)
         if self.kl_target is not None and self.kl_in != "reward":
             raise SettingError("kl_target", "adapts the KL coefficient of the reward: it needs `kl_in` = 'reward'")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise SettingError(
+                "kl_coef", "is where the adaptive controller (`kl_target`) starts, and it scales it: > 0"
+            )
 
     @property
     def uses_critic(self) -> bool:
@@ -205,10 +246,10 @@ class PPOConfig:
     """Passes over the experience (TRL ``num_ppo_epochs`` 4)."""
     minibatch_size: int = bounded(16, gt=0)
     """Rollouts per optimizer step."""
-    actor_learning_rate: float = bounded(1e-5, gt=0)
-    """Actor AdamW learning rate."""
-    critic_learning_rate: float = bounded(1e-5, gt=0)
-    """Critic AdamW learning rate."""
+    actor_learning_rate: float = bounded(1e-6, gt=0)
+    """Actor AdamW learning rate (OpenRLHF 1e-6; TRL 3e-6)."""
+    critic_learning_rate: float = bounded(9e-6, gt=0)
+    """Critic AdamW learning rate (OpenRLHF 9e-6: the fresh value head needs more than the actor)."""
     clip_eps: float = bounded(0.2, gt=0)
     """Policy ratio clip epsilon (Schulman et al. 2017)."""
     dual_clip: float | None = bounded(None, gt=1)

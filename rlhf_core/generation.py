@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers import PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from rlhf_core.config import SamplingConfig
 from rlhf_core.models import evaluating, fused_activations
@@ -77,10 +78,56 @@ def sample_tokens(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.
     cdf = probabilities.float().cumsum(dim=-1)  # (B, V)
     threshold = uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(1) * cdf[:, -1:]  # (B, 1)
     token = torch.searchsorted(cdf, threshold, right=True).squeeze(1)  # (B,)
-    # Rounding can lift the threshold to the total; the last token of positive probability is the answer then.
-    vocabulary = probabilities.shape[-1]
-    last_possible = vocabulary - 1 - (probabilities > 0).flip(-1).int().argmax(dim=-1)  # (B,)
-    return torch.minimum(token, last_possible)
+    # Rounding can lift the threshold to the total (the cdf is flat from the last token of positive probability
+    # on); that token is the answer then. Rare, so the (B, V) passes that find it run only when it happens.
+    overflow = threshold.squeeze(1) >= cdf[:, -1]  # (B,)
+    if bool(overflow.any()):
+        vocabulary = probabilities.shape[-1]
+        last_possible = vocabulary - 1 - (probabilities > 0).flip(-1).int().argmax(dim=-1)  # (B,)
+        token = torch.where(overflow, last_possible, token)
+    return token
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in buffers allocated once for ``length`` positions.
+
+    Each step writes its position in place and hands attention a view of the filled part: the same
+    tensors a ``DynamicLayer`` returns, which instead concatenates (copies) the whole cache at every
+    step: a copy that grows with every step, so its cost grows with the square of the response length.
+    """
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads = key_states.shape[:2]
+        self.key_buffer = key_states.new_empty(batch, heads, self.length, key_states.shape[-1])
+        self.value_buffer = value_states.new_empty(batch, value_states.shape[1], self.length, value_states.shape[-1])
+        self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def _kv_cache(model: PreTrainedModel, length: int) -> Cache:
+    """The model's own KV cache, with preallocated layers (:class:`_PreallocatedLayer`) where it would use
+    plain dynamic ones (a sliding-window or other special layer is kept as the model asks)."""
+    cache = DynamicCache(config=model.config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        return Cache(layers=[_PreallocatedLayer(length) for _ in cache.layers])
+    return cache
 
 
 def _decode(
@@ -94,11 +141,20 @@ def _decode(
     generator: torch.Generator | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The KV-cached decode loop: per step, the sampled token, whether it is an action, its log-prob."""
-    batch = prompt_ids.shape[0]
+    batch, prompt_length = prompt_ids.shape
     device = prompt_ids.device
-    attention_mask = prompt_mask.long()  # (B, P)
+    # The whole mask is allocated once and grows by a column per step: a view, never a copy.
+    full_mask = torch.zeros(batch, prompt_length + config.max_new_tokens, dtype=torch.long, device=device)
+    full_mask[:, :prompt_length] = prompt_mask
+    attention_mask = full_mask[:, :prompt_length]  # (B, P)
     positions = position_ids_from_mask(attention_mask)  # (B, P)
-    outputs = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+    outputs = model(
+        input_ids=prompt_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=_kv_cache(model, prompt_length + config.max_new_tokens),
+        use_cache=True,
+    )
     next_position = positions[:, -1:] + 1  # (B, 1)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logprobs, alive = [], [], []
@@ -116,7 +172,9 @@ def _decode(
             finished = finished | (token == eos_token_id)
         if bool(finished.all()):
             break
-        attention_mask = torch.cat([attention_mask, is_action.long().unsqueeze(1)], dim=1)  # (B, P + t + 1)
+        columns = attention_mask.shape[1]
+        full_mask[:, columns] = is_action
+        attention_mask = full_mask[:, : columns + 1]  # (B, P + t + 1)
         outputs = model(
             input_ids=token.unsqueeze(1),
             attention_mask=attention_mask,

@@ -19,15 +19,14 @@ Choices:
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.config import LossAggregation
 from rlhf_core.masked import masked_mean, masked_sum
 from rlhf_core.rewards import kl_estimate
-
-LossAggregation = Literal["token_mean", "sequence_mean", "token_sum_norm"]
 
 
 def loss_denominator(

@@ -40,7 +40,7 @@ from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
-from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
+from rlhf_core.sequences import response_logits, response_slice, token_logprobs
 
 
 class MinibatchStats(NamedTuple):
@@ -132,8 +132,7 @@ def _minibatch_losses(
     prompt_length = batch.prompt_length
     aggregation = {"aggregation": config.aggregation, "norm_tokens": norm_tokens, "denominator": denominators.loss}
     logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
-    scaled = logits.float() / temperature  # (b, R, V)
-    logprobs = logprobs_from_logits(scaled, batch.sequences[:, prompt_length:])  # (b, R)
+    logprobs, entropy = token_logprobs(logits, batch.sequences[:, prompt_length:], temperature=temperature)  # (b, R)
     actor_loss, policy_stats = policy_loss(
         logprobs,
         batch.old_logprobs,
@@ -148,9 +147,11 @@ def _minibatch_losses(
         kl_loss, kl_stats = reference_kl_loss(logprobs, batch.ref_logprobs, batch.action_mask, **aggregation)
     if config.kl_loss_coef:
         actor_loss = actor_loss + config.kl_loss_coef * kl_loss
-    # Without an entropy bonus the entropy is only a statistic: no autograd graph over (b, R, V).
-    with torch.set_grad_enabled(bool(config.entropy_coef) and torch.is_grad_enabled()):
-        entropy = masked_sum(entropy_from_logits(scaled), batch.action_mask) / denominators.tokens
+    # Without an entropy bonus the entropy is only a statistic, computed in the fused pass above; with one it
+    # needs an autograd graph over (b, R, V). A token mean over the whole minibatch's tokens (a share of it).
+    if config.entropy_coef:
+        entropy = entropy_from_logits(logits.float() / temperature)  # (b, R)
+    entropy = masked_sum(entropy, batch.action_mask) / denominators.tokens
     if config.entropy_coef:
         actor_loss = actor_loss - config.entropy_coef * entropy
     critic_loss = value_clip_fraction = None
@@ -217,6 +218,7 @@ def ppo_update(
     generator: torch.Generator | None = None,
     resume: PPOProgress | None = None,
     on_epoch_end: Callable[[PPOProgress], None] | None = None,
+    on_step: Callable[[int, MinibatchStats], None] | None = None,
 ) -> PPOStats:
     """``config.epochs`` passes of minibatch PPO over ``experience``.
 
@@ -235,6 +237,8 @@ def ppo_update(
             optimizers and ``generator`` state saved at that point.
         on_epoch_end: called after every whole epoch (not after an early stop), e.g. to save a
             checkpoint with the models, optimizers and ``generator`` state.
+        on_step: called after every optimizer step with the step number (from 1) and the minibatch's
+            statistics, e.g. to record training curves.
 
     Returns:
         :class:`PPOStats` averaged over the optimizer steps taken.
@@ -289,6 +293,8 @@ def ppo_update(
                 step_stats = {name: value for name, value in stats._asdict().items() if value is not None}
                 totals = step_stats if totals is None else {name: totals[name] + step_stats[name] for name in totals}
                 steps += 1
+                if on_step is not None:
+                    on_step(steps, stats)
             if early_stopped:
                 break
             if on_epoch_end is not None:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-Precision = Literal["fp32", "bf16", "fp16"]
-DeviceChoice = Literal["auto", "cpu", "cuda"]
+from rlhf_core.config import DeviceChoice, Precision
 
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ACCELERATE_NAMES = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}

@@ -142,6 +142,7 @@ def fit_reward_model(
     generator: torch.Generator | None = None,
     resume: RewardTrainingProgress | None = None,
     on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
     dropout_seed: int | None = None,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
@@ -155,6 +156,8 @@ def fit_reward_model(
         resume: continue after ``resume.epochs_done`` epochs; the caller restores the model,
             optimizer, ``generator`` and global RNG (dropout) states saved at that point.
         on_epoch_end: called after every epoch, e.g. to save a checkpoint of all of those.
+        on_step: called after every optimizer step with the step number (from 1) and the batch's
+            ``loss`` and ``accuracy``, e.g. to record training curves.
         dropout_seed: seed torch's global RNG, which draws the dropout masks, at the start of every epoch from
             ``(dropout_seed, epoch, process index)`` (:func:`epoch_seed`): every process draws its own masks,
             and a run resumed at an epoch draws the masks of one that never stopped, in any process. None
@@ -189,15 +192,16 @@ def fit_reward_model(
                 optimizer.step()
                 # 3. the whole minibatch's loss and accuracy (the shares' sum, and their pair-weighted mean)
                 if world == 1:
-                    loss_sum += loss.item()
-                    accuracy_sum += stats.accuracy.item()
+                    step_loss, step_accuracy = loss.item(), stats.accuracy.item()
                 else:
                     pairs = weight * len(share)
                     shares = torch.stack([loss.detach() * weight, stats.accuracy * pairs / len(minibatch)])
-                    total_loss, total_accuracy = global_sum(accelerator, shares).tolist()
-                    loss_sum += total_loss
-                    accuracy_sum += total_accuracy
+                    step_loss, step_accuracy = global_sum(accelerator, shares).tolist()
+                loss_sum += step_loss
+                accuracy_sum += step_accuracy
                 steps += 1
+                if on_step is not None:
+                    on_step(steps, {"loss": step_loss, "accuracy": step_accuracy})
             if on_epoch_end is not None:
                 on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
     # Every process evaluates every held-out pair (a small fraction), on the model without its DDP wrapper.

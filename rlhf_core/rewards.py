@@ -11,11 +11,11 @@ Choices:
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from rlhf_core.config import KLEstimator
 
 
 def _k1(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ Choices:
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 
@@ -38,20 +39,99 @@ def response_slice(per_position: torch.Tensor, prompt_length: int) -> torch.Tens
     return per_position[:, prompt_length - 1 : -1]
 
 
+_CHUNK_ROWS = 16
+"""Rows of (N, V) logits processed together: 16 x V floats stay in a core's cache across the handful of
+passes a row needs, instead of each pass streaming the whole (N, V) tensor through memory."""
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probs of the given tokens and the entropy of each distribution.
+
+    Shapes:
+        logprobs: (...) float32, differentiable; entropy: (...) float32, detached.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+class _FusedTokenLogprobs(torch.autograd.Function):
+    """``log_softmax(logits / T)[token]`` and the entropy, chunk by chunk; backward without saving the softmax.
+
+    Forward keeps only ``logsumexp(z)`` per row (``z = logits / T``). Backward recomputes the softmax
+    chunk by chunk: ``d logp / d logits = (onehot(token) - softmax(z)) / T``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):  # type: ignore[override]
+        rows = logits.shape[0]
+        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)  # (N,)
+        entropy = torch.empty_like(logprobs)  # (N,)
+        normalizers = torch.empty_like(logprobs)  # (N,)
+        for start in range(0, rows, _CHUNK_ROWS):
+            chunk = slice(start, start + _CHUNK_ROWS)
+            z = logits[chunk].float() / temperature  # (c, V)
+            normalizer = torch.logsumexp(z, dim=-1)  # (c,)
+            logprobs[chunk] = z.gather(1, tokens[chunk].unsqueeze(1)).squeeze(1) - normalizer
+            probabilities = torch.exp(z - normalizer.unsqueeze(1))  # (c, V)
+            # H = logsumexp(z) - sum(p * z); a token filtered to z = -inf has p = 0 and adds nothing.
+            finite = torch.where(probabilities > 0, z, 0.0)  # (c, V)
+            entropy[chunk] = normalizer - (probabilities * finite).sum(dim=-1)
+            normalizers[chunk] = normalizer
+        ctx.save_for_backward(logits, tokens, normalizers)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor):  # type: ignore[override]
+        logits, tokens, normalizers = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits)  # (N, V)
+        for start in range(0, logits.shape[0], _CHUNK_ROWS):
+            chunk = slice(start, start + _CHUNK_ROWS)
+            scale = grad_logprobs[chunk].float().unsqueeze(1) / temperature  # (c, 1)
+            z = logits[chunk].float() / temperature  # (c, V)
+            grad = torch.exp(z - normalizers[chunk].unsqueeze(1)).mul_(-scale)  # (c, V): -softmax * g / T
+            grad.scatter_add_(1, tokens[chunk].unsqueeze(1), scale)  # + onehot * g / T
+            grad_logits[chunk] = grad
+        return grad_logits, None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> TokenLogprobs:
+    """Log-probability of each token under ``softmax(logits / temperature)``, and that distribution's entropy.
+
+    Naive equivalent::
+
+        z = logits.float() / temperature
+        logprobs = torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
+        entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)   # 0 * log 0 = 0
+
+    Fused and chunked (:class:`_FusedTokenLogprobs`): neither the scaled logits nor the softmax is
+    materialised at full size, in the forward or the backward pass. Only ``logprobs`` has a gradient;
+    the entropy is a statistic (an entropy bonus needs :func:`rlhf_core.losses.entropy_from_logits`).
+
+    Shapes:
+        logits: (..., V); tokens: (...); returns two (...) float32 tensors.
+    """
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be positive, got {temperature}")
+    shape = tokens.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V); a view when ``logits`` is contiguous
+    logprobs, entropy = _FusedTokenLogprobs.apply(flat_logits, tokens.reshape(-1), float(temperature))
+    return TokenLogprobs(logprobs.reshape(shape), entropy.reshape(shape))
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of each token under ``softmax(logits / temperature)``.
 
     Naive equivalent: ``torch.log_softmax(logits / temperature, -1).gather(-1, tokens[..., None])[..., 0]``.
-    Computed as ``z[token] - logsumexp(z)`` so the ``(B, R, V)`` log-softmax is never materialised.
+    See :func:`token_logprobs` (this is its ``logprobs``).
 
     Shapes:
         logits: (B, R, V); tokens: (B, R); returns (B, R).
     """
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be positive, got {temperature}")
-    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, R, V); no copy at 1
-    token_logits = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, R)
-    return token_logits - torch.logsumexp(scaled, dim=-1)
+    return token_logprobs(logits, tokens, temperature=temperature).logprobs
 
 
 def response_logits(
@@ -61,23 +141,30 @@ def response_logits(
 
     Same as ``response_slice(model(sequences, ...).logits, prompt_length)``, but the LM head runs
     only on those ``R`` positions when the model takes ``logits_to_keep`` (Hugging Face causal LMs
-    do): the ``(B, T, V)`` logits of the prompt are never computed.
+    do, as positions to keep): the ``(B, T, V)`` logits of the prompt are never computed, and the
+    result is contiguous, so nothing downstream copies it.
 
     Shapes:
         sequences, attention_mask: (B, T); returns (B, R, V).
     """
     if prompt_length < 1:
         raise ValueError(f"`prompt_length` must be at least 1, got {prompt_length}")
-    keep = sequences.shape[1] - prompt_length + 1  # R + 1: columns P - 1 .. T - 1
-    extra = {"logits_to_keep": keep} if _takes_logits_to_keep(model) else {}
-    logits = model(
+    if not _takes_logits_to_keep(model):
+        logits = model(
+            input_ids=sequences,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits  # (B, T, V)
+        return response_slice(logits, prompt_length)  # (B, R, V)
+    columns = torch.arange(prompt_length - 1, sequences.shape[1] - 1, device=sequences.device)  # (R,)
+    return model(
         input_ids=sequences,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
-        **extra,
-    ).logits  # (B, R + 1, V) or (B, T, V)
-    return logits[:, -keep:-1]  # (B, R, V)
+        logits_to_keep=columns,
+    ).logits  # (B, R, V)
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:

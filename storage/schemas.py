@@ -44,6 +44,7 @@ OLD_VALUES = "old_values"
 SCORES = "scores"
 REWARDS = "rewards"
 KL = "kl"
+POLICY_KL = "policy_kl"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 
@@ -95,7 +96,7 @@ EVALUATION = _schema(
     ("reference_response", pa.string()),
     ("policy_reward", pa.float64()),
     ("reference_reward", pa.float64()),
-    (KL, pa.float64()),
+    (POLICY_KL, pa.float64()),
 )
 """One row per held-out prompt: both sides' responses and rewards, and the policy's KL to the reference
 (summed over its response). The pieces evaluation's shards write (its output is ``samples.jsonl``)."""

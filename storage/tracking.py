@@ -68,6 +68,8 @@ __all__ = [
     "KIND_REPLAY",
     "KIND_STAGE",
     "TAG_CAMPAIGN",
+    "TAG_CAMPAIGN_CONFIG",
+    "TAG_CONFIG_FINGERPRINT",
     "TAG_FLOW_RUN_ID",
     "TAG_INPUT_KEY",
     "TAG_ITERATION",
@@ -79,6 +81,7 @@ __all__ = [
     "TAG_PARENT_RUN_ID",
     "TAG_PROCESS",
     "TAG_REPLAY_OF",
+    "TAG_REUSE",
     "TAG_STAGE",
     "MissingOutputError",
     "ModelVersionSummary",
@@ -97,6 +100,8 @@ TAG_ITERATION_KEY = "rlhf.iteration_key"
 """An iteration (or replay) run's identity: the hash of its config, base inputs and starting point."""
 TAG_REPLAY_OF = "rlhf.replay_of"
 """On a replay run: the iteration run it replays."""
+TAG_REUSE = "rlhf.reuse"
+"""On an iteration run: its reuse record, the code and stage outputs it used (see ``flows/reuse.py``)."""
 TAG_OUTPUT_PREFIX = "rlhf.output."
 """An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
 which is another iteration's run when the stage was reused."""
@@ -105,6 +110,13 @@ TAG_OUTPUT_PATH = "rlhf.output_path"
 TAG_PROCESS = "rlhf.process"
 """The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
+TAG_CONFIG_FINGERPRINT = "rlhf.config_fingerprint"
+"""Experiment tag: the fingerprint of the config that defines the campaign (``flows.campaign.campaign_fields``)."""
+TAG_CAMPAIGN_CONFIG = "rlhf.campaign_config"
+"""Experiment tag: those fields as JSON, so a conflicting config can be told which fields differ."""
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""MLflow 3's experiment type: its UI opens a training experiment on its runs, not on the (empty) GenAI traces."""
 TAG_PARENT_RUN_ID = MLFLOW_PARENT_RUN_ID
 
 KIND_ITERATION = "iteration"
@@ -261,7 +273,8 @@ class Tracker:
             It is also the model registry URI.
         artifact_root: where new experiments keep their artifacts (``artifact_root/<campaign>``);
             None leaves it to the tracking server or MLflow's default.
-        ui_base: the MLflow UI address used by :meth:`run_url`.
+        ui_base: the MLflow UI address used by :meth:`run_url`; None: the tracking server itself for an
+            ``http(s)`` URI, else ``http://127.0.0.1:5000`` (where the README starts the UI on a local store).
         outputs_by_reference: record stage outputs by reference instead of uploading them; the
             default is True for a local (``sqlite:``) store, False for a tracking server.
     """
@@ -271,7 +284,7 @@ class Tracker:
         tracking_uri: str,
         *,
         artifact_root: Path | None = None,
-        ui_base: str = "http://127.0.0.1:5000",
+        ui_base: str | None = None,
         outputs_by_reference: bool | None = None,
     ) -> None:
         if artifact_root is not None and tracking_uri.startswith(("http://", "https://")):
@@ -284,6 +297,8 @@ class Tracker:
             tracking_uri.startswith(("sqlite:", "file:")) if outputs_by_reference is None else outputs_by_reference
         )
         self.artifact_root = None if artifact_root is None else Path(artifact_root).absolute()
+        if ui_base is None:
+            ui_base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
         self.ui_base = ui_base.rstrip("/")
         database = _sqlite_path(tracking_uri)
         lock = (
@@ -314,14 +329,28 @@ class Tracker:
         if experiment is None:
             location = None if self.artifact_root is None else (self.artifact_root / campaign).as_uri()
             try:
-                return self._client.create_experiment(campaign, artifact_location=location)
+                return self._client.create_experiment(
+                    campaign, artifact_location=location, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
+                )
             except MlflowException:
                 experiment = self._client.get_experiment_by_name(campaign)
                 if experiment is None:
                     raise
         if experiment.lifecycle_stage != "active":
             raise ValueError(f"experiment {campaign!r} is deleted; restore it in MLflow or delete it permanently")
+        if TAG_EXPERIMENT_KIND not in experiment.tags:  # made before the type was set, or by MLflow itself
+            self._client.set_experiment_tag(experiment.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
         return experiment.experiment_id
+
+    def experiment_tags(self, campaign: str) -> dict[str, str]:
+        """The tags of ``campaign``'s experiment; empty when it does not exist (nothing is created)."""
+        experiment = self._client.get_experiment_by_name(campaign)
+        return {} if experiment is None else dict(experiment.tags)
+
+    def set_experiment_tags(self, experiment_id: str, tags: Mapping[str, str]) -> None:
+        """Set tags on an experiment."""
+        for key, value in tags.items():
+            self._client.set_experiment_tag(experiment_id, key, value)
 
     def start_run(
         self, experiment_id: str, *, name: str, tags: Mapping[str, str], parent_run_id: str | None = None
@@ -436,10 +465,40 @@ class Tracker:
         for chunk in _chunks(entries, _METRICS_PER_BATCH):
             self._client.log_batch(run_id, metrics=chunk)
 
+    def log_metric_steps(self, run_id: str, prefix: str, rows: list[Mapping[str, float]]) -> None:
+        """Log per-step curves: each row's values as ``prefix/name`` at the row's ``step``, in as few batches as
+        MLflow takes (1000 values each). A run that already has them (a recording finished by a second attempt)
+        gets none again."""
+        logged = self._client.get_run(run_id).data.metrics
+        if any(key.startswith(prefix + "/") for key in logged):
+            return
+        timestamp = int(time.time() * 1000)
+        entries = [
+            Metric(f"{prefix}/{name}", float(value), timestamp, int(row["step"]))
+            for row in rows
+            for name, value in row.items()
+            if name != "step"
+        ]
+        for chunk in _chunks(entries, _METRICS_PER_BATCH):
+            self._client.log_batch(run_id, metrics=chunk)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """Mark a run terminated with ``status`` (FINISHED, FAILED or KILLED)."""
         RunStatus.from_string(status)
         self._client.set_terminated(run_id, status=status)
+
+    def log_table(self, run_id: str, columns: Mapping[str, list], artifact_file: str) -> None:
+        """Log a table (``{column: values}``) the MLflow UI shows in its artifact view and its evaluation tables;
+        logging it again replaces it."""
+        self._client.log_table(run_id, dict(columns), artifact_file)
+
+    def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
+        """Log a matplotlib figure as an image artifact (PNG); logging it again replaces it."""
+        self._client.log_figure(run_id, figure, artifact_file)
+
+    def artifact_url(self, run_id: str, artifact_file: str) -> str:
+        """Where the MLflow UI serves a run's artifact file (an image can be shown from it)."""
+        return f"{self.ui_base}/get-artifact?path={artifact_file}&run_uuid={run_id}"
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         """Store a small text artifact (e.g. the run's full config as JSON)."""

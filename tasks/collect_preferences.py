@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlhf_core.config import LabelerName
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.importers import import_preferences
@@ -30,7 +31,6 @@ from tasks.labelers import (
     HumanLabeler,
     JudgeLabeler,
     Labeler,
-    LabelerName,
     RewardModelLabeler,
 )
 from tasks.stage import StageResult, stage
@@ -146,6 +146,8 @@ def collect_preferences(
             first_pair_id=context.iteration * 1_000_000,
         )
     out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=rows_per_shard)
+    if labeler == "import":  # an imported pair is chosen over rejected: a margin of 0 means none was given, not a tie
+        return {"pairs": float(table.num_rows)}
     ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
     return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1), **shown}
 

@@ -22,12 +22,12 @@ from rlhf_core.generation import generate
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
-from storage.schemas import EVALUATION, KL, PROMPT
+from storage.schemas import EVALUATION, POLICY_KL, PROMPT
 from tasks.context import StageContext
 from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
-from tasks.stage import StageResult, stage
+from tasks.stage import SAMPLES, StageResult, stage
 from tasks.text import (
     decode,
     encode_prompts,
@@ -78,15 +78,15 @@ def evaluate(
         out, context, STAGE, evaluate_shards, shards, schema=EVALUATION, precision=precision,
         policy=policy, reward_model=reward_model, sampling=sampling, prompts=prompts, reward_function=reward_function,
     )  # fmt: skip
-    records = table.drop_columns([KL]).to_pylist()
+    records = table.to_pylist()
     metrics = {
         "reward_mean": _mean(table, "policy_reward"),
         "reference_reward_mean": _mean(table, "reference_reward"),
-        "kl_to_reference": _mean(table, KL),
+        "kl_to_reference": _mean(table, POLICY_KL),
     }
     if judge is not None:
         metrics.update(_gold_metrics(records, judge))
-    (out.path / "samples.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
     return metrics
 
 
@@ -160,7 +160,7 @@ def evaluate_shards(
                             temperature=sampling.temperature,
                         )
                         kl = response_kl(generation.logprobs, ref_logprobs, generation.action_mask)
-                        rows[KL].extend(kl.cpu().tolist())
+                        rows[POLICY_KL].extend(kl.cpu().tolist())
             rows[PROMPT].extend(prompt.text for prompt in held_out[part])
         yield pa.table(rows, schema=EVALUATION)
 

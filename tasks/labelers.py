@@ -33,13 +33,6 @@ class CandidatePair:
     second_ids: list[int]
 
 
-MIN_PREFERENCE_PAIRS = 4
-"""The fewest preference pairs a reward model trains on: at least one held out and three to learn from."""
-
-LabelerName = Literal["gold", "import", "reward_model", "human"]
-"""Who labels candidate pairs: a gold judge, an imported file, the current reward model, or a person."""
-
-
 class Label(NamedTuple):
     winner: int
     margin: float

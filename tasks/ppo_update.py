@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.ppo import PPOProgress
+from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
 from rlhf_core.precision import Precision
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -38,7 +38,7 @@ from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.launch import TrainingOutput, train
-from tasks.stage import StageResult, Throttle, stage, stage_models
+from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import load_tokenizer
 
 STAGE = "ppo_update"
@@ -83,7 +83,14 @@ def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _save_state(
-    folder: Path, actor, critic, optimizers, generator: torch.Generator, progress: PPOProgress | None, tokenizer
+    folder: Path,
+    actor,
+    critic,
+    optimizers,
+    generator: torch.Generator,
+    progress: PPOProgress | None,
+    tokenizer,
+    curve: list[dict[str, float]],
 ) -> None:
     """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
     save_model(folder / "actor", actor, tokenizer)
@@ -94,7 +101,7 @@ def _save_state(
             folder / name, optimizer=optimizer, step=progress.optimizer_steps if progress else 0, rng=False
         )
     if progress is not None:
-        state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
+        state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
         (folder / PROGRESS_FILE).write_text(json.dumps(state))
 
 
@@ -161,13 +168,14 @@ def update_policy(
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     generator = context.generator(STAGE)
     checkpoint = latest_progress(out.final_dir)
-    source, resume = policy.directory, None
+    source, resume, curve = policy.directory, None, []
     states = Path(optimizer.path) if optimizer is not None else None
     if checkpoint is not None:
         source = states = checkpoint[1]
         saved = json.loads((source / PROGRESS_FILE).read_text())
         resume = PPOProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
+        curve = saved["curve"]
     actor = models.load("actor", source / "actor", trainable=True)
     trained = [(actor, ppo.actor_learning_rate)]
     if critic:
@@ -182,19 +190,23 @@ def update_policy(
     optimizers = rest
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(
-        total=ppo.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", disable=not main
-    )
+    initial = resume.epochs_done if resume else 0
+    bar = tqdm(total=ppo.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
 
     def save(folder: Path, progress: PPOProgress | None) -> None:
         unwrap = accelerator.unwrap_model
         critic_model = None if value_model is None else unwrap(value_model)
-        _save_state(folder, unwrap(actor), critic_model, optimizers, generator, progress, tokenizer)
+        _save_state(folder, unwrap(actor), critic_model, optimizers, generator, progress, tokenizer, curve)
 
     def save_epoch(progress: PPOProgress) -> None:
         bar.update(1)
         if main and progress.epochs_done < ppo.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, lambda folder: save(folder, progress))
+
+    def record_step(step: int, stats: MinibatchStats) -> None:
+        curve.append(
+            {"step": step, **{name: float(value) for name, value in stats._asdict().items() if value is not None}}
+        )
 
     experience = table_to_experience(
         read_table(scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
@@ -202,11 +214,12 @@ def update_policy(
     stats = update(
         actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
         accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
-        resume=resume, on_epoch_end=save_epoch,
+        resume=resume, on_epoch_end=save_epoch, on_step=record_step,
     )  # fmt: skip
     bar.close()
     if main:
         save(out.path, None)
+        write_training_curve(out.path, curve)
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import re
 import time
@@ -34,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 from prefect.states import Completed, State
 from pydantic import BaseModel
 
@@ -61,6 +63,11 @@ from tasks.code import code_fingerprint
 from tasks.context import InputFile, StageContext
 
 logger = logging.getLogger(__name__)
+
+STAGE_EVENT = "rlhf_stage_event"
+"""A log record attribute marking a stage's start (``"started"``, with ``rlhf_stage``) and end (``"finished"``, with
+``rlhf_result``, the :class:`StageResult`), for a console that shows stages rather than log lines
+(``flows.console``, which names the same string)."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,7 @@ def run_stage(
             logger.warning("%s: %s; computing it again", stage, error)
             record = None
     if manifest is None:
-        logger.info("%s: running (input key %s)", stage, input_key[:16])
+        _announce(f"{stage}: running (input key {input_key[:16]})", {STAGE_EVENT: "started", "rlhf_stage": stage})
         manifest = _produce(context, stage_dir, stage, input_key, key_settings, digests, code, produce)
         hold(stage, "output")
     else:
@@ -239,7 +246,30 @@ def run_stage(
         if record is not None
         else _record_stage(context, tracker, stage, stage_settings, manifest, stage_dir, register)
     )
-    return StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
+    result = StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
+    _announce(describe_result(result), {STAGE_EVENT: "finished", "rlhf_result": result})
+    return result
+
+
+def _announce(message: str, extra: dict[str, Any]) -> None:
+    """Log what a stage does in its Prefect task log (the run logger, so the Prefect UI shows it), or on this
+    module's logger outside a run; ``extra`` marks the record for the console (:mod:`flows.console`)."""
+    try:
+        run_logger: logging.Logger | logging.LoggerAdapter = get_run_logger()
+    except MissingContextError:
+        run_logger = logger
+    run_logger.info(message, extra=extra)
+
+
+def describe_result(result: StageResult) -> str:
+    """What a stage did, in one line for its task log: ran or reused, where its output is, every metric."""
+    metrics = ", ".join(f"{name} {value:.4g}" for name, value in sorted(result.metrics.items()) if name != "seconds")
+    seconds = result.metrics.get("seconds")
+    if result.reused:
+        did = "reused its output"
+    else:
+        did = "ran" + (f" in {seconds:.1f} s" if seconds is not None else "") + ", wrote"
+    return f"{result.stage}: {did} {result.directory} (MLflow run {result.run_id}); {metrics}"
 
 
 def _produce(
@@ -377,6 +407,13 @@ def _record_stage(
         tracker.log_params(run_id, settings)
         metrics = {f"{stage}/{name}": value for name, value in manifest.metrics.items()}
         tracker.log_metrics(run_id, metrics, step=context.iteration, skip_logged=True)
+        curve = stage_dir / TRAINING_CURVE
+        if curve.is_file():
+            tracker.log_metric_steps(run_id, f"{stage}/train", json.loads(curve.read_text()))
+        samples = stage_dir / SAMPLES
+        if samples.is_file():
+            rows = [json.loads(line) for line in samples.read_text().splitlines()]
+            tracker.log_table(run_id, {name: [row.get(name) for row in rows] for name in rows[0]}, "samples.json")
         tracker.log_stage_output(run_id, stage_dir, manifest)
         hold(stage, "recording")
         for suffix, subfolder in (register or {}).items() if context.register_models else ():
@@ -386,6 +423,21 @@ def _record_stage(
                 )
         tracker.end_run(run_id)
     return run_id
+
+
+TRAINING_CURVE = "training_curve.json"
+"""A training stage's per-step statistics in its output: ``[{"step": 1, "loss": ...}, ...]``, logged in MLflow as
+``<stage>/train/<name>`` at each step (:func:`_record_stage`), so the UI draws curves, not one point per stage."""
+
+
+def write_training_curve(folder: Path, rows: list[dict[str, float]]) -> None:
+    """Write ``rows`` (one per optimizer step, each with its ``step``) as the output's :data:`TRAINING_CURVE`."""
+    (folder / TRAINING_CURVE).write_text(json.dumps(rows, sort_keys=True))  # the same text after a resume
+
+
+SAMPLES = "samples.jsonl"
+"""A stage output's sample rows (evaluation: prompt, responses, scores, KL), also logged as an MLflow table, so the UI
+shows what the policy writes beside what the reward model and the gold judge made of it."""
 
 
 class Throttle:

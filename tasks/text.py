@@ -167,7 +167,8 @@ class RewardScorer:
     Args:
         model: the reward model (``(ids, mask) -> (B,)``).
         policy_tokenizer, reward_tokenizer: the tokenizers of the policy and of the reward model.
-        same_tokens: the two tokenizers are the same (by content): the policy's ids are scored as they are.
+        same_tokens: the two tokenizers are the same (by content): the policy's ids are scored as they are, but for
+            chat prompts under a template (see :meth:`_scores_policy_ids`).
     """
 
     def __init__(
@@ -183,6 +184,14 @@ class RewardScorer:
         self.reward_tokenizer = reward_tokenizer
         self.same_tokens = same_tokens
 
+    def _scores_policy_ids(self, prompts: Sequence[Prompt]) -> bool:
+        """Whether the policy's own ids are what the reward model reads, as it did in training
+        (:func:`conversation_ids`): with the same tokenizer, except for chat prompts under a chat template, whose
+        conversation training renders whole through the template (its end-of-turn text after the response
+        included), so scoring renders them the same way instead of reading the generated ids."""
+        chat = bool(self.reward_tokenizer.chat_template) and any(prompt.messages for prompt in prompts)
+        return self.same_tokens and not chat
+
     @torch.no_grad()
     def score(
         self, prompts: Sequence[Prompt], sequences: torch.Tensor, attention_mask: torch.Tensor, *, prompt_length: int
@@ -193,7 +202,7 @@ class RewardScorer:
             sequences, attention_mask: (B, T) policy tokens, ``[left-padded prompt | right-padded response]``;
             returns (B,) float32 on the model's device.
         """
-        if self.same_tokens:
+        if self._scores_policy_ids(prompts):
             device = next(self.model.parameters()).device
             return self.model(sequences.to(device), attention_mask.to(device)).float()
         action_mask = attention_mask[:, prompt_length:].bool()  # (B, R)
@@ -208,7 +217,7 @@ class RewardScorer:
 
         Shapes: returns (B,).
         """
-        if not self.same_tokens:
+        if not self._scores_policy_ids(prompts):
             return self.score_texts(prompts, responses)
         ids, mask = pad_token_lists(token_lists, pad_token_id=self.policy_tokenizer.pad_token_id)
         device = next(self.model.parameters()).device

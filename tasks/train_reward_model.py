@@ -8,8 +8,9 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_ids`).
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
-crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N ``accelerate launch`` processes,
-each on its share of every minibatch (:mod:`tasks.launch`, :mod:`rlhf_core.distributed`); the main process saves.
+crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
+``accelerate launch`` processes, each on its share of every minibatch (:mod:`tasks.launch`,
+:mod:`rlhf_core.distributed`); the main process saves.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import LoraConfig, RewardModelConfig
+from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, held_out_pairs
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -26,9 +27,8 @@ from storage.manifest import StageOutput, read_manifest
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
-from tasks.labelers import MIN_PREFERENCE_PAIRS
 from tasks.launch import TrainingOutput, train
-from tasks.stage import StageResult, Throttle, stage, stage_models
+from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
 STAGE = "train_reward_model"
@@ -79,8 +79,8 @@ def train_reward_model(
         for entry in read_manifest(result.directory, verify=False).files
         if entry.path.startswith("preferences-")
     )
-    if pairs < MIN_PREFERENCE_PAIRS:
-        raise ValueError(f"train_reward_model needs at least {MIN_PREFERENCE_PAIRS} preference pairs, got {pairs}")
+    if (error := eval_split_error(pairs, reward_model.eval_fraction)) is not None:
+        raise ValueError(f"train_reward_model: {error}")  # after tie/skip answers, say: checked before for the rest
     return train(out, context, fit, preferences, previous, precision=precision, reward_model=reward_model, lora=lora)
 
 
@@ -105,7 +105,7 @@ def fit(
     generator = context.generator(STAGE)
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
-    held_out = max(1, int(len(pairs) * config.eval_fraction))
+    held_out = held_out_pairs(len(pairs), config.eval_fraction)
     torch.manual_seed(context.stage_seed(STAGE))  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None
@@ -114,23 +114,28 @@ def fit(
     model = models.load("reward_model", source, trainable=True)
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
+    curve: list[dict[str, float]] = []
     if checkpoint is not None:
         saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]
         resume = RewardTrainingProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
+        curve = saved["curve"]
     model, optimizer = accelerator.prepare(model, optimizer)
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(
-        total=config.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", disable=not main
-    )
+    initial = resume.epochs_done if resume else 0
+    bar = tqdm(total=config.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
 
     def save_epoch(progress: RewardTrainingProgress) -> None:
         bar.update(1)
 
         def write(folder):
             save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
-            extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist()}
+            extra = {
+                "progress": progress._asdict(),
+                "generator_state": generator.get_state().tolist(),
+                "curve": curve,
+            }
             save_training_state(
                 folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra, rng=False
             )
@@ -148,9 +153,13 @@ def fit(
         generator=generator,
         resume=resume,
         on_epoch_end=save_epoch,
+        on_step=lambda step, values: curve.append({"step": step, **values}),
         dropout_seed=context.stage_seed(STAGE),
     )
     bar.close()
     if main:
         save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
-    return {**{k: float(v) for k, v in stats._asdict().items()}, "pairs": float(len(pairs))}
+        write_training_curve(out.path, curve)
+    # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
+    metrics = {k: float(v) for k, v in stats._asdict().items()}
+    return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(held_out)}

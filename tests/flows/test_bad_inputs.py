@@ -119,8 +119,16 @@ CONFIG_CASES = [
     Case("set-unknown-labeler", lambda t, w: _run(t, w, "labeler=nope"), ("`labeler`", "nope")),
     Case("set-import-without-file", lambda t, w: _run(t, w, "labeler=import"), ("data.preferences",)),
     Case("set-bad-campaign-name", lambda t, w: _run(t, w, "campaign=has space"), ("`campaign`",)),
-    Case("serve-bad-cron", lambda t, w: ["serve", "--cron", "not a cron"], ("--cron", "not a cron")),
-    Case("serve-bad-interval", lambda t, w: ["serve", "--interval", "nan"], ("interval", "positive")),
+    Case(
+        "serve-bad-cron",
+        lambda t, w: ["serve", "--config", str(TINY), "--cron", "not a cron"],
+        ("--cron", "not a cron"),
+    ),
+    Case(
+        "serve-bad-interval",
+        lambda t, w: ["serve", "--config", str(TINY), "--interval", "nan"],
+        ("interval", "positive"),
+    ),
     Case("fp16-on-cpu", lambda t, w: _run(t, w, "precision=fp16", "device=cpu"), ("`precision` fp16",)),
 ]
 
@@ -452,6 +460,33 @@ def test_issue14_a_replay_with_no_store_at_all_creates_none(checkpoint_world, tm
     code, stderr = _main([*_run(tmp_path, checkpoint_world, command="replay"), "tiny:0"], capfd)
     _assert_refused(code, stderr, tmp_path / "runs", ("no MLflow store",), {})
     assert not (tmp_path / "runs").exists()
+
+
+def test_issue15_a_campaign_refuses_a_config_it_was_not_started_with(finished, checkpoint_world, tmp_path, capfd):
+    """Two configs never share a campaign silently: the campaign remembers its config's fingerprint; where and how it
+    runs, how many iterations and what a replay may change (advantage and PPO settings) may change; anything else is
+    refused naming the fields, before anything runs."""
+    run_root = _copy_of(finished, tmp_path)
+    before = _files(run_root)
+    code, stderr = _main(_run(tmp_path, checkpoint_world, "sampling.temperature=0.7"), capfd)
+    _assert_refused(
+        code,
+        stderr,
+        run_root,
+        (
+            "campaign `tiny` was started with another config",
+            "`sampling.temperature` 1.0 there, 0.7 here",
+            "--set campaign=",
+        ),
+        before,
+    )
+    experiment = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}").get_experiment_by_name("tiny")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the MLflow UI opens on runs
+    # The same campaign with other execution settings and more iterations is the same campaign (it reuses stage 0 on).
+    code, stderr = _main(
+        _run(tmp_path, checkpoint_world, "torch_threads=2", "checkpoint_seconds=5", "iterations=1"), capfd
+    )
+    assert code == 0, stderr
 
 
 HOLD_LOCK = """

@@ -11,7 +11,7 @@ from flows.config import ConfigError, PipelineConfig, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "demo-verifiable.yaml", "tiny.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "demo-verifiable.yaml", "demo-human.yaml", "tiny.yaml"])
 def test_shipped_configs_load(name):
     assert isinstance(load_config(CONFIGS / name), PipelineConfig)
 
@@ -35,11 +35,14 @@ def test_overrides_apply_on_top_of_the_file():
         (["ppo.kl_loss_coef=0.1"], "advantages.kl_in"),
         (["reward.source=function"], "reward.function"),
         (["reward.source=model"], "reward.source"),
+        # 16 rollouts per iteration in tiny.yaml: a horizon of 8 would move the coefficient by up to 40% at once
+        (["advantages.kl_target=1", "advantages.kl_horizon=8"], "advantages.kl_horizon"),
+        (["advantages.kl_target=1", "advantages.kl_coef=0"], "kl_coef"),  # 0 times any factor stays 0
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_problem(overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
-        load_config(None, overrides)
+        load_config(CONFIGS / "demo.yaml", overrides)
 
 
 def test_missing_or_malformed_file_is_a_clear_error(tmp_path):
@@ -52,13 +55,14 @@ def test_missing_or_malformed_file_is_a_clear_error(tmp_path):
 
 
 def test_run_root_is_made_absolute():
-    assert load_config(None, ["run_root=relative/dir"]).run_root.is_absolute()
+    assert load_config(CONFIGS / "demo.yaml", ["run_root=relative/dir"]).run_root.is_absolute()
 
 
 def test_config_renders_as_a_json_schema_form():
     schema = PipelineConfig.model_json_schema()
     assert {"sampling", "ppo", "advantages", "reward_model", "labeler"} <= set(schema["properties"])
-    assert schema["properties"]["labeler"]["enum"] == ["gold", "import", "reward_model", "human"]
+    labeler = schema["properties"]["labeler"]["anyOf"][0]
+    assert labeler["enum"] == ["gold", "import", "reward_model", "human"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
@@ -69,3 +73,81 @@ def test_a_group_estimator_without_groups_is_refused_naming_both_settings(estima
     assert config.sizes.samples_per_prompt == 2
     # REINFORCE++ and GAE need no groups.
     load_config(CONFIGS / "tiny.yaml", ["advantages.estimator=reinforce_pp"])
+
+
+USER_WORLD = ["model.policy=/models/qwen2", "data.prompts=p.jsonl", "data.eval_prompts=e.jsonl"]
+
+
+def test_issue15_the_defaults_use_nothing_of_the_demo_and_say_what_to_set():
+    # `rlhf run` with no config: nothing to train on, and nothing of the demo is guessed.
+    with pytest.raises(ConfigError, match=r"set `model\.policy`, `data\.prompts`, `data\.eval_prompts`.*demo\.yaml"):
+        load_config(None)
+    # Your own model alone: the demo's prompts are not used for it.
+    with pytest.raises(ConfigError, match=r"set `data\.prompts`, `data\.eval_prompts`"):
+        load_config(None, ["model.policy=/models/qwen2"])
+    # With model and prompts, who labels must be said (no silent `gold`).
+    with pytest.raises(ConfigError, match=r"set `labeler`"):
+        load_config(None, USER_WORLD)
+    config = load_config(None, [*USER_WORLD, "labeler=human"])
+    assert (config.campaign, config.demo) == ("default", False)
+    # The built-in learning rates and lengths are a real model's (OpenRLHF / TRL), not the demo's.
+    assert (config.ppo.actor_learning_rate, config.ppo.critic_learning_rate) == (1e-6, 9e-6)
+    assert (config.reward_model.learning_rate, config.reward_model.epochs) == (9e-6, 1)
+    assert config.sampling.max_new_tokens == 256
+    demo = load_config(CONFIGS / "demo.yaml")
+    assert (demo.ppo.actor_learning_rate, demo.sampling.max_new_tokens, demo.labeler) == (2e-4, 16, "gold")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["labeler=gold"], "labeler gold is the embedded demo's hidden rubric"),
+        (["reward.source=function", "reward.function=demo.gold:gold_score"], "`reward.function` demo.gold"),
+    ],
+)
+def test_issue15_your_own_model_with_the_demo_rubric_is_refused(overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, [*USER_WORLD, *overrides])
+    # The demo itself may (its model, prompts and rubric are the demo's, or in its language: `demo`).
+    load_config(None, ["demo=true", *overrides])
+
+
+def test_issue15_rlhf_config_prints_each_description_as_a_comment_and_loads_back(tmp_path):
+    from flows.config import commented_yaml
+
+    config = load_config(CONFIGS / "demo.yaml", ["ppo.clip_eps=0.1"])
+    text = commented_yaml(config)
+    assert "# Policy ratio clip epsilon (Schulman et al. 2017).\n  clip_eps: 0.1" in text
+    (tmp_path / "printed.yaml").write_text(text)
+    assert load_config(tmp_path / "printed.yaml") == config
+
+
+def test_issue15_a_misspelt_key_gets_a_did_you_mean():
+    with pytest.raises(ConfigError, match=r"`ppo\.epoch` is not a setting \(did you mean `ppo\.epochs`\?\)"):
+        load_config(CONFIGS / "demo.yaml", ["ppo.epoch=3"])
+
+
+def test_issue15_commands_that_read_the_store_import_neither_torch_nor_prefect(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from flows.cli import main\n"
+        f"code = main(['compare', 'demo:1', '--set', 'run_root={tmp_path}'])\n"
+        "print(code, sorted(m for m in ('torch', 'transformers', 'prefect') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "2 []", result  # no store: a one-line error, and no heavy import
+
+
+def test_issue15_a_finished_stage_is_one_summary_line():
+    from flows.console import summary_line
+
+    line = summary_line("train_reward_model", {"seconds": 2.04, "eval_accuracy": 0.875, "eval_pairs": 51.0})
+    assert line == "  train_reward_model     2.0 s  RM accuracy 0.88, 51 held-out pairs"
+
+
+def test_a_reward_model_eval_split_below_four_pairs_is_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match=r"reward_model.eval_fraction` 0.1 of 16 preference pairs holds out 1"):
+        load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])

@@ -12,9 +12,10 @@ from flows.campaign import load_latest_state, open_iteration, resolve_base, trac
 from flows.cli import main
 from flows.config import load_config
 from flows.gc import collect_garbage, plan_gc
-from flows.replay import replay_config, resolve_run
+from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from flows.settings import stage_settings
+from flows.store import resolve_run
 from tasks import collect_preferences, sample_candidates
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

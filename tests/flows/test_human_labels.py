@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.config import ConfigError, load_config
-from flows.human_labels import HumanLabelTimeout, ask_for_labels, label_form
+from flows.human_labels import HumanLabelTimeout, ask_for_labels, label_form, pairs_markdown
 from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.collect_preferences import candidate_pairs
@@ -41,19 +41,35 @@ def test_form_has_one_required_choice_per_pair_and_refuses_anything_else():
     field = schema["properties"]["pair_5"]
     assert field["enum"] == ["A", "B", "tie/skip"]
     assert field["title"] == "Pair 5 of 6"
-    assert field["description"] == 'Prompt: "prompt 0"\n\nA: "a0"\n\nB: "b0"'
+    assert "description" not in field  # the pair is in the form's markdown, which the UI renders
     assert form(pair_5="A", pair_6="tie/skip").pair_6 == "tie/skip"
     for bad in ({"pair_5": "C", "pair_6": "A"}, {"pair_5": "A"}, {"pair_5": "A", "pair_6": "B", "pair_7": "A"}):
         with pytest.raises(ValidationError):
             form(**bad)
 
 
+def test_form_markdown_shows_each_prompt_once_then_its_pairs():
+    shared = Prompt("same prompt")
+    pairs = [
+        CandidatePair(prompt=shared, first="a1", second="two\nlines", first_ids=[1], second_ids=[2]),
+        CandidatePair(prompt=shared, first="a2", second="", first_ids=[1], second_ids=[2]),
+        _pair(7),
+    ]
+    assert pairs_markdown(pairs, first=2) == (
+        "---\n\n#### Prompt\n\n> same prompt  \n\n"
+        "**Pair 3, A:**\n\n> a1  \n\n**Pair 3, B:**\n\n> two  \n> lines  \n\n"
+        "**Pair 4, A:**\n\n> a2  \n\n**Pair 4, B:**\n\n> *(empty)*  \n\n"
+        "---\n\n#### Prompt\n\n> prompt 7  \n\n"
+        "**Pair 5, A:**\n\n> a7  \n\n**Pair 5, B:**\n\n> b7  "
+    )
+
+
 def test_config_human_section_is_validated():
-    config = load_config(None, ["labeler=human", "human.timeout_seconds=30", "human.pairs_per_form=4"])
+    config = load_config(None, ["demo=true", "labeler=human", "human.timeout_seconds=30", "human.pairs_per_form=4"])
     assert (config.human.timeout_seconds, config.human.pairs_per_form, config.human.poll_seconds) == (30, 4, 10)
     for override in ("human.timeout_seconds=0", "human.pairs_per_form=0", "human.poll_seconds=-1", "human.pairs=3"):
         with pytest.raises(ConfigError):
-            load_config(None, ["labeler=human", override])
+            load_config(None, ["demo=true", "labeler=human", override])
 
 
 def test_an_unanswered_form_fails_the_run_saying_what_to_do(prefect_server):
@@ -102,9 +118,14 @@ def _state_type(flow_run_id: UUID) -> str:
 
 
 def _form_schema(run) -> dict:
+    return _form_input(run, "schema")
+
+
+def _form_input(run, part: str):
+    """What a paused run stored for its form: its ``schema`` or its markdown ``description`` (the UI reads both)."""
     from prefect.input.actions import read_flow_run_input
 
-    return read_flow_run_input(run.state.state_details.run_input_keyset["schema"], flow_run_id=run.id)
+    return read_flow_run_input(run.state.state_details.run_input_keyset[part], flow_run_id=run.id)
 
 
 def _run_answering(config, answers: list[str], *, try_bad_answers: bool = False):
@@ -132,7 +153,7 @@ def _run_answering(config, answers: list[str], *, try_bad_answers: bool = False)
     for start in range(0, len(answers), config.human.pairs_per_form):
         paused = _wait_for_pause(seen, deadline=deadline)
         schema = _form_schema(paused)
-        forms.append(schema)
+        forms.append({**schema, "description": _form_input(paused, "description")})
         given = {name: answers[start + offset] for offset, name in enumerate(schema["properties"])}
         if try_bad_answers and start == 0:
             for bad in ({**given, "pair_1": "C"}, {name: "A" for name in list(given)[1:]}):
@@ -159,6 +180,7 @@ def answered(prefect_server, checkpoint_world, tmp_path_factory):
             "campaign=human",
             "labeler=human",
             f"sizes.preference_prompts={len(ANSWERS)}",
+            "reward_model.eval_fraction=0.7",  # 6 pairs after the two tie/skip answers: 4 held out, 2 to train on
             f"human.pairs_per_form={PAIRS_PER_FORM}",
             "human.poll_seconds=1",
             "human.timeout_seconds=120",
@@ -185,9 +207,13 @@ def test_forms_show_each_pair_and_answers_become_human_preferences(answered):
     fields = {name: field for form in forms for name, field in form["properties"].items()}
     assert [len(form["properties"]) for form in forms] == [5, 3]
     assert list(fields) == [f"pair_{n}" for n in range(1, len(ANSWERS) + 1)]
-    for pair, field in zip(pairs, fields.values(), strict=True):
-        assert field["description"] == f'Prompt: "{pair.prompt.text}"\n\nA: "{pair.first}"\n\nB: "{pair.second}"'
+    for field in fields.values():
         assert field["enum"] == ["A", "B", "tie/skip"]
+    assert forms[0]["description"].endswith(pairs_markdown(pairs[:5], first=0))
+    assert forms[1]["description"].endswith(pairs_markdown(pairs[5:], first=5))
+    assert forms[1]["description"].startswith(
+        "### Campaign `human`, iteration 0: which response is better? (form 2 of 2)"
+    )
 
     preferences = state.result().preferences[-1]
     table = read_table(preferences.directory, "preferences").to_pylist()

@@ -11,9 +11,10 @@ from mlflow import MlflowClient
 from flows.campaign import tracking_store
 from flows.cli import main
 from flows.config import ConfigError, load_config
-from flows.replay import replay_config, resolve_run
+from flows.replay import replay_config
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
+from flows.store import resolve_run
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

@@ -3,6 +3,7 @@ real (temporary) Prefect server, with a real SQLite MLflow store and real Parque
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,9 @@ def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_stat
     final = state.result()
     # MLflow holds each stage's manifest, never a second copy of its files.
     artifacts = [path for path in (config.run_root / "mlartifacts").rglob("*") if path.is_file()]
-    assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json"}
+    # Besides: the views the UI shows (the evaluation samples as a table, the over-optimisation figure).
+    views = {"samples.json", "overoptimisation.png"}
+    assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json", *views}
     with_states = [
         folder.name
         for folder in (config.run_root / config.campaign / "ppo_update").iterdir()
@@ -116,3 +119,89 @@ def test_running_again_does_no_work_and_says_so(campaign):
         ]
     stage_states = {task_run.state.name for task_run in task_runs if task_run.name.split("-")[0] in STAGES}
     assert stage_states == {"Reused"}, stage_states
+
+
+def test_issue15_mlflow_shows_training_curves_samples_and_the_overoptimisation_figure(campaign):
+    config, _ = campaign
+    client, experiment, runs = _mlflow_runs(config)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on runs, not traces
+    stage_runs = {(run.data.tags["rlhf.iteration"], run.data.tags.get("rlhf.stage")): run for run in runs}
+    ppo = stage_runs[("0", "ppo_update")]
+    history = client.get_metric_history(ppo.info.run_id, "ppo_update/train/approx_kl")
+    steps = int(ppo.data.metrics["ppo_update/optimizer_steps"])
+    assert [metric.step for metric in history] == list(range(1, steps + 1))  # a point per optimizer step
+    assert {"ppo_update/train/clip_fraction", "ppo_update/train/policy_loss"} <= set(ppo.data.metrics)
+    rm = stage_runs[("0", "train_reward_model")]
+    assert len(client.get_metric_history(rm.info.run_id, "train_reward_model/train/accuracy")) >= 1
+    assert rm.data.metrics["train_reward_model/eval_pairs"] >= 1  # what the accuracy rests on
+    evaluate = stage_runs[("1", "evaluate")]
+    table = json.loads(Path(client.download_artifacts(evaluate.info.run_id, "samples.json")).read_text())
+    assert {"prompt", "policy_response", "policy_reward", "policy_gold", "policy_kl"} <= set(table["columns"])
+    assert len(table["data"]) == config.sizes.eval_prompts
+    iteration = next(
+        run for run in runs if run.data.tags.get("rlhf.kind") == "iteration" and run.data.tags["rlhf.iteration"] == "1"
+    )
+    assert iteration.info.run_name == "iteration-1"
+    figure = Path(client.download_artifacts(iteration.info.run_id, "overoptimisation.png"))
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlflow_link(campaign):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    config, _ = campaign
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{config.campaign}-iteration-1"])), limit=1
+        )
+        flow_runs = client.read_flow_runs()
+    markdown = artifact.data
+    assert "| evaluate/kl_to_reference |" in markdown  # one metric per row: nothing cut off
+    assert "![over-optimisation" in markdown and "get-artifact?path=overoptimisation.png" in markdown
+    assert "http://127.0.0.1:5000/#/experiments/" in markdown  # a local store: the README's MLflow UI address
+    assert {f"{config.campaign}-iteration-0", f"{config.campaign}-campaign"} <= {run.name for run in flow_runs}
+
+
+def test_a_finished_campaign_is_known_to_be_reused_from_mlflow_and_manifests_alone(campaign):
+    import json
+
+    from flows.campaign import resolve_base
+    from flows.reuse import reused_iterations
+    from flows.store import campaign_layout, store_tracker
+    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, TAG_REUSE
+
+    config, _ = campaign
+    base = resolve_base.fn(config)
+    assert reused_iterations(config, base) == config.iterations
+    # Every setting is part of the iteration runs' key (`iterations` too): another config has runs of its own.
+    assert reused_iterations(config.model_copy(update={"seed": config.seed + 1}), base) == 0
+    # An output of the last iteration gone: the iterations before it are still reused, that one is not.
+    tracker = store_tracker(config)
+    experiment_id = tracker.experiment_id(config.campaign)
+    last = str(config.iterations - 1)
+    (run,) = [r for r in tracker.runs(experiment_id, tags={TAG_ITERATION: last}) if r.tags[TAG_KIND] == KIND_ITERATION]
+    stage, input_key, _ = json.loads(run.tags[TAG_REUSE])["outputs"][-1]
+    folder = campaign_layout(config).stage_dir(stage, input_key)
+    aside = folder.with_name(folder.name + ".aside")
+    folder.rename(aside)
+    try:
+        assert reused_iterations(config, base) == config.iterations - 1
+    finally:
+        aside.rename(folder)
+    assert reused_iterations(config, base) == config.iterations
+
+
+def test_rlhf_run_of_a_finished_campaign_starts_no_flow(campaign, capsys):
+    from flows.cli import main
+
+    config, _ = campaign
+    overrides = {
+        "run_root": config.run_root,
+        "model.policy": config.model.policy,
+        "data.prompts": config.data.prompts,
+        "data.eval_prompts": config.data.eval_prompts,
+    }
+    arguments = [part for name, value in overrides.items() for part in ("--set", f"{name}={value}")]
+    assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), *arguments]) == 0
+    assert "nothing to run" in capsys.readouterr().out

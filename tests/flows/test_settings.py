@@ -28,7 +28,7 @@ def test_the_table_names_exactly_the_keyword_arguments_of_each_stage(stage):
 
 
 def test_stage_settings_read_the_config_and_the_base_inputs():
-    config = PipelineConfig(sizes={"rollout_prompts": 12}, precision="bf16")
+    config = PipelineConfig(demo=True, labeler="gold", sizes={"rollout_prompts": 12}, precision="bf16")
     base = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE, preferences=FILE)
     rollout = stage_settings(config, base, "rollout")
     assert rollout == {
@@ -42,7 +42,7 @@ def test_stage_settings_read_the_config_and_the_base_inputs():
     assert stage_settings(config, base, "collect_preferences")["preferences"] is FILE
     assert stage_settings(config, base, "ppo_update")["temperature"] == config.sampling.temperature
     # A derived property is a setting too: the update and initialize read whether the estimator uses a critic.
-    grpo = PipelineConfig(advantages={"estimator": "grpo"}, sizes={"samples_per_prompt": 4})
+    grpo = PipelineConfig(demo=True, labeler="gold", advantages={"estimator": "grpo"}, sizes={"samples_per_prompt": 4})
     assert stage_settings(config, base, "initialize") == {"critic": True, "lora": None, "critic_init": "policy"}
     assert stage_settings(grpo, base, "ppo_update")["critic"] is False
 

@@ -90,6 +90,15 @@ def test_a_group_of_equal_scores_gets_zero_advantage_from_grpo():
 
 
 @pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
+def test_equal_fp32_scores_whose_mean_does_not_round_back_get_exactly_zero(estimator):
+    # Eight fp32 copies of 7.839086532592773 sum in fp32 to a total whose eighth is one rounding step
+    # away from the score: an fp32 mean left GRPO about -0.47 for each (a step over a std of one step).
+    scores = torch.full((8,), 7.839086532592773, dtype=torch.float32)
+    advantages = group_advantages(scores, torch.zeros(8, dtype=torch.long), estimator)
+    assert advantages.dtype == torch.float32 and torch.equal(advantages, torch.zeros(8))
+
+
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
 def test_a_group_of_one_sample_is_refused_naming_the_setting(estimator):
     with pytest.raises(ValueError, match=r"group 5 has 1 sample.*sizes.samples_per_prompt"):
         group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 1, 5]), estimator)
@@ -159,3 +168,6 @@ def test_adaptive_kl_coefficient_by_hand():
     assert adaptive_kl_coef(0.1, 0.0, target=4.0, horizon=100, steps=100) == pytest.approx(0.08, abs=1e-15)
     with pytest.raises(ValueError, match="`target`"):
         adaptive_kl_coef(0.1, 1.0, target=0.0, horizon=100, steps=1)
+    # more samples than the horizon would multiply by 1 - 0.2 * 256 / 10 < 0: refused, not a negative beta
+    with pytest.raises(ValueError, match="`steps` <= `horizon`"):
+        adaptive_kl_coef(0.05, 0.0, target=1.0, horizon=10, steps=256)

@@ -137,3 +137,14 @@ def test_exact_div():
     for denominator in (0, -2):
         with pytest.raises(ValueError, match="rows"):
             exact_div(8, denominator, what="rows")
+
+
+def test_eval_split_below_the_minimum_of_held_out_pairs_is_refused_naming_the_setting():
+    from rlhf_core.config import MIN_EVAL_PAIRS, eval_split_error
+
+    assert MIN_EVAL_PAIRS == 4
+    assert eval_split_error(16, 0.25) is None  # int(16 x 0.25) = 4 held out, 12 to train on
+    assert "holds out 3" in eval_split_error(16, 0.2)  # int(3.2) = 3
+    assert "holds out 1" in eval_split_error(16, 0.1)  # the old default's "accuracy" from one pair
+    assert "reward_model.eval_fraction" in eval_split_error(4, 0.9)  # int(3.6) = 3
+    assert eval_split_error(5, 0.9) is None  # int(4.5) = 4 held out, 1 to train on

@@ -324,3 +324,15 @@ def test_top_k_keeps_the_k_largest_and_always_the_argmax():
     assert torch.equal(filter_logits(logits, top_k=5), logits)
     both = filter_logits(logits, top_k=3, top_p=0.01)
     assert torch.isfinite(both).sum(dim=1).tolist() == [1, 1]
+
+
+def test_the_preallocated_kv_cache_samples_exactly_what_the_models_own_cache_does(model, monkeypatch):
+    import transformers
+
+    import rlhf_core.generation as generation
+
+    with_buffers = run(model, temperature=0.9)
+    monkeypatch.setattr(generation, "_kv_cache", lambda model, length: transformers.DynamicCache(config=model.config))
+    growing = run(model, temperature=0.9)
+    for name in ("sequences", "attention_mask", "action_mask", "logprobs"):
+        torch.testing.assert_close(getattr(with_buffers, name), getattr(growing, name), rtol=0.0, atol=0.0)

@@ -12,6 +12,7 @@ from rlhf_core.sequences import (
     position_ids_from_mask,
     response_logprobs,
     response_slice,
+    token_logprobs,
 )
 
 EXACT = dict(rtol=0.0, atol=0.0)
@@ -166,3 +167,39 @@ def test_position_ids_count_only_real_tokens():
     torch.testing.assert_close(positions, expected, **EXACT)
     # Real tokens get the same positions as the unpadded sequence would.
     torch.testing.assert_close(positions[0][attention_mask[0].bool()], torch.arange(3), **EXACT)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_token_logprobs_equal_the_naive_ones_with_their_gradient(temperature):
+    # 37 rows: two whole chunks of 16 and a partial one; one row with filtered (-inf) logits.
+    torch.manual_seed(0)
+    logits = torch.randn(37, 50, dtype=torch.float64) * 3
+    logits[5, 10:] = float("-inf")
+    tokens = torch.randint(0, 50, (37,))
+    tokens[5] = 3
+    upstream = torch.randn(37, dtype=torch.float64)
+
+    fused_input = logits.clone().requires_grad_()
+    fused = token_logprobs(fused_input, tokens, temperature=temperature)
+    (fused.logprobs * upstream).sum().backward()
+
+    naive_input = logits.clone().requires_grad_()
+    log_softmax = torch.log_softmax(naive_input / temperature, dim=-1)
+    naive = log_softmax.gather(-1, tokens[:, None])[:, 0]
+    (naive * upstream).sum().backward()
+    probabilities = log_softmax.exp()
+    naive_entropy = -(probabilities * torch.where(probabilities > 0, log_softmax, 0.0)).sum(-1)
+
+    torch.testing.assert_close(fused.logprobs, naive.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.entropy, naive_entropy.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_input.grad, naive_input.grad, atol=1e-6, rtol=1e-5)
+    assert fused_input.grad[5, 10:].eq(0).all()  # a filtered token gets no gradient
+    assert not fused.entropy.requires_grad
+
+
+def test_fused_token_logprobs_keep_the_leading_shape():
+    logits = torch.randn(2, 3, 7)
+    tokens = torch.randint(0, 7, (2, 3))
+    result = token_logprobs(logits, tokens)
+    assert result.logprobs.shape == result.entropy.shape == (2, 3)
+    torch.testing.assert_close(result.logprobs, logprobs_from_logits(logits, tokens))

@@ -85,4 +85,20 @@ def test_a_reward_model_with_the_policys_tokenizer_scores_the_generated_ids_as_t
     sequences, attention = torch.tensor([[0, 5, 6, 7, 8]]), torch.tensor([[0, 1, 1, 1, 1]])
     with torch.no_grad():
         expected = model(sequences, attention)
-    torch.testing.assert_close(scorer.score([CHAT], sequences, attention, prompt_length=3), expected, rtol=0, atol=0)
+    torch.testing.assert_close(scorer.score([PLAIN], sequences, attention, prompt_length=3), expected, rtol=0, atol=0)
+
+
+def test_a_chat_rollout_is_scored_as_the_reward_model_was_trained_with_the_policys_tokenizer_too():
+    # Training renders a chat pair whole through the template (end-of-turn after the response included);
+    # the generated ids end at EOS instead, so scoring them as they are would read another sequence.
+    policy = bpe()
+    torch.manual_seed(0)
+    model = RewardModel(config=tiny_config("llama", vocab_size=len(policy))).eval()
+    scorer = RewardScorer(model, policy_tokenizer=policy, reward_tokenizer=policy, same_tokens=True)
+    prompt = prompt_ids(policy, CHAT)
+    response = policy("why did the chicken", add_special_tokens=False)["input_ids"] + [policy.eos_token_id]
+    sequences = torch.tensor([prompt + response])
+    score = scorer.score([CHAT], sequences, torch.ones_like(sequences), prompt_length=len(prompt))
+    ids = torch.tensor([conversation_ids(policy, CHAT, "why did the chicken")])
+    with torch.no_grad():
+        torch.testing.assert_close(score, model(ids, torch.ones_like(ids)), rtol=0, atol=0)

@@ -1,0 +1,95 @@
+"""The no-op run: ``rlhf run`` of the finished demo campaign, timed as a whole command.
+
+``.venv/bin/python -m bench.run --only noop``: runs the demo campaign (``configs/demo.yaml``) into a fresh
+``bench/.scratch/noop-root`` (its demo world kept from an earlier run: a campaign cannot be recomputed in
+place under other code once its older optimizer states are pruned), then times running the same command
+again ``--repeats`` times (each a fresh process, as a user runs it). Also reports,
+from one more process, where that command's time goes: importing the command's modules, resolving
+and checking the base inputs, and the reuse decision per iteration (one MLflow query and the
+manifests' verification each; :func:`flows.reuse.reused_iterations`).
+
+This module itself runs as the worker of the last part (``python -m bench.noop --out FILE --root DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from bench.common import PROJECT_PYTHON, REPO, SCRATCH, median, thread_env
+
+CONFIG = REPO / "configs" / "demo.yaml"
+
+
+def _command(root: Path) -> list[str]:
+    return [str(PROJECT_PYTHON), "-m", "flows", "run", "--config", str(CONFIG), "--set", f"run_root={root}"]
+
+
+def _timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
+    started = time.perf_counter()
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{completed.stderr[-4000:]}")
+    return time.perf_counter() - started, completed.stdout
+
+
+def measure(repeats: int) -> dict:
+    root = SCRATCH / "noop-root"
+    for entry in root.glob("*") if root.is_dir() else ():
+        if entry.name != "cache":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    env = thread_env(1) | {"PREFECT_HOME": str(SCRATCH / "noop-prefect-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    first, _ = _timed(_command(root), env)  # the campaign itself
+    walls, outputs = zip(*(_timed(_command(root), env) for _ in range(repeats)), strict=True)
+    out = SCRATCH / "noop-breakdown.json"
+    subprocess.run(
+        [str(PROJECT_PYTHON), "-m", "bench.noop", "--root", str(root), "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    return {
+        "first_run_s": first,
+        "noop_wall_s": list(walls),
+        "noop_median_s": median(list(walls)),
+        "nothing_to_run": all("nothing to run" in text for text in outputs),
+        "breakdown": json.loads(out.read_text()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    from flows.campaign import resolve_base, tracking_store
+    from flows.config import load_config
+    from flows.reuse import reused_iterations
+
+    imported = time.perf_counter()
+    config = load_config(CONFIG, [f"run_root={args.root}"])
+    base = resolve_base.fn(config)
+    resolved = time.perf_counter()
+    tracking_store(config).tracker()  # opening the MLflow store (cached per process)
+    opened = time.perf_counter()
+    reused = reused_iterations(config, base)
+    decided = time.perf_counter()
+    result = {
+        "import_s": imported - started,
+        "config_and_base_s": resolved - imported,
+        "mlflow_store_s": opened - resolved,
+        "decision_s": decided - opened,
+        "iterations": config.iterations,
+        "reused": reused,
+    }
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

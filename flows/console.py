@@ -1,0 +1,129 @@
+"""What ``rlhf run`` shows in a terminal: a line per iteration, a progress bar per running stage, a summary per stage.
+
+Without ``--verbose`` the console shows the stages, not the log: Prefect's own lines (task runs created,
+states) and the project's INFO records stay out of the terminal but still reach the Prefect UI (every
+stage's task log says what it did), warnings and errors still print, and the Hugging Face libraries'
+progress bars and load reports are off. The stages announce themselves with log records marked
+:data:`tasks.stage.STAGE_EVENT`; :class:`StageConsole` turns them into::
+
+    iteration 3 of campaign demo
+      sample_candidates      1.9 s  1024 candidates
+      collect_preferences    0.2 s  512 pairs, 3% ties
+      train_reward_model     2.8 s  RM accuracy 0.88, 51 held-out pairs
+    rollout:  50%|█████     | 2/4 [00:00<00:00,  7.59batch/s]      (while it runs)
+
+A running stage shows its own progress bar (batches or epochs; it disappears when the stage ends), a
+finished one its summary; reused stages are counted, not listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import IO
+
+STAGE_EVENT = "rlhf_stage_event"
+"""The record attribute :mod:`tasks.stage` and the flows mark their announcements with (the same string there)."""
+
+HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
+    "sample_candidates": (("candidates", "{:.0f} candidates"),),
+    "collect_preferences": (("pairs", "{:.0f} pairs"), ("tie_fraction", "{:.0%} ties")),
+    "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "{:.0f} held-out pairs")),
+    "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
+    "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL (k1) {:.3g}")),
+    "ppo_update": (("approx_kl", "approx KL {:.3g}"), ("clip_fraction", "clipped {:.0%}")),
+    "evaluate": (
+        ("gold_win_rate", "gold win rate {:.2f}"),
+        ("reward_mean", "reward {:.3g}"),
+        ("kl_to_reference", "KL to ref {:.3g}"),
+    ),
+}
+"""Per stage, the metrics its summary line shows, and how."""
+
+
+def summary_line(stage: str, metrics: dict[str, float], *, width: int = 20) -> str:
+    """``"  rollout              4.1 s  256 rollouts, score 0.31"``: a finished stage's seconds and headline metrics."""
+    shown = [form.format(metrics[name]) for name, form in HEADLINES.get(stage, ()) if name in metrics]
+    seconds = metrics.get("seconds")
+    took = f"{seconds:5.1f} s" if seconds is not None else "      "
+    return f"  {stage:<{width}} {took}  {', '.join(shown)}".rstrip()
+
+
+class StageConsole(logging.Handler):
+    """Prints iteration headers and stage summaries from the stages' announcements. Attach it to the loggers
+    that announce (:data:`_ANNOUNCING`)."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        super().__init__(level=logging.INFO)
+        self.stream = stream or sys.stderr
+        self.reused = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, STAGE_EVENT, None)
+        if event in ("iteration", "started"):
+            self._flush_reused()
+        if event == "iteration":
+            self._write(record.getMessage())
+        elif event == "finished":
+            result = record.rlhf_result  # type: ignore[attr-defined]
+            if result.reused:
+                self.reused += 1
+            else:
+                self._write(summary_line(result.stage, result.metrics))
+
+    def _flush_reused(self) -> None:
+        if self.reused:
+            self._write(f"  ({self.reused} stage(s) reused: their outputs exist)")
+            self.reused = 0
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Say how many stages were reused since the last line, and detach from the loggers."""
+        self._flush_reused()
+        for name in _ANNOUNCING:
+            logging.getLogger(name).removeHandler(self)
+        super().close()
+
+
+class _WarningsOnly(logging.Filter):
+    """Lets through only warnings and errors: what the console shows of the log without ``--verbose``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def quiet_libraries() -> None:
+    """Turn off the Hugging Face libraries' progress bars ("Loading weights", "Writing model shards") and their
+    warnings (the LOAD REPORT boxes), in this process and in those it starts."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial MLflow database tables..."
+    if "mlflow" in sys.modules:
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    if "transformers" in sys.modules:  # imported already: the settings above were read at its import
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        transformers_logging.set_verbosity_error()
+
+
+def show_stages(console_handlers: list[logging.Handler]) -> StageConsole:
+    """Make the console show stages (see the module docstring): ``console_handlers`` (Prefect's console handlers)
+    keep only warnings and errors, and a :class:`StageConsole` prints the stages' announcements."""
+    for handler in console_handlers:
+        if not any(isinstance(existing, _WarningsOnly) for existing in handler.filters):
+            handler.addFilter(_WarningsOnly())
+    console = StageConsole()
+    for name in _ANNOUNCING:
+        logging.getLogger(name).addHandler(console)
+    return console
+
+
+_ANNOUNCING = ("prefect.task_runs", "prefect.flow_runs", "tasks.stage", "flows")
+"""Where stages and flows announce: Prefect's run loggers (so the Prefect UI's logs say the same), or their module's
+logger outside a run."""

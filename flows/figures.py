@@ -1,0 +1,52 @@
+"""The campaign's over-optimisation figure: the reward the policy is trained on against the gold score, as the KL
+to the reference grows (Gao et al. 2022, "Scaling laws for reward model overoptimization").
+
+A learned reward model's score keeps rising with the KL while the gold score (where a gold judge exists) levels
+off or falls: the gap is the policy exploiting the reward model. One point per iteration, from the evaluation
+metrics every iteration run records. Drawn with matplotlib's object API on the Agg backend: no display, no
+pyplot global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REWARD, GOLD, KL = "evaluate/reward_mean", "evaluate/gold_mean", "evaluate/kl_to_reference"
+FIGURE_FILE = "overoptimisation.png"
+
+
+def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, campaign: str) -> Any:
+    """A two-panel matplotlib ``Figure``: reward and gold score against the KL to the reference (one point per
+    iteration, labelled), and all three over iterations. ``rows`` are ``(iteration, metrics)``, oldest first;
+    iterations without evaluation metrics are left out."""
+    from matplotlib.figure import Figure
+
+    rows = [(iteration, metrics) for iteration, metrics in rows if REWARD in metrics and KL in metrics]
+    iterations = [iteration for iteration, _ in rows]
+    kl = [metrics[KL] for _, metrics in rows]
+    reward = [metrics[REWARD] for _, metrics in rows]
+    gold = [metrics[GOLD] for _, metrics in rows] if all(GOLD in metrics for _, metrics in rows) else None
+
+    figure = Figure(figsize=(10, 3.8), layout="constrained")
+    by_kl, by_iteration = figure.subplots(1, 2)
+    by_kl.plot(kl, reward, "o-", color="tab:blue", label="reward (trained on)")
+    if gold is not None:
+        by_kl.plot(kl, gold, "s-", color="tab:orange", label="gold score (hidden judge)")
+    for iteration, x, y in zip(iterations, kl, reward, strict=True):
+        by_kl.annotate(str(iteration), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    by_kl.set(xlabel="KL to the reference (nats per response)", ylabel="mean score", title="over-optimisation")
+    by_kl.legend(fontsize=8)
+
+    by_iteration.plot(iterations, reward, "o-", color="tab:blue", label="reward")
+    if gold is not None:
+        by_iteration.plot(iterations, gold, "s-", color="tab:orange", label="gold score")
+    by_iteration.set(xlabel="iteration", ylabel="mean score", title=f"campaign {campaign}")
+    kl_axis = by_iteration.twinx()
+    kl_axis.plot(iterations, kl, "^--", color="tab:gray", label="KL to ref")
+    kl_axis.set_ylabel("KL to the reference")
+    lines = by_iteration.get_lines() + kl_axis.get_lines()
+    by_iteration.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
+    for axis in (by_kl, by_iteration):
+        axis.grid(alpha=0.3)
+    return figure
