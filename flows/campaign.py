@@ -77,6 +77,9 @@ class ReplayInputs:
 
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
+    if config.tracking_uri is not None and config.tracking_uri.startswith(("http://", "https://")):
+        # The server decides where artifacts go (its --artifacts-destination, proxied as mlflow-artifacts:).
+        return TrackingStore(uri=config.tracking_uri, artifact_root=None)
     return TrackingStore(uri=tracking_uri(config), artifact_root=str(store_layout(config).artifact_root()))
 
 
@@ -86,6 +89,12 @@ def execution_of(config: PipelineConfig) -> Execution:
         torch_threads=config.torch_threads,
         checkpoint_seconds=config.checkpoint_seconds,
         gradient_checkpointing=config.model.gradient_checkpointing,
+        task_runner=config.execution.task_runner,
+        address=config.execution.address,
+        training_processes=config.execution.training_processes,
+        accelerate_config=None
+        if config.execution.accelerate_config is None
+        else str(config.execution.accelerate_config),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import textwrap
 from pathlib import Path
@@ -124,6 +125,39 @@ class RewardSource(_Frozen):
     e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward); unused with `reward_model`."""
 
 
+class ExecutionConfig(_Frozen):
+    """Where the stages' work runs: on which engine the generation stages fan out, how many processes train.
+    Part of no input key: the same config gives byte-identical outputs on every runner (see docs/scaling.md)."""
+
+    task_runner: Literal["local", "dask", "ray"] = "local"
+    """Where the shards of sample_candidates, rollout, evaluate and reward-model labelling run: `local` (in the
+    stage's own process, one after another), `dask` or `ray` (Prefect task runners, one task per shard)."""
+    workers: int = Field(2, gt=0)
+    """Worker processes of the local Dask cluster or Ray instance the pipeline starts and stops, when no
+    `execution.address` is given."""
+    address: str | None = None
+    """An existing Dask scheduler (`tcp://HOST:8786`) or Ray cluster (`HOST:6379`, `ray://HOST:10001`) to run the
+    shards on instead of a local one; its workers must see `run_root` and the model and data files at the same paths."""
+    training_processes: int = Field(1, gt=0)
+    """Processes that train the reward model and run the PPO update: 1 trains in the stage's own process; more
+    run `accelerate launch` workers (DDP), each on its share of every minibatch."""
+    accelerate_config: Path | None = None
+    """An `accelerate config` file passed to `accelerate launch` (FSDP, DeepSpeed, GPUs per node); None launches
+    `execution.training_processes` processes on this machine (gloo on CPUs, NCCL on GPUs)."""
+
+    @model_validator(mode="after")
+    def _engine_is_installed(self) -> ExecutionConfig:
+        package = {"dask": "prefect_dask", "ray": "prefect_ray"}.get(self.task_runner)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"`execution.task_runner` {self.task_runner} needs the package {package.replace('_', '-')}: "
+                "pip install 'rlhf-pipeline[scale]'"
+            )
+        if self.accelerate_config is not None and not self.accelerate_config.is_file():
+            raise ValueError(f"`execution.accelerate_config` {self.accelerate_config} is not a file")
+        return self
+
+
 class PipelineConfig(_Frozen):
     """Everything one campaign needs; validated once, when a flow starts.
 
@@ -159,6 +193,7 @@ class PipelineConfig(_Frozen):
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
+    execution: ExecutionConfig = ExecutionConfig()
     labeler: LabelerName | None = None
     """Who labels candidate pairs when a reward model learns from them: an imported file (`import`, with
     `data.preferences`), a person answering Prefect UI forms (`human`), the current reward model

@@ -26,6 +26,7 @@ from flows.campaign import (
     resolve_base,
 )
 from flows.config import PipelineConfig
+from flows.engines import campaign_slot, engine
 from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
 from flows.settings import stage_settings
@@ -71,10 +72,17 @@ def rlhf_iteration(
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
 
-    Holds the campaign's lock throughout, so two iterations of one campaign never run at once. If it
-    fails, its MLflow run ends FAILED (KILLED on Ctrl-C); running it again reopens and finishes it.
+    Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
+    iterations of one campaign never run at once, on one machine or several; runs on the engines of
+    ``config.execution`` (:mod:`flows.engines`). If it fails, its MLflow run ends FAILED (KILLED on
+    Ctrl-C); running it again reopens and finishes it.
     """
-    with exclusive_lock(campaign_layout(config).lock_file()):
+    layout = campaign_layout(config)
+    with (
+        exclusive_lock(layout.lock_file()),
+        campaign_slot(config.campaign, layout.slot_file()),
+        engine(config) as config,
+    ):
         base = resolve_base(config)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
@@ -128,8 +136,9 @@ def _collect(config: PipelineConfig, context, settings, state: IterationState) -
 def rlhf_campaign(config: PipelineConfig) -> IterationState:
     """``config.iterations`` iterations, each continuing from the previous one's policy and reward model."""
     state = None
-    for iteration in range(config.iterations):
-        state = rlhf_iteration(config, iteration, state)
+    with engine(config) as config:  # one local cluster for every iteration
+        for iteration in range(config.iterations):
+            state = rlhf_iteration(config, iteration, state)
     return state
 
 
@@ -141,7 +150,12 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
     campaign's folder and MLflow experiment, so it holds the campaign's lock like an iteration.
     """
     check_replayable(config, source_run_id)
-    with exclusive_lock(campaign_layout(config).lock_file()):
+    layout = campaign_layout(config)
+    with (
+        exclusive_lock(layout.lock_file()),
+        campaign_slot(config.campaign, layout.slot_file()),
+        engine(config) as config,
+    ):
         base = resolve_base(config)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)

@@ -60,6 +60,7 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
         "prompts": "sizes.eval_prompts",
         "judge": "base.judge",
         "reward_function": "base.reward_function",
+        "rows_per_shard": "sizes.rows_per_shard",
     },
 }
 """stage -> {argument: config path (a field, or a property such as ``advantages.uses_critic``) or ``base.<field>``}."""
@@ -70,7 +71,7 @@ CAMPAIGN_START = ("initialize",)
 """Stages that run once per campaign, before its first iteration. What they received shaped the policy a replay
 starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""
 
-EXECUTION = ("device", "torch_threads", "checkpoint_seconds", "model.gradient_checkpointing")
+EXECUTION = ("device", "torch_threads", "checkpoint_seconds", "model.gradient_checkpointing", "execution")
 """Where and how stages run: part of no input key, so a campaign can continue elsewhere."""
 LOCATION = ("run_root", "tracking_uri")
 """Where the store is."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 __all__ = [
     "advantages",
     "config",
+    "distributed",
     "evaluation",
     "experience",
     "experience_maker",

@@ -25,12 +25,41 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import LossAggregation
-from rlhf_core.masked import masked_mean
+from rlhf_core.masked import masked_mean, masked_sum
 from rlhf_core.rewards import kl_estimate
 
 
+def loss_denominator(
+    mask: torch.Tensor, *, mode: LossAggregation = "token_mean", norm_tokens: int | None = None
+) -> torch.Tensor:
+    """What :func:`aggregate_loss` divides by: the valid tokens (``"token_mean"``), the sequences with a
+    valid token (``"sequence_mean"``) or ``B * norm_tokens`` (``"token_sum_norm"``).
+
+    Taken over a whole minibatch, it lets each of N processes aggregate its share of the minibatch
+    so that the shares add up to the minibatch's loss (:mod:`rlhf_core.distributed`).
+
+    Shapes:
+        mask: (B, R); returns ().
+    """
+    valid = mask.bool()
+    if mode == "token_mean":
+        return valid.sum().to(torch.float32)
+    if mode == "sequence_mean":
+        return valid.any(dim=1).sum().to(torch.float32)
+    if mode == "token_sum_norm":
+        if norm_tokens is None or norm_tokens <= 0:
+            raise ValueError(f"`norm_tokens` must be positive for 'token_sum_norm', got {norm_tokens}")
+        return torch.tensor(float(mask.shape[0] * norm_tokens))
+    raise ValueError(f"`mode` must be one of {get_args(LossAggregation)}, got {mode!r}")
+
+
 def aggregate_loss(
-    loss: torch.Tensor, mask: torch.Tensor, *, mode: LossAggregation = "token_mean", norm_tokens: int | None = None
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: LossAggregation = "token_mean",
+    norm_tokens: int | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
 
@@ -45,6 +74,8 @@ def aggregate_loss(
             over all ``B`` sequences: Dr. GRPO's constant normaliser).
         norm_tokens: the constant of ``"token_sum_norm"``, the generation budget in tokens (TRL's
             ``max_completion_length``); unused by the other modes.
+        denominator: divide by this instead of :func:`loss_denominator` of ``mask``: the whole
+            minibatch's, when these rows are one process's share of it.
 
     Shapes:
         loss, mask: (B, R); returns ().
@@ -53,18 +84,14 @@ def aggregate_loss(
         Liu et al. 2025 (Dr. GRPO); TRL ``GRPOTrainer`` (``loss_type="dr_grpo"``); verl
         ``agg_loss`` (``seq-mean-token-sum-norm``).
     """
-    if mode == "token_mean":
-        return masked_mean(loss, mask)
+    local = loss_denominator(mask, mode=mode, norm_tokens=norm_tokens)
+    if denominator is None:
+        if local.item() == 0:
+            raise ValueError("`mask` selects no element: the masked mean is undefined")
+        denominator = local
     if mode == "sequence_mean":
-        per_sequence = masked_mean(loss, mask, dim=1)  # (B,)
-        has_token = mask.any(dim=1)  # (B,)
-        return masked_mean(per_sequence, has_token)
-    if mode == "token_sum_norm":
-        if norm_tokens is None or norm_tokens <= 0:
-            raise ValueError(f"`norm_tokens` must be positive for 'token_sum_norm', got {norm_tokens}")
-        valid = torch.where(mask.bool(), loss, torch.zeros_like(loss))  # (B, R)
-        return valid.sum() / (loss.shape[0] * norm_tokens)
-    raise ValueError(f"`mode` must be one of {get_args(LossAggregation)}, got {mode!r}")
+        return masked_sum(masked_mean(loss, mask, dim=1), mask.bool().any(dim=1)) / denominator
+    return masked_sum(loss, mask) / denominator
 
 
 class PolicyLossStats(NamedTuple):
@@ -85,6 +112,7 @@ def policy_loss(
     dual_clip: float | None = None,
     aggregation: LossAggregation = "token_mean",
     norm_tokens: int | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate policy loss.
 
@@ -101,7 +129,7 @@ def policy_loss(
         action_mask: valid tokens.
         clip_eps: PPO clip range epsilon.
         dual_clip: the dual-clip constant ``c > 1``, or None.
-        aggregation, norm_tokens: see :func:`aggregate_loss`.
+        aggregation, norm_tokens, denominator: see :func:`aggregate_loss`.
 
     Returns:
         The scalar loss and :class:`PolicyLossStats` (clip fractions over valid tokens, and the
@@ -129,7 +157,7 @@ def policy_loss(
         bound = -dual_clip * advantages  # (B, R)
         dual_clipped = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_clipped, bound, per_token)
-    loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens)
+    loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens, denominator=denominator)
     with torch.no_grad():
         stats = PolicyLossStats(
             clip_fraction=masked_mean((clipped > unclipped).to(per_token.dtype), action_mask),
@@ -154,11 +182,13 @@ def value_loss(
     value_clip_eps: float | None = 0.2,
     aggregation: LossAggregation = "token_mean",
     norm_tokens: int | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
 
     ``V_clip = old_values + clip(values - old_values, -value_clip_eps, value_clip_eps)``; with
-    ``value_clip_eps=None`` the loss is the plain ``0.5 * (V - R)^2``.
+    ``value_clip_eps=None`` the loss is the plain ``0.5 * (V - R)^2``. ``aggregation``, ``norm_tokens`` and
+    ``denominator``: see :func:`aggregate_loss`.
 
     Shapes:
         values, old_values, returns, action_mask: (B, R); returns ().
@@ -179,7 +209,9 @@ def value_loss(
         clipped = (values_clipped - returns).square()  # (B, R)
         per_token = torch.maximum(unclipped, clipped)
         clipped_more = clipped > unclipped
-    loss = 0.5 * aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens)
+    loss = 0.5 * aggregate_loss(
+        per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens, denominator=denominator
+    )
     with torch.no_grad():
         stats = ValueLossStats(clip_fraction=masked_mean(clipped_more.to(values.dtype), action_mask))
     return loss, stats
@@ -198,6 +230,7 @@ def reference_kl_loss(
     *,
     aggregation: LossAggregation = "token_mean",
     norm_tokens: int | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ReferenceKLStats]:
     """KL(policy || reference) as a loss term: the k3 estimate per token, aggregated like the policy loss.
 
@@ -209,7 +242,7 @@ def reference_kl_loss(
         logprobs: current policy log-probs of the sampled tokens (with grad).
         ref_logprobs: the frozen reference's log-probs of the same tokens (from the rollout).
         action_mask: valid tokens.
-        aggregation, norm_tokens: see :func:`aggregate_loss`.
+        aggregation, norm_tokens, denominator: see :func:`aggregate_loss`.
 
     Returns:
         The scalar loss and :class:`ReferenceKLStats` (the mean k3 over valid tokens).
@@ -225,7 +258,7 @@ def reference_kl_loss(
     logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # (B, R)
     ref_logprobs = torch.where(valid, ref_logprobs, torch.zeros_like(ref_logprobs))  # (B, R)
     per_token = kl_estimate(logprobs, ref_logprobs, estimator="k3")  # (B, R)
-    loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens)
+    loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens, denominator=denominator)
     with torch.no_grad():
         stats = ReferenceKLStats(kl=masked_mean(per_token, action_mask))
     return loss, stats
@@ -259,6 +292,7 @@ def pairwise_reward_loss(
     rejected_scores: torch.Tensor,
     *,
     margin: torch.Tensor | None = None,
+    pairs: int | None = None,
 ) -> tuple[torch.Tensor, RewardLossStats]:
     """Bradley-Terry loss ``mean(-log sigmoid(r_chosen - r_rejected - margin))``.
 
@@ -268,6 +302,8 @@ def pairwise_reward_loss(
         chosen_scores: reward-model scores of the preferred responses.
         rejected_scores: scores of the dispreferred responses.
         margin: optional per-pair margin (Llama 2's margin loss).
+        pairs: divide the summed loss by this instead of ``B``: the whole minibatch's pairs, when these
+            are one process's share of it.
 
     Returns:
         The loss and :class:`RewardLossStats`: accuracy (chosen scored strictly higher) and the
@@ -286,7 +322,8 @@ def pairwise_reward_loss(
     gap = chosen_scores - rejected_scores  # (B,)
     if margin is not None:
         gap = gap - margin
-    loss = -F.logsigmoid(gap).mean()
+    per_pair = -F.logsigmoid(gap)  # (B,)
+    loss = per_pair.mean() if pairs is None else per_pair.sum() / pairs
     with torch.no_grad():
         stats = RewardLossStats(
             accuracy=(chosen_scores > rejected_scores).to(chosen_scores.dtype).mean(),

@@ -17,6 +17,17 @@ def _valid_count(mask: torch.Tensor, dim: int | None) -> torch.Tensor:
     return mask.sum() if dim is None else mask.sum(dim=dim)
 
 
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` over the positions where ``mask`` is True (0 when it selects none).
+
+    Naive equivalent: ``values[mask].sum()``.
+
+    Shapes:
+        values, mask: (...); returns ().
+    """
+    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum()
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``values`` over the positions where ``mask`` is True.
 

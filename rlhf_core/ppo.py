@@ -16,7 +16,10 @@ Choices:
    approximate KL(old || new), measured before its step, exceeds it; that minibatch takes no
    step (OpenAI Spinning Up's rule, without its 1.5 factor).
 5. Driven through ``accelerate.Accelerator``: pass models and optimizers already ``prepare``d,
-   and the same code runs on one CPU or many GPUs under ``accelerate launch``.
+   and the same code runs on one CPU or many GPUs under ``accelerate launch``. With N processes each
+   computes on its share of every minibatch, with losses normalised by the whole minibatch's counts and
+   statistics all-reduced, so the update equals one process's up to float rounding and the ``target_kl``
+   early stop is decided once for all (:mod:`rlhf_core.distributed`).
 6. KL in the loss (``config.kl_loss_coef`` > 0, GRPO style): the k3 KL to the reference, from the
    rollout's reference log-probs, is added to the policy loss (:func:`rlhf_core.losses.reference_kl_loss`);
    its value is reported as ``ref_kl`` either way.
@@ -32,9 +35,10 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.distributed import global_sum, rank_share
 from rlhf_core.experience import Experience
-from rlhf_core.losses import entropy_from_logits, policy_loss, reference_kl_loss, value_loss
-from rlhf_core.masked import masked_mean, masked_var, masked_whiten
+from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
+from rlhf_core.masked import masked_sum, masked_var, masked_whiten
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
 from rlhf_core.sequences import response_logits, response_slice, token_logprobs
 
@@ -101,6 +105,17 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
 
 
+class Denominators(NamedTuple):
+    """Counts of a whole minibatch that the losses of a share of it are divided by (:mod:`rlhf_core.distributed`).
+
+    ``tokens``: its valid tokens (the entropy bonus is a token mean); ``loss``: what its aggregation
+    divides by (:func:`rlhf_core.losses.loss_denominator`).
+    """
+
+    tokens: torch.Tensor
+    loss: torch.Tensor
+
+
 def _minibatch_losses(
     actor: PreTrainedModel,
     critic: Critic | None,
@@ -109,10 +124,13 @@ def _minibatch_losses(
     *,
     temperature: float,
     norm_tokens: int | None,
+    denominators: Denominators,
 ) -> _Losses:
-    """Policy loss (with its KL term), value loss (with a critic) and detached stats for one minibatch."""
+    """Policy loss (with its KL term), value loss (with a critic) and detached stats for ``batch``, a share of
+    a minibatch: the losses (and the ``policy_loss``, ``value_loss`` and ``entropy`` stats) are divided by the
+    whole minibatch's ``denominators``; the other stats are token means over ``batch``."""
     prompt_length = batch.prompt_length
-    aggregation = {"aggregation": config.aggregation, "norm_tokens": norm_tokens}
+    aggregation = {"aggregation": config.aggregation, "norm_tokens": norm_tokens, "denominator": denominators.loss}
     logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
     logprobs, entropy = token_logprobs(logits, batch.sequences[:, prompt_length:], temperature=temperature)  # (b, R)
     actor_loss, policy_stats = policy_loss(
@@ -130,10 +148,10 @@ def _minibatch_losses(
     if config.kl_loss_coef:
         actor_loss = actor_loss + config.kl_loss_coef * kl_loss
     # Without an entropy bonus the entropy is only a statistic, computed in the fused pass above; with one it
-    # needs an autograd graph over (b, R, V).
+    # needs an autograd graph over (b, R, V). A token mean over the whole minibatch's tokens (a share of it).
     if config.entropy_coef:
         entropy = entropy_from_logits(logits.float() / temperature)  # (b, R)
-    entropy = masked_mean(entropy, batch.action_mask)
+    entropy = masked_sum(entropy, batch.action_mask) / denominators.tokens
     if config.entropy_coef:
         actor_loss = actor_loss - config.entropy_coef * entropy
     critic_loss = value_clip_fraction = None
@@ -158,6 +176,32 @@ def _minibatch_losses(
         ref_kl=kl_stats.kl,
     )
     return _Losses(actor_loss, critic_loss, stats)
+
+
+_SHARE_STATS = ("policy_loss", "value_loss", "entropy")
+"""Statistics already divided by the whole minibatch's counts: the processes' values add up."""
+
+
+def _minibatch_stats(
+    stats: MinibatchStats, batch: Experience, weight: float, denominators: Denominators, accelerator: Accelerator
+) -> MinibatchStats:
+    """The whole minibatch's statistics from every process's share (one all-reduce); ``stats`` with one process.
+
+    A share's loss statistics add up over processes; its other statistics are token means over the
+    share, so they are weighted by the share's valid tokens (0 for a stand-in row).
+    """
+    if accelerator.num_processes == 1:
+        return stats
+    names = [name for name, value in stats._asdict().items() if value is not None]
+    tokens = batch.action_mask.sum().to(torch.float32)
+    local = torch.stack(
+        [
+            getattr(stats, name).float() * weight * (1.0 if name in _SHARE_STATS else tokens / denominators.tokens)
+            for name in names
+        ]
+    )  # (S,)
+    reduced = global_sum(accelerator, local)  # (S,)
+    return stats._replace(**{name: reduced[index] for index, name in enumerate(names)})
 
 
 def ppo_update(
@@ -215,31 +259,42 @@ def ppo_update(
     totals = {name: torch.tensor(total) for name, total in resume.totals.items()} if resume else None
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
+    world, rank = accelerator.num_processes, accelerator.process_index
     with dropout_disabled(actor, critic), fused_activations(actor, critic):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
-            for batch in experience.minibatches(config.minibatch_size, generator=generator):
-                # 1. losses on the current policy (and critic); stop before stepping past the KL target
-                losses = _minibatch_losses(
-                    actor, critic, batch, config, temperature=temperature, norm_tokens=norm_tokens
+            for minibatch in experience.minibatches(config.minibatch_size, generator=generator):
+                # 1. this process's share of the minibatch, normalised by the whole minibatch's counts
+                rows, weight = rank_share(minibatch.batch_size, rank=rank, world=world)
+                batch = minibatch.select(rows)
+                denominators = Denominators(
+                    tokens=minibatch.action_mask.sum().to(torch.float32),
+                    loss=loss_denominator(minibatch.action_mask, mode=config.aggregation, norm_tokens=norm_tokens),
                 )
-                if config.target_kl is not None and losses.stats.approx_kl.item() > config.target_kl:
+                losses = _minibatch_losses(
+                    actor, critic, batch, config, temperature=temperature, norm_tokens=norm_tokens,
+                    denominators=denominators,
+                )  # fmt: skip
+                stats = _minibatch_stats(losses.stats, batch, weight, denominators, accelerator)
+                # 2. stop before stepping past the KL target (every process decides on the same, reduced, value)
+                if config.target_kl is not None and stats.approx_kl.item() > config.target_kl:
                     early_stopped = True
                     break
-                # 2. one step for each model, each with its own gradient clip
+                # 3. one step for each model, each with its own gradient clip; DDP averages the gradients of the
+                #    processes' shares, so each backpropagates N times its share (0 times for a stand-in row)
                 steps_to_take = [(losses.actor_loss, actor, actor_optimizer)]
                 if critic is not None:
                     steps_to_take.append((losses.critic_loss, critic, critic_optimizer))
                 for loss, model, optimizer in steps_to_take:
                     optimizer.zero_grad(set_to_none=True)
-                    accelerator.backward(loss)
+                    accelerator.backward(loss * (world * weight))
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                     optimizer.step()
-                # 3. bookkeeping (the value statistics only with a critic)
-                step_stats = {name: value for name, value in losses.stats._asdict().items() if value is not None}
+                # 4. bookkeeping (the value statistics only with a critic)
+                step_stats = {name: value for name, value in stats._asdict().items() if value is not None}
                 totals = step_stats if totals is None else {name: totals[name] + step_stats[name] for name in totals}
                 steps += 1
                 if on_step is not None:
-                    on_step(steps, losses.stats)
+                    on_step(steps, stats)
             if early_stopped:
                 break
             if on_epoch_end is not None:

@@ -5,10 +5,15 @@ Choices:
 2. Held-out accuracy, loss, and the mean / std of scores on held-out responses are reported;
    the pipeline uses the latter to normalise scores before PPO.
 3. Dropout stays on during training (the model is in train mode) and off for evaluation.
+4. With N processes (``accelerate launch``) each trains on its share of every minibatch, with the loss
+   divided by the whole minibatch's pairs, so the result equals one process's up to float rounding when
+   the model has no dropout (with dropout, each process draws its own masks, seeded per epoch and process)
+   (:mod:`rlhf_core.distributed`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -17,6 +22,7 @@ import torch
 from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig
+from rlhf_core.distributed import global_sum, rank_share
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models import RewardModel, evaluating, fused_activations
 
@@ -119,6 +125,12 @@ class RewardTrainingProgress(NamedTuple):
     optimizer_steps: int
 
 
+def epoch_seed(seed: int, *, epoch: int, rank: int) -> int:
+    """A seed from the coordinates ``(seed, epoch, rank)``, stable across runs and machines."""
+    digest = hashlib.sha256(f"{seed}/epoch-{epoch}/rank-{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
 def fit_reward_model(
     model: RewardModel,
     optimizer: torch.optim.Optimizer,
@@ -131,6 +143,7 @@ def fit_reward_model(
     resume: RewardTrainingProgress | None = None,
     on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    dropout_seed: int | None = None,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
 
@@ -145,6 +158,10 @@ def fit_reward_model(
         on_epoch_end: called after every epoch, e.g. to save a checkpoint of all of those.
         on_step: called after every optimizer step with the step number (from 1) and the batch's
             ``loss`` and ``accuracy``, e.g. to record training curves.
+        dropout_seed: seed torch's global RNG, which draws the dropout masks, at the start of every epoch from
+            ``(dropout_seed, epoch, process index)`` (:func:`epoch_seed`): every process draws its own masks,
+            and a run resumed at an epoch draws the masks of one that never stopped, in any process. None
+            leaves the global RNG to the caller.
     """
     if len(train_pairs) == 0 or len(eval_pairs) == 0:
         raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
@@ -153,18 +170,33 @@ def fit_reward_model(
     loss_sum, accuracy_sum, steps = (
         (resume.loss_sum, resume.accuracy_sum, resume.optimizer_steps) if resume else (0.0, 0.0, 0)
     )
+    world, rank = accelerator.num_processes, accelerator.process_index
     with fused_activations(model):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
+            if dropout_seed is not None:
+                torch.manual_seed(epoch_seed(dropout_seed, epoch=epoch, rank=rank))
             order = torch.randperm(len(train_pairs), generator=generator)
             for start in range(0, len(train_pairs), config.batch_size):
-                batch = train_pairs.select(order[start : start + config.batch_size].to(accelerator.device))
+                # 1. this process's share of the minibatch; the loss divides by the whole minibatch's pairs
+                minibatch = order[start : start + config.batch_size]
+                share, weight = rank_share(len(minibatch), rank=rank, world=world)
+                batch = train_pairs.select(minibatch[share].to(accelerator.device))
                 chosen, rejected = _pair_scores(model, batch)
-                loss, stats = pairwise_reward_loss(chosen, rejected, margin=batch.margin if config.use_margin else None)
+                loss, stats = pairwise_reward_loss(
+                    chosen, rejected, margin=batch.margin if config.use_margin else None, pairs=len(minibatch)
+                )
+                # 2. DDP averages the processes' gradients: each backpropagates N times its share
                 optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)
+                accelerator.backward(loss * (world * weight))
                 accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()
-                step_loss, step_accuracy = loss.item(), stats.accuracy.item()
+                # 3. the whole minibatch's loss and accuracy (the shares' sum, and their pair-weighted mean)
+                if world == 1:
+                    step_loss, step_accuracy = loss.item(), stats.accuracy.item()
+                else:
+                    pairs = weight * len(share)
+                    shares = torch.stack([loss.detach() * weight, stats.accuracy * pairs / len(minibatch)])
+                    step_loss, step_accuracy = global_sum(accelerator, shares).tolist()
                 loss_sum += step_loss
                 accuracy_sum += step_accuracy
                 steps += 1
@@ -172,7 +204,8 @@ def fit_reward_model(
                     on_step(steps, {"loss": step_loss, "accuracy": step_accuracy})
             if on_epoch_end is not None:
                 on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
-    held_out = evaluate_reward_model(model, eval_pairs, batch_size=config.batch_size)
+    # Every process evaluates every held-out pair (a small fraction), on the model without its DDP wrapper.
+    held_out = evaluate_reward_model(accelerator.unwrap_model(model), eval_pairs, batch_size=config.batch_size)
     return RewardModelStats(
         train_loss=loss_sum / steps,
         train_accuracy=accuracy_sum / steps,

@@ -168,13 +168,16 @@ def response_logits(
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the causal LM under any wrappers (peft's, the adapters-off view) takes ``logits_to_keep``."""
+    """Whether the causal LM under any wrappers (peft's, the adapters-off view, DDP's) takes ``logits_to_keep``."""
     seen: set[int] = set()
     while id(model) not in seen:
         seen.add(id(model))
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             return True
-        model = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "model", model)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        else:
+            model = getattr(model, "model", None) or getattr(model, "module", model)
     return False
 
 

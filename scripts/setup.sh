@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the project's virtual environment in .venv: the CPU build of torch first (a plain
-# `torch` requirement would pull a multi-GB CUDA build), then the project and its dev tools.
+# `torch` requirement would pull a multi-GB CUDA build), then the project, its dev tools and its scale-out
+# engines (Dask, Ray: the tests start both).
 # Idempotent: does nothing when .venv already matches pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ quiet_pip() {
     return "$status"
 }
 quiet_pip "$TORCH_SPEC"
-quiet_pip -e ".[dev]"
+quiet_pip -e ".[dev,scale]"
 .venv/bin/python -c "import prefect.server.api.server, mlflow, torch, transformers" # fastapi/prefect break is caught here
 rm -f .venv/.installed-*
 touch "$stamp"

@@ -69,6 +69,10 @@ class RunLayout:
         """The file whose lock a running iteration holds, so two never run at once."""
         return self.root / ".lock"
 
+    def slot_file(self) -> Path:
+        """Where the holder of :meth:`lock_file` records the lease of its Prefect global concurrency slot."""
+        return self.root / ".slot"
+
     def tracking_uri(self) -> str:
         """The MLflow tracking URI of the SQLite store: ``sqlite:///<root>/mlflow.db``."""
         return f"sqlite:///{self.mlflow_db()}"

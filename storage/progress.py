@@ -37,8 +37,8 @@ def save_progress(final_dir: Path, epochs_done: int, write: Callable[[Path], Non
             os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    for older in root.iterdir():
-        if older.name != target.name:
+    for older in root.iterdir():  # older epochs only: the folder also holds a training job's spec and logs
+        if older.name.startswith(_EPOCH_PREFIX) and older.name != target.name:
             shutil.rmtree(older, ignore_errors=True)
     hold(final_dir.parent.name, "computing")  # outputs live at <stage>/<key>: a test may kill the stage here
     return target

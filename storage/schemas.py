@@ -44,6 +44,7 @@ OLD_VALUES = "old_values"
 SCORES = "scores"
 REWARDS = "rewards"
 KL = "kl"
+POLICY_KL = "policy_kl"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 
@@ -89,6 +90,17 @@ PREFERENCES = _schema(
 
 #: A person's answers on the labelling forms (labeler ``human``): ``pair_id`` is the pair's index in
 #: the iteration's candidate pairs, ``choice`` one of ``A``, ``B``, ``tie/skip``.
+EVALUATION = _schema(
+    (PROMPT, pa.string()),
+    ("policy_response", pa.string()),
+    ("reference_response", pa.string()),
+    ("policy_reward", pa.float64()),
+    ("reference_reward", pa.float64()),
+    (POLICY_KL, pa.float64()),
+)
+"""One row per held-out prompt: both sides' responses and rewards, and the policy's KL to the reference
+(summed over its response). The pieces evaluation's shards write (its output is ``samples.jsonl``)."""
+
 HUMAN_LABELS = _schema((PAIR_ID, pa.int64()), (CHOICE, pa.string()))
 
 #: Per-token fields of an unscored Experience, in schema order.

@@ -11,6 +11,8 @@ Choices:
    (:func:`storage.schemas.conform`); an empty table still writes one (empty) shard so its schema
    survives.
 4. Reads are whole-table (:func:`read_table`), with the exact Arrow types that were written.
+5. A table assembled from pieces computed apart (the shards of a fanned-out stage) writes each piece
+   as one file the same way (:func:`write_piece`), then the whole table as above.
 """
 
 from __future__ import annotations
@@ -113,3 +115,26 @@ def read_table(directory: Path, name: str) -> pa.Table:
         raise FileNotFoundError(f"no shards of table {name!r} in {directory}")
     tables = [pq.read_table(path) for path in paths]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def write_piece(path: Path, table: pa.Table, *, schema: pa.Schema) -> None:
+    """Write ``table`` as the one Parquet file ``path``, published atomically (never a half file).
+
+    Raises:
+        ValueError: the table does not match ``schema``.
+        FileExistsError: ``path`` exists (an identical piece was already written: nothing is replaced).
+    """
+    table = conform(table, schema)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        pq.write_table(table, temporary, compression=COMPRESSION)
+        file_sha256(temporary, sync=True)
+        publish_file(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def read_piece(path: Path, *, schema: pa.Schema) -> pa.Table:
+    """The table in the Parquet file ``path``, with exactly ``schema``."""
+    return conform(pq.read_table(path), schema)

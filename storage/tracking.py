@@ -12,7 +12,8 @@ Choices:
    once can fail ("duplicate column"), so the first touch of the store happens under an exclusive
    ``fcntl`` lock on ``<db>.lock``.
 3. Experiments are created with an explicit artifact location (``artifact_root/<campaign>``), so
-   artifacts do not depend on the working directory.
+   artifacts do not depend on the working directory; on a tracking server (an ``http(s)://`` URI)
+   the server decides (its ``--artifacts-destination``), and an artifact root is refused.
 4. Params and metrics go through ``log_batch`` (about 100x faster than one call per value on SQLite).
 5. A stage's output exists once on local disk. With a local store (a SQLite tracking URI, the
    default) it is recorded *by reference*: the run gets the manifest as its ``output/`` artifact and
@@ -286,6 +287,11 @@ class Tracker:
         ui_base: str | None = None,
         outputs_by_reference: bool | None = None,
     ) -> None:
+        if artifact_root is not None and tracking_uri.startswith(("http://", "https://")):
+            raise ValueError(
+                f"a tracking server ({tracking_uri}) keeps artifacts where its --artifacts-destination says: "
+                "pass no artifact_root"
+            )
         self.tracking_uri = tracking_uri
         self.outputs_by_reference = (
             tracking_uri.startswith(("sqlite:", "file:")) if outputs_by_reference is None else outputs_by_reference

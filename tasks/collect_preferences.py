@@ -3,20 +3,27 @@
 With labeler ``human`` the labels are a person's answers, asked for by the iteration flow before
 this stage (:mod:`flows.human_labels`) and passed in as their own stage output, so they are part
 of this stage's input key: the same answers reuse the output, other answers make a new one.
+
+Labelling by a reward model splits the pairs into shards (:mod:`tasks.fanout`), wherever
+``execution.task_runner`` runs them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlhf_core.config import LabelerName
+from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.importers import import_preferences
 from storage.manifest import StageOutput
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
 from tasks.context import InputFile, StageContext
+from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.judge import JudgeReference
 from tasks.labelers import (
     SKIP,
@@ -26,7 +33,7 @@ from tasks.labelers import (
     Labeler,
     RewardModelLabeler,
 )
-from tasks.stage import StageResult, stage, stage_models
+from tasks.stage import StageResult, stage
 from tasks.text import Prompt, reward_scorer
 
 STAGE = "collect_preferences"
@@ -116,10 +123,26 @@ def collect_preferences(
         table = human_table(pairs, _answers(labels), first_pair_id=context.iteration * 1_000_000)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
+    elif labeler == "reward_model":
+        if reward_model is None:
+            raise ValueError(
+                "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
+            )
+        pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
+        shards = plan_shards(
+            len(pairs), rows_per_shard=rows_per_shard, rows_per_item=1, seed=context.seed, stage=STAGE,
+            iteration=context.iteration,
+        )  # fmt: skip
+        table = run_shards(
+            out, context, STAGE, label_shards, shards, schema=PREFERENCES, precision=precision,
+            candidates=candidates, reward_model=reward_model,
+        )  # fmt: skip
     else:
+        if judge is None:
+            raise ValueError("labeler 'gold' needs a gold judge")
         table = labelled_table(
             candidate_pairs(read_table(candidates.directory, "candidates")),
-            _labeler(out, context, labeler, judge, reward_model, precision),
+            JudgeLabeler(judge.load()),
             first_pair_id=context.iteration * 1_000_000,
         )
     out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=rows_per_shard)
@@ -135,26 +158,23 @@ def _answers(labels: StageResult | None) -> pa.Table:
     return read_table(labels.directory, "human_labels")
 
 
-def _labeler(
-    out: StageOutput,
+def label_shards(
+    models: ModelLoader,
     context: StageContext,
-    labeler: LabelerName,
-    judge: JudgeReference | None,
-    reward_model: StageResult | None,
-    precision: Precision,
-) -> Labeler:
-    if labeler == "gold":
-        if judge is None:
-            raise ValueError("labeler 'gold' needs a gold judge")
-        return JudgeLabeler(judge.load())
-    if reward_model is None:
-        raise ValueError(
-            "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
-        )
-    models = stage_models(out, context, precision)
+    shards: list[Shard],
+    *,
+    candidates: StageResult,
+    reward_model: StageResult,
+) -> Iterator[pa.Table]:
+    """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model."""
+    pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
     scorer = reward_scorer(
         models.load("reward_model", reward_model.directory / "reward_model"),
         policy_tokenizer_dir=context.base.tokenizer.path,
         reward_tokenizer_dir=context.base.reward_tokenizer,
     )
-    return RewardModelLabeler(scorer, autocast=models.autocast)
+    labeler = RewardModelLabeler(scorer, autocast=models.autocast)
+    for shard in shards:
+        yield labelled_table(
+            pairs[shard.start : shard.stop], labeler, first_pair_id=context.iteration * 1_000_000 + shard.start
+        )

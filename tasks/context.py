@@ -8,7 +8,8 @@ A task receives the context plus exactly the settings and upstream outputs it us
 * the coordinates every stage seed derives from (``seed``, ``iteration``) and the campaign's base
   inputs (initial policy, tokenizer, prompt files), identified by their content; these are part
   of every input key;
-* how stages run (``execution``: device, threads, checkpoint pacing, gradient checkpointing),
+* how stages run (``execution``: device, threads, checkpoint pacing, gradient checkpointing, task runner,
+  training processes),
   which is never part of an input key.
 """
 
@@ -95,12 +96,20 @@ class Execution:
         torch_threads: torch intra-op threads, set at the start of every stage.
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
+        task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).
+        address: the Dask scheduler or Ray cluster the shards run on (None: this process, or a local Ray).
+        training_processes: processes the training stages run in (:mod:`tasks.launch`).
+        accelerate_config: an ``accelerate config`` file for those processes, or None.
     """
 
     device: str = "auto"
     torch_threads: int = 1
     checkpoint_seconds: float = 60.0
     gradient_checkpointing: bool = False
+    task_runner: str = "local"
+    address: str | None = None
+    training_processes: int = 1
+    accelerate_config: str | None = None
 
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None

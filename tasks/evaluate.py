@@ -3,27 +3,32 @@
 Reports the reward's score of both (the reward model's, or the reward function's), the KL to the reference (mean over responses of the
 summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
 applies, the gold score of both and the policy's gold win rate against the reference (ties count
-half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed.
+half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed. The prompts
+are split into shards (:mod:`tasks.fanout`) wherever ``execution.task_runner`` runs them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
+import pyarrow as pa
 import torch
 
 from rlhf_core.config import SamplingConfig
 from rlhf_core.evaluation import response_kl, win_rate
 from rlhf_core.experience_maker import sequence_logprobs
 from rlhf_core.generation import generate
+from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
+from storage.schemas import EVALUATION, POLICY_KL, PROMPT
 from tasks.context import StageContext
+from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
-from tasks.stage import SAMPLES, StageResult, stage, stage_models
+from tasks.stage import SAMPLES, StageResult, stage
 from tasks.text import (
-    batches,
     decode,
     encode_prompts,
     load_tokenizer,
@@ -48,6 +53,7 @@ def evaluate(
     prompts: int,
     judge: JudgeReference | None,
     reward_function: RewardFunctionReference | None,
+    rows_per_shard: int,
 ) -> dict[str, float]:
     """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics.
 
@@ -56,10 +62,53 @@ def evaluate(
         prompts: how many held-out prompts to evaluate (the first ones of the file).
         judge: the gold judge, or None for no gold metrics.
         reward_function: the reward function (``reward.source: function``), or None.
+        rows_per_shard: held-out prompts per shard (:mod:`tasks.fanout`).
     """
     if (reward_model is None) == (reward_function is None):
         raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")
-    models = stage_models(out, context, precision)
+    shards = plan_shards(
+        prompts,
+        rows_per_shard=rows_per_shard,
+        rows_per_item=1,
+        seed=context.seed,
+        stage=STAGE,
+        iteration=context.iteration,
+    )
+    table = run_shards(
+        out, context, STAGE, evaluate_shards, shards, schema=EVALUATION, precision=precision,
+        policy=policy, reward_model=reward_model, sampling=sampling, prompts=prompts, reward_function=reward_function,
+    )  # fmt: skip
+    records = table.to_pylist()
+    metrics = {
+        "reward_mean": _mean(table, "policy_reward"),
+        "reference_reward_mean": _mean(table, "reference_reward"),
+        "kl_to_reference": _mean(table, POLICY_KL),
+    }
+    if judge is not None:
+        metrics.update(_gold_metrics(records, judge))
+    (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
+    return metrics
+
+
+def _mean(table: pa.Table, column: str) -> float:
+    return float(torch.tensor(table.column(column).to_pylist(), dtype=torch.float64).mean())
+
+
+def evaluate_shards(
+    models: ModelLoader,
+    context: StageContext,
+    shards: list[Shard],
+    *,
+    policy: StageResult,
+    reward_model: StageResult | None,
+    sampling: SamplingConfig,
+    prompts: int,
+    reward_function: RewardFunctionReference | None,
+) -> Iterator[pa.Table]:
+    """The :data:`storage.schemas.EVALUATION` rows of each shard of the held-out prompts.
+
+    Both sides sample a batch with the same generator seed (the shard's seed plus the batch's first prompt).
+    """
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
     sides = {"policy": actor, "reference": models.reference(actor)}
@@ -72,64 +121,48 @@ def evaluate(
         )
     function = None if reward_function is None else reward_function.load()
     held_out = read_prompts(context.base.eval_prompts.path)[:prompts]
-    records: list[dict] = []
-    rewards: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
-    kl: list[torch.Tensor] = []
-    for part in batches(len(held_out), sampling.batch_size):
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
-        prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
-        responses: dict[str, list[str]] = {}
-        with models.autocast(), torch.no_grad():
-            for side, model in sides.items():
-                generation = generate(
-                    model,
-                    prompt_ids,
-                    prompt_mask,
-                    config=sampling,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                    generator=torch.Generator().manual_seed(context.stage_seed(STAGE) + part.start),
-                )
-                responses[side] = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
-                if scorer is not None:
-                    scores = scorer.score(
-                        held_out[part],
-                        generation.sequences,
-                        generation.attention_mask,
-                        prompt_length=prompt_ids.shape[1],
+    for shard in shards:
+        rows: dict[str, list] = {name: [] for name in EVALUATION.names}
+        for part in shard.batches(sampling.batch_size):
+            prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
+            prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
+            with models.autocast(), torch.no_grad():
+                for side, model in sides.items():
+                    generation = generate(
+                        model,
+                        prompt_ids,
+                        prompt_mask,
+                        config=sampling,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id,
+                        generator=torch.Generator().manual_seed(shard.seed + part.start),
                     )
-                else:  # held-out prompts are named by their line in the file
-                    texts = [prompt.text for prompt in held_out[part]]
-                    ids = range(part.start, part.stop)
-                    scores = score_texts(function, reward_function.name, texts, responses[side], ids)
-                rewards[side].append(scores.cpu())
-                if side == "policy":
-                    ref_logprobs = sequence_logprobs(
-                        sides["reference"],
-                        generation.sequences,
-                        generation.attention_mask,
-                        prompt_ids.shape[1],
-                        temperature=sampling.temperature,
-                    )
-                    kl.append(response_kl(generation.logprobs, ref_logprobs, generation.action_mask).cpu())
-        for row, prompt in enumerate(held_out[part]):
-            records.append(
-                {
-                    "prompt": prompt.text,
-                    **{f"{side}_response": responses[side][row] for side in SIDES},
-                    **{f"{side}_reward": float(rewards[side][-1][row]) for side in SIDES},
-                    "policy_kl": float(kl[-1][row]),
-                }
-            )
-    metrics = {
-        "reward_mean": float(torch.cat(rewards["policy"]).mean()),
-        "reference_reward_mean": float(torch.cat(rewards["reference"]).mean()),
-        "kl_to_reference": float(torch.cat(kl).mean()),
-    }
-    if judge is not None:
-        metrics.update(_gold_metrics(records, judge))
-    (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
-    return metrics
+                    responses = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
+                    if scorer is not None:
+                        scores = scorer.score(
+                            held_out[part],
+                            generation.sequences,
+                            generation.attention_mask,
+                            prompt_length=prompt_ids.shape[1],
+                        )
+                    else:  # held-out prompts are named by their line in the file
+                        texts = [prompt.text for prompt in held_out[part]]
+                        ids = range(part.start, part.stop)
+                        scores = score_texts(function, reward_function.name, texts, responses, ids)
+                    rows[f"{side}_response"].extend(responses)
+                    rows[f"{side}_reward"].extend(scores.cpu().tolist())
+                    if side == "policy":
+                        ref_logprobs = sequence_logprobs(
+                            sides["reference"],
+                            generation.sequences,
+                            generation.attention_mask,
+                            prompt_ids.shape[1],
+                            temperature=sampling.temperature,
+                        )
+                        kl = response_kl(generation.logprobs, ref_logprobs, generation.action_mask)
+                        rows[POLICY_KL].extend(kl.cpu().tolist())
+            rows[PROMPT].extend(prompt.text for prompt in held_out[part])
+        yield pa.table(rows, schema=EVALUATION)
 
 
 def _gold_metrics(records: list[dict], judge_reference: JudgeReference) -> dict[str, float]:

@@ -13,6 +13,9 @@ optimizer states of its input policy, and their digest is part of its input key
 (:class:`OptimizerState`): re-running a finished iteration reuses its output even after its
 input's states were pruned, while computing it again then is refused (it could not be exact). A
 replay continues them while they exist, and otherwise starts from fresh optimizers, under another key.
+
+With ``execution.training_processes`` N > 1 the update runs in N ``accelerate launch`` processes, each on
+its share of every minibatch (:mod:`tasks.launch`, :mod:`rlhf_core.distributed`); the main process saves.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from storage.manifest import StageOutput, prunable_digest, prunable_present, pru
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
+from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import load_tokenizer
 
@@ -117,6 +121,8 @@ def ppo_update(
 ) -> dict[str, float]:
     """Write ``actor/`` (and ``critic/``) and their optimizer states after PPO epochs over the experience.
 
+    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`tasks.launch`).
+
     Args:
         optimizer: the optimizer states of ``policy`` to continue (see :func:`optimizer_state`);
             None starts fresh ones.
@@ -129,17 +135,40 @@ def ppo_update(
             f"advantages.estimator gae trains a critic, but the policy in {policy.directory} has none (it was "
             "trained by a critic-free estimator): keep a critic-free estimator, or start a new campaign"
         )
-    models = stage_models(out, context, precision)
-    accelerator = models.accelerator()
-    tokenizer = load_tokenizer(context.base.tokenizer.path)
-    generator = context.generator(STAGE)
-    checkpoint = latest_progress(out.final_dir)
-    source, resume, curve = policy.directory, None, []
-    if optimizer is not None and not optimizer.present and checkpoint is None:
+    if optimizer is not None and not optimizer.present and latest_progress(out.final_dir) is None:
         raise FileNotFoundError(
             f"the optimizer states of {optimizer.path} were pruned (only the newest iteration keeps them), so this "
             "update cannot be computed again exactly; continue from the newest iteration, or replay it"
         )
+    metrics = train(
+        out, context, update_policy, policy, optimizer, scored, precision=precision, ppo=ppo, critic=critic,
+        temperature=temperature, max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+    out.prunable.update(OPTIMIZERS)
+    return metrics
+
+
+def update_policy(
+    out: StageOutput | TrainingOutput,
+    context: StageContext,
+    policy: StageResult,
+    optimizer: OptimizerState | None,
+    scored: StageResult,
+    *,
+    ppo: PPOConfig,
+    critic: bool,
+    precision: Precision,
+    temperature: float,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    """The update itself, in each training process: the main process writes the output and its checkpoints."""
+    models = stage_models(out, context, precision)
+    accelerator = models.accelerator()
+    main = accelerator.is_main_process
+    tokenizer = load_tokenizer(context.base.tokenizer.path)
+    generator = context.generator(STAGE)
+    checkpoint = latest_progress(out.final_dir)
+    source, resume, curve = policy.directory, None, []
     states = Path(optimizer.path) if optimizer is not None else None
     if checkpoint is not None:
         source = states = checkpoint[1]
@@ -161,7 +190,8 @@ def ppo_update(
     optimizers = rest
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(total=ppo.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", leave=False)
+    initial = resume.epochs_done if resume else 0
+    bar = tqdm(total=ppo.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
 
     def save(folder: Path, progress: PPOProgress | None) -> None:
         unwrap = accelerator.unwrap_model
@@ -170,7 +200,7 @@ def ppo_update(
 
     def save_epoch(progress: PPOProgress) -> None:
         bar.update(1)
-        if progress.epochs_done < ppo.epochs and throttle.due():
+        if main and progress.epochs_done < ppo.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, lambda folder: save(folder, progress))
 
     def record_step(step: int, stats: MinibatchStats) -> None:
@@ -187,9 +217,9 @@ def ppo_update(
         resume=resume, on_epoch_end=save_epoch, on_step=record_step,
     )  # fmt: skip
     bar.close()
-    save(out.path, None)
-    write_training_curve(out.path, curve)
-    out.prunable.update(OPTIMIZERS)
+    if main:
+        save(out.path, None)
+        write_training_curve(out.path, curve)
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),

@@ -3,28 +3,31 @@
 Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLOO); the prompt's
 id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
 policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
-a reward function of the prompt's and the response's text.
+a reward function of the prompt's and the response's text. The prompts are split into shards
+(:mod:`tasks.fanout`), each rolled out with its own generator, wherever ``execution.task_runner`` runs them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pyarrow as pa
 import torch
-from tqdm.auto import tqdm
 
 from rlhf_core.config import SamplingConfig
 from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
+from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.experience_io import experience_to_table
 from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
 from tasks.context import StageContext
+from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.reward_function import RewardFunctionReference, score_texts
-from tasks.stage import StageResult, stage, stage_models
+from tasks.stage import StageResult, stage
 from tasks.text import (
     Prompt,
     RewardScorer,
-    batches,
     decode,
     encode_prompts,
     load_tokenizer,
@@ -95,7 +98,42 @@ def rollout(
     """
     if (reward_model is None) == (reward_function is None):
         raise ValueError("rollout needs exactly one reward: a reward model or a reward function")
-    models = stage_models(out, context, precision)
+    shards = plan_shards(
+        prompts,
+        rows_per_shard=rows_per_shard,
+        rows_per_item=samples_per_prompt,
+        seed=context.seed,
+        stage=STAGE,
+        iteration=context.iteration,
+    )
+    table = run_shards(
+        out, context, STAGE, rollout_shards, shards, schema=EXPERIENCE, precision=precision,
+        policy=policy, reward_model=reward_model, sampling=sampling, prompts=prompts,
+        samples_per_prompt=samples_per_prompt, reward_function=reward_function,
+    )  # fmt: skip
+    out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
+    scores = table.column("scores").to_pylist()
+    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+    return {
+        "score_mean": sum(scores) / len(scores),
+        "response_length_mean": sum(lengths) / len(lengths),
+        "rollouts": float(len(scores)),
+    }
+
+
+def rollout_shards(
+    models: ModelLoader,
+    context: StageContext,
+    shards: list[Shard],
+    *,
+    policy: StageResult,
+    reward_model: StageResult | None,
+    sampling: SamplingConfig,
+    prompts: int,
+    samples_per_prompt: int,
+    reward_function: RewardFunctionReference | None,
+) -> Iterator[pa.Table]:
+    """The ``experience`` rows of each shard of the iteration's rollout prompts."""
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
     critic = models.load("critic", policy.directory / "critic") if (policy.directory / "critic").is_dir() else None
@@ -113,40 +151,33 @@ def rollout(
         iteration=context.iteration,
         offset=ROLLOUT_PROMPT_OFFSET,
     )
-    generator = context.generator(STAGE)
-    tables = []
-    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch", leave=False):
-        # Each prompt's G samples sit in consecutive rows.
-        batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
-        group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
-        prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
-        prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
-        length = prompt_ids.shape[1]
-        if scorer is not None:
-            score = model_scorer(scorer, batch, length)
-        else:
-            score = function_scorer(reward_function, tokenizer, batch, group_ids, length)
-        maker = ExperienceMaker(
-            actor,
-            critic,
-            score,
-            reference,
-            sampling=sampling,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            precision=precision,
-        )
-        experience = maker.make_experience(
-            prompt_ids, prompt_mask, group_ids=torch.tensor(group_ids), generator=generator
-        )
-        tables.append(experience_to_table(experience, first_row=part.start * samples_per_prompt))
-    table = pa.concat_tables(tables)
-    out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
-    scores = table.column("scores").to_pylist()
-    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
-    return {
-        "score_mean": sum(scores) / len(scores),
-        "response_length_mean": sum(lengths) / len(lengths),
-        "rollouts": float(len(scores)),
-    }
+    for shard in shards:
+        generator = shard.generator()
+        tables = []
+        for part in shard.batches(sampling.batch_size):
+            # Each prompt's G samples sit in consecutive rows.
+            batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
+            group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
+            prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
+            prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+            prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+            length = prompt_ids.shape[1]
+            if scorer is not None:
+                score = model_scorer(scorer, batch, length)
+            else:
+                score = function_scorer(reward_function, tokenizer, batch, group_ids, length)
+            maker = ExperienceMaker(
+                actor,
+                critic,
+                score,
+                reference,
+                sampling=sampling,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                precision=models.precision,
+            )
+            experience = maker.make_experience(
+                prompt_ids, prompt_mask, group_ids=torch.tensor(group_ids), generator=generator
+            )
+            tables.append(experience_to_table(experience, first_row=part.start * samples_per_prompt))
+        yield pa.concat_tables(tables)

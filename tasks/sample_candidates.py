@@ -1,19 +1,25 @@
-"""Stage 1, sample candidates: N responses per preference prompt from the current actor."""
+"""Stage 1, sample candidates: N responses per preference prompt from the current actor.
+
+The prompts are split into shards (:mod:`tasks.fanout`), each sampled with its own generator, wherever
+``execution.task_runner`` runs them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from rlhf_core.config import SamplingConfig
 from rlhf_core.generation import sample_candidates as sample
+from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from storage.schemas import CANDIDATES
 from tasks.context import StageContext
-from tasks.stage import StageResult, stage, stage_models
+from tasks.fanout import Shard, plan_shards, run_shards
+from tasks.stage import StageResult, stage
 from tasks.text import (
-    batches,
     decode,
     encode_prompts,
     load_tokenizer,
@@ -39,36 +45,62 @@ def sample_candidates(
     rows_per_shard: int,
 ) -> dict[str, float]:
     """Write the ``candidates`` table: ``candidates_per_prompt`` responses for each of ``prompts`` prompts."""
-    models = stage_models(out, context, precision)
+    shards = plan_shards(
+        prompts,
+        rows_per_shard=rows_per_shard,
+        rows_per_item=candidates_per_prompt,
+        seed=context.seed,
+        stage=STAGE,
+        iteration=context.iteration,
+    )
+    table = run_shards(
+        out, context, STAGE, sample_shards, shards, schema=CANDIDATES, precision=precision,
+        policy=policy, sampling=sampling, prompts=prompts, candidates_per_prompt=candidates_per_prompt,
+    )  # fmt: skip
+    out.write_table("candidates", table, schema=CANDIDATES, rows_per_shard=rows_per_shard)
+    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+    return {"candidates": float(len(lengths)), "response_length_mean": sum(lengths) / max(len(lengths), 1)}
+
+
+def sample_shards(
+    models: ModelLoader,
+    context: StageContext,
+    shards: list[Shard],
+    *,
+    policy: StageResult,
+    sampling: SamplingConfig,
+    prompts: int,
+    candidates_per_prompt: int,
+) -> Iterator[pa.Table]:
+    """The ``candidates`` rows of each shard of the iteration's preference prompts."""
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
     chosen = rotating_subset(read_prompts(context.base.prompts.path), count=prompts, iteration=context.iteration)
-    generator = context.generator(STAGE)
-    rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
-    for part in tqdm(list(batches(len(chosen), sampling.batch_size)), desc=STAGE, unit="batch", leave=False):
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
-        with models.autocast():
-            generation = sample(
-                actor,
-                prompt_ids.to(models.device),
-                prompt_mask.to(models.device),
-                num_samples=candidates_per_prompt,
-                config=sampling,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                generator=generator,
-            )
-        responses = response_token_lists(generation.sequences, generation.action_mask)
-        prompt_lists = prompt_token_lists(prompt_ids, prompt_mask)
-        for row, (response_ids, text) in enumerate(zip(responses, decode(tokenizer, responses), strict=True)):
-            prompt_index, prompt = chosen[part][row // candidates_per_prompt]
-            rows["prompt_id"].append(prompt_index)
-            rows["candidate_index"].append(row % candidates_per_prompt)
-            rows["prompt"].append(prompt.text)
-            rows["messages"].append(list(prompt.messages))
-            rows["response"].append(text)
-            rows["prompt_ids"].append(prompt_lists[row // candidates_per_prompt])
-            rows["response_ids"].append(response_ids)
-    out.write_table("candidates", pa.table(rows, schema=CANDIDATES), schema=CANDIDATES, rows_per_shard=rows_per_shard)
-    lengths = [len(ids) for ids in rows["response_ids"]]
-    return {"candidates": float(len(lengths)), "response_length_mean": sum(lengths) / max(len(lengths), 1)}
+    for shard in shards:
+        generator = shard.generator()
+        rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
+        for part in shard.batches(sampling.batch_size):
+            prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
+            with models.autocast():
+                generation = sample(
+                    actor,
+                    prompt_ids.to(models.device),
+                    prompt_mask.to(models.device),
+                    num_samples=candidates_per_prompt,
+                    config=sampling,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    generator=generator,
+                )
+            responses = response_token_lists(generation.sequences, generation.action_mask)
+            prompt_lists = prompt_token_lists(prompt_ids, prompt_mask)
+            for row, (response_ids, text) in enumerate(zip(responses, decode(tokenizer, responses), strict=True)):
+                prompt_index, prompt = chosen[part][row // candidates_per_prompt]
+                rows["prompt_id"].append(prompt_index)
+                rows["candidate_index"].append(row % candidates_per_prompt)
+                rows["prompt"].append(prompt.text)
+                rows["messages"].append(list(prompt.messages))
+                rows["response"].append(text)
+                rows["prompt_ids"].append(prompt_lists[row // candidates_per_prompt])
+                rows["response_ids"].append(response_ids)
+        yield pa.table(rows, schema=CANDIDATES)

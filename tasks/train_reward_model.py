@@ -6,9 +6,11 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 (nothing is copied) and carries no held-out statistics.
 
 Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_ids`).
-Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer,
-the shuffling stream and the global RNG that drives dropout); a crashed run continues from the
-last saved epoch.
+Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
+the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
+crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
+``accelerate launch`` processes, each on its share of every minibatch (:mod:`tasks.launch`,
+:mod:`rlhf_core.distributed`); the main process saves.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, he
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
-from storage.manifest import StageOutput
+from storage.manifest import StageOutput, read_manifest
 from storage.progress import latest_progress, save_progress
 from storage.shards import read_table
 from tasks.context import StageContext
+from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
 
@@ -56,27 +59,54 @@ def train_reward_model(
     precision: Precision,
     lora: LoraConfig | None,
 ) -> dict[str, float]:
-    """Continue training the previous reward model (or a fresh head on the base policy) on all pairs."""
-    config = reward_model
-    models = stage_models(out, context, precision, lora=lora)
-    tokenizer = load_tokenizer(context.base.reward_tokenizer)
+    """Continue training the previous reward model (or a fresh head on the base policy) on all pairs.
+
+    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`tasks.launch`).
+    """
     pretrained = context.base.reward_model.path if context.base.reward_model else None
-    if not config.train:
+    if not reward_model.train:
         if pretrained is None:
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
             )
+        models = stage_models(out, context, precision)
+        tokenizer = load_tokenizer(context.base.reward_tokenizer)
         save_model(out.path / "reward_model", models.load("reward_model", pretrained), tokenizer, weights=False)
         return {"pairs": 0.0}
-    accelerator = models.accelerator()
-    table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
-    if (error := eval_split_error(table.num_rows, config.eval_fraction)) is not None:
+    pairs = sum(
+        entry.rows or 0
+        for result in preferences
+        for entry in read_manifest(result.directory, verify=False).files
+        if entry.path.startswith("preferences-")
+    )
+    if (error := eval_split_error(pairs, reward_model.eval_fraction)) is not None:
         raise ValueError(f"train_reward_model: {error}")  # after tie/skip answers, say: checked before for the rest
+    return train(out, context, fit, preferences, previous, precision=precision, reward_model=reward_model, lora=lora)
+
+
+def fit(
+    out: StageOutput | TrainingOutput,
+    context: StageContext,
+    preferences: tuple[StageResult, ...],
+    previous: StageResult | None,
+    *,
+    reward_model: RewardModelConfig,
+    precision: Precision,
+    lora: LoraConfig | None,
+) -> dict[str, float]:
+    """The training itself, in each training process: the main process writes the output and its checkpoints."""
+    config = reward_model
+    models = stage_models(out, context, precision, lora=lora)
+    tokenizer = load_tokenizer(context.base.reward_tokenizer)
+    pretrained = context.base.reward_model.path if context.base.reward_model else None
+    accelerator = models.accelerator()
+    main = accelerator.is_main_process
+    table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
     generator = context.generator(STAGE)
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
     held_out = held_out_pairs(len(pairs), config.eval_fraction)
-    torch.manual_seed(context.stage_seed(STAGE))
+    torch.manual_seed(context.stage_seed(STAGE))  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None
     if checkpoint is not None:
@@ -86,14 +116,15 @@ def train_reward_model(
     optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
     curve: list[dict[str, float]] = []
     if checkpoint is not None:
-        saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]  # restores dropout RNG
+        saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]
         resume = RewardTrainingProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
         curve = saved["curve"]
     model, optimizer = accelerator.prepare(model, optimizer)
 
     throttle = Throttle(context.execution.checkpoint_seconds)
-    bar = tqdm(total=config.epochs, initial=resume.epochs_done if resume else 0, desc=STAGE, unit="epoch", leave=False)
+    initial = resume.epochs_done if resume else 0
+    bar = tqdm(total=config.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
 
     def save_epoch(progress: RewardTrainingProgress) -> None:
         bar.update(1)
@@ -105,9 +136,11 @@ def train_reward_model(
                 "generator_state": generator.get_state().tolist(),
                 "curve": curve,
             }
-            save_training_state(folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra)
+            save_training_state(
+                folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra, rng=False
+            )
 
-        if progress.epochs_done < config.epochs and throttle.due():
+        if main and progress.epochs_done < config.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, write)
 
     stats = fit_reward_model(
@@ -121,10 +154,12 @@ def train_reward_model(
         resume=resume,
         on_epoch_end=save_epoch,
         on_step=lambda step, values: curve.append({"step": step, **values}),
+        dropout_seed=context.stage_seed(STAGE),
     )
     bar.close()
-    save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
-    write_training_curve(out.path, curve)
+    if main:
+        save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
+        write_training_curve(out.path, curve)
     # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
     metrics = {k: float(v) for k, v in stats._asdict().items()}
     return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(held_out)}

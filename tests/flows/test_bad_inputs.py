@@ -7,7 +7,8 @@ where it takes a signal, a mount or a second process) and asserts the same four 
 * stderr ends in one message of at most two lines, ``rlhf: ...``, naming the problem (the setting,
   file, row or field), with no traceback and no Prefect error record before it;
 * nothing half-written: no file under the run root appeared or changed except the MLflow database
-  and the lock file, and no hidden temporary or partial folder is left;
+  and the lock file, and no hidden temporary or partial folder is left (a run interrupted mid-stage keeps
+  its stage's finished shard pieces in ``.partial``, whole, for the next run to resume from);
 * no MLflow run is left RUNNING.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -300,8 +302,9 @@ if not torch.cuda.is_available():
 
 
 def _files(run_root: Path) -> dict[str, str]:
-    """``path -> sha256`` of every file under the run root but the MLflow database and the lock (which a refused
-    run may touch) and hidden temporary folders (checked apart: none may be left)."""
+    """``path -> sha256`` of every file under the run root but the MLflow database, the lock and the record of the
+    campaign's concurrency slot beside it (which a refused run may touch) and hidden temporary folders (checked
+    apart: none may be left)."""
     if not run_root.exists():
         return {}
     return {
@@ -309,12 +312,14 @@ def _files(run_root: Path) -> dict[str, str]:
         for path in run_root.rglob("*")
         if path.is_file()
         and not path.name.startswith("mlflow.db")
-        and path.name != ".lock"
+        and path.name not in (".lock", ".slot")
         and not any(".tmp-" in part for part in path.parts)
     }
 
 
-def _assert_refused(code: int | None, stderr: str, run_root: Path, names: tuple[str, ...], before: dict) -> None:
+def _assert_refused(
+    code: int | None, stderr: str, run_root: Path, names: tuple[str, ...], before: dict, *, progress: bool = False
+) -> None:
     lines = stderr.strip().splitlines()
     assert code == 2, f"exit code {code}; stderr:\n{stderr[-3000:]}"
     assert "Traceback" not in stderr, stderr[-3000:]
@@ -328,9 +333,14 @@ def _assert_refused(code: int | None, stderr: str, run_root: Path, names: tuple[
     after = _files(run_root)
     assert after == before, f"written or changed: {sorted(set(after.items()) ^ set(before.items()))[:5]}"
     hidden = [
-        p for p in run_root.rglob("*") if ".tmp-" in p.name or p.name.endswith(".partial") or ".download-" in p.name
+        p
+        for p in run_root.rglob("*")
+        if ".tmp-" in p.name or (p.name.endswith(".partial") and not progress) or ".download-" in p.name
     ]
     assert not hidden, f"half-written: {hidden}"
+    for folder in run_root.rglob("*.partial"):  # progress only: whole shard pieces, published under their names
+        pieces = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+        assert all(re.fullmatch(r"shards/shard-\d{5}\.parquet", piece) for piece in pieces), pieces
     database = run_root / "mlflow.db"
     if database.exists():
         client = MlflowClient(tracking_uri=f"sqlite:///{database}")
@@ -546,7 +556,9 @@ def test_issue14_ctrl_c_mid_stage_exits_2_and_leaves_nothing_running(prefect_ser
     before = _files(tmp_path / "runs")
     os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C at a terminal does: to the whole process group
     _, stderr = process.communicate(timeout=120)
-    _assert_refused(process.returncode, stderr, tmp_path / "runs", ("interrupted", "run the same command"), before)
+    _assert_refused(
+        process.returncode, stderr, tmp_path / "runs", ("interrupted", "run the same command"), before, progress=True
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert {run.info.run_name: run.info.status for run in runs} == {"iteration-0": "KILLED", "initialize": "FINISHED"}

@@ -1,0 +1,123 @@
+"""The existing engines a flow runs on, started and stopped around it: the local Dask cluster or Ray
+instance its shards fan out to, and the Prefect global concurrency slot of its campaign.
+
+Choices:
+1. A local cluster (``execution.task_runner`` dask or ray without ``execution.address``) lives as long
+   as the outermost flow that needs it: a campaign starts one for all its iterations, an iteration
+   started alone starts its own. Its Dask address is handed to the flows inside through the config
+   (``execution.address``, part of no input key); Ray is a per-process instance that stays initialised.
+2. Each stage connects its own Prefect task runner to that address (:func:`tasks.fanout.run_shards`), so
+   a flow's own task runner stays Prefect's default and nothing below the flows depends on how the
+   flow was started.
+3. Two iterations of one campaign never run at once on any machine: an iteration or replay holds a slot
+   of the Prefect global concurrency limit ``rlhf-campaign-<name>`` (limit 1, created when missing) beside
+   the campaign's lock file (which only covers one machine, or one shared file system). Slots are
+   leased: a process that dies without releasing its slot loses it once the lease runs out
+   (:data:`LEASE_SECONDS`, when the server's repossessor service runs), or at once when the next run
+   of the campaign on the same machine finds its lease recorded (:func:`campaign_slot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
+
+from flows.config import PipelineConfig
+
+logger = logging.getLogger(__name__)
+
+CAMPAIGN_LIMIT_PREFIX = "rlhf-campaign-"
+LEASE_SECONDS = 60.0
+"""How long the slot of a process that died stays taken (a live holder renews its lease in the background)."""
+
+
+@contextmanager
+def engine(config: PipelineConfig) -> Iterator[PipelineConfig]:
+    """Start the local cluster ``config.execution`` asks for (if it asks for one and none runs yet) for the block.
+
+    Yields:
+        ``config``, with ``execution.address`` set to the local Dask scheduler it started.
+    """
+    execution = config.execution
+    if execution.task_runner == "dask" and execution.address is None:
+        from distributed import LocalCluster
+
+        # One thread per worker process: torch already parallelises inside a shard (torch_threads).
+        with LocalCluster(
+            n_workers=execution.workers, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster:
+            logger.info(
+                "started a local Dask cluster of %d workers at %s", execution.workers, cluster.scheduler_address
+            )
+            address = execution.model_copy(update={"address": cluster.scheduler_address})
+            yield config.model_copy(update={"execution": address})
+        return
+    if execution.task_runner == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            local = {"num_cpus": execution.workers} if execution.address is None else {}
+            ray.init(address=execution.address, include_dashboard=False, namespace="prefect", **local)
+            try:
+                yield config
+            finally:
+                ray.shutdown()
+            return
+    yield config
+
+
+def campaign_limit(campaign: str) -> str:
+    """The name of a campaign's Prefect global concurrency limit."""
+    return f"{CAMPAIGN_LIMIT_PREFIX}{campaign}"
+
+
+@contextmanager
+def campaign_slot(campaign: str, record: Path) -> Iterator[None]:
+    """Hold the campaign's one slot of its Prefect global concurrency limit (waiting for it), creating the limit.
+
+    Call it holding the campaign's lock file: ``record`` (:meth:`storage.layout.RunLayout.slot_file`) keeps
+    the lease of the slot taken under that lock, so a holder killed before releasing its slot (``kill -9``)
+    leaves its lease there, and the next holder of the lock, which knows the killed one is gone, releases
+    it first instead of waiting for the lease to run out.
+    """
+    from prefect.concurrency._sync import (
+        acquire_concurrency_slots_with_lease,
+        maintain_concurrency_lease,
+        release_concurrency_slots_with_lease,
+    )
+
+    name = campaign_limit(campaign)
+    _create_limit(name)
+    if record.is_file():
+        with contextlib.suppress(Exception):  # already released, or expired and revoked by the server
+            release_concurrency_slots_with_lease(UUID(record.read_text().strip()))
+            logger.info("released the campaign slot of a run that stopped without releasing it")
+        record.unlink()
+    lease = acquire_concurrency_slots_with_lease([name], 1, lease_duration=LEASE_SECONDS, strict=True).lease_id
+    record.write_text(f"{lease}\n")
+    try:
+        with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
+            yield
+    finally:
+        try:
+            release_concurrency_slots_with_lease(lease)
+        finally:  # a release that fails (the server is gone, Ctrl-C) leaves a lease that expires on its own
+            record.unlink(missing_ok=True)
+
+
+def _create_limit(name: str) -> None:
+    """Create the global concurrency limit ``name`` with one slot, unless it exists (its limit is left as set)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):  # another process created it first
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))

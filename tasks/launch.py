@@ -1,0 +1,193 @@
+"""Training stages in N processes: ``accelerate launch`` workers, started and watched by the stage's task.
+
+With ``execution.training_processes`` 1 and no ``execution.accelerate_config``, a training stage trains in
+its own process. Otherwise :func:`train`:
+
+1. writes a job spec (``<output>.partial/job/spec.json``: the training function by name, the output
+   folders, the stage context and the stage's arguments, as JSON) beside the stage's mid-epoch
+   checkpoints;
+2. runs ``accelerate launch --num_processes N -m tasks.train_worker SPEC`` (plus the accelerate config
+   file, for FSDP or DeepSpeed on GPUs), on a free port, its output going to ``job/workers.log``;
+3. every worker reads the stage's inputs from disk and trains on its share of every minibatch
+   (:mod:`rlhf_core.distributed`); the main process alone writes the output's files, mid-epoch
+   checkpoints included, and ``job/result.json`` (metrics and runtime);
+4. a worker's failure fails the task with the end of the workers' log, which holds the worker's error.
+
+The stage's own process keeps the output (:class:`storage.manifest.StageOutput`): the manifest, the
+atomic publication and the MLflow record are the same as for one process. A crashed launch leaves the
+checkpoints; the next one resumes from them like one process would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.precision import Precision, accelerate_mixed_precision
+from storage.progress import partial_dir
+from tasks.context import StageContext
+
+JOB_FOLDER = "job"
+LOG_TAIL_LINES = 40
+
+
+class TrainingWorkerError(RuntimeError):
+    """A training worker process failed; the message ends with the workers' last log lines."""
+
+
+@dataclass
+class TrainingOutput:
+    """What a training function writes into, in a worker: the folders of the stage's :class:`StageOutput`.
+
+    Args:
+        path: the output's temporary folder (the main process writes its files there).
+        final_dir: the output's final folder (its ``.partial`` sibling holds the mid-epoch checkpoints).
+        runtime: where the models ran, sent back to the stage with the metrics.
+    """
+
+    path: Path
+    final_dir: Path
+    runtime: dict[str, Any] = field(default_factory=dict)
+
+
+def train(
+    out: Any,
+    context: StageContext,
+    function: Callable[..., Mapping[str, float]],
+    *upstream: Any,
+    precision: Precision,
+    **settings: Any,
+) -> dict[str, float]:
+    """Run ``function(out, context, *upstream, precision=..., **settings)`` in this process or in launched workers.
+
+    Args:
+        out: the stage's output (:class:`storage.manifest.StageOutput`).
+        function: a module-level training function (the workers import it by name); it saves on the main
+            process only and returns the stage's metrics.
+        precision: the stage's precision (also the launch's mixed precision).
+
+    Raises:
+        TrainingWorkerError: a worker failed.
+    """
+    execution = context.execution
+    if execution.training_processes == 1 and execution.accelerate_config is None:
+        return dict(function(out, context, *upstream, precision=precision, **settings))
+    folder = partial_dir(out.final_dir) / JOB_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    spec, result, log = folder / "spec.json", folder / "result.json", folder / "workers.log"
+    result.unlink(missing_ok=True)
+    job = {
+        "function": f"{function.__module__}:{function.__qualname__}",
+        "output": str(out.path),
+        "final_dir": str(out.final_dir),
+        "result": str(result),
+        "context": encode(context),
+        "upstream": encode(list(upstream)),
+        "settings": encode({"precision": precision, **settings}),
+    }
+    spec.write_text(json.dumps(job, indent=1))
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
+    command += ["-m", "tasks.train_worker", str(spec)]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads)}
+    with open(log, "wb") as output:
+        status = subprocess.run(
+            command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=_end_with_parent
+        ).returncode
+    if status != 0 or not result.is_file():
+        raise TrainingWorkerError(
+            f"{function.__module__}: the {execution.training_processes} training processes failed (exit status "
+            f"{status}); the end of {log}:\n{_tail(log)}"
+        )
+    reported = json.loads(result.read_text())
+    out.runtime.update(reported["runtime"])
+    return reported["metrics"]
+
+
+def launch_options(execution: Any, precision: Precision) -> list[str]:
+    """``accelerate launch`` options: the config file if given, the process count, the precision, a free port."""
+    options = []
+    if execution.accelerate_config is not None:
+        options += ["--config_file", execution.accelerate_config]  # its distributed type (FSDP, DeepSpeed) stands
+    elif execution.training_processes > 1:
+        options += ["--multi_gpu"]  # DDP: NCCL on GPUs, gloo on CPUs
+    if execution.training_processes > 1:
+        options += ["--num_processes", str(execution.training_processes)]
+    options += ["--num_machines", "1", "--mixed_precision", accelerate_mixed_precision(precision)]
+    options += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    return options
+
+
+def _free_port() -> int:
+    """A free TCP port on this machine: concurrent launches must not share a rendezvous port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _end_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Ask Linux to stop the launcher when the stage's process dies (``kill -9`` included); it stops its workers."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _tail(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def encode(value: Any) -> Any:
+    """``value`` as JSON data that :func:`decode` turns back into an equal value: frozen dataclasses (by
+    class name), paths, tuples, dicts and lists of them, and plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        kind = type(value)
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {"__dataclass__": f"{kind.__module__}:{kind.__qualname__}", "fields": fields}
+    if isinstance(value, Path):
+        return {"__path__": str(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(item) for item in value]}
+    if isinstance(value, list):
+        return [encode(item) for item in value]
+    if isinstance(value, Mapping):
+        return {"__dict__": {str(key): encode(item) for key, item in value.items()}}
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    raise TypeError(f"a training job argument must be plain data, a path or a dataclass, got {value!r}")
+
+
+def decode(value: Any) -> Any:
+    """The value :func:`encode` encoded."""
+    if isinstance(value, list):
+        return [decode(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if "__dataclass__" in value:
+        kind = resolve(value["__dataclass__"])
+        return kind(**{name: decode(item) for name, item in value["fields"].items()})
+    if "__path__" in value:
+        return Path(value["__path__"])
+    if "__tuple__" in value:
+        return tuple(decode(item) for item in value["__tuple__"])
+    return {key: decode(item) for key, item in value["__dict__"].items()}
+
+
+def resolve(name: str) -> Any:
+    """The object named ``module:qualified.name``."""
+    module, _, qualified = name.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in qualified.split("."):
+        target = getattr(target, part)
+    return target

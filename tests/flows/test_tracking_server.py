@@ -1,0 +1,115 @@
+"""A real MLflow tracking server (issue 11): `mlflow server` with a SQLite database and an artifacts folder,
+started by the test on 127.0.0.1. The tiny campaign records through it; then, from a fresh, empty run root,
+the campaign continues and an iteration is replayed using only what the server holds (stage outputs are
+uploaded as artifacts and downloaded when a stage needs them). Also: the campaign's Prefect global
+concurrency limit exists, with one slot."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.engines import campaign_limit
+from flows.replay import replay_config, resolve_run
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "1",
+    ]  # fmt: skip
+    environment = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed when the server stops
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        assert server.poll() is None, (root / "server.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the MLflow server did not answer within 120 s"
+        time.sleep(0.5)
+    yield url, root
+    os.killpg(server.pid, 15)
+    server.wait(timeout=30)
+    log.close()
+
+
+def _config(world, run_root: Path, url: str, *overrides: str):
+    return load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            f"run_root={run_root}",
+            f"tracking_uri={url}",
+            f"model.policy={world['policy']}",
+            f"data.prompts={world['prompts']}",
+            f"data.eval_prompts={world['eval_prompts']}",
+            "iterations=1",
+            *overrides,
+        ],
+    )
+
+
+def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_server(
+    prefect_server, checkpoint_world, tracking_server, tmp_path
+):
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    url, server_root = tracking_server
+    first = _config(checkpoint_world, tmp_path / "first", url)
+    state = rlhf_campaign(first, return_state=True)
+    assert state.is_completed(), state
+    assert not (first.run_root / "mlflow.db").exists(), "the server holds the runs, not a local store"
+    assert any((server_root / "artifacts").rglob("_manifest.json")), "stage outputs are uploaded to the server"
+
+    # A fresh, empty run root: every upstream output comes from the server.
+    second = _config(checkpoint_world, tmp_path / "second", url)
+    continued = rlhf_iteration(second)
+    assert continued.policy.stage == "ppo_update" and not continued.policy.reused
+    for stage in ("train_reward_model", "ppo_update"):  # iteration 0's, fetched from the server, and iteration 1's
+        assert len(list((second.run_root / "tiny" / stage).glob("[!.]*/_manifest.json"))) == 2, stage
+    source = resolve_run(second, "tiny:0")
+    replay_run = rlhf_replay(replay_config(second, source, ["advantages.kl_coef=0.2"]), source)
+
+    client = MlflowClient(tracking_uri=url)
+    experiment = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    iterations = sorted(
+        run.data.tags.get("rlhf.iteration") for run in runs if run.data.tags.get("rlhf.kind") == "iteration"
+    )
+    assert iterations == ["0", "1"]
+    assert client.get_run(replay_run).data.tags["rlhf.replay_of"] == source
+    assert all(run.info.status == "FINISHED" for run in runs)
+    version = client.get_model_version_by_alias("tiny-actor", "latest")
+    assert int(version.version) == 2
+    assert not version.source.startswith("file://"), "a model version on a server points at its artifacts"
+
+    with get_client(sync_client=True) as prefect:
+        limit = prefect.read_global_concurrency_limit_by_name(campaign_limit("tiny"))
+    assert limit.limit == 1 and limit.active_slots == 0

@@ -1,0 +1,74 @@
+"""N-process training (issue 11): 2 gloo processes under a real ``accelerate launch`` end where one process does.
+
+Same models, data, global minibatches and shuffles; each process trains on its share of every minibatch
+(:mod:`rlhf_core.distributed`). Weights match to float rounding (the shares' forward passes batch differently
+and DDP adds the gradients in another order), and discrete outcomes match exactly: the steps taken and the
+``target_kl`` early stop, decided on the all-reduced approximate KL.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.distributed import rank_share
+from tests.rlhf_core.distributed_job import PPO_CASES
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("distributed_job.py")
+
+
+def test_rank_share_splits_rows_contiguously_and_gives_a_rank_without_rows_a_weightless_stand_in():
+    # 7 rows over 2 ranks: tensor_split gives the first rank the extra row.
+    assert rank_share(7, rank=0, world=2)[0].tolist() == [0, 1, 2, 3]
+    assert rank_share(7, rank=1, world=2)[0].tolist() == [4, 5, 6]
+    assert rank_share(7, rank=1, world=2)[1] == 1.0
+    # 1 row over 2 ranks: rank 1 computes on row 0 with weight 0, so it still joins DDP's all-reduce.
+    rows, weight = rank_share(1, rank=0, world=2)
+    assert rows.tolist() == [0] and weight == 1.0
+    rows, weight = rank_share(1, rank=1, world=2)
+    assert rows.tolist() == [0] and weight == 0.0
+
+
+def _run(command: list[str], out: Path) -> None:
+    out.mkdir()
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([*command, str(out)], cwd=ROOT, env=environment, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    _run([sys.executable, str(JOB)], root / "one")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    _run([*launch, str(JOB)], root / "two")
+    return root / "one", root / "two"
+
+
+@pytest.mark.parametrize("case", [*PPO_CASES, "reward_model"])
+def test_two_processes_give_the_weights_and_statistics_of_one(runs, case):
+    one, two = (torch.load(folder / f"{case}.pt") for folder in runs)
+    for role, weights in one["weights"].items():
+        for name, value in weights.items():
+            torch.testing.assert_close(two["weights"][role][name], value, rtol=1e-4, atol=1e-5, msg=f"{role}.{name}")
+    assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"]
+    for name, value in one["stats"].items():
+        if isinstance(value, torch.Tensor | float):
+            torch.testing.assert_close(
+                torch.as_tensor(two["stats"][name]), torch.as_tensor(value), rtol=1e-4, atol=1e-5
+            )
+        else:
+            assert two["stats"][name] == value, name
+
+
+def test_the_target_kl_early_stop_is_taken_and_at_the_same_step(runs):
+    one, two = (torch.load(folder / "ppo_target_kl.pt") for folder in runs)
+    assert one["stats"]["early_stopped"] and two["stats"]["early_stopped"]
+    assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] < PPO_CASES["ppo_target_kl"].epochs * 2
