@@ -18,8 +18,9 @@ import pytest
 
 from flows.config import load_config
 from flows.engines import campaign_limit
-from flows.replay import replay_config, resolve_run
+from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+from flows.store import resolve_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
