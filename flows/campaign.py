@@ -18,7 +18,7 @@ from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure
 from flows.inputs import InputError, check_inputs
 from flows.settings import EXECUTION, LOCATION, replayable_fields
-from flows.store import campaign_layout, store_layout, tracking_uri
+from flows.store import artifact_root, campaign_layout, store_layout, tracking_uri
 from storage.fingerprints import FingerprintCache
 from storage.tracking import (
     KIND_ITERATION,
@@ -77,10 +77,8 @@ class ReplayInputs:
 
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
-    if config.tracking_uri is not None and config.tracking_uri.startswith(("http://", "https://")):
-        # The server decides where artifacts go (its --artifacts-destination, proxied as mlflow-artifacts:).
-        return TrackingStore(uri=config.tracking_uri, artifact_root=None)
-    return TrackingStore(uri=tracking_uri(config), artifact_root=str(store_layout(config).artifact_root()))
+    root = artifact_root(config)
+    return TrackingStore(uri=tracking_uri(config), artifact_root=None if root is None else str(root))
 
 
 def execution_of(config: PipelineConfig) -> Execution:

@@ -26,13 +26,19 @@ def tracking_uri(config: PipelineConfig) -> str:
     return config.tracking_uri or store_layout(config).tracking_uri()
 
 
+def artifact_root(config: PipelineConfig) -> Path | None:
+    """Where a local store keeps artifacts; None for a tracking server, which keeps them where its
+    ``--artifacts-destination`` says."""
+    return None if tracking_uri(config).startswith(("http://", "https://")) else store_layout(config).artifact_root()
+
+
 def store_tracker(config: PipelineConfig) -> Tracker:
     """The :class:`Tracker` of ``config``'s store (one per store and process)."""
-    return _tracker(tracking_uri(config), store_layout(config).artifact_root())
+    return _tracker(tracking_uri(config), artifact_root(config))
 
 
 @lru_cache(maxsize=4)
-def _tracker(uri: str, artifact_root: Path) -> Tracker:
+def _tracker(uri: str, artifact_root: Path | None) -> Tracker:
     return Tracker(uri, artifact_root=artifact_root)
 
 
