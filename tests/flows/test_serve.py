@@ -326,7 +326,11 @@ def test_two_iterations_of_a_campaign_never_run_at_once(served):
     with get_client(sync_client=True) as client:
         local_run = client.read_flow_run(local.state_details.flow_run_id)
     both_started = max(local_run.start_time, scheduled.start_time).timestamp() * 1000
-    assert both_started < first.info.end_time, "the two flow runs did not actually run at the same time"
+    assert both_started < first.info.end_time, (
+        "the two flow runs did not actually run at the same time: local flow run started "
+        f"{local_run.start_time}, scheduled {scheduled.start_time}, first iteration "
+        f"{first.info.start_time}..{first.info.end_time} ms\n{log.read_text()[-3000:]}"
+    )
 
 
 def test_sigterm_cancels_the_running_iteration_and_pauses_the_schedule(served):
