@@ -142,8 +142,10 @@ class ExecutionConfig(_Frozen):
     """Processes that train the reward model and run the PPO update: 1 trains in the stage's own process; more
     run `accelerate launch` workers (DDP), each on its share of every minibatch."""
     accelerate_config: Path | None = None
-    """An `accelerate config` file passed to `accelerate launch` (FSDP, DeepSpeed, GPUs per node); None launches
-    `execution.training_processes` processes on this machine (gloo on CPUs, NCCL on GPUs)."""
+    """An `accelerate config` file passed to `accelerate launch` (GPUs per node, GPU ids, ports); None launches
+    `execution.training_processes` processes on this machine (gloo on CPUs, NCCL on GPUs). Data parallel only:
+    a sharding `distributed_type` (FSDP, DeepSpeed, Megatron-LM) is refused, because saving does not yet gather
+    sharded weights and optimizer states (docs/scaling.md); LoRA keeps a 7 B update on one GPU."""
 
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:
@@ -153,9 +155,36 @@ class ExecutionConfig(_Frozen):
                 f"`execution.task_runner` {self.task_runner} needs the package {package.replace('_', '-')}: "
                 "pip install 'rlhf-pipeline[scale]'"
             )
-        if self.accelerate_config is not None and not self.accelerate_config.is_file():
-            raise ValueError(f"`execution.accelerate_config` {self.accelerate_config} is not a file")
+        if self.accelerate_config is not None:
+            _check_data_parallel(self.accelerate_config)
         return self
+
+
+_SHARDING = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+"""`distributed_type`s of an accelerate config that shard weights or optimizer states across processes."""
+
+
+def _check_data_parallel(path: Path) -> None:
+    """Refuse an accelerate config file that is missing, unreadable or shards the models (see `accelerate_config`).
+
+    A sharded model saved the way the training stages save (each model's own ``state_dict`` on the main process)
+    would hold the main process's shard only, so it is refused rather than written wrong.
+    """
+    if not path.is_file():
+        raise ValueError(f"`execution.accelerate_config` {path} is not a file")
+    try:
+        settings = yaml.safe_load(path.read_text())  # accelerate writes YAML (or JSON, which YAML reads too)
+    except yaml.YAMLError as error:
+        raise ValueError(f"`execution.accelerate_config` {path} is not YAML or JSON: {error}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"`execution.accelerate_config` {path} is not an accelerate config (a mapping of settings)")
+    distributed = str(settings.get("distributed_type", "NO")).upper()
+    if distributed in _SHARDING:
+        raise ValueError(
+            f"`execution.accelerate_config` {path} has distributed_type {distributed}: sharded training is not "
+            "supported yet (saving does not gather sharded weights and optimizer states); use a data-parallel "
+            "config (MULTI_GPU) and LoRA (`model.lora.r`) to fit a large model on each GPU"
+        )
 
 
 class PipelineConfig(_Frozen):

@@ -151,3 +151,20 @@ def test_issue15_a_finished_stage_is_one_summary_line():
 def test_a_reward_model_eval_split_below_four_pairs_is_refused_before_anything_runs():
     with pytest.raises(ConfigError, match=r"reward_model.eval_fraction` 0.1 of 16 preference pairs holds out 1"):
         load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])
+
+
+def test_a_sharding_accelerate_config_is_refused_and_a_data_parallel_one_accepted(tmp_path):
+    """Saving keeps each model's own state dict on the main process: a sharded model would be saved as one shard."""
+    for distributed_type in ("FSDP", "DEEPSPEED"):
+        sharded = tmp_path / f"{distributed_type}.yaml"
+        sharded.write_text(
+            f"compute_environment: LOCAL_MACHINE\ndistributed_type: {distributed_type}\nnum_processes: 8\n"
+        )
+        with pytest.raises(ConfigError, match=f"distributed_type {distributed_type}.*not supported yet"):
+            load_config(CONFIGS / "tiny.yaml", [f"execution.accelerate_config={sharded}"])
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(CONFIGS / "tiny.yaml", [f"execution.accelerate_config={tmp_path / 'missing.yaml'}"])
+    data_parallel = tmp_path / "ddp.yaml"
+    data_parallel.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\ngpu_ids: all\n")
+    config = load_config(CONFIGS / "tiny.yaml", [f"execution.accelerate_config={data_parallel}"])
+    assert config.execution.accelerate_config == data_parallel
