@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -61,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     rounds = parser.parse_args().rounds
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # the temporary server sends nothing out
 
     from prefect.testing.utilities import prefect_test_harness
 
