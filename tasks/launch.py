@@ -7,7 +7,9 @@ its own process. Otherwise :func:`train`:
    folders, the stage context and the stage's arguments, as JSON) beside the stage's mid-epoch
    checkpoints;
 2. runs ``accelerate launch --num_processes N -m tasks.train_worker SPEC`` (plus the accelerate config
-   file, for FSDP or DeepSpeed on GPUs), on a free port, its output going to ``job/workers.log``;
+   file, e.g. for the GPUs of a node; data parallel only), on a free port, its output going to
+   ``job/workers.log``; every worker first joins the process group and checks that it sees all N
+   (:func:`tasks.train_worker.join_process_group`);
 3. every worker reads the stage's inputs from disk and trains on its share of every minibatch
    (:mod:`rlhf_core.distributed`); the main process alone writes the output's files, mid-epoch
    checkpoints included, and ``job/result.json`` (metrics and runtime);
@@ -118,7 +120,7 @@ def launch_options(execution: Any, precision: Precision) -> list[str]:
     """``accelerate launch`` options: the config file if given, the process count, the precision, a free port."""
     options = []
     if execution.accelerate_config is not None:
-        options += ["--config_file", execution.accelerate_config]  # its distributed type (FSDP, DeepSpeed) stands
+        options += ["--config_file", execution.accelerate_config]  # data parallel: the config refuses sharding
     elif execution.training_processes > 1:
         options += ["--multi_gpu"]  # DDP: NCCL on GPUs, gloo on CPUs
     if execution.training_processes > 1:

@@ -13,23 +13,45 @@ from pathlib import Path
 
 from accelerate import PartialState
 
+from rlhf_core.precision import resolve_device
+from tasks.context import Execution
 from tasks.launch import TrainingOutput, decode, resolve
 
 
 def main(argv: list[str] | None = None) -> None:
     (spec_path,) = sys.argv[1:] if argv is None else argv
-    # Join the process group first: on GPUs this makes the process's own GPU the current one, which is where
-    # `device: cuda` then puts its models.
-    state = PartialState()
     job = json.loads(Path(spec_path).read_text())
+    context = decode(job["context"])
+    state = join_process_group(context.execution)
     function = resolve(job["function"])
     out = TrainingOutput(path=Path(job["output"]), final_dir=Path(job["final_dir"]))
-    metrics = function(out, decode(job["context"]), *decode(job["upstream"]), **decode(job["settings"]))
+    metrics = function(out, context, *decode(job["upstream"]), **decode(job["settings"]))
     if state.is_main_process:
         result = Path(job["result"])
         staging = result.with_name(f".{result.name}.tmp-{os.getpid()}")
         staging.write_text(json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
         os.replace(staging, result)
+
+
+def join_process_group(execution: Execution) -> PartialState:
+    """This worker's place among the launched processes, before any model is loaded.
+
+    Accelerate's process state is a process-wide singleton fixed by its first creation, and without ``cpu=True``
+    it sees no process group on a machine without GPUs: each worker would train alone on the whole batch. So the
+    state is created here, first, for the stage's device (on GPUs this also makes the process's own GPU the
+    current one, where `device: cuda` puts its models), and a worker that does not see every launched process
+    fails at once rather than train alone.
+
+    Raises:
+        RuntimeError: the process group is not the ``execution.training_processes`` processes launched.
+    """
+    state = PartialState(cpu=resolve_device(execution.device).type == "cpu")
+    if state.num_processes != execution.training_processes:
+        raise RuntimeError(
+            f"{execution.training_processes} training processes were launched, but this one sees a process group "
+            f"of {state.num_processes} ({state.distributed_type}): it would train alone"
+        )
+    return state
 
 
 if __name__ == "__main__":

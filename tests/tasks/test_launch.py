@@ -1,0 +1,62 @@
+"""Training stages in N processes (issue 11): the workers form one process group, and a worker's failure fails
+the stage with the worker's own error.
+
+Real ``accelerate launch``es of 2 processes (gloo on the CPU) run small training functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tasks.context import Execution
+from tasks.launch import TrainingOutput, TrainingWorkerError, train
+
+
+@dataclass(frozen=True)
+class Job:
+    """What :func:`tasks.launch.train` reads of a stage context: where and how it runs."""
+
+    execution: Execution
+
+
+def sum_the_ranks(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
+    """A training function that all-reduces ``rank + 1`` over the process group: 3 with 2 processes."""
+    import torch
+    from accelerate import PartialState
+
+    state = PartialState()
+    total = torch.tensor([state.process_index + 1.0])
+    torch.distributed.all_reduce(total)
+    return {"processes": state.num_processes, "rank_sum": total.item()}
+
+
+def fail_in_the_second_process(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
+    """A training function whose second worker fails; the first ends normally."""
+    from accelerate import PartialState
+
+    if PartialState().process_index == 1:
+        raise ValueError("worker 1 could not read experience shard 3")
+    return {"loss": 0.0}
+
+
+def test_the_launched_workers_form_one_process_group_on_the_cpu(tmp_path: Path):
+    """Accelerate sees no process group on a CPU unless asked: each worker would otherwise train alone."""
+    out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
+    out.path.mkdir()
+    metrics = train(out, Job(Execution(device="cpu", training_processes=2)), sum_the_ranks, precision="fp32")
+    assert metrics == {"processes": 2, "rank_sum": 3.0}
+
+
+def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
+    out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
+    out.path.mkdir()
+    job = Job(Execution(device="cpu", training_processes=2))
+    with pytest.raises(TrainingWorkerError, match="exit status") as failure:
+        train(out, job, fail_in_the_second_process, precision="fp32")
+    message = str(failure.value)
+    assert "2 training processes failed" in message
+    assert "ValueError: worker 1 could not read experience shard 3" in message
+    assert (tmp_path / "output.partial" / "job" / "workers.log").is_file()
