@@ -97,6 +97,13 @@ def campaign_slot(campaign: str, record: Path) -> Iterator[None]:
             release_concurrency_slots_with_lease(UUID(record.read_text().strip()))
             logger.info("released the campaign slot of a run that stopped without releasing it")
         record.unlink()
+    if _slot_taken(name):
+        logger.warning(
+            "waiting for campaign %s's slot (Prefect global concurrency limit %s): another iteration or replay of "
+            "it runs. If none does (a run killed while a server kept its leases in memory), free the slot: "
+            "prefect global-concurrency-limit update %s --active-slots 0",
+            campaign, name, name,
+        )  # fmt: skip
     lease = acquire_concurrency_slots_with_lease([name], 1, lease_duration=LEASE_SECONDS, strict=True).lease_id
     record.write_text(f"{lease}\n")
     try:
@@ -121,3 +128,12 @@ def _create_limit(name: str) -> None:
         except ObjectNotFound:
             with contextlib.suppress(ObjectAlreadyExists):  # another process created it first
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+
+def _slot_taken(name: str) -> bool:
+    """Whether the global concurrency limit ``name`` has no free slot now (a run acquiring it will wait)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    return limit.active_slots >= limit.limit

@@ -9,11 +9,12 @@ Choices:
 1. The command starts the same server (uvicorn serving ``prefect.server.api.server:create_app``, with
    the environment Prefect gives its own) before any flow runs, and points Prefect at it through
    ``PREFECT_API_URL``, so Prefect never starts one of its own.
-2. The server is started through a two-line launcher that asks the kernel to send it SIGTERM when
+2. Its concurrency-slot leases are kept on disk, so they outlive it (see :func:`_launch`).
+3. The server is started through a two-line launcher that asks the kernel to send it SIGTERM when
    its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, kept across the ``exec`` into uvicorn), so
    it ends with the command however the command ends, ``kill -9`` included. The request is tied to
    the thread that started the child, so it is made from the command's main thread.
-3. It is stopped at exit like Prefect's own, from an ``atexit`` hook registered before any flow runs,
+4. It is stopped at exit like Prefect's own, from an ``atexit`` hook registered before any flow runs,
    so Prefect's log and event workers (registered later, run earlier) flush to it first. It runs in
    a process group of its own, so a Ctrl-C at the terminal reaches the command, which stops it when
    it has reported the interruption, and not the server directly.
@@ -45,6 +46,7 @@ os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
 """
 _ADDRESS_IN_USE = 3  # uvicorn's exit code when the port was taken meanwhile
 _STOP_SECONDS = 5.0
+LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 class PrefectServerError(RuntimeError):
@@ -74,6 +76,11 @@ def _launch(port: int) -> subprocess.Popen:
         "PREFECT__SERVER_EPHEMERAL": "1",
         "PREFECT__SERVER_FINAL": "1",
     }
+    # Concurrency-slot leases on disk (under PREFECT_HOME), not in the server's memory: the server dies with its
+    # command, and the campaign slot a killed run held must stay releasable by the next command (which finds its
+    # lease recorded, flows.engines.campaign_slot) or revocable when the lease runs out. In memory, the lease
+    # died with the server while the slot stayed taken in the database, and the next run waited forever.
+    environment.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
     # In a process group of its own: Ctrl-C in a terminal signals the whole foreground group, and the server
     # must outlive the command's own handling of it (marking its runs) rather than stop under it.
     return subprocess.Popen(
