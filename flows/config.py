@@ -98,7 +98,8 @@ class IterationSizes(_Frozen):
     eval_prompts: int = Field(64, gt=0)
     """Held-out prompts evaluated each iteration."""
     rows_per_shard: int = Field(4096, gt=0)
-    """Rows per Parquet shard."""
+    """Rows per Parquet shard, and per unit of work the generation stages fan out (`execution.task_runner`). Each
+    shard samples from its own seed, so changing it changes the outputs: it is part of a campaign's config."""
 
 
 class HumanLabelConfig(_Frozen):
