@@ -499,21 +499,51 @@ def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
 
 @task(name="load_latest_state", cache_policy=NO_CACHE)
 def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, IterationState | None]:
-    """Where a campaign stands in MLflow: the next iteration to run and the state to run it from.
-
-    The state comes from the newest finished iteration run: its PPO output (actor, and critic if
-    any), its scored experience, its reward model and every preference table that reward model was
-    trained on (none when a reward function scored that iteration).
-    """
+    """Where a campaign stands in MLflow: the next iteration to run and the state to run it from (the state
+    after its newest finished iteration run, :func:`_state_after`)."""
     tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
     latest = tracker.latest_iteration(experiment_id)
     if latest is None:
         return 0, None
-    context = context_for(config, latest, base, experiment_id)
     parent = tracker.find_run(
         experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
     )
+    return latest + 1, _state_after(config, base, latest, parent)
+
+
+def finished_otherwise(
+    config: PipelineConfig, base: BaseInputs, iteration: int, state: IterationState | None
+) -> IterationState | None:
+    """The state after ``iteration`` as the campaign finished it with other settings; None when the campaign
+    has not finished it, or finished it from ``state`` with ``config``'s settings (then running it again
+    reuses and re-verifies its outputs).
+
+    An iteration number names one finished iteration of a campaign: ``demo:3`` must mean one run. A campaign
+    run with other settings that may change from one command to the next (``advantages.*``, ``ppo.*``, as a
+    schedule changes them, and ``iterations``, which is part of the runs' key) therefore keeps the iterations it
+    finished as they are, and the new settings apply from its first unfinished iteration on; ``rlhf replay``
+    re-runs a finished one with them.
+    """
+    tracker = tracking_store(config).tracker()
+    experiment_id = tracker.experiment_id(config.campaign)
+    parent = tracker.find_run(
+        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(iteration)}, status="FINISHED"
+    )
+    if parent is None:
+        return None
+    key = run_key(config, base, "" if state is None else state.policy.digest, iteration)
+    if tracker.run_tags(parent).get(TAG_ITERATION_KEY) == key:
+        return None
+    return _state_after(config, base, iteration, parent)
+
+
+def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, parent: str) -> IterationState:
+    """The state after the finished iteration run ``parent``: its PPO output (actor, and critic if any), its
+    scored experience, its reward model and every preference table that reward model was trained on (none
+    when a reward function scored that iteration)."""
+    tracker = tracking_store(config).tracker()
+    context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
     policy = recorded_result(context, stage_run(context, parent, "ppo_update"))
     advantages = recorded_result(context, stage_run(context, parent, "compute_advantages"))
     reward_model_run = stage_run(context, parent, "train_reward_model", required=False)
@@ -522,4 +552,4 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
         reward_model = recorded_result(context, reward_model_run)
         names = upstream_names(reward_model, prefix="preferences_")
         preferences = tuple(upstream_result(context, reward_model, name) for name in names)
-    return latest + 1, IterationState(policy, reward_model, preferences, advantages)
+    return IterationState(policy, reward_model, preferences, advantages)

@@ -19,6 +19,7 @@ from flows.campaign import (
     ReplayInputs,
     campaign_layout,
     close_iteration,
+    finished_otherwise,
     load_latest_state,
     load_replay_inputs,
     open_iteration,
@@ -134,11 +135,24 @@ def _collect(config: PipelineConfig, context, settings, state: IterationState) -
 
 @flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)
 def rlhf_campaign(config: PipelineConfig) -> IterationState:
-    """``config.iterations`` iterations, each continuing from the previous one's policy and reward model."""
+    """``config.iterations`` iterations, each continuing from the previous one's policy and reward model.
+
+    An iteration the campaign finished with other settings (PPO or advantage settings, or another number of
+    iterations) is kept as it is (:func:`flows.campaign.finished_otherwise`): the settings apply from the first
+    unfinished iteration on, and an iteration number names one finished run.
+    """
     state = None
     with engine(config) as config:  # one local cluster for every iteration
+        base = resolve_base(config)
         for iteration in range(config.iterations):
-            state = rlhf_iteration(config, iteration, state)
+            kept = finished_otherwise(config, base, iteration, state)
+            if kept is not None:
+                get_run_logger().info(
+                    "iteration %d of campaign %s was finished with other settings (advantages, ppo or iterations): "
+                    "kept as it is (`rlhf replay %s:%d` runs it with these)",
+                    iteration, config.campaign, config.campaign, iteration,
+                )  # fmt: skip
+            state = kept or rlhf_iteration(config, iteration, state)
     return state
 
 

@@ -205,3 +205,33 @@ def test_rlhf_run_of_a_finished_campaign_starts_no_flow(campaign, capsys):
     arguments = [part for name, value in overrides.items() for part in ("--set", f"{name}={value}")]
     assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), *arguments]) == 0
     assert "nothing to run" in capsys.readouterr().out
+
+
+def test_other_ppo_settings_keep_the_finished_iterations_and_apply_from_the_next_one(campaign):
+    """One finished run per iteration number: `demo:0` names one run, whatever settings later commands bring.
+    (Before: a changed `ppo.*` setting, free to change between commands, started a second iteration 0.)"""
+    import dataclasses
+
+    config, first = campaign
+    _, _, before = _mlflow_runs(config)
+    kept = {r.data.tags["rlhf.iteration"]: r.info.run_id for r in before if r.data.tags.get("rlhf.kind") == "iteration"}
+    changed = config.model_copy(
+        update={
+            "ppo": dataclasses.replace(config.ppo, epochs=config.ppo.epochs + 1),
+            "iterations": config.iterations + 1,
+        }
+    )
+    final = rlhf_campaign(changed)
+
+    _, _, after = _mlflow_runs(config)
+    iterations = [r for r in after if r.data.tags.get("rlhf.kind") == "iteration"]
+    numbers = sorted(int(r.data.tags["rlhf.iteration"]) for r in iterations)
+    assert numbers == list(range(changed.iterations)), "one run per iteration number"
+    by_number = {r.data.tags["rlhf.iteration"]: r for r in iterations}
+    assert {n: by_number[n].info.run_id for n in kept} == kept, "the finished iterations are kept as they are"
+    new = by_number[str(config.iterations)]
+    assert new.info.status == "FINISHED" and new.data.params["ppo.epochs"] == str(changed.ppo.epochs)
+    from storage.manifest import read_manifest
+
+    upstream = read_manifest(final.policy.directory, verify=False).upstream
+    assert upstream["policy"] == first.result().policy.digest, "it continues from the last kept iteration"
