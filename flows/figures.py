@@ -21,6 +21,7 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     iteration, labelled), and all three over iterations. ``rows`` are ``(iteration, metrics)``, oldest first;
     iterations without evaluation metrics are left out."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     rows = [(iteration, metrics) for iteration, metrics in rows if REWARD in metrics and KL in metrics]
     iterations = [iteration for iteration, _ in rows]
@@ -49,4 +50,7 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     by_iteration.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
     for axis in (by_kl, by_iteration):
         axis.grid(alpha=0.3)
+    # A few ticks, whole iterations: one iteration's KL near zero would otherwise get overlapping long tick labels.
+    by_kl.xaxis.set_major_locator(MaxNLocator(nbins=5))
+    by_iteration.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
     return figure

@@ -31,7 +31,9 @@ class Chromium:
     """One headless Chromium with one page; use as a context manager."""
 
     def __init__(self, binary: str, *, width: int, height: int) -> None:
-        self._profile = tempfile.TemporaryDirectory(prefix="chromium-profile-")
+        self._profile = tempfile.TemporaryDirectory(
+            prefix="chromium-profile-", ignore_cleanup_errors=True
+        )  # its helpers may still write
         self._process = subprocess.Popen(
             [
                 binary,
