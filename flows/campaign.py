@@ -36,6 +36,7 @@ from storage.tracking import (
     TAG_REPLAY_OF,
     TAG_REUSE,
     TAG_STAGE,
+    TAG_STARTING_POINT,
     Tracker,
 )
 from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
@@ -191,6 +192,12 @@ def _fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
     return fields
 
 
+def starting_point(base: BaseInputs, previous: str, iteration: int) -> str:
+    """What an iteration starts from: its base inputs' contents, the digest of the policy it continues ("" for
+    iteration 0) and its number; with its config, this makes its run key (:func:`run_key`)."""
+    return hashlib.sha256(json.dumps([base.fingerprint, previous, iteration]).encode()).hexdigest()
+
+
 def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
     """An iteration (or replay) run's identity: its config without execution and location settings,
     its base inputs and ``parts`` (its starting point)."""
@@ -342,7 +349,7 @@ def open_iteration(
         base,
         key=run_key(config, base, previous, iteration),
         name=f"iteration-{iteration}",
-        tags={TAG_KIND: KIND_ITERATION},
+        tags={TAG_KIND: KIND_ITERATION, TAG_STARTING_POINT: starting_point(base, previous, iteration)},
     )
 
 
@@ -515,9 +522,10 @@ def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, It
 def finished_otherwise(
     config: PipelineConfig, base: BaseInputs, iteration: int, state: IterationState | None
 ) -> IterationState | None:
-    """The state after ``iteration`` as the campaign finished it with other settings; None when the campaign
-    has not finished it, or finished it from ``state`` with ``config``'s settings (then running it again
-    reuses and re-verifies its outputs).
+    """The state after ``iteration`` as the campaign finished it with other settings from the same starting
+    point (:func:`starting_point`); None when the campaign has not finished it, finished it with ``config``'s
+    settings (running it again reuses and re-verifies its outputs) or from another starting point (base inputs
+    edited in place, or a run older than the tag: it runs again, from what it starts from now).
 
     An iteration number names one finished iteration of a campaign: ``demo:3`` must mean one run. A campaign
     run with other settings that may change from one command to the next (``advantages.*``, ``ppo.*``, as a
@@ -532,8 +540,11 @@ def finished_otherwise(
     )
     if parent is None:
         return None
-    key = run_key(config, base, "" if state is None else state.policy.digest, iteration)
-    if tracker.run_tags(parent).get(TAG_ITERATION_KEY) == key:
+    previous = "" if state is None else state.policy.digest
+    tags = tracker.run_tags(parent)
+    if tags.get(TAG_ITERATION_KEY) == run_key(config, base, previous, iteration):
+        return None
+    if tags.get(TAG_STARTING_POINT) != starting_point(base, previous, iteration):
         return None
     return _state_after(config, base, iteration, parent)
 
