@@ -13,7 +13,8 @@ its own process. Otherwise :func:`train`:
 3. every worker reads the stage's inputs from disk and trains on its share of every minibatch
    (:mod:`rlhf_core.distributed`); the main process alone writes the output's files, mid-epoch
    checkpoints included, and ``job/result.json`` (metrics and runtime);
-4. a worker's failure fails the task with the end of the workers' log, which holds the worker's error.
+4. a worker's failure fails the task with that worker's traceback (each worker writes its own to
+   ``job/error-<rank>.txt``) and the end of the workers' log.
 
 The stage's own process keeps the output (:class:`storage.manifest.StageOutput`): the manifest, the
 atomic publication and the MLflow record are the same as for one process. A crashed launch leaves the
@@ -42,6 +43,8 @@ from tasks.context import StageContext
 
 JOB_FOLDER = "job"
 LOG_TAIL_LINES = 40
+ERROR_PREFIX = "error-"
+"""A failed worker writes its traceback to ``job/error-<rank>.txt``."""
 
 
 class TrainingWorkerError(RuntimeError):
@@ -89,6 +92,8 @@ def train(
     folder.mkdir(parents=True, exist_ok=True)
     spec, result, log = folder / "spec.json", folder / "result.json", folder / "workers.log"
     result.unlink(missing_ok=True)
+    for stale in folder.glob(f"{ERROR_PREFIX}*.txt"):  # a crashed launch's
+        stale.unlink()
     job = {
         "function": f"{function.__module__}:{function.__qualname__}",
         "output": str(out.path),
@@ -109,7 +114,7 @@ def train(
     if status != 0 or not result.is_file():
         raise TrainingWorkerError(
             f"{function.__module__}: the {execution.training_processes} training processes failed (exit status "
-            f"{status}); the end of {log}:\n{_tail(log)}"
+            f"{status}){worker_errors(folder)}; the end of {log}:\n{_tail(log)}"
         )
     reported = json.loads(result.read_text())
     out.runtime.update(reported["runtime"])
@@ -143,6 +148,12 @@ def _end_with_parent() -> None:  # pragma: no cover - runs in the child, between
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def worker_errors(folder: Path) -> str:
+    """The tracebacks the failed workers wrote, by rank, as text for the error message ("" if none did)."""
+    errors = sorted(folder.glob(f"{ERROR_PREFIX}*.txt"), key=lambda path: int(path.stem[len(ERROR_PREFIX) :]))
+    return "".join(f"\nworker {path.stem[len(ERROR_PREFIX) :]}:\n{path.read_text().rstrip()}" for path in errors)
 
 
 def _tail(log: Path) -> str:

@@ -9,18 +9,30 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from accelerate import PartialState
 
 from rlhf_core.precision import resolve_device
 from tasks.context import Execution
-from tasks.launch import TrainingOutput, decode, resolve
+from tasks.launch import ERROR_PREFIX, TrainingOutput, decode, resolve
 
 
 def main(argv: list[str] | None = None) -> None:
     (spec_path,) = sys.argv[1:] if argv is None else argv
-    job = json.loads(Path(spec_path).read_text())
+    try:
+        _run(Path(spec_path))
+    except BaseException:
+        # The worker's own error, whole, where the stage finds it (tasks.launch.worker_errors): in the workers'
+        # log it can be lost among the other workers' output and the launcher's summary.
+        rank = os.environ.get("RANK", "0")
+        (Path(spec_path).parent / f"{ERROR_PREFIX}{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _run(spec_path: Path) -> None:
+    job = json.loads(spec_path.read_text())
     context = decode(job["context"])
     state = join_process_group(context.execution)
     function = resolve(job["function"])

@@ -58,5 +58,7 @@ def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
         train(out, job, fail_in_the_second_process, precision="fp32")
     message = str(failure.value)
     assert "2 training processes failed" in message
+    # the worker's own traceback, whole, however long the launcher's summary after it in the log
+    assert "worker 1:\nTraceback (most recent call last):" in message
     assert "ValueError: worker 1 could not read experience shard 3" in message
     assert (tmp_path / "output.partial" / "job" / "workers.log").is_file()
