@@ -4,9 +4,10 @@
 ``bench/.scratch/noop-root`` (its demo world kept from an earlier run: a campaign cannot be recomputed in
 place under other code once its older optimizer states are pruned), then times running the same command
 again ``--repeats`` times (each a fresh process, as a user runs it). Also reports,
-from one more process, where that command's time goes: importing the command's modules, resolving
-and checking the base inputs, and the reuse decision per iteration (one MLflow query and the
-manifests' verification each; :func:`flows.reuse.reused_iterations`).
+from one more process, where that command's time goes: importing the command's modules (neither torch nor
+Prefect), locating the base inputs and fingerprinting them (from the run root's cache; no checks), opening
+the MLflow store, and the reuse decision per iteration (one MLflow query and the manifests' verification
+each; :func:`flows.reuse.reused_iterations`).
 
 This module itself runs as the worker of the last part (``python -m bench.noop --out FILE --root DIR``).
 """
@@ -68,15 +69,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.perf_counter()
-    from flows.campaign import resolve_base, tracking_store
+    from demo.world import complete_world
     from flows.config import load_config
+    from flows.identity import base_inputs, demo_world_dir, fingerprint_cache
+    from flows.report import campaign_report  # noqa: F401 - the command prints it: its imports count
     from flows.reuse import reused_iterations
+    from flows.store import store_tracker
 
     imported = time.perf_counter()
     config = load_config(CONFIG, [f"run_root={args.root}"])
-    base = resolve_base.fn(config)
+    base = base_inputs(config, fingerprint_cache(config), complete_world(demo_world_dir(config)))
     resolved = time.perf_counter()
-    tracking_store(config).tracker()  # opening the MLflow store (cached per process)
+    store_tracker(config)  # opening the MLflow store (cached per process)
     opened = time.perf_counter()
     reused = reused_iterations(config, base)
     decided = time.perf_counter()

@@ -267,9 +267,9 @@ def _noop_section(noop: dict) -> list[str]:
         "| --- | --- |",
         f"| the campaign (first run) | {noop['first_run_s']:.1f} |",
         f"| no-op run, median of {len(noop['noop_wall_s'])} (wall) | {noop['noop_median_s']:.2f} |",
-        f"| of it, in one more process: importing the command's modules (`flows.reuse` imports `flows.campaign`,"
-        f" and with it Prefect, torch, transformers and every task) | {parts['import_s']:.2f} |",
-        f"| of it: config, base inputs resolved and checked | {parts['config_and_base_s']:.2f} |",
+        f"| of it, in one more process: importing the command's modules (MLflow, pyarrow, pydantic; neither torch"
+        f" nor Prefect) | {parts['import_s']:.2f} |",
+        f"| of it: config, base inputs located and fingerprinted (cached) | {parts['config_and_base_s']:.2f} |",
         f"| of it: opening the MLflow store | {parts['mlflow_store_s']:.2f} |",
         f"| of it: the reuse decision, {parts['iterations']} iterations ({parts['reused']} reused) |"
         f" {parts['decision_s']:.2f} ({per_iteration:.3f} per iteration) |",

@@ -4,14 +4,10 @@
 * :mod:`demo.gold`: the hidden gold rubric that plays the human rater.
 * :mod:`demo.tokenizer`: a word-level tokenizer saved as an ordinary Hugging Face tokenizer.
 * :mod:`demo.pretrain`: next-token pretraining of a tiny GPT-2 on the corpus.
-* :mod:`demo.build`: builds (once, then caches) the model folder and the prompt files.
+* :mod:`demo.world`: the world's folder (model, prompt files), and whether a complete one is there.
+* :mod:`demo.build`: builds (once, then caches) the world.
 
 ``python -m demo`` builds the world and shows samples with their gold scores.
 """
 
 from __future__ import annotations
-
-from demo.build import DemoWorld, WorldConfig, build_default_world, load_prompts
-from demo.gold import gold_prefers, gold_score
-
-__all__ = ["DemoWorld", "WorldConfig", "build_default_world", "gold_prefers", "gold_score", "load_prompts"]

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from demo.build import DEFAULT_CACHE_DIR, build_default_world, load_prompts
+from demo.build import build_default_world
 from demo.gold import gold_score
+from demo.world import DEFAULT_CACHE_DIR, load_prompts
 from rlhf_core.config import SamplingConfig
 from rlhf_core.generation import sample_candidates
 

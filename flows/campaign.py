@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -16,10 +15,19 @@ from prefect.context import get_run_context
 
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure
+from flows.identity import (
+    base_inputs,
+    demo_world_dir,
+    fields_without,
+    fingerprint_cache,
+    run_key,
+    starting_point,
+    uses_demo_world,
+)
 from flows.inputs import InputError, check_inputs
+from flows.reuse import reuse_record
 from flows.settings import EXECUTION, LOCATION, replayable_fields
-from flows.store import artifact_root, campaign_layout, store_layout, tracking_uri
-from storage.fingerprints import FingerprintCache
+from flows.store import artifact_root, campaign_layout, tracking_uri
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
@@ -39,17 +47,13 @@ from storage.tracking import (
     TAG_STARTING_POINT,
     Tracker,
 )
-from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
-from tasks.judge import JudgeReference
+from tasks.context import BaseInputs, Execution, StageContext, TrackingStore
 from tasks.ppo_update import prune_optimizer_states
 from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
-from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult
 from tasks.text import load_tokenizer, same_tokenizer
 
 CONFIG_ARTIFACT = "config.json"
-GOLD_JUDGE = "demo.gold:JUDGE"
-"""The embedded demo's hidden gold rater: it judges evaluation in the demo world (`demo`), and labels with `gold`."""
 
 
 @dataclass(frozen=True)
@@ -97,70 +101,22 @@ def execution_of(config: PipelineConfig) -> Execution:
     )
 
 
-def _local_model_folder(policy: str) -> str:
-    """``policy`` itself when it is a folder; a hub name (``org/name``) is fetched into (or found in) the
-    Hugging Face cache, so its content can be fingerprinted like any folder."""
-    if Path(policy).exists():
-        return policy
-    if policy.startswith(("/", ".", "~")) or policy.count("/") != 1:
-        raise FileNotFoundError(f"`model.policy` folder {policy} does not exist")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(policy)
-    except Exception as error:  # noqa: BLE001 - offline, unknown repo, no access: all mean the same here
-        raise FileNotFoundError(
-            f"`model.policy` {policy!r} is neither a folder nor a model the Hugging Face hub (or its local cache) "
-            f"provides: {error}"
-        ) from error
-
-
-def _input_file(cache: FingerprintCache, setting: str, path: str | Path) -> InputFile:
-    if not Path(path).exists():
-        raise FileNotFoundError(f"`{setting}` {path} does not exist")
-    return InputFile(path=str(Path(path).resolve()), sha256=cache.fingerprint(Path(path)))
-
-
 @task(name="resolve_base", cache_policy=NO_CACHE)
 def resolve_base(config: PipelineConfig) -> BaseInputs:
     """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, identify each by
-    its content (cached by path, size and modification time), and refuse any the stages could not use.
+    its content (:func:`flows.identity.base_inputs`), and refuse any the stages could not use.
 
     Raises:
         FileNotFoundError: an input does not exist.
         InputError: an input cannot be used (see :func:`flows.inputs.check_inputs`).
     """
-    policy, prompts, eval_prompts = config.model.policy, config.data.prompts, config.data.eval_prompts
-    if config.demo and (policy is None or prompts is None or eval_prompts is None):
+    world = None
+    if uses_demo_world(config):
         from demo.build import build_default_world
 
-        world = build_default_world(store_layout(config).cache_dir() / "demo-world", seed=0)
-        policy = policy or str(world.model_dir)
-        prompts = prompts or world.prompts_path
-        eval_prompts = eval_prompts or world.eval_prompts_path
-    policy = _local_model_folder(policy)
-    if not (Path(policy) / "config.json").is_file():
-        raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
-    cache = FingerprintCache(store_layout(config).fingerprint_cache())
-    policy_file = _input_file(cache, "model.policy", policy)
-    base = BaseInputs(
-        policy=policy_file,
-        tokenizer=_input_file(cache, "model.tokenizer", config.model.tokenizer)
-        if config.model.tokenizer
-        else policy_file,
-        prompts=_input_file(cache, "data.prompts", prompts),
-        eval_prompts=_input_file(cache, "data.eval_prompts", eval_prompts),
-        judge=JudgeReference.of(GOLD_JUDGE) if config.demo else None,
-        preferences=_input_file(cache, "data.preferences", config.data.preferences)
-        if config.labeler == "import" and config.data.preferences
-        else None,
-        reward_model=_input_file(cache, "model.reward_model", config.model.reward_model)
-        if config.model.reward_model
-        else None,
-        reward_function=RewardFunctionReference.of(config.reward.function)
-        if config.reward.source == "function" and config.reward.function
-        else None,
-    )
+        world = build_default_world(demo_world_dir(config), seed=0)
+    cache = fingerprint_cache(config)
+    base = base_inputs(config, cache, world)
     check_inputs(config, base)
     if config.model.critic_init == "reward_model" and not same_tokenizer(
         load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
@@ -180,31 +136,6 @@ def _flow_run_id() -> str | None:
         return None
 
 
-def _fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
-    """The config as JSON values, less the fields at ``paths`` (dotted)."""
-    fields = config.model_dump(mode="json")
-    for path in paths:
-        *parents, leaf = path.split(".")
-        node = fields
-        for parent in parents:
-            node = node[parent]
-        node.pop(leaf)
-    return fields
-
-
-def starting_point(base: BaseInputs, previous: str, iteration: int) -> str:
-    """What an iteration starts from: its base inputs' contents, the digest of the policy it continues ("" for
-    iteration 0) and its number; with its config, this makes its run key (:func:`run_key`)."""
-    return hashlib.sha256(json.dumps([base.fingerprint, previous, iteration]).encode()).hexdigest()
-
-
-def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
-    """An iteration (or replay) run's identity: its config without execution and location settings,
-    its base inputs and ``parts`` (its starting point)."""
-    fields = _fields_without(config, EXECUTION + LOCATION)
-    return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
-
-
 CAMPAIGN_FREE = (
     *EXECUTION,
     *LOCATION,
@@ -219,7 +150,7 @@ human-label forms are shown. Every other field (the model, data, labeler, reward
 
 def campaign_fields(config: PipelineConfig) -> dict:
     """The fields that define ``config``'s campaign (all but :data:`CAMPAIGN_FREE`), as JSON values."""
-    return _fields_without(config, CAMPAIGN_FREE)
+    return fields_without(config, CAMPAIGN_FREE)
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -388,9 +319,7 @@ def close_iteration(
             _log_overoptimisation(context, metrics)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
-        from flows.reuse import reuse_record  # flows.reuse reads this module's run key
-
-        if tags.get(TAG_REUSE) != (record := reuse_record([*filter(None, [initialized]), *stages])):
+        if tags.get(TAG_REUSE) != (record := reuse_record(context.base, [*filter(None, [initialized]), *stages])):
             tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
     figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None

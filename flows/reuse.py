@@ -5,12 +5,12 @@ Prefect server, a task run per stage and a few MLflow queries each: about 4 s an
 reaches the same answer from MLflow and the manifests alone.
 
 An iteration run carries a *reuse record* (tag ``rlhf.reuse``, written by
-:func:`flows.campaign.close_iteration`): the fingerprint of the code that wires and runs its stages
-(:func:`tasks.code.code_fingerprint` of ``flows.rlhf_pipeline``, whose import closure holds every stage,
-``rlhf_core`` and ``storage`` module) and the stage outputs the iteration used, each by stage, input
-key and manifest digest. Every input key is a function of the config, the base inputs, the iteration,
-the code and the digests of its upstream outputs; the run key (:func:`flows.campaign.run_key`) covers
-the first three plus the starting policy. So when a finished run's key and code fingerprint are this
+:func:`flows.campaign.close_iteration`): the fingerprint of the code its stages ran (:func:`code_in_use`:
+``flows.rlhf_pipeline``, whose import closure holds every stage, ``rlhf_core`` and ``storage`` module,
+plus the judge and reward function it names, which no module imports) and the stage outputs the
+iteration used, each by stage, input key and manifest digest. Every input key is a function of the
+config, the base inputs, the iteration, the code and the digests of its upstream outputs; the run key
+(:func:`flows.identity.run_key`) covers the first three plus the starting policy. So when a finished run's key and code fingerprint are this
 invocation's and every recorded output is still there, verifies, has its recorded digest and its
 finished MLflow stage run, running the iteration again would compute exactly the recorded keys, reuse
 exactly those outputs and record nothing: it is a no-op, and so is the next iteration's check, which
@@ -18,16 +18,21 @@ starts from the recorded policy.
 
 Anything else (a run without a record, edited code, a missing or altered output, a missing stage run)
 answers "not reused", and the flow runs as usual, reusing what it can and reporting what is wrong.
+
+The decision imports neither torch, transformers nor Prefect (a test holds it to that), and does not check
+the base inputs: a finished run with the same run key proves the same contents passed those checks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from flows.campaign import resolve_base, run_key
+from demo.world import complete_world
 from flows.config import PipelineConfig
+from flows.identity import base_inputs, demo_world_dir, fingerprint_cache, run_key, uses_demo_world
 from flows.store import campaign_layout, existing_tracker, store_tracker
 from storage.manifest import CorruptOutputError, read_manifest
 from storage.tracking import (
@@ -51,20 +56,29 @@ PIPELINE_MODULE = "flows.rlhf_pipeline"
 every stage it runs."""
 
 
-def reuse_record(stages: Sequence[StageResult]) -> str:
-    """The reuse record of an iteration whose stages gave ``stages``: JSON for the tag ``rlhf.reuse``."""
+def code_in_use(base: BaseInputs) -> str:
+    """The fingerprint of the code an iteration with ``base`` runs: the pipeline's modules (:data:`PIPELINE_MODULE`)
+    and the judge's and reward function's, which the stages load by name."""
+    named = [reference.code for reference in (base.judge, base.reward_function) if reference is not None]
+    return hashlib.sha256(json.dumps([code_fingerprint(PIPELINE_MODULE), *named]).encode()).hexdigest()
+
+
+def reuse_record(base: BaseInputs, stages: Sequence[StageResult]) -> str:
+    """The reuse record of an iteration with ``base`` whose stages gave ``stages``: JSON for the tag ``rlhf.reuse``."""
     outputs = [[result.stage, result.input_key, result.digest] for result in stages]
-    return json.dumps({"code": code_fingerprint(PIPELINE_MODULE), "outputs": outputs}, separators=(",", ":"))
+    return json.dumps({"code": code_in_use(base), "outputs": outputs}, separators=(",", ":"))
 
 
-def _reused_outputs(config: PipelineConfig, record: str, stage_runs: set[tuple[str, str]]) -> dict[str, str] | None:
+def _reused_outputs(
+    config: PipelineConfig, base: BaseInputs, record: str, stage_runs: set[tuple[str, str]]
+) -> dict[str, str] | None:
     """``stage -> digest`` of the recorded outputs when running them again would reuse each; else None."""
     try:
         parsed = json.loads(record)
         code, outputs = parsed["code"], parsed["outputs"]
     except (ValueError, KeyError, TypeError):
         return None
-    if code != code_fingerprint(PIPELINE_MODULE):
+    if code != code_in_use(base):
         return None
     layout = campaign_layout(config)
     digests = {}
@@ -108,7 +122,8 @@ def reused_iterations(config: PipelineConfig, base: BaseInputs) -> int:
             and TAG_REUSE in run.tags
         ]  # fmt: skip
         digests = next(
-            (found for record in records if (found := _reused_outputs(config, record, stage_runs)) is not None), None
+            (found for record in records if (found := _reused_outputs(config, base, record, stage_runs)) is not None),
+            None,
         )
         if digests is None or "ppo_update" not in digests:
             return iteration
@@ -118,11 +133,16 @@ def reused_iterations(config: PipelineConfig, base: BaseInputs) -> int:
 
 def campaign_finished(config: PipelineConfig) -> bool:
     """Whether running ``config``'s campaign again would reuse every stage of its ``config.iterations``
-    iterations (:func:`reused_iterations`); False at once when there is no MLflow store yet (none is created).
+    iterations (:func:`reused_iterations`); False at once when there is no MLflow store yet (none is created)
+    or the demo world it reads is not built.
 
     Raises:
-        FileNotFoundError, InputError: a base input the stages could not use (as any run refuses it).
+        FileNotFoundError: a base input does not exist (as any run refuses it).
     """
     if existing_tracker(config) is None:
         return False
-    return reused_iterations(config, resolve_base.fn(config)) == config.iterations
+    world = None
+    if uses_demo_world(config) and (world := complete_world(demo_world_dir(config))) is None:
+        return False
+    base = base_inputs(config, fingerprint_cache(config), world)
+    return reused_iterations(config, base) == config.iterations

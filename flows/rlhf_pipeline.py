@@ -32,19 +32,16 @@ from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
 from flows.settings import stage_settings
 from storage.locks import exclusive_lock
-from tasks import (
-    collect_preferences,
-    compute_advantages,
-    evaluate,
-    initialize,
-    ppo_update,
-    rollout,
-    sample_candidates,
-    train_reward_model,
-)
+from tasks.collect_preferences import collect_preferences
+from tasks.compute_advantages import compute_advantages
 from tasks.context import BaseInputs, StageContext
-from tasks.ppo_update import optimizer_state
+from tasks.evaluate import evaluate
+from tasks.initialize import initialize
+from tasks.ppo_update import optimizer_state, ppo_update
+from tasks.rollout import rollout
+from tasks.sample_candidates import sample_candidates
 from tasks.stage import STAGE_EVENT, StageResult
+from tasks.train_reward_model import train_reward_model
 
 
 def _iteration_run_name() -> str:

@@ -19,16 +19,18 @@ import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from rlhf_core.config import LoraConfig
-from rlhf_core.loading import ModelLoader
-from rlhf_core.precision import Precision, resolve_device
 from storage.layout import RunLayout
 from storage.tracking import Tracker
-from tasks.judge import JudgeReference
-from tasks.reward_function import RewardFunctionReference
+
+if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
+    import torch
+
+    from rlhf_core.config import LoraConfig, Precision
+    from rlhf_core.loading import ModelLoader
+    from tasks.judge import JudgeReference
+    from tasks.reward_function import RewardFunctionReference
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class Execution:
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None
     ) -> ModelLoader:
         """The model seam for one stage (:class:`rlhf_core.loading.ModelLoader`)."""
+        from rlhf_core.loading import ModelLoader
+        from rlhf_core.precision import resolve_device
+
         return ModelLoader(
             device=resolve_device(self.device),
             precision=precision,
@@ -173,4 +178,6 @@ class StageContext:
 
     def generator(self, stage: str) -> torch.Generator:
         """A CPU generator seeded from ``(seed, stage, iteration)``."""
+        import torch
+
         return torch.Generator().manual_seed(self.stage_seed(stage))

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rlhf_core.evaluation import Judge
 from tasks.code import code_fingerprint
+
+if TYPE_CHECKING:
+    from rlhf_core.evaluation import Judge
 
 
 def load_object(reference: str) -> object:

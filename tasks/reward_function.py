@@ -16,11 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tasks.code import code_fingerprint
 from tasks.judge import load_object
+
+if TYPE_CHECKING:
+    import torch
 
 RewardFunction = Callable[[str, str], float]
 
@@ -81,6 +83,8 @@ def score_texts(
         RewardFunctionError: the function raised, or returned a non-number or a non-finite value;
             the message names the prompt's id.
     """
+    import torch  # here, not at the top: naming a reward function (a run key, a reuse check) needs no torch
+
     scores = []
     for prompt, response, prompt_id in zip(prompts, responses, prompt_ids, strict=True):
         try:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from demo.build import WORLD_FILE, DemoWorld, WorldConfig, build_default_world, load_prompts
+from demo.build import build_default_world
+from demo.world import WORLD_FILE, DemoWorld, WorldConfig, load_prompts
 from rlhf_core.config import SamplingConfig
 from rlhf_core.generation import generate
 

@@ -16,7 +16,8 @@ from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from flows.settings import stage_settings
 from flows.store import resolve_run
-from tasks import collect_preferences, sample_candidates
+from tasks.collect_preferences import collect_preferences
+from tasks.sample_candidates import sample_candidates
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

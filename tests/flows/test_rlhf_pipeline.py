@@ -4,6 +4,8 @@ real (temporary) Prefect server, with a real SQLite MLflow store and real Parque
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ import pytest
 from flows.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
 STAGES = [
     "sample_candidates",
     "collect_preferences",
@@ -164,7 +167,7 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
 
 
 def test_a_finished_campaign_is_known_to_be_reused_from_mlflow_and_manifests_alone(campaign):
-    import json
+    import dataclasses
 
     from flows.campaign import resolve_base
     from flows.reuse import reused_iterations
@@ -190,6 +193,27 @@ def test_a_finished_campaign_is_known_to_be_reused_from_mlflow_and_manifests_alo
     finally:
         aside.rename(folder)
     assert reused_iterations(config, base) == config.iterations
+    # The judge's code edited (a module the stages load by name, which no pipeline module imports): not reused.
+    edited = dataclasses.replace(base, judge=dataclasses.replace(base.judge, code="0" * 64))
+    assert reused_iterations(config, edited) == 0
+
+
+def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
+    """What makes `rlhf run` of a finished campaign take seconds: the decision reads MLflow and the manifests
+    only (torch, transformers and Prefect take most of a full command's start)."""
+    config, _ = campaign
+    script = (
+        "import json, sys\n"
+        "from flows.config import PipelineConfig\n"
+        "from flows.reuse import campaign_finished\n"
+        "from flows.report import campaign_report\n"
+        f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"
+        "finished = campaign_finished(config)\n"
+        "campaign_report(config)\n"
+        "print(json.dumps([finished, sorted({'torch', 'transformers', 'prefect', 'accelerate'} & set(sys.modules))]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, []]
 
 
 def test_rlhf_run_of_a_finished_campaign_starts_no_flow(campaign, capsys):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
 
-import tasks
 from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
 from flows.settings import STAGE_SETTINGS, covers, replayable_fields, stage_settings
@@ -24,7 +24,7 @@ def test_the_table_names_exactly_the_keyword_arguments_of_each_stage(stage):
     if stage == "human_labels":
         assert set(STAGE_SETTINGS[stage]) == _settings_of(request_human_labels) - {"human"}
     else:
-        assert set(STAGE_SETTINGS[stage]) == _settings_of(getattr(tasks, stage))
+        assert set(STAGE_SETTINGS[stage]) == _settings_of(getattr(importlib.import_module(f"tasks.{stage}"), stage))
 
 
 def test_stage_settings_read_the_config_and_the_base_inputs():
