@@ -15,6 +15,7 @@ Choices:
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -130,6 +131,14 @@ def _kv_cache(model: PreTrainedModel, length: int) -> Cache:
     return cache
 
 
+def _cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` since transformers 5.x renamed it (the old
+    ``past_key_values`` still works there, with a deprecation warning per call site), ``past_key_values`` before
+    and in models that define their own forward. A PEFT model passes it through to the model it wraps."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def _decode(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
@@ -148,12 +157,10 @@ def _decode(
     full_mask[:, :prompt_length] = prompt_mask
     attention_mask = full_mask[:, :prompt_length]  # (B, P)
     positions = position_ids_from_mask(attention_mask)  # (B, P)
+    # The model writes every step's keys and values into this one cache object, in place.
+    cache = {_cache_keyword(model): _kv_cache(model, prompt_length + config.max_new_tokens)}
     outputs = model(
-        input_ids=prompt_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=_kv_cache(model, prompt_length + config.max_new_tokens),
-        use_cache=True,
+        input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, **cache
     )
     next_position = positions[:, -1:] + 1  # (B, 1)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -179,8 +186,8 @@ def _decode(
             input_ids=token.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=next_position,
-            past_key_values=outputs.past_key_values,
             use_cache=True,
+            **cache,
         )
         next_position = next_position + 1
     return tokens, alive, logprobs
