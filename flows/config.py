@@ -103,7 +103,8 @@ class IterationSizes(_Frozen):
 
 
 class HumanLabelConfig(_Frozen):
-    """How a person labels candidate pairs (labeler `human`) through Prefect UI forms."""
+    """How a person labels candidate pairs (labeler `human`): on the waiting run's labelling page, or in the
+    Prefect UI's Resume form."""
 
     timeout_seconds: int = Field(3600, gt=0)
     """How long each form waits for an answer; then the flow run fails (Prefect's default pause timeout)."""
@@ -113,6 +114,11 @@ class HumanLabelConfig(_Frozen):
     """Pairs shown on one form; an iteration's pairs are asked over as many forms as needed, one after another."""
     relabel: int = Field(0, ge=0)
     """Answers are stored per value: raise it to be asked again for candidates that were already labelled."""
+    page_host: str = "127.0.0.1"
+    """Where the waiting run serves its labelling page (the pairs side by side, one click each; the Prefect UI's
+    Resume form works too). Anyone who reaches it can answer: keep 127.0.0.1 unless you trust the network."""
+    page_port: int = Field(0, ge=0, le=65535)
+    """The labelling page's port; 0 takes any free one. The run's log and its Resume form give the address."""
 
 
 class RewardSource(_Frozen):

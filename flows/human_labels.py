@@ -1,4 +1,5 @@
-"""Human labels: the iteration flow pauses and a person labels candidate pairs in Prefect UI forms.
+"""Human labels: the iteration flow pauses and a person labels candidate pairs, on the labelling page the waiting
+run serves (:mod:`flows.label_page`) or in the Prefect UI's Resume form.
 
 Choices:
 
@@ -27,6 +28,9 @@ Choices:
    missing, unknown or misspelt answer is refused and the run stays paused.
 5. A form left unanswered for ``human.timeout_seconds`` fails the flow run with
    :class:`HumanLabelTimeout` (a ``FlowPauseTimeout``) saying what to do.
+7. While it waits, the run also serves the same form as a page of its own (:mod:`flows.label_page`,
+   ``human.page_host`` / ``human.page_port``): A and B side by side, one click per pair. Its address is
+   in the run's log and at the top of the Resume form; sending it resumes the run exactly as the form does.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from pathlib import Path
 
 import pyarrow as pa
 from prefect import get_run_logger, pause_flow_run
+from prefect.context import FlowRunContext
 from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 from pydantic import Field, create_model
 
 from flows.config import HumanLabelConfig
+from flows.label_page import LabelForm, LabelPage, resume_when_paused, serving
 from storage.manifest import StageOutput
 from storage.progress import latest_progress, save_progress
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
@@ -93,6 +99,7 @@ def request_human_labels(
             poll_seconds=human.poll_seconds,
             answered=answered,
             on_form=save,
+            page_address=(human.page_host, human.page_port),
         )
         table = pa.table({PAIR_ID: list(range(len(choices))), CHOICE: choices}, schema=HUMAN_LABELS)
         out.write_table(STAGE, table, schema=HUMAN_LABELS)
@@ -129,41 +136,62 @@ def ask_for_labels(
     poll_seconds: int,
     answered: Sequence[str] = (),
     on_form: Callable[[list[str]], None] | None = None,
+    page_address: tuple[str, int] = ("127.0.0.1", 0),
 ) -> list[str]:
     """Pause the current flow run once per form of ``pairs_per_form`` pairs; one choice per pair, in order.
 
     Args:
         answered: choices for the first pairs, given before (they are not asked again).
         on_form: called with every choice so far after each form is answered (to save them).
+        page_address: host and port of the labelling page served while the run waits (port 0: any free one).
 
     Raises:
         HumanLabelTimeout: a form was not answered within ``timeout_seconds``.
     """
     choices: list[str] = list(answered)
-    forms = len(range(len(choices), len(pairs), pairs_per_form))
-    for number, start in enumerate(range(len(choices), len(pairs), pairs_per_form), start=1):
-        where = f"form {number} of {forms}"
-        form = label_form(pairs[start : start + pairs_per_form], first=start, total=len(pairs))
-        batch = pairs[start : start + pairs_per_form]
-        description = form_description(heading, where, timeout_seconds) + "\n\n" + pairs_markdown(batch, first=start)
-        form = form.with_initial_data(description=description)
-        get_run_logger().info(
-            "%s: waiting for a person to answer %s (%d pairs): open this flow run in the Prefect UI and press Resume",
-            heading,
-            where,
-            len(form.model_fields),
-        )
-        try:
-            answer = pause_flow_run(wait_for_input=form, timeout=timeout_seconds, poll_interval=poll_seconds)
-        except FlowPauseTimeout as error:
-            raise HumanLabelTimeout(
-                f"{heading}: {where} was not answered within human.timeout_seconds={timeout_seconds} s, so the "
-                "flow run failed. Run the same command again to be asked again (answers to earlier forms of "
-                "this iteration were kept), or raise `human.timeout_seconds`."
-            ) from error
-        choices.extend(getattr(answer, name) for name in form.model_fields)
-        if on_form is not None:
-            on_form(choices)
+    starts = range(len(choices), len(pairs), pairs_per_form)
+    if not starts:
+        return choices
+    submit = resume_when_paused(FlowRunContext.get().flow_run.id)
+    page = LabelPage()
+    with serving(page, host=page_address[0], port=page_address[1]) as url:
+        for number, start in enumerate(starts, start=1):
+            where = f"form {number} of {len(starts)}"
+            batch = pairs[start : start + pairs_per_form]
+            form = label_form(batch, first=start, total=len(pairs))
+            page.show(
+                LabelForm(title=f"{heading}: {where}", pairs=batch, fields=list(form.model_fields), submit=submit)
+            )
+            description = (
+                form_description(heading, where, timeout_seconds, page=url)
+                + "\n\n"
+                + pairs_markdown(batch, first=start)
+            )
+            get_run_logger().info(
+                "%s: waiting for a person to answer %s (%d pairs): label them at %s, or open this flow run in the "
+                "Prefect UI and press Resume",
+                heading,
+                where,
+                len(batch),
+                url,
+            )
+            try:
+                answer = pause_flow_run(
+                    wait_for_input=form.with_initial_data(description=description),
+                    timeout=timeout_seconds,
+                    poll_interval=poll_seconds,
+                )
+            except FlowPauseTimeout as error:
+                raise HumanLabelTimeout(
+                    f"{heading}: {where} was not answered within human.timeout_seconds={timeout_seconds} s, so the "
+                    "flow run failed. Run the same command again to be asked again (answers to earlier forms of "
+                    "this iteration were kept), or raise `human.timeout_seconds`."
+                ) from error
+            finally:
+                page.clear()
+            choices.extend(getattr(answer, name) for name in form.model_fields)
+            if on_form is not None:
+                on_form(choices)
     return choices
 
 
@@ -212,10 +240,11 @@ def _quoted(text: str) -> str:
     return "\n".join(f"> {line}  " if line else ">" for line in lines)
 
 
-def form_description(heading: str, where: str, timeout_seconds: int) -> str:
-    """The markdown shown above a form's fields."""
+def form_description(heading: str, where: str, timeout_seconds: int, *, page: str) -> str:
+    """The markdown shown above a form's fields; ``page`` is the labelling page's address."""
     return (
         f"### {heading}: which response is better? ({where})\n\n"
+        f"**Easier with many pairs:** the same form, A and B side by side, one click each, at [{page}]({page}).\n\n"
         "Below, each prompt is followed by its pairs of responses, **A** and **B**. Under **Pair n of N** "
         "at the end of the form, choose `A` or `B` for the better one, or `tie/skip` when neither is (the "
         "pair is then left out of the preference data). Every pair needs an answer; **Submit** resumes "

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from flows.config import ConfigError, load_config
 from flows.human_labels import HumanLabelTimeout, ask_for_labels, label_form, pairs_markdown
+from flows.label_page import LabelForm, answers_from_form, page_html
 from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.collect_preferences import candidate_pairs
@@ -289,3 +290,88 @@ def test_issue14_each_form_is_saved_as_it_arrives_so_a_failed_run_asks_only_the_
     )
     assert read_table(labels_dirs[-1], "human_labels").column("choice").to_pylist() == again
     assert not list((config.run_root / config.campaign / "human_labels").glob("*.partial"))
+
+
+def test_the_labelling_page_shows_each_prompt_once_with_a_and_b_side_by_side():
+    shared = Prompt("same <b>prompt</b>")
+    pairs = [
+        CandidatePair(prompt=shared, first="a1 <script>alert(1)</script>", second="", first_ids=[1], second_ids=[2]),
+        CandidatePair(prompt=shared, first="a2", second="b2", first_ids=[1], second_ids=[2]),
+        _pair(7),
+    ]
+    form = LabelForm(title="t", pairs=pairs, fields=["pair_3", "pair_4", "pair_5"], submit=lambda answers: None)
+    page = page_html(form, chosen={"pair_4": "B"}, error="pair 3 has none")
+    assert page.count("same &lt;b&gt;prompt&lt;/b&gt;") == 1 and page.count('class="prompt"') == 2
+    assert "a1 &lt;script&gt;" in page and "<script>alert" not in page  # a response's markup shows as text
+    assert '<pre class="response b"><b>B</b><i>(empty)</i></pre>' in page
+    assert page.count('class="sides"') == 3 and page.count('type="radio"') == 9
+    assert page.count(" checked>") == 1 and 'name="pair_4" value="B" checked' in page
+    assert '<p class="error">pair 3 has none</p>' in page
+
+
+def test_answers_from_the_page_need_one_choice_per_pair_of_this_form():
+    fields = ["pair_1", "pair_2"]
+    assert answers_from_form("pair_1=A&pair_2=tie%2Fskip", fields) == {"pair_1": "A", "pair_2": "tie/skip"}
+    for body, message in [
+        ("pair_1=A", "pair 2 has none"),
+        ("", "pair 1, 2 have none"),
+        ("pair_1=A&pair_2=C", "not a choice"),
+        ("pair_1=A&pair_2=B&pair_9=A", "this form has no pair_9"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            answers_from_form(body, fields)
+
+
+def test_the_labelling_page_resumes_the_paused_run_form_after_form(prefect_server):
+    """A real paused flow run, its page fetched and sent over HTTP as a browser does: a send missing a pair
+    is refused and the run stays paused; each complete send resumes it, and the next form appears."""
+    import re
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from prefect import flow, tags
+
+    pairs = [_pair(index) for index in range(3)]
+    answers = ["B", "tie/skip", "A"]
+    outcome: dict = {}
+
+    @flow
+    def ask() -> list[str]:
+        return ask_for_labels(pairs, heading="page test", pairs_per_form=2, timeout_seconds=120, poll_seconds=1)
+
+    def run() -> None:
+        with tags(TAG):
+            outcome["choices"] = ask()
+
+    def send(url: str, fields: dict[str, str]) -> tuple[int, str]:
+        request = urllib.request.Request(url, data=urllib.parse.urlencode(fields).encode(), method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 120
+    first = _wait_for_pause(seen, deadline=deadline)
+    (url,) = set(re.findall(r"\((http://127\.0\.0\.1:\d+/)\)", _form_input(first, "description")))
+    with urllib.request.urlopen(url, timeout=30) as response:
+        page = response.read().decode()
+    assert "page test: form 1 of 2" in page and "prompt 0" in page and "prompt 1" in page and "prompt 2" not in page
+
+    status, refused = send(url, {"pair_1": "B"})
+    assert status == 400 and "pair 2 has none" in refused and 'name="pair_1" value="B" checked' in refused
+    assert _state_type(first.id) == "PAUSED"
+
+    status, sent = send(url, {"pair_1": "B", "pair_2": "tie/skip"})
+    assert status == 200 and "Sent 2 answers" in sent
+    second = _wait_for_pause(seen, deadline=deadline)
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert "page test: form 2 of 2" in response.read().decode()
+    assert send(url, {"pair_3": "A"})[0] == 200
+    thread.join(timeout=60)
+    assert not thread.is_alive() and outcome["choices"] == answers
+    assert _state_type(second.id) == "COMPLETED"
