@@ -130,6 +130,10 @@ class AdapterDisabled(nn.Module):
     def config(self):
         return self.model.config
 
+    def get_base_model(self) -> nn.Module:
+        """The causal LM under the adapters, as a PEFT model gives it (e.g. to read its forward's parameters)."""
+        return self.model.get_base_model()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.model.disable_adapter():
             return self.model(*args, **kwargs)
