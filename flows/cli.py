@@ -130,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 _USER_ERRNOS = {
     errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ENOTDIR,
+    errno.EADDRINUSE, errno.EADDRNOTAVAIL,
 }  # fmt: skip
-"""OS errors that are the machine's state, not a bug: a full or read-only disk, a missing or forbidden path."""
+"""OS errors that are the machine's state, not a bug: a full or read-only disk, a missing or forbidden path, a taken
+port or an address not of this machine (the labelling page's)."""
 
 
 _USER_ERROR_TYPES = (

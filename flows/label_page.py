@@ -220,7 +220,14 @@ def serving(page: LabelPage, *, host: str, port: int) -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's signature
             logger.debug("label page: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as error:  # a port another program (or another waiting run) holds, a host not of this machine
+        raise OSError(
+            error.errno,
+            f"the labelling page cannot listen on {host}:{port} ({error.strerror}): set `human.page_port` to a free "
+            "port, or 0 for any, and `human.page_host` to an address of this machine",
+        ) from error
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="label-page", daemon=True)
     thread.start()

@@ -375,3 +375,19 @@ def test_the_labelling_page_resumes_the_paused_run_form_after_form(prefect_serve
     thread.join(timeout=60)
     assert not thread.is_alive() and outcome["choices"] == answers
     assert _state_type(second.id) == "COMPLETED"
+
+
+def test_a_taken_page_port_is_refused_naming_the_setting():
+    import errno
+    import socket
+
+    from flows.cli import _user_error
+    from flows.label_page import LabelPage, serving
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError, match=r"cannot listen on 127.0.0.1:\d+ .*set `human.page_port`") as refused:
+            with serving(LabelPage(), host="127.0.0.1", port=taken.getsockname()[1]):
+                pass
+    assert refused.value.errno == errno.EADDRINUSE and _user_error(refused.value)  # one line from `rlhf`, exit 2
