@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from flows.config import PipelineConfig
 from storage.layout import RunLayout
-from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, Tracker
+from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, Tracker, open_tracker
 
 
 def campaign_layout(config: PipelineConfig) -> RunLayout:
@@ -34,12 +33,8 @@ def artifact_root(config: PipelineConfig) -> Path | None:
 
 def store_tracker(config: PipelineConfig) -> Tracker:
     """The :class:`Tracker` of ``config``'s store (one per store and process)."""
-    return _tracker(tracking_uri(config), artifact_root(config))
-
-
-@lru_cache(maxsize=4)
-def _tracker(uri: str, artifact_root: Path | None) -> Tracker:
-    return Tracker(uri, artifact_root=artifact_root)
+    root = artifact_root(config)
+    return open_tracker(tracking_uri(config), None if root is None else str(root))
 
 
 def existing_tracker(config: PipelineConfig) -> Tracker | None:

@@ -775,3 +775,10 @@ class Tracker:
         except MlflowException:
             return False
         return True
+
+
+@functools.lru_cache(maxsize=4)
+def open_tracker(uri: str, artifact_root: str | None) -> Tracker:
+    """The :class:`Tracker` of a store: one per store and process, whoever asks (a flow and the stages it runs
+    share it). Opening one is not free: MLflow checks a SQLite store's schema, about a second here."""
+    return Tracker(uri, artifact_root=None if artifact_root is None else Path(artifact_root))

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from storage.layout import RunLayout
-from storage.tracking import Tracker
+from storage.tracking import Tracker, open_tracker
 
 if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
     import torch
@@ -137,13 +135,7 @@ class TrackingStore:
     artifact_root: str | None
 
     def tracker(self) -> Tracker:
-        return _tracker(self.uri, self.artifact_root)
-
-
-@lru_cache(maxsize=4)
-def _tracker(uri: str, artifact_root: str | None) -> Tracker:
-    """One Tracker per store and process (creating a client checks the database schema)."""
-    return Tracker(uri, artifact_root=None if artifact_root is None else Path(artifact_root))
+        return open_tracker(self.uri, self.artifact_root)
 
 
 def stage_seed(seed: int, stage: str, iteration: int) -> int:
