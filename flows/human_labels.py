@@ -153,6 +153,7 @@ def ask_for_labels(
     if not starts:
         return choices
     submit = resume_when_paused(FlowRunContext.get().flow_run.id)
+    plain_heading = heading.replace("`", "")  # the page is HTML, not markdown
     page = LabelPage()
     with serving(page, host=page_address[0], port=page_address[1]) as url:
         for number, start in enumerate(starts, start=1):
@@ -160,7 +161,7 @@ def ask_for_labels(
             batch = pairs[start : start + pairs_per_form]
             form = label_form(batch, first=start, total=len(pairs))
             page.show(
-                LabelForm(title=f"{heading}: {where}", pairs=batch, fields=list(form.model_fields), submit=submit)
+                LabelForm(title=f"{plain_heading}: {where}", pairs=batch, fields=list(form.model_fields), submit=submit)
             )
             description = (
                 form_description(heading, where, timeout_seconds, page=url)

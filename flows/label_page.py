@@ -19,6 +19,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextvars
 import html
 import logging
 import threading
@@ -246,11 +247,13 @@ def resume_when_paused(flow_run_id: object, *, wait_seconds: float = 15.0) -> Su
     from prefect.exceptions import NotPausedError
     from prefect.flow_runs import resume_flow_run
 
+    flow_context = contextvars.copy_context()  # the flow's Prefect settings (its API), for the page's threads
+
     def submit(answers: dict[str, str]) -> None:
         deadline = time.monotonic() + wait_seconds
         while True:
             try:
-                resume_flow_run(flow_run_id, run_input=answers)
+                flow_context.copy().run(resume_flow_run, flow_run_id, run_input=answers)
                 return
             except NotPausedError:
                 if time.monotonic() > deadline:
