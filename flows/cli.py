@@ -139,7 +139,7 @@ port or an address not of this machine (the labelling page's)."""
 _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
-    "flows.prefect_server:PrefectServerError",
+    "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""

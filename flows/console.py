@@ -13,7 +13,8 @@ progress bars and load reports are off. The stages announce themselves with log 
     rollout:  50%|█████     | 2/4 [00:00<00:00,  7.59batch/s]      (while it runs)
 
 A running stage shows its own progress bar (batches or epochs; it disappears when the stage ends), a
-finished one its summary; reused stages are counted, not listed.
+finished one its summary; reused stages are counted, not listed. A record marked ``notice`` is printed as it
+is: what the person at the terminal must act on (the address of the labelling page a run waits on).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ STAGE_EVENT = "rlhf_stage_event"
 
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "sample_candidates": (("candidates", "{:.0f} candidates"),),
+    "human_labels": (("pairs", "{:.0f} pairs answered"), ("skipped", "{:.0f} tie/skip")),
     "collect_preferences": (("pairs", "{:.0f} pairs"), ("tie_fraction", "{:.0%} ties")),
     "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "{:.0f} held-out pairs")),
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
@@ -61,10 +63,12 @@ class StageConsole(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, STAGE_EVENT, None)
-        if event in ("iteration", "started"):
+        if event in ("iteration", "started", "notice"):
             self._flush_reused()
         if event == "iteration":
             self._write(record.getMessage())
+        elif event == "notice":  # something the person at the terminal must act on (where to label pairs)
+            self._write(f"  {record.getMessage()}")
         elif event == "finished":
             result = record.rlhf_result  # type: ignore[attr-defined]
             if result.reused:

@@ -44,6 +44,7 @@ from prefect import get_run_logger, pause_flow_run
 from prefect.context import FlowRunContext
 from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
+from prefect.utilities.urls import url_for
 from pydantic import Field, create_model
 
 from flows.config import HumanLabelConfig
@@ -56,7 +57,7 @@ from tasks.code import code_fingerprint
 from tasks.collect_preferences import candidate_pairs
 from tasks.context import StageContext
 from tasks.labelers import SKIP, CandidatePair, HumanChoice
-from tasks.stage import StageResult, run_stage
+from tasks.stage import STAGE_EVENT, StageResult, run_stage
 
 STAGE = "human_labels"
 ANSWERS_FILE = "answers.json"
@@ -152,8 +153,11 @@ def ask_for_labels(
     starts = range(len(choices), len(pairs), pairs_per_form)
     if not starts:
         return choices
-    submit = resume_when_paused(FlowRunContext.get().flow_run.id)
+    flow_run = FlowRunContext.get().flow_run
+    submit = resume_when_paused(flow_run.id)
     plain_heading = heading.replace("`", "")  # the page is HTML, not markdown
+    ui = url_for(flow_run)  # None where Prefect knows no UI address
+    in_ui = f"press Resume on the run in the Prefect UI, {ui}" if ui else "press Resume on the run in the Prefect UI"
     page = LabelPage()
     with serving(page, host=page_address[0], port=page_address[1]) as url:
         for number, start in enumerate(starts, start=1):
@@ -169,12 +173,13 @@ def ask_for_labels(
                 + pairs_markdown(batch, first=start)
             )
             get_run_logger().info(
-                "%s: waiting for a person to answer %s (%d pairs): label them at %s, or open this flow run in the "
-                "Prefect UI and press Resume",
-                heading,
+                "%s: waiting for a person to answer %s (%d pairs): label them at %s, or %s",
+                plain_heading,
                 where,
                 len(batch),
                 url,
+                in_ui,
+                extra={STAGE_EVENT: "notice"},  # on the console too
             )
             try:
                 answer = pause_flow_run(

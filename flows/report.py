@@ -48,7 +48,8 @@ def campaign_report(config: PipelineConfig) -> str:
             for _, metrics in rows
             if "train_reward_model/eval_pairs" in metrics
         ]
-        notes.append(f"RM accuracy: on {min(pairs)} to {max(pairs)} held-out pairs per iteration.")
+        counted = f"{min(pairs)}" if min(pairs) == max(pairs) else f"{min(pairs)} to {max(pairs)}"
+        notes.append(f"RM accuracy: on {counted} held-out pairs per iteration.")
     if any(metrics.get(KL_TO_REFERENCE, 0) < 0 for _, metrics in rows):
         notes.append(KL_NOTE)
     return "\n".join([table, *notes])

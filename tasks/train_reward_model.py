@@ -34,6 +34,10 @@ from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompt
 STAGE = "train_reward_model"
 
 
+class TooFewPairs(ValueError):
+    """The preference pairs cannot train a reward model whose accuracy means something (too few to hold out)."""
+
+
 def preference_batch(table: pa.Table, tokenizer) -> PreferenceBatch:
     """The conversations ``prompt + chosen`` and ``prompt + rejected`` in ``tokenizer``'s ids, padded to one width."""
     prompts = prompts_of(table)
@@ -79,8 +83,11 @@ def train_reward_model(
         for entry in read_manifest(result.directory, verify=False).files
         if entry.path.startswith("preferences-")
     )
-    if (error := eval_split_error(pairs, reward_model.eval_fraction)) is not None:
-        raise ValueError(f"train_reward_model: {error}")  # after tie/skip answers, say: checked before for the rest
+    if (error := eval_split_error(pairs, reward_model.eval_fraction)) is not None:  # checked before it all ran,
+        raise TooFewPairs(  # except where tie/skip answers left out pairs
+            f"train_reward_model: {error}. With human labels, fewer `tie/skip` answers do it: run the same command "
+            "with a new `human.relabel` value to be asked again"
+        )
     return train(out, context, fit, preferences, previous, precision=precision, reward_model=reward_model, lora=lora)
 
 

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.config import ConfigError, load_config
+from flows.console import StageConsole
 from flows.human_labels import HumanLabelTimeout, ask_for_labels, label_form, pairs_markdown
 from flows.label_page import LabelForm, answers_from_form, page_html
 from storage.manifest import read_manifest
@@ -325,6 +326,8 @@ def test_answers_from_the_page_need_one_choice_per_pair_of_this_form():
 def test_the_labelling_page_resumes_the_paused_run_form_after_form(prefect_server):
     """A real paused flow run, its page fetched and sent over HTTP as a browser does: a send missing a pair
     is refused and the run stays paused; each complete send resumes it, and the next form appears."""
+    import io
+    import logging
     import re
     import urllib.error
     import urllib.parse
@@ -352,12 +355,18 @@ def test_the_labelling_page_resumes_the_paused_run_form_after_form(prefect_serve
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
 
+    console = StageConsole(io.StringIO())  # what `rlhf run` prints on the terminal
+    logging.getLogger("prefect.flow_runs").addHandler(console)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     seen: set[str] = set()
     deadline = time.monotonic() + 120
     first = _wait_for_pause(seen, deadline=deadline)
     (url,) = set(re.findall(r"\((http://127\.0\.0\.1:\d+/)\)", _form_input(first, "description")))
+    logging.getLogger("prefect.flow_runs").removeHandler(console)
+    shown = console.stream.getvalue()
+    assert f"  page test: waiting for a person to answer form 1 of 2 (2 pairs): label them at {url}, or press " in shown
+    assert "Resume on the run in the Prefect UI, http://127.0.0.1:" in shown and f"/runs/flow-run/{first.id}" in shown
     with urllib.request.urlopen(url, timeout=30) as response:
         page = response.read().decode()
     assert "page test: form 1 of 2" in page and "prompt 0" in page and "prompt 1" in page and "prompt 2" not in page
@@ -391,3 +400,18 @@ def test_a_taken_page_port_is_refused_naming_the_setting():
             with serving(LabelPage(), host="127.0.0.1", port=taken.getsockname()[1]):
                 pass
     assert refused.value.errno == errno.EADDRINUSE and _user_error(refused.value)  # one line from `rlhf`, exit 2
+
+
+def test_tie_skip_answers_that_leave_too_few_pairs_fail_in_one_line_saying_how_to_be_asked_again(answered):
+    """8 pairs, 4 answered tie/skip: 4 left, 0.7 of them holds out 2 (< 4). A user error, not a bug: `rlhf` prints
+    it in one line with exit code 2, and the message says how to be asked again."""
+    from flows.cli import _user_error
+    from tasks.train_reward_model import TooFewPairs
+
+    config, _, _, _ = answered
+    relabelled = config.model_copy(update={"human": config.human.model_copy(update={"relabel": 3})})
+    state, _, _ = _run_answering(relabelled, ["A", "tie/skip", "B", "tie/skip", "tie/skip", "A", "tie/skip", "B"])
+    assert state.is_failed()
+    with pytest.raises(TooFewPairs, match=r"holds out 2.*run the same command with a new `human.relabel`") as failed:
+        state.result()
+    assert _user_error(failed.value)
