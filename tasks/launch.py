@@ -28,6 +28,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,10 @@ from tasks.context import StageContext
 
 JOB_FOLDER = "job"
 LOG_TAIL_LINES = 40
+LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+"""The last line of the launcher's traceback when a worker failed; its summary of the workers follows."""
+WORKER_TRACEBACK_LINE = re.compile(r"\[rank\d+\]:")
+"""How torch marks the lines of a worker's uncaught Python exception in the workers' log."""
 ERROR_PREFIX = "error-"
 """A failed worker writes its traceback to ``job/error-<rank>.txt``."""
 
@@ -157,7 +162,16 @@ def worker_errors(folder: Path) -> str:
 
 
 def _tail(log: Path) -> str:
+    """The last lines of the workers' log that say something new: less the launcher's own traceback (the same
+    for every failure) and the workers' Python tracebacks (``[rankN]:`` lines, whole in :func:`worker_errors`),
+    which would push a worker's last words, e.g. before a native abort, out of the tail. The launcher's summary
+    of exit codes and signals stays."""
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == "Traceback (most recent call last):"), None)
+    end = next((i for i in range(start or 0, len(lines)) if LAUNCHER_FAILURE in lines[i]), None)
+    if start is not None and end is not None:
+        lines = lines[:start] + lines[end + 1 :]
+    lines = [line for line in lines if not WORKER_TRACEBACK_LINE.match(line)]
     return "\n".join(lines[-LOG_TAIL_LINES:])
 
 

@@ -43,6 +43,14 @@ def _run(spec_path: Path) -> None:
         staging = result.with_name(f".{result.name}.tmp-{os.getpid()}")
         staging.write_text(json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
         os.replace(staging, result)
+    leave_process_group(state)
+
+
+def leave_process_group(state: PartialState) -> None:
+    """Leave the process group together: a worker that exits while another still holds the group can abort in
+    native code ("terminate called without an active exception", SIGABRT), failing a stage that succeeded."""
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 def join_process_group(execution: Execution) -> PartialState:

@@ -23,13 +23,21 @@ class Job:
 
 
 def sum_the_ranks(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
-    """A training function that all-reduces ``rank + 1`` over the process group: 3 with 2 processes."""
+    """A training function that all-reduces ``rank + 1`` over the process group: 3 with 2 processes.
+
+    The first process ends a second after the second: a process that left the group while another still held
+    it would abort ("terminate called without an active exception", SIGABRT).
+    """
+    import time
+
     import torch
     from accelerate import PartialState
 
     state = PartialState()
     total = torch.tensor([state.process_index + 1.0])
     torch.distributed.all_reduce(total)
+    if state.process_index == 0:
+        time.sleep(1.0)
     return {"processes": state.num_processes, "rank_sum": total.item()}
 
 
@@ -39,6 +47,19 @@ def fail_in_the_second_process(out: TrainingOutput, context: Job, *, precision: 
 
     if PartialState().process_index == 1:
         raise ValueError("worker 1 could not read experience shard 3")
+    return {"loss": 0.0}
+
+
+def abort_in_the_second_process(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
+    """A training function whose second worker dies in native code, leaving no Python traceback."""
+    import os
+    import sys
+
+    from accelerate import PartialState
+
+    if PartialState().process_index == 1:
+        print("worker 1: native library failure", file=sys.stderr, flush=True)
+        os.abort()
     return {"loss": 0.0}
 
 
@@ -62,3 +83,16 @@ def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
     assert "worker 1:\nTraceback (most recent call last):" in message
     assert "ValueError: worker 1 could not read experience shard 3" in message
     assert (tmp_path / "output.partial" / "job" / "workers.log").is_file()
+
+
+def test_a_worker_that_dies_without_a_traceback_fails_the_stage_with_its_last_words(tmp_path: Path):
+    """The launcher's own traceback says nothing; the worker's output and the launcher's summary do."""
+    out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
+    out.path.mkdir()
+    job = Job(Execution(device="cpu", training_processes=2))
+    with pytest.raises(TrainingWorkerError, match="exit status") as failure:
+        train(out, job, abort_in_the_second_process, precision="fp32")
+    message = str(failure.value)
+    assert "worker 1: native library failure" in message
+    assert "SIGABRT" in message
+    assert "accelerate/commands/launch.py" not in message
