@@ -138,7 +138,7 @@ def plain_run(world: Path, iterations: int) -> dict:
     from tasks.labelers import CandidatePair, JudgeLabeler
     from tasks.text import (
         batches,
-        conversation_ids,
+        conversation_id_lists,
         decode,
         encode_prompts,
         load_tokenizer,
@@ -208,8 +208,9 @@ def plain_run(world: Path, iterations: int) -> dict:
                     labelled.append((pair.prompt, better, worse, label.margin))
             # 3. continue training the reward model on every pair so far
             with clock.measure("train_reward_model"):
-                rows = [conversation_ids(tokenizer, p, c) for p, c, _, _ in labelled]
-                rows += [conversation_ids(tokenizer, p, r) for p, _, r, _ in labelled]
+                prompts = [p for p, *_ in labelled]
+                responses = [c for _, c, _, _ in labelled] + [r for _, _, r, _ in labelled]
+                rows = conversation_id_lists(tokenizer, prompts + prompts, responses)
                 ids, mask = pad_token_lists(rows, pad_token_id=pad)
                 n = len(labelled)
                 margin = torch.tensor([m for *_, m in labelled], dtype=torch.float32)

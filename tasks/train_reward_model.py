@@ -5,7 +5,7 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 ``reward_model.train`` false it takes the pretrained one as it is: its output then refers to it
 (nothing is copied) and carries no held-out statistics.
 
-Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_ids`).
+Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_id_lists`).
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
@@ -29,7 +29,7 @@ from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
-from tasks.text import conversation_ids, load_tokenizer, pad_token_lists, prompts_of
+from tasks.text import conversation_id_lists, load_tokenizer, pad_token_lists, prompts_of
 
 STAGE = "train_reward_model"
 
@@ -41,13 +41,9 @@ class TooFewPairs(ValueError):
 def preference_batch(table: pa.Table, tokenizer) -> PreferenceBatch:
     """The conversations ``prompt + chosen`` and ``prompt + rejected`` in ``tokenizer``'s ids, padded to one width."""
     prompts = prompts_of(table)
-    chosen = [
-        conversation_ids(tokenizer, p, r) for p, r in zip(prompts, table.column("chosen").to_pylist(), strict=True)
-    ]
-    rejected = [
-        conversation_ids(tokenizer, p, r) for p, r in zip(prompts, table.column("rejected").to_pylist(), strict=True)
-    ]
-    ids, mask = pad_token_lists(chosen + rejected, pad_token_id=tokenizer.pad_token_id)  # (2B, T)
+    responses = table.column("chosen").to_pylist() + table.column("rejected").to_pylist()
+    rows = conversation_id_lists(tokenizer, prompts + prompts, responses)
+    ids, mask = pad_token_lists(rows, pad_token_id=tokenizer.pad_token_id)  # (2B, T)
     margin = torch.tensor(table.column("margin").to_pylist(), dtype=torch.float32)
     return PreferenceBatch(ids[: len(prompts)], mask[: len(prompts)], ids[len(prompts) :], mask[len(prompts) :], margin)
 

@@ -10,6 +10,7 @@ from storage.importers import render_chat
 from tasks.text import (
     Prompt,
     RewardScorer,
+    conversation_id_lists,
     conversation_ids,
     encode_prompts,
     prompt_ids,
@@ -46,6 +47,25 @@ def test_a_conversation_puts_the_response_in_the_final_assistant_turn():
     assert ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
     plain = conversation_ids(tokenizer, PLAIN, "happy .")  # prompt ids + " " + response + EOS
     assert plain == prompt_ids(tokenizer, PLAIN) + tokenizer(" happy .")["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_conversations_tokenised_in_batches_are_those_tokenised_one_at_a_time():
+    """A batch mixing chat and plain prompts, and an empty response, gives each row the ids its own
+    tokenizer calls give, with and without a chat template (and so the same padding-free rows)."""
+    prompts = [CHAT, PLAIN, CHAT, PLAIN]
+    responses = ["why did the chicken", "happy .", "", ""]
+    for tokenizer in (bpe(), bpe(template=None)):
+        alone = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            if prompt.messages and tokenizer.chat_template:
+                turns = [*prompt.messages, {"role": "assistant", "content": response}]
+                text = tokenizer.apply_chat_template(turns, tokenize=False)
+                alone.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                said = tokenizer(" " + response, add_special_tokens=False)["input_ids"] if response else []
+                alone.append(prompt_ids(tokenizer, prompt) + said + [tokenizer.eos_token_id])
+        assert conversation_id_lists(tokenizer, prompts, responses) == alone
+    assert conversation_id_lists(bpe(), [], []) == []
 
 
 def test_prompts_are_left_padded():
