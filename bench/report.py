@@ -161,6 +161,20 @@ def _tax_section(tax: dict) -> list[str]:
             "| --- | --- |",
             *[f"| {k} | {100 * v / total:.0f}% |" for k, v in sorted(buckets.items(), key=lambda kv: -kv[1])],
         ]
+    causes = dict(tax["flow"].get("profile_causes") or {})
+    if causes:
+        profiled = causes.pop("profiled iteration")
+        lines += [
+            "",
+            "What the tax is made of: the work the flow does and the plain loop does not, in the same profiled"
+            " iteration (cumulative seconds of the functions that do it, under cProfile, and their share of the"
+            " profiled iteration; the rest is the stages' compute, which both do, and Prefect's task engine):",
+            "",
+            "| what | profiled s | share |",
+            "| --- | --- | --- |",
+            *[f"| {label} | {seconds:.2f} | {100 * seconds / profiled:.0f}% |" for label, seconds in causes.items()],
+            f"| the profiled iteration | {profiled:.2f} | 100% |",
+        ]
     lines.append("")
     return lines
 
