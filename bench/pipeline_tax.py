@@ -106,6 +106,7 @@ def flow_run(world: Path, iterations: int) -> dict:
         from flows import rlhf_pipeline
         from flows.campaign import tracking_store
         from flows.config import load_config
+        from flows.prefect_server import flow_settings
         from rlhf_core.config import AdvantageConfig
         from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
     root = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
@@ -116,7 +117,7 @@ def flow_run(world: Path, iterations: int) -> dict:
         for iteration in range(iterations):
             if iteration == iterations - 1:
                 profile.enable()
-            with clock.measure("iteration"):
+            with clock.measure("iteration"), flow_settings():  # the Prefect settings `rlhf run` gives its flows
                 state = rlhf_pipeline.rlhf_iteration(config, iteration, state)
         profile.disable()
         tracker = tracking_store(config).tracker()
@@ -129,7 +130,7 @@ def flow_run(world: Path, iterations: int) -> dict:
         if hasattr(rlhf_pipeline, "rlhf_replay"):
             source = tracker.find_run(experiment, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(iterations - 1)})
             replay_config = config.model_copy(update={"advantages": AdvantageConfig(kl_coef=0.1)})
-            with clock.measure("replay"):
+            with clock.measure("replay"), flow_settings():
                 rlhf_pipeline.rlhf_replay(replay_config, source)
             replay = True
         return {

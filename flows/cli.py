@@ -251,9 +251,13 @@ def _prepare(config, arguments, *, replay: bool = False):
 
 @contextlib.contextmanager
 def _showing(console):
-    """Close the stage console (if any) when the flows end, before the command prints its report."""
+    """Run the block's flows with this command's Prefect settings (:func:`flows.prefect_server.flow_settings`), and
+    close the stage console (if any) when they end, before the command prints its report."""
+    from flows.prefect_server import flow_settings
+
     try:
-        yield
+        with flow_settings():
+            yield
     finally:
         if console is not None:
             console.close()

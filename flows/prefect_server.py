@@ -18,6 +18,7 @@ Choices:
    so Prefect's log and event workers (registered later, run earlier) flush to it first. It runs in
    a process group of its own, so a Ctrl-C at the terminal reaches the command, which stops it when
    it has reported the interruption, and not the server directly.
+5. Flows run against a temporary server send no heartbeats (:func:`flow_settings`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 from prefect.context import refresh_global_settings_context
 from prefect.logging import get_logger
-from prefect.settings import get_current_settings
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
 logger = get_logger("rlhf.prefect_server")
 
@@ -47,6 +49,9 @@ os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
 _ADDRESS_IN_USE = 3  # uvicorn's exit code when the port was taken meanwhile
 _STOP_SECONDS = 5.0
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
+HEARTBEAT_VARIABLES = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
+_started_url: str | None = None
+"""The API of the temporary server :func:`ensure_prefect_api` started in this process, if it did."""
 
 
 class PrefectServerError(RuntimeError):
@@ -144,6 +149,28 @@ def ensure_prefect_api() -> None:
     else:
         raise PrefectServerError("no free port for the temporary Prefect server after 3 tries")
     atexit.register(_stop, process)
-    os.environ["PREFECT_API_URL"] = url
+    global _started_url
+    _started_url = os.environ["PREFECT_API_URL"] = url
     refresh_global_settings_context()
     logger.info("Started a temporary Prefect server on %s; it stops with this command", url.removesuffix("/api"))
+
+
+@contextlib.contextmanager
+def flow_settings() -> Iterator[None]:
+    """The Prefect settings of the flows a command runs in its own process: no flow-run heartbeats when the
+    Prefect server is a temporary one (this command's, or Prefect's own when no ``PREFECT_API_URL`` is set).
+
+    Since Prefect 3.8 a flow run sends a heartbeat event every 180 s, for an automation on the server to spot a
+    run whose process died. A temporary server ends with the command, so nothing watches for them; and the
+    heartbeat thread sleeps in whole seconds while a finishing flow run waits for it, so every flow run (an
+    iteration, its campaign, a replay) ended up to a second late: about an eighth of a demo iteration
+    (``bench/RESULTS.md``, section 3). Against a server of the user's, or with ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``
+    set, Prefect's settings stand.
+    """
+    url = get_current_settings().api.url
+    temporary = url is None or url == _started_url
+    if not temporary or any(name in os.environ for name in HEARTBEAT_VARIABLES):
+        yield
+        return
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield

@@ -16,10 +16,15 @@ from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """A temporary Prefect server (its own SQLite database) for the whole session."""
+    """A temporary Prefect server (its own SQLite database) for the whole session; its flow runs send no
+    heartbeats, as the ``rlhf`` commands' flows on a temporary server do (flows.prefect_server.flow_settings)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    with (
+        prefect_test_harness(server_startup_timeout=180),
+        temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+    ):
         yield
 
 

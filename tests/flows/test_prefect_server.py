@@ -62,3 +62,53 @@ def test_issue14_the_temporary_server_dies_with_its_command_even_on_kill_minus_n
     finally:
         process.kill()
         process.wait()
+
+
+HEARTBEAT_IN_A_FLOW = """
+from prefect import flow
+from prefect.settings import get_current_settings
+from flows.prefect_server import ensure_prefect_api, flow_settings
+
+@flow
+def heartbeat_frequency():
+    return get_current_settings().flows.heartbeat_frequency  # what the flow engine reads for this run
+
+ensure_prefect_api()
+with flow_settings():
+    print(heartbeat_frequency())
+print(heartbeat_frequency())
+"""
+
+
+def test_flows_against_the_commands_temporary_server_send_no_heartbeats():
+    environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    out = subprocess.run(
+        [sys.executable, "-c", HEARTBEAT_IN_A_FLOW], cwd=ROOT, env=environment, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["None", "180"]  # Prefect's default outside the command's flows
+
+
+def test_a_users_server_or_heartbeat_setting_keeps_prefects_heartbeats(monkeypatch):
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        get_current_settings,
+        temporary_settings,
+    )
+
+    from flows.prefect_server import flow_settings
+
+    def heartbeat() -> int | None:
+        with flow_settings():
+            return get_current_settings().flows.heartbeat_frequency
+
+    with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}):
+        assert heartbeat() is None  # Prefect starts a temporary server of its own
+        monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "180")
+        assert heartbeat() == 180  # the user's choice stands
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
+    with temporary_settings(
+        updates={PREFECT_API_URL: "http://127.0.0.1:4200/api", PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}
+    ):
+        assert heartbeat() == 180  # the user's own server may watch for them

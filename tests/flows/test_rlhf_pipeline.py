@@ -3,6 +3,7 @@ real (temporary) Prefect server, with a real SQLite MLflow store and real Parque
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -40,6 +41,11 @@ def campaign(prefect_server, checkpoint_world, tmp_path_factory):
     )
     first = rlhf_campaign(config, return_state=True)
     return config, first
+
+
+def test_the_iterations_process_froze_its_long_lived_objects_after_the_first(campaign):
+    """flows.heap: the campaign ran in this process, so its heap was collected and frozen once."""
+    assert gc.get_freeze_count() > 0
 
 
 def _mlflow_runs(config):
