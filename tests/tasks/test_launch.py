@@ -71,13 +71,18 @@ def test_the_launched_workers_form_one_process_group_on_the_cpu(tmp_path: Path):
     assert metrics == {"processes": 2, "rank_sum": 3.0}
 
 
-def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
+def _failed_launch_message(tmp_path: Path, fn) -> str:
+    """The error of a 2-process launch of ``fn`` that fails."""
     out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
     out.path.mkdir()
     job = Job(Execution(device="cpu", training_processes=2))
     with pytest.raises(TrainingWorkerError, match="exit status") as failure:
-        train(out, job, fail_in_the_second_process, precision="fp32")
-    message = str(failure.value)
+        train(out, job, fn, precision="fp32")
+    return str(failure.value)
+
+
+def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
+    message = _failed_launch_message(tmp_path, fail_in_the_second_process)
     assert "2 training processes failed" in message
     # the worker's own traceback, whole, however long the launcher's summary after it in the log
     assert "worker 1:\nTraceback (most recent call last):" in message
@@ -87,12 +92,7 @@ def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
 
 def test_a_worker_that_dies_without_a_traceback_fails_the_stage_with_its_last_words(tmp_path: Path):
     """The launcher's own traceback says nothing; the worker's output and the launcher's summary do."""
-    out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
-    out.path.mkdir()
-    job = Job(Execution(device="cpu", training_processes=2))
-    with pytest.raises(TrainingWorkerError, match="exit status") as failure:
-        train(out, job, abort_in_the_second_process, precision="fp32")
-    message = str(failure.value)
+    message = _failed_launch_message(tmp_path, abort_in_the_second_process)
     assert "worker 1: native library failure" in message
     assert "SIGABRT" in message
     assert "accelerate/commands/launch.py" not in message
