@@ -13,8 +13,8 @@ Errors: a problem with what the user gave (a setting, an input file, a model, a 
 run that does not exist, a campaign another process is running, a full or read-only disk, Ctrl-C)
 is reported in one line naming it, with exit code 2 (3 for an unanswered human-label form); a
 traceback means a bug, and ``--verbose`` shows one for user errors too. Everything a run checks
-before it starts (config, input files, model, tokenizer, the campaign lock) is checked before the
-Prefect server or any flow starts.
+before it starts (config, input files, model, tokenizer, the campaign lock) is checked before any
+flow starts; the temporary Prefect server is launched meanwhile, and stops with the command.
 """
 
 from __future__ import annotations
@@ -249,6 +249,14 @@ def _prepare(config, arguments, *, replay: bool = False):
     return console
 
 
+def _start_prefect_api() -> None:
+    """Launch the temporary Prefect server (if the command needs one) before importing the flows, torch and the
+    rest: it comes up meanwhile, and :func:`_prepare` waits for it once the inputs are checked."""
+    from flows.prefect_server import start_prefect_api
+
+    start_prefect_api()
+
+
 @contextlib.contextmanager
 def _showing(console):
     """Run the block's flows with this command's Prefect settings (:func:`flows.prefect_server.flow_settings`), and
@@ -274,6 +282,7 @@ def _run(config, arguments) -> int:
     if campaign_finished(config):  # decided from MLflow and the manifests: no Prefect server, flow or model
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
+        _start_prefect_api()
         from flows.rlhf_pipeline import rlhf_campaign
 
         with _showing(_prepare(config, arguments)):
@@ -284,6 +293,7 @@ def _run(config, arguments) -> int:
 
 
 def _iterate(config, arguments) -> int:
+    _start_prefect_api()
     from flows.report import campaign_report
     from flows.rlhf_pipeline import rlhf_iteration
 
@@ -294,6 +304,7 @@ def _iterate(config, arguments) -> int:
 
 
 def _replay(config, arguments) -> int:
+    _start_prefect_api()
     from flows.replay import replay_config
     from flows.report import compare_report
     from flows.rlhf_pipeline import rlhf_replay

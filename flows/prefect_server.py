@@ -8,7 +8,9 @@ Choices:
 
 1. The command starts the same server (uvicorn serving ``prefect.server.api.server:create_app``, with
    the environment Prefect gives its own) before any flow runs, and points Prefect at it through
-   ``PREFECT_API_URL``, so Prefect never starts one of its own.
+   ``PREFECT_API_URL``, so Prefect never starts one of its own. It launches it first
+   (:func:`start_prefect_api`) and waits for it last (:func:`ensure_prefect_api`), so the server's
+   seconds of starting pass while the command imports torch and checks its inputs.
 2. Its concurrency-slot leases are kept on disk, so they outlive it (see :func:`_launch`).
 3. The server is started through a two-line launcher that asks the kernel to send it SIGTERM when
    its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, kept across the ``exec`` into uvicorn), so
@@ -50,6 +52,8 @@ _ADDRESS_IN_USE = 3  # uvicorn's exit code when the port was taken meanwhile
 _STOP_SECONDS = 5.0
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
 HEARTBEAT_VARIABLES = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
+_launching: tuple[subprocess.Popen, str] | None = None
+"""The temporary server :func:`start_prefect_api` launched and its API, until it answers."""
 _started_url: str | None = None
 """The API of the temporary server :func:`ensure_prefect_api` started in this process, if it did."""
 
@@ -127,29 +131,46 @@ def _wait_until_healthy(process: subprocess.Popen, url: str, timeout: float) -> 
     )
 
 
+def start_prefect_api() -> None:
+    """Start launching the temporary server :func:`ensure_prefect_api` will wait for, and return at once.
+
+    The server takes seconds to import and open its database; a command starts it first, so that it comes up
+    while the command imports torch and checks its inputs. Does nothing where :func:`ensure_prefect_api` would
+    start no server, or once one is launched. A command that fails before waiting for it stops it at exit.
+    """
+    global _launching
+    settings = get_current_settings()
+    if _launching is not None or settings.api.url or not settings.server.ephemeral.enabled:
+        return
+    if sys.platform.startswith("linux"):
+        port = _free_port()
+        _launching = (_launch(port), f"http://127.0.0.1:{port}/api")
+        atexit.register(_stop, _launching[0])
+
+
 def ensure_prefect_api() -> None:
     """Make sure Prefect has an API to talk to: the configured server, or a temporary one owned by this process.
 
     Does nothing when ``PREFECT_API_URL`` is set (in the environment or the Prefect profile), when the
     profile forbids a temporary server, on a system without ``prctl``, or when this process already
-    started one.
+    started one. Waits for the server :func:`start_prefect_api` launched, if it did.
 
     Raises:
         PrefectServerError: the temporary server did not start.
     """
-    settings = get_current_settings()
-    if settings.api.url or not settings.server.ephemeral.enabled or not sys.platform.startswith("linux"):
-        return
+    global _launching, _started_url
+    timeout = get_current_settings().server.ephemeral.startup_timeout_seconds
     for _ in range(3):
-        port = _free_port()
-        process = _launch(port)
-        url = f"http://127.0.0.1:{port}/api"
-        if _wait_until_healthy(process, url, settings.server.ephemeral.startup_timeout_seconds):
+        start_prefect_api()
+        if _launching is None:  # no temporary server is needed, or this process has one already
+            return
+        process, url = _launching
+        _launching = None
+        if _wait_until_healthy(process, url, timeout):
             break
+        # it exited: its port was taken between choosing it and binding it
     else:
         raise PrefectServerError("no free port for the temporary Prefect server after 3 tries")
-    atexit.register(_stop, process)
-    global _started_url
     _started_url = os.environ["PREFECT_API_URL"] = url
     refresh_global_settings_context()
     logger.info("Started a temporary Prefect server on %s; it stops with this command", url.removesuffix("/api"))

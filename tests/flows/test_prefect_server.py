@@ -112,3 +112,48 @@ def test_a_users_server_or_heartbeat_setting_keeps_prefects_heartbeats(monkeypat
         updates={PREFECT_API_URL: "http://127.0.0.1:4200/api", PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}
     ):
         assert heartbeat() == 180  # the user's own server may watch for them
+
+
+LAUNCH_FIRST = """
+import sys, time
+import flows.prefect_server as server
+from prefect.settings import get_current_settings
+server.start_prefect_api()
+server.start_prefect_api()  # launched once
+print(server._launching[0].pid, flush=True)
+if sys.argv[1] == "fail":  # as a command whose input checks fail before it waits for the server
+    raise SystemExit(2)
+server.ensure_prefect_api()
+print(get_current_settings().api.url, flush=True)
+time.sleep(600)
+"""
+
+
+def _launch_first(then: str) -> subprocess.Popen:
+    environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    return subprocess.Popen(
+        [sys.executable, "-c", LAUNCH_FIRST, then], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
+def test_the_server_launched_first_is_the_one_the_command_waits_for():
+    process = _launch_first("wait")
+    try:
+        launched = int(process.stdout.readline())
+        assert process.stdout.readline().strip().startswith("http://127.0.0.1:")
+        assert _children(process.pid) == {launched}
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
+def test_a_command_that_fails_before_waiting_for_the_server_stops_it():
+    process = _launch_first("fail")
+    launched = int(process.stdout.readline())
+    assert process.wait(timeout=60) == 2
+    deadline = time.monotonic() + 30
+    while _running(launched) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(launched), "the server outlived the command"
