@@ -249,12 +249,18 @@ def _prepare(config, arguments, *, replay: bool = False):
     return console
 
 
-def _start_prefect_api() -> None:
+@contextlib.contextmanager
+def _server_coming_up():
     """Launch the temporary Prefect server (if the command needs one) before importing the flows, torch and the
-    rest: it comes up meanwhile, and :func:`_prepare` waits for it once the inputs are checked."""
-    from flows.prefect_server import start_prefect_api
+    rest: it comes up meanwhile, and :func:`_prepare` waits for it once the inputs are checked. A command that
+    ends before that (a refused input) stops it."""
+    from flows.prefect_server import start_prefect_api, stop_unused_prefect_api
 
     start_prefect_api()
+    try:
+        yield
+    finally:
+        stop_unused_prefect_api()
 
 
 @contextlib.contextmanager
@@ -282,38 +288,40 @@ def _run(config, arguments) -> int:
     if campaign_finished(config):  # decided from MLflow and the manifests: no Prefect server, flow or model
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
-        _start_prefect_api()
-        from flows.rlhf_pipeline import rlhf_campaign
+        with _server_coming_up():
+            from flows.rlhf_pipeline import rlhf_campaign
 
-        with _showing(_prepare(config, arguments)):
-            rlhf_campaign(config)
+            with _showing(_prepare(config, arguments)):
+                rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
-    _start_prefect_api()
     from flows.report import campaign_report
-    from flows.rlhf_pipeline import rlhf_iteration
 
-    with _showing(_prepare(config, arguments)):
-        rlhf_iteration(config)
+    with _server_coming_up():
+        from flows.rlhf_pipeline import rlhf_iteration
+
+        with _showing(_prepare(config, arguments)):
+            rlhf_iteration(config)
     print(campaign_report(config))
     return 0
 
 
 def _replay(config, arguments) -> int:
-    _start_prefect_api()
-    from flows.replay import replay_config
     from flows.report import compare_report
-    from flows.rlhf_pipeline import rlhf_replay
-    from flows.store import resolve_run
 
-    source_run_id = resolve_run(config, arguments.source)
-    replay = replay_config(config, source_run_id, arguments.overrides)
-    with _showing(_prepare(replay, arguments, replay=True)):
-        replay_run_id = rlhf_replay(replay, source_run_id)
+    with _server_coming_up():
+        from flows.replay import replay_config
+        from flows.rlhf_pipeline import rlhf_replay
+        from flows.store import resolve_run
+
+        source_run_id = resolve_run(config, arguments.source)
+        replay = replay_config(config, source_run_id, arguments.overrides)
+        with _showing(_prepare(replay, arguments, replay=True)):
+            replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
     return 0

@@ -136,7 +136,8 @@ def start_prefect_api() -> None:
 
     The server takes seconds to import and open its database; a command starts it first, so that it comes up
     while the command imports torch and checks its inputs. Does nothing where :func:`ensure_prefect_api` would
-    start no server, or once one is launched. A command that fails before waiting for it stops it at exit.
+    start no server, or once one is launched. A command that fails before waiting for it stops it
+    (:func:`stop_unused_prefect_api`).
     """
     global _launching
     settings = get_current_settings()
@@ -146,6 +147,15 @@ def start_prefect_api() -> None:
         port = _free_port()
         _launching = (_launch(port), f"http://127.0.0.1:{port}/api")
         atexit.register(_stop, _launching[0])
+
+
+def stop_unused_prefect_api() -> None:
+    """Stop the server :func:`start_prefect_api` launched if nothing waited for it: the command ended first (a
+    refused input), and a process that runs commands one after another (the tests) must not keep it."""
+    global _launching
+    if _launching is not None:
+        _stop(_launching[0])
+        _launching = None
 
 
 def ensure_prefect_api() -> None:
@@ -159,6 +169,9 @@ def ensure_prefect_api() -> None:
         PrefectServerError: the temporary server did not start.
     """
     global _launching, _started_url
+    if get_current_settings().api.url:  # configured since the launch (an API URL set in this context)
+        stop_unused_prefect_api()
+        return
     timeout = get_current_settings().server.ephemeral.startup_timeout_seconds
     for _ in range(3):
         start_prefect_api()

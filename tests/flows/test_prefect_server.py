@@ -123,6 +123,11 @@ server.start_prefect_api()  # launched once
 print(server._launching[0].pid, flush=True)
 if sys.argv[1] == "fail":  # as a command whose input checks fail before it waits for the server
     raise SystemExit(2)
+if sys.argv[1] == "configured":  # an API URL set since, in this context: that one is used
+    import os
+    from prefect.context import refresh_global_settings_context
+    os.environ["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+    refresh_global_settings_context()
 server.ensure_prefect_api()
 print(get_current_settings().api.url, flush=True)
 time.sleep(600)
@@ -157,3 +162,44 @@ def test_a_command_that_fails_before_waiting_for_the_server_stops_it():
     while _running(launched) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(launched), "the server outlived the command"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
+def test_a_server_launched_before_an_api_url_was_configured_is_stopped_and_the_url_used():
+    process = _launch_first("configured")
+    try:
+        launched = int(process.stdout.readline())
+        assert process.stdout.readline().strip() == "http://127.0.0.1:9/api"
+        assert not _running(launched) and not _children(process.pid)
+    finally:
+        process.kill()
+        process.wait()
+
+
+REFUSED_IN_PROCESS = """
+import os, sys, time
+from flows.cli import main
+print(main(sys.argv[1:]), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
+def test_a_command_refused_in_a_process_that_goes_on_leaves_no_server_behind(checkpoint_world, tmp_path):
+    """Tests call ``flows.cli.main`` in their own process: a refused replay must not leave its server running."""
+    command = [
+        "replay", "--config", str(ROOT / "configs" / "tiny.yaml"), f"--set=run_root={tmp_path}",
+        f"--set=model.policy={checkpoint_world['policy']}", f"--set=data.prompts={checkpoint_world['prompts']}",
+        f"--set=data.eval_prompts={checkpoint_world['eval_prompts']}", "nosuch:0",
+    ]  # fmt: skip
+    environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", REFUSED_IN_PROCESS, *command], cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout.readline().strip() == "2"
+        assert not _children(process.pid)
+    finally:
+        process.kill()
+        process.wait()
