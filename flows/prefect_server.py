@@ -51,7 +51,6 @@ os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
 _ADDRESS_IN_USE = 3  # uvicorn's exit code when the port was taken meanwhile
 _STOP_SECONDS = 5.0
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
-HEARTBEAT_VARIABLES = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
 _launching: tuple[subprocess.Popen, str] | None = None
 """The temporary server :func:`start_prefect_api` launched and its API, until it answers."""
 _started_url: str | None = None
@@ -178,8 +177,9 @@ def ensure_prefect_api() -> None:
         if _launching is None:  # no temporary server is needed, or this process has one already
             return
         process, url = _launching
+        healthy = _wait_until_healthy(process, url, timeout)  # interrupted, it is stop_unused_prefect_api's
         _launching = None
-        if _wait_until_healthy(process, url, timeout):
+        if healthy:
             break
         # it exited: its port was taken between choosing it and binding it
     else:
@@ -198,12 +198,13 @@ def flow_settings() -> Iterator[None]:
     run whose process died. A temporary server ends with the command, so nothing watches for them; and the
     heartbeat thread sleeps in whole seconds while a finishing flow run waits for it, so every flow run (an
     iteration, its campaign, a replay) ended up to a second late: about an eighth of a demo iteration
-    (``bench/RESULTS.md``, section 3). Against a server of the user's, or with ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``
-    set, Prefect's settings stand.
+    (``bench/RESULTS.md``, section 3). Against a server of the user's, Prefect's settings stand; and so does a
+    heartbeat frequency set anywhere Prefect reads settings (environment, profile, ``prefect.toml``; inside
+    Prefect's ``temporary_settings``, which counts every setting as set, Prefect's settings stand too).
     """
-    url = get_current_settings().api.url
-    temporary = url is None or url == _started_url
-    if not temporary or any(name in os.environ for name in HEARTBEAT_VARIABLES):
+    settings = get_current_settings()
+    temporary = settings.api.url is None or settings.api.url == _started_url
+    if not temporary or "heartbeat_frequency" in settings.flows.model_fields_set:
         yield
         return
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):

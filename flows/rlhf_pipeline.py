@@ -28,7 +28,7 @@ from flows.campaign import (
 )
 from flows.config import PipelineConfig
 from flows.engines import campaign_slot, engine
-from flows.heap import freeze_long_lived
+from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
 from flows.settings import stage_settings
@@ -76,6 +76,7 @@ def rlhf_iteration(
     ``config.execution`` (:mod:`flows.engines`). If it fails, its MLflow run ends FAILED (KILLED on
     Ctrl-C); running it again reopens and finishes it.
     """
+    iteration_starting()  # the second in a process freezes its long-lived objects out of full collections
     layout = campaign_layout(config)
     with (
         exclusive_lock(layout.lock_file()),
@@ -90,9 +91,7 @@ def rlhf_iteration(
             "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
         )
         with context.tracker.ends_on_error(context.parent_run_id):
-            state = _iteration(config, base, context, state)
-    freeze_long_lived()  # once per process: later iterations' full garbage collections skip its ~1 M objects
-    return state
+            return _iteration(config, base, context, state)
 
 
 def _iteration(

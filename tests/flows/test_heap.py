@@ -1,4 +1,4 @@
-"""The process's long-lived objects are frozen once, after its first iteration (flows.heap)."""
+"""A process's long-lived objects are frozen once, as its second iteration starts (flows.heap)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-FREEZE_TWICE = """
+THREE_ITERATIONS = """
 import gc, weakref
-from flows.heap import freeze_long_lived
+from flows.heap import iteration_starting
 
 class Node:
     pass
 
 kept = [Node() for _ in range(1000)]
+iteration_starting()
+assert gc.get_freeze_count() == 0, "a process's first iteration froze objects"
 cycle = Node(); cycle.self = cycle; dead = weakref.ref(cycle); del cycle  # garbage only the collector frees
-assert gc.get_freeze_count() == 0
-freeze_long_lived()
+iteration_starting()
 assert dead() is None, "the garbage was frozen instead of collected"
 frozen = gc.get_freeze_count()
 assert frozen >= len(kept), frozen
 later = [Node() for _ in range(1000)]
-freeze_long_lived()
-assert gc.get_freeze_count() == frozen, "a second call froze the objects made since"
+iteration_starting()
+assert gc.get_freeze_count() == frozen, "a third iteration froze the objects made since"
 """
 
 
-def test_the_first_freeze_collects_the_garbage_first_and_a_second_freezes_nothing_more():
-    subprocess.run([sys.executable, "-c", FREEZE_TWICE], cwd=ROOT, check=True)
+def test_the_second_iteration_collects_then_freezes_and_no_other_does():
+    subprocess.run([sys.executable, "-c", THREE_ITERATIONS], cwd=ROOT, check=True)

@@ -89,29 +89,39 @@ def test_flows_against_the_commands_temporary_server_send_no_heartbeats():
     assert out.stdout.split() == ["None", "180"]  # Prefect's default outside the command's flows
 
 
-def test_a_users_server_or_heartbeat_setting_keeps_prefects_heartbeats(monkeypatch):
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-        get_current_settings,
-        temporary_settings,
+HEARTBEAT_IN_FLOW_SETTINGS = """
+from prefect.settings import get_current_settings
+from flows.prefect_server import flow_settings
+with flow_settings():
+    print(get_current_settings().flows.heartbeat_frequency)
+"""
+
+
+@pytest.mark.parametrize(
+    ("setting", "heartbeat"),
+    [
+        ({}, "None"),  # Prefect would start a temporary server of its own
+        ({"PREFECT_API_URL": "http://127.0.0.1:9/api"}, "180"),  # the user's own server may watch for them
+        ({"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60"}, "60"),  # the user's choice
+        ({"prefect.toml": "[flows]\nheartbeat_frequency = 90\n"}, "90"),  # the same, in a settings file
+    ],
+)
+def test_a_users_server_or_heartbeat_setting_keeps_prefects_heartbeats(tmp_path, setting, heartbeat):
+    environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    environment["PYTHONPATH"] = str(ROOT)
+    if "prefect.toml" in setting:
+        (tmp_path / "prefect.toml").write_text(setting["prefect.toml"])
+    else:
+        environment.update(setting)
+    out = subprocess.run(
+        [sys.executable, "-c", HEARTBEAT_IN_FLOW_SETTINGS],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
     )
-
-    from flows.prefect_server import flow_settings
-
-    def heartbeat() -> int | None:
-        with flow_settings():
-            return get_current_settings().flows.heartbeat_frequency
-
-    with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}):
-        assert heartbeat() is None  # Prefect starts a temporary server of its own
-        monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "180")
-        assert heartbeat() == 180  # the user's choice stands
-    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
-    with temporary_settings(
-        updates={PREFECT_API_URL: "http://127.0.0.1:4200/api", PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}
-    ):
-        assert heartbeat() == 180  # the user's own server may watch for them
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [heartbeat]
 
 
 LAUNCH_FIRST = """

@@ -43,8 +43,8 @@ def campaign(prefect_server, checkpoint_world, tmp_path_factory):
     return config, first
 
 
-def test_the_iterations_process_froze_its_long_lived_objects_after_the_first(campaign):
-    """flows.heap: the campaign ran in this process, so its heap was collected and frozen once."""
+def test_the_campaigns_process_froze_its_long_lived_objects_at_its_second_iteration(campaign):
+    """flows.heap: the campaign (two iterations) ran in this process, so its heap was collected and frozen."""
     assert gc.get_freeze_count() > 0
 
 
