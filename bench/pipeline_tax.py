@@ -90,13 +90,13 @@ the profiled iteration. The first five do not call each other; the figure is par
 def profile_causes(profile: cProfile.Profile) -> dict[str, float]:
     """Cumulative seconds under the profiler of each of :data:`CAUSES` in one profiled flow iteration, and the
     iteration's whole profiled time (``"profiled iteration"``)."""
-    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    stats = pstats.Stats(profile)
     causes = {label: 0.0 for label, _, _ in CAUSES}
-    for (filename, _, name), (_, _, _, cumulative, _) in stats.items():
+    for (filename, _, name), (_, _, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
         for label, where, names in CAUSES:
             if name in names and where in filename:
                 causes[label] += cumulative
-    causes["profiled iteration"] = pstats.Stats(profile).total_tt  # type: ignore[attr-defined]
+    causes["profiled iteration"] = stats.total_tt  # type: ignore[attr-defined]
     return causes
 
 

@@ -264,7 +264,7 @@ def _server_coming_up():
 
 
 @contextlib.contextmanager
-def _showing(console):
+def _running_flows(console):
     """Run the block's flows with this command's Prefect settings (:func:`flows.prefect_server.flow_settings`), and
     close the stage console (if any) when they end, before the command prints its report."""
     from flows.prefect_server import flow_settings
@@ -291,7 +291,7 @@ def _run(config, arguments) -> int:
         with _server_coming_up():
             from flows.rlhf_pipeline import rlhf_campaign
 
-            with _showing(_prepare(config, arguments)):
+            with _running_flows(_prepare(config, arguments)):
                 rlhf_campaign(config)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
@@ -304,7 +304,7 @@ def _iterate(config, arguments) -> int:
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
 
-        with _showing(_prepare(config, arguments)):
+        with _running_flows(_prepare(config, arguments)):
             rlhf_iteration(config)
     print(campaign_report(config))
     return 0
@@ -320,7 +320,7 @@ def _replay(config, arguments) -> int:
 
         source_run_id = resolve_run(config, arguments.source)
         replay = replay_config(config, source_run_id, arguments.overrides)
-        with _showing(_prepare(replay, arguments, replay=True)):
+        with _running_flows(_prepare(replay, arguments, replay=True)):
             replay_run_id = rlhf_replay(replay, source_run_id)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")

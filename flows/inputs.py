@@ -11,7 +11,7 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
 3. Every prompt the stages will use fits the model's context with a full response: its tokens as the
    stages encode it (:func:`tasks.text.prompt_ids`: through the tokenizer's chat template for chat
    turns) plus ``sampling.max_new_tokens``, at most the model's ``max_position_embeddings``; every
-   imported pair fits the reward model as it is scored (:func:`tasks.text.conversation_ids`, in the
+   imported pair fits the reward model as it is scored (:func:`tasks.text.conversation_id_lists`, in the
    reward model's own tokens). Longer ones are refused, not truncated: a prompt cut short silently
    would train on something other than the file says.
 4. The device exists on this machine and supports the precision (fp16 needs a GPU).
@@ -30,7 +30,7 @@ from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
-from tasks.text import Prompt, conversation_ids, load_tokenizer, prompt_ids
+from tasks.text import Prompt, conversation_id_lists, load_tokenizer, prompt_ids
 
 _BATCH = 256
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
@@ -129,12 +129,15 @@ def _check_preferences(
     """Parse every pair; count them; check that each fits the reward model as it is scored."""
     pairs = 0
     try:
-        for row, prompt, messages, chosen, rejected, _ in preference_rows(path):
-            pairs += 1
-            for field, response in (("chosen", chosen), ("rejected", rejected)):
-                tokens = len(conversation_ids(tokenizer, Prompt(prompt, tuple(messages)), response))
-                what = f"{tokens} tokens with its prompt, as the reward model reads it"
-                _fits(setting, path, row, field, tokens, context=context, what=what)
+        for batch in _batched(preference_rows(path), _BATCH):
+            pairs += len(batch)
+            prompts = [Prompt(prompt, tuple(messages)) for _, prompt, messages, *_ in batch]
+            responses = [chosen for *_, chosen, _, _ in batch] + [rejected for *_, rejected, _ in batch]
+            lengths = [len(ids) for ids in conversation_id_lists(tokenizer, prompts + prompts, responses)]
+            for index, (row, *_) in enumerate(batch):
+                for field, tokens in (("chosen", lengths[index]), ("rejected", lengths[len(batch) + index])):
+                    what = f"{tokens} tokens with its prompt, as the reward model reads it"
+                    _fits(setting, path, row, field, tokens, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
     if pairs < at_least:

@@ -167,9 +167,9 @@ def _tail(log: Path) -> str:
     which would push a worker's last words, e.g. before a native abort, out of the tail. The launcher's summary
     of exit codes and signals stays."""
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
-    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == "Traceback (most recent call last):"), None)
-    end = next((i for i in range(start or 0, len(lines)) if LAUNCHER_FAILURE in lines[i]), None)
-    if start is not None and end is not None:
+    end = next((i for i in range(len(lines) - 1, -1, -1) if LAUNCHER_FAILURE in lines[i]), None)
+    if end is not None:  # the launcher's traceback: from its last "Traceback" line before that, through that
+        start = max((i for i in range(end) if lines[i] == "Traceback (most recent call last):"), default=end)
         lines = lines[:start] + lines[end + 1 :]
     lines = [line for line in lines if not WORKER_TRACEBACK_LINE.match(line)]
     return "\n".join(lines[-LOG_TAIL_LINES:])

@@ -11,7 +11,6 @@ from tasks.text import (
     Prompt,
     RewardScorer,
     conversation_id_lists,
-    conversation_ids,
     encode_prompts,
     prompt_ids,
     same_tokenizer,
@@ -42,10 +41,10 @@ def test_without_a_template_a_chat_prompt_gets_the_plain_format_and_plain_text_s
 
 def test_a_conversation_puts_the_response_in_the_final_assistant_turn():
     tokenizer = bpe()
-    ids = conversation_ids(tokenizer, CHAT, "why did the chicken")
+    ids = conversation_id_lists(tokenizer, [CHAT], ["why did the chicken"])[0]
     expected = "<|im_start|>user\ntell me a joke<|im_end|>\n<|im_start|>assistant\nwhy did the chicken<|im_end|>\n"
     assert ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
-    plain = conversation_ids(tokenizer, PLAIN, "happy .")  # prompt ids + " " + response + EOS
+    plain = conversation_id_lists(tokenizer, [PLAIN], ["happy ."])[0]  # prompt ids + " " + response + EOS
     assert plain == prompt_ids(tokenizer, PLAIN) + tokenizer(" happy .")["input_ids"] + [tokenizer.eos_token_id]
 
 
@@ -92,7 +91,7 @@ def test_a_reward_model_with_another_tokenizer_scores_the_re_rendered_conversati
     attention = torch.ones_like(sequences)
     score = scorer.score([CHAT], sequences, attention, prompt_length=len(prompt))
     torch.testing.assert_close(score, scorer.score_texts([CHAT], ["why did the chicken"]), rtol=0, atol=0)
-    ids = torch.tensor([conversation_ids(reward, CHAT, "why did the chicken")])
+    ids = torch.tensor([conversation_id_lists(reward, [CHAT], ["why did the chicken"])[0]])
     with torch.no_grad():
         torch.testing.assert_close(score, model(ids, torch.ones_like(ids)), rtol=0, atol=0)
 
@@ -119,6 +118,6 @@ def test_a_chat_rollout_is_scored_as_the_reward_model_was_trained_with_the_polic
     response = policy("why did the chicken", add_special_tokens=False)["input_ids"] + [policy.eos_token_id]
     sequences = torch.tensor([prompt + response])
     score = scorer.score([CHAT], sequences, torch.ones_like(sequences), prompt_length=len(prompt))
-    ids = torch.tensor([conversation_ids(policy, CHAT, "why did the chicken")])
+    ids = torch.tensor([conversation_id_lists(policy, [CHAT], ["why did the chicken"])[0]])
     with torch.no_grad():
         torch.testing.assert_close(score, model(ids, torch.ones_like(ids)), rtol=0, atol=0)
