@@ -153,6 +153,11 @@ class ExecutionConfig(_Frozen):
     `execution.training_processes` processes on this machine (gloo on CPUs, NCCL on GPUs). Data parallel only:
     a sharding `distributed_type` (FSDP, DeepSpeed, Megatron-LM) is refused, because saving does not yet gather
     sharded weights and optimizer states (docs/scaling.md); LoRA keeps a 7 B update on one GPU."""
+    frozen_models_gb: float = Field(2.0, ge=0)
+    """GiB of frozen models (the reference, the reward model, the actor an iteration samples with and
+    evaluates) a process keeps in memory for its next stages instead of loading them again; 0 keeps none.
+    They stay on the stages' device, so on a GPU this memory is not available to training: raise it where
+    the GPU has room for the frozen models next to what the PPO update needs (docs/scaling.md)."""
 
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:

@@ -31,14 +31,21 @@ Choices:
 8. ``fp16`` needs a GPU: Accelerate applies fp16 autocast and loss scaling on GPUs only, and would
    otherwise silently train in fp32.
 9. Every load is recorded in :attr:`ModelLoader.loaded` (role, device, dtype, trainable), so a
-   stage output can say where its models ran.
+   stage output can say where its models ran (and which it found in memory, see 10).
+10. Frozen models may be kept between the stages of one process (:class:`FrozenModels`): the
+   reference, the reward model and the actor an iteration samples with and evaluates are each
+   used by two or three stages, and a stage that finds one in memory skips loading it. A
+   trained model is always loaded afresh (its training must not touch what another stage holds).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,6 +146,76 @@ class AdapterDisabled(nn.Module):
             return self.model(*args, **kwargs)
 
 
+class FrozenModels:
+    """Frozen models kept in memory between the stages of one process, least recently used first out.
+
+    A model is found again only if it would load the same: the same role, device, dtype and files, each
+    file named by path, size, modification time and inode, so a folder written again (a crashed stage
+    redone, an output deleted and recomputed) is loaded again. Stage outputs are never changed in
+    place, so in a campaign that happens only when they are replaced.
+
+    Args:
+        max_bytes: the most parameter and buffer bytes held; a model larger than this is never kept,
+            and 0 keeps none. The models stay on their device: on a GPU this memory is taken from the
+            stages that train.
+    """
+
+    def __init__(self, max_bytes: int = 0) -> None:
+        self.max_bytes = max_bytes
+        self._models: OrderedDict[Hashable, tuple[nn.Module, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(size for _, size in self._models.values())
+
+    def get(self, key: Hashable) -> nn.Module | None:
+        with self._lock:
+            if key not in self._models:
+                return None
+            self._models.move_to_end(key)
+            return self._models[key][0]
+
+    def put(self, key: Hashable, model: nn.Module) -> None:
+        size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        with self._lock:
+            self._models.pop(key, None)
+            if size <= self.max_bytes:
+                self._models[key] = (model, size)
+            self._evict()
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._evict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models.clear()
+
+    def _evict(self) -> None:
+        while self._models and self.held_bytes > self.max_bytes:
+            self._models.popitem(last=False)
+
+
+PROCESS_FROZEN_MODELS = FrozenModels()
+"""The frozen models this process keeps between its stages (see :meth:`FrozenModels.resize` for its bound)."""
+
+
+def _files_identity(*folders: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """Every file under ``folders``: (path, size, modification time in ns, inode), in path order."""
+
+    def walk(folder: Path) -> Iterator[os.DirEntry]:
+        for entry in os.scandir(folder):
+            if entry.is_dir():
+                yield from walk(Path(entry.path))
+            else:
+                yield entry
+
+    files = sorted((entry for folder in dict.fromkeys(folders) for entry in walk(folder)), key=lambda e: e.path)
+    return tuple((entry.path, (stat := entry.stat()).st_size, stat.st_mtime_ns, stat.st_ino) for entry in files)
+
+
 def _describe(model: nn.Module) -> tuple[str, str]:
     parameter = next(model.parameters())
     return str(parameter.device), str(parameter.dtype).removeprefix("torch.")
@@ -154,6 +231,8 @@ class ModelLoader:
         bases: base-model name -> folder (``policy``: the initial policy, which is also the
             reference; ``reward_model``: a pretrained reward model).
         lora: adapters for models loaded trainable from full weights; None trains every weight.
+        frozen_models: where frozen models are kept for the next stage and found again
+            (:class:`FrozenModels`); None loads every model from its folder.
     """
 
     def __init__(
@@ -164,6 +243,7 @@ class ModelLoader:
         gradient_checkpointing: bool = False,
         bases: Mapping[str, str | Path] | None = None,
         lora: LoraConfig | None = None,
+        frozen_models: FrozenModels | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.precision = check_precision(precision)
@@ -172,10 +252,12 @@ class ModelLoader:
         self.gradient_checkpointing = gradient_checkpointing
         self.bases = {name: Path(folder) for name, folder in (bases or {}).items()}
         self.lora = lora
+        self.frozen_models = frozen_models
         self.loaded: list[dict[str, Any]] = []
         """Every model loaded so far, in order: ``{"role", "device", "dtype", "trainable"}``, plus
-        ``"adapters"`` (their dtype) for a LoRA model and ``"shares_weights_with"`` for a reference
-        that is the actor with its adapters off."""
+        ``"adapters"`` (their dtype) for a LoRA model, ``"shares_weights_with"`` for a reference
+        that is the actor with its adapters off and ``"kept_in_memory"`` for a model an earlier
+        stage had loaded (:class:`FrozenModels`)."""
 
     # Loading ----------------------------------------------------------------------------------------
 
@@ -211,6 +293,13 @@ class ModelLoader:
             dtype = torch.float32
         else:
             dtype = compute_dtype(self.precision)
+        key = None
+        if not trainable and self.frozen_models is not None and source.is_dir() and weights.is_dir():
+            key = (role, str(self.device), str(dtype), _files_identity(source, weights))
+            if (kept := self.frozen_models.get(key)) is not None:
+                self._record(role, kept, trainable, kept_in_memory=True)
+                logger.info("kept in memory: %s from %s on %s", role, source, self.loaded[-1])
+                return kept
         placement: dict[str, Any] = {"dtype": dtype}
         if self.device.type == "cuda":
             placement["device_map"] = {"": self.device}
@@ -235,6 +324,8 @@ class ModelLoader:
         self._set_trainable(model, trainable)
         self._record(role, model, trainable)
         logger.info("loaded %s from %s on %s", role, source, self.loaded[-1])
+        if key is not None:
+            self.frozen_models.put(key, model)
         return model
 
     def reference(self, actor: nn.Module | None = None) -> nn.Module:
@@ -278,7 +369,7 @@ class ModelLoader:
         if self.gradient_checkpointing:
             _enable_gradient_checkpointing(model)
 
-    def _record(self, role: str, model: nn.Module, trainable: bool, **extra: str) -> None:
+    def _record(self, role: str, model: nn.Module, trainable: bool, **extra: str | bool) -> None:
         device, dtype = _describe(model)
         record = {"role": role, "device": device, "dtype": dtype, "trainable": trainable, **extra}
         if _is_adapted(model) and "shares_weights_with" not in extra:

@@ -100,6 +100,8 @@ class Execution:
         address: the Dask scheduler or Ray cluster the shards run on (None: this process, or a local Ray).
         training_processes: processes the training stages run in (:mod:`tasks.launch`).
         accelerate_config: an ``accelerate config`` file for those processes, or None.
+        frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
+            :class:`rlhf_core.loading.FrozenModels`).
     """
 
     device: str = "auto"
@@ -110,20 +112,23 @@ class Execution:
     address: str | None = None
     training_processes: int = 1
     accelerate_config: str | None = None
+    frozen_model_bytes: int = 0
 
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None
     ) -> ModelLoader:
         """The model seam for one stage (:class:`rlhf_core.loading.ModelLoader`)."""
-        from rlhf_core.loading import ModelLoader
+        from rlhf_core.loading import PROCESS_FROZEN_MODELS, ModelLoader
         from rlhf_core.precision import resolve_device
 
+        PROCESS_FROZEN_MODELS.resize(self.frozen_model_bytes)
         return ModelLoader(
             device=resolve_device(self.device),
             precision=precision,
             gradient_checkpointing=self.gradient_checkpointing,
             bases=bases,
             lora=lora,
+            frozen_models=PROCESS_FROZEN_MODELS if self.frozen_model_bytes else None,
         )
 
 

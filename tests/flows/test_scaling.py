@@ -74,6 +74,24 @@ def test_a_campaign_started_locally_continues_on_dask_reusing_what_exists(local_
     assert stage_files(local_run) == before, "nothing was computed again"
 
 
+def _kept_in_memory(run_root: Path, stage: str) -> list[str]:
+    (manifest,) = (run_root / "tiny" / stage).glob("*/_manifest.json")
+    return [
+        model["role"] for model in json.loads(manifest.read_text())["runtime"]["models"] if "kept_in_memory" in model
+    ]
+
+
+def test_frozen_models_kept_between_stages_change_no_byte(local_run, checkpoint_world, tmp_path):
+    """The local run keeps frozen models in memory for the next stage (the default); loading every model from
+    its folder instead gives the same bytes."""
+    config = tiny_config(checkpoint_world, tmp_path, "execution.frozen_models_gb=0")
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    assert stage_files(tmp_path) == stage_files(local_run)
+    assert _kept_in_memory(local_run, "rollout") == ["actor"]  # sample_candidates loaded it
+    assert sorted(_kept_in_memory(local_run, "evaluate")) == ["reference", "reward_model"]  # rollout did
+    assert not any(_kept_in_memory(tmp_path, stage) for stage in FANNED_OUT)
+
+
 @pytest.mark.slow
 def test_ray_outputs_are_byte_identical_to_local(local_run, checkpoint_world, tmp_path):
     """A real local Ray instance of 2 CPUs started and stopped by the campaign."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.config import LoraConfig
-from rlhf_core.loading import FolderMeta, ModelLoader, merged, save_model_folder
+from rlhf_core.loading import FolderMeta, FrozenModels, ModelLoader, merged, save_model_folder
 from rlhf_core.models import Critic, RewardModel, dropout_disabled
 from tests.conftest import PAD, left_padded, tiny_causal_lm, tiny_config
 
@@ -225,3 +226,49 @@ def test_a_sequence_classification_checkpoint_is_a_reward_model_with_the_same_sc
     AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "three")
     with pytest.raises(ValueError, match="has 3 labels; a reward model has exactly one"):
         ModelLoader(device=CPU, precision="fp32").load("reward_model", tmp_path / "three")
+
+
+def _nbytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def test_a_frozen_model_is_found_again_until_its_folder_is_written_again(folders, tmp_path):
+    kept = FrozenModels(max_bytes=2**30)
+    loader = ModelLoader(device=CPU, precision="bf16", frozen_models=kept)
+    source, weights = (
+        tmp_path / "reward_model",
+        ModelLoader(device=CPU, precision="fp32").load("reward_model", folders["reward_model"]),
+    )
+    save_model_folder(weights, source)
+
+    first = loader.load("reward_model", source)
+    assert loader.load("reward_model", source) is first
+    assert ModelLoader(device=CPU, precision="bf16", frozen_models=kept).load("reward_model", source) is first
+    assert ModelLoader(device=CPU, precision="fp32", frozen_models=kept).load("reward_model", source) is not first
+    assert loader.load("critic", folders["critic"]) is not loader.load("critic", folders["critic"], trainable=True)
+    assert [m.get("kept_in_memory", False) for m in loader.loaded] == [False, True, False, False]
+
+    save_model_folder(weights, source)  # the same weights written again: new files
+    again = loader.load("reward_model", source)
+    assert again is not first and not again.training and not any(p.requires_grad for p in again.parameters())
+    ids, mask = left_padded([[5, 6, 7]])
+    assert torch.equal(first(ids, mask), again(ids, mask))
+
+
+def test_frozen_models_leave_least_recently_used_first_beyond_their_bound(folders, tmp_path):
+    shutil.copytree(folders["policy"], tmp_path / "copy")
+    one = _nbytes(ModelLoader(device=CPU, precision="fp32").load("actor", folders["policy"]))
+    kept = FrozenModels(max_bytes=2 * one)
+    loader = ModelLoader(device=CPU, precision="fp32", frozen_models=kept)
+    actor, reference = loader.load("actor", folders["policy"]), loader.load("reference", folders["policy"])
+    assert kept.held_bytes == 2 * one
+    assert loader.load("actor", folders["policy"]) is actor  # now the most recently used
+    loader.load("actor", tmp_path / "copy")  # a third model: the reference, least recently used, leaves
+    assert loader.load("actor", folders["policy"]) is actor
+    assert loader.load("reference", folders["policy"]) is not reference
+    assert kept.held_bytes <= 2 * one
+
+    kept.resize(0)
+    assert kept.held_bytes == 0
+    assert loader.load("actor", folders["policy"]) is not actor  # a bound of 0 keeps nothing
+    assert kept.held_bytes == 0
