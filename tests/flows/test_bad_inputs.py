@@ -14,6 +14,7 @@ where it takes a signal, a mount or a second process) and asserts the same four 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -534,19 +535,50 @@ def test_issue14_a_run_root_that_is_a_file_is_refused(checkpoint_world, tmp_path
 # --- as a subprocess: Ctrl-C, a read-only run root, a full disk ----------------------------------
 
 
-def _subprocess(argv: list[str], *, prefix: list[str] = (), **environment: str) -> subprocess.Popen:
+def _sigint_as_at_a_terminal() -> None:
+    """In the child, before exec: SIGINT at its default, as a command typed at a terminal has it, even where this
+    test session ignores it (pytest started as a background job, whose SIGINT the shell ignores; Python then keeps
+    ignoring it and Ctrl-C would do nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def rlhf_process():
+    """Starts ``python -m flows ARGV`` in a process group of its own, against the session's Prefect server; at the
+    end of the test every group it started is killed, so a failed test leaves no command holding the campaign."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), **environment}
-    command = [*prefix, sys.executable, "-m", "flows", *argv]
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True
-    )
+    started: list[subprocess.Popen] = []
+
+    def start(argv: list[str], *, prefix: list[str] = (), **environment: str) -> subprocess.Popen:
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), **environment}
+        command = [*prefix, sys.executable, "-m", "flows", *argv]
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_sigint_as_at_a_terminal,
+        )
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
 
 
-def test_issue14_ctrl_c_mid_stage_exits_2_and_leaves_nothing_running(prefect_server, checkpoint_world, tmp_path):
+def test_issue14_ctrl_c_mid_stage_exits_2_and_leaves_nothing_running(
+    prefect_server, checkpoint_world, tmp_path, rlhf_process
+):
     held = tmp_path / "held"
-    process = _subprocess(
+    process = rlhf_process(
         _run(tmp_path, checkpoint_world), RLHF_HOLD_AT="sample_candidates:computing", RLHF_HOLD_FILE=str(held)
     )
     deadline = time.monotonic() + 300
@@ -576,7 +608,7 @@ def _can_mount(tmp_path: Path) -> bool:
     return probe.returncode == 0
 
 
-def test_issue14_a_read_only_run_root_is_refused(prefect_server, checkpoint_world, tmp_path):
+def test_issue14_a_read_only_run_root_is_refused(prefect_server, checkpoint_world, tmp_path, rlhf_process):
     run_root = tmp_path / "runs"
     run_root.mkdir()
     if os.geteuid() != 0:
@@ -586,12 +618,14 @@ def test_issue14_a_read_only_run_root_is_refused(prefect_server, checkpoint_worl
         prefix = _private_mount(f"mount --bind {run_root} {run_root} && mount -o remount,bind,ro {run_root}")
     else:
         pytest.skip("root without mount namespaces: a read-only folder cannot be made")
-    process = _subprocess(_run(tmp_path, checkpoint_world), prefix=prefix)
+    process = rlhf_process(_run(tmp_path, checkpoint_world), prefix=prefix)
     _, stderr = process.communicate(timeout=300)
     _assert_refused(process.returncode, stderr, run_root, ("Read-only file system", str(run_root)), {})
 
 
-def test_issue14_a_full_disk_is_reported_and_the_iteration_marked_failed(prefect_server, checkpoint_world, tmp_path):
+def test_issue14_a_full_disk_is_reported_and_the_iteration_marked_failed(
+    prefect_server, checkpoint_world, tmp_path, rlhf_process
+):
     """The run root on a 1 MiB tmpfs (the MLflow store elsewhere, as on a tracking server): the first
     checkpoint that does not fit ends the command."""
     run_root, store = tmp_path / "runs", tmp_path / "store"
@@ -600,7 +634,7 @@ def test_issue14_a_full_disk_is_reported_and_the_iteration_marked_failed(prefect
     if not _can_mount(tmp_path):
         pytest.skip("no mount namespaces here: a small disk cannot be made")
     argv = _run(tmp_path, checkpoint_world, f"tracking_uri=sqlite:///{store / 'mlflow.db'}")
-    process = _subprocess(argv, prefix=_private_mount(f"mount -t tmpfs -o size=1m tmpfs {run_root}"))
+    process = rlhf_process(argv, prefix=_private_mount(f"mount -t tmpfs -o size=1m tmpfs {run_root}"))
     _, stderr = process.communicate(timeout=300)
     _assert_refused(process.returncode, stderr, run_root, ("No space left on device", str(run_root)), {})
     client = MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
