@@ -132,6 +132,7 @@ class AdapterDisabled(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.training = model.training  # so that `evaluating` restores the actor's own mode, not train mode
 
     @property
     def config(self):
@@ -167,6 +168,10 @@ class FrozenModels:
 
     @property
     def held_bytes(self) -> int:
+        with self._lock:
+            return self._held_bytes()
+
+    def _held_bytes(self) -> int:
         return sum(size for _, size in self._models.values())
 
     def get(self, key: Hashable) -> nn.Module | None:
@@ -194,7 +199,7 @@ class FrozenModels:
             self._models.clear()
 
     def _evict(self) -> None:
-        while self._models and self.held_bytes > self.max_bytes:
+        while self._models and self._held_bytes() > self.max_bytes:
             self._models.popitem(last=False)
 
 
@@ -202,18 +207,22 @@ PROCESS_FROZEN_MODELS = FrozenModels()
 """The frozen models this process keeps between its stages (see :meth:`FrozenModels.resize` for its bound)."""
 
 
-def _files_identity(*folders: Path) -> tuple[tuple[str, int, int, int], ...]:
-    """Every file under ``folders``: (path, size, modification time in ns, inode), in path order."""
+def _files_identity(*folders: Path) -> tuple[tuple[str, int, int, int], ...] | None:
+    """Every file under ``folders``: (path, size, modification time in ns, inode), in path order; None
+    where a file cannot be described (a dangling link, an unreadable folder): such a model is not kept."""
 
     def walk(folder: Path) -> Iterator[os.DirEntry]:
         for entry in os.scandir(folder):
-            if entry.is_dir():
+            if entry.is_dir(follow_symlinks=False):
                 yield from walk(Path(entry.path))
             else:
                 yield entry
 
-    files = sorted((entry for folder in dict.fromkeys(folders) for entry in walk(folder)), key=lambda e: e.path)
-    return tuple((entry.path, (stat := entry.stat()).st_size, stat.st_mtime_ns, stat.st_ino) for entry in files)
+    try:
+        files = sorted((entry for folder in dict.fromkeys(folders) for entry in walk(folder)), key=lambda e: e.path)
+        return tuple((entry.path, (stat := entry.stat()).st_size, stat.st_mtime_ns, stat.st_ino) for entry in files)
+    except OSError:
+        return None
 
 
 def _describe(model: nn.Module) -> tuple[str, str]:
@@ -295,8 +304,10 @@ class ModelLoader:
             dtype = compute_dtype(self.precision)
         key = None
         if not trainable and self.frozen_models is not None and source.is_dir() and weights.is_dir():
-            key = (role, str(self.device), str(dtype), _files_identity(source, weights))
-            if (kept := self.frozen_models.get(key)) is not None:
+            identity = _files_identity(source, weights)
+            key = None if identity is None else (role, str(self.device), str(dtype), identity)
+            if key is not None and (kept := self.frozen_models.get(key)) is not None:
+                self._set_trainable(kept, False)  # eval mode again, whatever the last stage left
                 self._record(role, kept, trainable, kept_in_memory=True)
                 logger.info("kept in memory: %s from %s on %s", role, source, self.loaded[-1])
                 return kept

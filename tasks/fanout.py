@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,8 @@ def run_shards(
         runtime = write_shards(folder, work, context, todo, schema=schema, precision=precision, arguments=arguments)
     elif todo:
         shard_task = task(name=f"{stage}-shard", cache_policy=NO_CACHE)(write_shards)
+        # a worker runs shard tasks on several threads at once and outlives the command: it keeps no models
+        worker_context = replace(context, execution=replace(execution, frozen_model_bytes=0))
         with task_runner(execution) as runner:
             futures = [
                 runner.submit(
@@ -139,7 +141,7 @@ def run_shards(
                     {
                         "folder": folder,
                         "work": work,
-                        "context": context,
+                        "context": worker_context,
                         "shards": [shard],
                         "schema": schema,
                         "precision": precision,

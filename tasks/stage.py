@@ -325,7 +325,8 @@ def _release_memory() -> None:
 
     The models themselves are freed by reference counting when the stage function returns (nothing
     keeps them in a cycle; ``tests/tasks/test_stage.py`` checks it), so no ``gc.collect()`` is
-    needed: it would cost about 0.3 s per stage with torch, Prefect and MLflow loaded.
+    needed: it would cost about 0.3 s per stage with torch, Prefect and MLflow loaded. The frozen
+    models the process keeps for later stages (:data:`rlhf_core.loading.PROCESS_FROZEN_MODELS`) stay.
     """
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -347,7 +348,8 @@ def _memory_status() -> dict[str, int] | None:
 def _peak_memory(device: torch.device) -> Iterator[Callable[[], float]]:
     """Yield a function giving the block's peak memory so far, in MiB.
 
-    CUDA: ``max_memory_allocated`` since the block began. CPU: the growth of the resident set's
+    CUDA: ``max_memory_allocated`` since the block began (frozen models kept from earlier stages
+    included). CPU: the growth of the resident set's
     high-water mark over the resident set at the start (Linux resets the mark through
     ``/proc/self/clear_refs``); 0 where the system offers neither.
     """

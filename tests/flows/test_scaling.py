@@ -62,6 +62,7 @@ def test_dask_outputs_are_byte_identical_to_local(local_run, checkpoint_world, t
         (manifest,) = (tmp_path / "tiny" / stage).glob("*/_manifest.json")
         runtime = json.loads(manifest.read_text())["runtime"]
         assert runtime["task_runner"] == "dask"
+        assert not _kept_in_memory(tmp_path, stage), "a worker's threads share no model"
     rollout = json.loads(next((tmp_path / "tiny" / "rollout").glob("*/_manifest.json")).read_text())
     assert rollout["runtime"]["shards"] == 2
     assert not list((tmp_path / "tiny").glob("*/*.partial")), "the shard pieces are removed with the output in place"

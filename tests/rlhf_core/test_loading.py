@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.config import LoraConfig
 from rlhf_core.loading import FolderMeta, FrozenModels, ModelLoader, merged, save_model_folder
-from rlhf_core.models import Critic, RewardModel, dropout_disabled
+from rlhf_core.models import Critic, RewardModel, dropout_disabled, evaluating
 from tests.conftest import PAD, left_padded, tiny_causal_lm, tiny_config
 
 CPU = torch.device("cpu")
@@ -160,6 +160,11 @@ def test_lora_trains_only_adapters_over_a_bf16_base_and_the_reference_is_the_sam
         assert torch.equal(_logits(reference, ids, mask), _logits(base, ids, mask))
         assert not torch.equal(_logits(actor, ids, mask), _logits(base, ids, mask))
 
+    actor.eval()  # a frozen actor (sampling, evaluation): evaluating its reference leaves it in eval mode
+    with evaluating(actor, loader.reference(actor)):
+        pass
+    assert not actor.training
+
 
 def test_an_adapter_folder_holds_no_base_weights_and_loads_back_identically(folders, tmp_path):
     bases = {"policy": folders["policy"]}
@@ -245,8 +250,15 @@ def test_a_frozen_model_is_found_again_until_its_folder_is_written_again(folders
     assert loader.load("reward_model", source) is first
     assert ModelLoader(device=CPU, precision="bf16", frozen_models=kept).load("reward_model", source) is first
     assert ModelLoader(device=CPU, precision="fp32", frozen_models=kept).load("reward_model", source) is not first
-    assert loader.load("critic", folders["critic"]) is not loader.load("critic", folders["critic"], trainable=True)
-    assert [m.get("kept_in_memory", False) for m in loader.loaded] == [False, True, False, False]
+    assert [m.get("kept_in_memory", False) for m in loader.loaded] == [False, True]
+    held = kept.held_bytes
+    fp32 = ModelLoader(device=CPU, precision="fp32", frozen_models=kept)
+    trained = fp32.load("critic", folders["critic"], trainable=True)
+    assert fp32.load("critic", folders["critic"], trainable=True) is not trained  # a trained model is never kept
+    assert kept.held_bytes == held
+
+    first.train()  # a stage that left a kept model in train mode: the next one gets it frozen again
+    assert loader.load("reward_model", source) is first and not first.training
 
     save_model_folder(weights, source)  # the same weights written again: new files
     again = loader.load("reward_model", source)
@@ -271,4 +283,14 @@ def test_frozen_models_leave_least_recently_used_first_beyond_their_bound(folder
     kept.resize(0)
     assert kept.held_bytes == 0
     assert loader.load("actor", folders["policy"]) is not actor  # a bound of 0 keeps nothing
+    assert kept.held_bytes == 0
+
+
+def test_a_folder_that_cannot_be_described_is_loaded_and_not_kept(folders, tmp_path):
+    source = tmp_path / "reward_model"
+    shutil.copytree(folders["reward_model"], source)
+    (source / "dangling").symlink_to(tmp_path / "nowhere")
+    kept = FrozenModels(max_bytes=2**30)
+    loader = ModelLoader(device=CPU, precision="fp32", frozen_models=kept)
+    assert loader.load("reward_model", source) is not loader.load("reward_model", source)
     assert kept.held_bytes == 0
