@@ -302,15 +302,12 @@ class ModelLoader:
             dtype = torch.float32
         else:
             dtype = compute_dtype(self.precision)
-        key = None
-        if not trainable and self.frozen_models is not None and source.is_dir() and weights.is_dir():
-            identity = _files_identity(source, weights)
-            key = None if identity is None else (role, str(self.device), str(dtype), identity)
-            if key is not None and (kept := self.frozen_models.get(key)) is not None:
-                self._set_trainable(kept, False)  # eval mode again, whatever the last stage left
-                self._record(role, kept, trainable, kept_in_memory=True)
-                logger.info("kept in memory: %s from %s on %s", role, source, self.loaded[-1])
-                return kept
+        key = None if trainable else self._frozen_key(role, dtype, source, weights)
+        if key is not None and (kept := self.frozen_models.get(key)) is not None:
+            self._set_trainable(kept, False)  # eval mode again, whatever the last stage left
+            self._record(role, kept, trainable, kept_in_memory=True)
+            logger.info("kept in memory: %s from %s on %s", role, source, self.loaded[-1])
+            return kept
         placement: dict[str, Any] = {"dtype": dtype}
         if self.device.type == "cuda":
             placement["device_map"] = {"": self.device}
@@ -367,6 +364,14 @@ class ModelLoader:
             )
             return _peft().get_peft_model(model, config)
         return model
+
+    def _frozen_key(self, role: str, dtype: torch.dtype, source: Path, weights: Path) -> Hashable | None:
+        """What a frozen model is kept under: role, device, dtype and its files; None where none is kept
+        (no cache, a source that is not a folder, or files that cannot be described)."""
+        if self.frozen_models is None or not (source.is_dir() and weights.is_dir()):
+            return None
+        identity = _files_identity(source, weights)
+        return None if identity is None else (role, str(self.device), str(dtype), identity)
 
     def _set_trainable(self, model: nn.Module, trainable: bool) -> None:
         if not trainable:
