@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from prefect.utilities.schema_tools import validate
 
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.serve import build_deployments, schema_bounds, with_bounds
+from flows.store import campaign_layout
+from storage.locks import exclusive_lock
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -263,6 +266,28 @@ def _wait_for_state(flow_run_id, names: set[str], *, timeout: float = 300):
             time.sleep(0.5)
 
 
+def _wait_for_running_flow_runs(count: int, *, started_after: datetime, timeout: float = 120) -> None:
+    """Wait until ``count`` flow runs started after ``started_after`` are Running on the session's Prefect server."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterStartTime,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    running = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+        start_time=FlowRunFilterStartTime(after_=started_after),
+    )
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while len(client.read_flow_runs(flow_run_filter=running)) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} flow runs Running after {timeout} s"
+            time.sleep(0.2)
+
+
 def test_a_custom_run_with_changed_parameters_continues_the_campaign(served):
     """What the UI's Custom run sends: the deployment's config, with one field changed in the form."""
     from prefect.deployments import run_deployment
@@ -313,9 +338,16 @@ def test_two_iterations_of_a_campaign_never_run_at_once(served):
 
     config, _, _, log = served
     before = len(_mlflow_iteration_runs(config))
-    scheduled = run_deployment("rlhf-iteration/tiny", timeout=0, as_subflow=False)
-    assert _wait_for_state(scheduled.id, {"Running"}).state.name == "Running"
-    local = rlhf_iteration(config, return_state=True)
+    # The test holds the campaign's lock until both flow runs are Running, so they surely overlap: a tiny
+    # iteration (about 3 s) could otherwise finish before the second run has started.
+    since = datetime.now(UTC)
+    with ThreadPoolExecutor(1) as pool:
+        with exclusive_lock(campaign_layout(config).lock_file()):
+            scheduled = run_deployment("rlhf-iteration/tiny", timeout=0, as_subflow=False)
+            assert _wait_for_state(scheduled.id, {"Running"}).state.name == "Running"
+            local_future = pool.submit(rlhf_iteration, config, return_state=True)
+            _wait_for_running_flow_runs(2, started_after=since)
+        local = local_future.result(timeout=300)
     scheduled = _wait_for_state(scheduled.id, set())
     assert local.is_completed() and scheduled.state.is_completed(), f"{scheduled.state}\n{log.read_text()[-3000:]}"
 
