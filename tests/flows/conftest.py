@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,14 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from demo.corpus import generate_prompts
 from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+
+def flow_runs_in_state(state: str, **filters: Any):
+    """A Prefect ``FlowRunFilter`` for the flow runs in state type ``state`` (``"RUNNING"``, ``"PAUSED"``, ...),
+    narrowed by further ``FlowRunFilter`` fields (``tags=``, ``start_time=``)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+
+    return FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[state])), **filters)
 
 
 @pytest.fixture(scope="session")

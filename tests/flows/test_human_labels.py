@@ -21,6 +21,7 @@ from storage.shards import read_table
 from tasks.collect_preferences import candidate_pairs
 from tasks.labelers import CandidatePair
 from tasks.text import Prompt
+from tests.flows.conftest import flow_runs_in_state
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TAG = "test-human-labels"
@@ -89,18 +90,9 @@ def test_an_unanswered_form_fails_the_run_saying_what_to_do(prefect_server):
 def _wait_for_pause(seen: set[str], *, deadline: float):
     """The tagged flow run that is PAUSED on a pause not in ``seen`` (then added to it)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        FlowRunFilterTags,
-    )
-    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.filters import FlowRunFilterTags
 
-    paused = FlowRunFilter(
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED])),
-        tags=FlowRunFilterTags(all_=[TAG]),
-    )
+    paused = flow_runs_in_state("PAUSED", tags=FlowRunFilterTags(all_=[TAG]))
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             for run in client.read_flow_runs(flow_run_filter=paused):

@@ -21,6 +21,7 @@ from flows.config import ConfigError, PipelineConfig, load_config
 from flows.serve import build_deployments, schema_bounds, with_bounds
 from flows.store import campaign_layout
 from storage.locks import exclusive_lock
+from tests.flows.conftest import flow_runs_in_state
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -269,18 +270,9 @@ def _wait_for_state(flow_run_id, names: set[str], *, timeout: float = 300):
 def _wait_for_running_flow_runs(count: int, *, started_after: datetime, timeout: float = 120) -> None:
     """Wait until ``count`` flow runs started after ``started_after`` are Running on the session's Prefect server."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterStartTime,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.filters import FlowRunFilterStartTime
 
-    running = FlowRunFilter(
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
-        start_time=FlowRunFilterStartTime(after_=started_after),
-    )
+    running = flow_runs_in_state("RUNNING", start_time=FlowRunFilterStartTime(after_=started_after))
     deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
         while len(client.read_flow_runs(flow_run_filter=running)) < count:
