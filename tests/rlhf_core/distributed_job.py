@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
@@ -18,6 +19,7 @@ from rlhf_core.loading import ModelLoader
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.ppo import ppo_update
 from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
+from tasks.train_worker import leave_process_group
 from tests.conftest import EOS, PAD, left_padded, tiny_config
 
 TEMPERATURE = 0.7
@@ -112,3 +114,4 @@ if __name__ == "__main__":
     for case, ppo in PPO_CASES.items():
         run_ppo(case, ppo, target)
     run_reward_model(target)
+    leave_process_group(PartialState())  # or a process may abort at exit, failing a run that succeeded
