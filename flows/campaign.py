@@ -15,17 +15,16 @@ from prefect.context import get_run_context
 
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure
+from flows.history import provenance
 from flows.identity import (
     base_inputs,
     demo_world_dir,
     fields_without,
     fingerprint_cache,
     run_key,
-    starting_point,
     uses_demo_world,
 )
 from flows.inputs import InputError, check_inputs
-from flows.reuse import reuse_record
 from flows.settings import EXECUTION, LOCATION, replayable_fields
 from flows.store import artifact_root, campaign_layout, tracking_uri
 from storage.tracking import (
@@ -42,9 +41,9 @@ from storage.tracking import (
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
-    TAG_REUSE,
     TAG_STAGE,
-    TAG_STARTING_POINT,
+    TAG_SUPERSEDED_BY,
+    RunSummary,
     Tracker,
 )
 from tasks.context import BaseInputs, Execution, StageContext, TrackingStore
@@ -232,10 +231,17 @@ def context_for(
 
 
 def _open_run(
-    config: PipelineConfig, iteration: int, base: BaseInputs, *, key: str, name: str, tags: dict[str, str]
+    config: PipelineConfig,
+    iteration: int,
+    base: BaseInputs,
+    *,
+    key: str,
+    name: str,
+    tags: dict[str, str],
+    fresh: bool = False,
 ) -> StageContext:
     """The MLflow run for exactly these inputs (finished, or reopened if it failed or was killed), or a new one,
-    as a stage context.
+    as a stage context. With ``fresh``, a finished run is not taken: the run recomputes it (and supersedes it).
 
     Runs of the campaign left RUNNING by a process that died are marked KILLED first, so whatever
     this attempt does not reopen or finish is not left looking alive.
@@ -245,7 +251,14 @@ def _open_run(
     if tags[TAG_KIND] == KIND_ITERATION:  # a replay's config is its source's, changed where a replay may change it
         record_campaign_config(config, tracker, experiment_id)
     tracker.reconcile_runs(experiment_id)
-    parent = tracker.find_run(experiment_id, tags={TAG_ITERATION_KEY: key})
+    parent = next(
+        (
+            run.run_id
+            for run in tracker.runs(experiment_id, tags={TAG_ITERATION_KEY: key})
+            if TAG_SUPERSEDED_BY not in run.tags and not (fresh and run.status == "FINISHED")
+        ),
+        None,
+    )
     flow_run_id = _flow_run_id()
     if parent is None:
         all_tags = {TAG_CAMPAIGN: config.campaign, TAG_ITERATION: str(iteration), TAG_ITERATION_KEY: key, **tags}
@@ -271,9 +284,10 @@ def _open_run(
 
 @task(name="open_iteration", cache_policy=NO_CACHE)
 def open_iteration(
-    config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None
+    config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None, *, fresh: bool = False
 ) -> StageContext:
-    """The iteration's MLflow parent run: the one for these exact inputs if it exists, or a new one."""
+    """The iteration's MLflow parent run: the one for these exact inputs if it exists (unless ``fresh``: an
+    iteration recomputed on request), or a new one."""
     previous = "" if state is None else state.policy.digest
     return _open_run(
         config,
@@ -281,7 +295,8 @@ def open_iteration(
         base,
         key=run_key(config, base, previous, iteration),
         name=f"iteration-{iteration}",
-        tags={TAG_KIND: KIND_ITERATION, TAG_STARTING_POINT: starting_point(base, previous, iteration)},
+        tags={TAG_KIND: KIND_ITERATION},
+        fresh=fresh,
     )
 
 
@@ -300,19 +315,18 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
-def close_iteration(
-    context: StageContext, stages: list[StageResult], state: IterationState, *, initialized: StageResult | None = None
-) -> IterationState:
+def close_iteration(context: StageContext, stages: list[StageResult], state: IterationState) -> IterationState:
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
-    run also gets its reuse record (:mod:`flows.reuse`): ``stages`` and, in the campaign's first iteration, the
-    ``initialized`` policy it started from.
+    run also records what produced it (:func:`flows.history.provenance`) and, when it was not finished already,
+    supersedes every other finished run of its iteration and the ones after it (:func:`_supersede`).
     """
     tracker = context.tracker
     tags = tracker.run_tags(context.parent_run_id)
     kind = tags.get(TAG_KIND, KIND_ITERATION)
-    if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
+    was_finished = tracker.run_status(context.parent_run_id) == "FINISHED"
+    if not all(result.reused for result in stages) or not was_finished:
         metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
@@ -320,8 +334,11 @@ def close_iteration(
             _log_overoptimisation(context, metrics)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
-        if tags.get(TAG_REUSE) != (record := reuse_record(context.base, [*filter(None, [initialized]), *stages])):
-            tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
+        record = provenance(context.base)
+        if any(tags.get(name) != value for name, value in record.items()):
+            tracker.set_tags(context.parent_run_id, record)
+        if not was_finished:
+            _supersede(context)
     _prune_optimizer_states(context, stages, kind=kind)
     figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
     create_markdown_artifact(
@@ -330,6 +347,16 @@ def close_iteration(
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
+
+
+def _supersede(context: StageContext) -> None:
+    """Tag every finished iteration run of ``context``'s iteration and later ones, other than its own, as
+    superseded by it: a recomputed iteration replaces them, and what continued from them (``--from-iteration``)."""
+    tracker = context.tracker
+    for run in tracker.runs(context.experiment_id, tags={TAG_KIND: KIND_ITERATION}):
+        replaced = run.status == "FINISHED" and int(run.tags[TAG_ITERATION]) >= context.iteration
+        if replaced and run.run_id != context.parent_run_id and TAG_SUPERSEDED_BY not in run.tags:
+            tracker.set_tags(run.run_id, {TAG_SUPERSEDED_BY: context.parent_run_id})
 
 
 def _log_overoptimisation(context: StageContext, metrics: dict[str, float]) -> None:
@@ -350,11 +377,8 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
         folders, keep = [result.directory for result in stages if result.stage == "ppo_update"], None
     else:
         tracker = context.tracker
-        latest = tracker.latest_iteration(context.experiment_id)
-        parent = tracker.find_run(
-            context.experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
-        )
-        run_id = stage_run(context, parent, "ppo_update")
+        newest = list(tracker.finished_iterations(context.experiment_id).values())[-1]
+        run_id = stage_run(context, newest.run_id, "ppo_update")
         folders = context.layout.stage_outputs("ppo_update")
         keep = context.layout.stage_dir("ppo_update", tracker.run_tags(run_id)[TAG_INPUT_KEY])
     freed = prune_optimizer_states(folders, keep=keep)
@@ -437,46 +461,23 @@ def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
 @task(name="load_latest_state", cache_policy=NO_CACHE)
 def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, IterationState | None]:
     """Where a campaign stands in MLflow: the next iteration to run and the state to run it from (the state
-    after its newest finished iteration run, :func:`_state_after`)."""
+    after its newest finished iteration, :func:`_state_after`)."""
     tracker = tracking_store(config).tracker()
-    experiment_id = tracker.experiment_id(config.campaign)
-    latest = tracker.latest_iteration(experiment_id)
-    if latest is None:
+    finished = tracker.finished_iterations(tracker.experiment_id(config.campaign))
+    if not finished:
         return 0, None
-    parent = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
-    )
-    return latest + 1, _state_after(config, base, latest, parent)
+    latest, run = list(finished.items())[-1]
+    return latest + 1, _state_after(config, base, latest, run.run_id)
 
 
-def finished_otherwise(
-    config: PipelineConfig, base: BaseInputs, iteration: int, state: IterationState | None
-) -> IterationState | None:
-    """The state after ``iteration`` as the campaign finished it with other settings from the same starting
-    point (:func:`starting_point`); None when the campaign has not finished it, finished it with ``config``'s
-    settings (running it again reuses and re-verifies its outputs) or from another starting point (base inputs
-    edited in place, or a run older than the tag: it runs again, from what it starts from now).
-
-    An iteration number names one finished iteration of a campaign: ``demo:3`` must mean one run. A campaign
-    run with other settings that may change from one command to the next (``advantages.*``, ``ppo.*``, as a
-    schedule changes them, and ``iterations``, which is part of the runs' key) therefore keeps the iterations it
-    finished as they are, and the new settings apply from its first unfinished iteration on; ``rlhf replay``
-    re-runs a finished one with them.
-    """
-    tracker = tracking_store(config).tracker()
-    experiment_id = tracker.experiment_id(config.campaign)
-    parent = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(iteration)}, status="FINISHED"
-    )
-    if parent is None:
+def finished_state(config: PipelineConfig, base: BaseInputs, finished: RunSummary | None) -> IterationState | None:
+    """The state after the ``finished`` run of an iteration (None for None): a finished iteration is history, kept
+    as it is whatever code, input contents or settings that may change between commands (``advantages.*``,
+    ``ppo.*``, ``iterations``) a later command brings; they apply from the first unfinished iteration on, and
+    ``rlhf run --from-iteration`` or ``rlhf replay`` recompute a finished one with them."""
+    if finished is None:
         return None
-    previous = "" if state is None else state.policy.digest
-    tags = tracker.run_tags(parent)
-    if tags.get(TAG_ITERATION_KEY) == run_key(config, base, previous, iteration):
-        return None
-    if tags.get(TAG_STARTING_POINT) != starting_point(base, previous, iteration):
-        return None
-    return _state_after(config, base, iteration, parent)
+    return _state_after(config, base, int(finished.tags[TAG_ITERATION]), finished.run_id)
 
 
 def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, parent: str) -> IterationState:

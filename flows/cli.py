@@ -1,6 +1,6 @@
 """The ``rlhf`` command line (``rlhf COMMAND --help`` documents each command).
 
-rlhf run       run a campaign: config.iterations iterations (finished stages are reused)
+rlhf run       run a campaign: config.iterations iterations (finished ones are kept; --from-iteration recomputes)
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
@@ -51,6 +51,12 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="show tracebacks of errors and of failed Prefect runs")
 
 
+def _at_least_zero(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    return int(text)
+
+
 def _at_least_one(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
@@ -64,8 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="With no --config, the built-in defaults run the embedded demo.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
+    run = commands.add_parser(
+        "run",
+        help="run a campaign from its first unfinished iteration (finished iterations are kept; a crashed run resumes)",
+    )
     _add_config_arguments(run)
+    run.add_argument(
+        "--from-iteration",
+        type=_at_least_zero,
+        metavar="N",
+        help="recompute the finished iterations from N on, with this code and these inputs (the old runs are kept, "
+        "marked superseded)",
+    )
     iterate = commands.add_parser("iterate", help="run one more iteration from the campaign's latest state")
     _add_config_arguments(iterate)
     replay = commands.add_parser(
@@ -278,21 +294,23 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
+    from flows.history import campaign_finished, difference_note
     from flows.report import campaign_report
-    from flows.reuse import campaign_finished
     from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
 
     if config.run_root.is_dir():  # as every run does first (see _prepare)
         refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
-    if campaign_finished(config):  # decided from MLflow and the manifests: no Prefect server, flow or model
+    if arguments.from_iteration is None and campaign_finished(config):  # from MLflow alone: no server, flow, model
+        if note := difference_note(config):
+            print(f"campaign `{config.campaign}`: {note}")
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
         with _server_coming_up():
             from flows.rlhf_pipeline import rlhf_campaign
 
             with _running_flows(_prepare(config, arguments)):
-                rlhf_campaign(config)
+                rlhf_campaign(config, from_iteration=arguments.from_iteration)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0

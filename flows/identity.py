@@ -21,6 +21,16 @@ from tasks.context import BaseInputs, InputFile
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference
 
+INPUT_SETTINGS = {
+    "policy": "model.policy",
+    "tokenizer": "model.tokenizer",
+    "prompts": "data.prompts",
+    "eval_prompts": "data.eval_prompts",
+    "preferences": "data.preferences",
+    "reward_model": "model.reward_model",
+}
+"""The input files of :class:`tasks.context.BaseInputs`, by field: the setting naming each."""
+
 GOLD_JUDGE = "demo.gold:JUDGE"
 """The embedded demo's hidden gold rater: it judges evaluation in the demo world (`demo`), and labels with `gold`."""
 
@@ -118,14 +128,8 @@ def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
     return fields
 
 
-def starting_point(base: BaseInputs, previous: str, iteration: int) -> str:
-    """What an iteration starts from: its base inputs' contents, the digest of the policy it continues ("" for
-    iteration 0) and its number; with its config, this makes its run key (:func:`run_key`)."""
-    return hashlib.sha256(json.dumps([base.fingerprint, previous, iteration]).encode()).hexdigest()
-
-
 def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
     """An iteration (or replay) run's identity: its config without execution and location settings,
-    its base inputs and ``parts`` (its starting point)."""
+    its base inputs and ``parts`` (the policy it continues and its number, or the run it replays)."""
     fields = fields_without(config, EXECUTION + LOCATION)
     return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flows.config import PipelineConfig
 from storage.layout import RunLayout
-from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, Tracker, open_tracker
+from storage.tracking import Tracker, open_tracker
 
 
 def campaign_layout(config: PipelineConfig) -> RunLayout:
@@ -67,14 +67,10 @@ def resolve_run(config: PipelineConfig, name: str) -> str:
         except Exception as error:  # noqa: BLE001 - MLflow raises its own exception type for a missing run
             raise LookupError(f"{name!r} is neither a campaign nor a run id in {tracker.tracking_uri}") from error
         return name
-    if not iteration:
-        latest = tracker.latest_iteration(experiment_id)
-        if latest is None:
-            raise LookupError(f"campaign {campaign!r} has no finished iteration")
-        iteration = str(latest)
-    run_id = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: iteration}, status="FINISHED"
-    )
-    if run_id is None:
+    finished = tracker.finished_iterations(experiment_id)
+    if not finished:
+        raise LookupError(f"campaign {campaign!r} has no finished iteration")
+    run = finished[max(finished)] if not iteration else finished.get(int(iteration)) if iteration.isdigit() else None
+    if run is None:
         raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
-    return run_id
+    return run.run_id

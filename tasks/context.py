@@ -81,6 +81,20 @@ class BaseInputs:
         return (self.reward_model or self.tokenizer).path
 
     @property
+    def contents(self) -> dict[str, str]:
+        """``{field: sha256}`` of every input file (``policy``, ``prompts``, ...; the tokenizer only when it is
+        not the policy's own): what a manifest and an iteration run record of the inputs that produced them."""
+        files = {
+            "policy": self.policy,
+            "tokenizer": None if self.tokenizer == self.policy else self.tokenizer,
+            "prompts": self.prompts,
+            "eval_prompts": self.eval_prompts,
+            "preferences": self.preferences,
+            "reward_model": self.reward_model,
+        }
+        return {name: file.sha256 for name, file in files.items() if file is not None}
+
+    @property
     def fingerprint(self) -> str:
         """One hash of the base files' contents: part of every input key."""
         parts = (self.policy, self.tokenizer, self.prompts, self.eval_prompts, self.reward_model)

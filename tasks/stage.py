@@ -296,7 +296,7 @@ def _produce(
             _peak_memory(device) as peak,
             disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
-            out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
+            out.runtime.update(device=str(device), torch_threads=execution.torch_threads, inputs=context.base.contents)
             out.metrics.update(produce(out))
             out.metrics["seconds"] = time.perf_counter() - started
             out.metrics["peak_memory_mb"] = peak()
