@@ -1,6 +1,6 @@
 """An FSDP2 PPO update in bf16 on one CUDA GPU, beside the same update unsharded: wall time, peak memory, agreement.
 
-    PYTHONPATH=. python bench/gpu_fsdp_check.py            # about 1 to 2 minutes on an H100
+    PYTHONPATH=. python bench/gpu_fsdp_check.py --lora     # about 1 minute on an H100 or H200
 
 Self-contained: only ``rlhf_core`` with torch, transformers and accelerate (no Prefect, MLflow, polars, pyarrow or
 hub downloads). A Llama-shaped actor and critic (``--layers``, ``--hidden``; about 0.5 B parameters each by default)
@@ -41,11 +41,26 @@ from rlhf_core.ppo import ppo_update
 PAD, EOS = 0, 2
 
 
-def _models(config: LlamaConfig, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Actor and critic, the same weights for every call (seeded), fp32 on ``device``."""
+def _models(config: LlamaConfig, device: torch.device, *, lora: bool = False) -> tuple[torch.nn.Module, ...]:
+    """Actor and critic, the same weights for every call (seeded), fp32 on ``device``; with ``lora``, as the model
+    seam trains them under LoRA: a frozen bf16 base plus fp32 adapters (every linear layer, r = 16) and an fp32
+    critic head."""
     torch.manual_seed(0)
     with device:
-        return AutoModelForCausalLM.from_config(config), Critic(config=config)
+        actor, critic = AutoModelForCausalLM.from_config(config), Critic(config=config)
+    if not lora:
+        return actor, critic
+    import peft
+
+    def adapters():  # peft writes the modules it found into the config: one config per model
+        return peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+
+    torch.manual_seed(1)
+    actor = peft.get_peft_model(actor.to(torch.bfloat16), adapters())
+    backbone = peft.get_peft_model(critic.model.to(torch.bfloat16), adapters())
+    critic = Critic.wrap(backbone, critic.head)
+    critic.head.requires_grad_(True)
+    return actor, critic
 
 
 def _experience(config: LlamaConfig, device: torch.device, *, rollouts: int, prompt: int, response: int):
@@ -77,17 +92,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _update(config: LlamaConfig, experience, ppo: PPOConfig, device: torch.device, *, shard: bool) -> dict:
+def _update(config: LlamaConfig, experience, ppo: PPOConfig, device: torch.device, *, shard: bool, lora: bool) -> dict:
     """One PPO update; prints its wall seconds and peak memory; returns the trained weights (on the CPU)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     accelerator = Accelerator(mixed_precision="bf16", cpu=not cuda)
-    models = list(_models(config, device))
+    models = list(_models(config, device, lora=lora))
     if shard:
         models = [shard_model(model, Sharding()) for model in models]
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-4) for model in models]
+    optimizers = [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-5) for model in models]
     (actor, critic), optimizers = prepare(accelerator, models, optimizers)
     _synchronize(device)
     started = time.perf_counter()
@@ -100,7 +115,7 @@ def _update(config: LlamaConfig, experience, ppo: PPOConfig, device: torch.devic
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else float("nan")
     weights = _weights({"actor": actor, "critic": critic})
     print(  # noqa: T201
-        f"{'FSDP2' if shard else 'plain'} update: {seconds:.2f} s, peak {peak:.0f} MiB, {stats.optimizer_steps} steps, "
+        f"{'FSDP2' if shard else 'plain'}{' LoRA' if lora else ''} update: {seconds:.2f} s, peak {peak:.0f} MiB, {stats.optimizer_steps} steps, "
         f"policy_loss {float(stats.policy_loss):.5f}, approx_kl {float(stats.approx_kl):.3g}"
     )
     del actor, critic, optimizers, models
@@ -111,9 +126,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--tolerance", type=float, default=0.05)
+    parser.add_argument("--lora", action="store_true", help="also the LoRA update (bf16 base, fp32 adapters)")
     parser.add_argument(
         "--cpu", action="store_true", help="a smoke run on the CPU (gloo), e.g. --layers 2 --hidden 128"
     )
@@ -121,7 +138,7 @@ def main() -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_fsdp_check: no CUDA device (--cpu for a smoke run)", file=sys.stderr)  # noqa: T201
         return 2
-    device = torch.device("cpu" if args.cpu else "cuda")
+    device = torch.device("cpu" if args.cpu else "cuda:0")
     if not args.cpu:
         torch.cuda.set_device(device)
     with socket.socket() as probe:
@@ -130,7 +147,7 @@ def main() -> int:
     backend = "gloo" if args.cpu else "nccl"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128, num_key_value_heads=args.hidden // 128,
         max_position_embeddings=1024, pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False,
     )  # fmt: skip
@@ -145,19 +162,28 @@ def main() -> int:
     experience = _experience(config, device, rollouts=args.rollouts, prompt=32, response=args.response)
     print(f"rollout: {args.rollouts} x {args.response} tokens in {time.perf_counter() - started:.1f} s")  # noqa: T201
     ppo = PPOConfig(epochs=2, minibatch_size=args.rollouts // 4)
-    initial = _weights(dict(zip(("actor", "critic"), _models(config, device), strict=True)))
-    plain = _update(config, experience, ppo, device, shard=False)
-    sharded = _update(config, experience, ppo, device, shard=True)
+    agree = all(
+        _compare(config, experience, ppo, device, lora=lora, tolerance=args.tolerance)
+        for lora in ((False, True) if args.lora else (False,))
+    )
+    dist.destroy_process_group()
+    return 0 if agree else 1
+
+
+def _compare(config, experience, ppo: PPOConfig, device: torch.device, *, lora: bool, tolerance: float) -> bool:
+    """The plain and the sharded update from the same models; whether their weights agree."""
+    initial = _weights(dict(zip(("actor", "critic"), _models(config, device, lora=lora), strict=True)))
+    plain = _update(config, experience, ppo, device, shard=False, lora=lora)
+    sharded = _update(config, experience, ppo, device, shard=True, lora=lora)
     assert plain.keys() == sharded.keys() == initial.keys(), "the sharded update's state dict has other keys"
     change = max((plain[name] - initial[name]).abs().max().item() for name in plain)
     difference = max((plain[name] - sharded[name]).abs().max().item() for name in plain)
     ratio = difference / change if change > 0 else float("inf")
     print(  # noqa: T201
         f"largest weight change of the plain update {change:.3g}; largest plain - FSDP2 difference {difference:.3g} "
-        f"({ratio:.3f} of the change; tolerance {args.tolerance}): {'OK' if ratio <= args.tolerance else 'MISMATCH'}"
+        f"({ratio:.3f} of the change; tolerance {tolerance}): {'OK' if ratio <= tolerance else 'MISMATCH'}"
     )
-    dist.destroy_process_group()
-    return 0 if ratio <= args.tolerance else 1
+    return ratio <= tolerance
 
 
 if __name__ == "__main__":
