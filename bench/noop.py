@@ -6,7 +6,7 @@ again ``--repeats`` times (each a fresh process, as a user runs it). Also report
 from one more process, where that command's time goes: importing the command's modules (neither torch nor
 Prefect), locating the base inputs and fingerprinting them (from the run root's cache; no checks), opening
 the MLflow store, and the decision (one MLflow query of the finished iterations and what differs from what
-produced them; :func:`flows.history.finished_iterations`, :func:`flows.history.what_differs`).
+produced them; :func:`campaign.history.finished_iterations`, :func:`campaign.history.what_differs`).
 
 This module itself runs as the worker of the last part (``python -m bench.noop --out FILE --root DIR``).
 """
@@ -68,12 +68,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.perf_counter()
+    from campaign.history import finished_iterations, what_differs
+    from campaign.identity import base_inputs, demo_world_dir, fingerprint_cache
+    from campaign.store import store_tracker
     from demo.world import complete_world
     from flows.config import load_config
-    from flows.history import finished_iterations, what_differs
-    from flows.identity import base_inputs, demo_world_dir, fingerprint_cache
     from flows.report import campaign_report  # noqa: F401 - the command prints it: its imports count
-    from flows.store import store_tracker
 
     imported = time.perf_counter()
     config = load_config(CONFIG, [f"run_root={args.root}"])

@@ -13,10 +13,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.figures import FIGURE_FILE, overoptimisation_figure
-from flows.history import provenance
-from flows.identity import (
+from campaign.history import provenance
+from campaign.identity import (
     base_inputs,
     demo_world_dir,
     fields_without,
@@ -24,9 +22,11 @@ from flows.identity import (
     run_key,
     uses_demo_world,
 )
+from campaign.settings import EXECUTION, LOCATION, replayable_fields
+from campaign.store import artifact_root, campaign_layout, tracking_uri
+from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
+from flows.figures import FIGURE_FILE, overoptimisation_figure
 from flows.inputs import InputError, check_inputs
-from flows.settings import EXECUTION, LOCATION, replayable_fields
-from flows.store import artifact_root, campaign_layout, tracking_uri
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
@@ -104,7 +104,7 @@ def execution_of(config: PipelineConfig) -> Execution:
 @task(name="resolve_base", cache_policy=NO_CACHE)
 def resolve_base(config: PipelineConfig) -> BaseInputs:
     """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, identify each by
-    its content (:func:`flows.identity.base_inputs`), and refuse any the stages could not use.
+    its content (:func:`campaign.identity.base_inputs`), and refuse any the stages could not use.
 
     Raises:
         FileNotFoundError: an input does not exist.
@@ -319,7 +319,7 @@ def close_iteration(context: StageContext, stages: list[StageResult], state: Ite
     """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
-    run also records what produced it (:func:`flows.history.provenance`) and, when it was not finished already,
+    run also records what produced it (:func:`campaign.history.provenance`) and, when it was not finished already,
     supersedes every other finished run of its iteration and the ones after it (:func:`_supersede`).
     """
     tracker = context.tracker

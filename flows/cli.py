@@ -31,7 +31,7 @@ from pathlib import Path
 # Offline-friendly defaults, set before Prefect and MLflow are imported; the user's own settings win.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core,storage,tasks,flows,demo")
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core,storage,tasks,campaign,flows,demo")
 # The command checks its inputs before any flow runs; what those checks log is for the console only.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -247,11 +247,11 @@ def _prepare(config, arguments, *, replay: bool = False):
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    from campaign.store import campaign_layout, existing_tracker
     from flows.campaign import check_campaign_config, resolve_base
     from flows.config import ConfigError
     from flows.console import show_stages
     from flows.prefect_server import ensure_prefect_api
-    from flows.store import campaign_layout, existing_tracker
     from storage.locks import refuse_if_locked
 
     if config.run_root.exists() and not config.run_root.is_dir():
@@ -299,9 +299,9 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
-    from flows.history import campaign_finished, difference_note
+    from campaign.history import campaign_finished, difference_note
+    from campaign.store import campaign_layout
     from flows.report import campaign_report
-    from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
 
     if config.run_root.is_dir():  # as every run does first (see _prepare)
@@ -337,9 +337,9 @@ def _replay(config, arguments) -> int:
     from flows.report import compare_report
 
     with _server_coming_up():
+        from campaign.store import resolve_run
         from flows.replay import replay_config
         from flows.rlhf_pipeline import rlhf_replay
-        from flows.store import resolve_run
 
         source_run_id = resolve_run(config, arguments.source)
         replay = replay_config(config, source_run_id, arguments.overrides)
@@ -351,8 +351,8 @@ def _replay(config, arguments) -> int:
 
 
 def _compare(config, arguments) -> int:
+    from campaign.store import resolve_run
     from flows.report import compare_report
-    from flows.store import resolve_run
 
     metrics = arguments.metrics.split(",") if arguments.metrics else None
     print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))
@@ -368,7 +368,7 @@ def _export(config, arguments) -> int:
 
 
 def _gc(config, arguments) -> int:
-    from flows.gc import collect_garbage, describe
+    from campaign.gc import collect_garbage, describe
 
     config = config.model_copy(update={"campaign": arguments.campaign})
     plan = collect_garbage(config, keep_last=arguments.keep_last, dry_run=arguments.dry_run)
@@ -414,8 +414,8 @@ def _store_overrides(arguments: argparse.Namespace) -> list[str]:
     recorded config (:func:`flows.replay.replay_config`), never the defaults, which they might not fit."""
     if arguments.command != "replay":
         return arguments.overrides
+    from campaign.settings import LOCATION
     from flows.config import parse_override
-    from flows.settings import LOCATION
 
     return [text for text in arguments.overrides if parse_override(text)[0] in LOCATION]
 

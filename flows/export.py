@@ -18,9 +18,9 @@ from typing import Literal
 
 import torch
 
+from campaign.store import resolve_run
 from flows.campaign import context_for, resolve_base, source_config, stage_run, tracking_store
 from flows.config import PipelineConfig
-from flows.store import resolve_run
 from rlhf_core.loading import ModelLoader, merged
 from storage.checkpoints import load_tokenizer
 from tasks.records import recorded_result

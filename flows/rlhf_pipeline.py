@@ -2,10 +2,10 @@
 labels or reward model); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded
 iteration from its saved experience with new settings.
 
-A campaign's finished iterations are history (:mod:`flows.history`): running it again continues from its first
+A campaign's finished iterations are history (:mod:`campaign.history`): running it again continues from its first
 unfinished iteration, whatever code or inputs changed. Within an iteration, every stage is reused when its output
 for the same inputs (and the same code that computes it) already exists, so a crashed run continues from its
-first unfinished stage. Each stage gets exactly the settings :data:`flows.settings.STAGE_SETTINGS` lists for it.
+first unfinished stage. Each stage gets exactly the settings :data:`campaign.settings.STAGE_SETTINGS` lists for it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from functools import partial
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from campaign.history import check_from_iteration, finished_iterations, what_differs
+from campaign.settings import stage_settings
 from flows.campaign import (
     IterationState,
     ReplayInputs,
@@ -30,10 +32,8 @@ from flows.campaign import (
 from flows.config import PipelineConfig
 from flows.engines import campaign_slot, engine
 from flows.heap import iteration_starting
-from flows.history import check_from_iteration, finished_iterations, what_differs
 from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
-from flows.settings import stage_settings
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -141,11 +141,11 @@ def rlhf_campaign(config: PipelineConfig, from_iteration: int | None = None) -> 
 
     A finished iteration is kept as it is, whatever code, input contents or changeable settings (PPO or advantage
     settings, the number of iterations) this run brings: they apply from the first unfinished iteration on, and a
-    notice says what differs (:func:`flows.history.what_differs`). ``from_iteration`` recomputes the finished
+    notice says what differs (:func:`campaign.history.what_differs`). ``from_iteration`` recomputes the finished
     iterations from that one on, in new runs that supersede the old ones.
 
     Raises:
-        ConfigError: ``from_iteration`` cannot be recomputed (:func:`flows.history.check_from_iteration`).
+        ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
     """
     with engine(config) as config:  # one local cluster for every iteration
         base = resolve_base(config)

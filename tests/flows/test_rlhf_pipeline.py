@@ -175,9 +175,9 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
 def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
     """Every iteration run says which code (fingerprint and version) and which input contents produced it, and so
     does every manifest; nothing differs from what is here now."""
+    from campaign.history import code_in_use, difference_note, input_contents
+    from campaign.store import store_tracker
     from flows.campaign import resolve_base
-    from flows.history import code_in_use, difference_note, input_contents
-    from flows.store import store_tracker
     from storage.manifest import package_version, read_manifest
 
     config, _ = campaign
@@ -204,7 +204,7 @@ def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
     script = (
         "import json, sys\n"
         "from flows.config import PipelineConfig\n"
-        "from flows.history import campaign_finished, difference_note\n"
+        "from campaign.history import campaign_finished, difference_note\n"
         "from flows.report import campaign_report\n"
         f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"
         "finished = campaign_finished(config) and difference_note(config) is None\n"

@@ -1,7 +1,7 @@
 """What identifies a campaign's runs: its base inputs, located and identified by their content, and run keys.
 
 Nothing here imports torch, transformers or Prefect, so a command that only has to recognise finished work
-(``rlhf run`` of a finished campaign, :mod:`flows.reuse`) starts in seconds. Checking that the stages can
+(``rlhf run`` of a finished campaign, :mod:`campaign.history`) starts in seconds. Checking that the stages can
 use the inputs (:func:`flows.inputs.check_inputs`) and building the demo world are the flow's
 (:func:`flows.campaign.resolve_base`).
 """
@@ -12,10 +12,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from campaign.settings import EXECUTION, LOCATION
+from campaign.store import store_layout
 from demo.world import DemoWorld
 from flows.config import PipelineConfig
-from flows.settings import EXECUTION, LOCATION
-from flows.store import store_layout
 from storage.fingerprints import FingerprintCache
 from tasks.context import BaseInputs, InputFile
 from tasks.judge import JudgeReference

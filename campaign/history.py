@@ -18,11 +18,11 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
+from campaign.identity import INPUT_SETTINGS, base_inputs, demo_world_dir, fingerprint_cache, uses_demo_world
+from campaign.settings import STAGE_SETTINGS
+from campaign.store import existing_tracker
 from demo.world import complete_world
 from flows.config import ConfigError, PipelineConfig
-from flows.identity import INPUT_SETTINGS, base_inputs, demo_world_dir, fingerprint_cache, uses_demo_world
-from flows.settings import STAGE_SETTINGS
-from flows.store import existing_tracker
 from storage.manifest import package_version
 from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION, RunSummary
 from tasks.code import code_fingerprint
