@@ -4,8 +4,6 @@ MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 from prefect import get_run_logger, task
@@ -17,22 +15,19 @@ from campaign.history import provenance
 from campaign.identity import (
     base_inputs,
     demo_world_dir,
-    fields_without,
     fingerprint_cache,
+    record_campaign_config,
     run_key,
     uses_demo_world,
 )
-from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import artifact_root, campaign_layout, tracking_uri
-from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
+from flows.config import PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure
 from flows.inputs import InputError, check_inputs
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
     TAG_CAMPAIGN,
-    TAG_CAMPAIGN_CONFIG,
-    TAG_CONFIG_FINGERPRINT,
     TAG_FLOW_RUN_ID,
     TAG_INPUT_KEY,
     TAG_ITERATION,
@@ -44,7 +39,6 @@ from storage.tracking import (
     TAG_STAGE,
     TAG_SUPERSEDED_BY,
     RunSummary,
-    Tracker,
 )
 from tasks.context import BaseInputs, Execution, StageContext, TrackingStore
 from tasks.ppo_update import prune_optimizer_states
@@ -134,74 +128,6 @@ def _flow_run_id() -> str | None:
         return str(get_run_context().task_run.flow_run_id)
     except Exception:  # noqa: BLE001 - outside a Prefect run there is simply no id
         return None
-
-
-CAMPAIGN_FREE = (
-    *EXECUTION,
-    *LOCATION,
-    *replayable_fields(),
-    "iterations",
-    *(f"human.{name}" for name in HumanLabelConfig.model_fields),
-)
-"""Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
-replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
-human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
-
-
-def campaign_fields(config: PipelineConfig) -> dict:
-    """The fields that define ``config``'s campaign (all but :data:`CAMPAIGN_FREE`), as JSON values."""
-    return fields_without(config, CAMPAIGN_FREE)
-
-
-def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
-    """``{dotted path: value}`` of every leaf of a nested dict."""
-    leaves: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            leaves.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            leaves[prefix + key] = value
-    return leaves
-
-
-def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
-    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it.
-
-    Returns:
-        The config's campaign fingerprint (what the campaign's experiment records as
-        ``rlhf.config_fingerprint``).
-
-    Raises:
-        ConfigError: naming the first differing fields, their values there and here, and what to do.
-    """
-    fields = campaign_fields(config)
-    fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    tags = tracker.experiment_tags(config.campaign)
-    recorded = tags.get(TAG_CONFIG_FINGERPRINT)
-    if recorded is None or recorded == fingerprint:
-        return fingerprint
-    theirs, ours = _leaves(json.loads(tags.get(TAG_CAMPAIGN_CONFIG, "{}"))), _leaves(fields)
-    differing = sorted(name for name in theirs.keys() | ours.keys() if theirs.get(name) != ours.get(name))
-    shown = "; ".join(f"`{name}` {theirs.get(name)!r} there, {ours.get(name)!r} here" for name in differing[:3])
-    more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
-    raise ConfigError(
-        f"campaign `{config.campaign}` was started with another config ({shown or 'another version'}{more}): give "
-        "this config a `campaign` of its own (--set campaign=NAME), or run the campaign with the config it was "
-        "started with"
-    )
-
-
-def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
-    """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered."""
-    fingerprint = check_campaign_config(config, tracker)
-    if TAG_CONFIG_FINGERPRINT not in tracker.experiment_tags(config.campaign):
-        tracker.set_experiment_tags(
-            experiment_id,
-            {
-                TAG_CAMPAIGN_CONFIG: json.dumps(campaign_fields(config), sort_keys=True),
-                TAG_CONFIG_FINGERPRINT: fingerprint,
-            },
-        )
 
 
 def context_for(

@@ -231,14 +231,15 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments, *, replay: bool = False):
+def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = False):
     """What every flow-running command does first: check the campaign's inputs, that no other process runs
     it and (but for a replay, whose config is its source's) that it was started with this config, then make
     sure a Prefect server is there, one this process owns if none is configured.
 
     Returns:
         The console that shows the stages (:func:`flows.console.show_stages`; close it when the flows end), or
-        None with ``--verbose``, which shows the whole log instead.
+        None with ``--verbose``, which shows the whole log instead; and the base inputs, resolved and checked
+        once for the whole command (the flows take them).
 
     Raises:
         LockHeld: another process is running the campaign.
@@ -247,8 +248,9 @@ def _prepare(config, arguments, *, replay: bool = False):
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    from campaign.identity import check_campaign_config
     from campaign.store import campaign_layout, existing_tracker
-    from flows.campaign import check_campaign_config, resolve_base
+    from flows.campaign import resolve_base
     from flows.config import ConfigError
     from flows.console import show_stages
     from flows.prefect_server import ensure_prefect_api
@@ -256,10 +258,11 @@ def _prepare(config, arguments, *, replay: bool = False):
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
-    refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if not lock_checked:
+        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    resolve_base.fn(config)
+    base = resolve_base.fn(config)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
@@ -267,7 +270,7 @@ def _prepare(config, arguments, *, replay: bool = False):
             handler.addFilter(_RunFailures())
         console = show_stages(handlers)
     ensure_prefect_api()
-    return console
+    return console, base
 
 
 @contextlib.contextmanager
@@ -314,8 +317,9 @@ def _run(config, arguments) -> int:
         with _server_coming_up():
             from flows.rlhf_pipeline import rlhf_campaign
 
-            with _running_flows(_prepare(config, arguments)):
-                rlhf_campaign(config, from_iteration=arguments.from_iteration)
+            console, base = _prepare(config, arguments, lock_checked=True)
+            with _running_flows(console):
+                rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}")
     return 0
@@ -327,8 +331,9 @@ def _iterate(config, arguments) -> int:
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
 
-        with _running_flows(_prepare(config, arguments)):
-            rlhf_iteration(config)
+        console, base = _prepare(config, arguments)
+        with _running_flows(console):
+            rlhf_iteration(config, base=base)
     print(campaign_report(config))
     return 0
 
@@ -343,8 +348,9 @@ def _replay(config, arguments) -> int:
 
         source_run_id = resolve_run(config, arguments.source)
         replay = replay_config(config, source_run_id, arguments.overrides)
-        with _running_flows(_prepare(replay, arguments, replay=True)):
-            replay_run_id = rlhf_replay(replay, source_run_id)
+        console, base = _prepare(replay, arguments, replay=True)
+        with _running_flows(console):
+            replay_run_id = rlhf_replay(replay, source_run_id, base=base)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
     return 0

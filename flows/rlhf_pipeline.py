@@ -69,10 +69,15 @@ def _campaign(parameters: dict) -> str:
 
 @flow(name="rlhf-iteration", flow_run_name=_iteration_run_name)
 def rlhf_iteration(
-    config: PipelineConfig, iteration: int | None = None, state: IterationState | None = None, fresh: bool = False
+    config: PipelineConfig,
+    iteration: int | None = None,
+    state: IterationState | None = None,
+    fresh: bool = False,
+    base: BaseInputs | None = None,
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
-    With ``fresh``, a finished run of the same inputs is recomputed in a new run, which supersedes it.
+    With ``fresh``, a finished run of the same inputs is recomputed in a new run, which supersedes it. ``base``:
+    the base inputs the command resolved already (:func:`flows.campaign.resolve_base`), or None to resolve them.
 
     Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
     iterations of one campaign never run at once, on one machine or several; runs on the engines of
@@ -86,7 +91,7 @@ def rlhf_iteration(
         campaign_slot(config.campaign, layout.slot_file()),
         engine(config) as config,
     ):
-        base = resolve_base(config)
+        base = base or resolve_base(config)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
         context = open_iteration(config, iteration, base, state, fresh=fresh)
@@ -136,7 +141,9 @@ def _collect(config: PipelineConfig, context, settings, state: IterationState) -
 
 
 @flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)
-def rlhf_campaign(config: PipelineConfig, from_iteration: int | None = None) -> IterationState:
+def rlhf_campaign(
+    config: PipelineConfig, from_iteration: int | None = None, base: BaseInputs | None = None
+) -> IterationState:
     """``config.iterations`` iterations, each continuing from the previous one's policy and reward model.
 
     A finished iteration is kept as it is, whatever code, input contents or changeable settings (PPO or advantage
@@ -148,7 +155,7 @@ def rlhf_campaign(config: PipelineConfig, from_iteration: int | None = None) -> 
         ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
     """
     with engine(config) as config:  # one local cluster for every iteration
-        base = resolve_base(config)
+        base = base or resolve_base(config)
         finished = finished_iterations(config)
         start = next((n for n in range(config.iterations) if n not in finished), config.iterations)
         if from_iteration is not None:
@@ -158,7 +165,7 @@ def rlhf_campaign(config: PipelineConfig, from_iteration: int | None = None) -> 
         if note := what_differs({n: run for n, run in finished.items() if n < start}, base):
             get_run_logger().info("campaign %s: %s", config.campaign, note, extra={STAGE_EVENT: "notice"})
         for iteration in range(start, config.iterations):
-            state = rlhf_iteration(config, iteration, state, fresh=iteration in finished)
+            state = rlhf_iteration(config, iteration, state, fresh=iteration in finished, base=base)
     return state
 
 
@@ -169,10 +176,11 @@ def _continuable(state: IterationState | None) -> bool:
 
 
 @flow(name="rlhf-replay", flow_run_name=_replay_run_name)
-def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
+def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | None = None) -> str:
     """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
 
-    Returns the replay's MLflow run id (tagged ``rlhf.replay_of`` = ``source_run_id``). It writes into the
+    ``base``: the base inputs the command resolved already, or None to resolve them. Returns the replay's MLflow
+    run id (tagged ``rlhf.replay_of`` = ``source_run_id``). It writes into the
     campaign's folder and MLflow experiment, so it holds the campaign's lock like an iteration.
     """
     check_replayable(config, source_run_id)
@@ -182,7 +190,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
         campaign_slot(config.campaign, layout.slot_file()),
         engine(config) as config,
     ):
-        base = resolve_base(config)
+        base = base or resolve_base(config)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)

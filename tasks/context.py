@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 
 from storage.layout import RunLayout
 from storage.tracking import Tracker, open_tracker
+from tasks.judge import JudgeReference  # at run time: a flow validates the base inputs it is given
+from tasks.reward_function import RewardFunctionReference
 
 if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
     import torch
 
     from rlhf_core.config import LoraConfig, Precision
     from rlhf_core.loading import ModelLoader
-    from tasks.judge import JudgeReference
-    from tasks.reward_function import RewardFunctionReference
 
 
 @dataclass(frozen=True)
