@@ -28,6 +28,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from rlhf_core.errors import UserError
+
 # Offline-friendly defaults, set before Prefect and MLflow are imported; the user's own settings win.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -155,30 +157,12 @@ _USER_ERRNOS = {
 port or an address not of this machine (the labelling page's)."""
 
 
-_USER_ERROR_TYPES = (
-    "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
-    "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
-    "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
-)  # fmt: skip
-"""The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
-checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
-
-
-def _raised_one_of(error: BaseException, names: tuple[str, ...]) -> bool:
-    """Whether ``error`` is an instance of one of the ``module:Class`` ``names`` (of modules already imported)."""
-    for name in names:
-        module, _, attribute = name.partition(":")
-        if module in sys.modules and isinstance(error, getattr(sys.modules[module], attribute)):
-            return True
-    return False
-
-
 def _user_error(error: BaseException) -> bool:
     """Whether ``error`` is a problem with what the user gave or the machine's state, not a bug."""
-    user_errors = (LookupError, FileNotFoundError, FileExistsError, TimeoutError, KeyboardInterrupt)
+    user_errors = (UserError, LookupError, FileNotFoundError, FileExistsError, TimeoutError, KeyboardInterrupt)
     if isinstance(error, KeyError | IndexError):  # LookupErrors of a bug, not a run or campaign that does not exist
         return False
-    if isinstance(error, user_errors) or _raised_one_of(error, _USER_ERROR_TYPES):
+    if isinstance(error, user_errors):
         return True
     return isinstance(error, OSError) and error.errno in _USER_ERRNOS
 
@@ -211,13 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
-        timeout = _raised_one_of(error, ("flows.human_labels:HumanLabelTimeout",))
-        if not timeout and not _user_error(error):
+        if not _user_error(error):
             raise
         if arguments.verbose:
             traceback.print_exc()
         print(f"rlhf: {_message(error)}", file=sys.stderr)
-        return 3 if timeout else 2
+        return getattr(error, "exit_code", 2)
 
 
 class _RunFailures(logging.Filter):

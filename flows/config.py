@@ -40,6 +40,7 @@ from rlhf_core.config import (
     SettingError,
     eval_split_error,
 )
+from rlhf_core.errors import UserError
 
 
 class _Frozen(BaseModel):
@@ -358,7 +359,7 @@ def _store_only(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("store_only"))
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message (one line) says which and why."""
 
 

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from flows.config import PipelineConfig
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
+from rlhf_core.errors import UserError
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
@@ -37,7 +38,7 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
 T = TypeVar("T")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """An input file or model the campaign cannot use; the message names the setting, file, row and field."""
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_core.errors import UserError
 from storage.files import FileEntry, file_sha256, fsync_directory
 from storage.schemas import SCHEMA_VERSION
 from storage.shards import write_shards
@@ -70,7 +71,7 @@ _CHECKSUM_KEY = "manifest_sha256"
 _TEMPORARY_MARK = ".tmp-"
 
 
-class CorruptOutputError(Exception):
+class CorruptOutputError(UserError):
     """A stage output whose files do not match its manifest, or whose manifest is unreadable.
 
     Attributes:
