@@ -66,6 +66,8 @@ def _at_least_one(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from campaign.settings import changeable_fields
+
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
@@ -91,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="re-run rewards/KL/GAE, PPO update and evaluation of a recorded iteration with new settings (no generation)",
         description="Starts from the config the source iteration ran with (recorded in MLflow): --config is needed "
-        "only for where the store is (run_root, tracking_uri). Only advantages.*, ppo.*, sizes.eval_prompts and "
-        "where stages run (device, torch_threads, execution.*, ...) may differ from the source run.",
+        f"only for where the store is (run_root, tracking_uri). Only {', '.join(changeable_fields())} may differ "
+        "from the source run.",
     )
     replay.add_argument("source", help="an MLflow iteration run id, or CAMPAIGN:ITERATION")
     _add_config_arguments(replay)

@@ -17,18 +17,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from campaign.settings import EXECUTION, LOCATION, covers, replayable_fields
+from campaign.settings import LOCATION, changeable_fields, covers
 from flows.campaign import source_config
 from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from rlhf_core.config import GROUP_ESTIMATORS
 from storage.schemas import OLD_VALUES, PROMPT_ID
 from storage.shards import read_table
 from tasks.stage import StageResult
-
-
-def changeable_fields() -> tuple[str, ...]:
-    """Every config path a replay may set: the replayable settings, execution and location."""
-    return replayable_fields() + EXECUTION + LOCATION
 
 
 def _refusal(fields: list[str]) -> ConfigError:

@@ -157,9 +157,10 @@ class TrackingStore:
         return open_tracker(self.uri, self.artifact_root)
 
 
-def stage_seed(seed: int, stage: str, iteration: int) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration)`` (nanochat-style), stable across runs."""
-    digest = hashlib.sha256(f"{seed}/{stage}/{iteration}".encode()).digest()
+def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
+    """A seed from the coordinates ``(seed, stage, iteration, *more)`` (nanochat-style), stable across runs and
+    machines: the one derivation of every seed (a shard's adds ``shard-N``, :func:`tasks.fanout.shard_seed`)."""
+    digest = hashlib.sha256("/".join(map(str, (seed, stage, iteration, *more))).encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
