@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -23,6 +22,7 @@ from flows.campaign import context_for, resolve_base, source_config, stage_run, 
 from flows.config import PipelineConfig
 from rlhf_core.loading import ModelLoader, merged
 from storage.checkpoints import load_tokenizer
+from storage.files import temporary_sibling
 from tasks.records import recorded_result
 
 ExportedModel = Literal["actor", "critic", "reward_model"]
@@ -53,7 +53,7 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
         raise LookupError(f"{source} has no {model}: it was trained by a critic-free estimator")
     loader = ModelLoader(device=torch.device("cpu"), precision="fp32", bases=base.bases)
     plain = merged(loader.load(model, folder))
-    staging = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}-{uuid.uuid4().hex}"
+    staging = temporary_sibling(out_dir, what=".export-")
     try:
         plain.save_pretrained(staging)
         load_tokenizer(folder).save_pretrained(staging)

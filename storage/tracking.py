@@ -48,7 +48,6 @@ import shutil
 import socket
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +60,7 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
 
+from storage.files import temporary_sibling
 from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 
 __all__ = [
@@ -667,7 +667,7 @@ class Tracker:
         if referenced is not None:
             return self._copy_referenced(run_id, Path(referenced), destination)
         destination.parent.mkdir(parents=True, exist_ok=True)
-        staging = destination.parent / f".{destination.name}.download-{os.getpid()}-{uuid.uuid4().hex}"
+        staging = temporary_sibling(destination, what=".download-")
         staging.mkdir()
         try:
             downloaded = Path(self._client.download_artifacts(run_id, OUTPUT_ARTIFACT_PATH, dst_path=str(staging)))
@@ -687,7 +687,7 @@ class Tracker:
             )
         read_manifest(referenced, verify=True)
         if referenced != destination:
-            staging = destination.parent / f".{destination.name}.copy-{os.getpid()}-{uuid.uuid4().hex}"
+            staging = temporary_sibling(destination, what=".copy-")
             try:
                 shutil.copytree(referenced, staging)
                 if destination.exists():
