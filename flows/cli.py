@@ -140,6 +140,7 @@ _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
     "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
+    "flows.model_sources:ModelSourceError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
@@ -238,13 +239,18 @@ def _prepare(config, arguments, *, replay: bool = False):
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    resolve_base.fn(config)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
         for handler in handlers:
             handler.addFilter(_RunFailures())
-        console = show_stages(handlers)
+        console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
+    try:
+        resolve_base.fn(config)
+    except BaseException:
+        if console is not None:
+            console.close()
+        raise
     ensure_prefect_api()
     return console
 

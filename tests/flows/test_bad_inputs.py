@@ -298,6 +298,42 @@ MODEL_CASES = [
         ("tokens, more than the model's vocabulary of 5",),
     ),
 ]
+
+
+def _gguf(tmp: Path, setting: str, *, arch: str | None) -> str:
+    """``setting`` pointing at a GGUF file: of the architecture ``arch``, or not a GGUF file at all (None)."""
+    from tests.flows.test_model_sources import write_gguf
+
+    path = tmp / "model.gguf"
+    if arch is None:
+        path.write_bytes(b"not a gguf file\n")
+    else:
+        write_gguf(path, arch=arch)
+    return f"{setting}={path}"
+
+
+MODEL_CASES += [
+    Case(
+        "policy-gguf-not-gguf",
+        lambda t, w: _run(t, w, _gguf(t, "model.policy", arch=None)),
+        ("`model.policy`", "model.gguf", "cannot be converted", "GGUF magic"),
+    ),
+    Case(
+        "policy-gguf-unknown-architecture",
+        lambda t, w: _run(t, w, _gguf(t, "model.policy", arch="rwkv6")),
+        ("`model.policy`", "model.gguf", "architecture rwkv6 is not supported"),
+    ),
+    Case(
+        "reward-model-gguf-not-gguf",
+        lambda t, w: _run(t, w, _gguf(t, "model.reward_model", arch=None)),
+        ("`model.reward_model`", "model.gguf", "cannot be converted"),
+    ),
+    Case(
+        "policy-package-not-installed",
+        lambda t, w: _run(t, w, "model.policy=pkg:no_such_package_here/m.gguf"),
+        ("`model.policy`", "no_such_package_here", "installed"),
+    ),
+]
 if not torch.cuda.is_available():
     MODEL_CASES.append(Case("cuda-without-a-gpu", lambda t, w: _run(t, w, "device=cuda"), ("`device`", "no CUDA")))
 
