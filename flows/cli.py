@@ -278,7 +278,7 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
     from flows.reuse import campaign_finished
     from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
@@ -294,19 +294,19 @@ def _run(config, arguments) -> int:
             with _running_flows(_prepare(config, arguments)):
                 rlhf_campaign(config)
     print(campaign_report(config))
-    print(f"\nOutputs: {config.run_root / config.campaign}")
+    print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
 
         with _running_flows(_prepare(config, arguments)):
             rlhf_iteration(config)
-    print(campaign_report(config))
+    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
     return 0
 
 

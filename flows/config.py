@@ -219,6 +219,9 @@ class PipelineConfig(_Frozen):
     """Folder for stage outputs, the MLflow SQLite store and caches (made absolute at load time)."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None uses SQLite at `<run_root>/mlflow.db`."""
+    tracking_ui_url: str | None = None
+    """Where the MLflow UI is (`http://HOST:PORT`), for the links the pipeline gives (the Prefect artifact's, the
+    commands'); None: the tracking server itself with an `http(s)` `tracking_uri`, else http://127.0.0.1:5000."""
     seed: int = 0
     """Root seed; every stage derives its own from (seed, stage, iteration)."""
     iterations: int = Field(8, gt=0)
