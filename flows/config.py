@@ -375,6 +375,43 @@ def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node[leaf] = value
 
 
+PATH_SETTINGS = ("run_root", "data.prompts", "data.eval_prompts", "data.preferences", "execution.accelerate_config")
+"""Settings that are paths: relative ones in a config file are relative to its folder, given with ``--set`` to the
+working directory (:func:`absolute_path`)."""
+MODEL_SETTINGS = ("model.policy", "model.tokenizer", "model.reward_model")
+"""Settings that are a folder, or a Hugging Face hub name (``org/name``) where no such folder exists."""
+
+
+def absolute_path(setting: str, value: Any, folder: Path) -> Any:
+    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a non-string or an absolute path as
+    it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in ``folder``."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    resolved = (folder / path).resolve()
+    hub_name = not value.startswith((".", "~")) and value.count("/") == 1 and not resolved.exists()
+    return value if setting in MODEL_SETTINGS and hub_name else str(resolved)
+
+
+def _get_dotted(tree: dict[str, Any], dotted_key: str) -> Any:
+    node: Any = tree
+    for part in dotted_key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _absolute_paths(tree: dict[str, Any], folder: Path) -> None:
+    """Every path setting of a config file's ``tree`` made absolute against the file's ``folder`` (in place)."""
+    for setting in PATH_SETTINGS + MODEL_SETTINGS:
+        value = _get_dotted(tree, setting)
+        if isinstance(value, str):
+            _set_dotted(tree, setting, absolute_path(setting, value, folder))
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"ppo.epochs=2"`` -> ``("ppo.epochs", 2)``; the value is parsed as YAML.
 
@@ -447,6 +484,9 @@ def load_config(
 ) -> PipelineConfig:
     """Read a YAML config (a diff from the defaults), apply ``key=value`` overrides, validate.
 
+    Relative paths (:data:`PATH_SETTINGS`, :data:`MODEL_SETTINGS`) are made absolute: those in the file against its
+    folder, those of an override against the working directory, so every message names the path it looked at.
+
     Args:
         store_only: for commands that only read what runs recorded (compare, export, gc): what only a run
             needs (a model, prompts, a labeler) need not be set.
@@ -467,10 +507,13 @@ def load_config(
             raise ConfigError(f"config file {path} cannot be read: {error}") from error
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping, got {type(tree).__name__}")
+        _absolute_paths(tree, Path(path).absolute().parent)
     given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value)
+        _set_dotted(
+            tree, key, absolute_path(key, value, Path.cwd()) if key in PATH_SETTINGS + MODEL_SETTINGS else value
+        )
         given[key] = text
     try:
         return PipelineConfig.model_validate(tree, context={"store_only": store_only})
