@@ -365,6 +365,24 @@ class ConfigError(ValueError):
     """A config file or override that cannot be used; the message (one line) says which and why."""
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one YAML mapping: ``(key, first line, second line)``."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping, where PyYAML keeps the last one silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise _DuplicateKey(key, lines[key], line)
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node = tree
     *parents, leaf = dotted_key.split(".")
@@ -500,7 +518,13 @@ def load_config(
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+            tree = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
+        except _DuplicateKey as error:
+            key, first, second = error.args
+            raise ConfigError(
+                f"config file {path}: `{key}` is given twice, at lines {first} and {second} (YAML would keep only the "
+                "last): merge them"
+            ) from None
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from error
         except (OSError, UnicodeDecodeError) as error:

@@ -218,3 +218,14 @@ def test_issue27_a_run_from_another_folder_finds_the_files_beside_its_config_and
     )
     assert finished.returncode == 2, finished.stderr[-3000:]
     assert finished.stderr.strip().splitlines() == [f"rlhf: `data.eval_prompts` {folder / 'eval.jsonl'} does not exist"]
+
+
+def test_issue27_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("reward_model:\n  epochs: 2\nppo:\n  epochs: 1\nreward_model:\n  train: false\n")
+    with pytest.raises(ConfigError, match=r"`reward_model` is given twice, at lines 1 and 5"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("ppo:\n  epochs: 1\n  clip_eps: 0.1\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"nested.yaml: `epochs` is given twice, at lines 2 and 4"):
+        load_config(nested)
