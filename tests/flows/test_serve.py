@@ -282,6 +282,7 @@ def _wait_for_running_flow_runs(count: int, *, started_after: datetime, timeout:
 
 def test_a_custom_run_with_changed_parameters_continues_the_campaign(served):
     """What the UI's Custom run sends: the deployment's config, with one field changed in the form."""
+    from prefect import get_client
     from prefect.deployments import run_deployment
 
     from flows.rlhf_pipeline import rlhf_iteration
@@ -299,6 +300,8 @@ def test_a_custom_run_with_changed_parameters_continues_the_campaign(served):
     assert runs[1].data.params["advantages.kl_coef"] == "0.125"
     assert runs[0].data.params["advantages.kl_coef"] == str(config.advantages.kl_coef)
     assert runs[1].data.tags["prefect.flow_run_id"] == str(flow_run.id)
+    with get_client(sync_client=True) as client:  # issue 27: started as tiny-iteration-next, named once it is known
+        assert client.read_flow_run(flow_run.id).name == "tiny-iteration-1"
 
 
 def test_parameters_the_schema_cannot_check_fail_the_run_before_its_first_task(served):
