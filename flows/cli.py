@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
-        epilog="With no --config, the built-in defaults run the embedded demo.",
+        epilog="A run needs a config naming your model and prompts (model.policy, data.prompts, data.eval_prompts) "
+        "and who labels (labeler), or the embedded demo: --config configs/demo.yaml. Relative paths in a config file "
+        "are relative to its folder. `rlhf config` prints every setting with its description.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")

@@ -100,6 +100,12 @@ def test_issue15_the_defaults_use_nothing_of_the_demo_and_say_what_to_set():
     assert config.sampling.max_new_tokens == 256
     demo = load_config(CONFIGS / "demo.yaml")
     assert (demo.ppo.actor_learning_rate, demo.sampling.max_new_tokens, demo.labeler) == (2e-4, 16, "gold")
+    # issue 27: and `rlhf --help` says so
+    from flows.cli import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert "model.policy, data.prompts, data.eval_prompts" in help_text and "configs/demo.yaml" in help_text
+    assert "defaults run the embedded demo" not in help_text
 
 
 @pytest.mark.parametrize(
