@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
-        epilog="run, iterate and serve take a --config (configs/demo.yaml runs the embedded demo); replay, compare, "
-        "export and gc read the campaign's recorded config from its MLflow store.",
+        epilog="run, iterate and serve take a --config naming your model and prompts (model.policy, data.prompts, "
+        "data.eval_prompts) and who labels (labeler), or configs/demo.yaml for the embedded demo; relative paths in a "
+        "config file are relative to its folder. replay, compare, export and gc read the campaign's recorded config "
+        "from its MLflow store.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
@@ -303,7 +305,7 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
     from flows.reuse import campaign_finished
     from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
@@ -319,19 +321,19 @@ def _run(config, arguments) -> int:
             with _running_flows(_prepare(config, arguments)):
                 rlhf_campaign(config)
     print(campaign_report(config))
-    print(f"\nOutputs: {config.run_root / config.campaign}")
+    print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
 
         with _running_flows(_prepare(config, arguments)):
             rlhf_iteration(config)
-    print(campaign_report(config))
+    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
     return 0
 
 
