@@ -37,6 +37,8 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "iteration": "the iteration",
     "run": "`iteration`, or `replay <run id>` for a replay of it",
     "estimator": "the advantage estimator that scored the experience",
+    "candidates": "candidate responses sampled for labelling",
+    "pairs": "preference pairs labelled in the iteration",
     "rollouts": "rollouts in the experience",
     "length_mean": "response length in tokens: mean",
     "length_p50": "response length: median",
