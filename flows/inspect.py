@@ -48,6 +48,7 @@ from storage.shards import scan_table
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
+    KIND_STAGE,
     TAG_ITERATION,
     TAG_KIND,
     TAG_OUTPUT_PREFIX,
@@ -116,6 +117,9 @@ def parse_target(text: str) -> tuple[str, int | None]:
 def find_runs(config: PipelineConfig, campaign: str, iteration: int | None = None) -> list[RunOutputs]:
     """The outputs of every finished iteration of ``campaign`` (or just ``iteration``), each followed by its replays.
 
+    Three searches of the store (iteration, replay and stage runs, with their tags), whatever the campaign's length;
+    outputs found in place are trusted as they are (their manifests are read, their bytes not hashed).
+
     Raises:
         LookupError: no MLflow store, no such campaign, or no such finished iteration.
     """
@@ -126,40 +130,51 @@ def find_runs(config: PipelineConfig, campaign: str, iteration: int | None = Non
     if not tracker.has_experiment(campaign):
         raise LookupError(f"no campaign {campaign!r} in the MLflow store {tracker.tracking_uri}")
     experiment_id = tracker.experiment_id(campaign)
-    finished = {
-        int(run.tags[TAG_ITERATION])
-        for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_ITERATION})
-        if run.status == "FINISHED"
-    }
+    iterations = tracker.runs(experiment_id, tags={TAG_KIND: KIND_ITERATION})
+    finished: dict[int, list[str]] = {}
+    for run in iterations:
+        if run.status == "FINISHED":
+            finished.setdefault(int(run.tags[TAG_ITERATION]), []).append(run.run_id)
     if iteration is not None and iteration not in finished:
         raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
     if not finished:
         raise LookupError(f"campaign {campaign!r} has no finished iteration")
     replays = [run for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_REPLAY}) if run.status == "FINISHED"]
+    stages = tracker.runs(experiment_id, tags={TAG_KIND: KIND_STAGE})
+    tags = {run.run_id: run.tags for run in [*iterations, *replays, *stages]}
     layout = RunLayout(root=config.run_root / campaign)
     found = []
     for number in sorted(finished) if iteration is None else [iteration]:
-        run_id = tracker.find_run(
-            experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(number)}, status="FINISHED"
-        )
-        source = _run_outputs(tracker, layout, number, ITERATION_RUN, run_id)
+        run_id = finished[number][0]
+        if len(finished[number]) > 1:  # the same iteration finished again (other settings): the newest counts
+            run_id = tracker.find_run(
+                experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(number)}, status="FINISHED"
+            )
+        source = _run_outputs(tracker, layout, tags, number, ITERATION_RUN, run_id)
         found.append(source)
         for replay in sorted(replays, key=lambda run: run.run_id):
             if replay.tags.get(TAG_REPLAY_OF) == run_id:
-                found.append(
-                    _run_outputs(tracker, layout, number, f"replay {replay.run_id[:12]}", replay.run_id, source)
-                )
+                run = f"replay {replay.run_id[:12]}"
+                found.append(_run_outputs(tracker, layout, tags, number, run, replay.run_id, source))
     return found
 
 
 def _run_outputs(
-    tracker: Tracker, layout: RunLayout, iteration: int, run: str, run_id: str, source: RunOutputs | None = None
+    tracker: Tracker,
+    layout: RunLayout,
+    tags: dict[str, dict[str, str]],
+    iteration: int,
+    run: str,
+    run_id: str,
+    source: RunOutputs | None = None,
 ) -> RunOutputs:
-    tags = tracker.run_tags(run_id)
+    """The outputs the run ``run_id`` names in its ``rlhf.output.<stage>`` tags (``tags``: every run's, by id)."""
 
     def output(stage: str) -> Path | None:
-        stage_run = tags.get(f"{TAG_OUTPUT_PREFIX}{stage}")
-        return None if stage_run is None else recorded_output(tracker, layout, stage_run)[0]
+        stage_run = tags[run_id].get(f"{TAG_OUTPUT_PREFIX}{stage}")
+        if stage_run is None:
+            return None
+        return recorded_output(tracker, layout, stage_run, tags=tags.get(stage_run), verify=False)[0]
 
     scored, policy = output("compute_advantages"), output("ppo_update")
     rollout = source.rollout if source is not None else output("rollout")
@@ -277,7 +292,10 @@ def select_responses(
         chosen = top_rollouts(filter_rollouts(rollouts, where), by=by, count=count).collect(engine="streaming")
     except ValueError as error:
         raise InspectError(str(error)) from error
-    except pl.exceptions.PolarsError as error:  # a condition that parses but cannot run, e.g. text compared to a number
+    except pl.exceptions.PolarsError as error:
+        if where is None:
+            raise
+        # a condition that parses but cannot run, e.g. text compared with a number
         raise InspectError(f"`--where` {where!r} cannot be evaluated: {str(error).splitlines()[0]}") from error
     tokens = []
     for outputs in runs:

@@ -153,6 +153,7 @@ def test_each_iteration_run_carries_its_summary_and_top_responses_in_mlflow(reco
         (["{campaign}:one"], "is not CAMPAIGN or CAMPAIGN:ITERATION"),
         (["{campaign}", "--where", "lenght > 3"], "names no column lenght"),
         (["{campaign}", "--where", "length >>> 3"], "is not a SQL condition"),
+        (["{campaign}", "--where", "run > 3"], "cannot be evaluated: cannot compare string"),
         (["{campaign}", "--top", "2", "--by", "gold"], "`--by` 'gold' is not a rollout column"),
         (["{campaign}", "--threshold", "window=0"], "at least 1"),
     ],
