@@ -4,6 +4,7 @@ rlhf run       run a campaign: config.iterations iterations (finished stages are
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf inspect   summarise a campaign's recorded experience per iteration, flag drift, print chosen responses
 rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
 rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
@@ -86,6 +87,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a campaign's recorded experience per iteration, flag drift, print chosen responses",
+        description="Reads the shards every finished iteration (and replay) recorded, lazily. Columns and flags: "
+        "docs/inspect.md. --where and --top print rollouts decoded with the campaign's tokenizer; their columns are "
+        "iteration, run, row, prompt_id, length, truncated, score, reward, kl, advantage.",
+    )
+    inspect.add_argument("target", metavar="CAMPAIGN[:ITERATION]", help="a campaign, or one iteration of it")
+    inspect.add_argument(
+        "--where",
+        metavar="CONDITION",
+        help="print the rollouts matching a SQL condition, e.g. 'length >= 8 and score > 1'",
+    )
+    inspect.add_argument("--top", type=_at_least_one, metavar="N", help="print the N rollouts highest by --by")
+    inspect.add_argument("--by", default="score", metavar="COLUMN", help="the column --top sorts by (default score)")
+    inspect.add_argument("--format", choices=["table", "json", "csv"], default="table", help="default table")
+    inspect.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a drift threshold, e.g. --threshold length_rise=0.3 (repeatable; see docs/inspect.md)",
+    )
+    _add_config_arguments(inspect)
     export = commands.add_parser(
         "export",
         help="write a trained model of an iteration as a plain Hugging Face folder (LoRA adapters merged)",
@@ -145,7 +170,7 @@ _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
     "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
-    "flows.model_sources:ModelSourceError", "tasks.reward_function:RewardFunctionError",
+    "flows.model_sources:ModelSourceError", "tasks.reward_function:RewardFunctionError", "flows.inspect:InspectError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
@@ -363,6 +388,21 @@ def _compare(config, arguments) -> int:
     return 0
 
 
+def _inspect(config, arguments) -> int:
+    from flows.inspect import RENDERERS, inspect_campaign
+
+    inspection = inspect_campaign(
+        config,
+        arguments.target,
+        where=arguments.where,
+        top=arguments.top,
+        by=arguments.by,
+        thresholds=arguments.threshold,
+    )
+    print(RENDERERS[arguments.format](inspection), end="")
+    return 0
+
+
 def _export(config, arguments) -> int:
     from flows.export import export_model
 
@@ -406,7 +446,7 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_STORE_COMMANDS = ("replay", "compare", "export", "gc", "config")
+_STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
 """Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
 export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
@@ -429,6 +469,7 @@ _COMMANDS = {
     "iterate": _iterate,
     "replay": _replay,
     "compare": _compare,
+    "inspect": _inspect,
     "export": _export,
     "gc": _gc,
     "serve": _serve,

@@ -198,5 +198,5 @@ def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, inp
     ).result()
     evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
-    close_iteration(context, [scored, new_policy, evaluation], state)
+    close_iteration(context, [scored, new_policy, evaluation], state, experience=inputs.experience)
     return context.parent_run_id

@@ -90,8 +90,9 @@ def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_stat
     final = state.result()
     # MLflow holds each stage's manifest, never a second copy of its files.
     artifacts = [path for path in (config.run_root / "mlartifacts").rglob("*") if path.is_file()]
-    # Besides: the views the UI shows (the evaluation samples as a table, the over-optimisation figure).
-    views = {"samples.json", "overoptimisation.png"}
+    # Besides: the views the UI shows (the evaluation samples and the top responses as tables, the
+    # over-optimisation figure).
+    views = {"samples.json", "top_responses.json", "overoptimisation.png"}
     assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json", *views}
     with_states = [
         folder.name
