@@ -118,6 +118,24 @@ def test_every_command_block_is_run_or_listed_as_not_run():
     assert all(block.commands for page in PAGES for block in command_blocks(page))
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_pages_finds_its_file_and_heading():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: {target} does not exist"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+                assert anchor in {_anchor(heading) for heading in headings}, f"{page.name}: no heading for {target}"
+
+
 def test_the_readme_stays_a_front_page():
     assert (ROOT / "README.md").stat().st_size <= 15 * 1024
 
