@@ -23,6 +23,7 @@ from campaign.settings import STAGE_SETTINGS
 from campaign.store import existing_tracker
 from demo.world import complete_world
 from flows.config import ConfigError, PipelineConfig
+from flows.model_sources import NotConverted
 from storage.manifest import package_version
 from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION, RunSummary
 from tasks.code import code_fingerprint
@@ -141,7 +142,7 @@ def campaign_finished(config: PipelineConfig) -> bool:
 
 def difference_note(config: PipelineConfig) -> str | None:
     """:func:`what_differs` for ``config``'s campaign as it is in its store, or None (also when the demo world it
-    reads is not built yet: nothing of it can be finished then).
+    reads is not built yet, or a GGUF model it reads is not converted: nothing can have finished with them).
 
     Raises:
         FileNotFoundError: a base input does not exist (as any run refuses it).
@@ -152,4 +153,8 @@ def difference_note(config: PipelineConfig) -> str | None:
     world = None
     if uses_demo_world(config) and (world := complete_world(demo_world_dir(config))) is None:
         return None
-    return what_differs(finished, base_inputs(config, fingerprint_cache(config), world))
+    try:
+        base = base_inputs(config, fingerprint_cache(config), world, convert=False)
+    except NotConverted:  # a GGUF model no run under this root converted: its content is not known without it
+        return None
+    return what_differs(finished, base)

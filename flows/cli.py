@@ -4,6 +4,7 @@ rlhf run       run a campaign: config.iterations iterations (finished ones are k
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf inspect   summarise a campaign's recorded experience per iteration, flag drift, print chosen responses
 rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
 rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
@@ -71,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
-        epilog="run, iterate and serve take a --config (configs/demo.yaml runs the embedded demo); replay, compare, "
-        "export and gc read the campaign's recorded config from its MLflow store.",
+        epilog="run, iterate and serve take a --config naming your model and prompts (model.policy, data.prompts, "
+        "data.eval_prompts) and who labels (labeler), or configs/demo.yaml for the embedded demo; relative paths in a "
+        "config file are relative to its folder. replay, compare, export and gc read the campaign's recorded config "
+        "from its MLflow store.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
@@ -104,6 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a campaign's recorded experience per iteration, flag drift, print chosen responses",
+        description="Reads the shards every finished iteration (and replay) recorded, lazily. Columns and flags: "
+        "docs/inspect.md. --where and --top print rollouts decoded with the campaign's tokenizer; their columns are "
+        "iteration, run, row, prompt_id, length, truncated, score, reward, kl, advantage.",
+    )
+    inspect.add_argument("target", metavar="CAMPAIGN[:ITERATION]", help="a campaign, or one iteration of it")
+    inspect.add_argument(
+        "--where",
+        metavar="CONDITION",
+        help="print the rollouts matching a SQL condition, e.g. 'length >= 8 and score > 1'",
+    )
+    inspect.add_argument("--top", type=_at_least_one, metavar="N", help="print the N rollouts highest by --by")
+    inspect.add_argument("--by", default="score", metavar="COLUMN", help="the column --top sorts by (default score)")
+    inspect.add_argument("--format", choices=["table", "json", "csv"], default="table", help="default table")
+    inspect.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a drift threshold, e.g. --threshold length_rise=0.3 (repeatable; see docs/inspect.md)",
+    )
+    _add_config_arguments(inspect)
     export = commands.add_parser(
         "export",
         help="write a trained model of an iteration as a plain Hugging Face folder (LoRA adapters merged)",
@@ -179,6 +206,19 @@ def _message(error: BaseException) -> str:
     return "\n".join(lines[:2])
 
 
+def _find_modules_beside(config_file: Path | None) -> None:
+    """Let a user's modules (a reward function's, ``reward.function: module:callable``) be found in the config file's
+    folder and the working directory, after everything installed (so neither shadows a package), in this process and
+    in those it starts (Dask and Ray workers, the flow runs of ``rlhf serve``)."""
+    folders = [str(Path(config_file).resolve().parent)] if config_file is not None else []
+    folders.append(os.getcwd())
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    known = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, known), *(f for f in folders if f not in known)])
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     if not arguments.verbose:
@@ -189,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         from storage.holds import arm
 
         arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
+    _find_modules_beside(arguments.config)
     try:
         from flows.config import load_config
 
@@ -247,13 +288,18 @@ def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = Fa
         refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    base = resolve_base.fn(config)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
         for handler in handlers:
             handler.addFilter(_RunFailures())
-        console = show_stages(handlers)
+        console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
+    try:
+        base = resolve_base.fn(config)
+    except BaseException:
+        if console is not None:
+            console.close()
+        raise
     ensure_prefect_api()
     return console, base
 
@@ -289,7 +335,7 @@ def _running_flows(console):
 def _run(config, arguments) -> int:
     from campaign.history import campaign_finished, difference_note
     from campaign.store import campaign_layout
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
     from storage.locks import refuse_if_locked
 
     if config.run_root.is_dir():  # as every run does first (see _prepare)
@@ -306,12 +352,12 @@ def _run(config, arguments) -> int:
             with _running_flows(console):
                 rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
     print(campaign_report(config))
-    print(f"\nOutputs: {config.run_root / config.campaign}")
+    print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
@@ -319,7 +365,7 @@ def _iterate(config, arguments) -> int:
         console, base = _prepare(config, arguments)
         with _running_flows(console):
             rlhf_iteration(config, base=base)
-    print(campaign_report(config))
+    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
     return 0
 
 
@@ -347,6 +393,21 @@ def _compare(config, arguments) -> int:
 
     metrics = arguments.metrics.split(",") if arguments.metrics else None
     print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))
+    return 0
+
+
+def _inspect(config, arguments) -> int:
+    from flows.inspect import RENDERERS, inspect_campaign
+
+    inspection = inspect_campaign(
+        config,
+        arguments.target,
+        where=arguments.where,
+        top=arguments.top,
+        by=arguments.by,
+        thresholds=arguments.threshold,
+    )
+    print(RENDERERS[arguments.format](inspection), end="")
     return 0
 
 
@@ -393,7 +454,7 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_STORE_COMMANDS = ("replay", "compare", "export", "gc", "config")
+_STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
 """Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
 export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
@@ -416,6 +477,7 @@ _COMMANDS = {
     "iterate": _iterate,
     "replay": _replay,
     "compare": _compare,
+    "inspect": _inspect,
     "export": _export,
     "gc": _gc,
     "serve": _serve,

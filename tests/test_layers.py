@@ -1,6 +1,7 @@
 """Imports go one way: flows -> campaign -> tasks -> {storage, rlhf_core}; storage -> rlhf_core (types only).
 
-``campaign`` (the campaign model) reads the typed config, ``flows.config``, and nothing else of ``flows``; it
+``campaign`` (the campaign model) reads the typed config, ``flows.config``, and ``flows.model_sources``, nothing else
+of ``flows``; it
 imports neither Prefect nor torch (``test_the_campaign_model_imports_neither_prefect_nor_torch``).
 
 Read from the source (every import statement, inside functions too), so a lazy import cannot hide
@@ -24,8 +25,9 @@ MAY_IMPORT = {
     "campaign": {"campaign", "tasks", "storage", "rlhf_core", "demo"},
     "flows": {"flows", "campaign", "tasks", "storage", "rlhf_core", "demo"},
 }
-MAY_IMPORT_MODULES = {"campaign": {"flows.config"}}
-"""Single modules of a higher layer a layer may import: the campaign model reads the typed config."""
+MAY_IMPORT_MODULES = {"campaign": {"flows.config", "flows.model_sources"}}
+"""Single modules of a higher layer a layer may import: the campaign model reads the typed config, and locates
+model settings as ``flows.model_sources`` does (a GGUF file converted once; Prefect only to log a conversion)."""
 FIRST_PARTY = set(MAY_IMPORT)
 
 

@@ -21,6 +21,9 @@ from rlhf_core.errors import UserError
         "storage.locks:LockHeld",
         "storage.locks:UnsafeLockFile",
         "tasks.train_reward_model:TooFewPairs",
+        "tasks.reward_function:RewardFunctionError",
+        "flows.model_sources:ModelSourceError",
+        "flows.inspect:InspectError",
     ],
 )
 def test_each_layers_user_errors_are_user_errors(name):
