@@ -20,7 +20,7 @@ from campaign.identity import (
     run_key,
     uses_demo_world,
 )
-from campaign.store import artifact_root, campaign_layout, tracking_uri
+from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, tracking_uri
 from flows.config import PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.inputs import InputError, check_inputs
@@ -36,9 +36,7 @@ from storage.tracking import (
     TAG_ITERATION_KEY,
     TAG_KIND,
     TAG_OUTPUT_PREFIX,
-    TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
-    TAG_STAGE,
     TAG_SUPERSEDED_BY,
     RunSummary,
 )
@@ -47,8 +45,6 @@ from tasks.ppo_update import prune_optimizer_states
 from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
 from tasks.stage import StageResult
 from tasks.text import load_tokenizer, same_tokenizer
-
-CONFIG_ARTIFACT = "config.json"
 
 
 @dataclass(frozen=True)
@@ -335,8 +331,8 @@ def _inspection_summary(context: StageContext, inspected: dict[str, float], *, k
     tracker = context.tracker
     target = f"{context.campaign}:{context.iteration}"
     lines = [
-        f"Inspect: [top responses]({tracker.artifact_url(context.parent_run_id, TOP_RESPONSES)}) (MLflow table); "
-        f"in a terminal, `rlhf inspect {target} --top 10`.",
+        f"Inspect: the top responses are the table `{TOP_RESPONSES}` of [its MLflow run]"
+        f"({tracker.run_url(context.parent_run_id)}); in a terminal, `rlhf inspect {target} --top 10`.",
     ]
     if kind == KIND_ITERATION:
         earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
@@ -357,7 +353,7 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
     else:
         tracker = context.tracker
         newest = list(tracker.finished_iterations(context.experiment_id).values())[-1]
-        run_id = stage_run(context, newest.run_id, "ppo_update")
+        run_id = stage_run(context.tracker, context.experiment_id, newest.run_id, "ppo_update")
         folders = context.layout.stage_outputs("ppo_update")
         keep = context.layout.stage_dir("ppo_update", tracker.run_tags(run_id)[TAG_INPUT_KEY])
     freed = prune_optimizer_states(folders, keep=keep)
@@ -399,22 +395,6 @@ def iteration_summary(
     return "\n".join(lines) + "\n"
 
 
-def stage_run(context: StageContext, parent_run_id: str, stage: str, *, required: bool = True) -> str | None:
-    """The stage run whose output an iteration (or replay) run used: its own, or a reused one.
-
-    Raises:
-        LookupError: the run records none and ``required`` is set (else None is returned: an
-            iteration with a reward function has no reward-model stage).
-    """
-    tracker = context.tracker
-    run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
-        context.experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
-    )  # runs recorded before the output tags existed: their own nested stage run
-    if run_id is None and required:
-        raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
-    return run_id
-
-
 @task(name="load_replay_inputs", cache_policy=NO_CACHE)
 def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInputs) -> ReplayInputs:
     """What the source iteration's stages 5-7 started from (see :class:`ReplayInputs`), found through MLflow.
@@ -424,20 +404,15 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     tracker = tracking_store(config).tracker()
     iteration = int(tracker.run_tags(source_run_id)[TAG_ITERATION])
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
-    experience = recorded_result(context, stage_run(context, source_run_id, "rollout"))
-    scored = recorded_result(context, stage_run(context, source_run_id, "compute_advantages"))
+    experience = recorded_result(context, stage_run(context.tracker, context.experiment_id, source_run_id, "rollout"))
+    scored = recorded_result(
+        context, stage_run(context.tracker, context.experiment_id, source_run_id, "compute_advantages")
+    )
     return ReplayInputs(
         experience=experience,
         policy=upstream_result(context, experience, "policy"),
         reward_model=optional_upstream_result(context, experience, "reward_model"),
         previous=optional_upstream_result(context, scored, "previous"),
-    )
-
-
-def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
-    """The config an iteration run was made with (stored beside it as ``config.json``)."""
-    return PipelineConfig.model_validate_json(
-        tracking_store(config).tracker().load_text(source_run_id, CONFIG_ARTIFACT)
     )
 
 
@@ -469,9 +444,11 @@ def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, paren
     when a reward function scored that iteration)."""
     tracker = tracking_store(config).tracker()
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
-    policy = recorded_result(context, stage_run(context, parent, "ppo_update"))
-    advantages = recorded_result(context, stage_run(context, parent, "compute_advantages"))
-    reward_model_run = stage_run(context, parent, "train_reward_model", required=False)
+    policy = recorded_result(context, stage_run(context.tracker, context.experiment_id, parent, "ppo_update"))
+    advantages = recorded_result(
+        context, stage_run(context.tracker, context.experiment_id, parent, "compute_advantages")
+    )
+    reward_model_run = stage_run(context.tracker, context.experiment_id, parent, "train_reward_model", required=False)
     reward_model, preferences = None, ()
     if reward_model_run is not None:
         reward_model = recorded_result(context, reward_model_run)

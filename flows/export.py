@@ -17,8 +17,8 @@ from typing import Literal
 
 import torch
 
-from campaign.store import resolve_run
-from flows.campaign import context_for, resolve_base, source_config, stage_run, tracking_store
+from campaign.store import resolve_run, source_config, stage_run
+from flows.campaign import context_for, resolve_base, tracking_store
 from flows.config import PipelineConfig
 from rlhf_core.loading import ModelLoader, merged
 from storage.checkpoints import load_tokenizer
@@ -47,7 +47,7 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
     base = resolve_base.fn(recorded)
     tracker = tracking_store(recorded).tracker()
     context = context_for(recorded, 0, base, tracker.experiment_id(recorded.campaign))
-    output = recorded_result(context, stage_run(context, run_id, _STAGE_OF[model]))
+    output = recorded_result(context, stage_run(context.tracker, context.experiment_id, run_id, _STAGE_OF[model]))
     folder = output.directory / model
     if not folder.is_dir():
         raise LookupError(f"{source} has no {model}: it was trained by a critic-free estimator")

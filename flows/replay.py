@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from campaign.settings import LOCATION, changeable_fields, covers
-from flows.campaign import source_config
+from campaign.store import source_config
 from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from rlhf_core.config import GROUP_ESTIMATORS
 from storage.schemas import OLD_VALUES, PROMPT_ID
