@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.figures import FIGURE_FILE, overoptimisation_figure
+from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.identity import (
     base_inputs,
     demo_world_dir,
@@ -85,7 +85,9 @@ class ReplayInputs:
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
     root = artifact_root(config)
-    return TrackingStore(uri=tracking_uri(config), artifact_root=None if root is None else str(root))
+    return TrackingStore(
+        uri=tracking_uri(config), artifact_root=None if root is None else str(root), ui_url=config.tracking_ui_url
+    )
 
 
 def execution_of(config: PipelineConfig) -> Execution:
@@ -320,30 +322,42 @@ def close_iteration(
     tracker = context.tracker
     tags = tracker.run_tags(context.parent_run_id)
     kind = tags.get(TAG_KIND, KIND_ITERATION)
+    metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
+    figure = _overoptimisation(context, metrics) if kind == KIND_ITERATION else None
     inspected = None
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
-        metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
         inspected = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
         metrics |= inspected
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
-        if kind == KIND_ITERATION:
-            _log_overoptimisation(context, metrics)
+        if figure is not None:
+            tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
         if tags.get(TAG_REUSE) != (record := reuse_record(context.base, [*filter(None, [initialized]), *stages])):
             tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
-    figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
     inspection = None if inspected is None else _inspection_summary(context, inspected, kind=kind)
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
         markdown=iteration_summary(
-            context, stages, tracker.run_url(context.parent_run_id), kind=kind, figure=figure, inspection=inspection
+            context,
+            stages,
+            tracker.run_url(context.parent_run_id),
+            kind=kind,
+            figure=None if figure is None else png_data_uri(figure),
+            inspection=inspection,
         ),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
+
+
+def _overoptimisation(context: StageContext, metrics: dict[str, float]):
+    """The campaign's over-optimisation figure up to this iteration (:mod:`flows.figures`): the iterations before
+    it as MLflow recorded them, and this one's ``metrics``."""
+    earlier = [row for row in context.tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
+    return overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
 
 
 def _log_inspection(context: StageContext, stages: list[StageResult], *, kind: str) -> dict[str, float]:
@@ -377,14 +391,6 @@ def _inspection_summary(context: StageContext, inspected: dict[str, float], *, k
     return "\n".join(lines)
 
 
-def _log_overoptimisation(context: StageContext, metrics: dict[str, float]) -> None:
-    """The campaign's over-optimisation figure up to this iteration (:mod:`flows.figures`), on the iteration run."""
-    tracker = context.tracker
-    earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
-    figure = overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
-    tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
-
-
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:
     """Keep optimizer states only where continuing needs them: the newest finished iteration's PPO output.
 
@@ -416,9 +422,9 @@ def iteration_summary(
     figure: str | None = None,
     inspection: str | None = None,
 ) -> str:
-    """Markdown: one row per stage (ran or reused, seconds), the over-optimisation figure, the inspection of the
-    experience (``inspection``), then every metric on a row of its own (one cell per value, so the UI cuts none
-    off), and the MLflow link."""
+    """Markdown: the MLflow link, one row per stage (ran or reused, seconds), the over-optimisation figure (``figure``:
+    an image URL, a ``data:`` URI so it shows without any server), the inspection of the experience
+    (``inspection``), then every metric on a row of its own (one cell per value, so the UI cuts none off)."""
     lines = [
         f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",

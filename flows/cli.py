@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
-        epilog="run, iterate and serve take a --config (configs/demo.yaml runs the embedded demo); replay, compare, "
-        "export and gc read the campaign's recorded config from its MLflow store.",
+        epilog="run, iterate and serve take a --config naming your model and prompts (model.policy, data.prompts, "
+        "data.eval_prompts) and who labels (labeler), or configs/demo.yaml for the embedded demo; relative paths in a "
+        "config file are relative to its folder. replay, compare, export and gc read the campaign's recorded config "
+        "from its MLflow store.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
@@ -167,7 +169,8 @@ port or an address not of this machine (the labelling page's)."""
 _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
-    "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs", "flows.inspect:InspectError",
+    "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
+    "flows.model_sources:ModelSourceError", "tasks.reward_function:RewardFunctionError", "flows.inspect:InspectError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
@@ -202,6 +205,19 @@ def _message(error: BaseException) -> str:
     return "\n".join(lines[:2])
 
 
+def _find_modules_beside(config_file: Path | None) -> None:
+    """Let a user's modules (a reward function's, ``reward.function: module:callable``) be found in the config file's
+    folder and the working directory, after everything installed (so neither shadows a package), in this process and
+    in those it starts (Dask and Ray workers, the flow runs of ``rlhf serve``)."""
+    folders = [str(Path(config_file).resolve().parent)] if config_file is not None else []
+    folders.append(os.getcwd())
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    known = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, known), *(f for f in folders if f not in known)])
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     if not arguments.verbose:
@@ -212,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         from storage.holds import arm
 
         arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
+    _find_modules_beside(arguments.config)
     try:
         from flows.config import load_config
 
@@ -268,13 +285,18 @@ def _prepare(config, arguments, *, replay: bool = False):
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    resolve_base.fn(config)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
         for handler in handlers:
             handler.addFilter(_RunFailures())
-        console = show_stages(handlers)
+        console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
+    try:
+        resolve_base.fn(config)
+    except BaseException:
+        if console is not None:
+            console.close()
+        raise
     ensure_prefect_api()
     return console
 
@@ -308,7 +330,7 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
     from flows.reuse import campaign_finished
     from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
@@ -324,19 +346,19 @@ def _run(config, arguments) -> int:
             with _running_flows(_prepare(config, arguments)):
                 rlhf_campaign(config)
     print(campaign_report(config))
-    print(f"\nOutputs: {config.run_root / config.campaign}")
+    print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
 
         with _running_flows(_prepare(config, arguments)):
             rlhf_iteration(config)
-    print(campaign_report(config))
+    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
     return 0
 
 

@@ -56,6 +56,12 @@ def campaign_report(config: PipelineConfig) -> str:
     return "\n".join([table, *notes])
 
 
+def campaign_link(config: PipelineConfig) -> str:
+    """Where the MLflow UI lists the campaign's runs (`tracking_ui_url`), as a line to print."""
+    tracker = store_tracker(config)
+    return f"MLflow: {tracker.experiment_url(tracker.experiment_id(config.campaign))}"
+
+
 KL_TO_REFERENCE = "evaluate/kl_to_reference"
 KL_NOTE = (
     "KL to ref: the k1 estimate, log pi(y|x) - log pi_ref(y|x) summed over each sampled response and averaged over "
