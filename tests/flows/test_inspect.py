@@ -188,7 +188,7 @@ def test_flags_a_drifting_campaign_and_not_a_steady_one(tmp_path, capsys):
     assert {flag["kind"] for flag in relaxed} == {"entropy", "reward_model"}
 
 
-def test_the_prefect_artifact_links_the_top_responses_and_lists_the_drift_warnings(recorded):
+def test_the_prefect_artifact_shows_the_top_responses_and_lists_the_drift_warnings(recorded):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -199,6 +199,9 @@ def test_the_prefect_artifact_links_the_top_responses_and_lists_the_drift_warnin
             (artifact,) = client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), limit=1
             )
-            assert f"get-artifact?path={TOP_RESPONSES}" in artifact.data
+            assert (
+                f"`{TOP_RESPONSES}` table" in artifact.data
+                and "| score | reward | KL | length | response |" in artifact.data
+            )
             assert f"`rlhf inspect {config.campaign}:1 --top 10`" in artifact.data
             assert ("Drift warnings" in artifact.data) == (kind == "iteration")  # a campaign's, not a replay's
