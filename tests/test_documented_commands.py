@@ -228,7 +228,7 @@ class Page:
         log = self.folder / f"server-{len(self.servers)}.log"
         with log.open("w") as sink:
             process = subprocess.Popen(
-                ["bash", "-c", f"exec {command}"], cwd=self.folder, env=self.env, stdout=sink, stderr=subprocess.STDOUT,
+                ["bash", "-c", command], cwd=self.folder, env=self.env, stdout=sink, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
         self.servers.append((process, log))
