@@ -1,6 +1,7 @@
 """The real-model benchmark: SmolLM2-135M-Instruct learning ``configs/smollm2.yaml`` (answer in one word).
 
 ``.venv/bin/python -m bench.real_model curve``  (the learning curve; about 30-60 minutes on 2 shared cores)
+``.venv/bin/python -m bench.real_model compare``  (ours against TRL's GRPOTrainer at equal work, then the plain loop)
 
 ``curve`` runs ``rlhf run --config configs/smollm2.yaml`` (the real flow: Prefect, MLflow, Parquet) on a fresh
 run root under ``bench/.scratch`` and reads back, per iteration, from its MLflow store: the held-out reward
@@ -8,6 +9,12 @@ of the initial policy (the reference, sampled with the same seeds) and of the it
 the reference, each stage's seconds and the iteration's wall time. It prints the table and writes it as JSON
 (``bench/.scratch/real-curve.json``), with the machine's load: the machine is shared, and the command's CPU
 seconds are the steadier figure.
+
+``compare`` runs, one at a time, our GRPO iteration as a plain loop (:mod:`bench.real_ours_worker`) and TRL's
+``GRPOTrainer`` (:mod:`bench.real_trl_worker`, the newest TRL in ``bench/.venv-trl-grpo``, made here when
+missing) at equal work, then the plain loop with the evaluate stage at the config's sizes (the pipeline tax's
+plain side; its flow side is the curve's iterations). It prints rollouts per second of a whole step (rollout
+and update), wall and CPU, and writes ``bench/.scratch/real-compare.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, SCRATCH, machine, thread_env
+from bench.common import REPO, SCRATCH, machine, median, thread_env
 from bench.smollm2 import ensure_folder
 
 CONFIG = REPO / "configs" / "smollm2.yaml"
@@ -109,16 +116,104 @@ def print_curve(result: dict) -> None:
     )
 
 
+TRL_GRPO_VENV = REPO / "bench" / ".venv-trl-grpo"
+
+
+def ensure_trl_grpo_venv() -> Path:
+    """``bench/.venv-trl-grpo``: the local CPU torch 2.13.0, then the newest trl pip finds (1.16.0 here)."""
+    python = TRL_GRPO_VENV / "bin" / "python"
+    if python.is_file() and subprocess.run([str(python), "-c", "import trl"], capture_output=True).returncode == 0:
+        return python
+    print("making bench/.venv-trl-grpo (torch 2.13.0 CPU, the newest trl; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(TRL_GRPO_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "trl"], check=True)
+    return python
+
+
+def worker(python: Path, module: str, *args: str, threads: int) -> dict:
+    """Run ``python -m module args --out FILE`` from the repo root; return the JSON it wrote."""
+    out = SCRATCH / f"{module.rpartition('.')[2]}.json"
+    print(f"  {module} {' '.join(args)}", flush=True)
+    completed = subprocess.run(
+        [str(python), "-m", module, *args, "--threads", str(threads), "--out", str(out)],
+        cwd=REPO,
+        env=task_env(threads),
+        capture_output=True,
+        text=True,
+    )
+    if completed.returncode != 0:
+        raise SystemExit(f"{module} failed:\n{completed.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def steady_rate(result: dict) -> dict:
+    """Rollouts per second of a whole step (median wall and CPU over the iterations after the first)."""
+    iterations = result["phases"]["iteration"][1:] or result["phases"]["iteration"]
+    rollouts = result["rollouts_per_iteration"][-1]
+    wall, cpu = median([pair[0] for pair in iterations]), median([pair[1] for pair in iterations])
+    return {
+        "rollouts": rollouts,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "per_s_wall": rollouts / wall,
+        "per_s_cpu": rollouts / cpu,
+    }
+
+
+def compare(prompts: int, iterations: int, evaluate: int, threads: int, out: Path) -> dict:
+    folder = str(ensure_folder())
+    trl_python = ensure_trl_grpo_venv()
+    project_python = REPO / ".venv" / "bin" / "python"
+    facts, load = machine(), os.getloadavg()
+    common = ("--model", folder, "--prompts", str(prompts), "--iterations", str(iterations))
+    runs = {
+        "ours": worker(project_python, "bench.real_ours_worker", *common, threads=threads),
+        "trl": worker(trl_python, "bench.real_trl_worker", *common, threads=threads),
+    }
+    plain = worker(
+        project_python, "bench.real_ours_worker", "--model", folder, "--prompts", "16", "--iterations", "2",
+        "--evaluate", str(evaluate), threads=threads,
+    )  # fmt: skip
+    result = {
+        "machine": facts,
+        "load_average_start": " ".join(f"{x:.2f}" for x in load),
+        "load_average_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "threads": threads,
+        "runs": runs,
+        "rates": {side: steady_rate(run) for side, run in runs.items()},
+        "plain_loop": plain,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    rates = result["rates"]
+    for side, rate in rates.items():
+        print(
+            f"{side}: {rate['rollouts']} rollouts per step in {rate['wall_s']:.1f} s wall ({rate['cpu_s']:.1f} s CPU): "
+            f"{rate['per_s_wall']:.2f} rollouts/s wall, {rate['per_s_cpu']:.2f} per CPU s"
+        )
+    print(
+        f"ours / TRL: {rates['ours']['per_s_wall'] / rates['trl']['per_s_wall']:.2f}x wall, "
+        f"{rates['ours']['per_s_cpu'] / rates['trl']['per_s_cpu']:.2f}x CPU"
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["curve"])
+    parser.add_argument("part", choices=["curve", "compare"])
+    parser.add_argument("--prompts", type=int, default=8, help="compare: prompts per step (x 4 samples)")
+    parser.add_argument("--steps", type=int, default=3, help="compare: iterations per side, the first a warm-up")
+    parser.add_argument("--evaluate", type=int, default=32, help="compare: held-out prompts of the plain loop")
     parser.add_argument("--iterations", type=int, help="override the config's iterations")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=SCRATCH / "real-curve.json")
+    parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-PART.json)")
     args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or SCRATCH / f"real-{args.part}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     if args.part == "curve":
-        curve(args.iterations, args.threads, args.out)
+        curve(args.iterations, args.threads, out)
+    else:
+        compare(args.prompts, args.steps, args.evaluate, args.threads, out)
 
 
 if __name__ == "__main__":
