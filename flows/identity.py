@@ -79,6 +79,9 @@ def base_inputs(config: PipelineConfig, cache: FingerprintCache, world: DemoWorl
         reward_function=RewardFunctionReference.of(config.reward.function)
         if config.reward.source == "function" and config.reward.function
         else None,
+        rubric=RewardFunctionReference.of(config.reward.function)
+        if config.labeler == "function" and config.reward.function
+        else None,
     )
 
 
