@@ -1,7 +1,8 @@
 """The real-model benchmark: SmolLM2-135M-Instruct learning ``configs/smollm2.yaml`` (answer in one word).
 
 ``.venv/bin/python -m bench.real_model curve``  (the learning curve; about 30-60 minutes on 2 shared cores)
-``.venv/bin/python -m bench.real_model compare``  (ours against TRL's GRPOTrainer at equal work, then the plain loop)
+``.venv/bin/python -m bench.real_model compare``  (ours against TRL's GRPOTrainer at equal work)
+``.venv/bin/python -m bench.real_model tax``  (the curve's stages as a plain loop)
 
 ``curve`` runs ``rlhf run --config configs/smollm2.yaml`` (the real flow: Prefect, MLflow, Parquet) on a fresh
 run root under ``bench/.scratch`` and reads back, per iteration, from its MLflow store: the held-out reward
@@ -10,11 +11,13 @@ the reference, each stage's seconds and the iteration's wall time. It prints the
 (``bench/.scratch/real-curve.json``), with the machine's load: the machine is shared, and the command's CPU
 seconds are the steadier figure.
 
-``compare`` runs, one at a time, our GRPO iteration as a plain loop (:mod:`bench.real_ours_worker`) and TRL's
-``GRPOTrainer`` (:mod:`bench.real_trl_worker`, the newest TRL in ``bench/.venv-trl-grpo``, made here when
-missing) at equal work, then the plain loop with the evaluate stage at the config's sizes (the pipeline tax's
-plain side; its flow side is the curve's iterations). It prints rollouts per second of a whole step (rollout
+``compare`` runs, one after the other, our GRPO iteration as a plain loop (:mod:`bench.real_ours_worker`) and
+TRL's ``GRPOTrainer`` (:mod:`bench.real_trl_worker`, the newest TRL in ``bench/.venv-trl-grpo``, made here when
+missing) at equal work, full fine-tuning on both sides. It prints rollouts per second of a whole step (rollout
 and update), wall and CPU, and writes ``bench/.scratch/real-compare.json``.
+
+``tax`` runs the plain loop of the curve's stages at the config's sizes (LoRA, evaluation included): the
+pipeline tax's plain side; its flow side is the curve's iterations.
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ def steady_rate(result: dict) -> dict:
     }
 
 
-def compare(prompts: int, iterations: int, evaluate: int, threads: int, out: Path) -> dict:
+def compare(prompts: int, iterations: int, threads: int, out: Path) -> dict:
     folder = str(ensure_folder())
     trl_python = ensure_trl_grpo_venv()
     project_python = REPO / ".venv" / "bin" / "python"
@@ -171,10 +174,6 @@ def compare(prompts: int, iterations: int, evaluate: int, threads: int, out: Pat
         "ours": worker(project_python, "bench.real_ours_worker", *common, threads=threads),
         "trl": worker(trl_python, "bench.real_trl_worker", *common, threads=threads),
     }
-    plain = worker(
-        project_python, "bench.real_ours_worker", "--model", folder, "--prompts", "16", "--iterations", "2",
-        "--evaluate", str(evaluate), threads=threads,
-    )  # fmt: skip
     result = {
         "machine": facts,
         "load_average_start": " ".join(f"{x:.2f}" for x in load),
@@ -182,7 +181,6 @@ def compare(prompts: int, iterations: int, evaluate: int, threads: int, out: Pat
         "threads": threads,
         "runs": runs,
         "rates": {side: steady_rate(run) for side, run in runs.items()},
-        "plain_loop": plain,
     }
     out.write_text(json.dumps(result, indent=2))
     rates = result["rates"]
@@ -198,12 +196,34 @@ def compare(prompts: int, iterations: int, evaluate: int, threads: int, out: Pat
     return result
 
 
+def tax(iterations: int, threads: int, out: Path) -> dict:
+    """The plain loop of the curve's stages at the config's sizes (LoRA, evaluation included)."""
+    from flows.config import load_config
+
+    config = load_config(CONFIG)
+    folder, load = str(ensure_folder()), os.getloadavg()
+    plain = worker(
+        REPO / ".venv" / "bin" / "python", "bench.real_ours_worker", "--model", folder,
+        "--prompts", str(config.sizes.rollout_prompts), "--iterations", str(iterations),
+        "--evaluate", str(config.sizes.eval_prompts), "--lora", threads=threads,
+    )  # fmt: skip
+    result = {
+        "load_average_start": " ".join(f"{x:.2f}" for x in load),
+        "load_average_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "threads": threads,
+        "plain_loop": plain,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    for phase, pairs in plain["phases"].items():
+        print(f"{phase}: " + ", ".join(f"{wall:.1f} s ({cpu:.1f} CPU)" for wall, cpu in pairs))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["curve", "compare"])
+    parser.add_argument("part", choices=["curve", "compare", "tax"])
     parser.add_argument("--prompts", type=int, default=8, help="compare: prompts per step (x 4 samples)")
-    parser.add_argument("--steps", type=int, default=3, help="compare: iterations per side, the first a warm-up")
-    parser.add_argument("--evaluate", type=int, default=32, help="compare: held-out prompts of the plain loop")
+    parser.add_argument("--steps", type=int, default=3, help="compare, tax: iterations per run, the first a warm-up")
     parser.add_argument("--iterations", type=int, help="override the config's iterations")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-PART.json)")
@@ -212,8 +232,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.part == "curve":
         curve(args.iterations, args.threads, out)
+    elif args.part == "compare":
+        compare(args.prompts, args.steps, args.threads, out)
     else:
-        compare(args.prompts, args.steps, args.evaluate, args.threads, out)
+        tax(args.steps, args.threads, out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Our GRPO iteration on SmolLM2 as a plain loop: the flow's stages' calls, models in memory, no files.
 
-``.venv/bin/python -m bench.real_ours_worker --model DIR --prompts N --iterations 3 [--evaluate N] --out FILE``
+``.venv/bin/python -m bench.real_ours_worker --model DIR --prompts N --iterations 3 [--evaluate N] [--lora] --out FILE``
 
 Per iteration, what ``configs/smollm2.yaml``'s rollout, compute_advantages and ppo_update stages do:
 N prompts x G samples of at most R tokens scored by the reward function (``smollm2_task:one_word``), the
 reference's log-probs, GRPO advantages, then ``ppo.epochs`` passes of minibatches; with ``--evaluate`` also
-the evaluate stage (both policies on held-out prompts, the reward and the KL). Each phase's wall and CPU
+the evaluate stage (both policies on held-out prompts, the reward and the KL); with ``--lora`` the config's
+adapters are trained (the reference is the actor with them off), else every weight. Each phase's wall and CPU
 seconds are recorded per iteration (:class:`bench.common.Clock`). Against the TRL worker
 (:mod:`bench.real_trl_worker`) it is our side of a step at equal work; against the flow it is the pipeline
 tax's plain loop.
@@ -23,7 +24,7 @@ from bench.common import REPO, Clock, set_threads
 CONFIG = REPO / "configs" / "smollm2.yaml"
 
 
-def run(model: Path, *, prompts: int, iterations: int, evaluate: int, clock: Clock) -> dict:
+def run(model: Path, *, prompts: int, iterations: int, evaluate: int, lora: bool, clock: Clock) -> dict:
     import torch
 
     from flows.config import load_config
@@ -51,11 +52,16 @@ def run(model: Path, *, prompts: int, iterations: int, evaluate: int, clock: Clo
     train_prompts = read_prompts(REPO / str(config.data.prompts))
     held_out = read_prompts(REPO / str(config.data.eval_prompts))[:evaluate]
     reward_function = RewardFunctionReference.of(config.reward.function)
-    models = ModelLoader(device=torch.device("cpu"), precision=config.precision)
+    models = ModelLoader(
+        device=torch.device("cpu"),
+        precision=config.precision,
+        bases={"policy": model},
+        lora=config.model.lora if lora else None,
+    )
     accelerator = models.accelerator()
     actor = models.load("actor", model, trainable=True)
-    reference = models.load("reference", model)
-    optimizer = torch.optim.AdamW(actor.parameters(), lr=config.ppo.actor_learning_rate)
+    reference = models.reference(actor)
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=config.ppo.actor_learning_rate)
     actor, optimizer = accelerator.prepare(actor, optimizer)
     rollouts, steps, results = [], [], []
 
@@ -141,11 +147,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (x G samples)")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--evaluate", type=int, default=0, help="held-out prompts evaluated per iteration (0: none)")
+    parser.add_argument("--lora", action="store_true", help="train the config's LoRA adapters, not every weight")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_threads(args.threads)
-    result = run(args.model, prompts=args.prompts, iterations=args.iterations, evaluate=args.evaluate, clock=Clock())
+    result = run(
+        args.model, prompts=args.prompts, iterations=args.iterations, evaluate=args.evaluate, lora=args.lora,
+        clock=Clock(),
+    )  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2))
 
 
