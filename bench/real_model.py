@@ -3,6 +3,7 @@
 ``.venv/bin/python -m bench.real_model curve``  (the learning curve; about 30-60 minutes on 2 shared cores)
 ``.venv/bin/python -m bench.real_model compare``  (ours against TRL's GRPOTrainer at equal work)
 ``.venv/bin/python -m bench.real_model tax``  (the curve's stages as a plain loop)
+``.venv/bin/python -m bench.real_model report``  (section 8 of bench/RESULTS.md from what the parts wrote)
 
 ``curve`` runs ``rlhf run --config configs/smollm2.yaml`` (the real flow: Prefect, MLflow, Parquet) on a fresh
 run root under ``bench/.scratch`` and reads back, per iteration, from its MLflow store: the held-out reward
@@ -18,6 +19,8 @@ and update), wall and CPU, and writes ``bench/.scratch/real-compare.json``.
 
 ``tax`` runs the plain loop of the curve's stages at the config's sizes (LoRA, evaluation included): the
 pipeline tax's plain side; its flow side is the curve's iterations.
+
+``report`` writes section 8 of ``bench/RESULTS.md`` from the three JSON files (each part writes its own).
 """
 
 from __future__ import annotations
@@ -219,9 +222,130 @@ def tax(iterations: int, threads: int, out: Path) -> dict:
     return result
 
 
+RESULTS = REPO / "bench" / "RESULTS.md"
+SECTION = "## 8. A real model: SmolLM2-135M-Instruct"
+
+
+def _read(part: str) -> dict | None:
+    path = SCRATCH / f"real-{part}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pair(pair: list[float] | tuple[float, float]) -> str:
+    return f"{pair[0]:.1f} ({pair[1]:.1f})"
+
+
+def section_lines() -> list[str]:
+    """Section 8 of the results file: the learning curve, ours against TRL, the pipeline tax."""
+    curve_result, compare_result, tax_result = _read("curve"), _read("compare"), _read("tax")
+    lines = [SECTION, ""]
+    if curve_result:
+        rows = curve_result["iterations"]
+        lines += [
+            "Learning curve: `.venv/bin/python -m bench.real_model curve`, the real flow (`rlhf run --config "
+            "configs/smollm2.yaml`). Held-out reward: the mean of `smollm2_task:one_word` over 32 held-out prompts "
+            "(topics no training prompt has), one sample each at temperature 1; the initial policy is the "
+            "reference, sampled with the same seeds. KL: nats per response (summed k1). Seconds: wall, per stage "
+            "(its own `produce`) and per iteration (the iteration's MLflow run).",
+            "",
+            f"Machine: {curve_result['machine']['cpu']}, {curve_result['machine']['cores']} cores, shared with "
+            f"five other engineers' work: load average {curve_result['load_average_start']} at the start, "
+            f"{curve_result['load_average_end']} at the end; {curve_result['threads']} torch threads; commit "
+            f"{curve_result['machine']['commit']}. The whole command: {curve_result['command_wall_seconds']:.0f} s "
+            f"wall, {curve_result['command_cpu_seconds']:.0f} s CPU.",
+            "",
+            "| iteration | held-out reward | KL to reference | " + " | ".join(STAGES) + " | iteration s |",
+            "| --- " * (len(STAGES) + 4) + "|",
+            f"| initial policy | {rows[0]['initial_reward']:.3f} | 0 |" + " |" * len(STAGES) + " |",
+        ]
+        for row in rows:
+            seconds = " | ".join("" if row["seconds"][s] is None else f"{row['seconds'][s]:.0f}" for s in STAGES)
+            lines.append(
+                f"| {row['iteration']} | {row['reward']:.3f} | {row['kl_to_reference']:.2f} | {seconds} "
+                f"| {row['wall_seconds']:.0f} |"
+            )
+        lines.append("")
+    if compare_result:
+        ours, trl = compare_result["runs"]["ours"], compare_result["runs"]["trl"]
+        rates = compare_result["rates"]
+        rollouts = rates["ours"]["rollouts"]
+        lines += [
+            "Ours against TRL's `GRPOTrainer` at equal work: `.venv/bin/python -m bench.real_model compare`. One "
+            f"step: {rollouts // 4} chat prompts x 4 samples of at most 16 tokens at temperature 1, scored by the "
+            "same function, the reference's log-probs (KL weight 0.05), group advantages, then "
+            f"{ours['optimizer_steps_per_iteration']} optimizer steps of {rollouts // 4} rollouts (one epoch); full "
+            "fine-tuning, fp32, lr 2e-5, the same threads; one process after the other. Medians over the steps "
+            "after the first; wall (CPU) seconds.",
+            "",
+            f"Load average {compare_result['load_average_start']} at the start, "
+            f"{compare_result['load_average_end']} at the end; commit {compare_result['machine']['commit']}.",
+            "",
+            "| side | version | step s | rollout s | rollouts/s (wall) | rollouts per CPU s | peak RSS MiB |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for side, run in (("ours", ours), ("TRL GRPOTrainer", trl)):
+            rate = rates["ours" if side == "ours" else "trl"]
+            rollout = run["phases"]["rollout"][1:] or run["phases"]["rollout"]
+            rollout_pair = (median([p[0] for p in rollout]), median([p[1] for p in rollout]))
+            version = f"trl {run['trl']}" if "trl" in run else f"torch {run['torch']}"
+            lines.append(
+                f"| {side} | {version} | {_pair((rate['wall_s'], rate['cpu_s']))} | {_pair(rollout_pair)} "
+                f"| {rate['per_s_wall']:.2f} | {rate['per_s_cpu']:.2f} | {run['peak_rss_mib']:.0f} |"
+            )
+        lines += [
+            "",
+            f"Ratio ours / TRL: {rates['ours']['per_s_wall'] / rates['trl']['per_s_wall']:.2f}x wall, "
+            f"{rates['ours']['per_s_cpu'] / rates['trl']['per_s_cpu']:.2f}x CPU.",
+            "",
+        ]
+    if tax_result and curve_result:
+        plain = tax_result["plain_loop"]["phases"]
+        steady = curve_result["iterations"][1:] or curve_result["iterations"]
+        flow_wall = median([row["wall_seconds"] for row in steady])
+        plain_wall = median([pair[0] for pair in plain["iteration"][1:] or plain["iteration"]])
+        lines += [
+            "Pipeline tax: the curve's iterations (the flow) against the same stages as a plain loop with the "
+            "models in memory (`.venv/bin/python -m bench.real_model tax`: LoRA, the config's sizes, evaluation "
+            f"included), medians after the first iteration, wall seconds; load average "
+            f"{tax_result['load_average_start']} at the plain loop's start.",
+            "",
+            "| stage | flow (its `produce`) | plain loop wall (CPU) |",
+            "| --- | --- | --- |",
+        ]
+        for stage in ("rollout", "compute_advantages", "ppo_update", "evaluate"):
+            flow = median([row["seconds"][stage] for row in steady if row["seconds"][stage] is not None])
+            pairs = plain[stage][1:] or plain[stage]
+            lines.append(
+                f"| {stage} | {flow:.1f} | {_pair((median([p[0] for p in pairs]), median([p[1] for p in pairs])))} |"
+            )
+        lines += [
+            f"| iteration | {flow_wall:.1f} | {plain_wall:.1f} |",
+            "",
+            f"Tax (flow - plain) / flow: {(flow_wall - plain_wall) / flow_wall:.0%} of the iteration's wall time.",
+            "",
+        ]
+    return lines
+
+
+def report() -> None:
+    """Replace (or add, before the notes) section 8 of ``bench/RESULTS.md``."""
+    text = RESULTS.read_text().splitlines()
+    start = next((i for i, line in enumerate(text) if line.startswith("## 8.")), None)
+    if start is None:
+        start = next(
+            (i for i, line in enumerate(text) if line.startswith("## ") and not line[3:4].isdigit()), len(text)
+        )
+        end = start
+    else:
+        end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ")), len(text))
+    lines = section_lines()
+    RESULTS.write_text("\n".join([*text[:start], *lines, *text[end:]]) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["curve", "compare", "tax"])
+    parser.add_argument("part", choices=["curve", "compare", "tax", "report"])
     parser.add_argument("--prompts", type=int, default=8, help="compare: prompts per step (x 4 samples)")
     parser.add_argument("--steps", type=int, default=3, help="compare, tax: iterations per run, the first a warm-up")
     parser.add_argument("--iterations", type=int, help="override the config's iterations")
@@ -234,8 +358,10 @@ def main() -> None:
         curve(args.iterations, args.threads, out)
     elif args.part == "compare":
         compare(args.prompts, args.steps, args.threads, out)
-    else:
+    elif args.part == "tax":
         tax(args.steps, args.threads, out)
+    else:
+        report()
 
 
 if __name__ == "__main__":
