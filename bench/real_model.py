@@ -173,6 +173,7 @@ def compare(prompts: int, iterations: int, threads: int, out: Path) -> dict:
     project_python = REPO / ".venv" / "bin" / "python"
     facts, load = machine(), os.getloadavg()
     common = ("--model", folder, "--prompts", str(prompts), "--iterations", str(iterations))
+    common += ("--max-new-tokens", "16", "--learning-rate", "2e-5")  # full fine-tuning's rate, on both sides
     runs = {
         "ours": worker(project_python, "bench.real_ours_worker", *common, threads=threads),
         "trl": worker(trl_python, "bench.real_trl_worker", *common, threads=threads),

@@ -24,7 +24,18 @@ from bench.common import REPO, Clock, set_threads
 CONFIG = REPO / "configs" / "smollm2.yaml"
 
 
-def run(model: Path, *, prompts: int, iterations: int, evaluate: int, lora: bool, clock: Clock) -> dict:
+def run(
+    model: Path,
+    *,
+    prompts: int,
+    iterations: int,
+    evaluate: int,
+    lora: bool,
+    clock: Clock,
+    max_new_tokens: int | None = None,
+    learning_rate: float | None = None,
+) -> dict:
+    """``iterations`` iterations; the config's sizes and settings unless given (``max_new_tokens``, ``learning_rate``)."""
     import torch
 
     from flows.config import load_config
@@ -45,6 +56,8 @@ def run(model: Path, *, prompts: int, iterations: int, evaluate: int, lora: bool
         f"sizes.rollout_prompts={prompts}",
         f"ppo.minibatch_size={prompts * group // 4}",
     ]
+    overrides += [f"sampling.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
+    overrides += [f"ppo.actor_learning_rate={learning_rate}"] if learning_rate else []
     config = load_config(CONFIG, overrides)
     sampling = config.sampling
     tokenizer = load_tokenizer(str(model))
@@ -148,13 +161,15 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--evaluate", type=int, default=0, help="held-out prompts evaluated per iteration (0: none)")
     parser.add_argument("--lora", action="store_true", help="train the config's LoRA adapters, not every weight")
+    parser.add_argument("--max-new-tokens", type=int, help="instead of the config's")
+    parser.add_argument("--learning-rate", type=float, help="instead of the config's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_threads(args.threads)
     result = run(
         args.model, prompts=args.prompts, iterations=args.iterations, evaluate=args.evaluate, lora=args.lora,
-        clock=Clock(),
+        clock=Clock(), max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
     )  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2))
 

@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -66,12 +68,12 @@ def main() -> None:
         steps_per_generation=STEPS,
         num_generations=GROUP,
         num_iterations=1,
-        max_completion_length=16,
+        max_completion_length=args.max_new_tokens,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
         beta=0.05,
-        learning_rate=2e-5,
+        learning_rate=args.learning_rate,
         max_steps=STEPS * args.iterations,
         bf16=False,
         use_cpu=True,
