@@ -68,6 +68,7 @@ def iteration_rows(run_root: Path, campaign: str) -> list[dict]:
                 "reward": metrics.get("evaluate/reward_mean"),
                 "kl_to_reference": metrics.get("evaluate/kl_to_reference"),
                 "seconds": {stage: metrics.get(f"{stage}/seconds") for stage in STAGES},
+                "peak_memory_mb": {stage: metrics.get(f"{stage}/peak_memory_mb") for stage in STAGES},
                 "wall_seconds": ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000,
             }
         )
