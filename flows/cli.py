@@ -143,6 +143,7 @@ _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
     "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
+    "flows.model_sources:ModelSourceError", "tasks.reward_function:RewardFunctionError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
@@ -177,6 +178,19 @@ def _message(error: BaseException) -> str:
     return "\n".join(lines[:2])
 
 
+def _find_modules_beside(config_file: Path | None) -> None:
+    """Let a user's modules (a reward function's, ``reward.function: module:callable``) be found in the config file's
+    folder and the working directory, after everything installed (so neither shadows a package), in this process and
+    in those it starts (Dask and Ray workers, the flow runs of ``rlhf serve``)."""
+    folders = [str(Path(config_file).resolve().parent)] if config_file is not None else []
+    folders.append(os.getcwd())
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    known = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, known), *(f for f in folders if f not in known)])
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     if not arguments.verbose:
@@ -187,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         from storage.holds import arm
 
         arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
+    _find_modules_beside(arguments.config)
     try:
         from flows.config import load_config
 
@@ -243,13 +258,18 @@ def _prepare(config, arguments, *, replay: bool = False):
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    resolve_base.fn(config)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
         for handler in handlers:
             handler.addFilter(_RunFailures())
-        console = show_stages(handlers)
+        console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
+    try:
+        resolve_base.fn(config)
+    except BaseException:
+        if console is not None:
+            console.close()
+        raise
     ensure_prefect_api()
     return console
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from demo.world import DemoWorld
 from flows.config import PipelineConfig
+from flows.model_sources import PACKAGE_PREFIX, model_input
 from flows.settings import EXECUTION, LOCATION
 from flows.store import store_layout
 from storage.fingerprints import FingerprintCache
@@ -41,16 +42,22 @@ def fingerprint_cache(config: PipelineConfig) -> FingerprintCache:
     return FingerprintCache(store_layout(config).fingerprint_cache())
 
 
-def base_inputs(config: PipelineConfig, cache: FingerprintCache, world: DemoWorld | None) -> BaseInputs:
+def base_inputs(
+    config: PipelineConfig, cache: FingerprintCache, world: DemoWorld | None, *, convert: bool = True
+) -> BaseInputs:
     """``config``'s base inputs, each located and identified by its content; nothing is checked or built.
 
     Args:
         config: the settings naming the inputs.
         cache: fingerprints already computed (it learns new ones; saving it is the caller's choice).
         world: the demo world, when :func:`uses_demo_world`; its files fill the inputs ``config`` leaves unset.
+        convert: convert a GGUF model file not converted yet (:mod:`flows.model_sources`); False raises
+            :class:`flows.model_sources.NotConverted` instead.
 
     Raises:
         FileNotFoundError: an input does not exist, or the policy folder is not a Hugging Face checkpoint.
+        ModelSourceError: a model setting names a package that is not installed, or a GGUF file that cannot be
+            converted.
         ValueError: the demo's judge or the reward function cannot be loaded by its name.
     """
     policy, prompts, eval_prompts = config.model.policy, config.data.prompts, config.data.eval_prompts
@@ -58,24 +65,24 @@ def base_inputs(config: PipelineConfig, cache: FingerprintCache, world: DemoWorl
         policy = policy or str(world.model_dir)
         prompts = prompts or world.prompts_path
         eval_prompts = eval_prompts or world.eval_prompts_path
-    policy = _local_model_folder(policy)
-    if not (Path(policy) / "config.json").is_file():
+    layout = store_layout(config)
+
+    def model(setting: str, value: str) -> InputFile:
+        return model_input(cache, layout, setting, value, convert=convert)
+
+    policy_file = model("model.policy", _local_model_folder(policy))
+    if not (Path(policy_file.path) / "config.json").is_file():
         raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
-    policy_file = _input_file(cache, "model.policy", policy)
     return BaseInputs(
         policy=policy_file,
-        tokenizer=_input_file(cache, "model.tokenizer", config.model.tokenizer)
-        if config.model.tokenizer
-        else policy_file,
+        tokenizer=model("model.tokenizer", config.model.tokenizer) if config.model.tokenizer else policy_file,
         prompts=_input_file(cache, "data.prompts", prompts),
         eval_prompts=_input_file(cache, "data.eval_prompts", eval_prompts),
         judge=JudgeReference.of(GOLD_JUDGE) if config.demo else None,
         preferences=_input_file(cache, "data.preferences", config.data.preferences)
         if config.labeler == "import" and config.data.preferences
         else None,
-        reward_model=_input_file(cache, "model.reward_model", config.model.reward_model)
-        if config.model.reward_model
-        else None,
+        reward_model=model("model.reward_model", config.model.reward_model) if config.model.reward_model else None,
         reward_function=RewardFunctionReference.of(config.reward.function)
         if config.reward.source == "function" and config.reward.function
         else None,
@@ -86,12 +93,13 @@ def base_inputs(config: PipelineConfig, cache: FingerprintCache, world: DemoWorl
 
 
 def _local_model_folder(policy: str) -> str:
-    """``policy`` itself when it is a folder; a hub name (``org/name``) is fetched into (or found in) the
-    Hugging Face cache, so its content can be fingerprinted like any folder."""
-    if Path(policy).exists():
+    """``policy`` itself when it is a local path (or a ``pkg:`` reference, :mod:`flows.model_sources`); a hub name
+    (``org/name``) is fetched into (or found in) the Hugging Face cache, so its content can be fingerprinted like
+    any folder."""
+    if Path(policy).exists() or policy.startswith(PACKAGE_PREFIX):
         return policy
     if policy.startswith(("/", ".", "~")) or policy.count("/") != 1:
-        raise FileNotFoundError(f"`model.policy` folder {policy} does not exist")
+        raise FileNotFoundError(f"`model.policy` {policy} does not exist")
     from huggingface_hub import snapshot_download
 
     try:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from demo.world import complete_world
 from flows.config import PipelineConfig
 from flows.identity import base_inputs, demo_world_dir, fingerprint_cache, run_key, uses_demo_world
+from flows.model_sources import NotConverted
 from flows.store import campaign_layout, existing_tracker, store_tracker
 from storage.manifest import CorruptOutputError, read_manifest
 from storage.tracking import (
@@ -134,7 +135,7 @@ def reused_iterations(config: PipelineConfig, base: BaseInputs) -> int:
 def campaign_finished(config: PipelineConfig) -> bool:
     """Whether running ``config``'s campaign again would reuse every stage of its ``config.iterations``
     iterations (:func:`reused_iterations`); False at once when there is no MLflow store yet (none is created)
-    or the demo world it reads is not built.
+    or the demo world it reads is not built, or a GGUF model it reads is not converted.
 
     Raises:
         FileNotFoundError: a base input does not exist (as any run refuses it).
@@ -144,5 +145,8 @@ def campaign_finished(config: PipelineConfig) -> bool:
     world = None
     if uses_demo_world(config) and (world := complete_world(demo_world_dir(config))) is None:
         return False
-    base = base_inputs(config, fingerprint_cache(config), world)
+    try:
+        base = base_inputs(config, fingerprint_cache(config), world, convert=False)
+    except NotConverted:  # a GGUF model no run under this root has converted: nothing can have finished with it
+        return False
     return reused_iterations(config, base) == config.iterations

@@ -38,6 +38,7 @@ __all__ = [
     "experience_maker",
     "gae",
     "generation",
+    "gguf",
     "loading",
     "losses",
     "masked",

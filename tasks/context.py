@@ -37,10 +37,16 @@ class InputFile:
 
     In an input key only ``sha256`` counts: the same content at another path is the same input,
     and a file edited in place is a new one.
+
+    Args:
+        path: the file or folder the stages read.
+        sha256: its content's fingerprint; for a folder converted from ``source``, the source's.
+        source: the file ``path`` was converted from (a GGUF model, :mod:`flows.model_sources`), or None.
     """
 
     path: str
     sha256: str
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,22 @@ class BaseInputs:
     def reward_tokenizer(self) -> str:
         """The folder of the reward model's tokenizer: a pretrained reward model's own, else the policy's."""
         return (self.reward_model or self.tokenizer).path
+
+    @property
+    def sources(self) -> dict[str, dict[str, str]]:
+        """Setting -> ``{"file", "sha256", "folder"}`` of each model converted from another file (a GGUF file),
+        for stage manifests to record; empty when none was."""
+        tokenizer = None if self.tokenizer is self.policy else self.tokenizer  # the policy's own, said once
+        named = (
+            ("model.policy", self.policy),
+            ("model.tokenizer", tokenizer),
+            ("model.reward_model", self.reward_model),
+        )
+        return {
+            setting: {"file": part.source, "sha256": part.sha256, "folder": part.path}
+            for setting, part in named
+            if part is not None and part.source is not None
+        }
 
     @property
     def fingerprint(self) -> str:

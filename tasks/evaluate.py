@@ -32,6 +32,7 @@ from tasks.text import (
     decode,
     encode_prompts,
     load_tokenizer,
+    prompt_text,
     read_prompts,
     response_token_lists,
     reward_scorer,
@@ -126,6 +127,7 @@ def evaluate_shards(
         )
     function = None if reward_function is None else reward_function.load()
     held_out = read_prompts(context.base.eval_prompts.path)[:prompts]
+    texts = [prompt_text(tokenizer, prompt) for prompt in held_out]
     for shard in shards:
         rows: dict[str, list] = {name: [] for name in EVALUATION.names}
         for part in shard.batches(sampling.batch_size):
@@ -151,9 +153,10 @@ def evaluate_shards(
                             prompt_length=prompt_ids.shape[1],
                         )
                     else:  # held-out prompts are named by their line in the file
-                        texts = [prompt.text for prompt in held_out[part]]
                         ids = range(part.start, part.stop)
-                        scores = score_texts(function, reward_function.name, texts, responses, ids)
+                        scores = score_texts(
+                            function, reward_function.name, held_out[part], responses, ids, prompt_texts=texts[part]
+                        )
                     rows[f"{side}_response"].extend(responses)
                     rows[f"{side}_reward"].extend(scores.cpu().tolist())
                     if side == "policy":
@@ -166,7 +169,7 @@ def evaluate_shards(
                         )
                         kl = response_kl(generation.logprobs, ref_logprobs, generation.action_mask)
                         rows[POLICY_KL].extend(kl.cpu().tolist())
-            rows[PROMPT].extend(prompt.text for prompt in held_out[part])
+            rows[PROMPT].extend(texts[part])  # as the model saw it: a chat prompt through its template
         yield pa.table(rows, schema=EVALUATION)
 
 

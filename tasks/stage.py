@@ -297,6 +297,8 @@ def _produce(
             disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
             out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
+            if sources := context.base.sources:
+                out.runtime["model_sources"] = sources
             out.metrics.update(produce(out))
             out.metrics["seconds"] = time.perf_counter() - started
             out.metrics["peak_memory_mb"] = peak()
