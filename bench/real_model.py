@@ -5,8 +5,9 @@
 ``.venv/bin/python -m bench.real_model tax``  (the curve's stages as a plain loop)
 ``.venv/bin/python -m bench.real_model report``  (section 8 of bench/RESULTS.md from what the parts wrote)
 
-``curve`` runs ``rlhf run --config configs/smollm2.yaml`` (the real flow: Prefect, MLflow, Parquet) on a fresh
-run root under ``bench/.scratch`` and reads back, per iteration, from its MLflow store: the held-out reward
+``curve`` runs ``rlhf run --config configs/smollm2.yaml`` (the real flow: Prefect, MLflow, Parquet; the model
+converted from the package's GGUF file into the run root's cache first) on a fresh run root under
+``bench/.scratch`` and reads back, per iteration, from its MLflow store: the held-out reward
 of the initial policy (the reference, sampled with the same seeds) and of the iteration's policy, the KL to
 the reference, each stage's seconds and the iteration's wall time. It prints the table and writes it as JSON
 (``bench/.scratch/real-curve.json``), with the machine's load: the machine is shared, and the command's CPU
@@ -76,10 +77,9 @@ def iteration_rows(run_root: Path, campaign: str) -> list[dict]:
 
 
 def curve(iterations: int | None, threads: int, out: Path) -> dict:
-    folder = ensure_folder()
     run_root = SCRATCH / "real-curve"
     shutil.rmtree(run_root, ignore_errors=True)
-    overrides = [f"model.policy={folder}", f"run_root={run_root}", f"torch_threads={threads}"]
+    overrides = [f"run_root={run_root}", f"torch_threads={threads}"]
     if iterations is not None:
         overrides.append(f"iterations={iterations}")
     command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(CONFIG)]

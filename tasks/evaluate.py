@@ -29,6 +29,7 @@ from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.stage import SAMPLES, StageResult, stage
 from tasks.text import (
+    Prompt,
     decode,
     encode_prompts,
     load_tokenizer,
@@ -91,7 +92,7 @@ def evaluate(
     if judge is not None:
         metrics.update(_gold_metrics(records, judge))
     if rubric is not None:
-        metrics.update(_rubric_metrics(records, rubric))
+        metrics.update(_rubric_metrics(records, read_prompts(context.base.eval_prompts.path)[:prompts], rubric))
     (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
     return metrics
 
@@ -173,13 +174,15 @@ def evaluate_shards(
         yield pa.table(rows, schema=EVALUATION)
 
 
-def _rubric_metrics(records: list[dict], rubric: RewardFunctionReference) -> dict[str, float]:
-    """The rubric's mean score of both sides; adds ``<side>_rubric`` to each record."""
-    function, prompts = rubric.load(), [record[PROMPT] for record in records]
+def _rubric_metrics(records: list[dict], held_out: list[Prompt], rubric: RewardFunctionReference) -> dict[str, float]:
+    """The rubric's mean score of both sides (``held_out``: each record's prompt); adds ``<side>_rubric`` to each
+    record."""
+    function, texts = rubric.load(), [record[PROMPT] for record in records]
     metrics = {}
     for side, name in (("policy", "rubric_mean"), ("reference", "reference_rubric_mean")):
         responses = [record[f"{side}_response"] for record in records]
-        scores = score_texts(function, rubric.name, prompts, responses, range(len(records))).tolist()
+        ids = range(len(records))
+        scores = score_texts(function, rubric.name, held_out, responses, ids, prompt_texts=texts).tolist()
         for record, score in zip(records, scores, strict=True):
             record[f"{side}_rubric"] = score
         metrics[name] = sum(scores) / max(len(scores), 1)

@@ -67,7 +67,9 @@ class JudgeLabeler:
 
 class FunctionLabeler:
     """A reward function as the rater (labeler ``function``): prefers the candidate it scores higher; the margin
-    is the score gap (0, a tie, keeps the first).
+    is the score gap (0, a tie, keeps the first). It is called as a reward function is
+    (:mod:`tasks.reward_function`), with the candidates' prompt; a candidate carries no other column of its
+    prompt's row, so the rubric gets none.
 
     Args:
         function: the rubric, called as the rollout calls a reward function.
@@ -81,10 +83,11 @@ class FunctionLabeler:
         self.function_name = function_name
 
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
-        prompts = [pair.prompt.text for pair in pairs] * 2
+        prompts = [pair.prompt for pair in pairs] * 2
         responses = [pair.first for pair in pairs] + [pair.second for pair in pairs]
-        rows = list(range(len(pairs))) * 2  # a pair's index names it in an error
-        scores = score_texts(self.function, self.function_name, prompts, responses, rows)  # (2B,)
+        rows = [f"of pair {index}" for index in range(len(pairs))] * 2  # names the pair in an error
+        texts = [prompt.text for prompt in prompts]
+        scores = score_texts(self.function, self.function_name, prompts, responses, rows, prompt_texts=texts)  # (2B,)
         gap = scores[: len(pairs)] - scores[len(pairs) :]  # (B,)
         return [Label(0 if value >= 0 else 1, abs(value)) for value in gap.tolist()]
 

@@ -13,7 +13,7 @@ def _pair(first: str, second: str) -> CandidatePair:
     return CandidatePair(Prompt("Name a fruit."), first, second, [1, 2], [1, 3])
 
 
-def _words(prompt: str, response: str) -> float:
+def _words(prompt: str, response: str) -> float:  # the contract's (prompt, response, **columns)
     return -float(len(response.split()))  # fewer words is better
 
 
@@ -29,5 +29,5 @@ def test_a_rubric_that_fails_is_named_with_the_pair():
     def broken(prompt: str, response: str) -> float:
         return float("nan") if response == "Pear." else 0.0
 
-    with pytest.raises(RewardFunctionError, match=r"m:broken returned nan for prompt 1"):
+    with pytest.raises(RewardFunctionError, match=r"m:broken returned nan for prompt of pair 1"):
         FunctionLabeler(broken, "m:broken").label([_pair("Fig.", "Kiwi."), _pair("Apple.", "Pear.")])
