@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.figures import FIGURE_FILE, overoptimisation_figure
+from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.identity import (
     base_inputs,
     demo_world_dir,
@@ -25,9 +25,11 @@ from flows.identity import (
     uses_demo_world,
 )
 from flows.inputs import InputError, check_inputs
+from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
 from flows.reuse import reuse_record
 from flows.settings import EXECUTION, LOCATION, replayable_fields
 from flows.store import artifact_root, campaign_layout, tracking_uri
+from storage.diagnostics import describe_flag, drift_flags
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
@@ -83,7 +85,9 @@ class ReplayInputs:
 def tracking_store(config: PipelineConfig) -> TrackingStore:
     """The MLflow store of ``config``: its tracking URI, or SQLite at ``run_root/mlflow.db``."""
     root = artifact_root(config)
-    return TrackingStore(uri=tracking_uri(config), artifact_root=None if root is None else str(root))
+    return TrackingStore(
+        uri=tracking_uri(config), artifact_root=None if root is None else str(root), ui_url=config.tracking_ui_url
+    )
 
 
 def execution_of(config: PipelineConfig) -> Execution:
@@ -301,43 +305,90 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
 def close_iteration(
-    context: StageContext, stages: list[StageResult], state: IterationState, *, initialized: StageResult | None = None
+    context: StageContext,
+    stages: list[StageResult],
+    state: IterationState,
+    *,
+    initialized: StageResult | None = None,
+    experience: StageResult | None = None,
 ) -> IterationState:
-    """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
+    """Log every stage's metrics and the inspection of its experience (:mod:`flows.inspect`) on the iteration run,
+    finish it, and leave a Prefect summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
     run also gets its reuse record (:mod:`flows.reuse`): ``stages`` and, in the campaign's first iteration, the
-    ``initialized`` policy it started from.
+    ``initialized`` policy it started from. A replay names the ``experience`` it replayed (its source's rollout).
     """
     tracker = context.tracker
     tags = tracker.run_tags(context.parent_run_id)
     kind = tags.get(TAG_KIND, KIND_ITERATION)
+    metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
+    figure = _overoptimisation(context, metrics) if kind == KIND_ITERATION else None
+    inspected = None
     if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
-        metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
+        inspected = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
+        metrics |= inspected
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
-        if kind == KIND_ITERATION:
-            _log_overoptimisation(context, metrics)
+        if figure is not None:
+            tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
         if tags.get(TAG_REUSE) != (record := reuse_record(context.base, [*filter(None, [initialized]), *stages])):
             tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
     _prune_optimizer_states(context, stages, kind=kind)
-    figure = tracker.artifact_url(context.parent_run_id, FIGURE_FILE) if kind == KIND_ITERATION else None
+    inspection = None if inspected is None else _inspection_summary(context, inspected, kind=kind)
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
-        markdown=iteration_summary(context, stages, tracker.run_url(context.parent_run_id), kind=kind, figure=figure),
+        markdown=iteration_summary(
+            context,
+            stages,
+            tracker.run_url(context.parent_run_id),
+            kind=kind,
+            figure=None if figure is None else png_data_uri(figure),
+            inspection=inspection,
+        ),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
 
 
-def _log_overoptimisation(context: StageContext, metrics: dict[str, float]) -> None:
-    """The campaign's over-optimisation figure up to this iteration (:mod:`flows.figures`), on the iteration run."""
+def _overoptimisation(context: StageContext, metrics: dict[str, float]):
+    """The campaign's over-optimisation figure up to this iteration (:mod:`flows.figures`): the iterations before
+    it as MLflow recorded them, and this one's ``metrics``."""
+    earlier = [row for row in context.tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
+    return overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
+
+
+def _log_inspection(context: StageContext, stages: list[StageResult], *, kind: str) -> dict[str, float]:
+    """The run's ``inspect/*`` metrics (:func:`flows.inspect.inspect_run`); its top responses go on it as a table."""
+    run = ITERATION_RUN if kind == KIND_ITERATION else f"{KIND_REPLAY} {context.parent_run_id[:12]}"
+    outputs = stage_outputs(
+        {result.stage: result.directory for result in stages},
+        iteration=context.iteration,
+        run=run,
+        run_id=context.parent_run_id,
+    )
+    metrics, responses = inspect_run(outputs)
+    context.tracker.log_table(context.parent_run_id, responses.to_dict(as_series=False), TOP_RESPONSES)
+    return metrics
+
+
+def _inspection_summary(context: StageContext, inspected: dict[str, float], *, kind: str) -> str:
+    """Markdown: where the run's top responses are, the command that shows more, and the campaign's drift warnings
+    up to this iteration (from the ``inspect/*`` metrics its iteration runs logged)."""
     tracker = context.tracker
-    earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
-    figure = overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
-    tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
+    target = f"{context.campaign}:{context.iteration}"
+    lines = [
+        f"Inspect: [top responses]({tracker.artifact_url(context.parent_run_id, TOP_RESPONSES)}) (MLflow table); "
+        f"in a terminal, `rlhf inspect {target} --top 10`.",
+    ]
+    if kind == KIND_ITERATION:
+        earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
+        flags = drift_flags(summary_from_metrics([*earlier, (context.iteration, inspected)]))
+        lines += ["", "Drift warnings:" if flags else "Drift warnings: none."]
+        lines += [f"- {flag.kind}: {describe_flag(flag)}" for flag in flags]
+    return "\n".join(lines)
 
 
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:
@@ -369,9 +420,11 @@ def iteration_summary(
     *,
     kind: str = KIND_ITERATION,
     figure: str | None = None,
+    inspection: str | None = None,
 ) -> str:
-    """Markdown: one row per stage (ran or reused, seconds), the over-optimisation figure, then every metric on a
-    row of its own (one cell per value, so the UI cuts none off), and the MLflow link."""
+    """Markdown: the MLflow link, one row per stage (ran or reused, seconds), the over-optimisation figure (``figure``:
+    an image URL, a ``data:`` URI so it shows without any server), the inspection of the experience
+    (``inspection``), then every metric on a row of its own (one cell per value, so the UI cuts none off)."""
     lines = [
         f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",
@@ -386,6 +439,8 @@ def iteration_summary(
         lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {took} |")
     if figure is not None:
         lines += ["", f"![over-optimisation: reward and gold score against the KL to the reference]({figure})"]
+    if inspection is not None:
+        lines += ["", inspection]
     lines += ["", "| metric | value |", "| --- | ---: |"]
     for result in stages:
         lines += [f"| {result.stage}/{name} | {value:.4g} |" for name, value in sorted(result.metrics.items())]

@@ -4,6 +4,7 @@ rlhf run       run a campaign: config.iterations iterations (finished stages are
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf inspect   summarise a campaign's recorded experience per iteration, flag drift, print chosen responses
 rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
 rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
@@ -61,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
-        epilog="run, iterate and serve take a --config (configs/demo.yaml runs the embedded demo); replay, compare, "
-        "export and gc read the campaign's recorded config from its MLflow store.",
+        epilog="run, iterate and serve take a --config naming your model and prompts (model.policy, data.prompts, "
+        "data.eval_prompts) and who labels (labeler), or configs/demo.yaml for the embedded demo; relative paths in a "
+        "config file are relative to its folder. replay, compare, export and gc read the campaign's recorded config "
+        "from its MLflow store.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
@@ -84,6 +87,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a campaign's recorded experience per iteration, flag drift, print chosen responses",
+        description="Reads the shards every finished iteration (and replay) recorded, lazily. Columns and flags: "
+        "docs/inspect.md. --where and --top print rollouts decoded with the campaign's tokenizer; their columns are "
+        "iteration, run, row, prompt_id, length, truncated, score, reward, kl, advantage.",
+    )
+    inspect.add_argument("target", metavar="CAMPAIGN[:ITERATION]", help="a campaign, or one iteration of it")
+    inspect.add_argument(
+        "--where",
+        metavar="CONDITION",
+        help="print the rollouts matching a SQL condition, e.g. 'length >= 8 and score > 1'",
+    )
+    inspect.add_argument("--top", type=_at_least_one, metavar="N", help="print the N rollouts highest by --by")
+    inspect.add_argument("--by", default="score", metavar="COLUMN", help="the column --top sorts by (default score)")
+    inspect.add_argument("--format", choices=["table", "json", "csv"], default="table", help="default table")
+    inspect.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a drift threshold, e.g. --threshold length_rise=0.3 (repeatable; see docs/inspect.md)",
+    )
+    _add_config_arguments(inspect)
     export = commands.add_parser(
         "export",
         help="write a trained model of an iteration as a plain Hugging Face folder (LoRA adapters merged)",
@@ -143,7 +170,7 @@ _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
     "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
-    "flows.model_sources:ModelSourceError", "tasks.reward_function:RewardFunctionError",
+    "flows.model_sources:ModelSourceError", "tasks.reward_function:RewardFunctionError", "flows.inspect:InspectError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
@@ -303,7 +330,7 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
     from flows.reuse import campaign_finished
     from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
@@ -319,19 +346,19 @@ def _run(config, arguments) -> int:
             with _running_flows(_prepare(config, arguments)):
                 rlhf_campaign(config)
     print(campaign_report(config))
-    print(f"\nOutputs: {config.run_root / config.campaign}")
+    print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
-    from flows.report import campaign_report
+    from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
         from flows.rlhf_pipeline import rlhf_iteration
 
         with _running_flows(_prepare(config, arguments)):
             rlhf_iteration(config)
-    print(campaign_report(config))
+    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
     return 0
 
 
@@ -358,6 +385,21 @@ def _compare(config, arguments) -> int:
 
     metrics = arguments.metrics.split(",") if arguments.metrics else None
     print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))
+    return 0
+
+
+def _inspect(config, arguments) -> int:
+    from flows.inspect import RENDERERS, inspect_campaign
+
+    inspection = inspect_campaign(
+        config,
+        arguments.target,
+        where=arguments.where,
+        top=arguments.top,
+        by=arguments.by,
+        thresholds=arguments.threshold,
+    )
+    print(RENDERERS[arguments.format](inspection), end="")
     return 0
 
 
@@ -404,7 +446,7 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_STORE_COMMANDS = ("replay", "compare", "export", "gc", "config")
+_STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
 """Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
 export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
@@ -427,6 +469,7 @@ _COMMANDS = {
     "iterate": _iterate,
     "replay": _replay,
     "compare": _compare,
+    "inspect": _inspect,
     "export": _export,
     "gc": _gc,
     "serve": _serve,

@@ -46,10 +46,20 @@ from tasks.train_reward_model import train_reward_model
 
 
 def _iteration_run_name() -> str:
-    """``<campaign>-iteration-N`` (``-next`` when it continues from the latest): the Prefect UI's flow run name."""
+    """``<campaign>-iteration-N`` (``-next`` when it continues from the latest, until :func:`_name_iteration_run`
+    knows N): the Prefect UI's flow run name."""
     parameters = flow_run.parameters
     iteration = parameters.get("iteration")
     return f"{_campaign(parameters)}-iteration-{'next' if iteration is None else iteration}"
+
+
+def _name_iteration_run(campaign: str, iteration: int) -> None:
+    """Rename this flow run ``<campaign>-iteration-N`` once an iteration started without a number (a schedule's, a
+    deployment's) knows which it continues with, so the Prefect UI's run list tells them apart."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run.id, name=f"{campaign}-iteration-{iteration}")
 
 
 def _replay_run_name() -> str:
@@ -86,6 +96,7 @@ def rlhf_iteration(
         base = resolve_base(config)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
+            _name_iteration_run(config.campaign, iteration)
         context = open_iteration(config, iteration, base, state)
         get_run_logger().info(
             "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
@@ -187,5 +198,5 @@ def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, inp
     ).result()
     evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
-    close_iteration(context, [scored, new_policy, evaluation], state)
+    close_iteration(context, [scored, new_policy, evaluation], state, experience=inputs.experience)
     return context.parent_run_id

@@ -75,7 +75,7 @@ starts from, as an earlier iteration's settings did, but no stage of the replaye
 
 EXECUTION = ("device", "torch_threads", "checkpoint_seconds", "model.gradient_checkpointing", "execution")
 """Where and how stages run: part of no input key, so a campaign can continue elsewhere."""
-LOCATION = ("run_root", "tracking_uri")
+LOCATION = ("run_root", "tracking_uri", "tracking_ui_url")
 """Where the store is."""
 
 _BASE = "base."

@@ -34,7 +34,7 @@ def artifact_root(config: PipelineConfig) -> Path | None:
 def store_tracker(config: PipelineConfig) -> Tracker:
     """The :class:`Tracker` of ``config``'s store (one per store and process)."""
     root = artifact_root(config)
-    return open_tracker(tracking_uri(config), None if root is None else str(root))
+    return open_tracker(tracking_uri(config), None if root is None else str(root), config.tracking_ui_url)
 
 
 def existing_tracker(config: PipelineConfig) -> Tracker | None:

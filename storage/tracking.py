@@ -119,7 +119,15 @@ TAG_CAMPAIGN_CONFIG = "rlhf.campaign_config"
 """Experiment tag: those fields as JSON, so a conflicting config can be told which fields differ."""
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
-"""MLflow 3's experiment type: its UI opens a training experiment on its runs, not on the (empty) GenAI traces."""
+"""MLflow 3's experiment type ("Machine learning"), shown on the experiment's page; MLflow 3.17's UI does not read it
+to choose the page an experiment opens on (see :data:`UI_RUNS_VIEW`)."""
+UI_RUNS_VIEW = "workflowType=machine_learning"
+"""The query that makes MLflow 3.17's UI show an experiment's runs. Its UI picks the page from a workflow type (GenAI
+or machine learning) read from the URL's ``workflowType``, else from the browser's own choice (the sidebar switch,
+kept in its local storage), else GenAI, whose overview shows traces; the experiment's tags are not read. Every
+link the pipeline gives carries it."""
+DEFAULT_UI_BASE = "http://127.0.0.1:5000"
+"""The MLflow UI over a local store, where docs/operating.md starts it (``mlflow server --port 5000``)."""
 TAG_PARENT_RUN_ID = MLFLOW_PARENT_RUN_ID
 
 KIND_ITERATION = "iteration"
@@ -276,8 +284,8 @@ class Tracker:
             It is also the model registry URI.
         artifact_root: where new experiments keep their artifacts (``artifact_root/<campaign>``);
             None leaves it to the tracking server or MLflow's default.
-        ui_base: the MLflow UI address used by :meth:`run_url`; None: the tracking server itself for an
-            ``http(s)`` URI, else ``http://127.0.0.1:5000`` (where docs/operating.md starts the UI on a local store).
+        ui_base: the MLflow UI address used by :meth:`run_url` and :meth:`experiment_url`; None: the tracking
+            server itself for an ``http(s)`` URI, else :data:`DEFAULT_UI_BASE`.
         outputs_by_reference: record stage outputs by reference instead of uploading them; the
             default is True for a local (``sqlite:``) store, False for a tracking server.
     """
@@ -301,7 +309,7 @@ class Tracker:
         )
         self.artifact_root = None if artifact_root is None else Path(artifact_root).absolute()
         if ui_base is None:
-            ui_base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+            ui_base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_BASE
         self.ui_base = ui_base.rstrip("/")
         database = _sqlite_path(tracking_uri)
         lock = (
@@ -499,10 +507,6 @@ class Tracker:
         """Log a matplotlib figure as an image artifact (PNG); logging it again replaces it."""
         self._client.log_figure(run_id, figure, artifact_file)
 
-    def artifact_url(self, run_id: str, artifact_file: str) -> str:
-        """Where the MLflow UI serves a run's artifact file (an image can be shown from it)."""
-        return f"{self.ui_base}/get-artifact?path={artifact_file}&run_uuid={run_id}"
-
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         """Store a small text artifact (e.g. the run's full config as JSON)."""
         self._client.log_text(run_id, text, artifact_file)
@@ -556,9 +560,13 @@ class Tracker:
                 return found
 
     def run_url(self, run_id: str) -> str:
-        """The run's page in the MLflow UI."""
+        """The run's page in the MLflow UI (its machine-learning view: :data:`UI_RUNS_VIEW`)."""
         experiment_id = self._client.get_run(run_id).info.experiment_id
-        return f"{self.ui_base}/#/experiments/{experiment_id}/runs/{run_id}"
+        return f"{self.ui_base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_RUNS_VIEW}"
+
+    def experiment_url(self, experiment_id: str) -> str:
+        """The page listing the experiment's runs in the MLflow UI (:data:`UI_RUNS_VIEW`)."""
+        return f"{self.ui_base}/#/experiments/{experiment_id}/runs?{UI_RUNS_VIEW}"
 
     # Stage outputs --------------------------------------------------------------------------------
 
@@ -778,7 +786,7 @@ class Tracker:
 
 
 @functools.lru_cache(maxsize=4)
-def open_tracker(uri: str, artifact_root: str | None) -> Tracker:
+def open_tracker(uri: str, artifact_root: str | None, ui_base: str | None = None) -> Tracker:
     """The :class:`Tracker` of a store: one per store and process, whoever asks (a flow and the stages it runs
     share it). Opening one is not free: MLflow checks a SQLite store's schema, about a second here."""
-    return Tracker(uri, artifact_root=None if artifact_root is None else Path(artifact_root))
+    return Tracker(uri, artifact_root=None if artifact_root is None else Path(artifact_root), ui_base=ui_base)

@@ -159,13 +159,15 @@ class Execution:
 
 @dataclass(frozen=True)
 class TrackingStore:
-    """An MLflow store: its tracking URI and where new experiments keep their artifacts."""
+    """An MLflow store: its tracking URI, where new experiments keep their artifacts, and where its UI is (None:
+    :class:`storage.tracking.Tracker`'s default)."""
 
     uri: str
     artifact_root: str | None
+    ui_url: str | None = None
 
     def tracker(self) -> Tracker:
-        return open_tracker(self.uri, self.artifact_root)
+        return open_tracker(self.uri, self.artifact_root, self.ui_url)
 
 
 def stage_seed(seed: int, stage: str, iteration: int) -> int:

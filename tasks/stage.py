@@ -48,6 +48,7 @@ from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
 from storage.progress import clear_progress
+from storage.schemas import SAMPLES
 from storage.tracking import (
     KIND_STAGE,
     TAG_CAMPAIGN,
@@ -437,11 +438,6 @@ TRAINING_CURVE = "training_curve.json"
 def write_training_curve(folder: Path, rows: list[dict[str, float]]) -> None:
     """Write ``rows`` (one per optimizer step, each with its ``step``) as the output's :data:`TRAINING_CURVE`."""
     (folder / TRAINING_CURVE).write_text(json.dumps(rows, sort_keys=True))  # the same text after a resume
-
-
-SAMPLES = "samples.jsonl"
-"""A stage output's sample rows (evaluation: prompt, responses, scores, KL), also logged as an MLflow table, so the UI
-shows what the policy writes beside what the reward model and the gold judge made of it."""
 
 
 class Throttle:

@@ -104,6 +104,11 @@ CONFIG_CASES = [
     Case("config-not-a-mapping", lambda t, w: _config_file(t, "- 1\n- 2\n"), ("bad.yaml", "mapping")),
     Case("config-unknown-key", lambda t, w: _config_file(t, "ppo:\n  epoch: 2\n"), ("`ppo.epoch`", "ppo.epochs")),
     Case("config-bad-type", lambda t, w: _config_file(t, "sampling:\n  temperature: hot\n"), ("sampling.temperature",)),
+    Case(
+        "config-key-twice",
+        lambda t, w: _config_file(t, "labeler: human\nppo:\n  epochs: 2\nlabeler: import\n"),
+        ("bad.yaml", "`labeler` is given twice", "lines 1 and 4"),
+    ),
     Case("set-malformed", lambda t, w: _run(t, w, "nonsense"), ("--set nonsense", "section.field=value")),
     Case("set-bad-yaml", lambda t, w: _run(t, w, "k=[1,"), ("--set k=[1,", "not valid YAML")),
     Case("set-not-a-section", lambda t, w: _run(t, w, "ppo.epochs.x=1"), ("`ppo.epochs` is not a section",)),
@@ -135,6 +140,13 @@ CONFIG_CASES = [
 ]
 
 FILE_CASES = [
+    Case(
+        "prompts-misspelt-column",
+        lambda t, w: _run(
+            t, w, _with(t, "data.prompts", "p.jsonl", _jsonl([{"mesages": [{"role": "user", "content": "a"}]}]))
+        ),
+        ("`data.prompts`", "row 1", "field 'mesages'", "did you mean 'messages'"),
+    ),
     Case(
         "prompts-missing",
         lambda t, w: _run(t, w, f"data.prompts={t / 'missing.jsonl'}"),

@@ -90,8 +90,9 @@ def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_stat
     final = state.result()
     # MLflow holds each stage's manifest, never a second copy of its files.
     artifacts = [path for path in (config.run_root / "mlartifacts").rglob("*") if path.is_file()]
-    # Besides: the views the UI shows (the evaluation samples as a table, the over-optimisation figure).
-    views = {"samples.json", "overoptimisation.png"}
+    # Besides: the views the UI shows (the evaluation samples and the top responses as tables, the
+    # over-optimisation figure).
+    views = {"samples.json", "top_responses.json", "overoptimisation.png"}
     assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json", *views}
     with_states = [
         folder.name
@@ -167,8 +168,8 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
         flow_runs = client.read_flow_runs()
     markdown = artifact.data
     assert "| evaluate/kl_to_reference |" in markdown  # one metric per row: nothing cut off
-    assert "![over-optimisation" in markdown and "get-artifact?path=overoptimisation.png" in markdown
-    assert "http://127.0.0.1:5000/#/experiments/" in markdown  # a local store: docs/operating.md's MLflow UI address
+    assert "![over-optimisation" in markdown and "(data:image/png;base64," in markdown  # shows with no server
+    assert "http://127.0.0.1:5000/#/experiments/" in markdown  # a local store: where docs/operating.md starts the UI
     assert {f"{config.campaign}-iteration-0", f"{config.campaign}-campaign"} <= {run.name for run in flow_runs}
 
 

@@ -214,7 +214,13 @@ def test_find_run_and_run_url(tracker: Tracker) -> None:
     assert tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "k1"}) == run_id
     assert tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "k1"}, status="FINISHED") is None
     assert tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "k2"}) is None
-    assert tracker.run_url(run_id) == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
+    runs_view = "?workflowType=machine_learning"  # MLflow 3.17's UI shows runs in this view only
+    assert tracker.run_url(run_id) == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}{runs_view}"
+    assert (
+        tracker.experiment_url(experiment_id) == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs{runs_view}"
+    )
+    elsewhere = Tracker(tracker.tracking_uri, ui_base="http://mlflow.example:5030/")
+    assert elsewhere.run_url(run_id).startswith(f"http://mlflow.example:5030/#/experiments/{experiment_id}/runs/")
     with pytest.raises(ValueError, match="quotes"):
         tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "x' or '1'='1"})
 
