@@ -79,7 +79,9 @@ def iteration_rows(run_root: Path, campaign: str) -> list[dict]:
 def curve(iterations: int | None, threads: int, out: Path) -> dict:
     run_root = SCRATCH / "real-curve"
     shutil.rmtree(run_root, ignore_errors=True)
-    overrides = [f"run_root={run_root}", f"torch_threads={threads}"]
+    # the folder bench.smollm2 converted once: the config's pkg: GGUF file would be converted again in each fresh
+    # run root (about a minute, which is not the learning curve's)
+    overrides = [f"model.policy={ensure_folder()}", f"run_root={run_root}", f"torch_threads={threads}"]
     if iterations is not None:
         overrides.append(f"iterations={iterations}")
     command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(CONFIG)]
@@ -351,7 +353,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="compare: prompts per step (x 4 samples)")
     parser.add_argument("--steps", type=int, default=3, help="compare, tax: iterations per run, the first a warm-up")
     parser.add_argument("--iterations", type=int, help="override the config's iterations")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-PART.json)")
     args = parser.parse_args()
     out = args.out or SCRATCH / f"real-{args.part}.json"

@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="train the config's LoRA adapters, not every weight")
     parser.add_argument("--max-new-tokens", type=int, help="instead of the config's")
     parser.add_argument("--learning-rate", type=float, help="instead of the config's")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_threads(args.threads)

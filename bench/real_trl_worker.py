@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=2e-5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_threads(args.threads)
