@@ -239,6 +239,28 @@ def _pair(pair: list[float] | tuple[float, float]) -> str:
     return f"{pair[0]:.1f} ({pair[1]:.1f})"
 
 
+def goal_line(rows: list[dict]) -> str:
+    """Whether the held-out reward at least doubled and reached 0.6 at a KL <= 5 within 30 minutes of iterations."""
+    initial, elapsed, reached = rows[0]["initial_reward"], 0.0, None
+    for row in rows:
+        elapsed += row["wall_seconds"]
+        if reached is None and row["reward"] >= max(0.6, 2 * initial) and row["kl_to_reference"] <= 5:
+            reached = (row, elapsed)
+    best = max(rows, key=lambda row: row["reward"])
+    if reached is not None:
+        row, seconds = reached
+        return (
+            f"Goal (held-out reward at least doubled and >= 0.6, KL <= 5, within 30 minutes): reached at iteration "
+            f"{row['iteration']}, {initial:.3f} -> {row['reward']:.3f} at a KL of {row['kl_to_reference']:.2f}, after "
+            f"{seconds / 60:.0f} minutes of iterations ({'within' if seconds <= 1800 else 'beyond'} 30)."
+        )
+    return (
+        f"Goal (held-out reward at least doubled and >= 0.6, KL <= 5, within 30 minutes): not reached in "
+        f"{len(rows)} iterations ({elapsed / 60:.0f} minutes); best {initial:.3f} -> {best['reward']:.3f} at "
+        f"iteration {best['iteration']} (KL {best['kl_to_reference']:.2f})."
+    )
+
+
 def section_lines() -> list[str]:
     """Section 8 of the results file: the learning curve, ours against TRL, the pipeline tax."""
     curve_result, compare_result, tax_result = _read("curve"), _read("compare"), _read("tax")
@@ -268,7 +290,7 @@ def section_lines() -> list[str]:
                 f"| {row['iteration']} | {row['reward']:.3f} | {row['kl_to_reference']:.2f} | {seconds} "
                 f"| {row['wall_seconds']:.0f} |"
             )
-        lines.append("")
+        lines += ["", goal_line(rows), ""]
     if compare_result:
         ours, trl = compare_result["runs"]["ours"], compare_result["runs"]["trl"]
         rates = compare_result["rates"]
