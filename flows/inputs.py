@@ -190,13 +190,13 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
-    if base.reward_function is not None:
+    for function in filter(None, (base.reward_function, base.rubric)):
         samples = [
             (setting, prompt, prompt_text(tokenizer, prompt))
             for setting, path in (("data.prompts", base.prompts.path), ("data.eval_prompts", base.eval_prompts.path))
             for prompt in read_prompts(path)[:1]
         ]
-        check_reward_function(base.reward_function, samples)
+        check_reward_function(function, samples)
     if base.preferences is not None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:

@@ -54,6 +54,11 @@ NOT_RUN = {
         "docs/scaling.md",
         "a server for other machines (0.0.0.0, /srv); tests/flows/test_tracking_server.py runs one locally",
     ),
+    (
+        "docs/real-model.md",
+        "a 135 M model for several iterations, longer than a documented command may take; "
+        "`python -m bench.real_model curve` runs it",
+    ),
 }
 """The blocks that are not run, by page and reason: keep them few."""
 
