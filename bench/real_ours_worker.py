@@ -62,8 +62,8 @@ def run(
     sampling = config.sampling
     tokenizer = load_tokenizer(str(model))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    train_prompts = read_prompts(REPO / str(config.data.prompts))
-    held_out = read_prompts(REPO / str(config.data.eval_prompts))[:evaluate]
+    train_prompts = read_prompts(config.data.prompts)
+    held_out = read_prompts(config.data.eval_prompts)[:evaluate]
     reward_function = RewardFunctionReference.of(config.reward.function)
     models = ModelLoader(
         device=torch.device("cpu"),
