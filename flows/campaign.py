@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 from prefect import get_run_logger, task
@@ -29,6 +30,8 @@ from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outpu
 from flows.reuse import reuse_record
 from flows.settings import EXECUTION, LOCATION, replayable_fields
 from flows.store import artifact_root, campaign_layout, tracking_uri
+from rlhf_core.loading import count_parameters
+from rlhf_core.precision import resolve_threads
 from storage.diagnostics import describe_flag, drift_flags
 from storage.tracking import (
     KIND_ITERATION,
@@ -90,10 +93,14 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
-def execution_of(config: PipelineConfig) -> Execution:
+def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
+    """How ``config``'s stages run; ``torch_threads: auto`` chosen from the policy's size and this machine's cores
+    (:func:`rlhf_core.precision.resolve_threads`)."""
     return Execution(
         device=config.device,
-        torch_threads=config.torch_threads,
+        torch_threads=resolve_threads(
+            config.torch_threads, parameters=count_parameters(base.policy.path), cores=len(os.sched_getaffinity(0))
+        ),
         checkpoint_seconds=config.checkpoint_seconds,
         gradient_checkpointing=config.model.gradient_checkpointing,
         task_runner=config.execution.task_runner,
@@ -228,7 +235,7 @@ def context_for(
         iteration=iteration,
         seed=config.seed,
         base=base,
-        execution=execution_of(config),
+        execution=execution_of(config, base),
         parent_run_id=parent_run_id,
         flow_run_id=flow_run_id,
         register_models=register_models,

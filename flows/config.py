@@ -13,7 +13,7 @@ import importlib.util
 import json
 import textwrap
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -232,8 +232,9 @@ class PipelineConfig(_Frozen):
     precision: Precision = "fp32"
     """Numeric precision of every forward pass: `fp32`, `bf16` or `fp16` (a GPU only). Trained weights stay fp32
     (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
-    torch_threads: int = Field(1, gt=0)
-    """torch intra-op threads, set by every stage; one is fastest for small models on a 2-core machine."""
+    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
+    fastest there), every usable core for a larger one (SmolLM2-135M: measured in bench/torch_threads.py)."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
@@ -304,6 +305,11 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "set `labeler`: who labels the candidate pairs the reward model learns from (import with "
                 "`data.preferences`, human, or reward_model with `model.reward_model`)"
+            )
+        if self.labeler == "reward_model" and self.learns_from_labels and self.model.reward_model is None:
+            raise ValueError(
+                "labeler reward_model needs `model.reward_model`: a pretrained reward model to label the first "
+                "iteration's pairs (later iterations use the one they trained); or label with import or human"
             )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")

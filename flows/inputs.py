@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from flows.config import PipelineConfig
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
+from rlhf_core.loading import has_reward_head
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
@@ -189,6 +190,13 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
+    if config.labeler == "reward_model" and config.learns_from_labels and base.reward_model is not None:
+        if not has_reward_head(base.reward_model.path):
+            raise InputError(
+                f"`model.reward_model` {config.model.reward_model} has no reward head, so it cannot label the first "
+                "iteration's pairs (labeler reward_model): give a sequence-classification checkpoint with one label "
+                "or a reward model this project exported, or label with import or human"
+            )
     if base.reward_function is not None:
         samples = [
             (setting, prompt, prompt_text(tokenizer, prompt))

@@ -115,7 +115,7 @@ class Execution:
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
-        torch_threads: torch intra-op threads, set at the start of every stage.
+        torch_threads: torch intra-op threads, set at the start of every stage (`auto` already resolved).
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
         task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).

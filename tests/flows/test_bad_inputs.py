@@ -362,6 +362,16 @@ def _reward_beside_config(tmp: Path, world: dict[str, Path], source: str) -> lis
 
 MODEL_CASES += [
     Case(
+        "labeler-reward-model-without-one",
+        lambda t, w: _run(t, w, "labeler=reward_model"),
+        ("labeler reward_model needs `model.reward_model`",),
+    ),
+    Case(
+        "labeler-reward-model-without-a-head",
+        lambda t, w: _run(t, w, "labeler=reward_model", f"model.reward_model={w['policy']}"),
+        ("`model.reward_model`", "has no reward head"),
+    ),
+    Case(
         "reward-function-unimportable",
         lambda t, w: _run(t, w, "reward.source=function", "reward.function=no_such_module_here:reward"),
         ("`reward.function`", "no_such_module_here", "looked up"),
