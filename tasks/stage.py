@@ -43,6 +43,7 @@ from pydantic import BaseModel
 
 from rlhf_core.config import LoraConfig
 from rlhf_core.divergence import DivergenceError
+from rlhf_core.errors import UserError
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.files import disk_errors
@@ -299,7 +300,7 @@ def _produce(
             _peak_memory(device) as peak,
             disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
-            out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
+            out.runtime.update(device=str(device), torch_threads=execution.torch_threads, inputs=context.base.contents)
             if sources := context.base.sources:
                 out.runtime["model_sources"] = sources
             out.metrics.update(produce(out))
@@ -319,7 +320,7 @@ LEARNING_RATES = {
 """The setting that sets how fast each trained model moves: what to lower when it diverges."""
 
 
-class Diverged(ValueError):
+class Diverged(UserError, ValueError):
     """A stage found a model diverged (:class:`rlhf_core.divergence.DivergenceError`); the message (one line) names
     the stage, the iteration and the learning-rate setting to lower."""
 

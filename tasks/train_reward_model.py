@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, held_out_pairs
+from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -34,7 +35,7 @@ from tasks.text import conversation_id_lists, load_tokenizer, pad_token_lists, p
 STAGE = "train_reward_model"
 
 
-class TooFewPairs(ValueError):
+class TooFewPairs(UserError, ValueError):
     """The preference pairs cannot train a reward model whose accuracy means something (too few to hold out)."""
 
 
