@@ -237,7 +237,8 @@ class PipelineConfig(_Frozen):
     (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
     torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
-    fastest there), every usable core for a larger one (SmolLM2-135M: measured in bench/torch_threads.py)."""
+    fastest there); for a larger one the cores other work leaves idle when the command starts (SmolLM2-135M: 1.7x
+    faster on 2 idle cores than on 1, far slower on 2 busy ones; rlhf_core.precision.resolve_threads)."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
