@@ -129,10 +129,9 @@ class RewardSource(_Frozen):
     """`reward_model`: learned each iteration from labelled candidate pairs (stages 1-3). `function`: the callable
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
-    """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
-    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
-    reports); otherwise unused."""
+    """With `source: function`, a `module:callable` called as `function(prompt, response, **columns)` (the prompt as
+    written: text or chat messages; the prompt row's other columns as keyword arguments; docs/models.md) and
+    returning a float, e.g. `demo.gold:gold_score`; looked up beside the config file too. Unused with `reward_model`."""
 
 
 class ExecutionConfig(_Frozen):
