@@ -123,3 +123,44 @@ ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
     source = manifest["runtime"]["model_sources"]["model.policy"]
     assert source["file"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and source["sha256"] == converted.sha256
     assert any(model.get("adapters") for model in manifest["runtime"]["models"])  # LoRA
+
+
+def test_issue23_a_reward_model_learned_from_a_rubrics_labels_samples_through_the_chat_template(run_root, tmp_path):
+    """Sampling candidates (stage 1) encodes the chat prompts as the template does, and the rubric (labeler function)
+    reads each candidate's reference answer from its prompt row."""
+    prompts = _prompts(tmp_path / "prompts.jsonl", QUESTIONS[:2])
+    eval_prompts = _prompts(tmp_path / "eval_prompts.jsonl", QUESTIONS[2:])
+    config = tmp_path / "smollm2-ci-rm.yaml"
+    config.write_text(
+        f"""campaign: smollm2-ci-rm
+run_root: {run_root}
+iterations: 1
+torch_threads: 1
+labeler: function
+model:
+  policy: {SMOLLM2}
+  lora: {{r: 4}}
+data:
+  prompts: {prompts}
+  eval_prompts: {eval_prompts}
+reward:
+  source: reward_model
+  function: tests.flows.rewards:names_the_answer
+sizes: {{preference_prompts: 4, candidates_per_prompt: 4, rollout_prompts: 2, samples_per_prompt: 2, eval_prompts: 2}}
+sampling: {{max_new_tokens: 8, batch_size: 16}}
+reward_model: {{epochs: 1, batch_size: 4, eval_fraction: 0.5, learning_rate: 1.0e-4}}
+advantages: {{estimator: grpo}}
+ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
+"""
+    )
+    assert main(["run", "--config", str(config)]) == 0
+    campaign = run_root / "smollm2-ci-rm"
+    layout = RunLayout(root=run_root)
+    tokenizer = load_tokenizer(model_input(FingerprintCache(None), layout, "model.policy", SMOLLM2, convert=False).path)
+    (candidates_dir,) = (campaign / "sample_candidates").iterdir()
+    for row in read_table(candidates_dir, "candidates").to_pylist():
+        question = row["messages"][-1]["content"]
+        expected = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_dict=True)
+        assert row["prompt_ids"] == list(expected["input_ids"]), question
+    (preferences_dir,) = (campaign / "collect_preferences").iterdir()
+    assert {row["labeler"] for row in read_table(preferences_dir, "preferences").to_pylist()} == {"function"}
