@@ -31,9 +31,9 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from campaign.store import campaign_layout, store_tracker  # noqa: E402
 from demo.tokenizer import EOS_ID, build_tokenizer  # noqa: E402
 from flows.config import load_config  # noqa: E402
-from flows.store import campaign_layout, store_tracker  # noqa: E402
 from storage.manifest import StageOutput  # noqa: E402
 from storage.schemas import EXPERIENCE, SAMPLES, SCORED_EXPERIENCE  # noqa: E402
 from storage.tracking import (  # noqa: E402

@@ -40,6 +40,7 @@ from rlhf_core.config import (
     SettingError,
     eval_split_error,
 )
+from rlhf_core.errors import UserError
 
 
 class _Frozen(BaseModel):
@@ -129,7 +130,9 @@ class RewardSource(_Frozen):
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
     """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward); unused with `reward_model`."""
+    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
+    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
+    reports); otherwise unused."""
 
 
 class ExecutionConfig(_Frozen):
@@ -241,8 +244,9 @@ class PipelineConfig(_Frozen):
     labeler: LabelerName | None = None
     """Who labels candidate pairs when a reward model learns from them: an imported file (`import`, with
     `data.preferences`), a person answering Prefect UI forms (`human`), the current reward model
-    (`reward_model`), or the demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function
-    or a pretrained reward model used as it is."""
+    (`reward_model`), your own rubric (`function`: `reward.function` prefers the response it scores higher), or the
+    demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function or a pretrained reward
+    model used as it is."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -286,7 +290,7 @@ class PipelineConfig(_Frozen):
                 "labeler gold is the embedded demo's hidden rubric for its toy language: with your own model set "
                 "`labeler` to import (with `data.preferences`), human or reward_model"
             )
-        if self.reward.source == "function" and (self.reward.function or "").startswith("demo."):
+        if "function" in (self.reward.source, self.labeler) and (self.reward.function or "").startswith("demo."):
             raise ValueError(
                 f"`reward.function` {self.reward.function} is the embedded demo's rubric for its toy language: "
                 "name a function that scores your own model's responses"
@@ -307,6 +311,8 @@ class PipelineConfig(_Frozen):
             )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
+        if self.labeler == "function" and not self.reward.function:
+            raise ValueError("labeler 'function' needs `reward.function`: the `module:callable` rubric that labels")
         if self.model.reward_model is None and not self.reward_model.train:
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
@@ -361,7 +367,7 @@ def _store_only(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("store_only"))
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message (one line) says which and why."""
 
 

@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from flows.config import PipelineConfig
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
+from rlhf_core.errors import UserError
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
@@ -40,7 +41,7 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
 T = TypeVar("T")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """An input file or model the campaign cannot use; the message names the setting, file, row and field."""
 
 
@@ -189,13 +190,13 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
-    if base.reward_function is not None:
+    for function in filter(None, (base.reward_function, base.rubric)):
         samples = [
             (setting, prompt, prompt_text(tokenizer, prompt))
             for setting, path in (("data.prompts", base.prompts.path), ("data.eval_prompts", base.eval_prompts.path))
             for prompt in read_prompts(path)[:1]
         ]
-        check_reward_function(base.reward_function, samples)
+        check_reward_function(function, samples)
     if base.preferences is not None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import polars as pl
 
+from campaign.store import existing_tracker, store_layout
 from flows.config import PipelineConfig
 from flows.report import text_table
-from flows.store import existing_tracker, store_layout
+from rlhf_core.errors import UserError
 from storage.diagnostics import (
     SUMMARY_COLUMNS,
     DriftFlag,
@@ -49,7 +50,6 @@ from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
     KIND_STAGE,
-    TAG_ITERATION,
     TAG_KIND,
     TAG_OUTPUT_PREFIX,
     TAG_REPLAY_OF,
@@ -79,7 +79,7 @@ _BLOCKS = (
 """The summary printed as three tables, each under ~120 characters wide."""
 
 
-class InspectError(ValueError):
+class InspectError(UserError, ValueError):
     """A problem with what ``rlhf inspect`` was asked: the target, a filter, a sort column, a threshold."""
 
 
@@ -117,7 +117,8 @@ def parse_target(text: str) -> tuple[str, int | None]:
 def find_runs(config: PipelineConfig, campaign: str, iteration: int | None = None) -> list[RunOutputs]:
     """The outputs of every finished iteration of ``campaign`` (or just ``iteration``), each followed by its replays.
 
-    Three searches of the store (iteration, replay and stage runs, with their tags), whatever the campaign's length;
+    Four searches of the store (iteration runs, the finished ones, replay and stage runs, with their tags), whatever
+    the campaign's length;
     outputs found in place are trusted as they are (their manifests are read, their bytes not hashed).
 
     Raises:
@@ -131,10 +132,7 @@ def find_runs(config: PipelineConfig, campaign: str, iteration: int | None = Non
         raise LookupError(f"no campaign {campaign!r} in the MLflow store {tracker.tracking_uri}")
     experiment_id = tracker.experiment_id(campaign)
     iterations = tracker.runs(experiment_id, tags={TAG_KIND: KIND_ITERATION})
-    finished: dict[int, list[str]] = {}
-    for run in iterations:
-        if run.status == "FINISHED":
-            finished.setdefault(int(run.tags[TAG_ITERATION]), []).append(run.run_id)
+    finished = tracker.finished_iterations(experiment_id)  # the newest finished run of each, none superseded
     if iteration is not None and iteration not in finished:
         raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
     if not finished:
@@ -145,11 +143,7 @@ def find_runs(config: PipelineConfig, campaign: str, iteration: int | None = Non
     layout = RunLayout(root=config.run_root / campaign)
     found = []
     for number in sorted(finished) if iteration is None else [iteration]:
-        run_id = finished[number][0]
-        if len(finished[number]) > 1:  # the same iteration finished again (other settings): the newest counts
-            run_id = tracker.find_run(
-                experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(number)}, status="FINISHED"
-            )
+        run_id = finished[number].run_id
         source = _run_outputs(tracker, layout, tags, number, ITERATION_RUN, run_id)
         found.append(source)
         for replay in sorted(replays, key=lambda run: run.run_id):

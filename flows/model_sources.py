@@ -16,7 +16,7 @@ A model setting names one of:
 4. (``model.policy`` only) a hub name, ``org/name``, fetched into or found in the Hugging Face cache.
 
 Nothing here imports torch unless a file has to be converted: recognising a finished campaign
-(:mod:`flows.reuse`) reads the cache only (:class:`NotConverted` says it cannot).
+(:mod:`campaign.history`) reads the cache only (:class:`NotConverted` says it cannot).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from flows.console import STAGE_EVENT
+from rlhf_core.errors import UserError
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
 from tasks.context import InputFile
@@ -40,7 +41,7 @@ PACKAGE_PREFIX = "pkg:"
 GGUF_SUFFIX = ".gguf"
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError, ValueError):
     """A model setting that names nothing usable (a package that is not installed, a GGUF file that cannot be
     converted); the message names the setting and the file."""
 

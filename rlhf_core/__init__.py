@@ -33,6 +33,7 @@ __all__ = [
     "advantages",
     "config",
     "distributed",
+    "divergence",
     "evaluation",
     "experience",
     "experience_maker",

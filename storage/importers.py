@@ -44,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_core.errors import UserError
 from storage.schemas import (
     CHAT_MESSAGES,
     CHOSEN,
@@ -70,7 +71,7 @@ Message = dict[str, str]
 """``{"role": "user" | "assistant" | "system", "content": str}``."""
 
 
-class ImportFormatError(ValueError):
+class ImportFormatError(UserError, ValueError):
     """A malformed row (or file) in an imported dataset.
 
     Attributes:

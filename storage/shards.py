@@ -19,14 +19,13 @@ Choices:
 from __future__ import annotations
 
 import re
-import uuid
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.files import FileEntry, file_sha256, fsync_directory, publish_file
+from storage.files import FileEntry, file_sha256, fsync_directory, publish_file, temporary_sibling
 from storage.schemas import conform
 
 COMPRESSION = "zstd"
@@ -87,7 +86,7 @@ def write_shards(
     try:
         for index, start in enumerate(starts):
             final = directory / shard_name(name, index)
-            temporary = directory / f".{final.name}.tmp-{uuid.uuid4().hex}"
+            temporary = temporary_sibling(final)
             shard = table.slice(start, rows_per_shard)
             try:
                 pq.write_table(shard, temporary, compression=COMPRESSION)
@@ -141,7 +140,7 @@ def write_piece(path: Path, table: pa.Table, *, schema: pa.Schema) -> None:
     """
     table = conform(table, schema)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    temporary = temporary_sibling(path)
     try:
         pq.write_table(table, temporary, compression=COMPRESSION)
         file_sha256(temporary, sync=True)

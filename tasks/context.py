@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 
 from storage.layout import RunLayout
 from storage.tracking import Tracker, open_tracker
+from tasks.judge import JudgeReference  # at run time: a flow validates the base inputs it is given
+from tasks.reward_function import RewardFunctionReference
 
 if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
     import torch
 
     from rlhf_core.config import LoraConfig, Precision
     from rlhf_core.loading import ModelLoader
-    from tasks.judge import JudgeReference
-    from tasks.reward_function import RewardFunctionReference
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class BaseInputs:
         reward_model: a pretrained reward model folder (with its own tokenizer), or None.
         reward_function: the reward function that scores rollouts (``reward.source: function``),
             or None when a reward model does. A setting of the stages that score, like ``judge``.
+        rubric: the reward function that labels candidate pairs (labeler ``function``) and scores
+            evaluation's responses beside the reward model, or None.
     """
 
     policy: InputFile
@@ -75,6 +77,7 @@ class BaseInputs:
     preferences: InputFile | None = None
     reward_model: InputFile | None = None
     reward_function: RewardFunctionReference | None = None
+    rubric: RewardFunctionReference | None = None
 
     @property
     def bases(self) -> dict[str, str]:
@@ -85,6 +88,20 @@ class BaseInputs:
     def reward_tokenizer(self) -> str:
         """The folder of the reward model's tokenizer: a pretrained reward model's own, else the policy's."""
         return (self.reward_model or self.tokenizer).path
+
+    @property
+    def contents(self) -> dict[str, str]:
+        """``{field: sha256}`` of every input file (``policy``, ``prompts``, ...; the tokenizer only when it is
+        not the policy's own): what a manifest and an iteration run record of the inputs that produced them."""
+        files = {
+            "policy": self.policy,
+            "tokenizer": None if self.tokenizer == self.policy else self.tokenizer,
+            "prompts": self.prompts,
+            "eval_prompts": self.eval_prompts,
+            "preferences": self.preferences,
+            "reward_model": self.reward_model,
+        }
+        return {name: file.sha256 for name, file in files.items() if file is not None}
 
     @property
     def sources(self) -> dict[str, dict[str, str]]:
@@ -167,9 +184,10 @@ class TrackingStore:
         return open_tracker(self.uri, self.artifact_root, self.ui_url)
 
 
-def stage_seed(seed: int, stage: str, iteration: int) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration)`` (nanochat-style), stable across runs."""
-    digest = hashlib.sha256(f"{seed}/{stage}/{iteration}".encode()).digest()
+def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
+    """A seed from the coordinates ``(seed, stage, iteration, *more)`` (nanochat-style), stable across runs and
+    machines: the one derivation of every seed (a shard's adds ``shard-N``, :func:`tasks.fanout.shard_seed`)."""
+    digest = hashlib.sha256("/".join(map(str, (seed, stage, iteration, *more))).encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlhf_core.errors import UserError
 from tasks.code import code_fingerprint
 from tasks.judge import load_object
 
@@ -51,7 +52,7 @@ PROMPT_TEXT = "prompt_text"
 SETTING = "`reward.function`"
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError, ValueError):
     """A reward function that cannot be used: it does not load, does not take the prompt's columns, raises, or
     returns something other than a finite number. The message (one line) names it."""
 

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+from campaign.store import resolve_run
 from flows.campaign import load_latest_state, resolve_base, tracking_store
 from flows.config import ConfigError, load_config
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from flows.store import resolve_run
 from tasks.reward_function import RewardFunctionError
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

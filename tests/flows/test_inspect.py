@@ -11,13 +11,13 @@ import pyarrow.compute as pc
 import pytest
 
 from bench.inspect_scale import write_synthetic_campaign
+from campaign.store import resolve_run
 from flows.campaign import tracking_store
 from flows.cli import main
 from flows.config import load_config
 from flows.inspect import TOP_RESPONSES
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from flows.store import resolve_run
 from storage.checkpoints import load_tokenizer
 from storage.shards import read_table
 from storage.tracking import TAG_OUTPUT_PATH, TAG_OUTPUT_PREFIX

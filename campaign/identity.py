@@ -1,7 +1,8 @@
-"""What identifies a campaign's runs: its base inputs, located and identified by their content, and run keys.
+"""What identifies a campaign and its runs: the config fields that define it (its fingerprint, checked against the
+one it was started with), its base inputs, located and identified by their content, and run keys.
 
 Nothing here imports torch, transformers or Prefect, so a command that only has to recognise finished work
-(``rlhf run`` of a finished campaign, :mod:`flows.reuse`) starts in seconds. Checking that the stages can
+(``rlhf run`` of a finished campaign, :mod:`campaign.history`) starts in seconds. Checking that the stages can
 use the inputs (:func:`flows.inputs.check_inputs`) and building the demo world are the flow's
 (:func:`flows.campaign.resolve_base`).
 """
@@ -12,15 +13,26 @@ import hashlib
 import json
 from pathlib import Path
 
+from campaign.settings import EXECUTION, LOCATION, replayable_fields
+from campaign.store import store_layout
 from demo.world import DemoWorld
-from flows.config import PipelineConfig
+from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.model_sources import PACKAGE_PREFIX, model_input
-from flows.settings import EXECUTION, LOCATION
-from flows.store import store_layout
 from storage.fingerprints import FingerprintCache
+from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT, Tracker
 from tasks.context import BaseInputs, InputFile
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference
+
+INPUT_SETTINGS = {
+    "policy": "model.policy",
+    "tokenizer": "model.tokenizer",
+    "prompts": "data.prompts",
+    "eval_prompts": "data.eval_prompts",
+    "preferences": "data.preferences",
+    "reward_model": "model.reward_model",
+}
+"""The input files of :class:`tasks.context.BaseInputs`, by field: the setting naming each."""
 
 GOLD_JUDGE = "demo.gold:JUDGE"
 """The embedded demo's hidden gold rater: it judges evaluation in the demo world (`demo`), and labels with `gold`."""
@@ -86,6 +98,9 @@ def base_inputs(
         reward_function=RewardFunctionReference.of(config.reward.function)
         if config.reward.source == "function" and config.reward.function
         else None,
+        rubric=RewardFunctionReference.of(config.reward.function)
+        if config.labeler == "function" and config.reward.function
+        else None,
     )
 
 
@@ -126,14 +141,88 @@ def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
     return fields
 
 
-def starting_point(base: BaseInputs, previous: str, iteration: int) -> str:
-    """What an iteration starts from: its base inputs' contents, the digest of the policy it continues ("" for
-    iteration 0) and its number; with its config, this makes its run key (:func:`run_key`)."""
-    return hashlib.sha256(json.dumps([base.fingerprint, previous, iteration]).encode()).hexdigest()
-
-
 def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
     """An iteration (or replay) run's identity: its config without execution and location settings,
-    its base inputs and ``parts`` (its starting point)."""
+    its base inputs and ``parts`` (the policy it continues and its number, or the run it replays)."""
     fields = fields_without(config, EXECUTION + LOCATION)
     return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
+
+
+CAMPAIGN_FREE = (
+    *EXECUTION,
+    *LOCATION,
+    *replayable_fields(),
+    "iterations",
+    *(f"human.{name}" for name in HumanLabelConfig.model_fields),
+)
+"""Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
+replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
+human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
+
+
+def campaign_fields(config: PipelineConfig) -> dict:
+    """The fields that define ``config``'s campaign (all but :data:`CAMPAIGN_FREE`), as JSON values."""
+    return fields_without(config, CAMPAIGN_FREE)
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{dotted path: value}`` of every leaf of a nested dict."""
+    leaves: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[prefix + key] = value
+    return leaves
+
+
+def config_fingerprint(config: PipelineConfig) -> str:
+    """The fingerprint of the fields that define ``config``'s campaign (:func:`campaign_fields`)."""
+    return hashlib.sha256(json.dumps(campaign_fields(config), sort_keys=True).encode()).hexdigest()
+
+
+def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
+    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it.
+
+    Returns:
+        The config's campaign fingerprint (what the campaign's experiment records as
+        ``rlhf.config_fingerprint``).
+
+    Raises:
+        ConfigError: naming the first differing fields, their values there and here, and what to do.
+    """
+    fingerprint = config_fingerprint(config)
+    tags = tracker.experiment_tags(config.campaign)
+    recorded = tags.get(TAG_CONFIG_FINGERPRINT)
+    if recorded is None or recorded == fingerprint:
+        return fingerprint
+    theirs, ours = _leaves(json.loads(tags.get(TAG_CAMPAIGN_CONFIG, "{}"))), _leaves(campaign_fields(config))
+    differing = sorted(name for name in theirs.keys() | ours.keys() if theirs.get(name) != ours.get(name))
+    shown = "; ".join(f"`{name}` {theirs.get(name)!r} there, {ours.get(name)!r} here" for name in differing[:3])
+    more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
+    raise ConfigError(
+        f"campaign `{config.campaign}` was started with another config ({shown or 'another version'}{more}): give "
+        "this config a `campaign` of its own (--set campaign=NAME), or run the campaign with the config it was "
+        "started with"
+    )
+
+
+_RECORDED: dict[tuple[str, str], str] = {}
+"""``(tracking URI, campaign) -> config fingerprint`` recorded by this process: checked once, not per iteration."""
+
+
+def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
+    """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered. Once
+    per process and campaign: the iterations of a campaign flow after the first check nothing again."""
+    if _RECORDED.get(key := (tracker.tracking_uri, config.campaign)) == config_fingerprint(config):
+        return
+    fingerprint = check_campaign_config(config, tracker)
+    if TAG_CONFIG_FINGERPRINT not in tracker.experiment_tags(config.campaign):
+        tracker.set_experiment_tags(
+            experiment_id,
+            {
+                TAG_CAMPAIGN_CONFIG: json.dumps(campaign_fields(config), sort_keys=True),
+                TAG_CONFIG_FINGERPRINT: fingerprint,
+            },
+        )
+    _RECORDED[key] = fingerprint
