@@ -285,6 +285,9 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # before MLflow, Prefect or torch is imported: a file refused answers in a second or two
     from flows.report import campaign_link, campaign_report
     from flows.reuse import campaign_finished
     from flows.store import campaign_layout
@@ -306,6 +309,9 @@ def _run(config, arguments) -> int:
 
 
 def _iterate(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # as `rlhf run` does
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
