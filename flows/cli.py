@@ -333,6 +333,9 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # before MLflow, Prefect or torch is imported: a file refused answers in a second or two
     from campaign.history import campaign_finished, difference_note
     from campaign.store import campaign_layout
     from flows.report import campaign_link, campaign_report
@@ -357,6 +360,9 @@ def _run(config, arguments) -> int:
 
 
 def _iterate(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # as `rlhf run` does
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
