@@ -121,7 +121,7 @@ def test_every_stage_records_seconds_peak_memory_and_where_it_ran(context):
     manifest = read_manifest(result.directory)
     assert manifest.metrics["rows"] == 2.0 and manifest.metrics["seconds"] > 0
     assert manifest.metrics["peak_memory_mb"] >= 60  # the 64 MB buffer
-    assert manifest.runtime == {"device": "cpu", "torch_threads": 1}
+    assert manifest.runtime == {"device": "cpu", "torch_threads": 1, "inputs": context.base.contents}
     assert manifest.config["stage"] == {"rows": 2, "prompts": {"sha256": "a" * 64}}
     assert manifest.config["context"] == {"seed": 0, "iteration": 0, "base": context.base.fingerprint}
 
