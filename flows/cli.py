@@ -461,8 +461,8 @@ def _config(config, arguments) -> int:
 
 
 _STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
-"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
-export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
+"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, inspect,
+an export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
 start or continue a campaign from a config file."""
 
