@@ -98,6 +98,7 @@ def execution_of(config: PipelineConfig) -> Execution:
         accelerate_config=None
         if config.execution.accelerate_config is None
         else str(config.execution.accelerate_config),
+        sharding=config.execution.sharding,
         frozen_model_bytes=int(config.execution.frozen_models_gb * 2**30),
     )
 

@@ -25,7 +25,7 @@ from storage.tracking import Tracker, open_tracker
 if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
     import torch
 
-    from rlhf_core.config import LoraConfig, Precision
+    from rlhf_core.config import LoraConfig, Precision, Sharding
     from rlhf_core.loading import ModelLoader
     from tasks.judge import JudgeReference
     from tasks.reward_function import RewardFunctionReference
@@ -100,6 +100,8 @@ class Execution:
         address: the Dask scheduler or Ray cluster the shards run on (None: this process, or a local Ray).
         training_processes: processes the training stages run in (:mod:`tasks.launch`).
         accelerate_config: an ``accelerate config`` file for those processes, or None.
+        sharding: how the trained models are sharded over those processes (FSDP2, from ``accelerate_config``), or
+            None (data parallel).
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
             :class:`rlhf_core.loading.FrozenModels`).
     """
@@ -112,6 +114,7 @@ class Execution:
     address: str | None = None
     training_processes: int = 1
     accelerate_config: str | None = None
+    sharding: Sharding | None = None
     frozen_model_bytes: int = 0
 
     def model_loader(

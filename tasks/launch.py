@@ -130,7 +130,7 @@ def launch_options(execution: Any, precision: Precision) -> list[str]:
     """``accelerate launch`` options: the config file if given, the process count, the precision, a free port."""
     options = []
     if execution.accelerate_config is not None:
-        options += ["--config_file", execution.accelerate_config]  # data parallel: the config refuses sharding
+        options += ["--config_file", execution.accelerate_config]  # its FSDP settings: execution.sharding
     elif execution.training_processes > 1:
         options += ["--multi_gpu"]  # DDP: NCCL on GPUs, gloo on CPUs
     if execution.training_processes > 1:
