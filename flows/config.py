@@ -155,6 +155,14 @@ class ExecutionConfig(_Frozen):
     with `fsdp_config: {fsdp_version: 2}` shards the trained models' weights, gradients and optimizer states over
     the processes (FSDP2, full shard; `fsdp_transformer_layer_cls_to_wrap` names the layers, default the model's
     own); DeepSpeed and Megatron-LM are refused (docs/scaling.md)."""
+    training_launcher: Literal["accelerate", "ray"] = "accelerate"
+    """How the `execution.training_processes` processes start: `accelerate launch` on this machine, or `ray`: Ray
+    Train workers (one CPU each, one GPU each with `device` cuda) placed anywhere on the Ray cluster at
+    `execution.address` (a local Ray without one), several machines included (docs/scaling.md). Either way
+    `execution.accelerate_config`'s FSDP settings shard the models."""
+    rendezvous_timeout: float = Field(300.0, gt=0)
+    """Seconds the training processes may wait for each other (Ray: for room on the cluster for all of them)
+    before the stage is refused in one line, instead of waiting for a node that never comes."""
     frozen_models_gb: float = Field(2.0, ge=0)
     """GiB of frozen models (the reference, the reward model, the actor an iteration samples with and
     evaluates) a process keeps in memory for its next stages instead of loading them again; 0 keeps none.
@@ -171,6 +179,10 @@ class ExecutionConfig(_Frozen):
             )
         if self.accelerate_config is not None:
             sharding_of(self.accelerate_config, processes=self.training_processes)
+        if self.training_launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "`execution.training_launcher` ray needs the package ray (Ray Train): pip install 'ray[train]'"
+            )
         return self
 
     @property

@@ -100,6 +100,9 @@ class Execution:
         address: the Dask scheduler or Ray cluster the shards run on (None: this process, or a local Ray).
         training_processes: processes the training stages run in (:mod:`tasks.launch`).
         accelerate_config: an ``accelerate config`` file for those processes, or None.
+        training_launcher: ``accelerate`` (``accelerate launch`` on this machine) or ``ray`` (Ray Train workers on
+            the Ray cluster at ``address``).
+        rendezvous_timeout: seconds the training processes may take to all start and meet.
         sharding: how the trained models are sharded over those processes (FSDP2, from ``accelerate_config``), or
             None (data parallel).
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
@@ -114,6 +117,8 @@ class Execution:
     address: str | None = None
     training_processes: int = 1
     accelerate_config: str | None = None
+    training_launcher: str = "accelerate"
+    rendezvous_timeout: float = 300.0
     sharding: Sharding | None = None
     frozen_model_bytes: int = 0
 

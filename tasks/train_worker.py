@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
+def ray_worker(config: dict[str, str]) -> None:
+    """The job as a Ray Train worker's training function (:func:`tasks.launch.train` with Ray): Ray Train has
+    formed the process group and set the variables accelerate reads (``RANK``, ``WORLD_SIZE``, ...)."""
+    main([config["spec"]])
+
+
 def _run(spec_path: Path) -> None:
     job = json.loads(spec_path.read_text())
     context = decode(job["context"])

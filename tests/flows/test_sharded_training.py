@@ -31,26 +31,81 @@ def _manifest(run_root: Path, stage: str) -> Path:
     return manifest
 
 
-@pytest.mark.slow
-def test_a_sharded_update_trains_the_policy_of_one_process(prefect_server, checkpoint_world, tmp_path):
-    """A verifiable-reward campaign (no reward model, whose dropout would differ per process; the reward model's
-    sharded training is pinned in tests/rlhf_core/test_distributed.py): the update sharded over 2 processes has the
-    in-process update's input key and weights to float rounding, and each process's optimizer shard."""
-    one = tiny_config(checkpoint_world, tmp_path / "one", *VERIFIABLE)
-    two = tiny_config(checkpoint_world, tmp_path / "fsdp", *VERIFIABLE, *SHARDED)
-    for config in (one, two):
-        assert rlhf_campaign(config, return_state=True).is_completed()
-    update_one, update_two = _manifest(one.run_root, "ppo_update"), _manifest(two.run_root, "ppo_update")
-    assert update_one.parent.name == update_two.parent.name, "the launch is part of no input key"
-    weights_one = load_file(update_one.parent / "actor" / "model.safetensors")
-    weights_two = load_file(update_two.parent / "actor" / "model.safetensors")
+@pytest.fixture(scope="module")
+def one_process(prefect_server, checkpoint_world, tmp_path_factory) -> Path:
+    """The ppo_update output of a verifiable-reward campaign trained in the stage's own process (no reward model,
+    whose dropout would differ per process; the reward model's sharded training is pinned in
+    tests/rlhf_core/test_distributed.py)."""
+    config = tiny_config(checkpoint_world, tmp_path_factory.mktemp("one"), *VERIFIABLE)
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    return _manifest(config.run_root, "ppo_update").parent
+
+
+def _assert_same_policy(one: Path, two: Path) -> None:
+    assert one.name == two.name, "how training launched is part of no input key"
+    weights_one = load_file(one / "actor" / "model.safetensors")
+    weights_two = load_file(two / "actor" / "model.safetensors")
     assert weights_one.keys() == weights_two.keys()
     for name, value in weights_one.items():
         torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    optimizer = sorted(path.name for path in (update_two.parent / "actor_optimizer").iterdir())
+
+
+@pytest.mark.slow
+def test_a_sharded_update_trains_the_policy_of_one_process(one_process, checkpoint_world, tmp_path):
+    """The update sharded over 2 processes has the in-process update's input key, its weights to float rounding,
+    each process's optimizer shard and each process's peak memory."""
+    config = tiny_config(checkpoint_world, tmp_path, *VERIFIABLE, *SHARDED)
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    update = _manifest(config.run_root, "ppo_update")
+    _assert_same_policy(one_process, update.parent)
+    optimizer = sorted(path.name for path in (update.parent / "actor_optimizer").iterdir())
     assert optimizer == ["optimizer-00000-of-00002.pt", "optimizer-00001-of-00002.pt", "trainer_state.json"]
-    metrics = json.loads(update_two.read_text())["metrics"]
+    metrics = json.loads(update.read_text())["metrics"]
     assert metrics["peak_memory_mb"] == max(metrics["peak_memory_mb_rank0"], metrics["peak_memory_mb_rank1"]) > 0
+
+
+@pytest.fixture
+def ray_nodes(request):
+    """A real Ray cluster of ``request.param`` nodes on this machine (127.0.0.1), one CPU each: one training worker
+    fits a node, so 2 workers on 2 nodes are on different machines as far as Ray knows."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(request.param - 1):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster.address
+    cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ray_nodes", [2], indirect=True)
+def test_sharded_training_on_two_ray_nodes_trains_the_policy_of_one_process(
+    one_process, checkpoint_world, tmp_path, ray_nodes
+):
+    """Ray Train places the 2 sharded workers on the 2 nodes of a Ray cluster (`execution.training_launcher` ray at
+    `execution.address`); they train what one process trains."""
+    on_ray = ("execution.training_launcher=ray", f"execution.address={ray_nodes}")
+    config = tiny_config(checkpoint_world, tmp_path, *VERIFIABLE, *SHARDED, *on_ray)
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    _assert_same_policy(one_process, _manifest(config.run_root, "ppo_update").parent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ray_nodes", [1], indirect=True)
+def test_a_node_that_never_joins_is_a_timeout_in_one_line(prefect_server, checkpoint_world, tmp_path, capfd, ray_nodes):
+    """2 training workers on a Ray cluster with room for 1 (the second node never joins): `rlhf run` waits
+    `execution.rendezvous_timeout`, then exits 2 with one line naming the settings, and writes no update."""
+    argv = _run(
+        tmp_path, checkpoint_world, *VERIFIABLE, *SHARDED, "execution.training_launcher=ray",
+        f"execution.address={ray_nodes}", "execution.rendezvous_timeout=5",
+    )  # fmt: skip
+    code, stderr = _main(argv, capfd)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[-1].startswith("rlhf: `execution.training_processes` 2 Ray Train workers"), stderr[-3000:]
+    assert "`execution.rendezvous_timeout` 5 s" in lines[-1]
+    assert not list((tmp_path / "runs").glob("*/ppo_update/*")), "no update output, partial or whole"
 
 
 @pytest.mark.slow
