@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rlhf_core.errors import UserError
 from rlhf_core.loading import save_model_folder
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def load_training_state(
 OPTIMIZER_SHARD = re.compile(r"optimizer-(\d{5})-of-(\d{5})\.pt")
 
 
-class OptimizerLayoutError(ValueError):
+class OptimizerLayoutError(UserError, ValueError):
     """Saved optimizer states cannot be loaded by this many training processes."""
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from storage.files import temporary_sibling
 from storage.holds import hold
 
 _EPOCH_PREFIX = "epoch-"
@@ -44,7 +44,7 @@ def save_progress(
     root = partial_dir(final_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{_EPOCH_PREFIX}{epochs_done:05d}"
-    staging = staging or root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    staging = staging or temporary_sibling(target)
     try:
         write(staging)
         if not target.exists():

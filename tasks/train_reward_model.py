@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, held_out_pairs
+from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import save_model
@@ -35,7 +36,7 @@ from tasks.training import check_states, save_checkpoint, save_trained, train_mo
 STAGE = "train_reward_model"
 
 
-class TooFewPairs(ValueError):
+class TooFewPairs(UserError, ValueError):
     """The preference pairs cannot train a reward model whose accuracy means something (too few to hold out)."""
 
 
@@ -147,20 +148,20 @@ def fit(
         due = main and progress.epochs_done < config.epochs and throttle.due()
         save_checkpoint(trained, out.final_dir, progress.epochs_done, due=due, write=write)
 
-    stats = fit_reward_model(
-        model,
-        optimizer,
-        pairs.select(order[held_out:]),
-        pairs.select(order[:held_out]),
-        config,
-        accelerator=accelerator,
-        generator=generator,
-        resume=resume,
-        on_epoch_end=save_epoch,
-        on_step=lambda step, values: curve.append({"step": step, **values}),
-        dropout_seed=context.stage_seed(STAGE),
-    )
-    bar.close()
+    with bar:  # closed on an error too, so the error's line starts a line of its own
+        stats = fit_reward_model(
+            model,
+            optimizer,
+            pairs.select(order[held_out:]),
+            pairs.select(order[:held_out]),
+            config,
+            accelerator=accelerator,
+            generator=generator,
+            resume=resume,
+            on_epoch_end=save_epoch,
+            on_step=lambda step, values: curve.append({"step": step, **values}),
+            dropout_seed=context.stage_seed(STAGE),
+        )
     save_trained(trained, out.path, {"reward_model": model}, {}, tokenizer=tokenizer, step=0)
     if main:
         write_training_curve(out.path, curve)

@@ -16,6 +16,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from rlhf_core.precision import resolve_device
+from storage.files import write_text_replacing
 from tasks.context import Execution
 from tasks.launch import ERROR_PREFIX, TrainingOutput, decode, resolve
 from tasks.stage import PEAKS, peak_memory
@@ -49,10 +50,7 @@ def _run(spec_path: Path) -> None:
         metrics = function(out, context, *decode(job["upstream"]), **decode(job["settings"]))
         out.runtime[PEAKS] = gather_object([peak()])  # collective: every process's, in rank order
     if state.is_main_process:
-        result = Path(job["result"])
-        staging = result.with_name(f".{result.name}.tmp-{os.getpid()}")
-        staging.write_text(json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
-        os.replace(staging, result)
+        write_text_replacing(Path(job["result"]), json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
     leave_process_group(state)
 
 
