@@ -34,6 +34,7 @@ __all__ = [
     "config",
     "distributed",
     "divergence",
+    "errors",
     "evaluation",
     "experience",
     "experience_maker",
