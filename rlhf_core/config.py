@@ -298,3 +298,19 @@ class LoraConfig:
         check_fields(self)
         if not self.target_modules:
             raise SettingError("target_modules", "must name at least one module, or be 'all-linear'")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sharding:
+    """How the trained models are sharded over the processes: FSDP2 (``fully_shard``), full shard.
+
+    Every module of a transformer layer class is one FSDP unit (its parameters gathered for its forward and
+    backward only), and the model's remaining parameters (embeddings, final norm, heads) form the root unit.
+    """
+
+    layer_classes: tuple[str, ...] = ()
+    """Class names of the layers to shard one by one; empty: the model's own ``_no_split_modules`` (what
+    accelerate's ``TRANSFORMER_BASED_WRAP`` uses)."""
+    reshard_after_forward: bool = True
+    """Free a layer's gathered parameters after its forward (full shard, ZeRO-3); False keeps them until the
+    backward (ZeRO-2's memory for less communication)."""
