@@ -99,6 +99,7 @@ def execution_of(config: PipelineConfig) -> Execution:
         if config.execution.accelerate_config is None
         else str(config.execution.accelerate_config),
         frozen_model_bytes=int(config.execution.frozen_models_gb * 2**30),
+        engine_url=config.execution.engine_url,
     )
 
 

@@ -140,6 +140,7 @@ _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
     "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
+    "flows.vllm_engine:EngineStartError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
@@ -238,7 +239,11 @@ def _prepare(config, arguments, *, replay: bool = False):
     refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    resolve_base.fn(config)
+    base = resolve_base.fn(config)
+    if config.sampling.engine == "vllm":  # started now, so what it cannot do is told before any stage runs
+        from flows.vllm_engine import ensure_engine
+
+        ensure_engine(config, base.policy.path)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]

@@ -32,6 +32,7 @@ from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
 from flows.settings import stage_settings
+from flows.vllm_engine import with_generation_engine
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -84,6 +85,7 @@ def rlhf_iteration(
         engine(config) as config,
     ):
         base = resolve_base(config)
+        config = with_generation_engine(config, base.policy.path)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
         context = open_iteration(config, iteration, base, state)
@@ -143,6 +145,7 @@ def rlhf_campaign(config: PipelineConfig) -> IterationState:
     state = None
     with engine(config) as config:  # one local cluster for every iteration
         base = resolve_base(config)
+        config = with_generation_engine(config, base.policy.path)
         for iteration in range(config.iterations):
             kept = finished_otherwise(config, base, iteration, state)
             if kept is not None:
@@ -170,6 +173,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
         engine(config) as config,
     ):
         base = resolve_base(config)
+        config = with_generation_engine(config, base.policy.path)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)

@@ -102,6 +102,7 @@ class Execution:
         accelerate_config: an ``accelerate config`` file for those processes, or None.
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
             :class:`rlhf_core.loading.FrozenModels`).
+        engine_url: the generation engine server the stages sample on (``sampling.engine: vllm``), or None.
     """
 
     device: str = "auto"
@@ -113,6 +114,7 @@ class Execution:
     training_processes: int = 1
     accelerate_config: str | None = None
     frozen_model_bytes: int = 0
+    engine_url: str | None = None
 
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None

@@ -59,6 +59,12 @@ class Shard:
         """A CPU generator seeded with this shard's seed."""
         return torch.Generator().manual_seed(self.seed)
 
+    def row_seeds(self, rows: range) -> list[int]:
+        """One seed per output row (``rows``: their numbers in the stage's output), for a generation engine that
+        seeds each request on its own: from ``(seed, stage, iteration, shard, row)``, so a row's tokens depend on
+        no other row, nor on how rows are batched or where they run."""
+        return [_seed_of(f"{self.seed}/row-{row}") for row in rows]
+
     def batches(self, size: int) -> Iterator[slice]:
         """Consecutive slices of at most ``size`` items covering the shard, as indices into all items."""
         for start in range(self.start, self.stop, size):
@@ -71,7 +77,11 @@ ShardWork = Callable[..., Iterator[pa.Table]]
 
 def shard_seed(seed: int, stage: str, iteration: int, shard: int) -> int:
     """A seed from the coordinates ``(seed, stage, iteration, shard)``, stable across runs and machines."""
-    digest = hashlib.sha256(f"{seed}/{stage}/{iteration}/shard-{shard}".encode()).digest()
+    return _seed_of(f"{seed}/{stage}/{iteration}/shard-{shard}")
+
+
+def _seed_of(coordinates: str) -> int:
+    digest = hashlib.sha256(coordinates.encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
