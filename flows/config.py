@@ -163,6 +163,9 @@ class ExecutionConfig(_Frozen):
     """With `sampling.engine: vllm`, a running generation engine server (`http://HOST:PORT`, started with
     `.venv-vllm/bin/python flows/vllm_server.py`, docs/engines.md) to sample on; None starts one for the command,
     stopped when it ends. Dask and Ray workers reach it at this URL."""
+    engine_gpu_memory: float = Field(0.35, gt=0, le=0.95)
+    """The share of the GPU's memory the generation engine the command starts takes (its weights and KV cache) on
+    CUDA; the stages' own models share the GPU with it (vLLM's default, 0.9, would leave them nothing)."""
     engine_port: int = Field(0, ge=0, lt=65536)
     """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
     free one."""

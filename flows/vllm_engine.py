@@ -71,6 +71,8 @@ def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str
         arguments += ["--max-lora-rank", str(config.model.lora.r)]
     if device == "cpu":
         arguments.append("--enforce-eager")  # torch.compile costs 20+ s a start on CPU and gains little there
+    else:
+        arguments += ["--gpu-memory-utilization", str(config.execution.engine_gpu_memory)]
     return arguments
 
 
@@ -82,7 +84,7 @@ def _environment(config: PipelineConfig) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
     )
     # The CPU build's KV cache (GiB), and its threads: the project's own thread count unless set.
-    environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     environment.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
     environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return environment

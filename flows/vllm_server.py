@@ -30,7 +30,10 @@ Choices:
 4. A batch's prompts are sent to the engine in chunks whose prompt tokens fill at most half of a step's
    token budget (``max_num_batched_tokens``): no prompt's prefill is split over steps, which the CPU build
    cannot do for seeded requests ("CPU Generator does not use offset").
-5. The HTTP socket is bound before the engine is built: a taken port ends the process at once (exit code 3)
+6. After a swap, a tied output layer is tied to the new input embeddings again (:func:`retie_output_embeddings`):
+   vLLM 0.32 reloads the embeddings only, and sampled from a mix of old and new weights (measured on CPU, tied
+   Llama and GPT-2). A model whose weights still do not survive a reload of its own folder is refused at start.
+7. The HTTP socket is bound before the engine is built: a taken port ends the process at once (exit code 3)
    and the launcher can report the engine's progress and its failure (``state: failed``).
 """
 
@@ -99,6 +102,23 @@ class Engine:
         self.adapters: dict[tuple, int] = {}
         self.token_budget = arguments.max_num_batched_tokens // 2
         self.max_sequences = arguments.max_num_seqs
+        self.check_reload(arguments.model)
+
+    def check_reload(self, folder: str) -> None:
+        """Refuse a model whose weights this build cannot swap in place (choice 6): reloading its own folder must
+        leave a few sampled tokens and their log-probs as they were."""
+        probe = {"weights": folder, "prompts": [[0, 1]], "seeds": [0], "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        probe.update(max_tokens=4, stop_token_id=None)
+        before = self.generate(probe)
+        self.reload(self.weights[0])
+        after = self.generate(probe)
+        drift = max(abs(a - b) for a, b in zip(before["logprobs"][0], after["logprobs"][0], strict=False))
+        if before["tokens"] != after["tokens"] or drift > 1e-4:
+            architecture = self.llm.llm_engine.model_config.architecture
+            raise RuntimeError(
+                f"this vLLM build ({self.version}) cannot swap {architecture} weights in place (reloading the same "
+                f"weights moved log-probs by {drift:.3g}), so it cannot follow training; use a Llama-family model"
+            )
 
     def serve(self, weights: str) -> float:
         """Make the engine hold the full weights of the folder ``weights``; returns the seconds the swap took."""
@@ -106,9 +126,15 @@ class Engine:
         if identity == self.weights:
             return 0.0
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": identity[0]})
+        self.reload(identity[0])
         self.weights = identity
         return time.perf_counter() - start
+
+    def reload(self, folder: str) -> None:
+        """Load the weights of ``folder`` in place, layer by layer, and tie the output layer to the input
+        embeddings again where the model ties them (choice 6)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        self.llm.collective_rpc(retie_output_embeddings)
 
     def adapter(self, folder: str | None):
         """The ``LoRARequest`` of the adapter folder, or None; a new folder gets a new id."""
@@ -171,6 +197,27 @@ class Engine:
             used += len(ids)
         if start < len(prompts):
             yield start, len(prompts)
+
+
+def retie_output_embeddings(worker) -> bool:
+    """Point a tied output layer at the reloaded input embeddings and prepare it again (run in the worker).
+
+    ``reload_weights`` loads a tied output layer's weight from its one parent, the input embeddings, and leaves
+    the output layer with the old tensor, and on CPU with its old packed copy: the engine then samples from the
+    new body and the old output layer (measured: log-probs 0.5 away from both checkpoints' on a tied Llama).
+    """
+    model = getattr(worker, "model_runner", worker).get_model()
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    body = getattr(model, "model", None) or getattr(model, "transformer", None)
+    embeddings = getattr(body, "embed_tokens", None) or getattr(body, "wte", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embeddings is None:
+        return False
+    head.weight = embeddings.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+    return True
 
 
 class State:
