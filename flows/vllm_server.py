@@ -96,6 +96,8 @@ class Engine:
             options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= rank))
         if arguments.gpu_memory_utilization:
             options["gpu_memory_utilization"] = arguments.gpu_memory_utilization
+        if arguments.tensor_parallel_size > 1:
+            options["tensor_parallel_size"] = arguments.tensor_parallel_size
         self.llm = LLM(**options)
         self.version = vllm.__version__
         self.weights = folder_identity(arguments.model)
@@ -305,6 +307,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-lora-rank", type=int, default=0, help="0: no LoRA adapters")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="0: vLLM's default")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile or CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one engine shards the model over")
     return parser.parse_args(argv)
 
 
