@@ -1,4 +1,4 @@
-"""Advantage estimators and reward sources on the demo world at equal budget: the README's table.
+"""Advantage estimators and reward sources on the demo world at equal budget: bench/ESTIMATORS.md's table.
 
 ``.venv/bin/python -m bench.estimators`` (about 20 minutes on 2 cores) writes ``bench/ESTIMATORS.md``
 (raw figures in ``bench/.scratch/estimators.json``). Options: ``--estimators gae,rloo``,

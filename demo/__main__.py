@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from demo.build import build_default_world
 from demo.gold import gold_score
-from demo.world import DEFAULT_CACHE_DIR, load_prompts
+from demo.world import DEFAULT_CACHE_DIR, DemoWorld, load_prompts
 from rlhf_core.config import SamplingConfig
-from rlhf_core.generation import sample_candidates
+from rlhf_core.generation import generate
 
 NUM_SHOWN, NUM_SCORED = 8, 64
 
@@ -36,19 +36,23 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     world = build_default_world(args.cache_dir, seed=args.seed)
     print(f"demo world in {world.model_dir.parent} ({time.perf_counter() - started:.1f} s)")
+    show(world, seed=args.seed)
 
+
+def show(world: DemoWorld, *, seed: int) -> None:
+    """Print samples of the world's LM on held-out prompts with their gold scores, then their mean gold score."""
     tokenizer = AutoTokenizer.from_pretrained(world.model_dir)
     model = AutoModelForCausalLM.from_pretrained(world.model_dir)
     prompts = load_prompts(world.eval_prompts_path)[:NUM_SCORED]
     encoded = tokenizer(prompts, padding=True, return_tensors="pt")
-    generation = sample_candidates(
+    generation = generate(
         model,
         encoded["input_ids"],
         encoded["attention_mask"],
-        config=SamplingConfig(max_new_tokens=16, temperature=1.0, num_samples=1),
+        config=SamplingConfig(max_new_tokens=16, temperature=1.0),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=torch.Generator().manual_seed(seed),
     )
     responses = tokenizer.batch_decode(
         generation.sequences[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True

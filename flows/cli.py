@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
-        epilog="With no --config, the built-in defaults run the embedded demo.",
+        epilog="run, iterate and serve take a --config (configs/demo.yaml runs the embedded demo); replay, compare, "
+        "export and gc read the campaign's recorded config from its MLflow store.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
@@ -71,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser(
         "replay",
         help="re-run rewards/KL/GAE, PPO update and evaluation of a recorded iteration with new settings (no generation)",
-        description="Only advantages.*, ppo.*, sizes.eval_prompts and torch_threads may differ from the source run.",
+        description="Starts from the config the source iteration ran with (recorded in MLflow): --config is needed "
+        "only for where the store is (run_root, tracking_uri). Only advantages.*, ppo.*, sizes.eval_prompts and "
+        "where stages run (device, torch_threads, execution.*, ...) may differ from the source run.",
     )
     replay.add_argument("source", help="an MLflow iteration run id, or CAMPAIGN:ITERATION")
     _add_config_arguments(replay)
@@ -188,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from flows.config import load_config
 
-        config = load_config(arguments.config, arguments.overrides, store_only=arguments.command in _STORE_COMMANDS)
+        config = load_config(
+            arguments.config, _store_overrides(arguments), store_only=arguments.command in _STORE_COMMANDS
+        )
         return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
         timeout = _raised_one_of(error, ("flows.human_labels:HumanLabelTimeout",))
@@ -384,8 +389,23 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_STORE_COMMANDS = ("compare", "export", "gc", "config")
-"""Commands that only read what runs recorded (or print the config): they need no model or prompts set."""
+_STORE_COMMANDS = ("replay", "compare", "export", "gc", "config")
+"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
+export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
+``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
+start or continue a campaign from a config file."""
+
+
+def _store_overrides(arguments: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides the command's own config takes: a replay's other overrides change its source run's
+    recorded config (:func:`flows.replay.replay_config`), never the defaults, which they might not fit."""
+    if arguments.command != "replay":
+        return arguments.overrides
+    from flows.config import parse_override
+    from flows.settings import LOCATION
+
+    return [text for text in arguments.overrides if parse_override(text)[0] in LOCATION]
+
 
 _COMMANDS = {
     "run": _run,

@@ -20,8 +20,17 @@ With one process every function here is the identity, and the arithmetic is that
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
 import torch
 from accelerate import Accelerator
+from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def rank_share(rows: int, *, rank: int, world: int) -> tuple[torch.Tensor, float]:
@@ -48,3 +57,127 @@ def global_sum(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     if accelerator.num_processes == 1:
         return values
     return accelerator.reduce(values.detach().clone(), reduction="sum")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sharding:
+    """How the trained models are sharded over the processes: FSDP2 (``fully_shard``), full shard.
+
+    Every module of a transformer layer class is one FSDP unit (its parameters gathered for its forward and
+    backward only), and the model's remaining parameters (embeddings, final norm, heads) form the root unit.
+    """
+
+    layer_classes: tuple[str, ...] = ()
+    """Class names of the layers to shard one by one; empty: the model's own ``_no_split_modules`` (what
+    accelerate's ``TRANSFORMER_BASED_WRAP`` uses)."""
+    reshard_after_forward: bool = True
+    """Free a layer's gathered parameters after its forward (full shard, ZeRO-3); False keeps them until the
+    backward (ZeRO-2's memory for less communication)."""
+
+
+def layer_classes_of(model: nn.Module, names: tuple[str, ...] = ()) -> tuple[type[nn.Module], ...]:
+    """The classes of ``model``'s modules named ``names`` (or in any submodule's ``_no_split_modules``).
+
+    Raises:
+        ValueError: no module of ``model`` has such a class (nothing to shard layer by layer).
+    """
+    wanted = set(names)
+    if not wanted:
+        for module in model.modules():
+            wanted.update(getattr(module, "_no_split_modules", None) or ())
+    found = {type(module) for module in model.modules() if type(module).__name__ in wanted}
+    if not found:
+        what = f"no layer of class {', '.join(sorted(wanted))}" if wanted else "no `_no_split_modules`"
+        raise ValueError(
+            f"FSDP finds no transformer layer class to wrap in {type(model).__name__} ({what}): set "
+            "`fsdp_transformer_layer_cls_to_wrap` in `execution.accelerate_config`"
+        )
+    return tuple(sorted(found, key=lambda kind: kind.__name__))
+
+
+def shard_model(model: nn.Module, sharding: Sharding) -> nn.Module:
+    """``model`` sharded in place over every process (FSDP2 ``fully_shard``): its layers, then the rest.
+
+    Parameters become ``DTensor`` shards along their first dimension; the forward and backward gather a
+    layer's parameters when they need them, and the backward reduce-scatters the gradients averaged over
+    the processes (as DDP's all-reduce averages them, so :func:`rank_share`'s weights are unchanged).
+    """
+    classes = layer_classes_of(model, sharding.layer_classes)
+    for module in list(model.modules()):
+        if isinstance(module, classes):
+            fully_shard(module, reshard_after_forward=sharding.reshard_after_forward)
+    fully_shard(model, reshard_after_forward=sharding.reshard_after_forward)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by :func:`shard_model`."""
+    return isinstance(model, FSDPModule)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole ``model``'s state on the CPU of the main process, gathered from every process's shards
+    ({} on the other processes, which must all call this: it is collective); ``model.state_dict()`` for an
+    unsharded model."""
+    if not is_sharded(model):
+        return model.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This process's shard of ``optimizer``'s state as plain tensors (``DTensor`` shards made local), so
+    it saves and loads with ``torch.load(..., weights_only=True)``."""
+    state = optimizer.state_dict()
+    local = {
+        index: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in values.items()}
+        for index, values in state["state"].items()
+    }
+    return {"state": local, "param_groups": state["param_groups"]}
+
+
+def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load what :func:`local_optimizer_state` saved, on the same number of processes, into ``optimizer``
+    (whose parameters are the shards of the same models)."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    restored = {}
+    for index, values in state["state"].items():
+        parameter = parameters[int(index)]
+        restored[index] = {
+            name: _like_parameter(value, parameter) if name != "step" else value for name, value in values.items()
+        }
+    optimizer.load_state_dict({"state": restored, "param_groups": state["param_groups"]})
+
+
+def _like_parameter(local: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """``local`` as this process's shard of a tensor sharded like ``parameter`` (itself where it is no DTensor)."""
+    if not isinstance(parameter, DTensor) or local.dim() == 0:
+        return local
+    return DTensor.from_local(
+        local.to(parameter.device),
+        parameter.device_mesh,
+        parameter.placements,
+        run_check=False,
+        shape=parameter.shape,
+        stride=parameter.stride(),
+    )
+
+
+def prepare(
+    accelerator: Accelerator, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """``accelerator.prepare`` the trained models and their optimizers, sharded (:func:`shard_model`) or not.
+
+    Unsharded models are prepared as accelerate does (DDP with several processes). Sharded ones are left as
+    they are, their forward only put under the precision's autocast (what accelerate's own preparation
+    adds, so a sharded model computes what an unsharded one does), and their optimizers are prepared alone.
+    """
+    if not any(is_sharded(model) for model in models):
+        prepared = accelerator.prepare(*models, *optimizers)
+        prepared = list(prepared) if isinstance(prepared, tuple) else [prepared]
+        return prepared[: len(models)], prepared[len(models) :]
+    if accelerator.native_amp:
+        context = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        for model in models:
+            model.forward = MethodType(convert_outputs_to_fp32(context(type(model).forward)), model)
+    return models, [accelerator.prepare_optimizer(optimizer) for optimizer in optimizers]

@@ -277,7 +277,7 @@ class Tracker:
         artifact_root: where new experiments keep their artifacts (``artifact_root/<campaign>``);
             None leaves it to the tracking server or MLflow's default.
         ui_base: the MLflow UI address used by :meth:`run_url`; None: the tracking server itself for an
-            ``http(s)`` URI, else ``http://127.0.0.1:5000`` (where the README starts the UI on a local store).
+            ``http(s)`` URI, else ``http://127.0.0.1:5000`` (where docs/operating.md starts the UI on a local store).
         outputs_by_reference: record stage outputs by reference instead of uploading them; the
             default is True for a local (``sqlite:``) store, False for a tracking server.
     """

@@ -48,6 +48,14 @@ def test_model_folder_loads_and_samples_through_the_pipeline_code(world):
     assert all(isinstance(text, str) for text in tokenizer.batch_decode(generation.sequences, skip_special_tokens=True))
 
 
+def test_python_m_demo_shows_samples_and_their_mean_gold_score(world, capsys):
+    from demo.__main__ import show
+
+    show(world, seed=0)
+    printed = capsys.readouterr().out
+    assert "prompt | response" in printed and "mean gold score of" in printed
+
+
 def test_prompt_files_are_jsonl_and_disjoint(world):
     train, held_out = load_prompts(world.prompts_path), load_prompts(world.eval_prompts_path)
     assert (len(train), len(held_out)) == (16, 8)

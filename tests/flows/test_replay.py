@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from flows.campaign import tracking_store
 from flows.cli import main
-from flows.config import ConfigError, load_config
+from flows.config import ConfigError, PipelineConfig, load_config
 from flows.replay import replay_config
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
@@ -107,3 +107,18 @@ def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_conti
     assert tracking_store(again).tracker().run_tags(replay_run)["rlhf.replay_of"] == source
     next_iteration, latest = load_latest_state.fn(again, resolve_base.fn(again))
     assert next_iteration == again.iterations and latest.policy.digest == state.policy.digest
+
+
+def test_issue26_a_replay_reads_its_config_from_the_store_not_from_a_config_file(recorded, capsys):
+    """`rlhf replay CAMPAIGN:N --set ...` as the README writes it: no --config, only where the store is. Its
+    settings change the source run's recorded config (here its model and prompt files, which the defaults lack),
+    and one the defaults could not take (a KL horizon below their rollouts' count) is judged against the source's."""
+    command = ["replay", f"{recorded.campaign}:1", f"--set=run_root={recorded.run_root}"]
+    settings = ["--set=advantages.kl_coef=0.1", "--set=advantages.kl_target=2", "--set=advantages.kl_horizon=16"]
+    assert main([*command, *settings]) == 0
+    output = capsys.readouterr().out
+    replay_run = output.split("Replay run ")[1].split(";")[0]
+    tracker = tracking_store(recorded).tracker()
+    replayed = PipelineConfig.model_validate_json(tracker.load_text(replay_run, "config.json"))
+    assert replayed.advantages.kl_coef == 0.1 and replayed.advantages.kl_horizon == 16
+    assert replayed.model.policy == recorded.model.policy and replayed.data == recorded.data

@@ -168,7 +168,7 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
     markdown = artifact.data
     assert "| evaluate/kl_to_reference |" in markdown  # one metric per row: nothing cut off
     assert "![over-optimisation" in markdown and "get-artifact?path=overoptimisation.png" in markdown
-    assert "http://127.0.0.1:5000/#/experiments/" in markdown  # a local store: the README's MLflow UI address
+    assert "http://127.0.0.1:5000/#/experiments/" in markdown  # a local store: docs/operating.md's MLflow UI address
     assert {f"{config.campaign}-iteration-0", f"{config.campaign}-campaign"} <= {run.name for run in flow_runs}
 
 

@@ -1,7 +1,8 @@
 """The training of tests/rlhf_core/test_distributed.py, run alone (one process) or under ``accelerate launch``.
 
-Every process builds the same tiny models and data from seeds (no dropout: each process would draw its
-own masks), then trains; the main process saves the weights and statistics to ``OUT/<case>.pt``.
+``python distributed_job.py OUT [--shard]``: every process builds the same tiny models and data from seeds (no
+dropout: each process would draw its own masks), then trains, its models sharded over the processes (FSDP2) with
+``--shard``; the main process saves the weights and statistics to ``OUT/<case>.pt``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
+from rlhf_core.distributed import Sharding, full_state_dict, prepare, shard_model
 from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.loading import ModelLoader
 from rlhf_core.models import Critic, RewardModel, freeze
@@ -38,21 +40,53 @@ PPO_CASES = {
     ),  # fmt: skip
     "ppo_target_kl": PPOConfig(epochs=8, minibatch_size=4, target_kl=2e-3, actor_learning_rate=3e-3),
 }
+SHARDED_CASES = {
+    # (architecture, LoRA, gradient checkpointing): the sharded runs (--shard) also train these, one process too.
+    "ppo_llama_lora": ("llama", True, False),
+    "ppo_llama_checkpointing": ("llama", False, True),
+}
+"""PPO updates (the first case's settings) of other model families, with LoRA or gradient checkpointing."""
 
 
-def _config():
-    config = tiny_config("gpt2")
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+def _config(arch: str = "gpt2"):
+    config = tiny_config(arch)
+    if arch == "gpt2":
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     return config
 
 
-def run_ppo(name: str, config: PPOConfig, out: Path) -> None:
+def _trained(model: torch.nn.Module, *, lora: bool, checkpointing: bool) -> torch.nn.Module:
+    """``model`` with LoRA adapters (all linear layers; the head of a critic trained too) and checkpointing."""
+    if checkpointing:
+        backbone = model.model if isinstance(model, Critic | RewardModel) else model
+        backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if not lora:
+        return model
+    import peft
+
+    adapters = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    if isinstance(model, Critic | RewardModel):
+        wrapped = type(model).wrap(peft.get_peft_model(model.model, adapters), model.head)
+        wrapped.head.requires_grad_(True)
+        return wrapped
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights (gathered on the main process when sharded: every process calls this)."""
+    return {key: value.detach().clone() for key, value in full_state_dict(model).items()}
+
+
+def run_ppo(
+    name: str, config: PPOConfig, out: Path, *, shard: bool, arch: str = "gpt2", lora: bool = False,
+    checkpointing: bool = False,
+) -> None:  # fmt: skip
     accelerator = ModelLoader(device=torch.device("cpu"), precision="fp32").accelerator()
     torch.manual_seed(0)
-    actor = AutoModelForCausalLM.from_config(_config())
-    critic = Critic(config=_config())
+    actor = AutoModelForCausalLM.from_config(_config(arch))
+    critic = Critic(config=_config(arch))
     torch.manual_seed(1)
-    reference = freeze(AutoModelForCausalLM.from_config(_config()))
+    reference = freeze(AutoModelForCausalLM.from_config(_config(arch)))
     maker = ExperienceMaker(
         actor,
         critic,
@@ -66,27 +100,32 @@ def run_ppo(name: str, config: PPOConfig, out: Path) -> None:
     ids, mask = left_padded(PROMPTS)
     experience = maker.make_experience(ids, mask, generator=torch.Generator().manual_seed(0))
     scored = score_experience(experience, AdvantageConfig(kl_coef=0.05, normalize_scores=False))
+    torch.manual_seed(2)  # the adapters' initialisation
+    models = [_trained(model, lora=lora, checkpointing=checkpointing) for model in (actor, critic)]
+    if shard:
+        models = [shard_model(model, Sharding()) for model in models]
     optimizers = [
-        torch.optim.AdamW(actor.parameters(), lr=config.actor_learning_rate),
-        torch.optim.AdamW(critic.parameters(), lr=config.critic_learning_rate),
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=rate)
+        for model, rate in zip(models, (config.actor_learning_rate, config.critic_learning_rate), strict=True)
     ]
-    actor, critic, *optimizers = accelerator.prepare(actor, critic, *optimizers)
+    (actor, critic), optimizers = prepare(accelerator, models, optimizers)
     stats = ppo_update(
         actor, critic, *optimizers, scored, config, accelerator=accelerator, temperature=TEMPERATURE,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
+    weights = {
+        role: _weights(accelerator.unwrap_model(model)) for role, model in (("actor", actor), ("critic", critic))
+    }
     if accelerator.is_main_process:
-        weights = {
-            role: {key: value.detach().clone() for key, value in accelerator.unwrap_model(model).state_dict().items()}
-            for role, model in (("actor", actor), ("critic", critic))
-        }
         torch.save({"weights": weights, "stats": stats._asdict()}, out / f"{name}.pt")
 
 
-def run_reward_model(out: Path) -> None:
+def run_reward_model(
+    out: Path, *, shard: bool, name: str = "reward_model", arch: str = "gpt2", lora: bool = False
+) -> None:
     accelerator = ModelLoader(device=torch.device("cpu"), precision="fp32").accelerator()
     torch.manual_seed(0)
-    model = RewardModel(config=_config())
+    model = RewardModel(config=_config(arch))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32, (2, 13, 9), generator=generator)  # 13 pairs of 9 tokens
     mask = torch.ones_like(ids)
@@ -95,23 +134,32 @@ def run_reward_model(out: Path) -> None:
     pairs = PreferenceBatch(ids[0], mask[0], ids[1], mask[1], margin)
     # SGD, not Adam: a shift common to chosen and rejected (the head's bias, the final norm's bias) cancels in the
     # Bradley-Terry loss, so those parameters' gradients are float noise, which Adam would scale up to full steps.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    torch.manual_seed(2)
+    model = _trained(model, lora=lora, checkpointing=False)
+    if shard:
+        model = shard_model(model, Sharding())
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    (model,), (optimizer,) = prepare(accelerator, [model], [optimizer])
     # 11 training pairs in minibatches of 4, 4 and 3 (shares 2/2, 2/2, 2/1).
     config = RewardModelConfig(epochs=2, batch_size=4, learning_rate=1e-3)
     stats = fit_reward_model(
         model, optimizer, pairs.select(torch.arange(11)), pairs.select(torch.arange(11, 13)), config,
         accelerator=accelerator, generator=torch.Generator().manual_seed(1),
     )  # fmt: skip
+    weights = _weights(accelerator.unwrap_model(model))
     if accelerator.is_main_process:
-        weights = {key: value.detach().clone() for key, value in accelerator.unwrap_model(model).state_dict().items()}
-        torch.save({"weights": {"reward_model": weights}, "stats": stats._asdict()}, out / "reward_model.pt")
+        torch.save({"weights": {"reward_model": weights}, "stats": stats._asdict()}, out / f"{name}.pt")
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    target = Path(sys.argv[1])
+    target, shard = Path(sys.argv[1]), "--shard" in sys.argv[2:]
     for case, ppo in PPO_CASES.items():
-        run_ppo(case, ppo, target)
-    run_reward_model(target)
+        run_ppo(case, ppo, target, shard=shard)
+    run_reward_model(target, shard=shard)
+    if shard or "--sharded-cases" in sys.argv[2:]:
+        first = next(iter(PPO_CASES.values()))
+        for case, (arch, lora, checkpointing) in SHARDED_CASES.items():
+            run_ppo(case, first, target, shard=shard, arch=arch, lora=lora, checkpointing=checkpointing)
+        run_reward_model(target, shard=shard, name="reward_model_llama_lora", arch="llama", lora=True)
     leave_process_group(PartialState())  # or a process may abort at exit, failing a run that succeeded

@@ -1,9 +1,11 @@
-"""N-process training (issue 11): 2 gloo processes under a real ``accelerate launch`` end where one process does.
+"""N-process training (issue 11): 2 gloo processes under a real ``accelerate launch`` end where one process does,
+with DDP and with the models sharded over the processes (FSDP2, issue 25).
 
 Same models, data, global minibatches and shuffles; each process trains on its share of every minibatch
 (:mod:`rlhf_core.distributed`). Weights match to float rounding (the shares' forward passes batch differently
 and DDP adds the gradients in another order), and discrete outcomes match exactly: the steps taken and the
-``target_kl`` early stop, decided on the all-reduced approximate KL.
+``target_kl`` early stop, decided on the all-reduced approximate KL. The sharded runs also train a Llama with
+LoRA (PPO and reward model) and with gradient checkpointing (PPO).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from rlhf_core.distributed import rank_share
-from tests.rlhf_core.distributed_job import PPO_CASES
+from tests.rlhf_core.distributed_job import PPO_CASES, SHARDED_CASES
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("distributed_job.py")
@@ -35,27 +37,53 @@ def test_rank_share_splits_rows_contiguously_and_gives_a_rank_without_rows_a_wei
     assert rows.tolist() == [0] and weight == 0.0
 
 
-def _run(command: list[str], out: Path) -> None:
+def _run(command: list[str], out: Path, *options: str) -> None:
     out.mkdir()
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([*command, str(out)], cwd=ROOT, env=environment, capture_output=True, text=True)
+    result = subprocess.run([*command, str(out), *options], cwd=ROOT, env=environment, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+LAUNCH += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+SHARDED_ONLY = [*SHARDED_CASES, "reward_model_llama_lora"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distributed")
-    _run([sys.executable, str(JOB)], root / "one")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    _run([*launch, str(JOB)], root / "two")
-    return root / "one", root / "two"
+def one_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distributed") / "one"
+    _run([sys.executable, str(JOB)], folder, "--sharded-cases")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(one_process):
+    _run([*LAUNCH, str(JOB)], one_process.parent / "two")
+    return one_process, one_process.parent / "two"
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(one_process):
+    _run([*LAUNCH, str(JOB)], one_process.parent / "fsdp", "--shard")
+    return one_process, one_process.parent / "fsdp"
 
 
 @pytest.mark.parametrize("case", [*PPO_CASES, "reward_model"])
 def test_two_processes_give_the_weights_and_statistics_of_one(runs, case):
+    _assert_same_training(runs, case)
+
+
+@pytest.mark.parametrize("case", [*PPO_CASES, "reward_model", *SHARDED_ONLY])
+def test_two_sharded_processes_give_the_weights_and_statistics_of_one_issue_25(sharded_runs, case):
+    """The sharded weights are gathered on the main process (:func:`rlhf_core.distributed.full_state_dict`)."""
+    _assert_same_training(sharded_runs, case)
+
+
+def _assert_same_training(runs: tuple[Path, Path], case: str) -> None:
     one, two = (torch.load(folder / f"{case}.pt") for folder in runs)
+    assert one["weights"].keys() == two["weights"].keys()
     for role, weights in one["weights"].items():
+        assert weights.keys() == two["weights"][role].keys(), role
         for name, value in weights.items():
             torch.testing.assert_close(two["weights"][role][name], value, rtol=1e-4, atol=1e-5, msg=f"{role}.{name}")
     assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"]
@@ -72,3 +100,11 @@ def test_the_target_kl_early_stop_is_taken_and_at_the_same_step(runs):
     one, two = (torch.load(folder / "ppo_target_kl.pt") for folder in runs)
     assert one["stats"]["early_stopped"] and two["stats"]["early_stopped"]
     assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] < PPO_CASES["ppo_target_kl"].epochs * 2
+
+
+def test_the_sharded_lora_runs_train_their_adapters(sharded_runs):
+    """LoRA's B matrices start at zero: a sharded update that trained them leaves them nonzero."""
+    for case in ("ppo_llama_lora", "reward_model_llama_lora"):
+        weights = torch.load(sharded_runs[1] / f"{case}.pt")["weights"]
+        adapters = [value for role in weights.values() for name, value in role.items() if "lora_B" in name]
+        assert adapters and all(value.abs().sum() > 0 for value in adapters), case
