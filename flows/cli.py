@@ -143,7 +143,7 @@ _USER_ERROR_TYPES = (
     "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
     "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
     "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
-    "flows.vllm_engine:EngineStartError",
+    "flows.vllm_engine:EngineStartError", "rlhf_core.vllm_client:EngineError",
 )  # fmt: skip
 """The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
 checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""

@@ -159,6 +159,31 @@ def test_kill_minus_nine_during_a_rollout_leaves_no_engine_and_resumes_identical
     assert _file_hashes(run_root / "tiny") == _file_hashes(gae_run / "tiny")
 
 
+def test_an_engine_that_dies_fails_its_stage_in_one_line_and_the_next_run_resumes_identically(
+    gae_run, llama_world, tmp_path
+):
+    run_root, log, errors = tmp_path / "runs", tmp_path / "run.log", tmp_path / "stderr.log"
+    command = _command(run_root, llama_world)
+    with open(log, "wb") as output, open(errors, "wb") as error_output:
+        process = subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=output, stderr=error_output)
+        deadline = time.monotonic() + DEADLINE
+        while not list((run_root / "tiny").glob("rollout/*")):  # the rollout has begun: the engine serves it
+            assert process.poll() is None, f"`rlhf run` ended before its rollout; see {log}"
+            assert time.monotonic() < deadline, "timed out waiting for the rollout"
+            time.sleep(0.02)
+        engines = [pid for pid in _descendants(process.pid) if "vllm_server.py" in _command_line(pid)]
+        assert engines, "no engine process to kill"
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=DEADLINE)
+    stderr = errors.read_text()
+    lines = stderr.strip().splitlines()
+    assert process.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr and lines[-1].startswith("rlhf: the generation engine"), lines[-3:]
+    _run_to_end(command, log)
+    assert _file_hashes(run_root / "tiny") == _file_hashes(gae_run / "tiny")
+
+
 def _command_line(pid: int) -> str:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
