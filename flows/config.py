@@ -40,6 +40,7 @@ from rlhf_core.config import (
     SettingError,
     eval_split_error,
 )
+from rlhf_core.errors import UserError
 
 
 class _Frozen(BaseModel):
@@ -129,7 +130,9 @@ class RewardSource(_Frozen):
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
     """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward); unused with `reward_model`."""
+    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
+    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
+    reports); otherwise unused."""
 
 
 class ExecutionConfig(_Frozen):
@@ -230,6 +233,9 @@ class PipelineConfig(_Frozen):
     """Folder for stage outputs, the MLflow SQLite store and caches (made absolute at load time)."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None uses SQLite at `<run_root>/mlflow.db`."""
+    tracking_ui_url: str | None = None
+    """Where the MLflow UI is (`http://HOST:PORT`), for the links the pipeline gives (the Prefect artifact's, the
+    commands'); None: the tracking server itself with an `http(s)` `tracking_uri`, else http://127.0.0.1:5000."""
     seed: int = 0
     """Root seed; every stage derives its own from (seed, stage, iteration)."""
     iterations: int = Field(8, gt=0)
@@ -249,8 +255,9 @@ class PipelineConfig(_Frozen):
     labeler: LabelerName | None = None
     """Who labels candidate pairs when a reward model learns from them: an imported file (`import`, with
     `data.preferences`), a person answering Prefect UI forms (`human`), the current reward model
-    (`reward_model`), or the demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function
-    or a pretrained reward model used as it is."""
+    (`reward_model`), your own rubric (`function`: `reward.function` prefers the response it scores higher), or the
+    demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function or a pretrained reward
+    model used as it is."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -294,7 +301,7 @@ class PipelineConfig(_Frozen):
                 "labeler gold is the embedded demo's hidden rubric for its toy language: with your own model set "
                 "`labeler` to import (with `data.preferences`), human or reward_model"
             )
-        if self.reward.source == "function" and (self.reward.function or "").startswith("demo."):
+        if "function" in (self.reward.source, self.labeler) and (self.reward.function or "").startswith("demo."):
             raise ValueError(
                 f"`reward.function` {self.reward.function} is the embedded demo's rubric for its toy language: "
                 "name a function that scores your own model's responses"
@@ -315,6 +322,8 @@ class PipelineConfig(_Frozen):
             )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
+        if self.labeler == "function" and not self.reward.function:
+            raise ValueError("labeler 'function' needs `reward.function`: the `module:callable` rubric that labels")
         if self.model.reward_model is None and not self.reward_model.train:
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
@@ -369,8 +378,26 @@ def _store_only(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("store_only"))
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message (one line) says which and why."""
+
+
+class _DuplicateKey(ValueError):
+    """A key given twice in one YAML mapping: ``(key, first line, second line)``."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping, where PyYAML keeps the last one silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise _DuplicateKey(key, lines[key], line)
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
@@ -381,6 +408,43 @@ def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted_key}: `{'.'.join(parents[:depth])}` is not a section")
     node[leaf] = value
+
+
+PATH_SETTINGS = ("run_root", "data.prompts", "data.eval_prompts", "data.preferences", "execution.accelerate_config")
+"""Settings that are paths: relative ones in a config file are relative to its folder, given with ``--set`` to the
+working directory (:func:`absolute_path`)."""
+MODEL_SETTINGS = ("model.policy", "model.tokenizer", "model.reward_model")
+"""Settings that are a folder, or a Hugging Face hub name (``org/name``) where no such folder exists."""
+
+
+def absolute_path(setting: str, value: Any, folder: Path) -> Any:
+    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a non-string or an absolute path as
+    it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in ``folder``."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    resolved = (folder / path).resolve()
+    hub_name = not value.startswith((".", "~")) and value.count("/") == 1 and not resolved.exists()
+    return value if setting in MODEL_SETTINGS and hub_name else str(resolved)
+
+
+def _get_dotted(tree: dict[str, Any], dotted_key: str) -> Any:
+    node: Any = tree
+    for part in dotted_key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _absolute_paths(tree: dict[str, Any], folder: Path) -> None:
+    """Every path setting of a config file's ``tree`` made absolute against the file's ``folder`` (in place)."""
+    for setting in PATH_SETTINGS + MODEL_SETTINGS:
+        value = _get_dotted(tree, setting)
+        if isinstance(value, str):
+            _set_dotted(tree, setting, absolute_path(setting, value, folder))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -455,6 +519,9 @@ def load_config(
 ) -> PipelineConfig:
     """Read a YAML config (a diff from the defaults), apply ``key=value`` overrides, validate.
 
+    Relative paths (:data:`PATH_SETTINGS`, :data:`MODEL_SETTINGS`) are made absolute: those in the file against its
+    folder, those of an override against the working directory, so every message names the path it looked at.
+
     Args:
         store_only: for commands that only read what runs recorded (compare, export, gc): what only a run
             needs (a model, prompts, a labeler) need not be set.
@@ -468,17 +535,26 @@ def load_config(
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+            tree = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
+        except _DuplicateKey as error:
+            key, first, second = error.args
+            raise ConfigError(
+                f"config file {path}: `{key}` is given twice, at lines {first} and {second} (YAML would keep only the "
+                "last): merge them"
+            ) from None
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from error
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError(f"config file {path} cannot be read: {error}") from error
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping, got {type(tree).__name__}")
+        _absolute_paths(tree, Path(path).absolute().parent)
     given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value)
+        _set_dotted(
+            tree, key, absolute_path(key, value, Path.cwd()) if key in PATH_SETTINGS + MODEL_SETTINGS else value
+        )
         given[key] = text
     try:
         return PipelineConfig.model_validate(tree, context={"store_only": store_only})

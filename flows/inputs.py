@@ -15,6 +15,8 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
    reward model's own tokens). Longer ones are refused, not truncated: a prompt cut short silently
    would train on something other than the file says.
 4. The device exists on this machine and supports the precision (fp16 needs a GPU).
+5. A reward function (``reward.function``) takes the columns of both prompt files and is called once
+   (:func:`tasks.reward_function.check_reward_function`).
 """
 
 from __future__ import annotations
@@ -27,17 +29,19 @@ from typing import TypeVar
 
 from flows.config import PipelineConfig
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
+from rlhf_core.errors import UserError
 from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 from tasks.context import BaseInputs
-from tasks.text import Prompt, conversation_id_lists, load_tokenizer, prompt_ids
+from tasks.reward_function import check_reward_function
+from tasks.text import Prompt, conversation_id_lists, load_tokenizer, prompt_ids, prompt_text, read_prompts
 
 _BATCH = 256
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
 T = TypeVar("T")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """An input file or model the campaign cannot use; the message names the setting, file, row and field."""
 
 
@@ -153,6 +157,7 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
 
     Raises:
         InputError: the first problem found.
+        RewardFunctionError: the reward function cannot be called with the prompts' columns, or raises.
     """
     try:
         device = resolve_device(config.device)
@@ -185,6 +190,13 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
+    for function in filter(None, (base.reward_function, base.rubric)):
+        samples = [
+            (setting, prompt, prompt_text(tokenizer, prompt))
+            for setting, path in (("data.prompts", base.prompts.path), ("data.eval_prompts", base.eval_prompts.path))
+            for prompt in read_prompts(path)[:1]
+        ]
+        check_reward_function(function, samples)
     if base.preferences is not None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:

@@ -19,17 +19,27 @@
 5. Stopping ``serve`` (Ctrl-C or SIGTERM) pauses the deployments, so no scheduled runs pile up while
    nothing serves them; serving again resumes them. Prefect 3.8.8's own SIGTERM handler exits without
    pausing or cancelling anything (it never awaits its stop coroutine), so :class:`_Runner` fixes it.
+6. A Prefect server that does not answer (never started, or gone while serving) is asked once, for a few seconds
+   (:func:`server_answers`), not through the client's retries: serving refuses to start, and stopping says the
+   deployments could not be paused and exits within seconds, instead of half a minute of connection-error
+   tracebacks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import math
+import os
+import signal
+import sys
+import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
+import httpx
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.logging import get_logger
 from prefect.runner import Runner
@@ -142,20 +152,84 @@ class NoPrefectServer(LookupError):
     """``PREFECT_API_URL`` is unset: served deployments would live in a temporary server nobody can reach."""
 
 
+class PrefectServerUnreachable(LookupError):
+    """The Prefect server serving talks to does not answer."""
+
+
+HEALTH_TIMEOUT_SECONDS = 3.0
+
+
+def server_answers(api_url: str) -> bool:
+    """Whether the Prefect API at ``api_url`` answers its health check within :data:`HEALTH_TIMEOUT_SECONDS`, asked
+    once (the Prefect client retries a refused connection for half a minute)."""
+    try:
+        return httpx.get(f"{api_url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_SECONDS).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 class _Runner(Runner):
     """Prefect's runner, stopping on SIGTERM the way its own ``stop`` would: cancel the flow runs it is
-    running (they end Cancelled rather than stay Running), stop polling, pause the deployments."""
+    running (they end Cancelled rather than stay Running), stop polling, pause the deployments.
+
+    Where the server no longer answers (SIGTERM or Ctrl-C), nothing can be paused or marked: the runner says so,
+    ends the flow runs it started and exits at once (:meth:`_abandon`), where Prefect's clients would retry
+    every call (and its log and event workers their last batches) for half a minute and more.
+    """
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().start(*args, **kwargs)
+        signal.signal(signal.SIGINT, self._handle_sigint)
+        await super().start(*args, **kwargs)  # installs handle_sigterm
 
     def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+        self._abandon_if_server_gone()
         self._logger.info("SIGTERM received: cancelling running flow runs and stopping")
         self._loop.call_soon_threadsafe(self._begin_stop)
 
+    def _handle_sigint(self, *args: Any) -> None:
+        self._abandon_if_server_gone()
+        raise KeyboardInterrupt  # what Python's own handler does: asyncio.run stops the runner, which pauses
+
     def _begin_stop(self) -> None:
         self._stop_task = self._loop.create_task(self.astop())  # kept, so it is not garbage-collected
+
+    def _abandon_if_server_gone(self) -> None:
+        api_url = get_current_settings().api.url or ""
+        if not server_answers(api_url):
+            self._abandon(api_url)
+
+    def _abandon(self, api_url: str) -> NoReturn:
+        """End the flow runs this runner started (SIGTERM, then SIGKILL after 5 s), say why, exit with code 2."""
+        pids = [entry["pid"] for entry in self._flow_run_process_map.values()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while pids and time.monotonic() < deadline:
+            pids = [pid for pid in pids if _alive(pid)]
+            time.sleep(0.1)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        sys.stderr.write(
+            f"rlhf: the Prefect server at {api_url} does not answer: stopped serving without pausing the deployments "
+            "(their schedule goes on once the server is back: serve again, or pause them in its UI)\n"
+        )
+        sys.stderr.flush()
+        os._exit(2)  # not sys.exit: Prefect's exit handlers would retry sending logs and events to the server
+
+
+def _alive(pid: int) -> bool:
+    """Whether the child process ``pid`` still runs (reaping it if it has ended)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:  # not our child (any more): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval: float | None = None) -> None:
@@ -165,6 +239,7 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
 
     Raises:
         NoPrefectServer: no Prefect server is configured.
+        PrefectServerUnreachable: it does not answer.
         ConfigError: see :func:`build_deployments`.
     """
     deployments = build_deployments(config, cron=cron, interval=interval)  # a bad schedule is named first
@@ -173,6 +248,11 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
         raise NoPrefectServer(
             "serving needs a Prefect server: start one with `prefect server start --host 127.0.0.1 --port 4200` "
             "and `export PREFECT_API_URL=http://127.0.0.1:4200/api`"
+        )
+    if not server_answers(settings.api.url):
+        raise PrefectServerUnreachable(
+            f"the Prefect server at PREFECT_API_URL={settings.api.url} does not answer: start it "
+            "(`prefect server start`), or point PREFECT_API_URL at one that runs"
         )
     runner = _Runner(pause_on_shutdown=True)
     for deployment in deployments:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from flows.config import PipelineConfig
+from rlhf_core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ os.execv(sys.argv[2], sys.argv[2:])
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(UserError, RuntimeError):
     """The generation engine cannot be used: not installed, cannot serve the model, its port is taken."""
 
 

@@ -21,7 +21,7 @@ DeviceChoice = Literal["auto", "cpu", "cuda"]
 """Where models run (:func:`rlhf_core.precision.resolve_device`)."""
 GenerationEngine = Literal["hf", "vllm"]
 """What samples responses (:func:`rlhf_core.generation.generate`): our KV-cache loop, or a vLLM engine."""
-LabelerName = Literal["gold", "import", "reward_model", "human"]
+LabelerName = Literal["gold", "import", "reward_model", "human", "function"]
 """Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
 person."""
 MIN_PREFERENCE_PAIRS = 4

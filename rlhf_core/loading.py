@@ -36,6 +36,8 @@ Choices:
    reference, the reward model and the actor an iteration samples with and evaluates are each
    used by two or three stages, and a stage that finds one in memory skips loading it. A
    trained model is always loaded afresh (its training must not touch what another stage holds).
+11. A GGUF file is never loaded here: it is converted once, before any stage, into a folder
+   (:mod:`rlhf_core.gguf`, the only other caller of ``from_pretrained``), which is loaded like any other.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_core.config import SamplingConfig
+from rlhf_core.errors import UserError
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """The generation engine did not answer, or failed a request."""
 
 

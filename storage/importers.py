@@ -33,6 +33,7 @@ with one enormous line costs a bounded amount of memory, not the whole line seve
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 import math
 import re
@@ -43,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_core.errors import UserError
 from storage.schemas import (
     CHAT_MESSAGES,
     CHOSEN,
@@ -69,7 +71,7 @@ Message = dict[str, str]
 """``{"role": "user" | "assistant" | "system", "content": str}``."""
 
 
-class ImportFormatError(ValueError):
+class ImportFormatError(UserError, ValueError):
     """A malformed row (or file) in an imported dataset.
 
     Attributes:
@@ -233,6 +235,20 @@ def _messages(path: Path, row: int, value: Any, field: str) -> list[Message]:
     return messages
 
 
+def _misspelt_columns(path: Path, row: int, record: dict[str, Any], known: tuple[str, ...]) -> None:
+    """Refuse a column whose name is close to, but not, one of the ``known`` columns (``mesages``): its data would
+    be silently ignored. Other columns (``answer``, ``source``) are a dataset's own and are left alone.
+
+    Raises:
+        ImportFormatError: naming the column and the one it resembles.
+    """
+    for name in record:
+        if name not in known and (close := difflib.get_close_matches(str(name), known, n=1, cutoff=0.8)):
+            raise ImportFormatError(
+                path, row, str(name), f"not a column this file is read by: did you mean {close[0]!r}?"
+            )
+
+
 def _margin(path: Path, row: int, record: dict[str, Any]) -> float:
     value = record.get(MARGIN)
     if value is None or value == "":
@@ -257,6 +273,7 @@ def prompt_rows(path: Path, *, text_column: str = "prompt") -> Iterator[tuple[in
     path = Path(path)
     readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
     for row, record in _rows(path, readers):
+        _misspelt_columns(path, row, record, (text_column, MESSAGES, PROMPT_ID))
         messages: list[Message] = []
         if record.get(text_column) is not None:
             prompt = _string(path, row, record, text_column, allow_empty=False)
@@ -266,7 +283,10 @@ def prompt_rows(path: Path, *, text_column: str = "prompt") -> Iterator[tuple[in
                 raise ImportFormatError(path, row, MESSAGES, "a prompt must not end with an assistant turn")
             prompt = render_chat(messages, add_generation_prompt=True)
         else:
-            raise ImportFormatError(path, row, text_column, f"missing (and no {MESSAGES!r} field either)")
+            found = ", ".join(repr(name) for name in record) or "none"
+            raise ImportFormatError(
+                path, row, text_column, f"missing, and no {MESSAGES!r} field either (the row's fields: {found})"
+            )
         yield row, record, prompt, messages
 
 
@@ -311,6 +331,19 @@ def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
         },
         schema=PROMPTS,
     )
+
+
+def prompt_columns(path: Path, *, text_column: str = "prompt") -> list[dict[str, Any]]:
+    """The columns of each row of a prompts file or folder besides the prompt (its text or ``messages``), in file
+    order: what a reward function receives beside the prompt (a reference answer, a test case).
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    return [
+        {name: value for name, value in record.items() if name not in (text_column, MESSAGES)}
+        for _, record, _, _ in prompt_rows(Path(path), text_column=text_column)
+    ]
 
 
 def _prompt_id(path: Path, row: int, value: Any) -> int:
@@ -390,6 +423,7 @@ def preference_rows(path: Path) -> Iterator[tuple[int, str, list[Message], str, 
     """
     path = Path(path)
     for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
+        _misspelt_columns(path, row, record, (PROMPT, CHOSEN, REJECTED, MARGIN))
         yield row, *_preference(path, row, record), _margin(path, row, record)
 
 

@@ -119,6 +119,11 @@ without the log-probs)."""
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
+SAMPLES = "samples.jsonl"
+"""A stage output's sample rows as JSON lines (evaluation: the :data:`EVALUATION` columns plus ``policy_gold`` and
+``reference_gold`` where a gold judge scored them), also logged as an MLflow table, so the UI shows what the policy
+writes beside what the reward model and the gold judge made of it."""
+
 HUMAN_LABELS = _schema((PAIR_ID, pa.int64()), (CHOICE, pa.string()))
 
 #: Per-token fields of an unscored Experience, in schema order.

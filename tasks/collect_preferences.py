@@ -28,11 +28,13 @@ from tasks.judge import JudgeReference
 from tasks.labelers import (
     SKIP,
     CandidatePair,
+    FunctionLabeler,
     HumanLabeler,
     JudgeLabeler,
     Labeler,
     RewardModelLabeler,
 )
+from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult, stage
 from tasks.text import Prompt, reward_scorer
 
@@ -100,6 +102,7 @@ def collect_preferences(
     *,
     labeler: LabelerName,
     judge: JudgeReference | None,
+    rubric: RewardFunctionReference | None,
     preferences: InputFile | None,
     precision: Precision,
     rows_per_shard: int,
@@ -109,8 +112,9 @@ def collect_preferences(
     Args:
         reward_model: the judge with labeler ``reward_model``; None otherwise.
         labels: the person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise.
-        labeler: ``gold``, ``reward_model``, ``import`` or ``human``.
+        labeler: ``gold``, ``function``, ``reward_model``, ``import`` or ``human``.
         judge: the gold judge (labeler ``gold``).
+        rubric: the reward function that labels (labeler ``function``).
         preferences: the file of pairs to import (labeler ``import``, iteration 0 only).
     """
     shown: dict[str, float] = {}
@@ -137,6 +141,14 @@ def collect_preferences(
             out, context, STAGE, label_shards, shards, schema=PREFERENCES, precision=precision,
             candidates=candidates, reward_model=reward_model,
         )  # fmt: skip
+    elif labeler == "function":
+        if rubric is None:
+            raise ValueError("labeler 'function' needs a rubric: `reward.function`")
+        table = labelled_table(
+            candidate_pairs(read_table(candidates.directory, "candidates")),
+            FunctionLabeler(rubric.load(), rubric.name),
+            first_pair_id=context.iteration * 1_000_000,
+        )
     else:
         if judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")

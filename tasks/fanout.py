@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -39,7 +38,7 @@ from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from storage.progress import partial_dir
 from storage.shards import read_piece, write_piece
-from tasks.context import Execution, StageContext
+from tasks.context import Execution, StageContext, stage_seed
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class Shard:
         """One seed per output row (``rows``: their numbers in the stage's output), for a generation engine that
         seeds each request on its own: from ``(seed, stage, iteration, shard, row)``, so a row's tokens depend on
         no other row, nor on how rows are batched or where they run."""
-        return [_seed_of(f"{self.seed}/row-{row}") for row in rows]
+        return [stage_seed(self.seed, "row", row) for row in rows]
 
     def batches(self, size: int) -> Iterator[slice]:
         """Consecutive slices of at most ``size`` items covering the shard, as indices into all items."""
@@ -76,13 +75,8 @@ ShardWork = Callable[..., Iterator[pa.Table]]
 
 
 def shard_seed(seed: int, stage: str, iteration: int, shard: int) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration, shard)``, stable across runs and machines."""
-    return _seed_of(f"{seed}/{stage}/{iteration}/shard-{shard}")
-
-
-def _seed_of(coordinates: str) -> int:
-    digest = hashlib.sha256(coordinates.encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+    """A seed from the coordinates ``(seed, stage, iteration, shard)`` (:func:`tasks.context.stage_seed`)."""
+    return stage_seed(seed, stage, iteration, f"shard-{shard}")
 
 
 def plan_shards(

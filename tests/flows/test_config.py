@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,9 @@ from flows.config import ConfigError, PipelineConfig, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "demo-verifiable.yaml", "demo-human.yaml", "tiny.yaml"])
+@pytest.mark.parametrize(
+    "name", ["demo.yaml", "demo-verifiable.yaml", "demo-human.yaml", "tiny.yaml", "smollm2.yaml", "smollm2-rm.yaml"]
+)
 def test_shipped_configs_load(name):
     assert isinstance(load_config(CONFIGS / name), PipelineConfig)
 
@@ -34,6 +40,7 @@ def test_overrides_apply_on_top_of_the_file():
         (["nonsense"], "section.field=value"),
         (["ppo.kl_loss_coef=0.1"], "advantages.kl_in"),
         (["reward.source=function"], "reward.function"),
+        (["labeler=function"], "reward.function"),  # the rubric that labels must be named
         (["reward.source=model"], "reward.source"),
         # 16 rollouts per iteration in tiny.yaml: a horizon of 8 would move the coefficient by up to 40% at once
         (["advantages.kl_target=1", "advantages.kl_horizon=8"], "advantages.kl_horizon"),
@@ -62,7 +69,7 @@ def test_config_renders_as_a_json_schema_form():
     schema = PipelineConfig.model_json_schema()
     assert {"sampling", "ppo", "advantages", "reward_model", "labeler"} <= set(schema["properties"])
     labeler = schema["properties"]["labeler"]["anyOf"][0]
-    assert labeler["enum"] == ["gold", "import", "reward_model", "human"]
+    assert labeler["enum"] == ["gold", "import", "reward_model", "human", "function"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
@@ -96,6 +103,12 @@ def test_issue15_the_defaults_use_nothing_of_the_demo_and_say_what_to_set():
     assert config.sampling.max_new_tokens == 256
     demo = load_config(CONFIGS / "demo.yaml")
     assert (demo.ppo.actor_learning_rate, demo.sampling.max_new_tokens, demo.labeler) == (2e-4, 16, "gold")
+    # issue 27: and `rlhf --help` says so
+    from flows.cli import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert "model.policy, data.prompts, data.eval_prompts" in help_text and "configs/demo.yaml" in help_text
+    assert "defaults run the embedded demo" not in help_text
 
 
 @pytest.mark.parametrize(
@@ -168,3 +181,60 @@ def test_a_sharding_accelerate_config_is_refused_and_a_data_parallel_one_accepte
     data_parallel.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\ngpu_ids: all\n")
     config = load_config(CONFIGS / "tiny.yaml", [f"execution.accelerate_config={data_parallel}"])
     assert config.execution.accelerate_config == data_parallel
+
+
+def test_issue27_relative_paths_in_a_file_follow_the_file_and_those_of_set_the_working_directory(tmp_path, monkeypatch):
+    folder, elsewhere = tmp_path / "campaign", tmp_path / "elsewhere"
+    (folder / "model").mkdir(parents=True)
+    elsewhere.mkdir()
+    (folder / "own.yaml").write_text(
+        "model:\n  policy: model\n  tokenizer: org/name\ndata:\n  prompts: prompts.jsonl\n"
+        "  eval_prompts: ../held-out/eval.jsonl\nrun_root: runs\nlabeler: human\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    config = load_config(folder / "own.yaml")
+    assert config.model.policy == str(folder / "model")
+    assert config.model.tokenizer == "org/name"  # a hub name: no such folder beside the file
+    assert config.data.prompts == folder / "prompts.jsonl"
+    assert config.data.eval_prompts == tmp_path / "held-out" / "eval.jsonl"
+    assert config.run_root == folder / "runs"
+    overridden = load_config(folder / "own.yaml", ["data.prompts=mine.jsonl", "model.policy=./model"])
+    assert overridden.data.prompts == elsewhere / "mine.jsonl"
+    assert overridden.model.policy == str(elsewhere / "model")
+
+
+def test_issue27_a_run_from_another_folder_finds_the_files_beside_its_config_and_names_the_path_it_looked_at(
+    tmp_path, checkpoint_world
+):
+    folder, elsewhere = tmp_path / "campaign", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    shutil.copy(checkpoint_world["prompts"], folder / "prompts.jsonl")
+    (folder / "own.yaml").write_text(
+        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: reward_model\n"
+        "data:\n  prompts: prompts.jsonl\n  eval_prompts: eval.jsonl\n"
+    )
+    command = [sys.executable, "-m", "flows", "run", "--config", str(folder / "own.yaml")]
+    command += ["--set", f"run_root={tmp_path / 'runs'}"]
+    root = Path(__file__).resolve().parents[2]
+    finished = subprocess.run(
+        command,
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert finished.returncode == 2, finished.stderr[-3000:]
+    assert finished.stderr.strip().splitlines() == [f"rlhf: `data.eval_prompts` {folder / 'eval.jsonl'} does not exist"]
+
+
+def test_issue27_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("reward_model:\n  epochs: 2\nppo:\n  epochs: 1\nreward_model:\n  train: false\n")
+    with pytest.raises(ConfigError, match=r"`reward_model` is given twice, at lines 1 and 5"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("ppo:\n  epochs: 1\n  clip_eps: 0.1\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"nested.yaml: `epochs` is given twice, at lines 2 and 4"):
+        load_config(nested)

@@ -17,9 +17,9 @@ import pytest
 from prefect.utilities.schema_tools import ValidationError as SchemaValidationError
 from prefect.utilities.schema_tools import validate
 
+from campaign.store import campaign_layout
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.serve import build_deployments, schema_bounds, with_bounds
-from flows.store import campaign_layout
 from storage.locks import exclusive_lock
 from tests.flows.conftest import flow_runs_in_state
 
@@ -282,6 +282,7 @@ def _wait_for_running_flow_runs(count: int, *, started_after: datetime, timeout:
 
 def test_a_custom_run_with_changed_parameters_continues_the_campaign(served):
     """What the UI's Custom run sends: the deployment's config, with one field changed in the form."""
+    from prefect import get_client
     from prefect.deployments import run_deployment
 
     from flows.rlhf_pipeline import rlhf_iteration
@@ -299,6 +300,8 @@ def test_a_custom_run_with_changed_parameters_continues_the_campaign(served):
     assert runs[1].data.params["advantages.kl_coef"] == "0.125"
     assert runs[0].data.params["advantages.kl_coef"] == str(config.advantages.kl_coef)
     assert runs[1].data.tags["prefect.flow_run_id"] == str(flow_run.id)
+    with get_client(sync_client=True) as client:  # issue 27: started as tiny-iteration-next, named once it is known
+        assert client.read_flow_run(flow_run.id).name == "tiny-iteration-1"
 
 
 def test_parameters_the_schema_cannot_check_fail_the_run_before_its_first_task(served):
@@ -383,3 +386,51 @@ def test_rlhf_config_json_is_a_config_parameter(capsys):
     assert main(["config", "--config", str(CONFIGS / "tiny.yaml"), "--set", "advantages.kl_coef=0.1", "--json"]) == 0
     sent = json.loads(capsys.readouterr().out)
     assert PipelineConfig.model_validate(sent) == load_config(CONFIGS / "tiny.yaml", ["advantages.kl_coef=0.1"])
+
+
+def test_issue27_serve_without_its_prefect_server_says_so_and_exits_within_seconds(tiny, tmp_path):
+    """A server that never answered: refused at once. One that stops while served: SIGTERM ends `rlhf serve` in
+    seconds with one line, where Prefect's clients retried for half a minute and printed tracebacks."""
+    import httpx
+
+    from tests.flows.test_human_label_form_browser import _free_port, _wait
+
+    _, overrides = tiny
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    serve = [sys.executable, "-m", "flows", "serve", "--config", str(CONFIGS / "tiny.yaml")]
+    for override in overrides:
+        serve += ["--set", override]
+
+    refused = subprocess.run(serve, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"rlhf: the Prefect server at PREFECT_API_URL={api} does not answer: start it (`prefect server start`), "
+        "or point PREFECT_API_URL at one that runs"
+    ]
+
+    prefect = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(
+        prefect, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    log = tmp_path / "serve.log"
+    try:
+        _wait(lambda: httpx.get(f"{api}/health").status_code == 200, timeout=180, what="the Prefect server")
+        with log.open("w") as output:
+            served = subprocess.Popen(serve, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+        _wait(lambda: "serving rlhf-iteration/tiny" in log.read_text(), timeout=120, what="rlhf serve serving")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    time.sleep(1)  # the runner has installed its signal handlers just after saying it serves
+    started = time.monotonic()
+    served.send_signal(signal.SIGTERM)
+    code = served.wait(timeout=120)
+    took = time.monotonic() - started
+    text = log.read_text()
+    assert code == 2, text[-3000:]
+    assert took < 15, f"rlhf serve took {took:.0f} s to stop"
+    assert "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith(f"rlhf: the Prefect server at {api} does not answer"), text

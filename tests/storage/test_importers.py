@@ -93,7 +93,10 @@ def test_render_chat_is_the_hh_format() -> None:
 @pytest.mark.parametrize(
     ("name", "content", "row", "field", "problem"),
     [
-        ("missing.jsonl", '{"prompt": "ok"}\n{"text": "no prompt"}\n', 2, "prompt", "missing"),
+        ("missing.jsonl", '{"prompt": "ok"}\n{"text": "no prompt"}\n', 2, "prompt", "missing.*fields: 'text'"),
+        # issue 27: a misspelt column is named, not silently ignored; a dataset's own columns are kept out of it
+        ("typo.jsonl", '{"mesages": [{"role": "user", "content": "x"}]}\n', 1, "mesages", "did you mean 'messages'"),
+        ("typo2.jsonl", '{"prompt": "a", "answer": "4"}\n{"promt": "b"}\n', 2, "promt", "did you mean 'prompt'"),
         ("type.jsonl", '{"prompt": "ok"}\n\n{"prompt": 5}\n', 3, "prompt", "expected a string, got int"),
         ("json.jsonl", '{"prompt": "ok"}\n{"prompt": "cut\n', 2, None, "invalid JSON"),
         ("array.jsonl", '["prompt"]\n', 1, None, "expected a JSON object"),
@@ -243,6 +246,7 @@ def test_empty_file_gives_an_empty_table(tmp_path: Path) -> None:
     ("row", "field", "problem"),
     [
         ({"prompt": "p", "chosen": "c"}, "rejected", "missing"),
+        ({"prompt": "p", "chosen": "c", "rejected": "r", "choosen": "x"}, "choosen", "did you mean 'chosen'"),
         ({"prompt": "p", "chosen": "c", "rejected": 4}, "rejected", "expected a string, got int"),
         ({"prompt": 1, "chosen": "c", "rejected": "r"}, "prompt", "expected a string"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": "big"}, "margin", "expected a number"),
