@@ -193,7 +193,7 @@ def ensure_engine(config: PipelineConfig, policy: str) -> str:
     log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
     with log.open("w") as output:
         process = subprocess.Popen(
-            [str(python), "-c", _LAUNCHER, str(os.getpid()), str(python), str(SERVER),
+            [str(python), "-c", _LAUNCHER, str(os.getpid()), str(python), "-I", str(SERVER),
              *server_arguments(config, policy, port)],
             env=_environment(config), stdout=output, stderr=subprocess.STDOUT, process_group=0,
         )  # fmt: skip

@@ -39,14 +39,20 @@ Choices:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import threading
-import time
-import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# Run as a script, this file's folder (flows/) comes first on the path, and its modules would shadow the standard
+# library's (flows/inspect.py is not `inspect`): the server imports nothing of the project.
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    del sys.path[0]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 ADDRESS_IN_USE = 3
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
