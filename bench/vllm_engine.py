@@ -130,7 +130,6 @@ def compare(policy: Path, batches: list, sampling, *, eos: int | None, pad: int)
     from rlhf_core.mismatch import logprob_mismatch
     from rlhf_core.vllm_client import ServedPolicy
 
-    set_threads(THREADS)
     scratch = SCRATCH / "vllm"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result: dict = {"device": device}
@@ -325,6 +324,7 @@ def main() -> int:
     parser.add_argument("--skip-sizes", action="store_true")
     parser.add_argument("--skip-smollm2", action="store_true", help="no SmolLM2 generation section")
     arguments = parser.parse_args()
+    set_threads(THREADS)
     policy = smollm2_folder()
     output = SCRATCH / "vllm.json"
     results = json.loads(output.read_text()) if output.is_file() else {}
