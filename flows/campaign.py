@@ -103,6 +103,7 @@ def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
         rendezvous_timeout=config.execution.rendezvous_timeout,
         sharding=config.execution.sharding,
         frozen_model_bytes=int(config.execution.frozen_models_gb * 2**30),
+        engine_url=config.execution.engine_url,
     )
 
 

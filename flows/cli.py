@@ -296,6 +296,10 @@ def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = Fa
         console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
     try:
         base = resolve_base.fn(config)
+        if config.sampling.engine == "vllm":  # started now, so what it cannot do is told before any stage runs
+            from flows.vllm_engine import ensure_engine
+
+            ensure_engine(config, base.policy.path)
     except BaseException:
         if console is not None:
             console.close()

@@ -172,6 +172,17 @@ class ExecutionConfig(_Frozen):
     They stay on the stages' device, so on a GPU this memory is not available to training: raise it where
     the GPU has room for the frozen models next to what the PPO update needs (docs/scaling.md)."""
 
+    engine_url: str | None = None
+    """With `sampling.engine: vllm`, a running generation engine server (`http://HOST:PORT`, started with
+    `.venv-vllm/bin/python flows/vllm_server.py`, docs/engines.md) to sample on; None starts one for the command,
+    stopped when it ends. Dask and Ray workers reach it at this URL."""
+    engine_gpu_memory: float = Field(0.35, gt=0, le=0.95)
+    """The share of the GPU's memory the generation engine the command starts takes (its weights and KV cache) on
+    CUDA; the stages' own models share the GPU with it (vLLM's default, 0.9, would leave them nothing)."""
+    engine_port: int = Field(0, ge=0, lt=65536)
+    """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
+    free one."""
+
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:
         package = {"dask": "prefect_dask", "ray": "prefect_ray"}.get(self.task_runner)

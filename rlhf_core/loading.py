@@ -70,6 +70,7 @@ from transformers import (
 from rlhf_core.config import LoraConfig
 from rlhf_core.models import Critic, RewardModel, freeze, hidden_size
 from rlhf_core.precision import Precision, accelerate_mixed_precision, autocast, check_precision, compute_dtype
+from rlhf_core.vllm_client import ServedPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -338,6 +339,21 @@ class ModelLoader:
         if key is not None:
             self.frozen_models.put(key, model)
         return model
+
+    def served(self, source: str | Path, url: str | None) -> ServedPolicy:
+        """The causal LM of the folder ``source`` as the generation engine at ``url`` serves it: the folder's own
+        weights, or its base's (a folder that only refers to one), plus its LoRA adapter if it holds one.
+
+        Raises:
+            ValueError: no engine URL (``sampling.engine: vllm`` needs one: the command starts the engine).
+        """
+        if not url:
+            raise ValueError("`sampling.engine` vllm needs a running engine: none was started or given (engine_url)")
+        source = Path(source)
+        meta = FolderMeta.read(source)
+        weights = self._base_folder(meta.base) if meta is not None and meta.base else source
+        adapter = source if meta is not None and meta.adapter else None
+        return ServedPolicy(url=url, weights=str(weights), adapter=None if adapter is None else str(adapter))
 
     def reference(self, actor: nn.Module | None = None) -> nn.Module:
         """The frozen initial policy: ``actor`` with its adapters off under LoRA, else the base loaded frozen."""
