@@ -130,10 +130,9 @@ class RewardSource(_Frozen):
     """`reward_model`: learned each iteration from labelled candidate pairs (stages 1-3). `function`: the callable
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
-    """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
-    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
-    reports); otherwise unused."""
+    """With `source: function`, a `module:callable` called as `function(prompt, response, **columns)` (the prompt as
+    written: text or chat messages; the prompt row's other columns as keyword arguments; docs/models.md) and
+    returning a float, e.g. `demo.gold:gold_score`; looked up beside the config file too. Unused with `reward_model`."""
 
 
 class ExecutionConfig(_Frozen):
@@ -306,7 +305,8 @@ class PipelineConfig(_Frozen):
     (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
     torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
-    fastest there), every usable core for a larger one (SmolLM2-135M: measured in bench/torch_threads.py)."""
+    fastest there); for a larger one the cores other work leaves idle when the command starts (SmolLM2-135M: 1.7x
+    faster on 2 idle cores than on 1, far slower on 2 busy ones; rlhf_core.precision.resolve_threads)."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
