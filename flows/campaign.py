@@ -118,9 +118,9 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         from demo.build import build_default_world
 
         world = build_default_world(demo_world_dir(config), seed=0)
+    check_inputs(config, base_inputs(config, None, world))  # before hashing the model: a refusal reads no weights
     cache = fingerprint_cache(config)
     base = base_inputs(config, cache, world)
-    check_inputs(config, base)
     if config.model.critic_init == "reward_model" and not same_tokenizer(
         load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
     ):

@@ -284,6 +284,17 @@ def _running_flows(console):
             console.close()
 
 
+def _check_model_and_prompts(config) -> None:
+    """The model's and tokenizer's checks (:func:`flows.inputs.check_inputs`: weights' headers, vocabulary, every
+    prompt's length), before the flows are imported and the model hashed: a refusal waits for neither. The demo
+    world's inputs are checked once it is built (in :func:`_prepare`)."""
+    from flows.identity import base_inputs, uses_demo_world
+    from flows.inputs import check_inputs
+
+    if not uses_demo_world(config):
+        check_inputs(config, base_inputs(config, None, None))
+
+
 def _run(config, arguments) -> int:
     from flows.inputs import check_files
 
@@ -299,6 +310,7 @@ def _run(config, arguments) -> int:
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
         with _server_coming_up():
+            _check_model_and_prompts(config)
             from flows.rlhf_pipeline import rlhf_campaign
 
             with _running_flows(_prepare(config, arguments)):
@@ -315,6 +327,7 @@ def _iterate(config, arguments) -> int:
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
+        _check_model_and_prompts(config)
         from flows.rlhf_pipeline import rlhf_iteration
 
         with _running_flows(_prepare(config, arguments)):

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.config import PipelineConfig
 from storage.layout import RunLayout
-from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, Tracker, open_tracker
+
+if TYPE_CHECKING:  # MLflow is imported when a store is opened: the input checks (flows.identity) need none
+    from storage.tracking import Tracker
 
 
 def campaign_layout(config: PipelineConfig) -> RunLayout:
@@ -33,6 +36,8 @@ def artifact_root(config: PipelineConfig) -> Path | None:
 
 def store_tracker(config: PipelineConfig) -> Tracker:
     """The :class:`Tracker` of ``config``'s store (one per store and process)."""
+    from storage.tracking import open_tracker
+
     root = artifact_root(config)
     return open_tracker(tracking_uri(config), None if root is None else str(root), config.tracking_ui_url)
 
@@ -50,6 +55,8 @@ def resolve_run(config: PipelineConfig, name: str) -> str:
     Raises:
         LookupError: no such run, campaign or iteration, or no MLflow store at all (none is created).
     """
+    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
+
     database = store_layout(config).mlflow_db()
     if config.tracking_uri is None and not database.exists():
         raise LookupError(f"no MLflow store at {database}: nothing has run with `run_root` {config.run_root}")

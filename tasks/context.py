@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storage.layout import RunLayout
-from storage.tracking import Tracker, open_tracker
 
-if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
+if TYPE_CHECKING:  # the context needs no torch or MLflow: a command that only reads base inputs starts without them
     import torch
 
     from rlhf_core.config import LoraConfig, Precision
     from rlhf_core.loading import ModelLoader
+    from storage.tracking import Tracker
     from tasks.judge import JudgeReference
     from tasks.reward_function import RewardFunctionReference
 
@@ -142,6 +142,8 @@ class TrackingStore:
     ui_url: str | None = None
 
     def tracker(self) -> Tracker:
+        from storage.tracking import open_tracker
+
         return open_tracker(self.uri, self.artifact_root, self.ui_url)
 
 
