@@ -1,13 +1,12 @@
 """The no-op run: ``rlhf run`` of the finished demo campaign, timed as a whole command.
 
 ``.venv/bin/python -m bench.run --only noop``: runs the demo campaign (``configs/demo.yaml``) into a fresh
-``bench/.scratch/noop-root`` (its demo world kept from an earlier run: a campaign cannot be recomputed in
-place under other code once its older optimizer states are pruned), then times running the same command
+``bench/.scratch/noop-root`` (its demo world kept from an earlier run), then times running the same command
 again ``--repeats`` times (each a fresh process, as a user runs it). Also reports,
 from one more process, where that command's time goes: importing the command's modules (neither torch nor
 Prefect), locating the base inputs and fingerprinting them (from the run root's cache; no checks), opening
-the MLflow store, and the reuse decision per iteration (one MLflow query and the manifests' verification
-each; :func:`flows.reuse.reused_iterations`).
+the MLflow store, and the decision (one MLflow query of the finished iterations and what differs from what
+produced them; :func:`campaign.history.finished_iterations`, :func:`campaign.history.what_differs`).
 
 This module itself runs as the worker of the last part (``python -m bench.noop --out FILE --root DIR``).
 """
@@ -69,12 +68,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.perf_counter()
+    from campaign.history import finished_iterations, what_differs
+    from campaign.identity import base_inputs, demo_world_dir, fingerprint_cache
+    from campaign.store import store_tracker
     from demo.world import complete_world
     from flows.config import load_config
-    from flows.identity import base_inputs, demo_world_dir, fingerprint_cache
     from flows.report import campaign_report  # noqa: F401 - the command prints it: its imports count
-    from flows.reuse import reused_iterations
-    from flows.store import store_tracker
 
     imported = time.perf_counter()
     config = load_config(CONFIG, [f"run_root={args.root}"])
@@ -82,7 +81,8 @@ def main() -> None:
     resolved = time.perf_counter()
     store_tracker(config)  # opening the MLflow store (cached per process)
     opened = time.perf_counter()
-    reused = reused_iterations(config, base)
+    finished = finished_iterations(config)
+    what_differs(finished, base)
     decided = time.perf_counter()
     result = {
         "import_s": imported - started,
@@ -90,7 +90,7 @@ def main() -> None:
         "mlflow_store_s": opened - resolved,
         "decision_s": decided - opened,
         "iterations": config.iterations,
-        "reused": reused,
+        "finished": len(finished),
     }
     args.out.write_text(json.dumps(result, indent=2))
 

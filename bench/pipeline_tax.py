@@ -149,9 +149,9 @@ def plain_run(world: Path, iterations: int) -> dict:
     import pyarrow as pa
     import torch
 
+    from campaign.identity import GOLD_JUDGE
     from demo.world import world_at
     from flows.config import load_config
-    from flows.identity import GOLD_JUDGE
     from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
     from rlhf_core.generation import generate, sample_candidates
     from rlhf_core.loading import ModelLoader

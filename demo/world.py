@@ -14,8 +14,9 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 """Bump when the world's layout or the meaning of a config field changes."""
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "rlhf-pipeline" / "demo-world"
-"""Where ``python -m demo`` keeps the world unless told otherwise."""
+DEFAULT_CACHE_DIR = Path(".rlhf") / "cache" / "demo-world"
+"""Where ``python -m demo`` finds (or builds) the world unless told otherwise: where the demo campaign keeps it with
+the default ``run_root`` (``.rlhf``, in the working directory)."""
 MODEL_DIR, PROMPTS_FILE, EVAL_PROMPTS_FILE, WORLD_FILE = "model", "prompts.jsonl", "eval_prompts.jsonl", "world.json"
 WORLD_ENTRIES = frozenset({MODEL_DIR, PROMPTS_FILE, EVAL_PROMPTS_FILE, WORLD_FILE})
 """Everything a world's folder holds."""

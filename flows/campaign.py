@@ -4,56 +4,51 @@ MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay
 
 from __future__ import annotations
 
-import hashlib
-import json
+import os
 from dataclasses import dataclass
 
+import polars as pl
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
-from flows.identity import (
+from campaign.history import provenance
+from campaign.identity import (
     base_inputs,
     demo_world_dir,
-    fields_without,
     fingerprint_cache,
+    record_campaign_config,
     run_key,
-    starting_point,
     uses_demo_world,
 )
+from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, tracking_uri
+from flows.config import PipelineConfig
+from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.inputs import InputError, check_inputs
-from flows.reuse import reuse_record
-from flows.settings import EXECUTION, LOCATION, replayable_fields
-from flows.store import artifact_root, campaign_layout, tracking_uri
+from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
+from rlhf_core.loading import count_parameters
+from rlhf_core.precision import resolve_threads
+from storage.diagnostics import describe_flag, drift_flags
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
     TAG_CAMPAIGN,
-    TAG_CAMPAIGN_CONFIG,
-    TAG_CONFIG_FINGERPRINT,
     TAG_FLOW_RUN_ID,
     TAG_INPUT_KEY,
     TAG_ITERATION,
     TAG_ITERATION_KEY,
     TAG_KIND,
     TAG_OUTPUT_PREFIX,
-    TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
-    TAG_REUSE,
-    TAG_STAGE,
-    TAG_STARTING_POINT,
-    Tracker,
+    TAG_SUPERSEDED_BY,
+    RunSummary,
 )
 from tasks.context import BaseInputs, Execution, StageContext, TrackingStore
 from tasks.ppo_update import prune_optimizer_states
 from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
 from tasks.stage import StageResult
 from tasks.text import load_tokenizer, same_tokenizer
-
-CONFIG_ARTIFACT = "config.json"
 
 
 @dataclass(frozen=True)
@@ -88,10 +83,14 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
-def execution_of(config: PipelineConfig) -> Execution:
+def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
+    """How ``config``'s stages run; ``torch_threads: auto`` chosen from the policy's size and this machine's cores
+    (:func:`rlhf_core.precision.resolve_threads`)."""
     return Execution(
         device=config.device,
-        torch_threads=config.torch_threads,
+        torch_threads=resolve_threads(
+            config.torch_threads, parameters=count_parameters(base.policy.path), cores=len(os.sched_getaffinity(0))
+        ),
         checkpoint_seconds=config.checkpoint_seconds,
         gradient_checkpointing=config.model.gradient_checkpointing,
         task_runner=config.execution.task_runner,
@@ -107,7 +106,7 @@ def execution_of(config: PipelineConfig) -> Execution:
 @task(name="resolve_base", cache_policy=NO_CACHE)
 def resolve_base(config: PipelineConfig) -> BaseInputs:
     """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, identify each by
-    its content (:func:`flows.identity.base_inputs`), and refuse any the stages could not use.
+    its content (:func:`campaign.identity.base_inputs`), and refuse any the stages could not use.
 
     Raises:
         FileNotFoundError: an input does not exist.
@@ -118,9 +117,9 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         from demo.build import build_default_world
 
         world = build_default_world(demo_world_dir(config), seed=0)
-    check_inputs(config, base_inputs(config, None, world))  # before hashing the model: a refusal reads no weights
     cache = fingerprint_cache(config)
     base = base_inputs(config, cache, world)
+    check_inputs(config, base)
     if config.model.critic_init == "reward_model" and not same_tokenizer(
         load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
     ):
@@ -137,74 +136,6 @@ def _flow_run_id() -> str | None:
         return str(get_run_context().task_run.flow_run_id)
     except Exception:  # noqa: BLE001 - outside a Prefect run there is simply no id
         return None
-
-
-CAMPAIGN_FREE = (
-    *EXECUTION,
-    *LOCATION,
-    *replayable_fields(),
-    "iterations",
-    *(f"human.{name}" for name in HumanLabelConfig.model_fields),
-)
-"""Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
-replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
-human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
-
-
-def campaign_fields(config: PipelineConfig) -> dict:
-    """The fields that define ``config``'s campaign (all but :data:`CAMPAIGN_FREE`), as JSON values."""
-    return fields_without(config, CAMPAIGN_FREE)
-
-
-def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
-    """``{dotted path: value}`` of every leaf of a nested dict."""
-    leaves: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            leaves.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            leaves[prefix + key] = value
-    return leaves
-
-
-def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
-    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it.
-
-    Returns:
-        The config's campaign fingerprint (what the campaign's experiment records as
-        ``rlhf.config_fingerprint``).
-
-    Raises:
-        ConfigError: naming the first differing fields, their values there and here, and what to do.
-    """
-    fields = campaign_fields(config)
-    fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    tags = tracker.experiment_tags(config.campaign)
-    recorded = tags.get(TAG_CONFIG_FINGERPRINT)
-    if recorded is None or recorded == fingerprint:
-        return fingerprint
-    theirs, ours = _leaves(json.loads(tags.get(TAG_CAMPAIGN_CONFIG, "{}"))), _leaves(fields)
-    differing = sorted(name for name in theirs.keys() | ours.keys() if theirs.get(name) != ours.get(name))
-    shown = "; ".join(f"`{name}` {theirs.get(name)!r} there, {ours.get(name)!r} here" for name in differing[:3])
-    more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
-    raise ConfigError(
-        f"campaign `{config.campaign}` was started with another config ({shown or 'another version'}{more}): give "
-        "this config a `campaign` of its own (--set campaign=NAME), or run the campaign with the config it was "
-        "started with"
-    )
-
-
-def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
-    """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered."""
-    fingerprint = check_campaign_config(config, tracker)
-    if TAG_CONFIG_FINGERPRINT not in tracker.experiment_tags(config.campaign):
-        tracker.set_experiment_tags(
-            experiment_id,
-            {
-                TAG_CAMPAIGN_CONFIG: json.dumps(campaign_fields(config), sort_keys=True),
-                TAG_CONFIG_FINGERPRINT: fingerprint,
-            },
-        )
 
 
 def context_for(
@@ -226,7 +157,7 @@ def context_for(
         iteration=iteration,
         seed=config.seed,
         base=base,
-        execution=execution_of(config),
+        execution=execution_of(config, base),
         parent_run_id=parent_run_id,
         flow_run_id=flow_run_id,
         register_models=register_models,
@@ -234,10 +165,17 @@ def context_for(
 
 
 def _open_run(
-    config: PipelineConfig, iteration: int, base: BaseInputs, *, key: str, name: str, tags: dict[str, str]
+    config: PipelineConfig,
+    iteration: int,
+    base: BaseInputs,
+    *,
+    key: str,
+    name: str,
+    tags: dict[str, str],
+    fresh: bool = False,
 ) -> StageContext:
     """The MLflow run for exactly these inputs (finished, or reopened if it failed or was killed), or a new one,
-    as a stage context.
+    as a stage context. With ``fresh``, a finished run is not taken: the run recomputes it (and supersedes it).
 
     Runs of the campaign left RUNNING by a process that died are marked KILLED first, so whatever
     this attempt does not reopen or finish is not left looking alive.
@@ -247,7 +185,14 @@ def _open_run(
     if tags[TAG_KIND] == KIND_ITERATION:  # a replay's config is its source's, changed where a replay may change it
         record_campaign_config(config, tracker, experiment_id)
     tracker.reconcile_runs(experiment_id)
-    parent = tracker.find_run(experiment_id, tags={TAG_ITERATION_KEY: key})
+    parent = next(
+        (
+            run.run_id
+            for run in tracker.runs(experiment_id, tags={TAG_ITERATION_KEY: key})
+            if TAG_SUPERSEDED_BY not in run.tags and not (fresh and run.status == "FINISHED")
+        ),
+        None,
+    )
     flow_run_id = _flow_run_id()
     if parent is None:
         all_tags = {TAG_CAMPAIGN: config.campaign, TAG_ITERATION: str(iteration), TAG_ITERATION_KEY: key, **tags}
@@ -273,9 +218,10 @@ def _open_run(
 
 @task(name="open_iteration", cache_policy=NO_CACHE)
 def open_iteration(
-    config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None
+    config: PipelineConfig, iteration: int, base: BaseInputs, state: IterationState | None, *, fresh: bool = False
 ) -> StageContext:
-    """The iteration's MLflow parent run: the one for these exact inputs if it exists, or a new one."""
+    """The iteration's MLflow parent run: the one for these exact inputs if it exists (unless ``fresh``: an
+    iteration recomputed on request), or a new one."""
     previous = "" if state is None else state.policy.digest
     return _open_run(
         config,
@@ -283,7 +229,8 @@ def open_iteration(
         base,
         key=run_key(config, base, previous, iteration),
         name=f"iteration-{iteration}",
-        tags={TAG_KIND: KIND_ITERATION, TAG_STARTING_POINT: starting_point(base, previous, iteration)},
+        tags={TAG_KIND: KIND_ITERATION},
+        fresh=fresh,
     )
 
 
@@ -303,28 +250,42 @@ def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) ->
 
 @task(name="close_iteration", cache_policy=NO_CACHE)
 def close_iteration(
-    context: StageContext, stages: list[StageResult], state: IterationState, *, initialized: StageResult | None = None
+    context: StageContext,
+    stages: list[StageResult],
+    state: IterationState,
+    *,
+    experience: StageResult | None = None,
 ) -> IterationState:
-    """Log every stage's metrics on the iteration run, finish it, and leave a Prefect summary artifact.
+    """Log every stage's metrics and the inspection of its experience (:mod:`flows.inspect`) on the iteration run,
+    finish it, and leave a Prefect summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
-    run also gets its reuse record (:mod:`flows.reuse`): ``stages`` and, in the campaign's first iteration, the
-    ``initialized`` policy it started from.
+    run also records what produced it (:func:`campaign.history.provenance`) and, when it was not finished already,
+    supersedes every other finished run of its iteration and the ones after it (:func:`_supersede`). A replay
+    names the ``experience`` it replayed (its source's rollout).
     """
     tracker = context.tracker
     tags = tracker.run_tags(context.parent_run_id)
     kind = tags.get(TAG_KIND, KIND_ITERATION)
+    was_finished = tracker.run_status(context.parent_run_id) == "FINISHED"
     metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
     figure = _overoptimisation(context, metrics) if kind == KIND_ITERATION else None
-    if not all(result.reused for result in stages) or tracker.run_status(context.parent_run_id) != "FINISHED":
+    inspection = None
+    if not all(result.reused for result in stages) or not was_finished:
+        inspected, responses = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
+        inspection = _inspection_summary(context, inspected, responses, kind=kind)
+        metrics |= inspected
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         if figure is not None:
             tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
-        if tags.get(TAG_REUSE) != (record := reuse_record(context.base, [*filter(None, [initialized]), *stages])):
-            tracker.set_tags(context.parent_run_id, {TAG_REUSE: record})
+        record = provenance(context.base)
+        if any(tags.get(name) != value for name, value in record.items()):
+            tracker.set_tags(context.parent_run_id, record)
+        if not was_finished:
+            _supersede(context)
     _prune_optimizer_states(context, stages, kind=kind)
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
@@ -334,10 +295,21 @@ def close_iteration(
             tracker.run_url(context.parent_run_id),
             kind=kind,
             figure=None if figure is None else png_data_uri(figure),
+            inspection=inspection,
         ),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
     return state
+
+
+def _supersede(context: StageContext) -> None:
+    """Tag every finished iteration run of ``context``'s iteration and later ones, other than its own, as
+    superseded by it: a recomputed iteration replaces them, and what continued from them (``--from-iteration``)."""
+    tracker = context.tracker
+    for run in tracker.runs(context.experiment_id, tags={TAG_KIND: KIND_ITERATION}):
+        replaced = run.status == "FINISHED" and int(run.tags[TAG_ITERATION]) >= context.iteration
+        if replaced and run.run_id != context.parent_run_id and TAG_SUPERSEDED_BY not in run.tags:
+            tracker.set_tags(run.run_id, {TAG_SUPERSEDED_BY: context.parent_run_id})
 
 
 def _overoptimisation(context: StageContext, metrics: dict[str, float]):
@@ -345,6 +317,55 @@ def _overoptimisation(context: StageContext, metrics: dict[str, float]):
     it as MLflow recorded them, and this one's ``metrics``."""
     earlier = [row for row in context.tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
     return overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
+
+
+def _log_inspection(
+    context: StageContext, stages: list[StageResult], *, kind: str
+) -> tuple[dict[str, float], pl.DataFrame]:
+    """The run's ``inspect/*`` metrics and top responses (:func:`flows.inspect.inspect_run`); the responses go on the
+    run as the table :data:`flows.inspect.TOP_RESPONSES`."""
+    run = ITERATION_RUN if kind == KIND_ITERATION else f"{KIND_REPLAY} {context.parent_run_id[:12]}"
+    outputs = stage_outputs(
+        {result.stage: result.directory for result in stages},
+        iteration=context.iteration,
+        run=run,
+        run_id=context.parent_run_id,
+    )
+    metrics, responses = inspect_run(outputs)
+    context.tracker.log_table(context.parent_run_id, responses.to_dict(as_series=False), TOP_RESPONSES)
+    return metrics, responses
+
+
+def _inspection_summary(
+    context: StageContext, inspected: dict[str, float], responses: pl.DataFrame, *, kind: str
+) -> str:
+    """Markdown: the run's highest-scoring responses (where gaming shows first), where the rest are, and the campaign's
+    drift warnings up to this iteration (from the ``inspect/*`` metrics its iteration runs logged). Written into the
+    artifact itself, so it shows without an MLflow server."""
+    shown = responses.head(TOP_SHOWN)
+    lines = [
+        f"Highest-scoring responses ({shown.height} of the {responses.height} in the MLflow run's "
+        f"`{TOP_RESPONSES}` table; `rlhf inspect {context.campaign}:{context.iteration} --top 10` in a terminal):",
+        "",
+        "| score | reward | KL | length | response |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in shown.iter_rows(named=True):
+        text = " ".join(row["response"].split()).replace("|", "\\|")
+        text = text if len(text) <= 160 else text[:159] + "…"
+        lines.append(f"| {row['score']:.3g} | {row['reward']:.3g} | {row['kl']:.3g} | {row['length']} | {text} |")
+    if kind == KIND_ITERATION:
+        earlier = [
+            row for row in context.tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration
+        ]
+        flags = drift_flags(summary_from_metrics([*earlier, (context.iteration, inspected)]))
+        lines += ["", "Drift warnings (`rlhf inspect`, docs/inspect.md):" if flags else "Drift warnings: none."]
+        lines += [f"- {flag.kind}: {describe_flag(flag)}" for flag in flags]
+    return "\n".join(lines)
+
+
+TOP_SHOWN = 5
+"""Responses the Prefect iteration artifact shows."""
 
 
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:
@@ -357,11 +378,8 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
         folders, keep = [result.directory for result in stages if result.stage == "ppo_update"], None
     else:
         tracker = context.tracker
-        latest = tracker.latest_iteration(context.experiment_id)
-        parent = tracker.find_run(
-            context.experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
-        )
-        run_id = stage_run(context, parent, "ppo_update")
+        newest = list(tracker.finished_iterations(context.experiment_id).values())[-1]
+        run_id = stage_run(context.tracker, context.experiment_id, newest.run_id, "ppo_update")
         folders = context.layout.stage_outputs("ppo_update")
         keep = context.layout.stage_dir("ppo_update", tracker.run_tags(run_id)[TAG_INPUT_KEY])
     freed = prune_optimizer_states(folders, keep=keep)
@@ -376,10 +394,11 @@ def iteration_summary(
     *,
     kind: str = KIND_ITERATION,
     figure: str | None = None,
+    inspection: str | None = None,
 ) -> str:
     """Markdown: the MLflow link, one row per stage (ran or reused, seconds), the over-optimisation figure (``figure``:
-    an image URL, a ``data:`` URI so it shows without any server), then every metric on a row of its own (one cell
-    per value, so the UI cuts none off)."""
+    an image URL, a ``data:`` URI so it shows without any server), the inspection of the experience
+    (``inspection``), then every metric on a row of its own (one cell per value, so the UI cuts none off)."""
     lines = [
         f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",
@@ -394,26 +413,12 @@ def iteration_summary(
         lines.append(f"| {result.stage} | {'reused' if result.reused else 'ran'} | {took} |")
     if figure is not None:
         lines += ["", f"![over-optimisation: reward and gold score against the KL to the reference]({figure})"]
+    if inspection is not None:
+        lines += ["", inspection]
     lines += ["", "| metric | value |", "| --- | ---: |"]
     for result in stages:
         lines += [f"| {result.stage}/{name} | {value:.4g} |" for name, value in sorted(result.metrics.items())]
     return "\n".join(lines) + "\n"
-
-
-def stage_run(context: StageContext, parent_run_id: str, stage: str, *, required: bool = True) -> str | None:
-    """The stage run whose output an iteration (or replay) run used: its own, or a reused one.
-
-    Raises:
-        LookupError: the run records none and ``required`` is set (else None is returned: an
-            iteration with a reward function has no reward-model stage).
-    """
-    tracker = context.tracker
-    run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
-        context.experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
-    )  # runs recorded before the output tags existed: their own nested stage run
-    if run_id is None and required:
-        raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
-    return run_id
 
 
 @task(name="load_replay_inputs", cache_policy=NO_CACHE)
@@ -425,8 +430,10 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     tracker = tracking_store(config).tracker()
     iteration = int(tracker.run_tags(source_run_id)[TAG_ITERATION])
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
-    experience = recorded_result(context, stage_run(context, source_run_id, "rollout"))
-    scored = recorded_result(context, stage_run(context, source_run_id, "compute_advantages"))
+    experience = recorded_result(context, stage_run(context.tracker, context.experiment_id, source_run_id, "rollout"))
+    scored = recorded_result(
+        context, stage_run(context.tracker, context.experiment_id, source_run_id, "compute_advantages")
+    )
     return ReplayInputs(
         experience=experience,
         policy=upstream_result(context, experience, "policy"),
@@ -435,56 +442,26 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     )
 
 
-def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
-    """The config an iteration run was made with (stored beside it as ``config.json``)."""
-    return PipelineConfig.model_validate_json(
-        tracking_store(config).tracker().load_text(source_run_id, CONFIG_ARTIFACT)
-    )
-
-
 @task(name="load_latest_state", cache_policy=NO_CACHE)
 def load_latest_state(config: PipelineConfig, base: BaseInputs) -> tuple[int, IterationState | None]:
     """Where a campaign stands in MLflow: the next iteration to run and the state to run it from (the state
-    after its newest finished iteration run, :func:`_state_after`)."""
+    after its newest finished iteration, :func:`_state_after`)."""
     tracker = tracking_store(config).tracker()
-    experiment_id = tracker.experiment_id(config.campaign)
-    latest = tracker.latest_iteration(experiment_id)
-    if latest is None:
+    finished = tracker.finished_iterations(tracker.experiment_id(config.campaign))
+    if not finished:
         return 0, None
-    parent = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(latest)}, status="FINISHED"
-    )
-    return latest + 1, _state_after(config, base, latest, parent)
+    latest, run = list(finished.items())[-1]
+    return latest + 1, _state_after(config, base, latest, run.run_id)
 
 
-def finished_otherwise(
-    config: PipelineConfig, base: BaseInputs, iteration: int, state: IterationState | None
-) -> IterationState | None:
-    """The state after ``iteration`` as the campaign finished it with other settings from the same starting
-    point (:func:`starting_point`); None when the campaign has not finished it, finished it with ``config``'s
-    settings (running it again reuses and re-verifies its outputs) or from another starting point (base inputs
-    edited in place, or a run older than the tag: it runs again, from what it starts from now).
-
-    An iteration number names one finished iteration of a campaign: ``demo:3`` must mean one run. A campaign
-    run with other settings that may change from one command to the next (``advantages.*``, ``ppo.*``, as a
-    schedule changes them, and ``iterations``, which is part of the runs' key) therefore keeps the iterations it
-    finished as they are, and the new settings apply from its first unfinished iteration on; ``rlhf replay``
-    re-runs a finished one with them.
-    """
-    tracker = tracking_store(config).tracker()
-    experiment_id = tracker.experiment_id(config.campaign)
-    parent = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: str(iteration)}, status="FINISHED"
-    )
-    if parent is None:
+def finished_state(config: PipelineConfig, base: BaseInputs, finished: RunSummary | None) -> IterationState | None:
+    """The state after the ``finished`` run of an iteration (None for None): a finished iteration is history, kept
+    as it is whatever code, input contents or settings that may change between commands (``advantages.*``,
+    ``ppo.*``, ``iterations``) a later command brings; they apply from the first unfinished iteration on, and
+    ``rlhf run --from-iteration`` or ``rlhf replay`` recompute a finished one with them."""
+    if finished is None:
         return None
-    previous = "" if state is None else state.policy.digest
-    tags = tracker.run_tags(parent)
-    if tags.get(TAG_ITERATION_KEY) == run_key(config, base, previous, iteration):
-        return None
-    if tags.get(TAG_STARTING_POINT) != starting_point(base, previous, iteration):
-        return None
-    return _state_after(config, base, iteration, parent)
+    return _state_after(config, base, int(finished.tags[TAG_ITERATION]), finished.run_id)
 
 
 def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, parent: str) -> IterationState:
@@ -493,9 +470,11 @@ def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, paren
     when a reward function scored that iteration)."""
     tracker = tracking_store(config).tracker()
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
-    policy = recorded_result(context, stage_run(context, parent, "ppo_update"))
-    advantages = recorded_result(context, stage_run(context, parent, "compute_advantages"))
-    reward_model_run = stage_run(context, parent, "train_reward_model", required=False)
+    policy = recorded_result(context, stage_run(context.tracker, context.experiment_id, parent, "ppo_update"))
+    advantages = recorded_result(
+        context, stage_run(context.tracker, context.experiment_id, parent, "compute_advantages")
+    )
+    reward_model_run = stage_run(context.tracker, context.experiment_id, parent, "train_reward_model", required=False)
     reward_model, preferences = None, ()
     if reward_model_run is not None:
         reward_model = recorded_result(context, reward_model_run)

@@ -1,9 +1,10 @@
 """The ``rlhf`` command line (``rlhf COMMAND --help`` documents each command).
 
-rlhf run       run a campaign: config.iterations iterations (finished stages are reused)
+rlhf run       run a campaign: config.iterations iterations (finished ones are kept; --from-iteration recomputes)
 rlhf iterate   run one more iteration, continuing the campaign from its latest state in MLflow
 rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration with new settings
 rlhf compare   print chosen metrics of several runs or campaigns side by side
+rlhf inspect   summarise a campaign's recorded experience per iteration, flag drift, print chosen responses
 rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
 rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
@@ -28,10 +29,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from rlhf_core.errors import UserError
+
 # Offline-friendly defaults, set before Prefect and MLflow are imported; the user's own settings win.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core,storage,tasks,flows,demo")
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf_core,storage,tasks,campaign,flows,demo")
 # The command checks its inputs before any flow runs; what those checks log is for the console only.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -51,6 +54,12 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="show tracebacks of errors and of failed Prefect runs")
 
 
+def _at_least_zero(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    return int(text)
+
+
 def _at_least_one(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
@@ -58,6 +67,8 @@ def _at_least_one(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from campaign.settings import changeable_fields
+
     parser = argparse.ArgumentParser(
         prog="rlhf",
         description="Staged, resumable, replayable RLHF (PPO) on Prefect and MLflow.",
@@ -67,16 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
         "from its MLflow store.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run", help="run a campaign (finished stages are reused; a crashed run resumes)")
+    run = commands.add_parser(
+        "run",
+        help="run a campaign from its first unfinished iteration (finished iterations are kept; a crashed run resumes)",
+    )
     _add_config_arguments(run)
+    run.add_argument(
+        "--from-iteration",
+        type=_at_least_zero,
+        metavar="N",
+        help="recompute the finished iterations from N on, with this code and these inputs (the old runs are kept, "
+        "marked superseded)",
+    )
     iterate = commands.add_parser("iterate", help="run one more iteration from the campaign's latest state")
     _add_config_arguments(iterate)
     replay = commands.add_parser(
         "replay",
         help="re-run rewards/KL/GAE, PPO update and evaluation of a recorded iteration with new settings (no generation)",
         description="Starts from the config the source iteration ran with (recorded in MLflow): --config is needed "
-        "only for where the store is (run_root, tracking_uri). Only advantages.*, ppo.*, sizes.eval_prompts and "
-        "where stages run (device, torch_threads, execution.*, ...) may differ from the source run.",
+        f"only for where the store is (run_root, tracking_uri). Only {', '.join(changeable_fields())} may differ "
+        "from the source run.",
     )
     replay.add_argument("source", help="an MLflow iteration run id, or CAMPAIGN:ITERATION")
     _add_config_arguments(replay)
@@ -86,6 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--metrics", help="comma-separated metric names (default: the headline evaluation metrics)")
     _add_config_arguments(compare)
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a campaign's recorded experience per iteration, flag drift, print chosen responses",
+        description="Reads the shards every finished iteration (and replay) recorded, lazily. Columns and flags: "
+        "docs/inspect.md. --where and --top print rollouts decoded with the campaign's tokenizer; their columns are "
+        "iteration, run, row, prompt_id, length, truncated, score, reward, kl, advantage.",
+    )
+    inspect.add_argument("target", metavar="CAMPAIGN[:ITERATION]", help="a campaign, or one iteration of it")
+    inspect.add_argument(
+        "--where",
+        metavar="CONDITION",
+        help="print the rollouts matching a SQL condition, e.g. 'length >= 8 and score > 1'",
+    )
+    inspect.add_argument("--top", type=_at_least_one, metavar="N", help="print the N rollouts highest by --by")
+    inspect.add_argument("--by", default="score", metavar="COLUMN", help="the column --top sorts by (default score)")
+    inspect.add_argument("--format", choices=["table", "json", "csv"], default="table", help="default table")
+    inspect.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a drift threshold, e.g. --threshold length_rise=0.3 (repeatable; see docs/inspect.md)",
+    )
+    _add_config_arguments(inspect)
     export = commands.add_parser(
         "export",
         help="write a trained model of an iteration as a plain Hugging Face folder (LoRA adapters merged)",
@@ -141,30 +186,12 @@ _USER_ERRNOS = {
 port or an address not of this machine (the labelling page's)."""
 
 
-_USER_ERROR_TYPES = (
-    "flows.config:ConfigError", "flows.inputs:InputError", "storage.importers:ImportFormatError",
-    "storage.manifest:CorruptOutputError", "storage.locks:LockHeld", "storage.locks:UnsafeLockFile",
-    "flows.prefect_server:PrefectServerError", "tasks.train_reward_model:TooFewPairs",
-)  # fmt: skip
-"""The project's own user errors, by name: a command that never imported a module cannot have raised its errors, so
-checking needs no import (a command that only reads the store would otherwise pay for torch and Prefect here)."""
-
-
-def _raised_one_of(error: BaseException, names: tuple[str, ...]) -> bool:
-    """Whether ``error`` is an instance of one of the ``module:Class`` ``names`` (of modules already imported)."""
-    for name in names:
-        module, _, attribute = name.partition(":")
-        if module in sys.modules and isinstance(error, getattr(sys.modules[module], attribute)):
-            return True
-    return False
-
-
 def _user_error(error: BaseException) -> bool:
     """Whether ``error`` is a problem with what the user gave or the machine's state, not a bug."""
-    user_errors = (LookupError, FileNotFoundError, FileExistsError, TimeoutError, KeyboardInterrupt)
+    user_errors = (UserError, LookupError, FileNotFoundError, FileExistsError, TimeoutError, KeyboardInterrupt)
     if isinstance(error, KeyError | IndexError):  # LookupErrors of a bug, not a run or campaign that does not exist
         return False
-    if isinstance(error, user_errors) or _raised_one_of(error, _USER_ERROR_TYPES):
+    if isinstance(error, user_errors):
         return True
     return isinstance(error, OSError) and error.errno in _USER_ERRNOS
 
@@ -179,6 +206,19 @@ def _message(error: BaseException) -> str:
     return "\n".join(lines[:2])
 
 
+def _find_modules_beside(config_file: Path | None) -> None:
+    """Let a user's modules (a reward function's, ``reward.function: module:callable``) be found in the config file's
+    folder and the working directory, after everything installed (so neither shadows a package), in this process and
+    in those it starts (Dask and Ray workers, the flow runs of ``rlhf serve``)."""
+    folders = [str(Path(config_file).resolve().parent)] if config_file is not None else []
+    folders.append(os.getcwd())
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    known = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, known), *(f for f in folders if f not in known)])
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     if not arguments.verbose:
@@ -189,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         from storage.holds import arm
 
         arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
+    _find_modules_beside(arguments.config)
     try:
         from flows.config import load_config
 
@@ -197,13 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
-        timeout = _raised_one_of(error, ("flows.human_labels:HumanLabelTimeout",))
-        if not timeout and not _user_error(error):
+        if not _user_error(error):
             raise
         if arguments.verbose:
             traceback.print_exc()
         print(f"rlhf: {_message(error)}", file=sys.stderr)
-        return 3 if timeout else 2
+        return getattr(error, "exit_code", 2)
 
 
 class _RunFailures(logging.Filter):
@@ -217,14 +257,15 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments, *, replay: bool = False):
+def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = False):
     """What every flow-running command does first: check the campaign's inputs, that no other process runs
     it and (but for a replay, whose config is its source's) that it was started with this config, then make
     sure a Prefect server is there, one this process owns if none is configured.
 
     Returns:
         The console that shows the stages (:func:`flows.console.show_stages`; close it when the flows end), or
-        None with ``--verbose``, which shows the whole log instead.
+        None with ``--verbose``, which shows the whole log instead; and the base inputs, resolved and checked
+        once for the whole command (the flows take them).
 
     Raises:
         LockHeld: another process is running the campaign.
@@ -233,27 +274,34 @@ def _prepare(config, arguments, *, replay: bool = False):
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from flows.campaign import check_campaign_config, resolve_base
+    from campaign.identity import check_campaign_config
+    from campaign.store import campaign_layout, existing_tracker
+    from flows.campaign import resolve_base
     from flows.config import ConfigError
     from flows.console import show_stages
     from flows.prefect_server import ensure_prefect_api
-    from flows.store import campaign_layout, existing_tracker
     from storage.locks import refuse_if_locked
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
-    refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if not lock_checked:
+        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
     if not replay and (tracker := existing_tracker(config)) is not None:
         check_campaign_config(config, tracker)
-    resolve_base.fn(config)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
         for handler in handlers:
             handler.addFilter(_RunFailures())
-        console = show_stages(handlers)
+        console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
+    try:
+        base = resolve_base.fn(config)
+    except BaseException:
+        if console is not None:
+            console.close()
+        raise
     ensure_prefect_api()
-    return console
+    return console, base
 
 
 @contextlib.contextmanager
@@ -288,33 +336,42 @@ def _check_model_and_prompts(config) -> None:
     """The model's and tokenizer's checks (:func:`flows.inputs.check_inputs`: weights' headers, vocabulary, every
     prompt's length), before the flows are imported and the model hashed: a refusal waits for neither. The demo
     world's inputs are checked once it is built (in :func:`_prepare`)."""
-    from flows.identity import base_inputs, uses_demo_world
+    from campaign.identity import base_inputs, uses_demo_world
     from flows.inputs import check_inputs
+    from flows.model_sources import NotConverted
 
-    if not uses_demo_world(config):
-        check_inputs(config, base_inputs(config, None, None))
+    if uses_demo_world(config):
+        return
+    try:
+        located = base_inputs(config, None, None)  # where each input is, none read
+    except NotConverted:  # a GGUF model is located by its content: checked once identified, in _prepare
+        return
+    check_inputs(config, located)
 
 
 def _run(config, arguments) -> int:
     from flows.inputs import check_files
 
     check_files(config)  # before MLflow, Prefect or torch is imported: a file refused answers in a second or two
+    from campaign.history import campaign_finished, difference_note
+    from campaign.store import campaign_layout
     from flows.report import campaign_link, campaign_report
-    from flows.reuse import campaign_finished
-    from flows.store import campaign_layout
     from storage.locks import refuse_if_locked
 
     if config.run_root.is_dir():  # as every run does first (see _prepare)
         refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
-    if campaign_finished(config):  # decided from MLflow and the manifests: no Prefect server, flow or model
+    if arguments.from_iteration is None and campaign_finished(config):  # from MLflow alone: no server, flow, model
+        if note := difference_note(config):
+            print(f"campaign `{config.campaign}`: {note}")
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
         with _server_coming_up():
             _check_model_and_prompts(config)
             from flows.rlhf_pipeline import rlhf_campaign
 
-            with _running_flows(_prepare(config, arguments)):
-                rlhf_campaign(config)
+            console, base = _prepare(config, arguments, lock_checked=True)
+            with _running_flows(console):
+                rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
     print(campaign_report(config))
     print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
@@ -330,8 +387,9 @@ def _iterate(config, arguments) -> int:
         _check_model_and_prompts(config)
         from flows.rlhf_pipeline import rlhf_iteration
 
-        with _running_flows(_prepare(config, arguments)):
-            rlhf_iteration(config)
+        console, base = _prepare(config, arguments)
+        with _running_flows(console):
+            rlhf_iteration(config, base=base)
     print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
     return 0
 
@@ -340,25 +398,41 @@ def _replay(config, arguments) -> int:
     from flows.report import compare_report
 
     with _server_coming_up():
+        from campaign.store import resolve_run
         from flows.replay import replay_config
         from flows.rlhf_pipeline import rlhf_replay
-        from flows.store import resolve_run
 
         source_run_id = resolve_run(config, arguments.source)
         replay = replay_config(config, source_run_id, arguments.overrides)
-        with _running_flows(_prepare(replay, arguments, replay=True)):
-            replay_run_id = rlhf_replay(replay, source_run_id)
+        console, base = _prepare(replay, arguments, replay=True)
+        with _running_flows(console):
+            replay_run_id = rlhf_replay(replay, source_run_id, base=base)
     print(compare_report(config, [source_run_id, replay_run_id]))
     print(f"\nReplay run {replay_run_id}; compare again with: rlhf compare {arguments.source} {replay_run_id}")
     return 0
 
 
 def _compare(config, arguments) -> int:
+    from campaign.store import resolve_run
     from flows.report import compare_report
-    from flows.store import resolve_run
 
     metrics = arguments.metrics.split(",") if arguments.metrics else None
     print(compare_report(config, [resolve_run(config, name) for name in arguments.runs], metrics=metrics))
+    return 0
+
+
+def _inspect(config, arguments) -> int:
+    from flows.inspect import RENDERERS, inspect_campaign
+
+    inspection = inspect_campaign(
+        config,
+        arguments.target,
+        where=arguments.where,
+        top=arguments.top,
+        by=arguments.by,
+        thresholds=arguments.threshold,
+    )
+    print(RENDERERS[arguments.format](inspection), end="")
     return 0
 
 
@@ -371,7 +445,7 @@ def _export(config, arguments) -> int:
 
 
 def _gc(config, arguments) -> int:
-    from flows.gc import collect_garbage, describe
+    from campaign.gc import collect_garbage, describe
 
     config = config.model_copy(update={"campaign": arguments.campaign})
     plan = collect_garbage(config, keep_last=arguments.keep_last, dry_run=arguments.dry_run)
@@ -405,7 +479,7 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_STORE_COMMANDS = ("replay", "compare", "export", "gc", "config")
+_STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
 """Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
 export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
@@ -417,8 +491,8 @@ def _store_overrides(arguments: argparse.Namespace) -> list[str]:
     recorded config (:func:`flows.replay.replay_config`), never the defaults, which they might not fit."""
     if arguments.command != "replay":
         return arguments.overrides
+    from campaign.settings import LOCATION
     from flows.config import parse_override
-    from flows.settings import LOCATION
 
     return [text for text in arguments.overrides if parse_override(text)[0] in LOCATION]
 
@@ -428,6 +502,7 @@ _COMMANDS = {
     "iterate": _iterate,
     "replay": _replay,
     "compare": _compare,
+    "inspect": _inspect,
     "export": _export,
     "gc": _gc,
     "serve": _serve,

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from flows.campaign import context_for, resolve_base, source_config, stage_run, tracking_store
+from campaign.store import resolve_run, source_config, stage_run
+from flows.campaign import context_for, resolve_base, tracking_store
 from flows.config import PipelineConfig
-from flows.store import resolve_run
 from rlhf_core.loading import ModelLoader, merged
 from storage.checkpoints import load_tokenizer
+from storage.files import temporary_sibling
 from tasks.records import recorded_result
 
 ExportedModel = Literal["actor", "critic", "reward_model"]
@@ -47,13 +47,13 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
     base = resolve_base.fn(recorded)
     tracker = tracking_store(recorded).tracker()
     context = context_for(recorded, 0, base, tracker.experiment_id(recorded.campaign))
-    output = recorded_result(context, stage_run(context, run_id, _STAGE_OF[model]))
+    output = recorded_result(context, stage_run(context.tracker, context.experiment_id, run_id, _STAGE_OF[model]))
     folder = output.directory / model
     if not folder.is_dir():
         raise LookupError(f"{source} has no {model}: it was trained by a critic-free estimator")
     loader = ModelLoader(device=torch.device("cpu"), precision="fp32", bases=base.bases)
     plain = merged(loader.load(model, folder))
-    staging = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}-{uuid.uuid4().hex}"
+    staging = temporary_sibling(out_dir, what=".export-")
     try:
         plain.save_pretrained(staging)
         load_tokenizer(folder).save_pretrained(staging)

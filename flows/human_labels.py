@@ -49,6 +49,7 @@ from pydantic import Field, create_model
 
 from flows.config import HumanLabelConfig
 from flows.label_page import LabelForm, LabelPage, resume_when_paused, serving
+from rlhf_core.errors import UserError
 from storage.manifest import StageOutput
 from storage.progress import latest_progress, save_progress
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
@@ -63,8 +64,10 @@ STAGE = "human_labels"
 ANSWERS_FILE = "answers.json"
 
 
-class HumanLabelTimeout(FlowPauseTimeout):
+class HumanLabelTimeout(UserError, FlowPauseTimeout):
     """No answer arrived on a labelling form within ``human.timeout_seconds``."""
+
+    exit_code = 3
 
 
 def request_human_labels(

@@ -15,6 +15,8 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
    reward model's own tokens). Longer ones are refused, not truncated: a prompt cut short silently
    would train on something other than the file says.
 4. The device exists on this machine and supports the precision (fp16 needs a GPU).
+5. A reward function (``reward.function``) takes the columns of both prompt files and is called once
+   (:func:`tasks.reward_function.check_reward_function`).
 
 :func:`check_files` makes the checks that need no model, tokenizer or device (every input exists, the model's
 ``config.json`` and context, every row parses, enough rows) before the command imports torch, MLflow or Prefect
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from flows.config import PipelineConfig
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
+from rlhf_core.errors import UserError
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 
 if TYPE_CHECKING:  # check_files imports neither torch, transformers nor MLflow
@@ -42,7 +45,7 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
 T = TypeVar("T")
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """An input file or model the campaign cannot use; the message names the setting, file, row and field."""
 
 
@@ -167,8 +170,11 @@ def _enough_pairs(setting: str, path: Path, pairs: int, *, at_least: int, eval_f
         raise InputError(f"`{setting}` {path}: {error}")
 
 
-def _is_hub_name(model: str) -> bool:
-    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`flows.identity` reads it."""
+def _found_later(model: str) -> bool:
+    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`campaign.identity` reads it,
+    or a file in a package (``pkg:``, :mod:`flows.model_sources`): either is found later."""
+    if model.startswith("pkg:"):
+        return True
     return not Path(model).exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1
 
 
@@ -207,13 +213,13 @@ def check_files(config: PipelineConfig) -> None:
     if config.labeler == "import":
         files["data.preferences"] = config.data.preferences
     for setting, model in models.items():
-        if model is not None and not _is_hub_name(model) and not Path(model).exists():
+        if model is not None and not _found_later(model) and not Path(model).exists():
             raise FileNotFoundError(f"`{setting}` folder {model} does not exist")
     for setting, path in files.items():
         if path is not None and not path.exists():
             raise FileNotFoundError(f"`{setting}` {path} does not exist")
     policy, max_new_tokens = config.model.policy, config.sampling.max_new_tokens
-    if policy is not None and not _is_hub_name(policy):
+    if policy is not None and not _found_later(policy) and not policy.lower().endswith(".gguf"):
         context = _context_of("model.policy", Path(policy))
         if context is not None and max_new_tokens >= context:
             raise InputError(
@@ -243,8 +249,12 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
 
     Raises:
         InputError: the first problem found.
+        RewardFunctionError: the reward function cannot be called with the prompts' columns, or raises.
     """
+    from rlhf_core.loading import has_reward_head
     from rlhf_core.precision import resolve_device
+    from tasks.reward_function import check_reward_function
+    from tasks.text import prompt_text, read_prompts
 
     try:
         device = resolve_device(config.device)
@@ -277,6 +287,20 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
+    if config.labeler == "reward_model" and config.learns_from_labels and base.reward_model is not None:
+        if not has_reward_head(base.reward_model.path):
+            raise InputError(
+                f"`model.reward_model` {config.model.reward_model} has no reward head, so it cannot label the first "
+                "iteration's pairs (labeler reward_model): give a sequence-classification checkpoint with one label "
+                "or a reward model this project exported, or label with import or human"
+            )
+    for function in filter(None, (base.reward_function, base.rubric)):
+        samples = [
+            (setting, prompt, prompt_text(tokenizer, prompt))
+            for setting, path in (("data.prompts", base.prompts.path), ("data.eval_prompts", base.eval_prompts.path))
+            for prompt in read_prompts(path)[:1]
+        ]
+        check_reward_function(function, samples)
     if base.preferences is not None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:

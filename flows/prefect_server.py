@@ -39,6 +39,8 @@ from prefect.context import refresh_global_settings_context
 from prefect.logging import get_logger
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
+from rlhf_core.errors import UserError
+
 logger = get_logger("rlhf.prefect_server")
 
 _LAUNCHER = """\
@@ -57,7 +59,7 @@ _started_url: str | None = None
 """The API of the temporary server :func:`ensure_prefect_api` started in this process, if it did."""
 
 
-class PrefectServerError(RuntimeError):
+class PrefectServerError(UserError, RuntimeError):
     """The temporary Prefect server did not start."""
 
 

@@ -2,7 +2,7 @@
 
 A replay takes the config its source iteration was run with (stored beside the run as
 ``config.json``) and changes only what can change without generating again: the settings that
-only the replayed stages receive (:func:`flows.settings.replayable_fields`: the advantage and PPO
+only the replayed stages receive (:func:`campaign.settings.replayable_fields`: the advantage and PPO
 settings and how many held-out prompts evaluation uses), plus where and how stages run.
 
 The advantage estimator may change too, as far as the stored experience allows
@@ -17,18 +17,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flows.campaign import source_config
+from campaign.settings import LOCATION, changeable_fields, covers
+from campaign.store import source_config
 from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
-from flows.settings import EXECUTION, LOCATION, covers, replayable_fields
 from rlhf_core.config import GROUP_ESTIMATORS
 from storage.schemas import OLD_VALUES, PROMPT_ID
 from storage.shards import read_table
 from tasks.stage import StageResult
-
-
-def changeable_fields() -> tuple[str, ...]:
-    """Every config path a replay may set: the replayable settings, execution and location."""
-    return replayable_fields() + EXECUTION + LOCATION
 
 
 def _refusal(fields: list[str]) -> ConfigError:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from campaign.store import store_tracker
 from flows.config import PipelineConfig
-from flows.store import store_tracker
 from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND
 
 HEADLINE_METRICS = {
@@ -23,7 +23,8 @@ HEADLINE_METRICS = {
 }
 
 
-def _table(rows: Sequence[Sequence[str]]) -> str:
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as right-aligned columns (the first row is the header)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
@@ -38,7 +39,7 @@ def campaign_report(config: PipelineConfig) -> str:
     rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
     columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
     header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
-    table = _table(
+    table = text_table(
         [header, *([str(iteration), *(_cell(metrics, name) for name in columns)] for iteration, metrics in rows)]
     )
     notes = []
@@ -85,4 +86,4 @@ def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: S
         ["iteration", *(t.get(TAG_ITERATION, "-") for t in tags)],
         *([name, *(_cell(v, name) for v in values)] for name in names),
     ]
-    return _table(rows)
+    return text_table(rows)

@@ -2,9 +2,10 @@
 labels or reward model); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded
 iteration from its saved experience with new settings.
 
-Every stage is reused when its output for the same inputs already exists, so running a flow
-again does no work, and a crashed run continues from its first unfinished stage. Each stage gets
-exactly the settings :data:`flows.settings.STAGE_SETTINGS` lists for it.
+A campaign's finished iterations are history (:mod:`campaign.history`): running it again continues from its first
+unfinished iteration, whatever code or inputs changed. Within an iteration, every stage is reused when its output
+for the same inputs (and the same code that computes it) already exists, so a crashed run continues from its
+first unfinished stage. Each stage gets exactly the settings :data:`campaign.settings.STAGE_SETTINGS` lists for it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from functools import partial
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from campaign.history import check_from_iteration, finished_iterations, what_differs
+from campaign.settings import stage_settings
 from flows.campaign import (
     IterationState,
     ReplayInputs,
     campaign_layout,
     close_iteration,
-    finished_otherwise,
+    finished_state,
     load_latest_state,
     load_replay_inputs,
     open_iteration,
@@ -31,7 +34,6 @@ from flows.engines import campaign_slot, engine
 from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
-from flows.settings import stage_settings
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -77,9 +79,15 @@ def _campaign(parameters: dict) -> str:
 
 @flow(name="rlhf-iteration", flow_run_name=_iteration_run_name)
 def rlhf_iteration(
-    config: PipelineConfig, iteration: int | None = None, state: IterationState | None = None
+    config: PipelineConfig,
+    iteration: int | None = None,
+    state: IterationState | None = None,
+    fresh: bool = False,
+    base: BaseInputs | None = None,
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
+    With ``fresh``, a finished run of the same inputs is recomputed in a new run, which supersedes it. ``base``:
+    the base inputs the command resolved already (:func:`flows.campaign.resolve_base`), or None to resolve them.
 
     Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
     iterations of one campaign never run at once, on one machine or several; runs on the engines of
@@ -93,11 +101,11 @@ def rlhf_iteration(
         campaign_slot(config.campaign, layout.slot_file()),
         engine(config) as config,
     ):
-        base = resolve_base(config)
+        base = base or resolve_base(config)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
             _name_iteration_run(config.campaign, iteration)
-        context = open_iteration(config, iteration, base, state)
+        context = open_iteration(config, iteration, base, state, fresh=fresh)
         get_run_logger().info(
             "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
         )
@@ -114,7 +122,7 @@ def _iteration(
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
         collected = _collect(config, context, settings, state) if config.reward_model.train else ()
-        all_preferences = (*state.preferences, *collected[1:])
+        all_preferences = (*state.preferences, *collected[-1:])
         reward_model = train_reward_model(
             context, all_preferences, state.reward_model, **settings("train_reward_model")
         ).result()
@@ -127,11 +135,14 @@ def _iteration(
     evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
     stages = [*learned, experience, scored, policy, evaluation]
     new_state = IterationState(policy, reward_model, all_preferences, scored)
-    return close_iteration(context, stages, new_state, initialized=initialized)
+    return close_iteration(context, stages, new_state)
 
 
-def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
-    """Stages 1 and 2: candidates from the current policy, and their preference labels."""
+def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, ...]:
+    """Stages 1 and 2: candidates from the current policy (none for imported pairs: nothing would read them), and
+    their preference labels."""
+    if config.labeler == "import":
+        return (collect_preferences(context, None, None, None, **settings("collect_preferences")).result(),)
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
@@ -144,33 +155,46 @@ def _collect(config: PipelineConfig, context, settings, state: IterationState) -
 
 
 @flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)
-def rlhf_campaign(config: PipelineConfig) -> IterationState:
+def rlhf_campaign(
+    config: PipelineConfig, from_iteration: int | None = None, base: BaseInputs | None = None
+) -> IterationState:
     """``config.iterations`` iterations, each continuing from the previous one's policy and reward model.
 
-    An iteration the campaign finished with other settings (PPO or advantage settings, or another number of
-    iterations) is kept as it is (:func:`flows.campaign.finished_otherwise`): the settings apply from the first
-    unfinished iteration on, and an iteration number names one finished run.
+    A finished iteration is kept as it is, whatever code, input contents or changeable settings (PPO or advantage
+    settings, the number of iterations) this run brings: they apply from the first unfinished iteration on, and a
+    notice says what differs (:func:`campaign.history.what_differs`). ``from_iteration`` recomputes the finished
+    iterations from that one on, in new runs that supersede the old ones.
+
+    Raises:
+        ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
     """
-    state = None
     with engine(config) as config:  # one local cluster for every iteration
-        base = resolve_base(config)
-        for iteration in range(config.iterations):
-            kept = finished_otherwise(config, base, iteration, state)
-            if kept is not None:
-                get_run_logger().info(
-                    "iteration %d of campaign %s was finished with other settings (advantages, ppo or iterations): "
-                    "kept as it is (`rlhf replay %s:%d` runs it with these)",
-                    iteration, config.campaign, config.campaign, iteration,
-                )  # fmt: skip
-            state = kept or rlhf_iteration(config, iteration, state)
+        base = base or resolve_base(config)
+        finished = finished_iterations(config)
+        start = next((n for n in range(config.iterations) if n not in finished), config.iterations)
+        if from_iteration is not None:
+            start = from_iteration
+        state = finished_state(config, base, finished.get(start - 1))
+        check_from_iteration(from_iteration, finished, optimizer_states_present=_continuable(state))
+        if note := what_differs({n: run for n, run in finished.items() if n < start}, base):
+            get_run_logger().info("campaign %s: %s", config.campaign, note, extra={STAGE_EVENT: "notice"})
+        for iteration in range(start, config.iterations):
+            state = rlhf_iteration(config, iteration, state, fresh=iteration in finished, base=base)
     return state
 
 
+def _continuable(state: IterationState | None) -> bool:
+    """Whether a PPO update can continue ``state``'s policy exactly: it has no optimizer states, or they are there."""
+    states = None if state is None else optimizer_state(state.policy)
+    return states is None or states.present
+
+
 @flow(name="rlhf-replay", flow_run_name=_replay_run_name)
-def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
+def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | None = None) -> str:
     """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
 
-    Returns the replay's MLflow run id (tagged ``rlhf.replay_of`` = ``source_run_id``). It writes into the
+    ``base``: the base inputs the command resolved already, or None to resolve them. Returns the replay's MLflow
+    run id (tagged ``rlhf.replay_of`` = ``source_run_id``). It writes into the
     campaign's folder and MLflow experiment, so it holds the campaign's lock like an iteration.
     """
     check_replayable(config, source_run_id)
@@ -180,7 +204,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str) -> str:
         campaign_slot(config.campaign, layout.slot_file()),
         engine(config) as config,
     ):
-        base = resolve_base(config)
+        base = base or resolve_base(config)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)
@@ -198,5 +222,5 @@ def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, inp
     ).result()
     evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
-    close_iteration(context, [scored, new_policy, evaluation], state)
+    close_iteration(context, [scored, new_policy, evaluation], state, experience=inputs.experience)
     return context.parent_run_id

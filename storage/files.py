@@ -11,6 +11,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,27 @@ def fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(descriptor)
+
+
+TEMPORARY_MARK = ".tmp-"
+
+
+def temporary_sibling(final: Path, *, what: str = TEMPORARY_MARK) -> Path:
+    """The name a file or folder is written under before it is renamed to ``final``: ``.{name}.tmp-{pid}-{hex}``
+    beside it, hidden, unique, and naming its writer (so a later one can remove what a dead one left,
+    :func:`storage.manifest.StageOutput` does). The one write-then-rename naming of the project."""
+    return final.with_name(f".{final.name}{what}{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def write_text_replacing(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a :func:`temporary_sibling` and a rename: a reader sees the old or the new
+    text, never a part."""
+    temporary = temporary_sibling(path)
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def publish_file(temporary: Path, final: Path) -> None:

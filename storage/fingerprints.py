@@ -21,12 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
-import uuid
 from pathlib import Path
 
-from storage.files import file_sha256
+from storage.files import file_sha256, write_text_replacing
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +94,7 @@ class FingerprintCache:
         if self.cache_file is None or not self._changed:
             return
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.cache_file.with_name(f".{self.cache_file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
-        temporary.write_text(json.dumps({"version": _CACHE_VERSION, "files": self._entries}, sort_keys=True))
-        os.replace(temporary, self.cache_file)
+        write_text_replacing(
+            self.cache_file, json.dumps({"version": _CACHE_VERSION, "files": self._entries}, sort_keys=True)
+        )
         self._changed = False

@@ -44,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_core.errors import UserError
 from storage.schemas import (
     CHAT_MESSAGES,
     CHOSEN,
@@ -70,7 +71,7 @@ Message = dict[str, str]
 """``{"role": "user" | "assistant" | "system", "content": str}``."""
 
 
-class ImportFormatError(ValueError):
+class ImportFormatError(UserError, ValueError):
     """A malformed row (or file) in an imported dataset.
 
     Attributes:
@@ -330,6 +331,19 @@ def import_prompts(path: Path, *, text_column: str = "prompt") -> pa.Table:
         },
         schema=PROMPTS,
     )
+
+
+def prompt_columns(path: Path, *, text_column: str = "prompt") -> list[dict[str, Any]]:
+    """The columns of each row of a prompts file or folder besides the prompt (its text or ``messages``), in file
+    order: what a reward function receives beside the prompt (a reference answer, a test case).
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    return [
+        {name: value for name, value in record.items() if name not in (text_column, MESSAGES)}
+        for _, record, _, _ in prompt_rows(Path(path), text_column=text_column)
+    ]
 
 
 def _prompt_id(path: Path, row: int, value: Any) -> int:

@@ -7,7 +7,8 @@ SQLite store and its artifacts live beside the stage folders, so moving ``root``
     root/
         mlflow.db               # MLflow tracking store (SQLite)
         mlartifacts/<campaign>/ # MLflow artifacts, one folder per experiment
-        cache/                  # scratch space: downloads for resume and replay, input fingerprints
+        cache/                  # scratch space: downloads for resume and replay, input fingerprints,
+                                #   GGUF files converted to Hugging Face folders (cache/gguf/<sha256>)
         <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
 """
 
@@ -64,6 +65,12 @@ class RunLayout:
     def fingerprint_cache(self) -> Path:
         """The cache of input files' content hashes (see :mod:`storage.fingerprints`)."""
         return self.cache_dir() / "fingerprints.json"
+
+    def converted_model_dir(self, sha256: str) -> Path:
+        """The Hugging Face folder a GGUF file whose content has ``sha256`` is converted into, once."""
+        if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
+            raise ValueError(f"`sha256` must be a lowercase hex sha256, got {sha256!r}")
+        return self.cache_dir() / "gguf" / sha256
 
     def lock_file(self) -> Path:
         """The file whose lock a running iteration holds, so two never run at once."""

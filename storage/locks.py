@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlhf_core.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,7 +31,7 @@ class LockTimeout(TimeoutError):
     """The lock stayed held by another process for longer than the caller would wait."""
 
 
-class UnsafeLockFile(OSError):
+class UnsafeLockFile(UserError, OSError):
     """The lock file is a symbolic link, or not a plain file with one name: writing to it could hit another file."""
 
 
@@ -53,7 +55,7 @@ def _open(path: Path) -> int:
     return descriptor
 
 
-class LockHeld(RuntimeError):
+class LockHeld(UserError, RuntimeError):
     """Another process holds the lock (:func:`refuse_if_locked`)."""
 
 

@@ -32,7 +32,6 @@ import math
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -42,7 +41,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.files import FileEntry, file_sha256, fsync_directory
+from rlhf_core.errors import UserError
+from storage.files import TEMPORARY_MARK, FileEntry, file_sha256, fsync_directory, temporary_sibling
 from storage.schemas import SCHEMA_VERSION
 from storage.shards import write_shards
 
@@ -67,10 +67,9 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "_manifest.json"
 _CHECKSUM_KEY = "manifest_sha256"
-_TEMPORARY_MARK = ".tmp-"
 
 
-class CorruptOutputError(Exception):
+class CorruptOutputError(UserError):
     """A stage output whose files do not match its manifest, or whose manifest is unreadable.
 
     Attributes:
@@ -362,7 +361,7 @@ def find_stage_output(final_dir: Path, input_key: str) -> Manifest | None:
 
 def _temporary_owner(path: Path, final_name: str) -> int | None:
     """The pid in a temporary folder name ``.{final}.tmp-{pid}-{hex}``, -1 if unparsable, None if not ours."""
-    prefix = f".{final_name}{_TEMPORARY_MARK}"
+    prefix = f".{final_name}{TEMPORARY_MARK}"
     if not path.name.startswith(prefix):
         return None
     match = re.fullmatch(r"(\d+)-[0-9a-f]+", path.name[len(prefix) :])
@@ -483,7 +482,7 @@ class StageOutput:
         _refuse_existing(self.final_dir)
         _remove_stale_temporaries(self.final_dir)
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
-        name = f".{self.final_dir.name}{_TEMPORARY_MARK}{os.getpid()}-{uuid.uuid4().hex}"
+        name = temporary_sibling(self.final_dir).name
         self._path = self.final_dir.parent / name
         self._path.mkdir()
         return self

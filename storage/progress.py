@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from storage.files import temporary_sibling
 from storage.holds import hold
 
 _EPOCH_PREFIX = "epoch-"
@@ -30,7 +30,7 @@ def save_progress(final_dir: Path, epochs_done: int, write: Callable[[Path], Non
     root = partial_dir(final_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{_EPOCH_PREFIX}{epochs_done:05d}"
-    staging = root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    staging = temporary_sibling(target)
     try:
         write(staging)
         if not target.exists():

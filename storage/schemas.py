@@ -101,6 +101,11 @@ EVALUATION = _schema(
 """One row per held-out prompt: both sides' responses and rewards, and the policy's KL to the reference
 (summed over its response). The pieces evaluation's shards write (its output is ``samples.jsonl``)."""
 
+SAMPLES = "samples.jsonl"
+"""A stage output's sample rows as JSON lines (evaluation: the :data:`EVALUATION` columns plus ``policy_gold`` and
+``reference_gold`` where a gold judge scored them), also logged as an MLflow table, so the UI shows what the policy
+writes beside what the reward model and the gold judge made of it."""
+
 HUMAN_LABELS = _schema((PAIR_ID, pa.int64()), (CHOICE, pa.string()))
 
 #: Per-token fields of an unscored Experience, in schema order.

@@ -10,7 +10,8 @@ Choices:
 3. Every table is checked and cast against its explicit schema before anything is written
    (:func:`storage.schemas.conform`); an empty table still writes one (empty) shard so its schema
    survives.
-4. Reads are whole-table (:func:`read_table`), with the exact Arrow types that were written.
+4. Reads are whole-table (:func:`read_table`), with the exact Arrow types that were written, or lazy
+   (:func:`scan_table`: a polars scan that reads only what a query needs).
 5. A table assembled from pieces computed apart (the shards of a fanned-out stage) writes each piece
    as one file the same way (:func:`write_piece`), then the whole table as above.
 """
@@ -18,13 +19,13 @@ Choices:
 from __future__ import annotations
 
 import re
-import uuid
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.files import FileEntry, file_sha256, fsync_directory, publish_file
+from storage.files import FileEntry, file_sha256, fsync_directory, publish_file, temporary_sibling
 from storage.schemas import conform
 
 COMPRESSION = "zstd"
@@ -85,7 +86,7 @@ def write_shards(
     try:
         for index, start in enumerate(starts):
             final = directory / shard_name(name, index)
-            temporary = directory / f".{final.name}.tmp-{uuid.uuid4().hex}"
+            temporary = temporary_sibling(final)
             shard = table.slice(start, rows_per_shard)
             try:
                 pq.write_table(shard, temporary, compression=COMPRESSION)
@@ -117,6 +118,19 @@ def read_table(directory: Path, name: str) -> pa.Table:
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
+def scan_table(directory: Path, name: str) -> pl.LazyFrame:
+    """A lazy polars scan of every shard of table ``name`` in ``directory``, in order: nothing is read until it is
+    collected, and then only the columns and row groups the query needs.
+
+    Raises:
+        FileNotFoundError: there is no shard of that name.
+    """
+    paths = shard_paths(directory, name)
+    if not paths:
+        raise FileNotFoundError(f"no shards of table {name!r} in {directory}")
+    return pl.scan_parquet(paths)
+
+
 def write_piece(path: Path, table: pa.Table, *, schema: pa.Schema) -> None:
     """Write ``table`` as the one Parquet file ``path``, published atomically (never a half file).
 
@@ -126,7 +140,7 @@ def write_piece(path: Path, table: pa.Table, *, schema: pa.Schema) -> None:
     """
     table = conform(table, schema)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    temporary = temporary_sibling(path)
     try:
         pq.write_table(table, temporary, compression=COMPRESSION)
         file_sha256(temporary, sync=True)

@@ -48,7 +48,6 @@ import shutil
 import socket
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +60,7 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
 
+from storage.files import temporary_sibling
 from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 
 __all__ = [
@@ -81,7 +81,10 @@ __all__ = [
     "TAG_PARENT_RUN_ID",
     "TAG_PROCESS",
     "TAG_REPLAY_OF",
-    "TAG_REUSE",
+    "TAG_CODE",
+    "TAG_INPUTS",
+    "TAG_PACKAGE_VERSION",
+    "TAG_SUPERSEDED_BY",
     "TAG_STAGE",
     "MissingOutputError",
     "ModelVersionSummary",
@@ -98,13 +101,17 @@ TAG_INPUT_KEY = "rlhf.input_key"
 TAG_MANIFEST_DIGEST = "rlhf.manifest_digest"
 TAG_ITERATION_KEY = "rlhf.iteration_key"
 """An iteration (or replay) run's identity: the hash of its config, base inputs and starting point."""
-TAG_STARTING_POINT = "rlhf.starting_point"
-"""On an iteration run: the hash of its base inputs, the policy it started from and its number (its key less the
-config), so a campaign can tell an iteration finished with other settings from one made from other inputs."""
 TAG_REPLAY_OF = "rlhf.replay_of"
 """On a replay run: the iteration run it replays."""
-TAG_REUSE = "rlhf.reuse"
-"""On an iteration run: its reuse record, the code and stage outputs it used (see ``flows/reuse.py``)."""
+TAG_CODE = "rlhf.code"
+"""On an iteration run: the fingerprint of the code that computed it (``campaign.history.code_in_use``)."""
+TAG_PACKAGE_VERSION = "rlhf.package_version"
+"""On an iteration run: this project's version that computed it."""
+TAG_INPUTS = "rlhf.inputs"
+"""On an iteration run: the contents it was computed from, JSON ``{setting: sha256}`` (``model.policy``, ...)."""
+TAG_SUPERSEDED_BY = "rlhf.superseded_by"
+"""On an iteration run recomputed by a later one (``rlhf run --from-iteration``): the run that replaced it, or that
+replaced an iteration it continued from. A superseded run is kept, but no longer the campaign's."""
 TAG_OUTPUT_PREFIX = "rlhf.output."
 """An iteration run's tag ``rlhf.output.<stage>`` names the stage run holding the output it used,
 which is another iteration's run when the stage was reused."""
@@ -114,7 +121,7 @@ TAG_PROCESS = "rlhf.process"
 """The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
 TAG_CONFIG_FINGERPRINT = "rlhf.config_fingerprint"
-"""Experiment tag: the fingerprint of the config that defines the campaign (``flows.campaign.campaign_fields``)."""
+"""Experiment tag: the fingerprint of the config that defines the campaign (``campaign.identity.campaign_fields``)."""
 TAG_CAMPAIGN_CONFIG = "rlhf.campaign_config"
 """Experiment tag: those fields as JSON, so a conflicting config can be told which fields differ."""
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
@@ -668,7 +675,7 @@ class Tracker:
         if referenced is not None:
             return self._copy_referenced(run_id, Path(referenced), destination)
         destination.parent.mkdir(parents=True, exist_ok=True)
-        staging = destination.parent / f".{destination.name}.download-{os.getpid()}-{uuid.uuid4().hex}"
+        staging = temporary_sibling(destination, what=".download-")
         staging.mkdir()
         try:
             downloaded = Path(self._client.download_artifacts(run_id, OUTPUT_ARTIFACT_PATH, dst_path=str(staging)))
@@ -688,7 +695,7 @@ class Tracker:
             )
         read_manifest(referenced, verify=True)
         if referenced != destination:
-            staging = destination.parent / f".{destination.name}.copy-{os.getpid()}-{uuid.uuid4().hex}"
+            staging = temporary_sibling(destination, what=".copy-")
             try:
                 shutil.copytree(referenced, staging)
                 if destination.exists():
@@ -700,30 +707,36 @@ class Tracker:
 
     # Campaign state and models ----------------------------------------------------------------------
 
-    def _finished_iteration_runs(self, experiment_id: str) -> Iterator[Run]:
-        """Every FINISHED iteration run of the experiment, page by page."""
-        return self._search_all(
+    def finished_iterations(self, experiment_id: str) -> dict[int, RunSummary]:
+        """The campaign's finished iterations: ``{iteration: its run}``, the newest FINISHED iteration run of each
+        number that no later run superseded (``rlhf.superseded_by``). The one query of "the finished run of
+        iteration N"."""
+        return {
+            number: RunSummary(run.info.run_id, run.info.status, dict(run.data.tags))
+            for number, run in self._finished_iteration_runs(experiment_id).items()
+        }
+
+    def _finished_iteration_runs(self, experiment_id: str) -> dict[int, Run]:
+        newest: dict[int, Run] = {}
+        for run in self._search_all(
             experiment_id, f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'"
-        )
+        ):
+            value = run.data.tags.get(TAG_ITERATION)
+            if value is None or not re.fullmatch(r"-?\d+", value) or TAG_SUPERSEDED_BY in run.data.tags:
+                continue
+            if int(value) not in newest or run.info.start_time > newest[int(value)].info.start_time:
+                newest[int(value)] = run
+        return dict(sorted(newest.items()))
 
     def iteration_metrics(self, experiment_id: str) -> list[tuple[int, dict[str, float]]]:
-        """``(iteration, latest metrics)`` of every FINISHED iteration run, by iteration; the newest
-        run wins when an iteration was run more than once."""
-        newest: dict[int, tuple[int, dict[str, float]]] = {}
-        for run in self._finished_iteration_runs(experiment_id):
-            iteration = int(run.data.tags[TAG_ITERATION])
-            if iteration not in newest or run.info.start_time > newest[iteration][0]:
-                newest[iteration] = (run.info.start_time, dict(run.data.metrics))
-        return [(iteration, metrics) for iteration, (_, metrics) in sorted(newest.items())]
+        """``(iteration, metrics)`` of every finished iteration (:meth:`finished_iterations`), by iteration."""
+        return [
+            (number, dict(run.data.metrics)) for number, run in self._finished_iteration_runs(experiment_id).items()
+        ]
 
     def latest_iteration(self, experiment_id: str) -> int | None:
-        """The highest ``rlhf.iteration`` among FINISHED iteration runs of the experiment, or None."""
-        iterations = [
-            int(value)
-            for run in self._finished_iteration_runs(experiment_id)
-            if (value := run.data.tags.get(TAG_ITERATION)) is not None and re.fullmatch(r"-?\d+", value)
-        ]
-        return max(iterations, default=None)
+        """The highest finished iteration (:meth:`finished_iterations`) of the experiment, or None."""
+        return max(self.finished_iterations(experiment_id), default=None)
 
     def register_model(self, run_id: str, *, name: str, stage_dir: Path, subfolder: str, alias: str = "latest") -> str:
         """Register the folder ``subfolder`` (e.g. ``actor``) of a stage output recorded on ``run_id`` as a new

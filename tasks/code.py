@@ -32,7 +32,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-FIRST_PARTY = ("rlhf_core", "storage", "tasks", "flows", "demo")
+FIRST_PARTY = ("rlhf_core", "storage", "tasks", "campaign", "flows", "demo")
 COMPUTING = ("rlhf_core", "tasks")
 """The packages whose modules a fingerprint follows into (less :data:`PLUMBING`)."""
 PLUMBING = (

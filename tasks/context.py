@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storage.layout import RunLayout
+from storage.tracking import Tracker, open_tracker
+from tasks.judge import JudgeReference  # at run time: a flow validates the base inputs it is given
+from tasks.reward_function import RewardFunctionReference
 
-if TYPE_CHECKING:  # the context needs no torch or MLflow: a command that only reads base inputs starts without them
+if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
     import torch
 
     from rlhf_core.config import LoraConfig, Precision
     from rlhf_core.loading import ModelLoader
-    from storage.tracking import Tracker
-    from tasks.judge import JudgeReference
-    from tasks.reward_function import RewardFunctionReference
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,16 @@ class InputFile:
 
     In an input key only ``sha256`` counts: the same content at another path is the same input,
     and a file edited in place is a new one.
+
+    Args:
+        path: the file or folder the stages read.
+        sha256: its content's fingerprint; for a folder converted from ``source``, the source's.
+        source: the file ``path`` was converted from (a GGUF model, :mod:`flows.model_sources`), or None.
     """
 
     path: str
     sha256: str
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class BaseInputs:
         reward_model: a pretrained reward model folder (with its own tokenizer), or None.
         reward_function: the reward function that scores rollouts (``reward.source: function``),
             or None when a reward model does. A setting of the stages that score, like ``judge``.
+        rubric: the reward function that labels candidate pairs (labeler ``function``) and scores
+            evaluation's responses beside the reward model, or None.
     """
 
     policy: InputFile
@@ -69,6 +77,7 @@ class BaseInputs:
     preferences: InputFile | None = None
     reward_model: InputFile | None = None
     reward_function: RewardFunctionReference | None = None
+    rubric: RewardFunctionReference | None = None
 
     @property
     def bases(self) -> dict[str, str]:
@@ -79,6 +88,36 @@ class BaseInputs:
     def reward_tokenizer(self) -> str:
         """The folder of the reward model's tokenizer: a pretrained reward model's own, else the policy's."""
         return (self.reward_model or self.tokenizer).path
+
+    @property
+    def contents(self) -> dict[str, str]:
+        """``{field: sha256}`` of every input file (``policy``, ``prompts``, ...; the tokenizer only when it is
+        not the policy's own): what a manifest and an iteration run record of the inputs that produced them."""
+        files = {
+            "policy": self.policy,
+            "tokenizer": None if self.tokenizer == self.policy else self.tokenizer,
+            "prompts": self.prompts,
+            "eval_prompts": self.eval_prompts,
+            "preferences": self.preferences,
+            "reward_model": self.reward_model,
+        }
+        return {name: file.sha256 for name, file in files.items() if file is not None}
+
+    @property
+    def sources(self) -> dict[str, dict[str, str]]:
+        """Setting -> ``{"file", "sha256", "folder"}`` of each model converted from another file (a GGUF file),
+        for stage manifests to record; empty when none was."""
+        tokenizer = None if self.tokenizer is self.policy else self.tokenizer  # the policy's own, said once
+        named = (
+            ("model.policy", self.policy),
+            ("model.tokenizer", tokenizer),
+            ("model.reward_model", self.reward_model),
+        )
+        return {
+            setting: {"file": part.source, "sha256": part.sha256, "folder": part.path}
+            for setting, part in named
+            if part is not None and part.source is not None
+        }
 
     @property
     def fingerprint(self) -> str:
@@ -93,7 +132,7 @@ class Execution:
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
-        torch_threads: torch intra-op threads, set at the start of every stage.
+        torch_threads: torch intra-op threads, set at the start of every stage (`auto` already resolved).
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
         task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).
@@ -142,14 +181,13 @@ class TrackingStore:
     ui_url: str | None = None
 
     def tracker(self) -> Tracker:
-        from storage.tracking import open_tracker
-
         return open_tracker(self.uri, self.artifact_root, self.ui_url)
 
 
-def stage_seed(seed: int, stage: str, iteration: int) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration)`` (nanochat-style), stable across runs."""
-    digest = hashlib.sha256(f"{seed}/{stage}/{iteration}".encode()).digest()
+def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
+    """A seed from the coordinates ``(seed, stage, iteration, *more)`` (nanochat-style), stable across runs and
+    machines: the one derivation of every seed (a shard's adds ``shard-N``, :func:`tasks.fanout.shard_seed`)."""
+    digest = hashlib.sha256("/".join(map(str, (seed, stage, iteration, *more))).encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 

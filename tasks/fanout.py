@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -39,7 +38,7 @@ from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
 from storage.progress import partial_dir
 from storage.shards import read_piece, write_piece
-from tasks.context import Execution, StageContext
+from tasks.context import Execution, StageContext, stage_seed
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +69,8 @@ ShardWork = Callable[..., Iterator[pa.Table]]
 
 
 def shard_seed(seed: int, stage: str, iteration: int, shard: int) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration, shard)``, stable across runs and machines."""
-    digest = hashlib.sha256(f"{seed}/{stage}/{iteration}/shard-{shard}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+    """A seed from the coordinates ``(seed, stage, iteration, shard)`` (:func:`tasks.context.stage_seed`)."""
+    return stage_seed(seed, stage, iteration, f"shard-{shard}")
 
 
 def plan_shards(

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from storage.manifest import find_stage_output, read_manifest
-from storage.tracking import KIND_STAGE, TAG_INPUT_KEY, TAG_KIND, TAG_MANIFEST_DIGEST, TAG_STAGE
+from storage.manifest import read_manifest
+from storage.recorded import recorded_output
+from storage.tracking import KIND_STAGE, TAG_KIND, TAG_MANIFEST_DIGEST
 from tasks.context import StageContext
 from tasks.stage import StageResult
 
 
 def recorded_result(context: StageContext, run_id: str) -> StageResult:
     """The output of a stage run recorded in MLflow, downloaded into the run folder if it is not there."""
-    tracker = context.tracker
-    tags = tracker.run_tags(run_id)
-    stage, input_key = tags[TAG_STAGE], tags[TAG_INPUT_KEY]
-    stage_dir = context.layout.stage_dir(stage, input_key)
-    manifest = find_stage_output(stage_dir, input_key)
-    if manifest is None:
-        tracker.download_stage_output(run_id, stage_dir)
-        manifest = read_manifest(stage_dir)
+    stage_dir, manifest = recorded_output(context.tracker, context.layout, run_id)
     return StageResult.of(stage_dir, manifest, reused=True, run_id=run_id)
 
 

@@ -3,7 +3,7 @@
 Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLOO); the prompt's
 id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
 policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
-a reward function of the prompt's and the response's text. The prompts are split into shards
+a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The prompts are split into shards
 (:mod:`tasks.fanout`), each rolled out with its own generator, wherever ``execution.task_runner`` runs them.
 """
 
@@ -31,6 +31,7 @@ from tasks.text import (
     decode,
     encode_prompts,
     load_tokenizer,
+    prompt_text,
     read_prompts,
     response_token_lists,
     reward_scorer,
@@ -59,19 +60,20 @@ def function_scorer(
     prompt_ids: list[int],
     prompt_length: int,
 ) -> ScoreFn:
-    """One batch's :data:`ScoreFn` from a reward function of text: decode each row's response and score it
-    with its prompt's text (a chat prompt's readable rendering).
+    """One batch's :data:`ScoreFn` from a reward function: decode each row's response and score it with its prompt
+    as the user wrote it and the other columns of its row (the contract of :mod:`tasks.reward_function`).
 
     Args:
         prompts, prompt_ids: each row's prompt and its id (a prompt sampled G times appears G times).
         prompt_length: P, the batch's padded prompt width (responses start there).
     """
     function = reward_function.load()
-    texts = [prompt.text for prompt in prompts]
+    texts = [prompt_text(tokenizer, prompt) for prompt in prompts]
 
     def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         responses = decode(tokenizer, response_token_lists(sequences, attention_mask[:, prompt_length:].bool()))
-        return score_texts(function, reward_function.name, texts, responses, prompt_ids).to(sequences.device)
+        scores = score_texts(function, reward_function.name, prompts, responses, prompt_ids, prompt_texts=texts)
+        return scores.to(sequences.device)
 
     return score
 

@@ -42,12 +42,15 @@ from prefect.states import Completed, State
 from pydantic import BaseModel
 
 from rlhf_core.config import LoraConfig
+from rlhf_core.divergence import DivergenceError
+from rlhf_core.errors import UserError
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
 from storage.progress import clear_progress
+from storage.schemas import SAMPLES
 from storage.tracking import (
     KIND_STAGE,
     TAG_CAMPAIGN,
@@ -290,13 +293,16 @@ def _produce(
     started = time.perf_counter()
     try:
         with (
+            _divergence_named(stage, context.iteration),
             StageOutput(
                 stage_dir, stage=stage, input_key=input_key, config=key_settings, upstream=digests, code=code
             ) as out,
             _peak_memory(device) as peak,
             disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
-            out.runtime.update(device=str(device), torch_threads=execution.torch_threads)
+            out.runtime.update(device=str(device), torch_threads=execution.torch_threads, inputs=context.base.contents)
+            if sources := context.base.sources:
+                out.runtime["model_sources"] = sources
             out.metrics.update(produce(out))
             out.metrics["seconds"] = time.perf_counter() - started
             out.metrics["peak_memory_mb"] = peak()
@@ -304,6 +310,32 @@ def _produce(
     finally:
         _release_memory()
     return out.manifest
+
+
+LEARNING_RATES = {
+    "actor": "ppo.actor_learning_rate",
+    "critic": "ppo.critic_learning_rate",
+    "reward_model": "reward_model.learning_rate",
+}
+"""The setting that sets how fast each trained model moves: what to lower when it diverges."""
+
+
+class Diverged(UserError, ValueError):
+    """A stage found a model diverged (:class:`rlhf_core.divergence.DivergenceError`); the message (one line) names
+    the stage, the iteration and the learning-rate setting to lower."""
+
+
+@contextmanager
+def _divergence_named(stage: str, iteration: int) -> Iterator[None]:
+    """Name a divergence found inside the stage (outside its output, which is then never written)."""
+    try:
+        yield
+    except DivergenceError as error:
+        setting = LEARNING_RATES[error.model]
+        when = "" if error.step is not None else " in an earlier update"
+        raise Diverged(
+            f"{stage}, iteration {iteration}: {error}{when}; lower `{setting}` (--set {setting}=...) and run again"
+        ) from error
 
 
 def stage_models(
@@ -435,11 +467,6 @@ TRAINING_CURVE = "training_curve.json"
 def write_training_curve(folder: Path, rows: list[dict[str, float]]) -> None:
     """Write ``rows`` (one per optimizer step, each with its ``step``) as the output's :data:`TRAINING_CURVE`."""
     (folder / TRAINING_CURVE).write_text(json.dumps(rows, sort_keys=True))  # the same text after a resume
-
-
-SAMPLES = "samples.jsonl"
-"""A stage output's sample rows (evaluation: prompt, responses, scores, KL), also logged as an MLflow table, so the UI
-shows what the policy writes beside what the reward model and the gold judge made of it."""
 
 
 class Throttle:

@@ -21,27 +21,30 @@ training and scoring, rollout, evaluation):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from storage.checkpoints import load_tokenizer as load_saved_tokenizer
-from storage.importers import import_prompts, render_chat
+from storage.importers import import_prompts, prompt_columns, render_chat
 from storage.schemas import MESSAGES, PROMPT
 
 logger = logging.getLogger(__name__)
 
 
 class Prompt(NamedTuple):
-    """A prompt: its text (for a chat prompt, a readable rendering of its turns) and its chat turns
-    (empty for a plain-text prompt)."""
+    """A prompt: its text (for a chat prompt, a readable rendering of its turns), its chat turns (empty for a
+    plain-text prompt) and the other columns of its row in the prompts file (what a reward function receives
+    beside it, :mod:`tasks.reward_function`; empty where the prompt was not read from a prompts file)."""
 
     text: str
     messages: tuple[dict[str, str], ...] = ()
+    columns: Mapping[str, Any] = MappingProxyType({})
 
 
 def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
@@ -78,17 +81,30 @@ def prompts_of(table: pa.Table) -> list[Prompt]:
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a JSONL, Parquet or CSV file or a ``datasets`` folder (see :func:`storage.importers.import_prompts`)."""
-    return prompts_of(import_prompts(Path(path)))
+    """Prompts from a JSONL, Parquet or CSV file or a ``datasets`` folder (see :func:`storage.importers.import_prompts`),
+    each with the other columns of its row."""
+    prompts = prompts_of(import_prompts(Path(path)))
+    columns = prompt_columns(Path(path))
+    return [prompt._replace(columns=MappingProxyType(row)) for prompt, row in zip(prompts, columns, strict=True)]
+
+
+def _templated(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> bool:
+    return bool(prompt.messages and tokenizer.chat_template)
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
+    """``prompt`` as the model sees it, as text (module docstring, 1): a chat prompt through the tokenizer's chat
+    template with its generation prompt, or the HH format without a template; a plain prompt as it is."""
+    if _templated(tokenizer, prompt):
+        return tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
+    return render_chat(list(prompt.messages), add_generation_prompt=True) if prompt.messages else prompt.text
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
-    """The token ids a model is given for ``prompt`` (see the module docstring, 1)."""
-    if prompt.messages and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template writes any BOS itself
-    text = render_chat(list(prompt.messages), add_generation_prompt=True) if prompt.messages else prompt.text
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    """The token ids a model is given for ``prompt`` (see the module docstring, 1); a chat template writes any BOS
+    itself, plain text gets the tokenizer's own special tokens."""
+    text = prompt_text(tokenizer, prompt)
+    return list(tokenizer(text, add_special_tokens=not _templated(tokenizer, prompt))["input_ids"])
 
 
 def conversation_id_lists(

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, held_out_pairs
+from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
 from storage.checkpoints import load_training_state, save_model, save_training_state
@@ -34,7 +35,7 @@ from tasks.text import conversation_id_lists, load_tokenizer, pad_token_lists, p
 STAGE = "train_reward_model"
 
 
-class TooFewPairs(ValueError):
+class TooFewPairs(UserError, ValueError):
     """The preference pairs cannot train a reward model whose accuracy means something (too few to hold out)."""
 
 
@@ -146,20 +147,20 @@ def fit(
         if main and progress.epochs_done < config.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, write)
 
-    stats = fit_reward_model(
-        model,
-        optimizer,
-        pairs.select(order[held_out:]),
-        pairs.select(order[:held_out]),
-        config,
-        accelerator=accelerator,
-        generator=generator,
-        resume=resume,
-        on_epoch_end=save_epoch,
-        on_step=lambda step, values: curve.append({"step": step, **values}),
-        dropout_seed=context.stage_seed(STAGE),
-    )
-    bar.close()
+    with bar:  # closed on an error too, so the error's line starts a line of its own
+        stats = fit_reward_model(
+            model,
+            optimizer,
+            pairs.select(order[held_out:]),
+            pairs.select(order[:held_out]),
+            config,
+            accelerator=accelerator,
+            generator=generator,
+            resume=resume,
+            on_epoch_end=save_epoch,
+            on_step=lambda step, values: curve.append({"step": step, **values}),
+            dropout_seed=context.stage_seed(STAGE),
+        )
     if main:
         save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
         write_training_curve(out.path, curve)

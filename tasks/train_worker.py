@@ -15,6 +15,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from rlhf_core.precision import resolve_device
+from storage.files import write_text_replacing
 from tasks.context import Execution
 from tasks.launch import ERROR_PREFIX, TrainingOutput, decode, resolve
 
@@ -39,10 +40,7 @@ def _run(spec_path: Path) -> None:
     out = TrainingOutput(path=Path(job["output"]), final_dir=Path(job["final_dir"]))
     metrics = function(out, context, *decode(job["upstream"]), **decode(job["settings"]))
     if state.is_main_process:
-        result = Path(job["result"])
-        staging = result.with_name(f".{result.name}.tmp-{os.getpid()}")
-        staging.write_text(json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
-        os.replace(staging, result)
+        write_text_replacing(Path(job["result"]), json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
     leave_process_group(state)
 
 

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +310,87 @@ MODEL_CASES = [
         "tokenizer-larger-than-the-vocabulary",
         lambda t, w: _run(t, w, _policy(t, w, _shrink_vocabulary)),
         ("tokens, more than the model's vocabulary of 5",),
+    ),
+]
+
+
+def _gguf(tmp: Path, setting: str, *, arch: str | None) -> str:
+    """``setting`` pointing at a GGUF file: of the architecture ``arch``, or not a GGUF file at all (None)."""
+    from tests.flows.test_model_sources import write_gguf
+
+    path = tmp / "model.gguf"
+    if arch is None:
+        path.write_bytes(b"not a gguf file\n")
+    else:
+        write_gguf(path, arch=arch)
+    return f"{setting}={path}"
+
+
+MODEL_CASES += [
+    Case(
+        "policy-gguf-not-gguf",
+        lambda t, w: _run(t, w, _gguf(t, "model.policy", arch=None)),
+        ("`model.policy`", "model.gguf", "cannot be converted", "GGUF magic"),
+    ),
+    Case(
+        "policy-gguf-unknown-architecture",
+        lambda t, w: _run(t, w, _gguf(t, "model.policy", arch="rwkv6")),
+        ("`model.policy`", "model.gguf", "architecture rwkv6 is not supported"),
+    ),
+    Case(
+        "reward-model-gguf-not-gguf",
+        lambda t, w: _run(t, w, _gguf(t, "model.reward_model", arch=None)),
+        ("`model.reward_model`", "model.gguf", "cannot be converted"),
+    ),
+    Case(
+        "policy-package-not-installed",
+        lambda t, w: _run(t, w, "model.policy=pkg:no_such_package_here/m.gguf"),
+        ("`model.policy`", "no_such_package_here", "installed"),
+    ),
+]
+
+
+def _reward_beside_config(tmp: Path, world: dict[str, Path], source: str) -> list[str]:
+    """``rlhf run`` of a config file whose reward function is in a module beside it (never on the Python path)."""
+    module = f"beside_{uuid.uuid4().hex}"
+    folder = tmp / "project"
+    folder.mkdir()
+    (folder / f"{module}.py").write_text(source)
+    config = folder / "campaign.yaml"
+    config.write_text(TINY.read_text() + f"reward:\n  source: function\n  function: {module}:reward\n")
+    return _run(tmp, world)[:1] + ["--config", str(config)] + _run(tmp, world)[3:]
+
+
+MODEL_CASES += [
+    Case(
+        "labeler-reward-model-without-one",
+        lambda t, w: _run(t, w, "labeler=reward_model"),
+        ("labeler reward_model needs `model.reward_model`",),
+    ),
+    Case(
+        "labeler-reward-model-without-a-head",
+        lambda t, w: _run(t, w, "labeler=reward_model", f"model.reward_model={w['policy']}"),
+        ("`model.reward_model`", "has no reward head"),
+    ),
+    Case(
+        "reward-function-unimportable",
+        lambda t, w: _run(t, w, "reward.source=function", "reward.function=no_such_module_here:reward"),
+        ("`reward.function`", "no_such_module_here", "looked up"),
+    ),
+    Case(
+        "reward-function-missing-callable",
+        lambda t, w: _run(t, w, "reward.source=function", "reward.function=demo.gold:no_such_function"),
+        ("`reward.function`", "no_such_function"),
+    ),
+    Case(
+        "reward-function-beside-the-config-with-a-wrong-signature",
+        lambda t, w: _reward_beside_config(t, w, "def reward(prompt):\n    return 1.0\n"),
+        ("`reward.function`", "cannot be called as (prompt, response, **columns)"),
+    ),
+    Case(
+        "reward-function-beside-the-config-that-raises",
+        lambda t, w: _reward_beside_config(t, w, "def reward(prompt, response):\n    return 1 / 0\n"),
+        ("`reward.function`", "raised on prompt row 1 of `data.prompts`", "ZeroDivisionError"),
     ),
 ]
 if not torch.cuda.is_available():

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+from campaign.store import resolve_run
 from flows.campaign import load_latest_state, resolve_base, tracking_store
 from flows.config import ConfigError, load_config
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from flows.store import resolve_run
 from tasks.reward_function import RewardFunctionError
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
@@ -169,15 +169,18 @@ def test_a_group_estimator_replay_of_a_rollout_without_groups_is_refused(functio
         replay_config(function_reward, source, ["advantages.estimator=rloo"])
 
 
-def test_a_reward_function_returning_nan_fails_the_rollout_naming_the_prompt(function_reward):
+def test_issue23_a_reward_function_returning_nan_is_refused_before_anything_runs(function_reward):
     broken = function_reward.model_copy(
         update={
             "campaign": "broken",
             "reward": function_reward.reward.model_copy(update={"function": "tests.flows.rewards:not_finite"}),
         }
     )
-    with pytest.raises(RewardFunctionError, match=r"tests\.flows\.rewards:not_finite returned nan for prompt \d+"):
+    with pytest.raises(
+        RewardFunctionError, match=r"`reward.function` tests\.flows\.rewards:not_finite returned nan for prompt row 1 "
+    ):
         rlhf_campaign(broken)
+    assert not (broken.run_root / "broken").exists()
 
 
 @pytest.mark.parametrize(

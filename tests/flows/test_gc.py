@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from campaign.gc import collect_garbage, plan_gc
+from campaign.settings import stage_settings
+from campaign.store import resolve_run
 from flows.campaign import load_latest_state, open_iteration, resolve_base, tracking_store
 from flows.cli import main
 from flows.config import load_config
-from flows.gc import collect_garbage, plan_gc
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
-from flows.settings import stage_settings
-from flows.store import resolve_run
 from tasks.collect_preferences import collect_preferences
 from tasks.sample_candidates import sample_candidates
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from campaign.store import resolve_run
 from flows.campaign import tracking_store
 from flows.cli import main
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.replay import replay_config
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from flows.store import resolve_run
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

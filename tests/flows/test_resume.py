@@ -83,10 +83,13 @@ def test_kill_minus_nine_mid_training_then_rerun_equals_a_run_that_never_crashed
     assert not list(stage_dir.glob("*.partial")), "mid-stage checkpoints are removed once the output is finished"
 
 
-def test_issue14_inputs_edited_in_place_re_run_what_reads_them(prefect_server, checkpoint_world, tmp_path):
+def test_issue14_inputs_edited_in_place_are_recomputed_when_asked_and_never_reused_stale(
+    prefect_server, checkpoint_world, tmp_path
+):
     """A prompt file edited in place, then a retrained checkpoint of the same size at the same path: each is
-    a base input, part of every stage's key, so each edit re-runs the campaign; nothing made from the old
-    content is reused."""
+    a base input, part of every stage's key. A finished iteration is history (running the campaign again keeps
+    it, tests/flows/test_history.py); recomputing it from iteration 0 re-runs every stage, and nothing made
+    from the old content is reused."""
     import shutil
 
     import torch
@@ -106,6 +109,8 @@ def test_issue14_inputs_edited_in_place_re_run_what_reads_them(prefect_server, c
     text = world["prompts"].read_text()
     world["prompts"].write_text(text.replace("the", "eht", 1))  # same size, same inode
     rlhf_campaign(config)
+    assert (outputs("initialize"), outputs("evaluate")) == (1, 1), "a finished iteration is kept"
+    rlhf_campaign(config, from_iteration=0)
     assert (outputs("initialize"), outputs("evaluate")) == (2, 2)
 
     weights = world["policy"] / "model.safetensors"
@@ -117,5 +122,5 @@ def test_issue14_inputs_edited_in_place_re_run_what_reads_them(prefect_server, c
             parameter.add_(0.01)
     retrained.save_pretrained(world["policy"])
     assert weights.stat().st_size == size
-    rlhf_campaign(config)
+    rlhf_campaign(config, from_iteration=0)
     assert (outputs("initialize"), outputs("evaluate")) == (3, 3)

@@ -90,8 +90,9 @@ def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_stat
     final = state.result()
     # MLflow holds each stage's manifest, never a second copy of its files.
     artifacts = [path for path in (config.run_root / "mlartifacts").rglob("*") if path.is_file()]
-    # Besides: the views the UI shows (the evaluation samples as a table, the over-optimisation figure).
-    views = {"samples.json", "overoptimisation.png"}
+    # Besides: the views the UI shows (the evaluation samples and the top responses as tables, the
+    # over-optimisation figure).
+    views = {"samples.json", "top_responses.json", "overoptimisation.png"}
     assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json", *views}
     with_states = [
         folder.name
@@ -121,13 +122,7 @@ def test_running_again_does_no_work_and_says_so(campaign):
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id])
             )
         )
-        task_runs = [
-            task_run
-            for flow_run in iteration_runs
-            for task_run in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
-        ]
-    stage_states = {task_run.state.name for task_run in task_runs if task_run.name.split("-")[0] in STAGES}
-    assert stage_states == {"Reused"}, stage_states
+    assert iteration_runs == [], "finished iterations are history: no iteration flow runs, no stage task runs"
 
 
 def test_issue15_mlflow_shows_training_curves_samples_and_the_overoptimisation_figure(campaign):
@@ -172,36 +167,29 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
     assert {f"{config.campaign}-iteration-0", f"{config.campaign}-campaign"} <= {run.name for run in flow_runs}
 
 
-def test_a_finished_campaign_is_known_to_be_reused_from_mlflow_and_manifests_alone(campaign):
-    import dataclasses
-
+def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
+    """Every iteration run says which code (fingerprint and version) and which input contents produced it, and so
+    does every manifest; nothing differs from what is here now."""
+    from campaign.history import code_in_use, difference_note, input_contents
+    from campaign.store import store_tracker
     from flows.campaign import resolve_base
-    from flows.reuse import reused_iterations
-    from flows.store import campaign_layout, store_tracker
-    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND, TAG_REUSE
+    from storage.manifest import package_version, read_manifest
 
     config, _ = campaign
     base = resolve_base.fn(config)
-    assert reused_iterations(config, base) == config.iterations
-    # Every setting is part of the iteration runs' key (`iterations` too): another config has runs of its own.
-    assert reused_iterations(config.model_copy(update={"seed": config.seed + 1}), base) == 0
-    # An output of the last iteration gone: the iterations before it are still reused, that one is not.
     tracker = store_tracker(config)
-    experiment_id = tracker.experiment_id(config.campaign)
-    last = str(config.iterations - 1)
-    (run,) = [r for r in tracker.runs(experiment_id, tags={TAG_ITERATION: last}) if r.tags[TAG_KIND] == KIND_ITERATION]
-    stage, input_key, _ = json.loads(run.tags[TAG_REUSE])["outputs"][-1]
-    folder = campaign_layout(config).stage_dir(stage, input_key)
-    aside = folder.with_name(folder.name + ".aside")
-    folder.rename(aside)
-    try:
-        assert reused_iterations(config, base) == config.iterations - 1
-    finally:
-        aside.rename(folder)
-    assert reused_iterations(config, base) == config.iterations
-    # The judge's code edited (a module the stages load by name, which no pipeline module imports): not reused.
-    edited = dataclasses.replace(base, judge=dataclasses.replace(base.judge, code="0" * 64))
-    assert reused_iterations(config, edited) == 0
+    finished = tracker.finished_iterations(tracker.experiment_id(config.campaign))
+    assert sorted(finished) == list(range(config.iterations))
+    for run in finished.values():
+        assert run.tags["rlhf.code"] == code_in_use(base)
+        assert run.tags["rlhf.package_version"] == package_version()
+        assert json.loads(run.tags["rlhf.inputs"]) == input_contents(base)
+    assert set(input_contents(base)) == {"model.policy", "data.prompts", "data.eval_prompts"}
+    for manifest_path in (config.run_root / config.campaign).glob("*/*/_manifest.json"):
+        manifest = read_manifest(manifest_path.parent, verify=False)
+        assert manifest.code and manifest.package_version == package_version()
+        assert manifest.runtime["inputs"] == base.contents
+    assert difference_note(config) is None
 
 
 def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
@@ -211,10 +199,10 @@ def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
     script = (
         "import json, sys\n"
         "from flows.config import PipelineConfig\n"
-        "from flows.reuse import campaign_finished\n"
+        "from campaign.history import campaign_finished, difference_note\n"
         "from flows.report import campaign_report\n"
         f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"
-        "finished = campaign_finished(config)\n"
+        "finished = campaign_finished(config) and difference_note(config) is None\n"
         "campaign_report(config)\n"
         "print(json.dumps([finished, sorted({'torch', 'transformers', 'prefect', 'accelerate'} & set(sys.modules))]))\n"
     )

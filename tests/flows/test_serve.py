@@ -17,9 +17,9 @@ import pytest
 from prefect.utilities.schema_tools import ValidationError as SchemaValidationError
 from prefect.utilities.schema_tools import validate
 
+from campaign.store import campaign_layout
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.serve import build_deployments, schema_bounds, with_bounds
-from flows.store import campaign_layout
 from storage.locks import exclusive_lock
 from tests.flows.conftest import flow_runs_in_state
 

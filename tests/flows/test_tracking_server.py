@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from campaign.store import resolve_run
 from flows.config import load_config
 from flows.engines import campaign_limit
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
-from flows.store import resolve_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -208,6 +208,24 @@ def test_latest_iteration_counts_finished_iterations_numerically(tracker: Tracke
     assert tracker.latest_iteration(experiment_id) == 10
 
 
+def test_finished_iterations_are_the_newest_finished_run_of_each_number_that_nothing_superseded(tracker: Tracker):
+    experiment_id = tracker.experiment_id("camp")
+    runs = {}
+    for name, iteration in [("old-0", 0), ("old-1", 1), ("new-0", 0), ("unfinished-1", 1)]:
+        runs[name] = tracker.start_run(
+            experiment_id, name=name, tags={**ITERATION_TAGS, "rlhf.iteration": str(iteration)}
+        )
+        if name != "unfinished-1":
+            tracker.end_run(runs[name])
+    assert {n: r.run_id for n, r in tracker.finished_iterations(experiment_id).items()} == {
+        0: runs["new-0"],
+        1: runs["old-1"],
+    }
+    tracker.set_tags(runs["old-1"], {"rlhf.superseded_by": runs["new-0"]})
+    assert {n: r.run_id for n, r in tracker.finished_iterations(experiment_id).items()} == {0: runs["new-0"]}
+    assert tracker.latest_iteration(experiment_id) == 0
+
+
 def test_find_run_and_run_url(tracker: Tracker) -> None:
     experiment_id = tracker.experiment_id("camp")
     run_id = tracker.start_run(experiment_id, name="iteration-0", tags={**ITERATION_TAGS, "rlhf.iteration_key": "k1"})

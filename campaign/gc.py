@@ -2,8 +2,8 @@
 
 What is kept:
 
-1. every output of the newest ``keep_last`` finished iterations, and of every unfinished
-   iteration (its resume needs them), plus the *inputs each of those outputs was computed from*
+1. every output of the newest ``keep_last`` finished iterations (a superseded run is none), and of every
+   unfinished iteration (its resume needs them), plus the *inputs each of those outputs was computed from*
    (one level up: the previous policy and reward model an iteration started from, every preference
    table its reward model trained on), which is what replaying a kept iteration or continuing the
    campaign reads;
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from campaign.store import campaign_layout, store_tracker
 from flows.config import PipelineConfig
-from flows.store import campaign_layout, store_tracker
 from storage.locks import LockTimeout, exclusive_lock
 from storage.manifest import Manifest, prune_files, read_manifest
 from storage.tracking import (
@@ -36,7 +36,6 @@ from storage.tracking import (
     KIND_REPLAY,
     KIND_STAGE,
     TAG_INPUT_KEY,
-    TAG_ITERATION,
     TAG_KIND,
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
@@ -105,10 +104,10 @@ def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:
     outputs = _output_folders(config)
     by_digest = {manifest.digest: folder for folder, manifest in outputs.items()}
 
-    iterations = tracker.runs(experiment_id, tags={TAG_KIND: KIND_ITERATION})
-    finished = sorted({int(run.tags[TAG_ITERATION]) for run in iterations if run.status == "FINISHED"})
-    kept_numbers = set(finished[-keep_last:])
-    kept_runs = [run for run in iterations if run.status != "FINISHED" or int(run.tags[TAG_ITERATION]) in kept_numbers]
+    finished = tracker.finished_iterations(experiment_id)
+    kept_numbers = set(sorted(finished)[-keep_last:])
+    unfinished = [r for r in tracker.runs(experiment_id, tags={TAG_KIND: KIND_ITERATION}) if r.status != "FINISHED"]
+    kept_runs = [*unfinished, *(finished[number] for number in sorted(kept_numbers))]
     kept_ids = {run.run_id for run in kept_runs}
     replays = tracker.runs(experiment_id, tags={TAG_KIND: KIND_REPLAY})
     kept_runs += [run for run in replays if run.status != "FINISHED" or run.tags.get(TAG_REPLAY_OF) in kept_ids]
@@ -144,13 +143,11 @@ def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:
     keep |= {folder for folder in outputs if folder not in recorded}
     plan.remove = [(folder, _size(folder)) for folder in sorted(outputs) if folder not in keep]
 
-    newest = max(kept_numbers, default=None)
+    newest = finished[max(finished)] if finished else None
     newest_ppo = next(
         (
             folder_of(stage)
-            for run in iterations
-            if run.status == "FINISHED" and run.tags[TAG_ITERATION] == str(newest)
-            for stage in _stage_runs_of(tracker, experiment_id, run)
+            for stage in (_stage_runs_of(tracker, experiment_id, newest) if newest else [])
             if stage.tags.get(TAG_STAGE) == "ppo_update"
         ),
         None,

@@ -1,16 +1,14 @@
-"""The MLflow store and run folders of a config, and finding recorded runs: what commands that only read the store
-(``rlhf compare``, the reports) need, importing neither torch nor Prefect, so they start in seconds."""
+"""The MLflow store and run folders of a config, and finding recorded runs (by name, the stage runs an iteration
+used, the config it was made with): what commands that only read the store (``rlhf compare``, the reports) need,
+importing neither torch nor Prefect, so they start in seconds."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flows.config import PipelineConfig
 from storage.layout import RunLayout
-
-if TYPE_CHECKING:  # MLflow is imported when a store is opened: the input checks (flows.identity) need none
-    from storage.tracking import Tracker
+from storage.tracking import TAG_OUTPUT_PREFIX, TAG_PARENT_RUN_ID, TAG_STAGE, Tracker, open_tracker
 
 
 def campaign_layout(config: PipelineConfig) -> RunLayout:
@@ -36,8 +34,6 @@ def artifact_root(config: PipelineConfig) -> Path | None:
 
 def store_tracker(config: PipelineConfig) -> Tracker:
     """The :class:`Tracker` of ``config``'s store (one per store and process)."""
-    from storage.tracking import open_tracker
-
     root = artifact_root(config)
     return open_tracker(tracking_uri(config), None if root is None else str(root), config.tracking_ui_url)
 
@@ -55,8 +51,6 @@ def resolve_run(config: PipelineConfig, name: str) -> str:
     Raises:
         LookupError: no such run, campaign or iteration, or no MLflow store at all (none is created).
     """
-    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
-
     database = store_layout(config).mlflow_db()
     if config.tracking_uri is None and not database.exists():
         raise LookupError(f"no MLflow store at {database}: nothing has run with `run_root` {config.run_root}")
@@ -74,14 +68,36 @@ def resolve_run(config: PipelineConfig, name: str) -> str:
         except Exception as error:  # noqa: BLE001 - MLflow raises its own exception type for a missing run
             raise LookupError(f"{name!r} is neither a campaign nor a run id in {tracker.tracking_uri}") from error
         return name
-    if not iteration:
-        latest = tracker.latest_iteration(experiment_id)
-        if latest is None:
-            raise LookupError(f"campaign {campaign!r} has no finished iteration")
-        iteration = str(latest)
-    run_id = tracker.find_run(
-        experiment_id, tags={TAG_KIND: KIND_ITERATION, TAG_ITERATION: iteration}, status="FINISHED"
-    )
-    if run_id is None:
+    finished = tracker.finished_iterations(experiment_id)
+    if not finished:
+        raise LookupError(f"campaign {campaign!r} has no finished iteration")
+    run = finished[max(finished)] if not iteration else finished.get(int(iteration)) if iteration.isdigit() else None
+    if run is None:
         raise LookupError(f"campaign {campaign!r} has no finished iteration {iteration}")
+    return run.run_id
+
+
+CONFIG_ARTIFACT = "config.json"
+"""The artifact of an iteration (or replay) run holding the config it was made with."""
+
+
+def source_config(config: PipelineConfig, source_run_id: str) -> PipelineConfig:
+    """The config an iteration run was made with (its :data:`CONFIG_ARTIFACT`), from ``config``'s store."""
+    return PipelineConfig.model_validate_json(store_tracker(config).load_text(source_run_id, CONFIG_ARTIFACT))
+
+
+def stage_run(
+    tracker: Tracker, experiment_id: str, parent_run_id: str, stage: str, *, required: bool = True
+) -> str | None:
+    """The stage run whose output an iteration (or replay) run used: its own, or a reused one.
+
+    Raises:
+        LookupError: the run records none and ``required`` is set (else None is returned: an
+            iteration with a reward function has no reward-model stage).
+    """
+    run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
+        experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
+    )  # runs recorded before the output tags existed: their own nested stage run
+    if run_id is None and required:
+        raise LookupError(f"run {parent_run_id} records no finished {stage!r} output")
     return run_id

@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
+from campaign.settings import STAGE_SETTINGS, covers, replayable_fields, stage_settings
 from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
-from flows.settings import STAGE_SETTINGS, covers, replayable_fields, stage_settings
 from tasks.context import BaseInputs, InputFile
 
 FILE = InputFile(path="/p", sha256="0" * 64)

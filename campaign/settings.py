@@ -15,10 +15,12 @@ is) reach no input key and may always change.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows.config import PipelineConfig
-from tasks.context import BaseInputs
+
+if TYPE_CHECKING:  # the CLI reads what a replay may change while it builds its parser: no MLflow import for that
+    from tasks.context import BaseInputs
 
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
     "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora", "critic_init": "model.critic_init"},
@@ -33,6 +35,7 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
     "collect_preferences": {
         "labeler": "labeler",
         "judge": "base.judge",
+        "rubric": "base.rubric",
         "preferences": "base.preferences",
         "precision": "precision",
         "rows_per_shard": "sizes.rows_per_shard",
@@ -59,6 +62,7 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
         "precision": "precision",
         "prompts": "sizes.eval_prompts",
         "judge": "base.judge",
+        "rubric": "base.rubric",
         "reward_function": "base.reward_function",
         "rows_per_shard": "sizes.rows_per_shard",
     },
@@ -115,6 +119,12 @@ def replayable_fields() -> tuple[str, ...]:
         if not path.startswith(_BASE) and not any(covers((other,), path) or covers((path,), other) for other in reused)
     }
     return tuple(sorted(path for path in allowed if not covers(tuple(allowed - {path}), path)))
+
+
+def changeable_fields() -> tuple[str, ...]:
+    """Every config path a replay may set: the replayable settings (:func:`replayable_fields`), execution and
+    location."""
+    return replayable_fields() + EXECUTION + LOCATION
 
 
 def covers(paths: tuple[str, ...], field: str) -> bool:

@@ -1,0 +1,230 @@
+"""What identifies a campaign and its runs: the config fields that define it (its fingerprint, checked against the
+one it was started with), its base inputs, located and identified by their content, and run keys.
+
+Nothing here imports torch, transformers or Prefect, so a command that only has to recognise finished work
+(``rlhf run`` of a finished campaign, :mod:`campaign.history`) starts in seconds. Checking that the stages can
+use the inputs (:func:`flows.inputs.check_inputs`) and building the demo world are the flow's
+(:func:`flows.campaign.resolve_base`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from campaign.settings import EXECUTION, LOCATION, replayable_fields
+from campaign.store import store_layout
+from demo.world import DemoWorld
+from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
+from flows.model_sources import PACKAGE_PREFIX, model_input
+from storage.fingerprints import FingerprintCache
+from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT, Tracker
+from tasks.context import BaseInputs, InputFile
+from tasks.judge import JudgeReference
+from tasks.reward_function import RewardFunctionReference
+
+INPUT_SETTINGS = {
+    "policy": "model.policy",
+    "tokenizer": "model.tokenizer",
+    "prompts": "data.prompts",
+    "eval_prompts": "data.eval_prompts",
+    "preferences": "data.preferences",
+    "reward_model": "model.reward_model",
+}
+"""The input files of :class:`tasks.context.BaseInputs`, by field: the setting naming each."""
+
+GOLD_JUDGE = "demo.gold:JUDGE"
+"""The embedded demo's hidden gold rater: it judges evaluation in the demo world (`demo`), and labels with `gold`."""
+
+
+def uses_demo_world(config: PipelineConfig) -> bool:
+    """Whether the embedded demo world provides a base input (the policy or a prompt file ``config`` leaves unset)."""
+    data = config.data
+    return config.demo and (config.model.policy is None or data.prompts is None or data.eval_prompts is None)
+
+
+def demo_world_dir(config: PipelineConfig) -> Path:
+    """Where ``config``'s run root keeps the demo world (built once, then shared by its campaigns)."""
+    return store_layout(config).cache_dir() / "demo-world"
+
+
+def fingerprint_cache(config: PipelineConfig) -> FingerprintCache:
+    """The run root's cache of input fingerprints (by path, size and modification time)."""
+    return FingerprintCache(store_layout(config).fingerprint_cache())
+
+
+def base_inputs(
+    config: PipelineConfig, cache: FingerprintCache | None, world: DemoWorld | None, *, convert: bool = True
+) -> BaseInputs:
+    """``config``'s base inputs, each located and identified by its content; nothing is checked or built.
+
+    Args:
+        config: the settings naming the inputs.
+        cache: fingerprints already computed (it learns new ones; saving it is the caller's choice); None locates
+            the inputs without reading them (every ``sha256`` empty; a GGUF file raises ``NotConverted``), for
+            checks made before hashing a model.
+        world: the demo world, when :func:`uses_demo_world`; its files fill the inputs ``config`` leaves unset.
+        convert: convert a GGUF model file not converted yet (:mod:`flows.model_sources`); False raises
+            :class:`flows.model_sources.NotConverted` instead.
+
+    Raises:
+        FileNotFoundError: an input does not exist, or the policy folder is not a Hugging Face checkpoint.
+        ModelSourceError: a model setting names a package that is not installed, or a GGUF file that cannot be
+            converted.
+        ValueError: the demo's judge or the reward function cannot be loaded by its name.
+    """
+    policy, prompts, eval_prompts = config.model.policy, config.data.prompts, config.data.eval_prompts
+    if world is not None:
+        policy = policy or str(world.model_dir)
+        prompts = prompts or world.prompts_path
+        eval_prompts = eval_prompts or world.eval_prompts_path
+    layout = store_layout(config)
+
+    def model(setting: str, value: str) -> InputFile:
+        return model_input(cache, layout, setting, value, convert=convert)
+
+    policy_file = model("model.policy", _local_model_folder(policy))
+    if not (Path(policy_file.path) / "config.json").is_file():
+        raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
+    return BaseInputs(
+        policy=policy_file,
+        tokenizer=model("model.tokenizer", config.model.tokenizer) if config.model.tokenizer else policy_file,
+        prompts=_input_file(cache, "data.prompts", prompts),
+        eval_prompts=_input_file(cache, "data.eval_prompts", eval_prompts),
+        judge=JudgeReference.of(GOLD_JUDGE) if config.demo else None,
+        preferences=_input_file(cache, "data.preferences", config.data.preferences)
+        if config.labeler == "import" and config.data.preferences
+        else None,
+        reward_model=model("model.reward_model", config.model.reward_model) if config.model.reward_model else None,
+        reward_function=RewardFunctionReference.of(config.reward.function)
+        if config.reward.source == "function" and config.reward.function
+        else None,
+        rubric=RewardFunctionReference.of(config.reward.function)
+        if config.labeler == "function" and config.reward.function
+        else None,
+    )
+
+
+def _local_model_folder(policy: str) -> str:
+    """``policy`` itself when it is a local path (or a ``pkg:`` reference, :mod:`flows.model_sources`); a hub name
+    (``org/name``) is fetched into (or found in) the Hugging Face cache, so its content can be fingerprinted like
+    any folder."""
+    if Path(policy).exists() or policy.startswith(PACKAGE_PREFIX):
+        return policy
+    if policy.startswith(("/", ".", "~")) or policy.count("/") != 1:
+        raise FileNotFoundError(f"`model.policy` {policy} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(policy)
+    except Exception as error:  # noqa: BLE001 - offline, unknown repo, no access: all mean the same here
+        raise FileNotFoundError(
+            f"`model.policy` {policy!r} is neither a folder nor a model the Hugging Face hub (or its local cache) "
+            f"provides: {error}"
+        ) from error
+
+
+def _input_file(cache: FingerprintCache | None, setting: str, path: str | Path) -> InputFile:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"`{setting}` {path} does not exist")
+    return InputFile(path=str(Path(path).resolve()), sha256="" if cache is None else cache.fingerprint(Path(path)))
+
+
+def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
+    """The config as JSON values, less the fields at ``paths`` (dotted)."""
+    fields = config.model_dump(mode="json")
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = fields
+        for parent in parents:
+            node = node[parent]
+        node.pop(leaf)
+    return fields
+
+
+def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
+    """An iteration (or replay) run's identity: its config without execution and location settings,
+    its base inputs and ``parts`` (the policy it continues and its number, or the run it replays)."""
+    fields = fields_without(config, EXECUTION + LOCATION)
+    return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
+
+
+CAMPAIGN_FREE = (
+    *EXECUTION,
+    *LOCATION,
+    *replayable_fields(),
+    "iterations",
+    *(f"human.{name}" for name in HumanLabelConfig.model_fields),
+)
+"""Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
+replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
+human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
+
+
+def campaign_fields(config: PipelineConfig) -> dict:
+    """The fields that define ``config``'s campaign (all but :data:`CAMPAIGN_FREE`), as JSON values."""
+    return fields_without(config, CAMPAIGN_FREE)
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{dotted path: value}`` of every leaf of a nested dict."""
+    leaves: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            leaves.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[prefix + key] = value
+    return leaves
+
+
+def config_fingerprint(config: PipelineConfig) -> str:
+    """The fingerprint of the fields that define ``config``'s campaign (:func:`campaign_fields`)."""
+    return hashlib.sha256(json.dumps(campaign_fields(config), sort_keys=True).encode()).hexdigest()
+
+
+def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
+    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it.
+
+    Returns:
+        The config's campaign fingerprint (what the campaign's experiment records as
+        ``rlhf.config_fingerprint``).
+
+    Raises:
+        ConfigError: naming the first differing fields, their values there and here, and what to do.
+    """
+    fingerprint = config_fingerprint(config)
+    tags = tracker.experiment_tags(config.campaign)
+    recorded = tags.get(TAG_CONFIG_FINGERPRINT)
+    if recorded is None or recorded == fingerprint:
+        return fingerprint
+    theirs, ours = _leaves(json.loads(tags.get(TAG_CAMPAIGN_CONFIG, "{}"))), _leaves(campaign_fields(config))
+    differing = sorted(name for name in theirs.keys() | ours.keys() if theirs.get(name) != ours.get(name))
+    shown = "; ".join(f"`{name}` {theirs.get(name)!r} there, {ours.get(name)!r} here" for name in differing[:3])
+    more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
+    raise ConfigError(
+        f"campaign `{config.campaign}` was started with another config ({shown or 'another version'}{more}): give "
+        "this config a `campaign` of its own (--set campaign=NAME), or run the campaign with the config it was "
+        "started with"
+    )
+
+
+_RECORDED: dict[tuple[str, str], str] = {}
+"""``(tracking URI, campaign) -> config fingerprint`` recorded by this process: checked once, not per iteration."""
+
+
+def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
+    """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered. Once
+    per process and campaign: the iterations of a campaign flow after the first check nothing again."""
+    if _RECORDED.get(key := (tracker.tracking_uri, config.campaign)) == config_fingerprint(config):
+        return
+    fingerprint = check_campaign_config(config, tracker)
+    if TAG_CONFIG_FINGERPRINT not in tracker.experiment_tags(config.campaign):
+        tracker.set_experiment_tags(
+            experiment_id,
+            {
+                TAG_CAMPAIGN_CONFIG: json.dumps(campaign_fields(config), sort_keys=True),
+                TAG_CONFIG_FINGERPRINT: fingerprint,
+            },
+        )
+    _RECORDED[key] = fingerprint

@@ -1,0 +1,160 @@
+"""A campaign is history: edits of the code or of an input file never recompute a finished iteration.
+
+Each ``rlhf run`` here is a real command in a subprocess, importing a copy of the project's packages in
+``tmp_path`` that the test edits as a developer would (a comment, a docstring, a log message, the maths of
+GAE), on the session's Prefect server and a real SQLite MLflow store. The tests tell one story, in order, on
+one campaign (each checks where the one before left it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.code import FIRST_PARTY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def project(prefect_server, checkpoint_world, tmp_path_factory):
+    """A copy of the project (its packages and configs) and a command that runs ``rlhf`` from it."""
+    from prefect.settings import PREFECT_API_URL
+
+    source = tmp_path_factory.mktemp("project")
+    for package in (*FIRST_PARTY, "configs"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    run_root = tmp_path_factory.mktemp("runs")
+    inputs = tmp_path_factory.mktemp("inputs")  # a copy: a test edits the prompts in place
+    shutil.copytree(checkpoint_world["policy"], inputs / "policy")
+    for name in ("prompts", "eval_prompts"):
+        shutil.copy(checkpoint_world[name], inputs / f"{name}.jsonl")
+    world = [
+        f"model.policy={inputs / 'policy'}",
+        *(f"data.{name}={inputs / f'{name}.jsonl'}" for name in ("prompts", "eval_prompts")),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(source), "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+    def rlhf(*arguments: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        sets = [f"--set={o}" for o in (f"run_root={run_root}", *world, *overrides)]
+        command = [sys.executable, "-m", "flows", *arguments, "--config", "configs/tiny.yaml", *sets]
+        return subprocess.run(command, cwd=source, env=env, capture_output=True, text=True, timeout=600)
+
+    done = rlhf("run")
+    assert done.returncode == 0, done.stderr
+    return source, run_root, rlhf, inputs
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} is not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def _iteration_runs(run_root: Path) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.kind` = 'iteration'")
+    return sorted(runs, key=lambda run: (int(run.data.tags["rlhf.iteration"]), run.info.start_time))
+
+
+def _outputs(run_root: Path, stage: str) -> int:
+    return len(list((run_root / "tiny" / stage).glob("*/_manifest.json")))
+
+
+def test_comment_docstring_and_log_message_edits_anywhere_re_run_nothing(project):
+    source, run_root, rlhf, _ = project
+    before = [run.info.run_id for run in _iteration_runs(run_root)]
+    _edit(source / "storage" / "tracking.py", '"""', '# an edited comment\n"""')
+    _edit(source / "rlhf_core" / "gae.py", "    Naive equivalent", "    A naive equivalent, edited")
+    _edit(source / "tasks" / "stage.py", '"%s: reusing output %s"', '"%s: reusing the output %s"')
+    _edit(source / "flows" / "rlhf_pipeline.py", '"""The RLHF flows', '"""The RLHF flows (edited)')
+    done = rlhf("run")
+    assert done.returncode == 0, done.stderr
+    assert "all 2 iterations are finished; nothing to run" in done.stdout
+    assert "were computed with" not in done.stdout  # nothing that computes differs
+    assert [run.info.run_id for run in _iteration_runs(run_root)] == before
+
+
+def test_a_maths_edit_keeps_the_finished_iterations_the_next_one_uses_it_and_says_so(project):
+    source, run_root, rlhf, _ = project
+    before = _iteration_runs(run_root)
+    advantages = _outputs(run_root, "compute_advantages")
+    _edit(
+        source / "rlhf_core" / "gae.py", "last_advantage = torch.zeros_like(", "last_advantage = 0.0 * torch.ones_like("
+    )
+
+    finished = rlhf("run")  # two iterations, both finished: nothing recomputed, and it says what differs
+    assert finished.returncode == 0, finished.stderr
+    assert "nothing to run" in finished.stdout
+    assert "iterations 0-1 were computed with other code" in finished.stdout
+
+    more = rlhf("run", overrides=("iterations=3",))
+    assert more.returncode == 0, more.stderr
+    notices = [line for line in (more.stdout + more.stderr).splitlines() if "were computed with" in line]
+    assert len(notices) == 1 and "iteration 2 on use what is here now" in notices[0], more.stderr
+    after = _iteration_runs(run_root)
+    assert [run.info.run_id for run in after[:2]] == [run.info.run_id for run in before]
+    assert [int(run.data.tags["rlhf.iteration"]) for run in after] == [0, 1, 2]
+    assert _outputs(run_root, "compute_advantages") == advantages + 1  # iteration 2's, by the edited maths
+    assert after[2].data.tags["rlhf.code"] != after[1].data.tags["rlhf.code"]
+    assert after[2].data.tags["rlhf.package_version"] == after[1].data.tags["rlhf.package_version"]
+
+
+def test_from_iteration_recomputes_from_there_and_keeps_the_old_runs_superseded(project):
+    source, run_root, rlhf, _ = project
+    before = _iteration_runs(run_root)
+    assert len(before) == 3, "after the maths edit, three finished iterations"
+
+    refused = rlhf("run", "--from-iteration", "1", overrides=("iterations=3",))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "rlhf: --from-iteration 1 continues iteration 0, whose optimizer states were pruned (only the newest "
+        "finished iteration keeps them): recompute from --from-iteration 0, or leave --from-iteration out to continue "
+        "the campaign"
+    ]
+
+    done = rlhf("run", "--from-iteration", "0", overrides=("iterations=1",))
+    assert done.returncode == 0, done.stderr
+    after = _iteration_runs(run_root)
+    old, new = after[:1] + after[2:], after[1]
+    assert [run.info.run_id for run in old] == [run.info.run_id for run in before]
+    assert all(run.data.tags["rlhf.superseded_by"] == new.info.run_id for run in old)
+    assert new.data.tags["rlhf.iteration"] == "0" and "rlhf.superseded_by" not in new.data.tags
+    assert new.data.tags["rlhf.code"] == before[2].data.tags["rlhf.code"]  # this code, the edited maths
+    again = rlhf("run", overrides=("iterations=1",))
+    assert "nothing to run" in again.stdout and "were computed with" not in again.stdout
+
+
+def test_an_input_file_edited_in_place_is_named_and_used_from_the_next_iteration(project):
+    """The issue's imported-preference-file case, on a prompt file: a finished iteration is kept and the file
+    whose content differs is named; the next iteration reads the new content. (Before, a finished campaign
+    recomputed every stage for an edited prompt file, and silently reused a stale imported preference file.)"""
+    _, run_root, rlhf, inputs = project
+    before = _iteration_runs(run_root)
+    current = [run for run in before if "rlhf.superseded_by" not in run.data.tags]
+    assert [run.data.tags["rlhf.iteration"] for run in current] == ["0"], "after --from-iteration 0, one iteration"
+    prompts = inputs / "prompts.jsonl"
+    prompts.write_text(prompts.read_text().replace("the", "eht", 1))  # same size, same inode
+    rollouts = _outputs(run_root, "rollout")
+
+    finished = rlhf("run", overrides=("iterations=1",))
+    assert finished.returncode == 0, finished.stderr
+    assert "nothing to run" in finished.stdout
+    assert "iteration 0 was computed with another content of `data.prompts`" in finished.stdout
+
+    more = rlhf("run", overrides=("iterations=2",))
+    assert more.returncode == 0, more.stderr
+    after = [run for run in _iteration_runs(run_root) if "rlhf.superseded_by" not in run.data.tags]
+    assert [run.info.run_id for run in after[:1]] == [current[0].info.run_id]
+    assert _outputs(run_root, "rollout") == rollouts + 1
+    recorded = [json.loads(run.data.tags["rlhf.inputs"])["data.prompts"] for run in after]
+    assert recorded[0] != recorded[1]
