@@ -349,6 +349,23 @@ def _running_flows(console):
             console.close()
 
 
+def _check_model_and_prompts(config) -> None:
+    """The model's and tokenizer's checks (:func:`flows.inputs.check_inputs`: weights' headers, vocabulary, every
+    prompt's length), before the flows are imported and the model hashed: a refusal waits for neither. The demo
+    world's inputs are checked once it is built (in :func:`_prepare`)."""
+    from campaign.identity import base_inputs, uses_demo_world
+    from flows.inputs import check_inputs
+    from flows.model_sources import NotConverted
+
+    if uses_demo_world(config):
+        return
+    try:
+        located = base_inputs(config, None, None)  # where each input is, none read
+    except NotConverted:  # a GGUF model is located by its content: checked once identified, in _prepare
+        return
+    check_inputs(config, located)
+
+
 def _run(config, arguments) -> int:
     from flows.inputs import check_files
 
@@ -366,6 +383,7 @@ def _run(config, arguments) -> int:
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
         with _server_coming_up():
+            _check_model_and_prompts(config)
             from flows.rlhf_pipeline import rlhf_campaign
 
             console, base = _prepare(config, arguments, checked=True)
@@ -383,6 +401,7 @@ def _iterate(config, arguments) -> int:
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
+        _check_model_and_prompts(config)
         from flows.rlhf_pipeline import rlhf_iteration
 
         console, base = _prepare(config, arguments)

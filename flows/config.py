@@ -482,9 +482,10 @@ MODEL_SETTINGS = ("model.policy", "model.tokenizer", "model.reward_model")
 
 
 def absolute_path(setting: str, value: Any, folder: Path) -> Any:
-    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a non-string or an absolute path as
-    it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in ``folder``."""
-    if not isinstance(value, str) or not value:
+    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a ``pkg:`` file, a non-string or an
+    absolute path as it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in
+    ``folder``."""
+    if not isinstance(value, str) or not value or value.startswith("pkg:"):  # a file in a package (flows.model_sources)
         return value
     path = Path(value).expanduser()
     if path.is_absolute():

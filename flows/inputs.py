@@ -170,8 +170,11 @@ def _enough_pairs(setting: str, path: Path, pairs: int, *, at_least: int, eval_f
         raise InputError(f"`{setting}` {path}: {error}")
 
 
-def _is_hub_name(model: str) -> bool:
-    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`flows.identity` reads it."""
+def _found_later(model: str) -> bool:
+    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`campaign.identity` reads it,
+    or a file in a package (``pkg:``, :mod:`flows.model_sources`): either is found later."""
+    if model.startswith("pkg:"):
+        return True
     return not Path(model).exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1
 
 
@@ -210,13 +213,13 @@ def check_files(config: PipelineConfig) -> None:
     if config.labeler == "import":
         files["data.preferences"] = config.data.preferences
     for setting, model in models.items():
-        if model is not None and not _is_hub_name(model) and not Path(model).exists():
+        if model is not None and not _found_later(model) and not Path(model).exists():
             raise FileNotFoundError(f"`{setting}` folder {model} does not exist")
     for setting, path in files.items():
         if path is not None and not path.exists():
             raise FileNotFoundError(f"`{setting}` {path} does not exist")
     policy, max_new_tokens = config.model.policy, config.sampling.max_new_tokens
-    if policy is not None and not _is_hub_name(policy):
+    if policy is not None and not _found_later(policy) and not policy.lower().endswith(".gguf"):
         context = _context_of("model.policy", Path(policy))
         if context is not None and max_new_tokens >= context:
             raise InputError(
