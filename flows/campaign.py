@@ -110,7 +110,11 @@ def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
         accelerate_config=None
         if config.execution.accelerate_config is None
         else str(config.execution.accelerate_config),
+        training_launcher=config.execution.training_launcher,
+        rendezvous_timeout=config.execution.rendezvous_timeout,
+        sharding=config.execution.sharding,
         frozen_model_bytes=int(config.execution.frozen_models_gb * 2**30),
+        engine_url=config.execution.engine_url,
     )
 
 
