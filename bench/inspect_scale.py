@@ -207,7 +207,7 @@ for _, part in frame.groupby("iteration"):
                      score_mean=part.scores.mean(), reward_mean=part.rewards.map(lambda r: r.sum(dtype="f8")).mean(),
                      kl_mean=np.mean([d.sum() for d in k1]), negative=np.mean(np.concatenate(k1) < 0),
                      advantage_std=advantages.std(ddof=1), zero_spread=(groups == 0).mean()))
-print(f"{time.perf_counter() - start:.2f} s in the reader, {len(rows)} iterations")
+print(f"read and summarised in {time.perf_counter() - start:.2f} s, {len(rows)} rows")
 """
 
 _SUMMARY = r"""
@@ -216,10 +216,11 @@ sys.path.insert(0, sys.argv[3])
 from flows.config import load_config
 from flows.inspect import eos_token_id, find_runs, summarize_runs, tokenizer_dir
 config = load_config(None, [f"run_root={sys.argv[1]}"], store_only=True)
-runs = find_runs(config, sys.argv[2])
 start = time.perf_counter()
+runs = find_runs(config, sys.argv[2])
+found = time.perf_counter()
 summary = summarize_runs(runs, eos=eos_token_id(tokenizer_dir(runs[0])))
-print(f"{time.perf_counter() - start:.2f} s in summarize_runs, {summary.height} iterations")
+print(f"find_runs {found - start:.2f} s, summarize_runs {time.perf_counter() - found:.2f} s, {summary.height} rows")
 """
 
 
@@ -274,10 +275,11 @@ def main() -> None:
         ),  # fmt: skip
         "pandas": _measure([python, "-c", _PANDAS, str(campaign_dir)]),
     }
-    print("| reader | wall s | peak RSS MiB | reader's own timing |")
+    print(f"| reader | {arguments.iterations} x {arguments.rollouts}: wall s | peak RSS MiB | inside the process |")
     print("| --- | ---: | ---: | --- |")
     for name, (seconds, peak, line) in results.items():
-        print(f"| {name} | {seconds:.1f} | {peak:.0f} | {line[:60]} |")
+        inside = "(whole command)" if name == "inspect" else line
+        print(f"| {name} | {seconds:.1f} | {peak:.0f} | {inside} |")
 
 
 if __name__ == "__main__":

@@ -337,6 +337,8 @@ def write_results(results: dict, path: Path, *, command: str, keep: Path | None 
             lines += section()
         elif number in kept:
             lines += kept[number].rstrip("\n").split("\n") + [""]
+    for number in sorted(set(kept) - {number for number, _, _ in parts}, key=int):  # written by other commands
+        lines += kept[number].rstrip("\n").split("\n") + [""]
     notes = Path(__file__).with_name("NOTES.md")
     if notes.is_file():
         lines += [notes.read_text().rstrip(), ""]

@@ -98,6 +98,9 @@ def base_inputs(
         reward_function=RewardFunctionReference.of(config.reward.function)
         if config.reward.source == "function" and config.reward.function
         else None,
+        rubric=RewardFunctionReference.of(config.reward.function)
+        if config.labeler == "function" and config.reward.function
+        else None,
     )
 
 

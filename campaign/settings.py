@@ -35,6 +35,7 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
     "collect_preferences": {
         "labeler": "labeler",
         "judge": "base.judge",
+        "rubric": "base.rubric",
         "preferences": "base.preferences",
         "precision": "precision",
         "rows_per_shard": "sizes.rows_per_shard",
@@ -61,6 +62,7 @@ STAGE_SETTINGS: dict[str, dict[str, str]] = {
         "precision": "precision",
         "prompts": "sizes.eval_prompts",
         "judge": "base.judge",
+        "rubric": "base.rubric",
         "reward_function": "base.reward_function",
         "rows_per_shard": "sizes.rows_per_shard",
     },

@@ -4,8 +4,10 @@ MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import polars as pl
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -25,6 +27,8 @@ from flows.config import PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.inputs import InputError, check_inputs
 from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
+from rlhf_core.loading import count_parameters
+from rlhf_core.precision import resolve_threads
 from storage.diagnostics import describe_flag, drift_flags
 from storage.tracking import (
     KIND_ITERATION,
@@ -79,10 +83,14 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
-def execution_of(config: PipelineConfig) -> Execution:
+def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
+    """How ``config``'s stages run; ``torch_threads: auto`` chosen from the policy's size and this machine's cores
+    (:func:`rlhf_core.precision.resolve_threads`)."""
     return Execution(
         device=config.device,
-        torch_threads=config.torch_threads,
+        torch_threads=resolve_threads(
+            config.torch_threads, parameters=count_parameters(base.policy.path), cores=len(os.sched_getaffinity(0))
+        ),
         checkpoint_seconds=config.checkpoint_seconds,
         gradient_checkpointing=config.model.gradient_checkpointing,
         task_runner=config.execution.task_runner,
@@ -149,7 +157,7 @@ def context_for(
         iteration=iteration,
         seed=config.seed,
         base=base,
-        execution=execution_of(config),
+        execution=execution_of(config, base),
         parent_run_id=parent_run_id,
         flow_run_id=flow_run_id,
         register_models=register_models,
@@ -262,9 +270,10 @@ def close_iteration(
     was_finished = tracker.run_status(context.parent_run_id) == "FINISHED"
     metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
     figure = _overoptimisation(context, metrics) if kind == KIND_ITERATION else None
-    inspected = None
+    inspection = None
     if not all(result.reused for result in stages) or not was_finished:
-        inspected = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
+        inspected, responses = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
+        inspection = _inspection_summary(context, inspected, responses, kind=kind)
         metrics |= inspected
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
@@ -278,7 +287,6 @@ def close_iteration(
         if not was_finished:
             _supersede(context)
     _prune_optimizer_states(context, stages, kind=kind)
-    inspection = None if inspected is None else _inspection_summary(context, inspected, kind=kind)
     create_markdown_artifact(
         key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
         markdown=iteration_summary(
@@ -311,8 +319,11 @@ def _overoptimisation(context: StageContext, metrics: dict[str, float]):
     return overoptimisation_figure([*earlier, (context.iteration, metrics)], campaign=context.campaign)
 
 
-def _log_inspection(context: StageContext, stages: list[StageResult], *, kind: str) -> dict[str, float]:
-    """The run's ``inspect/*`` metrics (:func:`flows.inspect.inspect_run`); its top responses go on it as a table."""
+def _log_inspection(
+    context: StageContext, stages: list[StageResult], *, kind: str
+) -> tuple[dict[str, float], pl.DataFrame]:
+    """The run's ``inspect/*`` metrics and top responses (:func:`flows.inspect.inspect_run`); the responses go on the
+    run as the table :data:`flows.inspect.TOP_RESPONSES`."""
     run = ITERATION_RUN if kind == KIND_ITERATION else f"{KIND_REPLAY} {context.parent_run_id[:12]}"
     outputs = stage_outputs(
         {result.stage: result.directory for result in stages},
@@ -322,24 +333,39 @@ def _log_inspection(context: StageContext, stages: list[StageResult], *, kind: s
     )
     metrics, responses = inspect_run(outputs)
     context.tracker.log_table(context.parent_run_id, responses.to_dict(as_series=False), TOP_RESPONSES)
-    return metrics
+    return metrics, responses
 
 
-def _inspection_summary(context: StageContext, inspected: dict[str, float], *, kind: str) -> str:
-    """Markdown: where the run's top responses are, the command that shows more, and the campaign's drift warnings
-    up to this iteration (from the ``inspect/*`` metrics its iteration runs logged)."""
-    tracker = context.tracker
-    target = f"{context.campaign}:{context.iteration}"
+def _inspection_summary(
+    context: StageContext, inspected: dict[str, float], responses: pl.DataFrame, *, kind: str
+) -> str:
+    """Markdown: the run's highest-scoring responses (where gaming shows first), where the rest are, and the campaign's
+    drift warnings up to this iteration (from the ``inspect/*`` metrics its iteration runs logged). Written into the
+    artifact itself, so it shows without an MLflow server."""
+    shown = responses.head(TOP_SHOWN)
     lines = [
-        f"Inspect: the top responses are the table `{TOP_RESPONSES}` of [its MLflow run]"
-        f"({tracker.run_url(context.parent_run_id)}); in a terminal, `rlhf inspect {target} --top 10`.",
+        f"Highest-scoring responses ({shown.height} of the {responses.height} in the MLflow run's "
+        f"`{TOP_RESPONSES}` table; `rlhf inspect {context.campaign}:{context.iteration} --top 10` in a terminal):",
+        "",
+        "| score | reward | KL | length | response |",
+        "| ---: | ---: | ---: | ---: | --- |",
     ]
+    for row in shown.iter_rows(named=True):
+        text = " ".join(row["response"].split()).replace("|", "\\|")
+        text = text if len(text) <= 160 else text[:159] + "…"
+        lines.append(f"| {row['score']:.3g} | {row['reward']:.3g} | {row['kl']:.3g} | {row['length']} | {text} |")
     if kind == KIND_ITERATION:
-        earlier = [row for row in tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration]
+        earlier = [
+            row for row in context.tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration
+        ]
         flags = drift_flags(summary_from_metrics([*earlier, (context.iteration, inspected)]))
-        lines += ["", "Drift warnings:" if flags else "Drift warnings: none."]
+        lines += ["", "Drift warnings (`rlhf inspect`, docs/inspect.md):" if flags else "Drift warnings: none."]
         lines += [f"- {flag.kind}: {describe_flag(flag)}" for flag in flags]
     return "\n".join(lines)
+
+
+TOP_SHOWN = 5
+"""Responses the Prefect iteration artifact shows."""
 
 
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:

@@ -346,6 +346,9 @@ def _running_flows(console):
 
 
 def _run(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # before MLflow, Prefect or torch is imported: a file refused answers in a second or two
     from campaign.history import campaign_finished, difference_note
     from flows.config import ConfigError
     from flows.report import campaign_link, campaign_report
@@ -370,6 +373,9 @@ def _run(config, arguments) -> int:
 
 
 def _iterate(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # as `rlhf run` does
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
@@ -468,8 +474,8 @@ def _config(config, arguments) -> int:
 
 
 _STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
-"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
-export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
+"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, inspect,
+an export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
 start or continue a campaign from a config file."""
 

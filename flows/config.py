@@ -13,7 +13,7 @@ import importlib.util
 import json
 import textwrap
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -130,7 +130,9 @@ class RewardSource(_Frozen):
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
     """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward); unused with `reward_model`."""
+    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
+    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
+    reports); otherwise unused."""
 
 
 class ExecutionConfig(_Frozen):
@@ -233,8 +235,9 @@ class PipelineConfig(_Frozen):
     precision: Precision = "fp32"
     """Numeric precision of every forward pass: `fp32`, `bf16` or `fp16` (a GPU only). Trained weights stay fp32
     (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
-    torch_threads: int = Field(1, gt=0)
-    """torch intra-op threads, set by every stage; one is fastest for small models on a 2-core machine."""
+    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
+    fastest there), every usable core for a larger one (SmolLM2-135M: measured in bench/torch_threads.py)."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
@@ -242,8 +245,9 @@ class PipelineConfig(_Frozen):
     labeler: LabelerName | None = None
     """Who labels candidate pairs when a reward model learns from them: an imported file (`import`, with
     `data.preferences`), a person answering Prefect UI forms (`human`), the current reward model
-    (`reward_model`), or the demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function
-    or a pretrained reward model used as it is."""
+    (`reward_model`), your own rubric (`function`: `reward.function` prefers the response it scores higher), or the
+    demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function or a pretrained reward
+    model used as it is."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -287,7 +291,7 @@ class PipelineConfig(_Frozen):
                 "labeler gold is the embedded demo's hidden rubric for its toy language: with your own model set "
                 "`labeler` to import (with `data.preferences`), human or reward_model"
             )
-        if self.reward.source == "function" and (self.reward.function or "").startswith("demo."):
+        if "function" in (self.reward.source, self.labeler) and (self.reward.function or "").startswith("demo."):
             raise ValueError(
                 f"`reward.function` {self.reward.function} is the embedded demo's rubric for its toy language: "
                 "name a function that scores your own model's responses"
@@ -306,8 +310,15 @@ class PipelineConfig(_Frozen):
                 "set `labeler`: who labels the candidate pairs the reward model learns from (import with "
                 "`data.preferences`, human, or reward_model with `model.reward_model`)"
             )
+        if self.labeler == "reward_model" and self.learns_from_labels and self.model.reward_model is None:
+            raise ValueError(
+                "labeler reward_model needs `model.reward_model`: a pretrained reward model to label the first "
+                "iteration's pairs (later iterations use the one they trained); or label with import or human"
+            )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
+        if self.labeler == "function" and not self.reward.function:
+            raise ValueError("labeler 'function' needs `reward.function`: the `module:callable` rubric that labels")
         if self.model.reward_model is None and not self.reward_model.train:
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"

@@ -122,7 +122,7 @@ def _iteration(
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
         collected = _collect(config, context, settings, state) if config.reward_model.train else ()
-        all_preferences = (*state.preferences, *collected[1:])
+        all_preferences = (*state.preferences, *collected[-1:])
         reward_model = train_reward_model(
             context, all_preferences, state.reward_model, **settings("train_reward_model")
         ).result()
@@ -138,8 +138,11 @@ def _iteration(
     return close_iteration(context, stages, new_state)
 
 
-def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
-    """Stages 1 and 2: candidates from the current policy, and their preference labels."""
+def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, ...]:
+    """Stages 1 and 2: candidates from the current policy (none for imported pairs: nothing would read them), and
+    their preference labels."""
+    if config.labeler == "import":
+        return (collect_preferences(context, None, None, None, **settings("collect_preferences")).result(),)
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))

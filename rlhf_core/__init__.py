@@ -33,6 +33,8 @@ __all__ = [
     "advantages",
     "config",
     "distributed",
+    "divergence",
+    "errors",
     "evaluation",
     "experience",
     "experience_maker",

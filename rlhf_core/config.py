@@ -19,7 +19,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 """Numeric precision of forward passes (:mod:`rlhf_core.precision`)."""
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 """Where models run (:func:`rlhf_core.precision.resolve_device`)."""
-LabelerName = Literal["gold", "import", "reward_model", "human"]
+LabelerName = Literal["gold", "import", "reward_model", "human", "function"]
 """Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
 person."""
 MIN_PREFERENCE_PAIRS = 4

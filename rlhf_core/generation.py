@@ -23,6 +23,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from rlhf_core.config import SamplingConfig
+from rlhf_core.divergence import check_finite
 from rlhf_core.models import evaluating, fused_activations
 from rlhf_core.sequences import position_ids_from_mask
 
@@ -167,6 +168,7 @@ def _decode(
     tokens, logprobs, alive = [], [], []
     for _ in range(config.max_new_tokens):
         scaled = outputs.logits[:, -1, :].float() / config.temperature  # (B, V)
+        check_finite(scaled, model="actor", quantity="logits")  # else sampling draws from NaN probabilities
         token_logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
         probabilities = torch.softmax(filter_logits(scaled, top_k=config.top_k, top_p=config.top_p), dim=-1)
         token = sample_tokens(probabilities, torch.rand(batch, generator=generator))  # (B,)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -450,6 +451,33 @@ def _backbone(folder: Path, placement: dict[str, Any]) -> tuple[PreTrainedModel,
         head.weight.copy_(score.weight.float())
         head.bias.copy_(score.bias.float() if score.bias is not None else torch.zeros(1))
     return classifier.base_model, head
+
+
+def has_reward_head(folder: str | Path) -> bool:
+    """Whether the folder holds a reward model that can score as it is: a sequence-classification checkpoint, or a
+    backbone with the reward head this project saves beside it (:func:`save_model_folder`); a plain causal LM has
+    none (a head would be fresh: random scores)."""
+    folder = Path(folder)
+    if (folder / f"{RewardModel.head_name}.safetensors").is_file():
+        return True
+    architectures = getattr(AutoConfig.from_pretrained(folder), "architectures", None) or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def count_parameters(folder: str | Path) -> int:
+    """The parameters of the model in a Hugging Face folder, from its safetensors headers (nothing is loaded); a
+    folder of pickled weights is estimated from their bytes at 4 per parameter."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
+                total += math.prod(weights.get_slice(name).get_shape())
+    if total == 0:
+        total = sum(path.stat().st_size for path in folder.glob("pytorch_model*.bin")) // 4
+    return total
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.distributed import global_sum, rank_share
+from rlhf_core.divergence import check_finite, check_weights
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
@@ -281,13 +282,19 @@ def ppo_update(
                     break
                 # 3. one step for each model, each with its own gradient clip; DDP averages the gradients of the
                 #    processes' shares, so each backpropagates N times its share (0 times for a stand-in row)
-                steps_to_take = [(losses.actor_loss, actor, actor_optimizer)]
+                #    (a non-finite loss or gradient norm stops the update before its step: it diverged)
+                steps_to_take = [("actor", losses.actor_loss, actor, actor_optimizer, config.actor_learning_rate)]
                 if critic is not None:
-                    steps_to_take.append((losses.critic_loss, critic, critic_optimizer))
-                for loss, model, optimizer in steps_to_take:
+                    steps_to_take.append(
+                        ("critic", losses.critic_loss, critic, critic_optimizer, config.critic_learning_rate)
+                    )
+                for name, loss, model, optimizer, learning_rate in steps_to_take:
+                    diverged = {"model": name, "step": steps + 1, "learning_rate": learning_rate}
+                    check_finite(loss.detach(), quantity="loss", **diverged)
                     optimizer.zero_grad(set_to_none=True)
                     accelerator.backward(loss * (world * weight))
-                    accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                    norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                    check_finite(torch.as_tensor(norm), quantity="gradient norm", **diverged)
                     optimizer.step()
                 # 4. bookkeeping (the value statistics only with a critic)
                 step_stats = {name: value for name, value in stats._asdict().items() if value is not None}
@@ -301,5 +308,8 @@ def ppo_update(
                 on_epoch_end(PPOProgress(epoch + 1, {name: float(total) for name, total in totals.items()}, steps))
     if steps == 0 or totals is None:
         raise ValueError("the update took no optimizer step (`target_kl` exceeded before the first step)")
+    check_weights(actor, model="actor", learning_rate=config.actor_learning_rate)
+    if critic is not None:
+        check_weights(critic, model="critic", learning_rate=config.critic_learning_rate)
     means = {name: totals[name] / steps if name in totals else None for name in MinibatchStats._fields}
     return PPOStats(**means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)

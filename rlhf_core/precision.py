@@ -62,6 +62,24 @@ def resolve_device(choice: str) -> torch.device:
     raise ValueError(f"`device` must be one of {get_args(DeviceChoice)}, got {choice!r}")
 
 
+AUTO_THREADS_MIN_PARAMETERS = 20_000_000
+"""From this many parameters up, ``torch_threads: auto`` takes every usable core; below, one thread: a small
+model's matrix products are too short to pay for waking a second thread (``bench/torch_threads.py``)."""
+
+
+def resolve_threads(choice: int | str, *, parameters: int, cores: int) -> int:
+    """The torch intra-op threads ``choice`` (a count, or ``auto``) names for a model of ``parameters`` on ``cores``.
+
+    Raises:
+        ValueError: neither a positive count nor ``auto``.
+    """
+    if choice == "auto":
+        return max(1, cores) if parameters >= AUTO_THREADS_MIN_PARAMETERS else 1
+    if isinstance(choice, int) and not isinstance(choice, bool) and choice > 0:
+        return choice
+    raise ValueError(f"`torch_threads` must be a positive number or auto, got {choice!r}")
+
+
 @contextmanager
 def autocast(device: torch.device, precision: Precision) -> Iterator[None]:
     """Run the block's forward passes in ``precision`` (nothing changes for fp32).

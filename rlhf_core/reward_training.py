@@ -23,6 +23,7 @@ from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.distributed import global_sum, rank_share
+from rlhf_core.divergence import check_finite, check_weights
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models import RewardModel, evaluating, fused_activations
 
@@ -186,9 +187,13 @@ def fit_reward_model(
                     chosen, rejected, margin=batch.margin if config.use_margin else None, pairs=len(minibatch)
                 )
                 # 2. DDP averages the processes' gradients: each backpropagates N times its share
+                #    (a non-finite loss or gradient norm stops training before its step: it diverged)
+                diverged = {"model": "reward_model", "step": steps + 1, "learning_rate": config.learning_rate}
+                check_finite(loss.detach(), quantity="loss", **diverged)
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss * (world * weight))
-                accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                check_finite(torch.as_tensor(norm), quantity="gradient norm", **diverged)
                 optimizer.step()
                 # 3. the whole minibatch's loss and accuracy (the shares' sum, and their pair-weighted mean)
                 if world == 1:
@@ -204,6 +209,7 @@ def fit_reward_model(
                     on_step(steps, {"loss": step_loss, "accuracy": step_accuracy})
             if on_epoch_end is not None:
                 on_epoch_end(RewardTrainingProgress(epoch + 1, loss_sum, accuracy_sum, steps))
+    check_weights(model, model="reward_model", learning_rate=config.learning_rate)
     # Every process evaluates every held-out pair (a small fraction), on the model without its DDP wrapper.
     held_out = evaluate_reward_model(accelerator.unwrap_model(model), eval_pairs, batch_size=config.batch_size)
     return RewardModelStats(

@@ -4,12 +4,14 @@ Modules:
 
 * :mod:`storage.layout`: ``RunLayout``, the only place paths are built.
 * :mod:`storage.schemas`: explicit Arrow schemas and column names, ``SCHEMA_VERSION``.
-* :mod:`storage.shards`: Parquet shards (``write_shards``, ``read_table``).
+* :mod:`storage.shards`: Parquet shards (``write_shards``, ``read_table``, ``scan_table``).
 * :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
 * :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
 * :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
 * :mod:`storage.tracking`: ``Tracker``, the only code that imports mlflow.
 * :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
+* :mod:`storage.recorded`: the folder of a stage output a run recorded in MLflow.
+* :mod:`storage.diagnostics`: what ``rlhf inspect`` computes from the shards, as polars expressions, and drift flags.
 
 Names are re-exported lazily, so ``import storage`` does not pull in mlflow or transformers
 until a name that needs them is used.
@@ -25,6 +27,7 @@ _EXPORTS = {
     "SCHEMA_VERSION": "schemas",
     "write_shards": "shards",
     "read_table": "shards",
+    "scan_table": "shards",
     "MANIFEST_FILE": "manifest",
     "CorruptOutputError": "manifest",
     "FileEntry": "manifest",

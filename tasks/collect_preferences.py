@@ -28,11 +28,13 @@ from tasks.judge import JudgeReference
 from tasks.labelers import (
     SKIP,
     CandidatePair,
+    FunctionLabeler,
     HumanLabeler,
     JudgeLabeler,
     Labeler,
     RewardModelLabeler,
 )
+from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult, stage
 from tasks.text import Prompt, reward_scorer
 
@@ -94,12 +96,13 @@ def human_table(pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id:
 def collect_preferences(
     out: StageOutput,
     context: StageContext,
-    candidates: StageResult,
+    candidates: StageResult | None,
     reward_model: StageResult | None,
     labels: StageResult | None,
     *,
     labeler: LabelerName,
     judge: JudgeReference | None,
+    rubric: RewardFunctionReference | None,
     preferences: InputFile | None,
     precision: Precision,
     rows_per_shard: int,
@@ -107,10 +110,13 @@ def collect_preferences(
     """Write the ``preferences`` table for this iteration's candidates.
 
     Args:
-        reward_model: the judge with labeler ``reward_model``; None otherwise.
+        candidates: the candidates to label; None with labeler ``import``, which samples none.
+        reward_model: the judge with labeler ``reward_model``: the previous iteration's reward model, or None in
+            the first iteration, where the pretrained ``model.reward_model`` judges.
         labels: the person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise.
-        labeler: ``gold``, ``reward_model``, ``import`` or ``human``.
+        labeler: ``gold``, ``function``, ``reward_model``, ``import`` or ``human``.
         judge: the gold judge (labeler ``gold``).
+        rubric: the reward function that labels (labeler ``function``).
         preferences: the file of pairs to import (labeler ``import``, iteration 0 only).
     """
     shown: dict[str, float] = {}
@@ -124,10 +130,8 @@ def collect_preferences(
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
     elif labeler == "reward_model":
-        if reward_model is None:
-            raise ValueError(
-                "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
-            )
+        if reward_model is None and context.base.reward_model is None:
+            raise ValueError("labeler 'reward_model' needs a reward model: a trained one, or `model.reward_model`")
         pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
         shards = plan_shards(
             len(pairs), rows_per_shard=rows_per_shard, rows_per_item=1, seed=context.seed, stage=STAGE,
@@ -137,6 +141,14 @@ def collect_preferences(
             out, context, STAGE, label_shards, shards, schema=PREFERENCES, precision=precision,
             candidates=candidates, reward_model=reward_model,
         )  # fmt: skip
+    elif labeler == "function":
+        if rubric is None:
+            raise ValueError("labeler 'function' needs a rubric: `reward.function`")
+        table = labelled_table(
+            candidate_pairs(read_table(candidates.directory, "candidates")),
+            FunctionLabeler(rubric.load(), rubric.name),
+            first_pair_id=context.iteration * 1_000_000,
+        )
     else:
         if judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")
@@ -164,12 +176,14 @@ def label_shards(
     shards: list[Shard],
     *,
     candidates: StageResult,
-    reward_model: StageResult,
+    reward_model: StageResult | None,
 ) -> Iterator[pa.Table]:
-    """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model."""
+    """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model (the pretrained
+    ``model.reward_model`` where no iteration has trained one yet)."""
     pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
+    judge = reward_model.directory / "reward_model" if reward_model is not None else context.base.reward_model.path
     scorer = reward_scorer(
-        models.load("reward_model", reward_model.directory / "reward_model"),
+        models.load("reward_model", judge),
         policy_tokenizer_dir=context.base.tokenizer.path,
         reward_tokenizer_dir=context.base.reward_tokenizer,
     )

@@ -65,6 +65,8 @@ class BaseInputs:
         reward_model: a pretrained reward model folder (with its own tokenizer), or None.
         reward_function: the reward function that scores rollouts (``reward.source: function``),
             or None when a reward model does. A setting of the stages that score, like ``judge``.
+        rubric: the reward function that labels candidate pairs (labeler ``function``) and scores
+            evaluation's responses beside the reward model, or None.
     """
 
     policy: InputFile
@@ -75,6 +77,7 @@ class BaseInputs:
     preferences: InputFile | None = None
     reward_model: InputFile | None = None
     reward_function: RewardFunctionReference | None = None
+    rubric: RewardFunctionReference | None = None
 
     @property
     def bases(self) -> dict[str, str]:
@@ -129,7 +132,7 @@ class Execution:
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
-        torch_threads: torch intra-op threads, set at the start of every stage.
+        torch_threads: torch intra-op threads, set at the start of every stage (`auto` already resolved).
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
         task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).

@@ -29,6 +29,7 @@ from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.stage import SAMPLES, StageResult, stage
 from tasks.text import (
+    Prompt,
     decode,
     encode_prompts,
     load_tokenizer,
@@ -53,6 +54,7 @@ def evaluate(
     precision: Precision,
     prompts: int,
     judge: JudgeReference | None,
+    rubric: RewardFunctionReference | None,
     reward_function: RewardFunctionReference | None,
     rows_per_shard: int,
 ) -> dict[str, float]:
@@ -62,6 +64,8 @@ def evaluate(
         reward_model: the reward model's output, or None when ``reward_function`` scores instead.
         prompts: how many held-out prompts to evaluate (the first ones of the file).
         judge: the gold judge, or None for no gold metrics.
+        rubric: the rubric that labels pairs (labeler ``function``): its mean score of both sides is reported
+            beside the reward model's; None for none.
         reward_function: the reward function (``reward.source: function``), or None.
         rows_per_shard: held-out prompts per shard (:mod:`tasks.fanout`).
     """
@@ -87,6 +91,8 @@ def evaluate(
     }
     if judge is not None:
         metrics.update(_gold_metrics(records, judge))
+    if rubric is not None:
+        metrics.update(_rubric_metrics(records, read_prompts(context.base.eval_prompts.path)[:prompts], rubric))
     (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
     return metrics
 
@@ -166,6 +172,21 @@ def evaluate_shards(
                         rows[POLICY_KL].extend(kl.cpu().tolist())
             rows[PROMPT].extend(texts[part])  # as the model saw it: a chat prompt through its template
         yield pa.table(rows, schema=EVALUATION)
+
+
+def _rubric_metrics(records: list[dict], held_out: list[Prompt], rubric: RewardFunctionReference) -> dict[str, float]:
+    """The rubric's mean score of both sides (``held_out``: each record's prompt); adds ``<side>_rubric`` to each
+    record."""
+    function, texts = rubric.load(), [record[PROMPT] for record in records]
+    metrics = {}
+    for side, name in (("policy", "rubric_mean"), ("reference", "reference_rubric_mean")):
+        responses = [record[f"{side}_response"] for record in records]
+        ids = range(len(records))
+        scores = score_texts(function, rubric.name, held_out, responses, ids, prompt_texts=texts).tolist()
+        for record, score in zip(records, scores, strict=True):
+            record[f"{side}_rubric"] = score
+        metrics[name] = sum(scores) / max(len(scores), 1)
+    return metrics
 
 
 def _gold_metrics(records: list[dict], judge_reference: JudgeReference) -> dict[str, float]:

@@ -4,6 +4,8 @@ A labeler takes candidate pairs and returns, per pair, the index of the preferre
 (0 or 1) and a margin (how much better; 0 when unknown). The pipeline has:
 
 * ``gold``: a judge (the embedded demo's hidden programmatic rubric), playing the human;
+* ``function``: the user's own rubric, a reward function (``reward.function``), playing the human: ``gold``
+  generalised to any model and task;
 * ``reward_model``: the current reward model as a judge;
 * ``import``: no labeling at all; pairs come from a file (see the preference stage);
 * ``human``: a person's answers on Prefect UI forms (asked by :mod:`flows.human_labels`).
@@ -19,6 +21,7 @@ from typing import Literal, NamedTuple, Protocol, get_args
 import torch
 
 from rlhf_core.evaluation import Judge
+from tasks.reward_function import RewardFunction, score_texts
 from tasks.text import Prompt, RewardScorer
 
 
@@ -60,6 +63,33 @@ class JudgeLabeler:
 
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
         return [Label(*self.judge.prefers(pair.prompt.text, pair.first, pair.second)) for pair in pairs]
+
+
+class FunctionLabeler:
+    """A reward function as the rater (labeler ``function``): prefers the candidate it scores higher; the margin
+    is the score gap (0, a tie, keeps the first). It is called as a reward function is
+    (:mod:`tasks.reward_function`), with the candidates' prompt; a candidate carries no other column of its
+    prompt's row, so the rubric gets none.
+
+    Args:
+        function: the rubric, called as the rollout calls a reward function.
+        function_name: its ``module:callable`` name, for error messages.
+    """
+
+    name = "function"
+
+    def __init__(self, function: RewardFunction, function_name: str) -> None:
+        self.function = function
+        self.function_name = function_name
+
+    def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
+        prompts = [pair.prompt for pair in pairs] * 2
+        responses = [pair.first for pair in pairs] + [pair.second for pair in pairs]
+        rows = [f"of pair {index}" for index in range(len(pairs))] * 2  # names the pair in an error
+        texts = [prompt.text for prompt in prompts]
+        scores = score_texts(self.function, self.function_name, prompts, responses, rows, prompt_texts=texts)  # (2B,)
+        gap = scores[: len(pairs)] - scores[len(pairs) :]  # (B,)
+        return [Label(0 if value >= 0 else 1, abs(value)) for value in gap.tolist()]
 
 
 class RewardModelLabeler:

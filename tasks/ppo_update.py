@@ -211,12 +211,12 @@ def update_policy(
     experience = table_to_experience(
         read_table(scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
-    stats = update(
-        actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
-        accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
-        resume=resume, on_epoch_end=save_epoch, on_step=record_step,
-    )  # fmt: skip
-    bar.close()
+    with bar:  # closed on an error too, so the error's line starts a line of its own
+        stats = update(
+            actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
+            accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
+            resume=resume, on_epoch_end=save_epoch, on_step=record_step,
+        )  # fmt: skip
     if main:
         save(out.path, None)
         write_training_curve(out.path, curve)

@@ -42,6 +42,8 @@ from prefect.states import Completed, State
 from pydantic import BaseModel
 
 from rlhf_core.config import LoraConfig
+from rlhf_core.divergence import DivergenceError
+from rlhf_core.errors import UserError
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
 from storage.files import disk_errors
@@ -291,6 +293,7 @@ def _produce(
     started = time.perf_counter()
     try:
         with (
+            _divergence_named(stage, context.iteration),
             StageOutput(
                 stage_dir, stage=stage, input_key=input_key, config=key_settings, upstream=digests, code=code
             ) as out,
@@ -307,6 +310,32 @@ def _produce(
     finally:
         _release_memory()
     return out.manifest
+
+
+LEARNING_RATES = {
+    "actor": "ppo.actor_learning_rate",
+    "critic": "ppo.critic_learning_rate",
+    "reward_model": "reward_model.learning_rate",
+}
+"""The setting that sets how fast each trained model moves: what to lower when it diverges."""
+
+
+class Diverged(UserError, ValueError):
+    """A stage found a model diverged (:class:`rlhf_core.divergence.DivergenceError`); the message (one line) names
+    the stage, the iteration and the learning-rate setting to lower."""
+
+
+@contextmanager
+def _divergence_named(stage: str, iteration: int) -> Iterator[None]:
+    """Name a divergence found inside the stage (outside its output, which is then never written)."""
+    try:
+        yield
+    except DivergenceError as error:
+        setting = LEARNING_RATES[error.model]
+        when = "" if error.step is not None else " in an earlier update"
+        raise Diverged(
+            f"{stage}, iteration {iteration}: {error}{when}; lower `{setting}` (--set {setting}=...) and run again"
+        ) from error
 
 
 def stage_models(

@@ -147,20 +147,20 @@ def fit(
         if main and progress.epochs_done < config.epochs and throttle.due():
             save_progress(out.final_dir, progress.epochs_done, write)
 
-    stats = fit_reward_model(
-        model,
-        optimizer,
-        pairs.select(order[held_out:]),
-        pairs.select(order[:held_out]),
-        config,
-        accelerator=accelerator,
-        generator=generator,
-        resume=resume,
-        on_epoch_end=save_epoch,
-        on_step=lambda step, values: curve.append({"step": step, **values}),
-        dropout_seed=context.stage_seed(STAGE),
-    )
-    bar.close()
+    with bar:  # closed on an error too, so the error's line starts a line of its own
+        stats = fit_reward_model(
+            model,
+            optimizer,
+            pairs.select(order[held_out:]),
+            pairs.select(order[:held_out]),
+            config,
+            accelerator=accelerator,
+            generator=generator,
+            resume=resume,
+            on_epoch_end=save_epoch,
+            on_step=lambda step, values: curve.append({"step": step, **values}),
+            dropout_seed=context.stage_seed(STAGE),
+        )
     if main:
         save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
         write_training_curve(out.path, curve)

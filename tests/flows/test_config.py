@@ -15,7 +15,9 @@ from flows.config import ConfigError, PipelineConfig, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "demo-verifiable.yaml", "demo-human.yaml", "tiny.yaml"])
+@pytest.mark.parametrize(
+    "name", ["demo.yaml", "demo-verifiable.yaml", "demo-human.yaml", "tiny.yaml", "smollm2.yaml", "smollm2-rm.yaml"]
+)
 def test_shipped_configs_load(name):
     assert isinstance(load_config(CONFIGS / name), PipelineConfig)
 
@@ -38,6 +40,7 @@ def test_overrides_apply_on_top_of_the_file():
         (["nonsense"], "section.field=value"),
         (["ppo.kl_loss_coef=0.1"], "advantages.kl_in"),
         (["reward.source=function"], "reward.function"),
+        (["labeler=function"], "reward.function"),  # the rubric that labels must be named
         (["reward.source=model"], "reward.source"),
         # 16 rollouts per iteration in tiny.yaml: a horizon of 8 would move the coefficient by up to 40% at once
         (["advantages.kl_target=1", "advantages.kl_horizon=8"], "advantages.kl_horizon"),
@@ -66,7 +69,7 @@ def test_config_renders_as_a_json_schema_form():
     schema = PipelineConfig.model_json_schema()
     assert {"sampling", "ppo", "advantages", "reward_model", "labeler"} <= set(schema["properties"])
     labeler = schema["properties"]["labeler"]["anyOf"][0]
-    assert labeler["enum"] == ["gold", "import", "reward_model", "human"]
+    assert labeler["enum"] == ["gold", "import", "reward_model", "human", "function"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
@@ -208,7 +211,7 @@ def test_issue27_a_run_from_another_folder_finds_the_files_beside_its_config_and
     elsewhere.mkdir()
     shutil.copy(checkpoint_world["prompts"], folder / "prompts.jsonl")
     (folder / "own.yaml").write_text(
-        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: reward_model\n"
+        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: human\n"
         "data:\n  prompts: prompts.jsonl\n  eval_prompts: eval.jsonl\n"
     )
     command = [sys.executable, "-m", "flows", "run", "--config", str(folder / "own.yaml")]

@@ -186,3 +186,22 @@ def test_flags_a_drifting_campaign_and_not_a_steady_one(tmp_path, capsys):
     assert "drift warnings:\n  length: iterations 1-5: response length climbed" in out
     relaxed = _json(config, capsys, "drifting", "--threshold", "length_rise=5", "--threshold", "kl_rise=100")["flags"]
     assert {flag["kind"] for flag in relaxed} == {"entropy", "reward_model"}
+
+
+def test_the_prefect_artifact_shows_the_top_responses_and_lists_the_drift_warnings(recorded):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    config, _, _ = recorded
+    with get_client(sync_client=True) as client:
+        for kind in ("iteration", "replay"):
+            key = f"{config.campaign}-{kind}-1"
+            (artifact,) = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), limit=1
+            )
+            assert (
+                f"`{TOP_RESPONSES}` table" in artifact.data
+                and "| score | reward | KL | length | response |" in artifact.data
+            )
+            assert f"`rlhf inspect {config.campaign}:1 --top 10`" in artifact.data
+            assert ("Drift warnings" in artifact.data) == (kind == "iteration")  # a campaign's, not a replay's

@@ -1,0 +1,76 @@
+"""The task of ``configs/smollm2.yaml``: answer in exactly one word, a verifiable instruction (IFEval's kind).
+
+Prompts are chat messages such as ``Name a fruit. Answer with one word only.``: a question about a category
+of things and an instruction to answer in one word. Training and held-out prompts ask about disjoint
+categories (fruits, birds, ... against planets, metals, ...), so the held-out score measures whether the
+policy learnt to follow the instruction, not the answers it saw.
+
+SmolLM2-135M-Instruct mostly answers in a sentence (``The capital of Italy is Rome.``): sampled at
+temperature 1 with 16 new tokens it scores about 0.2 on the held-out prompts (see docs/real-model.md).
+
+``.venv/bin/python configs/smollm2_task.py`` writes ``configs/smollm2/prompts.jsonl`` and
+``configs/smollm2/eval_prompts.jsonl`` (committed; the same files every time).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+WORD = re.compile(r"[A-Za-z0-9]+(?:['-][A-Za-z0-9]+)*")
+
+
+def one_word(prompt: object, response: str, **_: object) -> float:
+    """1 for a one-word answer, 1/n for an answer of n words, 0 for none (punctuation is not a word).
+
+    ``prompt`` (its text or chat messages) and any other prompt column are accepted and unused: the rubric
+    judges the response alone.
+    """
+    words = len(WORD.findall(response))
+    return 1.0 / words if words else 0.0
+
+
+QUESTIONS = (
+    "Name a {}.",
+    "What is your favourite {}?",
+    "Which {} would you recommend to a friend?",
+    "Give me an example of a {}.",
+    "Tell me one {} that you like.",
+)
+INSTRUCTIONS = (
+    "Answer with one word only.",
+    "Reply in a single word.",
+    "Use exactly one word.",
+    "Respond with just one word.",
+)
+TRAIN_TOPICS = (
+    "fruit", "vegetable", "animal", "bird", "fish", "colour", "country", "city", "sport", "flower",
+    "tree", "musical instrument", "board game", "river", "mountain", "car brand", "pet", "spice", "cheese", "toy",
+)  # fmt: skip
+HELD_OUT_TOPICS = ("planet", "metal", "profession", "vehicle", "drink", "language", "dessert", "insect", "gemstone", "fabric")  # fmt: skip
+FOLDER = Path(__file__).resolve().parent / "smollm2"
+
+
+def prompts(topics: tuple[str, ...], *, seed: int) -> list[dict]:
+    """Every question x topic x instruction, shuffled with ``seed``, as chat-prompt rows."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"{question.format(topic)} {instruction}"}]}
+        for question in QUESTIONS
+        for topic in topics
+        for instruction in INSTRUCTIONS
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def write(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+if __name__ == "__main__":
+    write(prompts(TRAIN_TOPICS, seed=0), FOLDER / "prompts.jsonl")  # 400 prompts
+    write(prompts(HELD_OUT_TOPICS, seed=1), FOLDER / "eval_prompts.jsonl")  # 200 prompts
+    print(f"wrote {FOLDER / 'prompts.jsonl'} and {FOLDER / 'eval_prompts.jsonl'}")  # noqa: T201
