@@ -170,8 +170,11 @@ def _enough_pairs(setting: str, path: Path, pairs: int, *, at_least: int, eval_f
         raise InputError(f"`{setting}` {path}: {error}")
 
 
-def _is_hub_name(model: str) -> bool:
-    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`flows.identity` reads it."""
+def _found_later(model: str) -> bool:
+    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`campaign.identity` reads it,
+    or a file in a package (``pkg:``, :mod:`flows.model_sources`): either is found later."""
+    if model.startswith("pkg:"):
+        return True
     return not Path(model).exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1
 
 
@@ -210,13 +213,13 @@ def check_files(config: PipelineConfig) -> None:
     if config.labeler == "import":
         files["data.preferences"] = config.data.preferences
     for setting, model in models.items():
-        if model is not None and not _is_hub_name(model) and not Path(model).exists():
+        if model is not None and not _found_later(model) and not Path(model).exists():
             raise FileNotFoundError(f"`{setting}` folder {model} does not exist")
     for setting, path in files.items():
         if path is not None and not path.exists():
             raise FileNotFoundError(f"`{setting}` {path} does not exist")
     policy, max_new_tokens = config.model.policy, config.sampling.max_new_tokens
-    if policy is not None and not _is_hub_name(policy):
+    if policy is not None and not _found_later(policy) and not policy.lower().endswith(".gguf"):
         context = _context_of("model.policy", Path(policy))
         if context is not None and max_new_tokens >= context:
             raise InputError(
@@ -239,6 +242,26 @@ def check_files(config: PipelineConfig) -> None:
                 _enough_prompts(setting, path, sum(1 for _ in prompt_rows(path)), at_least=at_least)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
+
+
+def _check_shardable(setting: str, folder: Path, config: PipelineConfig) -> None:
+    """Refuse a model that FSDP cannot shard layer by layer (no transformer layer class to wrap): its backbone,
+    which every trained model has, is built on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    from rlhf_core.distributed import layer_classes_of
+
+    sharding = config.execution.sharding
+    assert sharding is not None
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+    try:
+        layer_classes_of(backbone, sharding.layer_classes)
+    except ValueError as error:
+        raise InputError(
+            f"`execution.accelerate_config` {config.execution.accelerate_config} with `{setting}` {folder}: {error}"
+        ) from None
 
 
 def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
@@ -309,3 +332,7 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
             context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
             eval_fraction=config.reward_model.eval_fraction if config.reward_model.train else None,
         )  # fmt: skip
+    if config.execution.sharding is not None:
+        _check_shardable("model.policy", Path(base.policy.path), config)
+        if base.reward_model is not None and config.reward_model.train:
+            _check_shardable("model.reward_model", Path(base.reward_model.path), config)
