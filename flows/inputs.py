@@ -244,6 +244,26 @@ def check_files(config: PipelineConfig) -> None:
         raise InputError(f"`{setting}` {error}") from error
 
 
+def _check_shardable(setting: str, folder: Path, config: PipelineConfig) -> None:
+    """Refuse a model that FSDP cannot shard layer by layer (no transformer layer class to wrap): its backbone,
+    which every trained model has, is built on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    from rlhf_core.distributed import layer_classes_of
+
+    sharding = config.execution.sharding
+    assert sharding is not None
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+    try:
+        layer_classes_of(backbone, sharding.layer_classes)
+    except ValueError as error:
+        raise InputError(
+            f"`execution.accelerate_config` {config.execution.accelerate_config} with `{setting}` {folder}: {error}"
+        ) from None
+
+
 def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
     """Refuse inputs the stages could not use (see the module docstring); reads them, changes nothing.
 
@@ -312,3 +332,7 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
             context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
             eval_fraction=config.reward_model.eval_fraction if config.reward_model.train else None,
         )  # fmt: skip
+    if config.execution.sharding is not None:
+        _check_shardable("model.policy", Path(base.policy.path), config)
+        if base.reward_model is not None and config.reward_model.train:
+            _check_shardable("model.reward_model", Path(base.reward_model.path), config)

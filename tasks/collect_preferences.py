@@ -10,7 +10,10 @@ Labelling by a reward model splits the pairs into shards (:mod:`tasks.fanout`), 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
+from types import MappingProxyType
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,13 +39,18 @@ from tasks.labelers import (
 )
 from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult, stage
-from tasks.text import Prompt, reward_scorer
+from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts, reward_scorer
 
 STAGE = "collect_preferences"
 
 
-def candidate_pairs(candidates: pa.Table) -> list[CandidatePair]:
-    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs."""
+def candidate_pairs(candidates: pa.Table, *, columns: Sequence[Mapping[str, Any]] = ()) -> list[CandidatePair]:
+    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs.
+
+    Args:
+        columns: the other columns of each row of the prompts file, by ``prompt_id`` (the row), for a rubric that
+            reads them (:mod:`tasks.reward_function`); empty: none.
+    """
     rows = candidates.sort_by([("prompt_id", "ascending"), ("candidate_index", "ascending")]).to_pylist()
     pairs = []
     for first, second in zip(rows[::2], rows[1::2], strict=True):
@@ -50,7 +58,11 @@ def candidate_pairs(candidates: pa.Table) -> list[CandidatePair]:
             raise ValueError(f"prompt {first['prompt_id']} has an odd number of candidates")
         pairs.append(
             CandidatePair(
-                prompt=Prompt(first["prompt"], tuple(first["messages"])),
+                prompt=Prompt(
+                    first["prompt"],
+                    tuple(first["messages"]),
+                    MappingProxyType(dict(columns[first["prompt_id"]])) if columns else MappingProxyType({}),
+                ),
                 first=first["response"],
                 second=second["response"],
                 first_ids=first["prompt_ids"] + first["response_ids"],
@@ -144,9 +156,11 @@ def collect_preferences(
     elif labeler == "function":
         if rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")
+        tokenizer = load_tokenizer(context.base.tokenizer.path)
+        rows = read_prompts(context.base.prompts.path)  # a candidate's prompt_id is its prompt's row
         table = labelled_table(
-            candidate_pairs(read_table(candidates.directory, "candidates")),
-            FunctionLabeler(rubric.load(), rubric.name),
+            candidate_pairs(read_table(candidates.directory, "candidates"), columns=[row.columns for row in rows]),
+            FunctionLabeler(rubric.load(), rubric.name, render=partial(prompt_text, tokenizer)),
             first_pair_id=context.iteration * 1_000_000,
         )
     else:

@@ -521,10 +521,12 @@ def _old_schema(run_root: Path) -> str:
 def test_issue14_an_edited_output_is_refused_naming_the_file(
     change, named, finished, checkpoint_world, tmp_path, capfd
 ):
+    """A finished iteration is history (``rlhf run`` reads none of its outputs again); recomputing it from its first
+    stage reuses each output, and an edited one is refused, naming the file."""
     run_root = _copy_of(finished, tmp_path)
     what = change(run_root)
     before = _files(run_root)
-    code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    code, stderr = _main([*_run(tmp_path, checkpoint_world), "--from-iteration", "0"], capfd)
     _assert_refused(code, stderr, run_root, (what, named), before)
 
 

@@ -100,11 +100,12 @@ ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
     converted = model_input(FingerprintCache(None), RunLayout(root=run_root), "model.policy", SMOLLM2, convert=False)
     tokenizer = load_tokenizer(converted.path)
     expected = {
-        question: tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        question: list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
         for _, question, _ in QUESTIONS
-    }
-    expected = {
-        question: list(ids["input_ids"] if isinstance(ids, dict) else ids) for question, ids in expected.items()
     }
     # Sampling, rollout and evaluation encode a prompt with one function; it gives the template's ids.
     for _, question, _ in QUESTIONS:

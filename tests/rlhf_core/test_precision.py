@@ -44,6 +44,9 @@ def test_issue23_auto_threads_take_every_core_for_a_large_model_and_one_for_a_sm
     assert resolve_threads("auto", parameters=100_000, cores=2) == 1  # the demo's model
     assert resolve_threads("auto", parameters=134_515_008, cores=2) == 2  # SmolLM2-135M
     assert resolve_threads("auto", parameters=AUTO_THREADS_MIN_PARAMETERS, cores=16) == 16
-    assert resolve_threads(3, parameters=100_000, cores=2) == 3  # a number is kept as it is
+    assert resolve_threads("auto", parameters=134_515_008, cores=2, load=18.0) == 1  # busy cores: one thread
+    assert resolve_threads("auto", parameters=134_515_008, cores=16, load=4.2) == 12
+    assert resolve_threads("auto", parameters=134_515_008, cores=2, load=0.7) == 2  # a light load: both
+    assert resolve_threads(3, parameters=100_000, cores=2, load=18.0) == 3  # a number is kept as it is
     with pytest.raises(ValueError, match="`torch_threads`"):
         resolve_threads(0, parameters=1, cores=2)
