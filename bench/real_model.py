@@ -3,7 +3,7 @@
 ``.venv/bin/python -m bench.real_model curve``  (the learning curve; about 30-60 minutes on 2 shared cores)
 ``.venv/bin/python -m bench.real_model compare``  (ours against TRL's GRPOTrainer at equal work)
 ``.venv/bin/python -m bench.real_model tax``  (the curve's stages as a plain loop)
-``.venv/bin/python -m bench.real_model report``  (section 8 of bench/RESULTS.md from what the parts wrote)
+``.venv/bin/python -m bench.real_model report``  (section 9 of bench/RESULTS.md from what the parts wrote)
 
 ``curve`` runs ``rlhf run --config configs/smollm2.yaml`` (the real flow: Prefect, MLflow, Parquet; the model
 converted from the package's GGUF file into the run root's cache first) on a fresh run root under
@@ -21,7 +21,7 @@ and update), wall and CPU, and writes ``bench/.scratch/real-compare.json``.
 ``tax`` runs the plain loop of the curve's stages at the config's sizes (LoRA, evaluation included): the
 pipeline tax's plain side; its flow side is the curve's iterations.
 
-``report`` writes section 8 of ``bench/RESULTS.md`` from the three JSON files (each part writes its own).
+``report`` writes section 9 of ``bench/RESULTS.md`` from the three JSON files (each part writes its own).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def tax(iterations: int, threads: int, out: Path) -> dict:
 
 
 RESULTS = REPO / "bench" / "RESULTS.md"
-SECTION = "## 8. A real model: SmolLM2-135M-Instruct"
+SECTION = "## 9. A real model: SmolLM2-135M-Instruct"
 
 
 def _read(part: str) -> dict | None:
@@ -285,7 +285,7 @@ def goal_line(rows: list[dict]) -> str:
 
 
 def section_lines() -> list[str]:
-    """Section 8 of the results file: the learning curve, ours against TRL, the pipeline tax."""
+    """Section 9 of the results file: the learning curve, ours against TRL, the pipeline tax."""
     curve_result, compare_result, tax_result = _read("curve"), _read("compare"), _read("tax")
     lines = [SECTION, ""]
     if curve_result:
@@ -378,9 +378,9 @@ def section_lines() -> list[str]:
 
 
 def report() -> None:
-    """Replace (or add, before the notes) section 8 of ``bench/RESULTS.md``."""
+    """Replace (or add, before the notes) section 9 of ``bench/RESULTS.md``."""
     text = RESULTS.read_text().splitlines()
-    start = next((i for i, line in enumerate(text) if line.startswith("## 8.")), None)
+    start = next((i for i, line in enumerate(text) if line.startswith("## 9.")), None)
     if start is None:
         start = next(
             (i for i, line in enumerate(text) if line.startswith("## ") and not line[3:4].isdigit()), len(text)

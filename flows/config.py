@@ -13,7 +13,7 @@ import importlib.util
 import json
 import textwrap
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -38,6 +38,7 @@ from rlhf_core.config import (
     RewardModelConfig,
     SamplingConfig,
     SettingError,
+    Sharding,
     eval_split_error,
 )
 from rlhf_core.errors import UserError
@@ -129,10 +130,9 @@ class RewardSource(_Frozen):
     """`reward_model`: learned each iteration from labelled candidate pairs (stages 1-3). `function`: the callable
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
-    """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
-    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
-    reports); otherwise unused."""
+    """With `source: function`, a `module:callable` called as `function(prompt, response, **columns)` (the prompt as
+    written: text or chat messages; the prompt row's other columns as keyword arguments; docs/models.md) and
+    returning a float, e.g. `demo.gold:gold_score`; looked up beside the config file too. Unused with `reward_model`."""
 
 
 class ExecutionConfig(_Frozen):
@@ -153,14 +153,34 @@ class ExecutionConfig(_Frozen):
     run `accelerate launch` workers (DDP), each on its share of every minibatch."""
     accelerate_config: Path | None = None
     """An `accelerate config` file passed to `accelerate launch` (GPUs per node, GPU ids, ports); None launches
-    `execution.training_processes` processes on this machine (gloo on CPUs, NCCL on GPUs). Data parallel only:
-    a sharding `distributed_type` (FSDP, DeepSpeed, Megatron-LM) is refused, because saving does not yet gather
-    sharded weights and optimizer states (docs/scaling.md); LoRA keeps a 7 B update on one GPU."""
+    `execution.training_processes` processes on this machine (gloo on CPUs, NCCL on GPUs). `distributed_type: FSDP`
+    with `fsdp_config: {fsdp_version: 2}` shards the trained models' weights, gradients and optimizer states over
+    the processes (FSDP2, full shard; `fsdp_transformer_layer_cls_to_wrap` names the layers, default the model's
+    own); DeepSpeed and Megatron-LM are refused (docs/scaling.md)."""
+    training_launcher: Literal["accelerate", "ray"] = "accelerate"
+    """How the `execution.training_processes` processes start: `accelerate launch` on this machine, or `ray`: Ray
+    Train workers (one CPU each, one GPU each with `device` cuda) placed anywhere on the Ray cluster at
+    `execution.address` (a local Ray without one), several machines included (docs/scaling.md). Either way
+    `execution.accelerate_config`'s FSDP settings shard the models."""
+    rendezvous_timeout: float = Field(300.0, gt=0)
+    """Seconds the training processes may wait for each other (Ray: for room on the cluster for all of them)
+    before the stage is refused in one line, instead of waiting for a node that never comes."""
     frozen_models_gb: float = Field(2.0, ge=0)
     """GiB of frozen models (the reference, the reward model, the actor an iteration samples with and
     evaluates) a process keeps in memory for its next stages instead of loading them again; 0 keeps none.
     They stay on the stages' device, so on a GPU this memory is not available to training: raise it where
     the GPU has room for the frozen models next to what the PPO update needs (docs/scaling.md)."""
+
+    engine_url: str | None = None
+    """With `sampling.engine: vllm`, a running generation engine server (`http://HOST:PORT`, started with
+    `.venv-vllm/bin/python flows/vllm_server.py`, docs/engines.md) to sample on; None starts one for the command,
+    stopped when it ends. Dask and Ray workers reach it at this URL."""
+    engine_gpu_memory: float = Field(0.35, gt=0, le=0.95)
+    """The share of the GPU's memory the generation engine the command starts takes (its weights and KV cache) on
+    CUDA; the stages' own models share the GPU with it (vLLM's default, 0.9, would leave them nothing)."""
+    engine_port: int = Field(0, ge=0, lt=65536)
+    """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
+    free one."""
 
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:
@@ -171,19 +191,32 @@ class ExecutionConfig(_Frozen):
                 "pip install 'rlhf-pipeline[scale]'"
             )
         if self.accelerate_config is not None:
-            _check_data_parallel(self.accelerate_config)
+            sharding_of(self.accelerate_config, processes=self.training_processes)
+        if self.training_launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "`execution.training_launcher` ray needs the package ray (Ray Train): pip install 'ray[train]'"
+            )
         return self
 
+    @property
+    def sharding(self) -> Sharding | None:
+        """How `accelerate_config` shards the trained models (None: data parallel, or no config)."""
+        if self.accelerate_config is None:
+            return None
+        return sharding_of(self.accelerate_config, processes=self.training_processes)
 
-_SHARDING = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
-"""`distributed_type`s of an accelerate config that shard weights or optimizer states across processes."""
 
+def sharding_of(path: Path, *, processes: int) -> Sharding | None:
+    """The sharding an accelerate config file asks for (None: data parallel), or a refusal naming the setting.
 
-def _check_data_parallel(path: Path) -> None:
-    """Refuse an accelerate config file that is missing, unreadable or shards the models (see `accelerate_config`).
+    Accelerate applies FSDP only on GPUs, so the training stages apply it themselves, on any device, from the
+    file's `fsdp_config` (:func:`rlhf_core.distributed.shard_model`); everything else in the file goes to
+    `accelerate launch` as it is.
 
-    A sharded model saved the way the training stages save (each model's own ``state_dict`` on the main process)
-    would hold the main process's shard only, so it is refused rather than written wrong.
+    Raises:
+        ValueError: the file is missing or not an accelerate config; it asks for FSDP1, a sharding strategy
+            other than full shard (or ZeRO-2's `SHARD_GRAD_OP`), DeepSpeed or Megatron-LM; or it shards over
+            one process.
     """
     if not path.is_file():
         raise ValueError(f"`execution.accelerate_config` {path} is not a file")
@@ -194,12 +227,47 @@ def _check_data_parallel(path: Path) -> None:
     if not isinstance(settings, dict):
         raise ValueError(f"`execution.accelerate_config` {path} is not an accelerate config (a mapping of settings)")
     distributed = str(settings.get("distributed_type", "NO")).upper()
-    if distributed in _SHARDING:
-        raise ValueError(
-            f"`execution.accelerate_config` {path} has distributed_type {distributed}: sharded training is not "
-            "supported yet (saving does not gather sharded weights and optimizer states); use a data-parallel "
-            "config (MULTI_GPU) and LoRA (`model.lora.r`) to fit a large model on each GPU"
+    if distributed == "DEEPSPEED":
+        needs = (
+            "the package deepspeed (GPUs only), which is not installed; and even then "
+            if (importlib.util.find_spec("deepspeed") is None)
+            else ""
         )
+        raise ValueError(
+            f"`execution.accelerate_config` {path} has distributed_type DEEPSPEED: that needs {needs}the training "
+            "stages do not support it yet; use distributed_type FSDP with fsdp_config.fsdp_version 2 (the same "
+            "sharding as ZeRO-3)"
+        )
+    if distributed not in ("FSDP",):
+        if distributed in ("MEGATRON_LM", "XLA", "TP"):
+            raise ValueError(
+                f"`execution.accelerate_config` {path} has distributed_type {distributed}: the training stages "
+                "support data parallel (MULTI_GPU, MULTI_CPU) and FSDP (fsdp_version 2) only"
+            )
+        return None
+    fsdp = settings.get("fsdp_config") or {}
+    if str(fsdp.get("fsdp_version", 1)) != "2":
+        raise ValueError(
+            f"`execution.accelerate_config` {path}: fsdp_config.fsdp_version must be 2 (FSDP2, `fully_shard`), got "
+            f"{fsdp.get('fsdp_version', '1 (the default)')}"
+        )
+    reshard = fsdp.get("fsdp_reshard_after_forward", True)
+    if isinstance(reshard, str):
+        if reshard.upper() not in ("TRUE", "FALSE", "FULL_SHARD", "SHARD_GRAD_OP"):
+            raise ValueError(
+                f"`execution.accelerate_config` {path}: fsdp_config.fsdp_reshard_after_forward {reshard} is not "
+                "supported; use true (FULL_SHARD) or false (SHARD_GRAD_OP)"
+            )
+        reshard = reshard.upper() in ("TRUE", "FULL_SHARD")
+    if processes < 2:
+        raise ValueError(
+            f"`execution.accelerate_config` {path} shards the models (FSDP), which needs "
+            f"`execution.training_processes` of 2 or more, got {processes}"
+        )
+    layers = fsdp.get("fsdp_transformer_layer_cls_to_wrap") or ()
+    if isinstance(layers, str):
+        layers = [name.strip() for name in layers.split(",") if name.strip()]
+    return Sharding(layer_classes=tuple(layers), reshard_after_forward=bool(reshard))
 
 
 class PipelineConfig(_Frozen):
@@ -235,8 +303,10 @@ class PipelineConfig(_Frozen):
     precision: Precision = "fp32"
     """Numeric precision of every forward pass: `fp32`, `bf16` or `fp16` (a GPU only). Trained weights stay fp32
     (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
-    torch_threads: int = Field(1, gt=0)
-    """torch intra-op threads, set by every stage; one is fastest for small models on a 2-core machine."""
+    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
+    fastest there); for a larger one the cores other work leaves idle when the command starts (SmolLM2-135M: 1.7x
+    faster on 2 idle cores than on 1, far slower on 2 busy ones; rlhf_core.precision.resolve_threads)."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
@@ -308,6 +378,11 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "set `labeler`: who labels the candidate pairs the reward model learns from (import with "
                 "`data.preferences`, human, or reward_model with `model.reward_model`)"
+            )
+        if self.labeler == "reward_model" and self.learns_from_labels and self.model.reward_model is None:
+            raise ValueError(
+                "labeler reward_model needs `model.reward_model`: a pretrained reward model to label the first "
+                "iteration's pairs (later iterations use the one they trained); or label with import or human"
             )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
@@ -407,9 +482,10 @@ MODEL_SETTINGS = ("model.policy", "model.tokenizer", "model.reward_model")
 
 
 def absolute_path(setting: str, value: Any, folder: Path) -> Any:
-    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a non-string or an absolute path as
-    it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in ``folder``."""
-    if not isinstance(value, str) or not value:
+    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a ``pkg:`` file, a non-string or an
+    absolute path as it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in
+    ``folder``."""
+    if not isinstance(value, str) or not value or value.startswith("pkg:"):  # a file in a package (flows.model_sources)
         return value
     path = Path(value).expanduser()
     if path.is_absolute():

@@ -20,7 +20,6 @@ With one process every function here is the identity, and the arithmetic is that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
@@ -31,6 +30,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+
+from rlhf_core.config import Sharding
 
 
 def rank_share(rows: int, *, rank: int, world: int) -> tuple[torch.Tensor, float]:
@@ -57,22 +58,6 @@ def global_sum(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     if accelerator.num_processes == 1:
         return values
     return accelerator.reduce(values.detach().clone(), reduction="sum")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sharding:
-    """How the trained models are sharded over the processes: FSDP2 (``fully_shard``), full shard.
-
-    Every module of a transformer layer class is one FSDP unit (its parameters gathered for its forward and
-    backward only), and the model's remaining parameters (embeddings, final norm, heads) form the root unit.
-    """
-
-    layer_classes: tuple[str, ...] = ()
-    """Class names of the layers to shard one by one; empty: the model's own ``_no_split_modules`` (what
-    accelerate's ``TRANSFORMER_BASED_WRAP`` uses)."""
-    reshard_after_forward: bool = True
-    """Free a layer's gathered parameters after its forward (full shard, ZeRO-3); False keeps them until the
-    backward (ZeRO-2's memory for less communication)."""
 
 
 def layer_classes_of(model: nn.Module, names: tuple[str, ...] = ()) -> tuple[type[nn.Module], ...]:
@@ -118,11 +103,19 @@ def is_sharded(model: nn.Module) -> bool:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole ``model``'s state on the CPU of the main process, gathered from every process's shards
     ({} on the other processes, which must all call this: it is collective); ``model.state_dict()`` for an
-    unsharded model."""
-    if not is_sharded(model):
-        return model.state_dict()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    unsharded model. A tied parameter (GPT-2's output layer is its input embedding) appears once, under its
+    first name, as ``save_pretrained`` writes it: gathered copies would no longer share their storage."""
+    if is_sharded(model):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    seen: set[int] = set()
+    tied = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.add(name)
+        seen.add(id(parameter))
+    return {name: value for name, value in state.items() if name not in tied}
 
 
 def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

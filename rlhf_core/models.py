@@ -122,9 +122,11 @@ class _HeadedBackbone(nn.Module):
         self.model.save_pretrained(directory, **kwargs)
         self.save_head(directory)
 
-    def save_head(self, directory: str | Path) -> None:
-        """Write only the head, as ``<directory>/<head_name>.safetensors``."""
-        head_state = {key: value.detach().contiguous().cpu() for key, value in self.head.state_dict().items()}
+    def save_head(self, directory: str | Path, *, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Write only the head, as ``<directory>/<head_name>.safetensors`` (``state``: the head's whole state,
+        where this process holds only a shard of it)."""
+        state = self.head.state_dict() if state is None else state
+        head_state = {key: value.detach().contiguous().cpu() for key, value in state.items()}
         save_file(head_state, Path(directory) / f"{self.head_name}.safetensors")
 
     def load_head(self, directory: str | Path) -> bool:

@@ -10,6 +10,9 @@ Choices:
    lists), and every RNG state is encoded as tensors and ints, so that everything loads with
    ``torch.load(..., weights_only=True)``: nothing is ever unpickled from a checkpoint.
 3. ``step`` and ``extra`` go into ``trainer_state.json``, so they can be read without torch.
+4. The optimizer states of models sharded over N processes (FSDP) are saved sharded: each process writes its
+   own shard, ``optimizer-<rank>-of-<N>.pt`` (:func:`save_optimizer_shard`), and reads it back on N processes
+   again; states saved another way are refused in one line (:func:`check_optimizer_layout`).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rlhf_core.errors import UserError
 from rlhf_core.loading import save_model_folder
 
 logger = logging.getLogger(__name__)
@@ -34,7 +39,12 @@ TRAINER_STATE_FILE = "trainer_state.json"
 
 
 def save_model(
-    directory: Path, model: Any, tokenizer: PreTrainedTokenizerBase | None = None, *, weights: bool = True
+    directory: Path,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    weights: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save a model the model seam loaded (and optionally its tokenizer) as a folder of safetensors.
 
@@ -44,12 +54,14 @@ def save_model(
         tokenizer: saved into the same folder when given.
         weights: save the backbone's weights; False when the model is its base unchanged (see
             :func:`rlhf_core.loading.save_model_folder`; a LoRA model saves only its adapter anyway).
+        state_dict: the model's whole state, where ``model`` holds only this process's shard of it
+            (:func:`rlhf_core.distributed.full_state_dict`).
 
     Returns:
         ``directory``.
     """
     directory = Path(directory)
-    save_model_folder(model, directory, weights=weights)
+    save_model_folder(model, directory, weights=weights, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
@@ -192,3 +204,60 @@ def load_training_state(
     if (directory / RNG_FILE).is_file():
         _set_rng_state(_load(directory / RNG_FILE))
     return {"step": int(trainer_state["step"]), "extra": dict(trainer_state["extra"])}
+
+
+OPTIMIZER_SHARD = re.compile(r"optimizer-(\d{5})-of-(\d{5})\.pt")
+
+
+class OptimizerLayoutError(UserError, ValueError):
+    """Saved optimizer states cannot be loaded by this many training processes."""
+
+
+def _shard_file(rank: int, processes: int) -> str:
+    return f"optimizer-{rank:05d}-of-{processes:05d}.pt"
+
+
+def save_optimizer_shard(directory: Path, state: dict[str, Any], *, rank: int, processes: int) -> Path:
+    """Save this process's shard of an optimizer state (plain tensors: see
+    :func:`rlhf_core.distributed.local_optimizer_state`) beside the ``trainer_state.json`` of
+    :func:`save_training_state`; returns the file."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / _shard_file(rank, processes)
+    torch.save(state, path)
+    return path
+
+
+def load_optimizer_shard(directory: Path, *, rank: int, processes: int) -> dict[str, Any]:
+    """The shard :func:`save_optimizer_shard` saved for ``rank`` of ``processes``."""
+    return _load(Path(directory) / _shard_file(rank, processes))
+
+
+def optimizer_layout(directory: Path) -> int | None:
+    """Over how many processes the optimizer state in ``directory`` is sharded: None for one whole state
+    (``optimizer.pt``), 0 for none saved."""
+    directory = Path(directory)
+    if (directory / OPTIMIZER_FILE).is_file():
+        return None
+    counts = {
+        int(match[2]) for path in directory.glob("optimizer-*.pt") if (match := OPTIMIZER_SHARD.fullmatch(path.name))
+    }
+    return counts.pop() if len(counts) == 1 else 0
+
+
+def check_optimizer_layout(directory: Path, *, processes: int | None) -> None:
+    """Refuse optimizer states that ``processes`` sharded processes (None: unsharded ones) cannot load.
+
+    Raises:
+        OptimizerLayoutError: the states were saved whole and are wanted sharded, or sharded over another number
+            of processes, or sharded and wanted whole.
+    """
+    saved = optimizer_layout(directory)
+    if saved == 0 or saved == processes:
+        return
+    how = "whole (unsharded training)" if saved is None else f"sharded over {saved} processes (FSDP)"
+    wanted = f"{processes} sharded processes" if processes is not None else "unsharded training"
+    raise OptimizerLayoutError(
+        f"the optimizer states in {directory} were saved {how}, and {wanted} cannot load them: set "
+        f"`execution.training_processes` (and `execution.accelerate_config`) as when they were saved"
+    )

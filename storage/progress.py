@@ -25,12 +25,26 @@ def partial_dir(final_dir: Path) -> Path:
     return final_dir.with_name(final_dir.name + ".partial")
 
 
-def save_progress(final_dir: Path, epochs_done: int, write: Callable[[Path], None]) -> Path:
-    """Write a checkpoint after ``epochs_done`` epochs with ``write(folder)``; returns its folder."""
+def shared_staging(final_dir: Path, epochs_done: int) -> Path:
+    """The folder several training processes write the checkpoint after ``epochs_done`` epochs into (each its
+    shard of the optimizer states) before :func:`save_progress` with ``staging`` publishes it: a name every
+    process derives alone. A crashed run's leftover is emptied by the main process before they write."""
+    return partial_dir(final_dir) / f".{_EPOCH_PREFIX}{epochs_done:05d}.tmp-shared"
+
+
+def save_progress(
+    final_dir: Path, epochs_done: int, write: Callable[[Path], None], *, staging: Path | None = None
+) -> Path:
+    """Write a checkpoint after ``epochs_done`` epochs with ``write(folder)``; returns its folder.
+
+    Args:
+        staging: the folder :func:`shared_staging` gave, which ``write`` completes (the other processes wrote
+            their parts); None writes into a fresh temporary folder.
+    """
     root = partial_dir(final_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{_EPOCH_PREFIX}{epochs_done:05d}"
-    staging = temporary_sibling(target)
+    staging = staging or temporary_sibling(target)
     try:
         write(staging)
         if not target.exists():

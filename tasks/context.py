@@ -27,7 +27,7 @@ from tasks.reward_function import RewardFunctionReference
 if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
     import torch
 
-    from rlhf_core.config import LoraConfig, Precision
+    from rlhf_core.config import LoraConfig, Precision, Sharding
     from rlhf_core.loading import ModelLoader
 
 
@@ -132,15 +132,21 @@ class Execution:
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
-        torch_threads: torch intra-op threads, set at the start of every stage.
+        torch_threads: torch intra-op threads, set at the start of every stage (`auto` already resolved).
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
         task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).
         address: the Dask scheduler or Ray cluster the shards run on (None: this process, or a local Ray).
         training_processes: processes the training stages run in (:mod:`tasks.launch`).
         accelerate_config: an ``accelerate config`` file for those processes, or None.
+        training_launcher: ``accelerate`` (``accelerate launch`` on this machine) or ``ray`` (Ray Train workers on
+            the Ray cluster at ``address``).
+        rendezvous_timeout: seconds the training processes may take to all start and meet.
+        sharding: how the trained models are sharded over those processes (FSDP2, from ``accelerate_config``), or
+            None (data parallel).
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
             :class:`rlhf_core.loading.FrozenModels`).
+        engine_url: the generation engine server the stages sample on (``sampling.engine: vllm``), or None.
     """
 
     device: str = "auto"
@@ -151,7 +157,11 @@ class Execution:
     address: str | None = None
     training_processes: int = 1
     accelerate_config: str | None = None
+    training_launcher: str = "accelerate"
+    rendezvous_timeout: float = 300.0
+    sharding: Sharding | None = None
     frozen_model_bytes: int = 0
+    engine_url: str | None = None
 
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None

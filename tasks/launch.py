@@ -7,8 +7,10 @@ its own process. Otherwise :func:`train`:
    folders, the stage context and the stage's arguments, as JSON) beside the stage's mid-epoch
    checkpoints;
 2. runs ``accelerate launch --num_processes N -m tasks.train_worker SPEC`` (plus the accelerate config
-   file, e.g. for the GPUs of a node; data parallel only), on a free port, its output going to
-   ``job/workers.log``; every worker first joins the process group and checks that it sees all N
+   file, e.g. for the GPUs of a node), on a free port, its output going to ``job/workers.log``; or, with
+   ``execution.training_launcher`` ray, N Ray Train workers placed on the Ray cluster at ``execution.address``
+   (any of its machines), once the cluster has room for all of them (else a ``TimeoutError`` after
+   ``execution.rendezvous_timeout``). Every worker first joins the process group and checks that it sees all N
    (:func:`tasks.train_worker.join_process_group`);
 3. every worker reads the stage's inputs from disk and trains on its share of every minibatch
    (:mod:`rlhf_core.distributed`); the main process alone writes the output's files, mid-epoch
@@ -27,6 +29,7 @@ import ctypes
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import re
 import signal
@@ -91,8 +94,10 @@ def train(
         TrainingWorkerError: a worker failed.
     """
     execution = context.execution
-    if execution.training_processes == 1 and execution.accelerate_config is None:
+    on_ray = execution.training_launcher == "ray"
+    if execution.training_processes == 1 and execution.accelerate_config is None and not on_ray:
         return dict(function(out, context, *upstream, precision=precision, **settings))
+    ray_started = _join_ray(execution) if on_ray else False  # before any file: a cluster without room writes none
     folder = partial_dir(out.final_dir) / JOB_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     spec, result, log = folder / "spec.json", folder / "result.json", folder / "workers.log"
@@ -109,13 +114,16 @@ def train(
         "settings": encode({"precision": precision, **settings}),
     }
     spec.write_text(json.dumps(job, indent=1))
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
-    command += ["-m", "tasks.train_worker", str(spec)]
-    environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads)}
-    with open(log, "wb") as output:
-        status = subprocess.run(
-            command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=_end_with_parent
-        ).returncode
+    if on_ray:
+        status = _run_on_ray(spec, execution, log, started=ray_started)
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
+        command += ["-m", "tasks.train_worker", str(spec)]
+        environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads)}
+        with open(log, "wb") as output:
+            status = subprocess.run(
+                command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=_end_with_parent
+            ).returncode
     if status != 0 or not result.is_file():
         raise TrainingWorkerError(
             f"{function.__module__}: the {execution.training_processes} training processes failed (exit status "
@@ -130,7 +138,7 @@ def launch_options(execution: Any, precision: Precision) -> list[str]:
     """``accelerate launch`` options: the config file if given, the process count, the precision, a free port."""
     options = []
     if execution.accelerate_config is not None:
-        options += ["--config_file", execution.accelerate_config]  # data parallel: the config refuses sharding
+        options += ["--config_file", execution.accelerate_config]  # its FSDP settings: execution.sharding
     elif execution.training_processes > 1:
         options += ["--multi_gpu"]  # DDP: NCCL on GPUs, gloo on CPUs
     if execution.training_processes > 1:
@@ -138,6 +146,82 @@ def launch_options(execution: Any, precision: Precision) -> list[str]:
     options += ["--num_machines", "1", "--mixed_precision", accelerate_mixed_precision(precision)]
     options += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
     return options
+
+
+def _worker_resources(execution: Any) -> dict[str, float]:
+    """What one Ray Train worker holds: a CPU, and a GPU where the models run on CUDA."""
+    from rlhf_core.precision import resolve_device
+
+    return {"CPU": 1.0, "GPU": 1.0} if resolve_device(execution.device).type == "cuda" else {"CPU": 1.0}
+
+
+def _join_ray(execution: Any) -> bool:
+    """Connect to the Ray cluster at ``execution.address`` (a local Ray without one), unless this process already
+    is, and wait until it has room for every training worker; returns whether this call connected.
+
+    Raises:
+        TimeoutError: no room for them within ``execution.rendezvous_timeout`` (a node that never joins).
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    started = not ray.is_initialized()
+    if started:
+        local = {"num_cpus": execution.training_processes} if execution.address is None else {}
+        quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
+        ray.init(address=execution.address, **quiet, **local)
+    processes, bundle = execution.training_processes, _worker_resources(execution)
+    group = placement_group([bundle] * processes)
+    ready = group.wait(timeout_seconds=execution.rendezvous_timeout)
+    remove_placement_group(group)  # a probe: Ray Train reserves its own
+    if not ready:
+        where = f"the Ray cluster at {execution.address}" if execution.address else "the local Ray"
+        offered = {name: ray.cluster_resources().get(name, 0) for name in bundle}
+        if started:
+            ray.shutdown()
+        raise TimeoutError(
+            f"`execution.training_processes` {processes} Ray Train workers ({bundle} each) found no room on "
+            f"{where} (it has {offered}) within `execution.rendezvous_timeout` {execution.rendezvous_timeout:g} s: "
+            "start the missing nodes, or train in fewer processes"
+        )
+    return started
+
+
+def _run_on_ray(spec: Path, execution: Any, log: Path, *, started: bool) -> int:
+    """Run the job's workers as a Ray Train ``TorchTrainer`` (gloo on CPUs, NCCL on GPUs); their process group is
+    Ray Train's, set up where Ray placed them. Returns 0, or 1 with the failure in ``log`` (each worker's own
+    traceback is in its ``job/error-<rank>.txt``)."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from tasks.train_worker import ray_worker
+
+    resources = _worker_resources(execution)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(execution.rendezvous_timeout)  # the controller's
+    trainer = TorchTrainer(
+        ray_worker,
+        train_loop_config={"spec": str(spec)},
+        torch_config=TorchConfig(backend="nccl" if "GPU" in resources else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=execution.training_processes, use_gpu="GPU" in resources, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name="train",
+            storage_path=str(spec.parent / "ray"),
+            failure_config=FailureConfig(max_failures=0, controller_failure_limit=0),
+            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(execution.torch_threads)}},
+        ),
+    )
+    try:
+        trainer.fit()
+        return 0
+    except Exception as error:  # Ray Train's failure wraps the worker's; each wrote its own traceback
+        log.write_text(f"Ray Train: {type(error).__name__}: {error}\n")
+        return 1
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _free_port() -> int:

@@ -31,15 +31,15 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
 from rlhf_core.precision import Precision
-from storage.checkpoints import load_training_state, save_model, save_training_state
 from storage.experience_io import table_to_experience
 from storage.manifest import StageOutput, prunable_digest, prunable_present, prune_files, read_manifest
-from storage.progress import latest_progress, save_progress
+from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import load_tokenizer
+from tasks.training import check_states, save_checkpoint, save_trained, train_models
 
 STAGE = "ppo_update"
 PROGRESS_FILE = "progress.json"
@@ -77,34 +77,6 @@ def prune_optimizer_states(folders: list[Path], *, keep: Path | None) -> int:
     return sum(prune_files(folder) for folder in folders if keep is None or folder.resolve() != keep.resolve())
 
 
-def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters an optimizer steps: all of them, or the adapters (and head) under LoRA."""
-    return [parameter for parameter in model.parameters() if parameter.requires_grad]
-
-
-def _save_state(
-    folder: Path,
-    actor,
-    critic,
-    optimizers,
-    generator: torch.Generator,
-    progress: PPOProgress | None,
-    tokenizer,
-    curve: list[dict[str, float]],
-) -> None:
-    """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
-    save_model(folder / "actor", actor, tokenizer)
-    if critic is not None:
-        save_model(folder / "critic", critic, tokenizer)
-    for name, optimizer in zip(OPTIMIZERS, optimizers, strict=False):
-        save_training_state(
-            folder / name, optimizer=optimizer, step=progress.optimizer_steps if progress else 0, rng=False
-        )
-    if progress is not None:
-        state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
-        (folder / PROGRESS_FILE).write_text(json.dumps(state))
-
-
 @stage(STAGE, register={"actor": "actor", "critic": "critic"})
 def ppo_update(
     out: StageOutput,
@@ -140,6 +112,11 @@ def ppo_update(
             f"the optimizer states of {optimizer.path} were pruned (only the newest iteration keeps them), so this "
             "update cannot be computed again exactly; continue from the newest iteration, or replay it"
         )
+    # The optimizer states the update reads: a crashed attempt's last checkpoint's, else its input policy's.
+    checkpoint = latest_progress(out.final_dir)
+    reads = checkpoint[1] if checkpoint else Path(optimizer.path) if optimizer is not None else None
+    if reads is not None:
+        check_states(context.execution, [reads / name for name in OPTIMIZERS])
     metrics = train(
         out, context, update_policy, policy, optimizer, scored, precision=precision, ppo=ppo, critic=critic,
         temperature=temperature, max_new_tokens=max_new_tokens,
@@ -176,32 +153,40 @@ def update_policy(
         resume = PPOProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
         curve = saved["curve"]
-    actor = models.load("actor", source / "actor", trainable=True)
-    trained = [(actor, ppo.actor_learning_rate)]
+    loaded = [models.load("actor", source / "actor", trainable=True)]
     if critic:
-        trained.append((models.load("critic", source / "critic", trainable=True), ppo.critic_learning_rate))
-    optimizers = [torch.optim.AdamW(_trained(model), lr=rate) for model, rate in trained]
-    if states is not None:
-        # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
-        for name, state in zip(OPTIMIZERS, optimizers, strict=False):
-            load_training_state(states / name, optimizer=state)
-    actor, *rest = accelerator.prepare(*(model for model, _ in trained), *optimizers)
-    value_model = rest.pop(0) if critic else None
-    optimizers = rest
+        loaded.append(models.load("critic", source / "critic", trainable=True))
+    rates = (ppo.actor_learning_rate, ppo.critic_learning_rate)
+    # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
+    folders = [None if states is None else states / name for name in OPTIMIZERS[: len(loaded)]]
+    trained, _ = train_models(
+        accelerator, context.execution, loaded, lambda index, parameters: torch.optim.AdamW(parameters, lr=rates[index]),
+        folders,
+    )  # fmt: skip
+    actor, value_model = trained.models[0], trained.models[1] if critic else None
+    optimizers = trained.optimizers
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     initial = resume.epochs_done if resume else 0
     bar = tqdm(total=ppo.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
 
     def save(folder: Path, progress: PPOProgress | None) -> None:
-        unwrap = accelerator.unwrap_model
-        critic_model = None if value_model is None else unwrap(value_model)
-        _save_state(folder, unwrap(actor), critic_model, optimizers, generator, progress, tokenizer, curve)
+        """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
+        named = {"actor": actor} if value_model is None else {"actor": actor, "critic": value_model}
+        steps = progress.optimizer_steps if progress else 0
+        save_trained(
+            trained, folder, named, dict(zip(OPTIMIZERS, optimizers, strict=False)), tokenizer=tokenizer, step=steps
+        )
+        if main and progress is not None:
+            state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
+            (folder / PROGRESS_FILE).write_text(json.dumps(state))
 
     def save_epoch(progress: PPOProgress) -> None:
         bar.update(1)
-        if main and progress.epochs_done < ppo.epochs and throttle.due():
-            save_progress(out.final_dir, progress.epochs_done, lambda folder: save(folder, progress))
+        due = main and progress.epochs_done < ppo.epochs and throttle.due()
+        save_checkpoint(
+            trained, out.final_dir, progress.epochs_done, due=due, write=lambda folder: save(folder, progress)
+        )
 
     def record_step(step: int, stats: MinibatchStats) -> None:
         curve.append(
@@ -217,8 +202,8 @@ def update_policy(
             accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
             resume=resume, on_epoch_end=save_epoch, on_step=record_step,
         )  # fmt: skip
+    save(out.path, None)
     if main:
-        save(out.path, None)
         write_training_curve(out.path, curve)
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},

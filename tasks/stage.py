@@ -12,7 +12,8 @@ stage receives, so what a stage reads and what decides its reuse cannot drift ap
 
 Every stage also records its wall time (``seconds``) and peak memory (``peak_memory_mb``: the
 growth of the process's resident memory on CPU, ``max_memory_allocated`` on CUDA) as metrics, and
-where it ran (device, threads, the models it loaded) in its manifest's ``runtime``.
+where it ran (device, threads, the models it loaded) in its manifest's ``runtime``. A stage that launches training
+processes also records each one's peak (``peak_memory_mb_rank<r>``), and ``peak_memory_mb`` is the largest.
 
 Recording a stage in MLflow is idempotent: a stage run that an earlier attempt left unfinished (its
 process was killed while copying artifacts, say) is finished in place, never recorded a second time
@@ -297,7 +298,7 @@ def _produce(
             StageOutput(
                 stage_dir, stage=stage, input_key=input_key, config=key_settings, upstream=digests, code=code
             ) as out,
-            _peak_memory(device) as peak,
+            peak_memory(device) as peak,
             disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
             out.runtime.update(device=str(device), torch_threads=execution.torch_threads, inputs=context.base.contents)
@@ -305,7 +306,7 @@ def _produce(
                 out.runtime["model_sources"] = sources
             out.metrics.update(produce(out))
             out.metrics["seconds"] = time.perf_counter() - started
-            out.metrics["peak_memory_mb"] = peak()
+            out.metrics.update(_peak_metrics(peak(), out.runtime.pop(PEAKS, [])))
             hold(stage, "computing")
     finally:
         _release_memory()
@@ -376,8 +377,19 @@ def _memory_status() -> dict[str, int] | None:
     return {name: int(value) for name, value in _STATUS_FIELD.findall(text)}
 
 
+PEAKS = "peak_memory_mb_per_process"
+"""Where a launched training job's processes report their peak memory (MiB, by rank) in the output's runtime."""
+
+
+def _peak_metrics(own: float, processes: list[float]) -> dict[str, float]:
+    """``peak_memory_mb``: the largest of this process's peak and those of the training processes it launched
+    (each also as ``peak_memory_mb_rank<r>``)."""
+    ranks = {f"peak_memory_mb_rank{rank}": peak for rank, peak in enumerate(processes)}
+    return {"peak_memory_mb": max([own, *processes]), **ranks}
+
+
 @contextmanager
-def _peak_memory(device: torch.device) -> Iterator[Callable[[], float]]:
+def peak_memory(device: torch.device) -> Iterator[Callable[[], float]]:
     """Yield a function giving the block's peak memory so far, in MiB.
 
     CUDA: ``max_memory_allocated`` since the block began (frozen models kept from earlier stages

@@ -23,14 +23,15 @@ from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, he
 from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
-from storage.checkpoints import load_training_state, save_model, save_training_state
+from storage.checkpoints import save_model
 from storage.manifest import StageOutput, read_manifest
-from storage.progress import latest_progress, save_progress
+from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import conversation_id_lists, load_tokenizer, pad_token_lists, prompts_of
+from tasks.training import check_states, save_checkpoint, save_trained, train_models
 
 STAGE = "train_reward_model"
 
@@ -85,6 +86,8 @@ def train_reward_model(
             f"train_reward_model: {error}. With human labels, fewer `tie/skip` answers do it: run the same command "
             "with a new `human.relabel` value to be asked again"
         )
+    if (checkpoint := latest_progress(out.final_dir)) is not None:  # a crashed attempt's, which training continues
+        check_states(context.execution, [checkpoint[1] / "optimizer"])
     return train(out, context, fit, preferences, previous, precision=precision, reward_model=reward_model, lora=lora)
 
 
@@ -115,16 +118,18 @@ def fit(
     checkpoint, resume = latest_progress(out.final_dir), None
     if checkpoint is not None:
         source = checkpoint[1] / "reward_model"
-    model = models.load("reward_model", source, trainable=True)
-    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
+    trained, (restored,) = train_models(
+        accelerator, context.execution, [models.load("reward_model", source, trainable=True)],
+        lambda _, parameters: torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay),
+        [None if checkpoint is None else checkpoint[1] / "optimizer"],
+    )  # fmt: skip
+    (model,), (optimizer,) = trained.models, trained.optimizers
     curve: list[dict[str, float]] = []
     if checkpoint is not None:
-        saved = load_training_state(checkpoint[1] / "optimizer", optimizer=optimizer)["extra"]
+        saved = restored["extra"]
         resume = RewardTrainingProgress(**saved["progress"])
         generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
         curve = saved["curve"]
-    model, optimizer = accelerator.prepare(model, optimizer)
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     initial = resume.epochs_done if resume else 0
@@ -134,18 +139,14 @@ def fit(
         bar.update(1)
 
         def write(folder):
-            save_model(folder / "reward_model", accelerator.unwrap_model(model), tokenizer)
-            extra = {
-                "progress": progress._asdict(),
-                "generator_state": generator.get_state().tolist(),
-                "curve": curve,
-            }
-            save_training_state(
-                folder / "optimizer", optimizer=optimizer, step=progress.optimizer_steps, extra=extra, rng=False
-            )
+            extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
+            save_trained(
+                trained, folder, {"reward_model": model}, {"optimizer": optimizer}, tokenizer=tokenizer,
+                step=progress.optimizer_steps, extra=extra,
+            )  # fmt: skip
 
-        if main and progress.epochs_done < config.epochs and throttle.due():
-            save_progress(out.final_dir, progress.epochs_done, write)
+        due = main and progress.epochs_done < config.epochs and throttle.due()
+        save_checkpoint(trained, out.final_dir, progress.epochs_done, due=due, write=write)
 
     with bar:  # closed on an error too, so the error's line starts a line of its own
         stats = fit_reward_model(
@@ -161,8 +162,8 @@ def fit(
             on_step=lambda step, values: curve.append({"step": step, **values}),
             dropout_seed=context.stage_seed(STAGE),
         )
+    save_trained(trained, out.path, {"reward_model": model}, {}, tokenizer=tokenizer, step=0)
     if main:
-        save_model(out.path / "reward_model", accelerator.unwrap_model(model), tokenizer)
         write_training_curve(out.path, curve)
     # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
     metrics = {k: float(v) for k, v in stats._asdict().items()}

@@ -13,11 +13,13 @@ import traceback
 from pathlib import Path
 
 from accelerate import PartialState
+from accelerate.utils import gather_object
 
 from rlhf_core.precision import resolve_device
 from storage.files import write_text_replacing
 from tasks.context import Execution
 from tasks.launch import ERROR_PREFIX, TrainingOutput, decode, resolve
+from tasks.stage import PEAKS, peak_memory
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,13 +34,21 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
+def ray_worker(config: dict[str, str]) -> None:
+    """The job as a Ray Train worker's training function (:func:`tasks.launch.train` with Ray): Ray Train has
+    formed the process group and set the variables accelerate reads (``RANK``, ``WORLD_SIZE``, ...)."""
+    main([config["spec"]])
+
+
 def _run(spec_path: Path) -> None:
     job = json.loads(spec_path.read_text())
     context = decode(job["context"])
     state = join_process_group(context.execution)
     function = resolve(job["function"])
     out = TrainingOutput(path=Path(job["output"]), final_dir=Path(job["final_dir"]))
-    metrics = function(out, context, *decode(job["upstream"]), **decode(job["settings"]))
+    with peak_memory(resolve_device(context.execution.device)) as peak:
+        metrics = function(out, context, *decode(job["upstream"]), **decode(job["settings"]))
+        out.runtime[PEAKS] = gather_object([peak()])  # collective: every process's, in rank order
     if state.is_main_process:
         write_text_replacing(Path(job["result"]), json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
     leave_process_group(state)
@@ -63,6 +73,9 @@ def join_process_group(execution: Execution) -> PartialState:
     Raises:
         RuntimeError: the process group is not the ``execution.training_processes`` processes launched.
     """
+    # Accelerate applies an FSDP config on GPUs only; the stages shard the models themselves, on any device
+    # (execution.sharding), so accelerate must not wrap them a second time.
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
     state = PartialState(cpu=resolve_device(execution.device).type == "cpu")
     if state.num_processes != execution.training_processes:
         raise RuntimeError(

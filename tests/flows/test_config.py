@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.config import ConfigError, PipelineConfig, load_config
+from rlhf_core.config import Sharding
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -166,15 +167,24 @@ def test_a_reward_model_eval_split_below_four_pairs_is_refused_before_anything_r
         load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])
 
 
-def test_a_sharding_accelerate_config_is_refused_and_a_data_parallel_one_accepted(tmp_path):
-    """Saving keeps each model's own state dict on the main process: a sharded model would be saved as one shard."""
-    for distributed_type in ("FSDP", "DEEPSPEED"):
-        sharded = tmp_path / f"{distributed_type}.yaml"
-        sharded.write_text(
-            f"compute_environment: LOCAL_MACHINE\ndistributed_type: {distributed_type}\nnum_processes: 8\n"
-        )
-        with pytest.raises(ConfigError, match=f"distributed_type {distributed_type}.*not supported yet"):
-            load_config(CONFIGS / "tiny.yaml", [f"execution.accelerate_config={sharded}"])
+def test_an_fsdp2_accelerate_config_is_read_and_a_data_parallel_one_accepted_issue_25(tmp_path):
+    """FSDP2 configs give the stages' sharding; what the stages cannot run is refused (tests/flows/test_sharded_training.py)."""
+    config = load_config(
+        CONFIGS / "tiny.yaml",
+        [f"execution.accelerate_config={CONFIGS / 'accelerate' / 'fsdp.yaml'}", "execution.training_processes=2"],
+    )
+    assert config.execution.sharding == Sharding(layer_classes=(), reshard_after_forward=True)
+    layers = tmp_path / "layers.yaml"
+    layers.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: SHARD_GRAD_OP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: GPT2Block, LlamaDecoderLayer\n"
+    )
+    config = load_config(
+        CONFIGS / "tiny.yaml", [f"execution.accelerate_config={layers}", "execution.training_processes=2"]
+    )
+    assert config.execution.sharding == Sharding(
+        layer_classes=("GPT2Block", "LlamaDecoderLayer"), reshard_after_forward=False
+    )
     with pytest.raises(ConfigError, match="is not a file"):
         load_config(CONFIGS / "tiny.yaml", [f"execution.accelerate_config={tmp_path / 'missing.yaml'}"])
     data_parallel = tmp_path / "ddp.yaml"
@@ -211,7 +221,7 @@ def test_issue27_a_run_from_another_folder_finds_the_files_beside_its_config_and
     elsewhere.mkdir()
     shutil.copy(checkpoint_world["prompts"], folder / "prompts.jsonl")
     (folder / "own.yaml").write_text(
-        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: reward_model\n"
+        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: human\n"
         "data:\n  prompts: prompts.jsonl\n  eval_prompts: eval.jsonl\n"
     )
     command = [sys.executable, "-m", "flows", "run", "--config", str(folder / "own.yaml")]

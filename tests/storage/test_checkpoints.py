@@ -13,7 +13,17 @@ from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.loading import ModelLoader
 from rlhf_core.models import Critic, RewardModel
-from storage.checkpoints import load_tokenizer, load_training_state, save_model, save_training_state
+from storage.checkpoints import (
+    OptimizerLayoutError,
+    check_optimizer_layout,
+    load_optimizer_shard,
+    load_tokenizer,
+    load_training_state,
+    optimizer_layout,
+    save_model,
+    save_optimizer_shard,
+    save_training_state,
+)
 from tests.conftest import EOS, PAD, tiny_causal_lm, tiny_config
 
 IDS = torch.tensor([[0, 3, 4, 5], [6, 7, 8, 9]])
@@ -133,3 +143,23 @@ def test_missing_optimizer_state_is_an_error(tmp_path: Path) -> None:
     optimizer, _ = _fresh(tiny_causal_lm("gpt2"))
     with pytest.raises(FileNotFoundError, match="optimizer.pt"):
         load_training_state(tmp_path, optimizer=optimizer)
+
+
+def test_optimizer_shards_load_on_as_many_processes_and_other_layouts_are_refused_issue_25(tmp_path):
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0)}}, "param_groups": [{"lr": 0.1}]}
+    for rank in range(2):
+        save_optimizer_shard(tmp_path / "sharded", state, rank=rank, processes=2)
+    save_training_state(tmp_path / "sharded", step=3)
+    assert optimizer_layout(tmp_path / "sharded") == 2
+    torch.testing.assert_close(load_optimizer_shard(tmp_path / "sharded", rank=1, processes=2), state)
+    check_optimizer_layout(tmp_path / "sharded", processes=2)
+    for processes in (None, 4):
+        with pytest.raises(OptimizerLayoutError, match=r"sharded over 2 processes.*`execution.training_processes`"):
+            check_optimizer_layout(tmp_path / "sharded", processes=processes)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    save_training_state(tmp_path / "whole", optimizer=optimizer, step=0)
+    assert optimizer_layout(tmp_path / "whole") is None
+    check_optimizer_layout(tmp_path / "whole", processes=None)
+    with pytest.raises(OptimizerLayoutError, match=r"saved whole .* 2 sharded processes cannot load them"):
+        check_optimizer_layout(tmp_path / "whole", processes=2)
+    check_optimizer_layout(tmp_path / "nothing", processes=2)  # no states saved: nothing to refuse
