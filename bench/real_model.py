@@ -58,7 +58,8 @@ def iteration_rows(run_root: Path, campaign: str) -> list[dict]:
 
     client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name(campaign)
-    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{TAG_KIND}` = '{KIND_ITERATION}'")
+    finished = f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'"
+    runs = client.search_runs([experiment.experiment_id], filter_string=finished)
     rows = []
     for run in sorted(runs, key=lambda run: int(run.data.tags[TAG_ITERATION])):
         metrics = run.data.metrics
@@ -108,6 +109,28 @@ def curve(iterations: int | None, threads: int, out: Path) -> dict:
     return result
 
 
+def read_back(run_root: Path, threads: int, out: Path) -> dict:
+    """The curve of a run stopped before its last iteration, from its MLflow store (no command figures)."""
+    result = {
+        "machine": machine(),
+        "load_average_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load_average_start": "unknown",
+        "threads": threads,
+        "command_wall_seconds": None,
+        "command_cpu_seconds": None,
+        "iterations": iteration_rows(run_root, "smollm2-one-word"),
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print_curve(result)
+    return result
+
+
+def _command_line(result: dict) -> str:
+    if result["command_wall_seconds"] is None:
+        return f"the run was stopped after iteration {result['iterations'][-1]['iteration']} and read back"
+    return f"whole command: {result['command_wall_seconds']:.0f} s wall, {result['command_cpu_seconds']:.0f} s CPU"
+
+
 def print_curve(result: dict) -> None:
     print("| iteration | held-out reward | KL to reference | " + " | ".join(STAGES) + " | iteration s |")
     print("| --- " * (len(STAGES) + 4) + "|")
@@ -120,8 +143,8 @@ def print_curve(result: dict) -> None:
             f"| {row['wall_seconds']:.0f} |"
         )
     print(
-        f"whole command: {result['command_wall_seconds']:.0f} s wall, {result['command_cpu_seconds']:.0f} s CPU; "
-        f"load average {result['load_average_start']} at start, {result['load_average_end']} at the end"
+        f"{_command_line(result)}; load average {result['load_average_start']} at start, "
+        f"{result['load_average_end']} at the end"
     )
 
 
@@ -277,8 +300,7 @@ def section_lines() -> list[str]:
             f"Machine: {curve_result['machine']['cpu']}, {curve_result['machine']['cores']} cores, shared with "
             f"five other engineers' work: load average {curve_result['load_average_start']} at the start, "
             f"{curve_result['load_average_end']} at the end; {curve_result['threads']} torch threads; commit "
-            f"{curve_result['machine']['commit']}. The whole command: {curve_result['command_wall_seconds']:.0f} s "
-            f"wall, {curve_result['command_cpu_seconds']:.0f} s CPU.",
+            f"{curve_result['machine']['commit']}; {_command_line(curve_result)}.",
             "",
             "| iteration | held-out reward | KL to reference | " + " | ".join(STAGES) + " | iteration s |",
             "| --- " * (len(STAGES) + 4) + "|",
@@ -375,12 +397,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="compare: prompts per step (x 4 samples)")
     parser.add_argument("--steps", type=int, default=3, help="compare, tax: iterations per run, the first a warm-up")
     parser.add_argument("--iterations", type=int, help="override the config's iterations")
+    parser.add_argument("--read-back", type=Path, help="curve: read the run root of a stopped run instead of running")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-PART.json)")
     args = parser.parse_args()
     out = args.out or SCRATCH / f"real-{args.part}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.part == "curve":
+    if args.part == "curve" and args.read_back:
+        read_back(args.read_back, args.threads, out)
+    elif args.part == "curve":
         curve(args.iterations, args.threads, out)
     elif args.part == "compare":
         compare(args.prompts, args.steps, args.threads, out)

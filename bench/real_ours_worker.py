@@ -47,7 +47,15 @@ def run(
     from tasks.context import stage_seed
     from tasks.reward_function import RewardFunctionReference, score_texts
     from tasks.rollout import ROLLOUT_PROMPT_OFFSET, function_scorer
-    from tasks.text import decode, encode_prompts, load_tokenizer, read_prompts, response_token_lists, rotating_subset
+    from tasks.text import (
+        decode,
+        encode_prompts,
+        load_tokenizer,
+        prompt_text,
+        read_prompts,
+        response_token_lists,
+        rotating_subset,
+    )
 
     # 4 optimizer steps per iteration whatever the batch, as the config's 64 rollouts in minibatches of 16
     group = load_config(CONFIG).sizes.samples_per_prompt
@@ -128,10 +136,10 @@ def run(
                                 generator=seeded("evaluate", 0),
                             )  # fmt: skip
                             responses = decode(tokenizer, response_token_lists(out.sequences, out.action_mask))
-                            texts = [prompt.text for prompt in held_out]
                             scores[side] = score_texts(
-                                reward_function.load(), reward_function.name, texts, responses, range(len(texts))
-                            ).mean()
+                                reward_function.load(), reward_function.name, held_out, responses,
+                                range(len(held_out)), prompt_texts=[prompt_text(tokenizer, p) for p in held_out],
+                            ).mean()  # fmt: skip
                             if side == "policy":
                                 ref = sequence_logprobs(
                                     reference, out.sequences, out.attention_mask, ids.shape[1],

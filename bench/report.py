@@ -331,6 +331,7 @@ def write_results(results: dict, path: Path, *, command: str, keep: Path | None 
         ("5", "tax", lambda: _replay_section(results["tax"])),
         ("6", "scale", lambda: _scale_section(results["scale"])),
         ("7", "noop", lambda: _noop_section(results["noop"])),
+        ("8", "vllm", lambda: []),  # written by bench/vllm_engine.py (its own environment and models): kept here
     ]
     for number, part, section in parts:
         if part in results and (part != "roofline" or "trl" in results):

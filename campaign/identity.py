@@ -55,13 +55,15 @@ def fingerprint_cache(config: PipelineConfig) -> FingerprintCache:
 
 
 def base_inputs(
-    config: PipelineConfig, cache: FingerprintCache, world: DemoWorld | None, *, convert: bool = True
+    config: PipelineConfig, cache: FingerprintCache | None, world: DemoWorld | None, *, convert: bool = True
 ) -> BaseInputs:
     """``config``'s base inputs, each located and identified by its content; nothing is checked or built.
 
     Args:
         config: the settings naming the inputs.
-        cache: fingerprints already computed (it learns new ones; saving it is the caller's choice).
+        cache: fingerprints already computed (it learns new ones; saving it is the caller's choice); None locates
+            the inputs without reading them (every ``sha256`` empty; a GGUF file raises ``NotConverted``), for
+            checks made before hashing a model.
         world: the demo world, when :func:`uses_demo_world`; its files fill the inputs ``config`` leaves unset.
         convert: convert a GGUF model file not converted yet (:mod:`flows.model_sources`); False raises
             :class:`flows.model_sources.NotConverted` instead.
@@ -123,10 +125,10 @@ def _local_model_folder(policy: str) -> str:
         ) from error
 
 
-def _input_file(cache: FingerprintCache, setting: str, path: str | Path) -> InputFile:
+def _input_file(cache: FingerprintCache | None, setting: str, path: str | Path) -> InputFile:
     if not Path(path).exists():
         raise FileNotFoundError(f"`{setting}` {path} does not exist")
-    return InputFile(path=str(Path(path).resolve()), sha256=cache.fingerprint(Path(path)))
+    return InputFile(path=str(Path(path).resolve()), sha256="" if cache is None else cache.fingerprint(Path(path)))
 
 
 def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:

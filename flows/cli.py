@@ -257,7 +257,7 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = False):
+def _prepare(config, arguments, *, replay: bool = False, checked: bool = False):
     """What every flow-running command does first: check the campaign's inputs, that no other process runs
     it and (but for a replay, whose config is its source's) that it was started with this config, then make
     sure a Prefect server is there, one this process owns if none is configured.
@@ -274,20 +274,15 @@ def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = Fa
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from campaign.identity import check_campaign_config
-    from campaign.store import campaign_layout, existing_tracker
     from flows.campaign import resolve_base
     from flows.config import ConfigError
     from flows.console import show_stages
     from flows.prefect_server import ensure_prefect_api
-    from storage.locks import refuse_if_locked
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
-    if not lock_checked:
-        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
-    if not replay and (tracker := existing_tracker(config)) is not None:
-        check_campaign_config(config, tracker)
+    if not checked:  # `rlhf run` checked both before it looked for finished work (:func:`_refuse_if_busy_or_other`)
+        _refuse_if_busy_or_other(config, replay=replay)
     console = None
     if not arguments.verbose:
         handlers = [handler for handler in logging.getLogger().handlers if isinstance(handler, PrefectConsoleHandler)]
@@ -296,12 +291,34 @@ def _prepare(config, arguments, *, replay: bool = False, lock_checked: bool = Fa
         console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
     try:
         base = resolve_base.fn(config)
+        if config.sampling.engine == "vllm":  # started now, so what it cannot do is told before any stage runs
+            from flows.vllm_engine import ensure_engine
+
+            ensure_engine(config, base.policy.path)
     except BaseException:
         if console is not None:
             console.close()
         raise
     ensure_prefect_api()
     return console, base
+
+
+def _refuse_if_busy_or_other(config, *, replay: bool = False) -> None:
+    """Refuse a campaign another process runs, or (but for a replay, whose config is its source's) one started with
+    a config that differs in a field defining it; creates nothing.
+
+    Raises:
+        LockHeld: another process is running the campaign.
+        ConfigError: the campaign was started with another config.
+    """
+    from campaign.identity import check_campaign_config
+    from campaign.store import campaign_layout, existing_tracker
+    from storage.locks import refuse_if_locked
+
+    if config.run_root.is_dir():
+        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if not replay and (tracker := existing_tracker(config)) is not None:
+        check_campaign_config(config, tracker)
 
 
 @contextlib.contextmanager
@@ -332,23 +349,44 @@ def _running_flows(console):
             console.close()
 
 
-def _run(config, arguments) -> int:
-    from campaign.history import campaign_finished, difference_note
-    from campaign.store import campaign_layout
-    from flows.report import campaign_link, campaign_report
-    from storage.locks import refuse_if_locked
+def _check_model_and_prompts(config) -> None:
+    """The model's and tokenizer's checks (:func:`flows.inputs.check_inputs`: weights' headers, vocabulary, every
+    prompt's length), before the flows are imported and the model hashed: a refusal waits for neither. The demo
+    world's inputs are checked once it is built (in :func:`_prepare`)."""
+    from campaign.identity import base_inputs, uses_demo_world
+    from flows.inputs import check_inputs
+    from flows.model_sources import NotConverted
 
-    if config.run_root.is_dir():  # as every run does first (see _prepare)
-        refuse_if_locked(campaign_layout(config).lock_file(), what=f"campaign `{config.campaign}`")
+    if uses_demo_world(config):
+        return
+    try:
+        located = base_inputs(config, None, None)  # where each input is, none read
+    except NotConverted:  # a GGUF model is located by its content: checked once identified, in _prepare
+        return
+    check_inputs(config, located)
+
+
+def _run(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # before MLflow, Prefect or torch is imported: a file refused answers in a second or two
+    from campaign.history import campaign_finished, difference_note
+    from flows.config import ConfigError
+    from flows.report import campaign_link, campaign_report
+
+    if config.run_root.exists() and not config.run_root.is_dir():
+        raise ConfigError(f"`run_root` {config.run_root} is not a folder")
+    _refuse_if_busy_or_other(config)
     if arguments.from_iteration is None and campaign_finished(config):  # from MLflow alone: no server, flow, model
         if note := difference_note(config):
             print(f"campaign `{config.campaign}`: {note}")
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
         with _server_coming_up():
+            _check_model_and_prompts(config)
             from flows.rlhf_pipeline import rlhf_campaign
 
-            console, base = _prepare(config, arguments, lock_checked=True)
+            console, base = _prepare(config, arguments, checked=True)
             with _running_flows(console):
                 rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
     print(campaign_report(config))
@@ -357,9 +395,13 @@ def _run(config, arguments) -> int:
 
 
 def _iterate(config, arguments) -> int:
+    from flows.inputs import check_files
+
+    check_files(config)  # as `rlhf run` does
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
+        _check_model_and_prompts(config)
         from flows.rlhf_pipeline import rlhf_iteration
 
         console, base = _prepare(config, arguments)
@@ -455,8 +497,8 @@ def _config(config, arguments) -> int:
 
 
 _STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
-"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, an
-export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
+"""Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, inspect,
+an export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
 start or continue a campaign from a config file."""
 

@@ -13,7 +13,7 @@ import importlib.util
 import json
 import textwrap
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -130,10 +130,9 @@ class RewardSource(_Frozen):
     """`reward_model`: learned each iteration from labelled candidate pairs (stages 1-3). `function`: the callable
     `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
     function: str | None = None
-    """With `source: function`, a `module:callable` taking `(prompt: str, response: str)` and returning a float,
-    e.g. `demo.gold:gold_score` (the demo's hidden rubric as a verifiable reward). With `source: reward_model` and
-    `labeler: function`, the rubric that labels the pairs the reward model learns from (and that evaluation
-    reports); otherwise unused."""
+    """With `source: function`, a `module:callable` called as `function(prompt, response, **columns)` (the prompt as
+    written: text or chat messages; the prompt row's other columns as keyword arguments; docs/models.md) and
+    returning a float, e.g. `demo.gold:gold_score`; looked up beside the config file too. Unused with `reward_model`."""
 
 
 class ExecutionConfig(_Frozen):
@@ -171,6 +170,17 @@ class ExecutionConfig(_Frozen):
     evaluates) a process keeps in memory for its next stages instead of loading them again; 0 keeps none.
     They stay on the stages' device, so on a GPU this memory is not available to training: raise it where
     the GPU has room for the frozen models next to what the PPO update needs (docs/scaling.md)."""
+
+    engine_url: str | None = None
+    """With `sampling.engine: vllm`, a running generation engine server (`http://HOST:PORT`, started with
+    `.venv-vllm/bin/python flows/vllm_server.py`, docs/engines.md) to sample on; None starts one for the command,
+    stopped when it ends. Dask and Ray workers reach it at this URL."""
+    engine_gpu_memory: float = Field(0.35, gt=0, le=0.95)
+    """The share of the GPU's memory the generation engine the command starts takes (its weights and KV cache) on
+    CUDA; the stages' own models share the GPU with it (vLLM's default, 0.9, would leave them nothing)."""
+    engine_port: int = Field(0, ge=0, lt=65536)
+    """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
+    free one."""
 
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:
@@ -289,8 +299,10 @@ class PipelineConfig(_Frozen):
     precision: Precision = "fp32"
     """Numeric precision of every forward pass: `fp32`, `bf16` or `fp16` (a GPU only). Trained weights stay fp32
     (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
-    torch_threads: int = Field(1, gt=0)
-    """torch intra-op threads, set by every stage; one is fastest for small models on a 2-core machine."""
+    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
+    fastest there); for a larger one the cores other work leaves idle when the command starts (SmolLM2-135M: 1.7x
+    faster on 2 idle cores than on 1, far slower on 2 busy ones; rlhf_core.precision.resolve_threads)."""
     checkpoint_seconds: float = Field(60.0, ge=0)
     """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
     A crashed stage continues from its last save; short stages never pay for saving."""
@@ -362,6 +374,11 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "set `labeler`: who labels the candidate pairs the reward model learns from (import with "
                 "`data.preferences`, human, or reward_model with `model.reward_model`)"
+            )
+        if self.labeler == "reward_model" and self.learns_from_labels and self.model.reward_model is None:
+            raise ValueError(
+                "labeler reward_model needs `model.reward_model`: a pretrained reward model to label the first "
+                "iteration's pairs (later iterations use the one they trained); or label with import or human"
             )
         if self.labeler == "import" and self.data.preferences is None:
             raise ValueError("labeler 'import' needs `data.preferences`: the file of preference pairs to import")
@@ -461,9 +478,10 @@ MODEL_SETTINGS = ("model.policy", "model.tokenizer", "model.reward_model")
 
 
 def absolute_path(setting: str, value: Any, folder: Path) -> Any:
-    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a non-string or an absolute path as
-    it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in ``folder``."""
-    if not isinstance(value, str) or not value:
+    """``value`` of ``setting`` made absolute against ``folder``; a hub name, a ``pkg:`` file, a non-string or an
+    absolute path as it is. A model setting is a hub name when it is ``org/name`` and no folder of that name is in
+    ``folder``."""
+    if not isinstance(value, str) or not value or value.startswith("pkg:"):  # a file in a package (flows.model_sources)
         return value
     path = Path(value).expanduser()
     if path.is_absolute():

@@ -102,8 +102,10 @@ class _WarningsOnly(logging.Filter):
 
 def quiet_libraries() -> None:
     """Turn off the Hugging Face libraries' progress bars ("Loading weights", "Writing model shards") and their
-    warnings (the LOAD REPORT boxes), in this process and in those it starts."""
+    warnings (the LOAD REPORT boxes), and MLflow's "Downloading artifacts" bars (a replay or an export reading a
+    run's files), in this process and in those it starts."""
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # read at each download
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial MLflow database tables..."

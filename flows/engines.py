@@ -60,8 +60,10 @@ def engine(config: PipelineConfig) -> Iterator[PipelineConfig]:
         import ray
 
         if not ray.is_initialized():
+            # "local" starts an instance of our own: with no address Ray joins a cluster `ray start` left running on
+            # this machine (found through /tmp/ray), whose CPUs and lifetime are not ours.
             local = {"num_cpus": execution.workers} if execution.address is None else {}
-            ray.init(address=execution.address, include_dashboard=False, namespace="prefect", **local)
+            ray.init(address=execution.address or "local", include_dashboard=False, namespace="prefect", **local)
             try:
                 yield config
             finally:

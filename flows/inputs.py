@@ -17,24 +17,28 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
 4. The device exists on this machine and supports the precision (fp16 needs a GPU).
 5. A reward function (``reward.function``) takes the columns of both prompt files and is called once
    (:func:`tasks.reward_function.check_reward_function`).
+
+:func:`check_files` makes the checks that need no model, tokenizer or device (every input exists, the model's
+``config.json`` and context, every row parses, enough rows) before the command imports torch, MLflow or Prefect
+or starts a server, so those refusals come in a second or two; :func:`check_inputs` then makes them all.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from flows.config import PipelineConfig
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.errors import UserError
-from rlhf_core.precision import resolve_device
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
-from tasks.context import BaseInputs
-from tasks.reward_function import check_reward_function
-from tasks.text import Prompt, conversation_id_lists, load_tokenizer, prompt_ids, prompt_text, read_prompts
+
+if TYPE_CHECKING:  # check_files imports neither torch, transformers nor MLflow
+    from tasks.context import BaseInputs
 
 _BATCH = 256
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
@@ -88,6 +92,8 @@ def _tokenizer(setting: str, folder: str):
     Raises:
         InputError: none loads.
     """
+    from tasks.text import load_tokenizer
+
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as error:  # noqa: BLE001 - a missing or malformed tokenizer raises anything from OSError to TypeError
@@ -109,6 +115,8 @@ def _check_prompts(
     setting: str, path: Path, tokenizer, *, used: int | None, at_least: int, context: int | None, max_new_tokens: int
 ) -> None:
     """Parse every row; count them; check that the first ``used`` (all: None) fit with a full response."""
+    from tasks.text import Prompt, prompt_ids
+
     rows = 0
     try:
         for batch in _batched(prompt_rows(path), _BATCH):
@@ -122,6 +130,10 @@ def _check_prompts(
                 _fits(setting, path, row, field, needed, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
+    _enough_prompts(setting, path, rows, at_least=at_least)
+
+
+def _enough_prompts(setting: str, path: Path, rows: int, *, at_least: int) -> None:
     if rows < at_least:
         wanted = "" if at_least == 1 else f"; `sizes.eval_prompts` asks for {at_least}"
         raise InputError(f"`{setting}` {path} holds {rows or 'no'} prompts{wanted}")
@@ -131,6 +143,8 @@ def _check_preferences(
     setting: str, path: Path, tokenizer, *, context: int | None, at_least: int, eval_fraction: float | None
 ) -> None:
     """Parse every pair; count them; check that each fits the reward model as it is scored."""
+    from tasks.text import Prompt, conversation_id_lists
+
     pairs = 0
     try:
         for batch in _batched(preference_rows(path), _BATCH):
@@ -144,12 +158,90 @@ def _check_preferences(
                     _fits(setting, path, row, field, tokens, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
+    _enough_pairs(setting, path, pairs, at_least=at_least, eval_fraction=eval_fraction)
+
+
+def _enough_pairs(setting: str, path: Path, pairs: int, *, at_least: int, eval_fraction: float | None) -> None:
     if pairs < at_least:
         raise InputError(
             f"`{setting}` {path} holds {pairs or 'no'} preference pairs; the reward model needs at least {at_least}"
         )
     if eval_fraction is not None and (error := eval_split_error(pairs, eval_fraction)) is not None:
         raise InputError(f"`{setting}` {path}: {error}")
+
+
+def _found_later(model: str) -> bool:
+    """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`campaign.identity` reads it,
+    or a file in a package (``pkg:``, :mod:`flows.model_sources`): either is found later."""
+    if model.startswith("pkg:"):
+        return True
+    return not Path(model).exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1
+
+
+def _context_of(setting: str, folder: Path) -> int | None:
+    """The context length a model folder's ``config.json`` states (``max_position_embeddings``), read as JSON.
+
+    Raises:
+        FileNotFoundError: no such folder, or no ``config.json`` in it.
+        InputError: ``config.json`` is not JSON.
+    """
+    if not folder.exists():
+        raise FileNotFoundError(f"`{setting}` folder {folder} does not exist")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"`{setting}` folder {folder} has no config.json: not a Hugging Face checkpoint")
+    try:
+        settings = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"`{setting}` {folder}: config.json cannot be read: {_first_line(error)}") from error
+    context = settings.get("max_position_embeddings") if isinstance(settings, dict) else None
+    return context if isinstance(context, int) else None
+
+
+def check_files(config: PipelineConfig) -> None:
+    """What can be refused before any model, tokenizer, MLflow or Prefect is loaded (see the module docstring):
+    every input exists, the policy's ``config.json`` reads and its context leaves room for
+    ``sampling.max_new_tokens``, every prompts, eval-prompts and preferences row parses and each file holds enough
+    rows. Inputs the demo world provides and hub names are left to :func:`check_inputs`.
+
+    Raises:
+        FileNotFoundError: an input does not exist.
+        InputError: the first other problem found.
+    """
+    models = {"model.policy": config.model.policy, "model.tokenizer": config.model.tokenizer}
+    models["model.reward_model"] = config.model.reward_model
+    files = {"data.prompts": config.data.prompts, "data.eval_prompts": config.data.eval_prompts}
+    if config.labeler == "import":
+        files["data.preferences"] = config.data.preferences
+    for setting, model in models.items():
+        if model is not None and not _found_later(model) and not Path(model).exists():
+            raise FileNotFoundError(f"`{setting}` folder {model} does not exist")
+    for setting, path in files.items():
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"`{setting}` {path} does not exist")
+    policy, max_new_tokens = config.model.policy, config.sampling.max_new_tokens
+    if policy is not None and not _found_later(policy) and not policy.lower().endswith(".gguf"):
+        context = _context_of("model.policy", Path(policy))
+        if context is not None and max_new_tokens >= context:
+            raise InputError(
+                f"`sampling.max_new_tokens`={max_new_tokens} leaves no room for a prompt in the model's context "
+                f"length {context}"
+            )
+    try:
+        for setting, path in files.items():
+            if path is None:
+                continue
+            if setting == "data.preferences":
+                train = config.reward_model.train
+                _enough_pairs(
+                    setting, path, sum(1 for _ in preference_rows(path)),
+                    at_least=MIN_PREFERENCE_PAIRS if train else 1,
+                    eval_fraction=config.reward_model.eval_fraction if train else None,
+                )  # fmt: skip
+            else:
+                at_least = config.sizes.eval_prompts if setting == "data.eval_prompts" else 1
+                _enough_prompts(setting, path, sum(1 for _ in prompt_rows(path)), at_least=at_least)
+    except ImportFormatError as error:
+        raise InputError(f"`{setting}` {error}") from error
 
 
 def _check_shardable(setting: str, folder: Path, config: PipelineConfig) -> None:
@@ -179,6 +271,11 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         InputError: the first problem found.
         RewardFunctionError: the reward function cannot be called with the prompts' columns, or raises.
     """
+    from rlhf_core.loading import has_reward_head
+    from rlhf_core.precision import resolve_device
+    from tasks.reward_function import check_reward_function
+    from tasks.text import prompt_text, read_prompts
+
     try:
         device = resolve_device(config.device)
     except ValueError as error:
@@ -210,6 +307,13 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
+    if config.labeler == "reward_model" and config.learns_from_labels and base.reward_model is not None:
+        if not has_reward_head(base.reward_model.path):
+            raise InputError(
+                f"`model.reward_model` {config.model.reward_model} has no reward head, so it cannot label the first "
+                "iteration's pairs (labeler reward_model): give a sequence-classification checkpoint with one label "
+                "or a reward model this project exported, or label with import or human"
+            )
     for function in filter(None, (base.reward_function, base.rubric)):
         samples = [
             (setting, prompt, prompt_text(tokenizer, prompt))

@@ -87,12 +87,13 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def model_input(
-    cache: FingerprintCache, layout: RunLayout, setting: str, value: str | Path, *, convert: bool = True
+    cache: FingerprintCache | None, layout: RunLayout, setting: str, value: str | Path, *, convert: bool = True
 ) -> InputFile:
     """The folder ``setting``'s ``value`` stands for, identified by its content (module docstring: 1-3).
 
     Args:
-        cache: input fingerprints (a GGUF file is hashed once per path, size and modification time).
+        cache: input fingerprints (a GGUF file is hashed once per path, size and modification time); None: locate
+            a folder without reading it (``sha256`` empty), and raise :class:`NotConverted` for a GGUF file.
         layout: the run root's layout, whose cache holds converted GGUF files.
         convert: convert a GGUF file found in no cache; False raises :class:`NotConverted` instead.
 
@@ -105,9 +106,11 @@ def model_input(
     if not path.exists():
         raise FileNotFoundError(f"`{setting}` {value} does not exist")
     if not is_gguf(path):
-        return InputFile(path=str(path.resolve()), sha256=cache.fingerprint(path))
+        return InputFile(path=str(path.resolve()), sha256="" if cache is None else cache.fingerprint(path))
     if not path.is_file():
         raise ModelSourceError(f"`{setting}` {path} is not a file: a GGUF model is one .gguf file")
+    if cache is None:
+        raise NotConverted(f"`{setting}` {path} is a GGUF file: found by its content, which is not read here")
     sha256 = cache.fingerprint(path)
     folder = layout.converted_model_dir(sha256)
     if not folder.is_dir():

@@ -34,6 +34,7 @@ from flows.engines import campaign_slot, engine
 from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
+from flows.vllm_engine import with_generation_engine
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -102,6 +103,7 @@ def rlhf_iteration(
         engine(config) as config,
     ):
         base = base or resolve_base(config)
+        config = with_generation_engine(config, base.policy.path)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
             _name_iteration_run(config.campaign, iteration)
@@ -122,7 +124,7 @@ def _iteration(
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
         collected = _collect(config, context, settings, state) if config.reward_model.train else ()
-        all_preferences = (*state.preferences, *collected[1:])
+        all_preferences = (*state.preferences, *collected[-1:])
         reward_model = train_reward_model(
             context, all_preferences, state.reward_model, **settings("train_reward_model")
         ).result()
@@ -138,8 +140,11 @@ def _iteration(
     return close_iteration(context, stages, new_state)
 
 
-def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, StageResult]:
-    """Stages 1 and 2: candidates from the current policy, and their preference labels."""
+def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, ...]:
+    """Stages 1 and 2: candidates from the current policy (none for imported pairs: nothing would read them), and
+    their preference labels."""
+    if config.labeler == "import":
+        return (collect_preferences(context, None, None, None, **settings("collect_preferences")).result(),)
     candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
     labels = (
         request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
@@ -167,6 +172,7 @@ def rlhf_campaign(
     """
     with engine(config) as config:  # one local cluster for every iteration
         base = base or resolve_base(config)
+        config = with_generation_engine(config, base.policy.path)
         finished = finished_iterations(config)
         start = next((n for n in range(config.iterations) if n not in finished), config.iterations)
         if from_iteration is not None:
@@ -202,6 +208,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
         engine(config) as config,
     ):
         base = base or resolve_base(config)
+        config = with_generation_engine(config, base.policy.path)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)

@@ -45,9 +45,11 @@ __all__ = [
     "losses",
     "masked",
     "models",
+    "mismatch",
     "ppo",
     "precision",
     "reward_training",
     "rewards",
     "sequences",
+    "vllm_client",
 ]

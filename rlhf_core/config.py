@@ -19,6 +19,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 """Numeric precision of forward passes (:mod:`rlhf_core.precision`)."""
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 """Where models run (:func:`rlhf_core.precision.resolve_device`)."""
+GenerationEngine = Literal["hf", "vllm"]
+"""What samples responses (:func:`rlhf_core.generation.generate`): our KV-cache loop, or a vLLM engine."""
 LabelerName = Literal["gold", "import", "reward_model", "human", "function"]
 """Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
 person."""
@@ -153,9 +155,14 @@ class SamplingConfig:
     """Nucleus sampling mass; 1.0 keeps all."""
     batch_size: int = bounded(64, gt=0)
     """Prompts generated together (each with all its samples)."""
+    engine: GenerationEngine = "hf"
+    """What samples: `hf` (the project's own KV-cache loop on the stage's models) or `vllm` (a long-lived vLLM
+    engine in its own environment, `bash scripts/setup-vllm.sh`; see docs/engines.md). Other engines pick other
+    tokens for the same seed, so it is part of the generation stages' input keys."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        _check_choice("engine", self.engine, GenerationEngine)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -271,6 +278,10 @@ class PPOConfig:
     kl_loss_coef: float = bounded(0.0, ge=0)
     """Weight of the k3 KL to the reference in the policy loss (GRPO's beta; DeepSeekMath 0.04); needs
     `advantages.kl_in` = loss."""
+    tis_cap: float | None = bounded(None, gt=0)
+    """Truncated importance sampling of the engine's mismatch (Yao et al. 2025, "TIS"): each token's policy loss
+    is weighted by min(exp(old_logprobs - engine_logprobs), tis_cap), the probability the trainer gives the
+    sampled token over the one the sampler gave it, capped. None weighs every token 1 (verl and SkyRL use 2)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "engine_logprobs")
 """Per-token (B, R) fields a rollout fills."""
 SCORED_FIELDS = ("rewards", "kl", "advantages", "returns")
 """Per-token (B, R) fields stage 5 fills, all together."""
@@ -44,6 +44,8 @@ class Experience:
         advantages: (B, R) float or None, advantages (GAE's not whitened).
         returns: (B, R) float or None, critic targets (GAE) or the reward-to-go (critic-free).
         group_ids: (B,) integer or None, the prompt (group) of each row.
+        engine_logprobs: (B, R) float or None, log-probs of the actions as the sampler computed them (vLLM's,
+            or the project's own decode loop); ``old_logprobs`` are the trainer's, and what PPO uses.
     """
 
     sequences: torch.Tensor
@@ -58,6 +60,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    engine_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()

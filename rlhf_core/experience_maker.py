@@ -13,6 +13,10 @@ Choices:
 4. Without a critic (critic-free estimators) no values are computed: ``old_values`` is None.
 5. :func:`score_experience` (stage 5) dispatches on the estimator: GAE over the KL-shaped rewards
    and the rollout values, or a critic-free estimator of :mod:`rlhf_core.advantages`.
+6. The sampler may be the vLLM engine serving the actor (a :class:`ServedPolicy`): its log-probs come from
+   other kernels, so ``old_logprobs`` are then always recomputed by the actor (as TRL does with vLLM). The
+   sampler's own log-probs are kept as ``engine_logprobs`` whichever samples, so the mismatch can be measured
+   and corrected (:mod:`rlhf_core.mismatch`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from rlhf_core.models import Critic, evaluating, fused_activations
 from rlhf_core.precision import Precision, autocast, check_precision
 from rlhf_core.rewards import normalize_scores, shaped_rewards
 from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
+from rlhf_core.vllm_client import ServedPolicy
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(sequences (B, T), attention_mask (B, T)) -> scores (B,)``."""
@@ -134,6 +139,7 @@ class ExperienceMaker:
         precision: the forward passes run in this precision (:mod:`rlhf_core.precision`) on the
             actor's device; below fp32 the rollout log-probs are recomputed by a full forward
             pass (see choice 1).
+        sampler: what samples: the actor (None), or the engine serving it (choice 6).
     """
 
     def __init__(
@@ -147,8 +153,10 @@ class ExperienceMaker:
         eos_token_id: int | None,
         pad_token_id: int,
         precision: Precision = "fp32",
+        sampler: ServedPolicy | None = None,
     ) -> None:
         self.actor = actor
+        self.sampler = sampler
         self.critic = critic
         self.reward_model = reward_model
         self.reference = reference
@@ -165,6 +173,7 @@ class ExperienceMaker:
         *,
         group_ids: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        seeds: list[int] | None = None,
     ) -> Experience:
         """One response per prompt row, scored by reference, critic and reward.
 
@@ -172,7 +181,8 @@ class ExperienceMaker:
             input_ids, attention_mask: left-padded prompts, on any device (moved to the actor's).
                 A prompt sampled G times appears in G rows.
             group_ids: the prompt of each row, carried into the Experience (its ``group_ids``).
-            generator: CPU random stream for sampling.
+            generator: CPU random stream for sampling by the actor.
+            seeds: one seed per row, for sampling by the engine.
 
         Shapes:
             input_ids, attention_mask: (B, P); group_ids: (B,); returns Experience with T = P + R, on
@@ -184,19 +194,20 @@ class ExperienceMaker:
         temperature = self.sampling.temperature
         with autocast(device, self.precision):
             generation = generate(
-                self.actor,
+                self.actor if self.sampler is None else self.sampler,
                 input_ids,
                 attention_mask,
                 config=self.sampling,
                 eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id,
                 generator=generator,
+                seeds=seeds,
             )
             sequences, full_mask = generation.sequences, generation.attention_mask  # (B, T)
-            old_logprobs = generation.logprobs  # (B, R)
+            engine_logprobs = old_logprobs = generation.logprobs  # (B, R)
             models = (self.actor, self.critic, self.reward_model, self.reference)  # None and functions are skipped
             with evaluating(*models), fused_activations(*models):
-                if self.precision != "fp32":
+                if self.precision != "fp32" or self.sampler is not None:
                     old_logprobs = sequence_logprobs(
                         self.actor, sequences, full_mask, prompt_length, temperature=temperature
                     )
@@ -217,4 +228,5 @@ class ExperienceMaker:
             old_values=None if old_values is None else torch.where(action_mask, old_values.float(), 0.0),
             scores=scores.to(device),
             group_ids=None if group_ids is None else group_ids.to(device),
+            engine_logprobs=torch.where(action_mask, engine_logprobs.float(), 0.0),
         )

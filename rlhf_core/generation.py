@@ -11,6 +11,11 @@ Choices:
 4. Tokens are drawn by inverse CDF from one uniform number per row and step, and those numbers
    come from a CPU ``torch.Generator``: B numbers a step cross to the device, and the same seed
    samples the same tokens on any device (up to float rounding of the cumulative sums).
+5. The engine behind :func:`generate` is chosen by what it is given: a model samples here (``hf``), a
+   :class:`rlhf_core.vllm_client.ServedPolicy` samples in the long-lived vLLM engine, one request per row
+   with the row's own seed (so a row's tokens do not depend on the rows beside it). Either way the result
+   has the same layout, and ``logprobs`` are the sampler's own (vLLM's processed log-probs: after
+   temperature, and, unlike ours, after top-k / top-p filtering where those are set).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from rlhf_core.config import SamplingConfig
 from rlhf_core.divergence import check_finite
 from rlhf_core.models import evaluating, fused_activations
 from rlhf_core.sequences import position_ids_from_mask
+from rlhf_core.vllm_client import ServedPolicy, engine_generate
 
 
 class Generation(NamedTuple):
@@ -197,7 +203,7 @@ def _decode(
 
 @torch.no_grad()
 def generate(
-    model: PreTrainedModel,
+    model: PreTrainedModel | ServedPolicy,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,
@@ -205,20 +211,25 @@ def generate(
     eos_token_id: int | None,
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    seeds: list[int] | None = None,
 ) -> Generation:
     """Sample one response per row.
 
     Args:
-        model: a causal LM (``AutoModelForCausalLM``).
+        model: a causal LM (``AutoModelForCausalLM``), or the policy as the vLLM engine serves it.
         prompt_ids: left-padded prompts.
         prompt_mask: 1 for real prompt tokens.
         config: temperature, top-k, top-p and ``max_new_tokens``.
         eos_token_id: token that ends a response, or None.
         pad_token_id: token written after EOS.
-        generator: CPU random stream for sampling; pass a seeded one for reproducible samples.
+        generator: CPU random stream for sampling here (a model); pass a seeded one for reproducible samples.
+        seeds: one seed per row, for the engine (a :class:`ServedPolicy`; required there, unused here).
 
     Shapes:
-        prompt_ids, prompt_mask: (B, P); returns :class:`Generation` with T = P + R.
+        prompt_ids, prompt_mask: (B, P); seeds: B numbers; returns :class:`Generation` with T = P + R.
+
+    Raises:
+        rlhf_core.vllm_client.EngineError: the engine is gone or failed the request.
     """
     if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
         raise ValueError(
@@ -229,6 +240,12 @@ def generate(
     if not bool(prompt_mask[:, -1].bool().all()):
         # A right-padded row would be continued from the logits of a padding position.
         raise ValueError("`prompt_ids` must be left-padded: the last column of `prompt_mask` must be 1 in every row")
+    if isinstance(model, ServedPolicy):
+        if seeds is None or len(seeds) != prompt_ids.shape[0]:
+            raise ValueError("generating with the engine needs `seeds`: one per row of `prompt_ids`")
+        return _engine_generation(
+            model, prompt_ids, prompt_mask, seeds, config=config, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+        )
     with evaluating(model), fused_activations(model):
         tokens, alive, logprobs = _decode(
             model,
@@ -249,8 +266,43 @@ def generate(
     )
 
 
+def _engine_generation(
+    policy: ServedPolicy,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    seeds: list[int],
+    *,
+    config: SamplingConfig,
+    eos_token_id: int | None,
+    pad_token_id: int,
+) -> Generation:
+    """Sample each row in the engine (choice 5), laid out as :func:`_decode`'s rows are: responses padded on the
+    right with ``pad_token_id`` up to the longest one, action mask False there, log-probs 0 there."""
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+    responses, response_logprobs = engine_generate(
+        policy, prompts, [int(seed) for seed in seeds], config=config, eos_token_id=eos_token_id
+    )
+    length = max(len(response) for response in responses)
+    batch = len(responses)
+    response = torch.full((batch, length), pad_token_id, dtype=prompt_ids.dtype)  # (B, R)
+    action_mask = torch.zeros(batch, length, dtype=torch.bool)  # (B, R)
+    logprobs = torch.zeros(batch, length, dtype=torch.float32)  # (B, R)
+    for row, (tokens, values) in enumerate(zip(responses, response_logprobs, strict=True)):
+        response[row, : len(tokens)] = torch.tensor(tokens, dtype=prompt_ids.dtype)
+        action_mask[row, : len(tokens)] = True
+        logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    device = prompt_ids.device
+    action_mask = action_mask.to(device)
+    return Generation(
+        sequences=torch.cat([prompt_ids, response.to(device)], dim=1),  # (B, T)
+        attention_mask=torch.cat([prompt_mask.long(), action_mask.long()], dim=1),  # (B, T)
+        action_mask=action_mask,
+        logprobs=logprobs.to(device),
+    )
+
+
 def sample_candidates(
-    model: PreTrainedModel,
+    model: PreTrainedModel | ServedPolicy,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,
@@ -259,8 +311,12 @@ def sample_candidates(
     eos_token_id: int | None,
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    seeds: list[int] | None = None,
 ) -> Generation:
     """``num_samples`` (N) responses per prompt; rows ``i*N .. i*N + N - 1`` belong to prompt ``i``.
+
+    Args:
+        seeds: for the engine, one seed per response (B * N), see :func:`generate`.
 
     Shapes:
         prompt_ids, prompt_mask: (B, P); returns :class:`Generation` with B * N rows.
@@ -276,4 +332,5 @@ def sample_candidates(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         generator=generator,
+        seeds=seeds,
     )

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -69,6 +70,7 @@ from transformers import (
 from rlhf_core.config import LoraConfig
 from rlhf_core.models import Critic, RewardModel, freeze, hidden_size
 from rlhf_core.precision import Precision, accelerate_mixed_precision, autocast, check_precision, compute_dtype
+from rlhf_core.vllm_client import ServedPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -338,6 +340,21 @@ class ModelLoader:
             self.frozen_models.put(key, model)
         return model
 
+    def served(self, source: str | Path, url: str | None) -> ServedPolicy:
+        """The causal LM of the folder ``source`` as the generation engine at ``url`` serves it: the folder's own
+        weights, or its base's (a folder that only refers to one), plus its LoRA adapter if it holds one.
+
+        Raises:
+            ValueError: no engine URL (``sampling.engine: vllm`` needs one: the command starts the engine).
+        """
+        if not url:
+            raise ValueError("`sampling.engine` vllm needs a running engine: none was started or given (engine_url)")
+        source = Path(source)
+        meta = FolderMeta.read(source)
+        weights = self._base_folder(meta.base) if meta is not None and meta.base else source
+        adapter = source if meta is not None and meta.adapter else None
+        return ServedPolicy(url=url, weights=str(weights), adapter=None if adapter is None else str(adapter))
+
     def reference(self, actor: nn.Module | None = None) -> nn.Module:
         """The frozen initial policy: ``actor`` with its adapters off under LoRA, else the base loaded frozen."""
         if actor is not None and _is_adapted(actor):
@@ -450,6 +467,33 @@ def _backbone(folder: Path, placement: dict[str, Any]) -> tuple[PreTrainedModel,
         head.weight.copy_(score.weight.float())
         head.bias.copy_(score.bias.float() if score.bias is not None else torch.zeros(1))
     return classifier.base_model, head
+
+
+def has_reward_head(folder: str | Path) -> bool:
+    """Whether the folder holds a reward model that can score as it is: a sequence-classification checkpoint, or a
+    backbone with the reward head this project saves beside it (:func:`save_model_folder`); a plain causal LM has
+    none (a head would be fresh: random scores)."""
+    folder = Path(folder)
+    if (folder / f"{RewardModel.head_name}.safetensors").is_file():
+        return True
+    architectures = getattr(AutoConfig.from_pretrained(folder), "architectures", None) or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def count_parameters(folder: str | Path) -> int:
+    """The parameters of the model in a Hugging Face folder, from its safetensors headers (nothing is loaded); a
+    folder of pickled weights is estimated from their bytes at 4 per parameter."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
+                total += math.prod(weights.get_slice(name).get_shape())
+    if total == 0:
+        total = sum(path.stat().st_size for path in folder.glob("pytorch_model*.bin")) // 4
+    return total
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -113,6 +113,7 @@ def policy_loss(
     aggregation: LossAggregation = "token_mean",
     norm_tokens: int | None = None,
     denominator: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate policy loss.
 
@@ -121,6 +122,7 @@ def policy_loss(
         loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))
         if dual_clip is not None and A_t < 0:
             loss_t = min(loss_t, -dual_clip * A_t)
+        loss_t = weights_t * loss_t            # when weights are given (TIS, rlhf_core.mismatch.tis_weights)
 
     Args:
         logprobs: current policy log-probs of the sampled tokens (with grad).
@@ -130,13 +132,15 @@ def policy_loss(
         clip_eps: PPO clip range epsilon.
         dual_clip: the dual-clip constant ``c > 1``, or None.
         aggregation, norm_tokens, denominator: see :func:`aggregate_loss`.
+        weights: per-token weights of the loss, no gradient through them (truncated importance sampling of the
+            sampler's mismatch), or None for 1.
 
     Returns:
         The scalar loss and :class:`PolicyLossStats` (clip fractions over valid tokens, and the
         k3 estimate of KL(old || new), which is non-negative).
 
     Shapes:
-        logprobs, old_logprobs, advantages, action_mask: (B, R); returns ().
+        logprobs, old_logprobs, advantages, action_mask, weights: (B, R); returns ().
 
     References:
         Schulman et al. 2017, eq. 7; Ye et al. 2020 "Mastering Complex Control in MOBA Games with
@@ -157,6 +161,8 @@ def policy_loss(
         bound = -dual_clip * advantages  # (B, R)
         dual_clipped = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_clipped, bound, per_token)
+    if weights is not None:
+        per_token = per_token * torch.where(valid, weights.detach(), torch.ones_like(per_token))  # (B, R)
     loss = aggregate_loss(per_token, action_mask, mode=aggregation, norm_tokens=norm_tokens, denominator=denominator)
     with torch.no_grad():
         stats = PolicyLossStats(

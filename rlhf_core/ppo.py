@@ -40,6 +40,7 @@ from rlhf_core.divergence import check_finite, check_weights
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
+from rlhf_core.mismatch import tis_weights
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
 from rlhf_core.sequences import response_logits, response_slice, token_logprobs
 
@@ -134,6 +135,11 @@ def _minibatch_losses(
     aggregation = {"aggregation": config.aggregation, "norm_tokens": norm_tokens, "denominator": denominators.loss}
     logits = response_logits(actor, batch.sequences, batch.attention_mask, prompt_length)  # (b, R, V)
     logprobs, entropy = token_logprobs(logits, batch.sequences[:, prompt_length:], temperature=temperature)  # (b, R)
+    weights = None
+    if config.tis_cap is not None:
+        if batch.engine_logprobs is None:
+            raise ValueError("`tis_cap` needs the sampler's log-probs (`engine_logprobs`); this rollout kept none")
+        weights = tis_weights(batch.old_logprobs, batch.engine_logprobs, batch.action_mask, cap=config.tis_cap)
     actor_loss, policy_stats = policy_loss(
         logprobs,
         batch.old_logprobs,
@@ -141,6 +147,7 @@ def _minibatch_losses(
         batch.action_mask,
         clip_eps=config.clip_eps,
         dual_clip=config.dual_clip,
+        weights=weights,
         **aggregation,
     )
     # Without the KL term it is only a statistic: no graph through it.

@@ -215,7 +215,7 @@ class DriftThresholds:
         Raises:
             ValueError: an unknown name, a value that is not a number, or one out of range.
         """
-        names = {field.name: field.type for field in fields(cls)}
+        names = [field.name for field in fields(cls)]
         values: dict[str, float | int] = {}
         for setting in settings:
             name, _, text = setting.partition("=")

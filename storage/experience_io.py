@@ -14,8 +14,8 @@ Choices:
    ``pad_token_id`` and attention 0, response right-padded with ``pad_token_id``, attention 0,
    action mask False and 0.0 in every float field. So a batch written padded to its longest row
    reads back equal (``torch.equal``) field by field.
-5. ``Experience.group_ids`` is the ``prompt_id`` column; ``old_values`` None is a null
-   ``old_values`` in every row (a rollout without a critic), and only all or none may be null.
+5. ``Experience.group_ids`` is the ``prompt_id`` column; ``old_values`` (a rollout without a critic) or
+   ``engine_logprobs`` None is a null in every row of its column, and only all or none may be null.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rlhf_core.experience import Experience
 from storage.schemas import (
     EXPERIENCE,
     EXPERIENCE_TOKEN_COLUMNS,
-    OLD_VALUES,
+    NULLABLE_TOKEN_COLUMNS,
     PROMPT_ID,
     PROMPT_IDS,
     RESPONSE_IDS,
@@ -187,7 +187,7 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
     }
     for name in EXPERIENCE_TOKEN_COLUMNS + (SCORED_TOKEN_COLUMNS if scored else ()):
         nulls = table.column(name).null_count
-        if name == OLD_VALUES and nulls == batch:
+        if name in NULLABLE_TOKEN_COLUMNS and nulls == batch:
             fields[name] = None
             continue
         if nulls:

@@ -16,12 +16,16 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
 ``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime.
 3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files.
 4: ``old_values`` is null in every row of a rollout made without a critic (critic-free estimators);
-``prompt_id`` is also the group of each row (``Experience.group_ids``)."""
+``prompt_id`` is also the group of each row (``Experience.group_ids``).
+5: the sampler's own log-probs are kept beside the trainer's (``engine_logprobs``, the generation engine's;
+``sampling.engine``): in every rollout, and in candidates and evaluation pieces sampled by vLLM, with the
+trainer's ``old_logprobs`` there. Migration: as for every bump, an unfinished iteration's outputs of schema 4
+are recomputed; finished iterations are kept as they are (a campaign is history)."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
@@ -41,6 +45,7 @@ ROW = "row"
 OLD_LOGPROBS = "old_logprobs"
 REF_LOGPROBS = "ref_logprobs"
 OLD_VALUES = "old_values"
+ENGINE_LOGPROBS = "engine_logprobs"
 SCORES = "scores"
 REWARDS = "rewards"
 KL = "kl"
@@ -74,7 +79,12 @@ CANDIDATES = _schema(
     (RESPONSE, pa.string()),
     (PROMPT_IDS, TOKEN_IDS),
     (RESPONSE_IDS, TOKEN_IDS),
+    (OLD_LOGPROBS, TOKEN_FLOATS),
+    (ENGINE_LOGPROBS, TOKEN_FLOATS),
+    nullable=(OLD_LOGPROBS, ENGINE_LOGPROBS),
 )
+"""``old_logprobs`` (the actor's forward) and ``engine_logprobs`` (the engine's) are null when the project's own
+sampler made the candidates (``sampling.engine: hf``): it is the actor's forward."""
 
 #: Preference pairs (stage 2 output); ``margin`` is 0.0 when the labeler gives none. For a chat
 #: prompt, ``chosen`` and ``rejected`` are the contents of the final assistant turn.
@@ -97,9 +107,17 @@ EVALUATION = _schema(
     ("policy_reward", pa.float64()),
     ("reference_reward", pa.float64()),
     (POLICY_KL, pa.float64()),
+    (OLD_LOGPROBS, TOKEN_FLOATS),
+    (ENGINE_LOGPROBS, TOKEN_FLOATS),
+    nullable=(OLD_LOGPROBS, ENGINE_LOGPROBS),
 )
 """One row per held-out prompt: both sides' responses and rewards, and the policy's KL to the reference
-(summed over its response). The pieces evaluation's shards write (its output is ``samples.jsonl``)."""
+(summed over its response), and, when vLLM sampled, the policy's log-probs by the actor's forward and by the engine
+(null otherwise; :data:`LOGPROB_COLUMNS`). The pieces evaluation's shards write (its output is ``samples.jsonl``,
+without the log-probs)."""
+
+LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
+"""The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
 SAMPLES = "samples.jsonl"
 """A stage output's sample rows as JSON lines (evaluation: the :data:`EVALUATION` columns plus ``policy_gold`` and
@@ -109,13 +127,17 @@ writes beside what the reward model and the gold judge made of it."""
 HUMAN_LABELS = _schema((PAIR_ID, pa.int64()), (CHOICE, pa.string()))
 
 #: Per-token fields of an unscored Experience, in schema order.
-EXPERIENCE_TOKEN_COLUMNS = (OLD_LOGPROBS, REF_LOGPROBS, OLD_VALUES)
+EXPERIENCE_TOKEN_COLUMNS = (OLD_LOGPROBS, REF_LOGPROBS, OLD_VALUES, ENGINE_LOGPROBS)
+#: Per-token fields that are null in every row, or in none: ``old_values`` without a critic, ``engine_logprobs``
+#: in experience written by code that kept none.
+NULLABLE_TOKEN_COLUMNS = (OLD_VALUES, ENGINE_LOGPROBS)
 #: Per-token fields that stage 5 adds, in schema order.
 SCORED_TOKEN_COLUMNS = (REWARDS, KL, ADVANTAGES, RETURNS)
 
 #: Rollout experience (stage 4 output). ``prompt_id`` is the prompt's id in its file (the rows of one
 #: prompt form a group), ``prompt_ids`` the unpadded prompt tokens, ``response_ids`` the unpadded
-#: action tokens; ``old_values`` is null throughout when the rollout had no critic.
+#: action tokens; ``old_values`` is null throughout when the rollout had no critic; ``engine_logprobs`` are the
+#: sampler's log-probs of the actions (``old_logprobs`` are the trainer's).
 EXPERIENCE = _schema(
     (ROW, pa.int64()),
     (PROMPT_ID, pa.int64()),
@@ -123,7 +145,7 @@ EXPERIENCE = _schema(
     (RESPONSE_IDS, TOKEN_IDS),
     *((name, TOKEN_FLOATS) for name in EXPERIENCE_TOKEN_COLUMNS),
     (SCORES, pa.float32()),
-    nullable=(OLD_VALUES,),
+    nullable=NULLABLE_TOKEN_COLUMNS,
 )
 
 #: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).

@@ -10,7 +10,10 @@ Labelling by a reward model splits the pairs into shards (:mod:`tasks.fanout`), 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
+from types import MappingProxyType
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,13 +39,18 @@ from tasks.labelers import (
 )
 from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult, stage
-from tasks.text import Prompt, reward_scorer
+from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts, reward_scorer
 
 STAGE = "collect_preferences"
 
 
-def candidate_pairs(candidates: pa.Table) -> list[CandidatePair]:
-    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs."""
+def candidate_pairs(candidates: pa.Table, *, columns: Sequence[Mapping[str, Any]] = ()) -> list[CandidatePair]:
+    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs.
+
+    Args:
+        columns: the other columns of each row of the prompts file, by ``prompt_id`` (the row), for a rubric that
+            reads them (:mod:`tasks.reward_function`); empty: none.
+    """
     rows = candidates.sort_by([("prompt_id", "ascending"), ("candidate_index", "ascending")]).to_pylist()
     pairs = []
     for first, second in zip(rows[::2], rows[1::2], strict=True):
@@ -50,7 +58,11 @@ def candidate_pairs(candidates: pa.Table) -> list[CandidatePair]:
             raise ValueError(f"prompt {first['prompt_id']} has an odd number of candidates")
         pairs.append(
             CandidatePair(
-                prompt=Prompt(first["prompt"], tuple(first["messages"])),
+                prompt=Prompt(
+                    first["prompt"],
+                    tuple(first["messages"]),
+                    MappingProxyType(dict(columns[first["prompt_id"]])) if columns else MappingProxyType({}),
+                ),
                 first=first["response"],
                 second=second["response"],
                 first_ids=first["prompt_ids"] + first["response_ids"],
@@ -96,7 +108,7 @@ def human_table(pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id:
 def collect_preferences(
     out: StageOutput,
     context: StageContext,
-    candidates: StageResult,
+    candidates: StageResult | None,
     reward_model: StageResult | None,
     labels: StageResult | None,
     *,
@@ -110,7 +122,9 @@ def collect_preferences(
     """Write the ``preferences`` table for this iteration's candidates.
 
     Args:
-        reward_model: the judge with labeler ``reward_model``; None otherwise.
+        candidates: the candidates to label; None with labeler ``import``, which samples none.
+        reward_model: the judge with labeler ``reward_model``: the previous iteration's reward model, or None in
+            the first iteration, where the pretrained ``model.reward_model`` judges.
         labels: the person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise.
         labeler: ``gold``, ``function``, ``reward_model``, ``import`` or ``human``.
         judge: the gold judge (labeler ``gold``).
@@ -128,10 +142,8 @@ def collect_preferences(
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
     elif labeler == "reward_model":
-        if reward_model is None:
-            raise ValueError(
-                "labeler 'reward_model' needs a trained reward model: start the campaign with labeler 'gold' or 'import'"
-            )
+        if reward_model is None and context.base.reward_model is None:
+            raise ValueError("labeler 'reward_model' needs a reward model: a trained one, or `model.reward_model`")
         pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
         shards = plan_shards(
             len(pairs), rows_per_shard=rows_per_shard, rows_per_item=1, seed=context.seed, stage=STAGE,
@@ -144,9 +156,11 @@ def collect_preferences(
     elif labeler == "function":
         if rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")
+        tokenizer = load_tokenizer(context.base.tokenizer.path)
+        rows = read_prompts(context.base.prompts.path)  # a candidate's prompt_id is its prompt's row
         table = labelled_table(
-            candidate_pairs(read_table(candidates.directory, "candidates")),
-            FunctionLabeler(rubric.load(), rubric.name),
+            candidate_pairs(read_table(candidates.directory, "candidates"), columns=[row.columns for row in rows]),
+            FunctionLabeler(rubric.load(), rubric.name, render=partial(prompt_text, tokenizer)),
             first_pair_id=context.iteration * 1_000_000,
         )
     else:
@@ -176,12 +190,14 @@ def label_shards(
     shards: list[Shard],
     *,
     candidates: StageResult,
-    reward_model: StageResult,
+    reward_model: StageResult | None,
 ) -> Iterator[pa.Table]:
-    """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model."""
+    """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model (the pretrained
+    ``model.reward_model`` where no iteration has trained one yet)."""
     pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
+    judge = reward_model.directory / "reward_model" if reward_model is not None else context.base.reward_model.path
     scorer = reward_scorer(
-        models.load("reward_model", reward_model.directory / "reward_model"),
+        models.load("reward_model", judge),
         policy_tokenizer_dir=context.base.tokenizer.path,
         reward_tokenizer_dir=context.base.reward_tokenizer,
     )

@@ -132,7 +132,7 @@ class Execution:
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
-        torch_threads: torch intra-op threads, set at the start of every stage.
+        torch_threads: torch intra-op threads, set at the start of every stage (`auto` already resolved).
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
         task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).
@@ -146,6 +146,7 @@ class Execution:
             None (data parallel).
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
             :class:`rlhf_core.loading.FrozenModels`).
+        engine_url: the generation engine server the stages sample on (``sampling.engine: vllm``), or None.
     """
 
     device: str = "auto"
@@ -160,6 +161,7 @@ class Execution:
     rendezvous_timeout: float = 300.0
     sharding: Sharding | None = None
     frozen_model_bytes: int = 0
+    engine_url: str | None = None
 
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None

@@ -3,8 +3,10 @@
 Reports the reward's score of both (the reward model's, or the reward function's), the KL to the reference (mean over responses of the
 summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
 applies, the gold score of both and the policy's gold win rate against the reference (ties count
-half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed. The prompts
-are split into shards (:mod:`tasks.fanout`) wherever ``execution.task_runner`` runs them.
+half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed (on vLLM, the
+same per-row seeds: :mod:`tasks.sampler`). The prompts are split into shards (:mod:`tasks.fanout`) wherever
+``execution.task_runner`` runs them. On vLLM the KL uses the actor's own log-probs of the engine's tokens, and the
+stage records the engine's mismatch to them.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from rlhf_core.generation import generate
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
-from storage.schemas import EVALUATION, POLICY_KL, PROMPT
+from storage.schemas import ENGINE_LOGPROBS, EVALUATION, LOGPROB_COLUMNS, OLD_LOGPROBS, POLICY_KL, PROMPT
 from tasks.context import StageContext
 from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.stage import SAMPLES, StageResult, stage
 from tasks.text import (
     Prompt,
@@ -83,12 +86,13 @@ def evaluate(
         out, context, STAGE, evaluate_shards, shards, schema=EVALUATION, precision=precision,
         policy=policy, reward_model=reward_model, sampling=sampling, prompts=prompts, reward_function=reward_function,
     )  # fmt: skip
-    records = table.to_pylist()
     metrics = {
         "reward_mean": _mean(table, "policy_reward"),
         "reference_reward_mean": _mean(table, "reference_reward"),
         "kl_to_reference": _mean(table, POLICY_KL),
+        **mismatch_metrics(table),
     }
+    records = table.drop_columns(list(LOGPROB_COLUMNS)).to_pylist()
     if judge is not None:
         metrics.update(_gold_metrics(records, judge))
     if rubric is not None:
@@ -119,6 +123,10 @@ def evaluate_shards(
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
     sides = {"policy": actor, "reference": models.reference(actor)}
+    samplers = {
+        "policy": policy_sampler(models, context, policy.directory / "actor", actor, sampling),
+        "reference": policy_sampler(models, context, context.base.policy.path, sides["reference"], sampling),
+    }
     scorer = None
     if reward_model is not None:
         scorer = reward_scorer(
@@ -135,15 +143,16 @@ def evaluate_shards(
             prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
             prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
             with models.autocast(), torch.no_grad():
-                for side, model in sides.items():
+                for side, sampler in samplers.items():
                     generation = generate(
-                        model,
+                        sampler,
                         prompt_ids,
                         prompt_mask,
                         config=sampling,
                         eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id,
                         generator=torch.Generator().manual_seed(shard.seed + part.start),
+                        seeds=row_seeds(sampling, shard, part.start, prompt_ids.shape[0]),
                     )
                     responses = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
                     if scorer is not None:
@@ -161,15 +170,23 @@ def evaluate_shards(
                     rows[f"{side}_response"].extend(responses)
                     rows[f"{side}_reward"].extend(scores.cpu().tolist())
                     if side == "policy":
-                        ref_logprobs = sequence_logprobs(
-                            sides["reference"],
-                            generation.sequences,
-                            generation.attention_mask,
-                            prompt_ids.shape[1],
-                            temperature=sampling.temperature,
-                        )
-                        kl = response_kl(generation.logprobs, ref_logprobs, generation.action_mask)
+                        logprobs = {
+                            name: sequence_logprobs(
+                                sides[name],
+                                generation.sequences,
+                                generation.attention_mask,
+                                prompt_ids.shape[1],
+                                temperature=sampling.temperature,
+                            )
+                            for name in (("reference",) if sampler is actor else SIDES)
+                        }
+                        policy_logprobs = logprobs.get("policy", generation.logprobs)
+                        kl = response_kl(policy_logprobs, logprobs["reference"], generation.action_mask)
                         rows[POLICY_KL].extend(kl.cpu().tolist())
+                        mask = generation.action_mask.cpu()
+                        for name, values in ((OLD_LOGPROBS, policy_logprobs), (ENGINE_LOGPROBS, generation.logprobs)):
+                            kept = [row[keep].tolist() for row, keep in zip(values.cpu(), mask, strict=True)]
+                            rows[name].extend(kept if sampler is not actor else [None] * len(kept))
             rows[PROMPT].extend(texts[part])  # as the model saw it: a chat prompt through its template
         yield pa.table(rows, schema=EVALUATION)
 

@@ -58,6 +58,12 @@ class Shard:
         """A CPU generator seeded with this shard's seed."""
         return torch.Generator().manual_seed(self.seed)
 
+    def row_seeds(self, rows: range) -> list[int]:
+        """One seed per output row (``rows``: their numbers in the stage's output), for a generation engine that
+        seeds each request on its own: from ``(seed, stage, iteration, shard, row)``, so a row's tokens depend on
+        no other row, nor on how rows are batched or where they run."""
+        return [stage_seed(self.seed, "row", row) for row in rows]
+
     def batches(self, size: int) -> Iterator[slice]:
         """Consecutive slices of at most ``size`` items covering the shard, as indices into all items."""
         for start in range(self.start, self.stop, size):

@@ -68,25 +68,30 @@ class JudgeLabeler:
 class FunctionLabeler:
     """A reward function as the rater (labeler ``function``): prefers the candidate it scores higher; the margin
     is the score gap (0, a tie, keeps the first). It is called as a reward function is
-    (:mod:`tasks.reward_function`), with the candidates' prompt; a candidate carries no other column of its
-    prompt's row, so the rubric gets none.
+    (:mod:`tasks.reward_function`), with the candidates' prompt and the other columns of its row (the pairs'
+    prompts carry them, :func:`tasks.collect_preferences.candidate_pairs`).
 
     Args:
         function: the rubric, called as the rollout calls a reward function.
         function_name: its ``module:callable`` name, for error messages.
+        render: the prompt as the model saw it (its chat template), for a rubric that asks for ``prompt_text``;
+            None gives the prompt's readable text.
     """
 
     name = "function"
 
-    def __init__(self, function: RewardFunction, function_name: str) -> None:
+    def __init__(
+        self, function: RewardFunction, function_name: str, *, render: Callable[[Prompt], str] | None = None
+    ) -> None:
         self.function = function
         self.function_name = function_name
+        self.render = render
 
     def label(self, pairs: Sequence[CandidatePair]) -> list[Label]:
         prompts = [pair.prompt for pair in pairs] * 2
         responses = [pair.first for pair in pairs] + [pair.second for pair in pairs]
         rows = [f"of pair {index}" for index in range(len(pairs))] * 2  # names the pair in an error
-        texts = [prompt.text for prompt in prompts]
+        texts = [self.render(prompt) if self.render else prompt.text for prompt in prompts]
         scores = score_texts(self.function, self.function_name, prompts, responses, rows, prompt_texts=texts)  # (2B,)
         gap = scores[: len(pairs)] - scores[len(pairs) :]  # (B,)
         return [Label(0 if value >= 0 else 1, abs(value)) for value in gap.tolist()]

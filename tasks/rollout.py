@@ -3,8 +3,10 @@
 Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLOO); the prompt's
 id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
 policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
-a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The prompts are split into shards
-(:mod:`tasks.fanout`), each rolled out with its own generator, wherever ``execution.task_runner`` runs them.
+a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The
+prompts are split into shards (:mod:`tasks.fanout`), each rolled out with its own generator (or, on vLLM, one seed
+per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them. The sampler's log-probs are kept
+beside the actor's (``engine_logprobs``), and the stage records their mismatch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from storage.schemas import EXPERIENCE
 from tasks.context import StageContext
 from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.reward_function import RewardFunctionReference, score_texts
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.stage import StageResult, stage
 from tasks.text import (
     Prompt,
@@ -120,6 +123,7 @@ def rollout(
         "score_mean": sum(scores) / len(scores),
         "response_length_mean": sum(lengths) / len(lengths),
         "rollouts": float(len(scores)),
+        **mismatch_metrics(table),
     }
 
 
@@ -138,6 +142,7 @@ def rollout_shards(
     """The ``experience`` rows of each shard of the iteration's rollout prompts."""
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
+    sampler = policy_sampler(models, context, policy.directory / "actor", actor, sampling)
     critic = models.load("critic", policy.directory / "critic") if (policy.directory / "critic").is_dir() else None
     scorer = None
     if reward_model is not None:
@@ -177,9 +182,15 @@ def rollout_shards(
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
                 precision=models.precision,
+                sampler=None if sampler is actor else sampler,
             )
+            first_row = part.start * samples_per_prompt
             experience = maker.make_experience(
-                prompt_ids, prompt_mask, group_ids=torch.tensor(group_ids), generator=generator
+                prompt_ids,
+                prompt_mask,
+                group_ids=torch.tensor(group_ids),
+                generator=generator,
+                seeds=row_seeds(sampling, shard, first_row, len(batch)),
             )
-            tables.append(experience_to_table(experience, first_row=part.start * samples_per_prompt))
+            tables.append(experience_to_table(experience, first_row=first_row))
         yield pa.concat_tables(tables)

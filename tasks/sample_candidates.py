@@ -1,7 +1,7 @@
 """Stage 1, sample candidates: N responses per preference prompt from the current actor.
 
-The prompts are split into shards (:mod:`tasks.fanout`), each sampled with its own generator, wherever
-``execution.task_runner`` runs them.
+The prompts are split into shards (:mod:`tasks.fanout`), each sampled with its own generator (or, on vLLM, one
+seed per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from rlhf_core.config import SamplingConfig
+from rlhf_core.experience_maker import sequence_logprobs
 from rlhf_core.generation import sample_candidates as sample
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from storage.manifest import StageOutput
-from storage.schemas import CANDIDATES
+from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
 from tasks.context import StageContext
 from tasks.fanout import Shard, plan_shards, run_shards
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.stage import StageResult, stage
 from tasks.text import (
     decode,
@@ -59,7 +61,11 @@ def sample_candidates(
     )  # fmt: skip
     out.write_table("candidates", table, schema=CANDIDATES, rows_per_shard=rows_per_shard)
     lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
-    return {"candidates": float(len(lengths)), "response_length_mean": sum(lengths) / max(len(lengths), 1)}
+    return {
+        "candidates": float(len(lengths)),
+        "response_length_mean": sum(lengths) / max(len(lengths), 1),
+        **mismatch_metrics(table),
+    }
 
 
 def sample_shards(
@@ -75,15 +81,17 @@ def sample_shards(
     """The ``candidates`` rows of each shard of the iteration's preference prompts."""
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", policy.directory / "actor")
+    sampler = policy_sampler(models, context, policy.directory / "actor", actor, sampling)
     chosen = rotating_subset(read_prompts(context.base.prompts.path), count=prompts, iteration=context.iteration)
     for shard in shards:
         generator = shard.generator()
         rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
         for part in shard.batches(sampling.batch_size):
             prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
+            count = len(range(part.start, part.stop)) * candidates_per_prompt
             with models.autocast():
                 generation = sample(
-                    actor,
+                    sampler,
                     prompt_ids.to(models.device),
                     prompt_mask.to(models.device),
                     num_samples=candidates_per_prompt,
@@ -91,9 +99,23 @@ def sample_shards(
                     eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
                     generator=generator,
+                    seeds=row_seeds(sampling, shard, part.start * candidates_per_prompt, count),
                 )
+                old_logprobs = engine_logprobs = [None] * count
+                if sampler is not actor:  # the trainer's log-probs of the engine's tokens, beside the engine's
+                    mask = generation.action_mask
+                    recomputed = sequence_logprobs(
+                        actor, generation.sequences, generation.attention_mask, prompt_ids.shape[1],
+                        temperature=sampling.temperature,
+                    )  # fmt: skip
+                    old_logprobs = [row[keep].tolist() for row, keep in zip(recomputed.cpu(), mask.cpu(), strict=True)]
+                    engine_logprobs = [
+                        row[keep].tolist() for row, keep in zip(generation.logprobs.cpu(), mask.cpu(), strict=True)
+                    ]
             responses = response_token_lists(generation.sequences, generation.action_mask)
             prompt_lists = prompt_token_lists(prompt_ids, prompt_mask)
+            rows[OLD_LOGPROBS].extend(old_logprobs)
+            rows[ENGINE_LOGPROBS].extend(engine_logprobs)
             for row, (response_ids, text) in enumerate(zip(responses, decode(tokenizer, responses), strict=True)):
                 prompt_index, prompt = chosen[part][row // candidates_per_prompt]
                 rows["prompt_id"].append(prompt_index)

@@ -107,3 +107,38 @@ def chat_world(tmp_path_factory) -> dict[str, Path]:
         "prompts": root / "prompts.jsonl",
         "eval_prompts": root / "eval_prompts.jsonl",
     }
+
+
+@pytest.fixture(scope="session")
+def llama_world(tmp_path_factory) -> dict[str, Path]:
+    """:func:`checkpoint_world` with a tiny random Llama (head size 64, which vLLM's CPU build serves; the GPT-2s
+    here have head size 16, which it refuses), and the demo's word-level tokenizer."""
+    from transformers import LlamaConfig
+
+    root = tmp_path_factory.mktemp("llama-world")
+    train, held_out = generate_prompts(48, 16, seed=3)
+    words = sorted(
+        {word for prompt in train + held_out for word in prompt.split()} | {".", "happy", "sad", "warm", "cold"}
+    )
+    tokenizer = build_tokenizer(words)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            pad_token_id=PAD_ID,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+        )
+    )
+    model.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
+        (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}

@@ -11,3 +11,11 @@ def length_score(prompt: str, response: str) -> float:
 def not_finite(prompt: str, response: str) -> float:
     """A broken reward function: the stage must fail with the prompt's id, not train on a NaN."""
     return float("nan")
+
+
+def names_the_answer(prompt, response: str, answer: str, topic: str) -> float:
+    """The reward-function contract on a chat prompt (issue 23): the prompt arrives as its messages, the row's other
+    columns as keyword arguments; 1 when the response names the reference answer."""
+    if not (isinstance(prompt, list) and prompt[-1]["role"] == "user" and isinstance(topic, str)):
+        raise TypeError(f"a chat prompt must arrive as its messages, got {prompt!r}")
+    return float(answer.lower() in response.lower())

@@ -260,9 +260,10 @@ FILE_CASES = [
             t,
             w,
             "labeler=import",
-            _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 4 + [{**PAIR, "chosen": LONG}])),
+            # 17 pairs: enough for the held-out split, so the long row is the one problem
+            _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 16 + [{**PAIR, "chosen": LONG}])),
         ),
-        ("`data.preferences`", "row 5", "field 'chosen'", "context length 64"),
+        ("`data.preferences`", "row 17", "field 'chosen'", "context length 64"),
     ),
 ]
 
@@ -361,6 +362,16 @@ def _reward_beside_config(tmp: Path, world: dict[str, Path], source: str) -> lis
 
 
 MODEL_CASES += [
+    Case(
+        "labeler-reward-model-without-one",
+        lambda t, w: _run(t, w, "labeler=reward_model"),
+        ("labeler reward_model needs `model.reward_model`",),
+    ),
+    Case(
+        "labeler-reward-model-without-a-head",
+        lambda t, w: _run(t, w, "labeler=reward_model", f"model.reward_model={w['policy']}"),
+        ("`model.reward_model`", "has no reward head"),
+    ),
     Case(
         "reward-function-unimportable",
         lambda t, w: _run(t, w, "reward.source=function", "reward.function=no_such_module_here:reward"),
@@ -510,10 +521,12 @@ def _old_schema(run_root: Path) -> str:
 def test_issue14_an_edited_output_is_refused_naming_the_file(
     change, named, finished, checkpoint_world, tmp_path, capfd
 ):
+    """A finished iteration is history (``rlhf run`` reads none of its outputs again); recomputing it from its first
+    stage reuses each output, and an edited one is refused, naming the file."""
     run_root = _copy_of(finished, tmp_path)
     what = change(run_root)
     before = _files(run_root)
-    code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    code, stderr = _main([*_run(tmp_path, checkpoint_world), "--from-iteration", "0"], capfd)
     _assert_refused(code, stderr, run_root, (what, named), before)
 
 
@@ -744,3 +757,22 @@ def test_issue14_a_bug_keeps_its_traceback(monkeypatch):
 def test_issue14_verbose_adds_the_traceback_to_a_user_error(capfd):
     code, stderr = _main(["config", "--set", "ppo.clip_eps=-1", "--verbose"], capfd)
     assert code == 2 and "Traceback" in stderr and stderr.strip().splitlines()[-1].startswith("rlhf: `ppo.clip_eps`")
+
+
+def test_issue27_a_file_refusal_comes_before_torch_mlflow_or_prefect_is_imported(checkpoint_world, tmp_path):
+    """What makes it answer in a second or two with a real model (flows.inputs.check_files): neither the heavy
+    libraries nor a Prefect server are loaded for it."""
+    prompts = _file(tmp_path, "p.jsonl", _jsonl([{"mesages": [{"role": "user", "content": "a"}]}]))
+    argv = _run(tmp_path, checkpoint_world, f"data.prompts={prompts}")
+    script = (
+        "import sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'mlflow', 'prefect') if m in sys.modules))\n"
+        "sys.exit(code)"
+    )
+    finished = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert finished.returncode == 2, finished.stderr[-3000:]
+    assert "did you mean 'messages'" in finished.stderr
+    assert finished.stdout.strip() == "[]", finished.stdout

@@ -221,7 +221,7 @@ def test_issue27_a_run_from_another_folder_finds_the_files_beside_its_config_and
     elsewhere.mkdir()
     shutil.copy(checkpoint_world["prompts"], folder / "prompts.jsonl")
     (folder / "own.yaml").write_text(
-        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: reward_model\n"
+        f"model:\n  policy: {checkpoint_world['policy']}\nlabeler: human\n"
         "data:\n  prompts: prompts.jsonl\n  eval_prompts: eval.jsonl\n"
     )
     command = [sys.executable, "-m", "flows", "run", "--config", str(folder / "own.yaml")]

@@ -208,3 +208,26 @@ def test_the_other_group_estimators_run_the_campaign_too(prefect_server, checkpo
     metrics = tracking_store(config).tracker().run_metrics(resolve_run(config, f"{campaign}:0"))
     assert metrics["ppo_update/optimizer_steps"] == 2 and 0.0 <= metrics["evaluate/gold_win_rate"] <= 1.0
     assert not (_outputs(config, "ppo_update")[0] / "critic").exists()
+
+
+def test_issue23_a_rubric_labels_the_pairs_a_reward_model_learns_from(
+    prefect_server, checkpoint_world, tmp_path_factory
+):
+    """`labeler: function`: the rubric (`reward.function`) prefers the longer candidate, and evaluation reports it."""
+    overrides = [
+        *_world(checkpoint_world, tmp_path_factory.mktemp("rubric-runs")),
+        "campaign=rubric",
+        "iterations=1",
+        "labeler=function",
+        "reward.function=tests.flows.rewards:length_score",
+    ]
+    config = load_config(TINY, overrides)
+    rlhf_campaign(config)
+    (preferences,) = _outputs(config, "collect_preferences")
+    pairs = pq.read_table(next(preferences.glob("preferences-*.parquet"))).to_pylist()
+    assert len(pairs) == 16 and {pair["labeler"] for pair in pairs} == {"function"}
+    for pair in pairs:  # the chosen response is never shorter, and the margin is the score gap
+        chosen, rejected = len(pair["chosen"].split()), len(pair["rejected"].split())
+        assert chosen >= rejected and pair["margin"] == pytest.approx(0.1 * (chosen - rejected), abs=1e-6)
+    metrics = tracking_store(config).tracker().run_metrics(resolve_run(config, "rubric:0"))
+    assert metrics["evaluate/rubric_mean"] >= 0 and metrics["evaluate/reference_rubric_mean"] >= 0

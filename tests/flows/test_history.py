@@ -2,7 +2,8 @@
 
 Each ``rlhf run`` here is a real command in a subprocess, importing a copy of the project's packages in
 ``tmp_path`` that the test edits as a developer would (a comment, a docstring, a log message, the maths of
-GAE), on the session's Prefect server and a real SQLite MLflow store.
+GAE), on the session's Prefect server and a real SQLite MLflow store. The tests tell one story, in order, on
+one campaign (each checks where the one before left it).
 """
 
 from __future__ import annotations

@@ -100,3 +100,28 @@ def test_a_critic_cannot_start_from_a_reward_model_with_another_tokenizer(prefec
         ValueError, match="critic_init` reward_model needs a reward model that uses the policy's tokenizer"
     ):
         resolve_base.fn(config)
+
+
+def test_issue23_a_pretrained_reward_model_labels_the_first_iterations_pairs(prefect_server, chat_world, tmp_path):
+    config = _config(chat_world, tmp_path, "labeler=reward_model")
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    campaign = config.run_root / config.campaign
+    (preferences_dir,) = (campaign / "collect_preferences").iterdir()
+    preferences = read_table(preferences_dir, "preferences").to_pylist()
+    assert preferences and {row["labeler"] for row in preferences} == {"reward_model"}
+
+
+def test_issue23_imported_pairs_sample_no_candidates(prefect_server, chat_world, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"the sun {i}"}], "chosen": [{"role": "assistant", "content": "is warm"}],
+         "rejected": [{"role": "assistant", "content": "is cold"}]}
+        for i in range(20)
+    ]  # fmt: skip
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = _config(chat_world, tmp_path, "labeler=import", f"data.preferences={pairs}")
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    campaign = config.run_root / config.campaign
+    assert not (campaign / "sample_candidates").exists()
+    (preferences_dir,) = (campaign / "collect_preferences").iterdir()
+    assert len(read_table(preferences_dir, "preferences")) == 20

@@ -109,14 +109,15 @@ def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_conti
     assert next_iteration == again.iterations and latest.policy.digest == state.policy.digest
 
 
-def test_issue26_a_replay_reads_its_config_from_the_store_not_from_a_config_file(recorded, capsys):
+def test_issue26_a_replay_reads_its_config_from_the_store_not_from_a_config_file(recorded, capfd):
     """`rlhf replay CAMPAIGN:N --set ...` as the README writes it: no --config, only where the store is. Its
     settings change the source run's recorded config (here its model and prompt files, which the defaults lack),
     and one the defaults could not take (a KL horizon below their rollouts' count) is judged against the source's."""
     command = ["replay", f"{recorded.campaign}:1", f"--set=run_root={recorded.run_root}"]
     settings = ["--set=advantages.kl_coef=0.1", "--set=advantages.kl_target=2", "--set=advantages.kl_horizon=16"]
     assert main([*command, *settings]) == 0
-    output = capsys.readouterr().out
+    output, errors = capfd.readouterr()
+    assert "Downloading artifacts" not in errors  # issue 27: MLflow's progress bars only with --verbose
     replay_run = output.split("Replay run ")[1].split(";")[0]
     tracker = tracking_store(recorded).tracker()
     replayed = PipelineConfig.model_validate_json(tracker.load_text(replay_run, "config.json"))

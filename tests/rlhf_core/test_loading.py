@@ -294,3 +294,12 @@ def test_a_folder_that_cannot_be_described_is_loaded_and_not_kept(folders, tmp_p
     loader = ModelLoader(device=CPU, precision="fp32", frozen_models=kept)
     assert loader.load("reward_model", source) is not loader.load("reward_model", source)
     assert kept.held_bytes == 0
+
+
+def test_issue23_count_parameters_reads_the_safetensors_headers(tmp_path):
+    from rlhf_core.loading import count_parameters
+
+    model = tiny_causal_lm("llama")
+    model.save_pretrained(tmp_path)
+    unique = {parameter.data_ptr(): parameter.numel() for parameter in model.parameters()}
+    assert count_parameters(tmp_path) == sum(unique.values())

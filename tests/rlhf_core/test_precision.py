@@ -36,3 +36,17 @@ def test_device_choices():
 def test_asking_for_cuda_without_a_gpu_is_an_error_not_a_silent_cpu_run():
     with pytest.raises(ValueError, match="`device` is 'cuda' but torch sees no CUDA device"):
         resolve_device("cuda")
+
+
+def test_issue23_auto_threads_take_every_core_for_a_large_model_and_one_for_a_small_one():
+    from rlhf_core.precision import AUTO_THREADS_MIN_PARAMETERS, resolve_threads
+
+    assert resolve_threads("auto", parameters=100_000, cores=2) == 1  # the demo's model
+    assert resolve_threads("auto", parameters=134_515_008, cores=2) == 2  # SmolLM2-135M
+    assert resolve_threads("auto", parameters=AUTO_THREADS_MIN_PARAMETERS, cores=16) == 16
+    assert resolve_threads("auto", parameters=134_515_008, cores=2, load=18.0) == 1  # busy cores: one thread
+    assert resolve_threads("auto", parameters=134_515_008, cores=16, load=4.2) == 12
+    assert resolve_threads("auto", parameters=134_515_008, cores=2, load=0.7) == 2  # a light load: both
+    assert resolve_threads(3, parameters=100_000, cores=2, load=18.0) == 3  # a number is kept as it is
+    with pytest.raises(ValueError, match="`torch_threads`"):
+        resolve_threads(0, parameters=1, cores=2)

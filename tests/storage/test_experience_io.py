@@ -17,7 +17,7 @@ from storage.schemas import EXPERIENCE, SCORED_EXPERIENCE
 from storage.shards import read_table, write_shards
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
-FLOAT_FIELDS = ("old_logprobs", "ref_logprobs", "old_values")
+FLOAT_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "engine_logprobs")
 SCORED_FIELDS = ("rewards", "kl", "advantages", "returns")
 
 

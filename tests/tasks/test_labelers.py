@@ -31,3 +31,27 @@ def test_a_rubric_that_fails_is_named_with_the_pair():
 
     with pytest.raises(RewardFunctionError, match=r"m:broken returned nan for prompt of pair 1"):
         FunctionLabeler(broken, "m:broken").label([_pair("Fig.", "Kiwi."), _pair("Apple.", "Pear.")])
+
+
+def test_issue23_a_rubric_reads_the_other_columns_of_each_candidates_prompt_row():
+    import pyarrow as pa
+
+    from storage.schemas import CANDIDATES
+    from tasks.collect_preferences import candidate_pairs
+
+    rows = [
+        {"prompt_id": prompt_id, "candidate_index": index, "prompt": f"Capital of {country}?", "messages": [],
+         "response": response, "prompt_ids": [1], "response_ids": [2]}
+        for prompt_id, country, responses in ((0, "France", ("Paris.", "Lyon.")), (1, "Italy", ("Milan.", "Rome.")))
+        for index, response in enumerate(responses)
+    ]  # fmt: skip
+    columns = [{"answer": "Paris"}, {"answer": "Rome"}]
+    pairs = candidate_pairs(pa.Table.from_pylist(rows, schema=CANDIDATES), columns=columns)
+
+    def exact(prompt, response, answer):
+        return float(response.rstrip(".") == answer)
+
+    assert FunctionLabeler(exact, "m:exact", render=lambda prompt: "<rendered>").label(pairs) == [
+        Label(0, 1.0),
+        Label(1, 1.0),
+    ]

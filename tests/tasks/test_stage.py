@@ -116,12 +116,13 @@ def test_the_code_is_part_of_the_key(context):
     assert not edited.reused and edited.input_key != one.input_key
 
 
-def test_every_stage_records_seconds_peak_memory_and_where_it_ran(context):
+def test_every_stage_records_seconds_peak_memory_where_it_ran_and_its_inputs(context):
     result = toy.fn(context, None, rows=2, prompts=FILE).data
     manifest = read_manifest(result.directory)
     assert manifest.metrics["rows"] == 2.0 and manifest.metrics["seconds"] > 0
     assert manifest.metrics["peak_memory_mb"] >= 60  # the 64 MB buffer
-    assert manifest.runtime == {"device": "cpu", "torch_threads": 1}
+    assert manifest.runtime == {"device": "cpu", "torch_threads": 1, "inputs": context.base.contents}
+    assert set(context.base.contents) == {"policy", "prompts", "eval_prompts"}  # the tokenizer is the policy's
     assert manifest.config["stage"] == {"rows": 2, "prompts": {"sha256": "a" * 64}}
     assert manifest.config["context"] == {"seed": 0, "iteration": 0, "base": context.base.fingerprint}
 

@@ -1,0 +1,218 @@
+"""The generation engine a command samples on with ``sampling.engine: vllm``: started once, kept for every
+generation stage of every iteration the command runs, gone when the command is.
+
+Choices:
+1. It runs in a process of its own, from an environment of its own (``.venv-vllm``, made by
+   ``bash scripts/setup-vllm.sh``; ``RLHF_VLLM_ENV`` names another): vLLM pins exact torch and transformers
+   versions, the project's ``.venv`` keeps its own. The process is ``flows/vllm_server.py``.
+2. It is started like the temporary Prefect server (:mod:`flows.prefect_server`): in a process group of its
+   own, through a launcher that asks the kernel to end it when the command dies (``kill -9`` included), and
+   stopped at exit. One engine per process: a second config that needs another one (another policy, dtype or
+   adapter rank) stops the first.
+3. The command starts it while checking its inputs (:func:`ensure_engine`) and waits until it has loaded the
+   initial policy, so what the engine cannot do (not installed, a model it cannot serve, a port taken) is one
+   line naming ``sampling.engine`` before any stage runs (:class:`EngineStartError`).
+4. ``execution.engine_url`` names an engine someone already runs: nothing is started, and its health is checked.
+5. Dask and Ray workers reach the engine at its URL (``Execution.engine_url``); it serves one request at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from flows.config import PipelineConfig
+from rlhf_core.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = Path(__file__).with_name("vllm_server.py")
+ENVIRONMENT = ".venv-vllm"
+START_SECONDS = float(os.environ.get("RLHF_ENGINE_START_SECONDS", "900"))
+_ADDRESS_IN_USE = 3  # flows/vllm_server.py's exit code when its port is taken
+_STOP_SECONDS = 10.0
+_LAUNCHER = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
+if os.getppid() != int(sys.argv[1]):  # the parent died before the request took effect
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class EngineStartError(UserError, RuntimeError):
+    """The generation engine cannot be used: not installed, cannot serve the model, its port is taken."""
+
+
+_running: tuple[tuple, subprocess.Popen, str, Path] | None = None
+"""The engine this process started: its launch arguments, process, URL and log file."""
+
+
+def engine_python() -> Path:
+    """The engine environment's Python (``RLHF_VLLM_ENV`` or ``.venv-vllm`` beside the project)."""
+    return Path(os.environ.get("RLHF_VLLM_ENV") or ROOT / ENVIRONMENT) / "bin" / "python"
+
+
+def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str]:
+    """The server's command-line options for ``config``, serving ``policy`` first."""
+    from rlhf_core.precision import resolve_device
+
+    device = resolve_device(config.device).type
+    arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[config.precision]]
+    if config.model.lora is not None:
+        arguments += ["--max-lora-rank", str(config.model.lora.r)]
+    if device == "cpu":
+        arguments.append("--enforce-eager")  # torch.compile costs 20+ s a start on CPU and gains little there
+    else:
+        arguments += ["--gpu-memory-utilization", str(config.execution.engine_gpu_memory)]
+    return arguments
+
+
+def _environment(config: PipelineConfig) -> dict[str, str]:
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    environment.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in the server's process: deterministic scheduling
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    # The CPU build's KV cache (GiB), and its threads: the project's own thread count unless set.
+    environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    environment.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
+    environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return environment
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def stop_engine() -> None:
+    """Stop the engine this process started, if any."""
+    global _running
+    if _running is not None:
+        _stop(_running[1])
+        _running = None
+
+
+def _wait(process: subprocess.Popen, url: str, log: Path, *, policy: str, port: int) -> None:
+    """Wait until the engine has loaded ``policy``.
+
+    Raises:
+        EngineStartError: it exited, failed to load the model, or did not answer in time.
+    """
+    from rlhf_core.vllm_client import EngineError, engine_health
+
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        code = process.poll()
+        if code == _ADDRESS_IN_USE:
+            raise EngineStartError(
+                f"`sampling.engine` vllm: port {port} (`execution.engine_port`) is taken; free it or set another"
+            )
+        if code is not None:
+            raise EngineStartError(f"`sampling.engine` vllm: the engine exited with code {code} ({_last_line(log)})")
+        with contextlib.suppress(EngineError):
+            health = engine_health(url, timeout=2.0)
+            if health["state"] == "ready":
+                return
+            if health["state"] == "failed":
+                _stop(process)
+                raise EngineStartError(f"`sampling.engine` vllm cannot serve the model {policy}: {health['error']}")
+        time.sleep(0.25)
+    _stop(process)
+    raise EngineStartError(
+        f"`sampling.engine` vllm: the engine did not start within {START_SECONDS:.0f} s (RLHF_ENGINE_START_SECONDS); "
+        f"its log: {log}"
+    )
+
+
+def _last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else f"no output; log {log}"
+
+
+def ensure_engine(config: PipelineConfig, policy: str) -> str:
+    """The URL of a generation engine for ``config`` (``sampling.engine: vllm``), starting one if needed.
+
+    Args:
+        config: the run's config; ``execution.engine_url`` names a running engine, else one is started.
+        policy: the initial policy's folder, which the engine loads first.
+
+    Raises:
+        EngineStartError: see :class:`EngineStartError`.
+    """
+    global _running
+    from rlhf_core.vllm_client import EngineError, engine_health
+
+    if config.execution.engine_url:
+        url = config.execution.engine_url.rstrip("/")
+        try:
+            health = engine_health(url)
+        except EngineError as error:
+            raise EngineStartError(f"`sampling.engine` vllm: `execution.engine_url` {error}") from None
+        if health.get("state") != "ready":
+            raise EngineStartError(
+                f"`sampling.engine` vllm: the engine at `execution.engine_url` {url} is {health.get('state')}"
+                + (f": {health['error']}" if health.get("error") else "")
+            )
+        return url
+    python = engine_python()
+    if not python.exists():
+        raise EngineStartError(
+            f"`sampling.engine` vllm needs the engine's environment ({python.parents[1]} is missing): run "
+            "`bash scripts/setup-vllm.sh` (see docs/engines.md)"
+        )
+    key = (str(python), *server_arguments(config, policy, config.execution.engine_port))
+    if _running is not None and _running[0] == key and _running[1].poll() is None:
+        return _running[2]
+    stop_engine()
+    port = config.execution.engine_port or _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            [str(python), "-c", _LAUNCHER, str(os.getpid()), str(python), "-I", str(SERVER),
+             *server_arguments(config, policy, port)],
+            env=_environment(config), stdout=output, stderr=subprocess.STDOUT, process_group=0,
+        )  # fmt: skip
+    atexit.register(_stop, process)
+    logger.info("starting the vLLM generation engine on %s (log: %s)", url, log)
+    start = time.perf_counter()
+    _wait(process, url, log, policy=policy, port=port)
+    _running = (key, process, url, log)
+    logger.info(
+        "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
+    )
+    return url
+
+
+def with_generation_engine(config: PipelineConfig, policy: str) -> PipelineConfig:
+    """``config`` with ``execution.engine_url`` set to the engine the generation stages sample on, when
+    ``sampling.engine`` is vllm (:func:`ensure_engine`); ``config`` as it is otherwise. The engine serves the
+    process's next flows too, and stops when the process ends."""
+    if config.sampling.engine != "vllm":
+        return config
+    url = ensure_engine(config, policy)
+    return config.model_copy(update={"execution": config.execution.model_copy(update={"engine_url": url})})

