@@ -152,12 +152,13 @@ def plain_run(world: Path, iterations: int) -> dict:
     from campaign.identity import GOLD_JUDGE
     from demo.world import world_at
     from flows.config import load_config
-    from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
+    from rlhf_core.experience_maker import ExperienceMaker, score_experience
     from rlhf_core.generation import generate, sample_candidates
     from rlhf_core.loading import ModelLoader
     from rlhf_core.models import evaluating
     from rlhf_core.ppo import ppo_update
     from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
+    from rlhf_core.sequences import sequence_logprobs
     from storage.experience_io import experience_to_table, table_to_experience
     from tasks.context import stage_seed
     from tasks.evaluate import _gold_metrics

@@ -40,10 +40,11 @@ def run(
 
     from flows.config import load_config
     from rlhf_core.evaluation import response_kl
-    from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
+    from rlhf_core.experience_maker import ExperienceMaker, score_experience
     from rlhf_core.generation import generate
     from rlhf_core.loading import ModelLoader
     from rlhf_core.ppo import ppo_update
+    from rlhf_core.sequences import sequence_logprobs
     from tasks.context import stage_seed
     from tasks.reward_function import RewardFunctionReference, score_texts
     from tasks.rollout import ROLLOUT_PROMPT_OFFSET, function_scorer

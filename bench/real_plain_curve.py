@@ -63,10 +63,11 @@ def main() -> None:
 
     from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, SamplingConfig
     from rlhf_core.evaluation import response_kl
-    from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
+    from rlhf_core.experience_maker import ExperienceMaker, score_experience
     from rlhf_core.generation import generate
     from rlhf_core.loading import ModelLoader
     from rlhf_core.ppo import ppo_update
+    from rlhf_core.sequences import sequence_logprobs
 
     started = time.perf_counter()
     folder = args.model

@@ -125,9 +125,9 @@ def compare(policy: Path, batches: list, sampling, *, eos: int | None, pad: int)
     from transformers import AutoModelForCausalLM
 
     from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
-    from rlhf_core.experience_maker import sequence_logprobs
     from rlhf_core.generation import generate
     from rlhf_core.mismatch import logprob_mismatch
+    from rlhf_core.sequences import sequence_logprobs
     from rlhf_core.vllm_client import ServedPolicy
 
     scratch = SCRATCH / "vllm"

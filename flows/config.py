@@ -228,15 +228,11 @@ def sharding_of(path: Path, *, processes: int) -> Sharding | None:
         raise ValueError(f"`execution.accelerate_config` {path} is not an accelerate config (a mapping of settings)")
     distributed = str(settings.get("distributed_type", "NO")).upper()
     if distributed == "DEEPSPEED":
-        needs = (
-            "the package deepspeed (GPUs only), which is not installed; and even then "
-            if (importlib.util.find_spec("deepspeed") is None)
-            else ""
-        )
+        installed = importlib.util.find_spec("deepspeed") is not None
+        why = "" if installed else " (and the package deepspeed, GPUs only, is not installed)"
         raise ValueError(
-            f"`execution.accelerate_config` {path} has distributed_type DEEPSPEED: that needs {needs}the training "
-            "stages do not support it yet; use distributed_type FSDP with fsdp_config.fsdp_version 2 (the same "
-            "sharding as ZeRO-3)"
+            f"`execution.accelerate_config` {path} has distributed_type DEEPSPEED, which the training stages do not "
+            f"drive{why}: use distributed_type FSDP with fsdp_config.fsdp_version 2 (the same sharding as ZeRO-3)"
         )
     if distributed not in ("FSDP",):
         if distributed in ("MEGATRON_LM", "XLA", "TP"):

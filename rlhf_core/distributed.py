@@ -1,4 +1,4 @@
-"""Training in N processes (``accelerate launch``, DDP) that ends where one process would.
+"""Training in N processes (``accelerate launch`` or Ray Train; DDP or FSDP2) that ends where one process would.
 
 Every rank holds the whole batch (experience or preference pairs: a few numbers per token, small next
 to the models) and draws the same shuffle from the same generator, so the global minibatches are
@@ -14,6 +14,13 @@ those of one process. Each rank then computes on its share of every minibatch:
 3. Statistics are all-reduced (:func:`global_sum`), so a decision taken from them (PPO's ``target_kl``
    early stop) is the same on every rank.
 4. Only the main process saves (the callers check ``accelerator.is_main_process``).
+5. Sharded (:func:`shard_model`, FSDP2 ``fully_shard``): each rank holds 1/N of every trained parameter, its
+   gradient and its optimizer state. The forward and backward gather a layer's parameters when they need
+   them, and the backward reduce-scatters gradients averaged over the ranks, as DDP's all-reduce averages
+   them, so 1 to 4 hold unchanged. Saving the weights gathers them on the main process
+   (:func:`full_state_dict`, collective); each rank saves its own optimizer shard
+   (:func:`local_optimizer_state`). The precision is the unsharded one (:func:`prepare`): fp32 parameters,
+   autocast in the forward pass, so a sharded update computes what an unsharded one does.
 
 With one process every function here is the identity, and the arithmetic is that of a plain loop.
 """

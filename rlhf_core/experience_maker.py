@@ -34,29 +34,11 @@ from rlhf_core.generation import generate
 from rlhf_core.models import Critic, evaluating, fused_activations
 from rlhf_core.precision import Precision, autocast, check_precision
 from rlhf_core.rewards import normalize_scores, shaped_rewards
-from rlhf_core.sequences import logprobs_from_logits, response_logits, response_slice
+from rlhf_core.sequences import response_slice, sequence_logprobs
 from rlhf_core.vllm_client import ServedPolicy
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(sequences (B, T), attention_mask (B, T)) -> scores (B,)``."""
-
-
-@torch.no_grad()
-def sequence_logprobs(
-    model: PreTrainedModel,
-    sequences: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_length: int,
-    *,
-    temperature: float,
-) -> torch.Tensor:
-    """Log-probs of the response tokens under ``model`` (one forward pass), in fp32.
-
-    Shapes:
-        sequences, attention_mask: (B, T); returns (B, R).
-    """
-    logits = response_logits(model, sequences, attention_mask, prompt_length)  # (B, R, V)
-    return logprobs_from_logits(logits, sequences[:, prompt_length:], temperature=temperature)
 
 
 @torch.no_grad()

@@ -12,9 +12,12 @@ Choices:
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -218,3 +221,21 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)  # (T,)
     return (columns * attention_mask.long()).argmax(dim=1)
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: PreTrainedModel,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    *,
+    temperature: float,
+) -> torch.Tensor:
+    """Log-probs of the response tokens under ``model`` (one forward pass), in fp32.
+
+    Shapes:
+        sequences, attention_mask: (B, T); returns (B, R).
+    """
+    logits = response_logits(model, sequences, attention_mask, prompt_length)  # (B, R, V)
+    return logprobs_from_logits(logits, sequences[:, prompt_length:], temperature=temperature)

@@ -19,10 +19,10 @@ import torch
 
 from rlhf_core.config import SamplingConfig
 from rlhf_core.evaluation import response_kl, win_rate
-from rlhf_core.experience_maker import sequence_logprobs
 from rlhf_core.generation import generate
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
+from rlhf_core.sequences import sequence_logprobs
 from storage.manifest import StageOutput
 from storage.schemas import ENGINE_LOGPROBS, EVALUATION, LOGPROB_COLUMNS, OLD_LOGPROBS, POLICY_KL, PROMPT
 from tasks.context import StageContext

@@ -14,8 +14,9 @@ optimizer states of its input policy, and their digest is part of its input key
 input's states were pruned, while computing it again then is refused (it could not be exact). A
 replay continues them while they exist, and otherwise starts from fresh optimizers, under another key.
 
-With ``execution.training_processes`` N > 1 the update runs in N ``accelerate launch`` processes, each on
-its share of every minibatch (:mod:`tasks.launch`, :mod:`rlhf_core.distributed`); the main process saves.
+With ``execution.training_processes`` N > 1 the update runs in N ``accelerate launch`` processes (or Ray Train
+workers), each on its share of every minibatch (:mod:`tasks.launch`, :mod:`rlhf_core.distributed`), the models
+sharded over them under FSDP2 (:mod:`tasks.training`); the main process writes the models.
 """
 
 from __future__ import annotations

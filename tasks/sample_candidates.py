@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from rlhf_core.config import SamplingConfig
-from rlhf_core.experience_maker import sequence_logprobs
 from rlhf_core.generation import sample_candidates as sample
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
+from rlhf_core.sequences import sequence_logprobs
 from storage.manifest import StageOutput
 from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
 from tasks.context import StageContext

@@ -10,7 +10,8 @@ Training saves its progress after an epoch, at most every ``checkpoint_seconds``
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
 ``accelerate launch`` processes, each on its share of every minibatch (:mod:`tasks.launch`,
-:mod:`rlhf_core.distributed`); the main process saves.
+:mod:`rlhf_core.distributed`), the model sharded over them under FSDP2 (:mod:`tasks.training`); the main
+process writes the model.
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ import torch
 
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
-from rlhf_core.experience_maker import ExperienceMaker, score_experience, sequence_logprobs
+from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.gae import compute_gae
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.rewards import last_action_index, shaped_rewards
-from rlhf_core.sequences import position_ids_from_mask, response_logprobs, response_slice
+from rlhf_core.sequences import position_ids_from_mask, response_logprobs, response_slice, sequence_logprobs
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
 CLOSE = dict(rtol=0.0, atol=1e-5)
