@@ -98,6 +98,7 @@ def scored_experience(
             "old_logprobs": _lists(lengths, old_logprobs, f32),
             "ref_logprobs": _lists(lengths, old_logprobs - d, f32),
             "old_values": _lists(lengths, zeros, f32),
+            "engine_logprobs": pa.nulls(rollouts, pa.list_(f32)),  # sampled by hf: no engine log-probs
             "scores": pa.array(scores, type=f32),
             "rewards": _lists(lengths, rewards, f32),
             "kl": _lists(lengths, d, f32),
