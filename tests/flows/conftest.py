@@ -4,6 +4,7 @@ saved by the test itself (a tiny random GPT-2 with the demo's word-level tokeniz
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +38,30 @@ def prefect_server():
         yield
 
 
-@pytest.fixture(scope="session")
-def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
-    """A causal-LM checkpoint folder, training prompts and held-out prompts, as a user would have them."""
-    root = tmp_path_factory.mktemp("hf-world")
+def _write_world(root: Path, model_config: Callable[[int], Any]) -> dict[str, Path]:
+    """A checkpoint folder (a random model from ``model_config(vocab_size)`` and the demo's word-level tokenizer),
+    training prompts and held-out prompts, as a user would have them."""
     train, held_out = generate_prompts(48, 16, seed=3)
     words = sorted(
         {word for prompt in train + held_out for word in prompt.split()} | {".", "happy", "sad", "warm", "cold"}
     )
     tokenizer = build_tokenizer(words)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        GPT2Config(
-            vocab_size=len(tokenizer),
+    model = AutoModelForCausalLM.from_config(model_config(len(tokenizer)))
+    model.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
+        (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random GPT-2 checkpoint folder, training prompts and held-out prompts, as a user would have them."""
+    return _write_world(
+        tmp_path_factory.mktemp("hf-world"),
+        lambda vocab_size: GPT2Config(
+            vocab_size=vocab_size,
             n_positions=64,
             n_embd=32,
             n_layer=2,
@@ -57,13 +69,8 @@ def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
             pad_token_id=PAD_ID,
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
-        )
+        ),
     )
-    model.save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
-    for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
-        (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}
 
 
 @pytest.fixture(scope="session")
@@ -115,16 +122,10 @@ def llama_world(tmp_path_factory) -> dict[str, Path]:
     here have head size 16, which it refuses), and the demo's word-level tokenizer."""
     from transformers import LlamaConfig
 
-    root = tmp_path_factory.mktemp("llama-world")
-    train, held_out = generate_prompts(48, 16, seed=3)
-    words = sorted(
-        {word for prompt in train + held_out for word in prompt.split()} | {".", "happy", "sad", "warm", "cold"}
-    )
-    tokenizer = build_tokenizer(words)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
+    return _write_world(
+        tmp_path_factory.mktemp("llama-world"),
+        lambda vocab_size: LlamaConfig(
+            vocab_size=vocab_size,
             hidden_size=128,
             intermediate_size=256,
             num_hidden_layers=2,
@@ -135,10 +136,5 @@ def llama_world(tmp_path_factory) -> dict[str, Path]:
             pad_token_id=PAD_ID,
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
-        )
+        ),
     )
-    model.save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
-    for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
-        (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}
