@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,17 +38,11 @@ from prefect.context import refresh_global_settings_context
 from prefect.logging import get_logger
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
+from flows.children import free_port, launch_tied, stop
 from rlhf_core.errors import UserError
 
 logger = get_logger("rlhf.prefect_server")
 
-_LAUNCHER = """\
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
-if os.getppid() != int(sys.argv[1]):  # the parent died before the request took effect
-    sys.exit(1)
-os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
-"""
 _ADDRESS_IN_USE = 3  # uvicorn's exit code when the port was taken meanwhile
 _STOP_SECONDS = 5.0
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
@@ -61,12 +54,6 @@ _started_url: str | None = None
 
 class PrefectServerError(UserError, RuntimeError):
     """The temporary Prefect server did not start."""
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _launch(port: int) -> subprocess.Popen:
@@ -93,18 +80,7 @@ def _launch(port: int) -> subprocess.Popen:
     environment.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
     # In a process group of its own: Ctrl-C in a terminal signals the whole foreground group, and the server
     # must outlive the command's own handling of it (marking its runs) rather than stop under it.
-    return subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *uvicorn], env=environment, process_group=0
-    )
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=_STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    return launch_tied(sys.executable, [sys.executable, "-m", "uvicorn", *uvicorn], env=environment)
 
 
 def _wait_until_healthy(process: subprocess.Popen, url: str, timeout: float) -> bool:
@@ -125,7 +101,7 @@ def _wait_until_healthy(process: subprocess.Popen, url: str, timeout: float) -> 
                 if client.get(f"{url}/health").status_code == 200:
                     return True
             time.sleep(0.1)
-    _stop(process)
+    stop(process, timeout=_STOP_SECONDS)
     raise PrefectServerError(
         f"the temporary Prefect server did not answer within {timeout:.0f} s "
         "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); or start one and set PREFECT_API_URL"
@@ -145,9 +121,9 @@ def start_prefect_api() -> None:
     if _launching is not None or settings.api.url or not settings.server.ephemeral.enabled:
         return
     if sys.platform.startswith("linux"):
-        port = _free_port()
+        port = free_port()
         _launching = (_launch(port), f"http://127.0.0.1:{port}/api")
-        atexit.register(_stop, _launching[0])
+        atexit.register(stop, _launching[0], timeout=_STOP_SECONDS)
 
 
 def stop_unused_prefect_api() -> None:
@@ -155,7 +131,7 @@ def stop_unused_prefect_api() -> None:
     refused input), and a process that runs commands one after another (the tests) must not keep it."""
     global _launching
     if _launching is not None:
-        _stop(_launching[0])
+        stop(_launching[0], timeout=_STOP_SECONDS)
         _launching = None
 
 

@@ -22,12 +22,12 @@ import atexit
 import contextlib
 import logging
 import os
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from flows.children import free_port, launch_tied, stop
 from flows.config import PipelineConfig
 from rlhf_core.errors import UserError
 
@@ -39,13 +39,6 @@ ENVIRONMENT = ".venv-vllm"
 START_SECONDS = float(os.environ.get("RLHF_ENGINE_START_SECONDS", "900"))
 _ADDRESS_IN_USE = 3  # flows/vllm_server.py's exit code when its port is taken
 _STOP_SECONDS = 10.0
-_LAUNCHER = """\
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
-if os.getppid() != int(sys.argv[1]):  # the parent died before the request took effect
-    sys.exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
-"""
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -91,28 +84,11 @@ def _environment(config: PipelineConfig) -> dict[str, str]:
     return environment
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=_STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def stop_engine() -> None:
     """Stop the engine this process started, if any."""
     global _running
     if _running is not None:
-        _stop(_running[1])
+        stop(_running[1], timeout=_STOP_SECONDS)
         _running = None
 
 
@@ -138,10 +114,10 @@ def _wait(process: subprocess.Popen, url: str, log: Path, *, policy: str, port: 
             if health["state"] == "ready":
                 return
             if health["state"] == "failed":
-                _stop(process)
+                stop(process, timeout=_STOP_SECONDS)
                 raise EngineStartError(f"`sampling.engine` vllm cannot serve the model {policy}: {health['error']}")
         time.sleep(0.25)
-    _stop(process)
+    stop(process, timeout=_STOP_SECONDS)
     raise EngineStartError(
         f"`sampling.engine` vllm: the engine did not start within {START_SECONDS:.0f} s (RLHF_ENGINE_START_SECONDS); "
         f"its log: {log}"
@@ -188,16 +164,18 @@ def ensure_engine(config: PipelineConfig, policy: str) -> str:
     if _running is not None and _running[0] == key and _running[1].poll() is None:
         return _running[2]
     stop_engine()
-    port = config.execution.engine_port or _free_port()
+    port = config.execution.engine_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
     with log.open("w") as output:
-        process = subprocess.Popen(
-            [str(python), "-c", _LAUNCHER, str(os.getpid()), str(python), "-I", str(SERVER),
-             *server_arguments(config, policy, port)],
-            env=_environment(config), stdout=output, stderr=subprocess.STDOUT, process_group=0,
-        )  # fmt: skip
-    atexit.register(_stop, process)
+        process = launch_tied(
+            str(python),
+            [str(python), "-I", str(SERVER), *server_arguments(config, policy, port)],
+            env=_environment(config),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    atexit.register(stop, process, timeout=_STOP_SECONDS)
     logger.info("starting the vLLM generation engine on %s (log: %s)", url, log)
     start = time.perf_counter()
     _wait(process, url, log, policy=policy, port=port)

@@ -1,0 +1,50 @@
+"""Server processes a command starts and owns (the temporary Prefect server, the vLLM engine): a free port, a
+launch that ends with the command even after ``kill -9``, and a stop.
+
+A child is started through :data:`TIED` in a process group of its own: Ctrl-C in a terminal signals the whole
+foreground group, and a server must outlive the command's own handling of it rather than stop under it; the
+kernel's parent-death signal still ends it when the command dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+TIED = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
+if os.getppid() != int(sys.argv[1]):  # the parent died before the request took effect
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+"""A ``python -c`` program: ``TIED PARENT_PID EXECUTABLE ARGS...`` becomes ``EXECUTABLE ARGS...``, ended with
+SIGTERM when the process ``PARENT_PID`` ends."""
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_tied(python: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen:
+    """Start ``argv`` (its executable first) from ``python`` through :data:`TIED`, in a process group of its own."""
+    return subprocess.Popen([python, "-c", TIED, str(os.getpid()), *argv], process_group=0, **popen)
+
+
+def stop(process: subprocess.Popen, *, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; nothing for a process that has already ended."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
