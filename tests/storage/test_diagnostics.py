@@ -53,6 +53,7 @@ def scored_table(rollouts: list[dict]) -> pa.Table:
             "old_logprobs": [r["old"] for r in rollouts],
             "ref_logprobs": [r["ref"] for r in rollouts],
             "old_values": zeros,
+            "engine_logprobs": [None for _ in rollouts],  # sampled by hf: no engine log-probs
             "scores": [r["score"] for r in rollouts],
             "rewards": [r["rewards"] for r in rollouts],
             "kl": zeros,
