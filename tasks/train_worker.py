@@ -7,6 +7,7 @@ main process only, and the main process writes the job's result (metrics and run
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -87,3 +88,10 @@ def join_process_group(execution: Execution) -> PartialState:
 
 if __name__ == "__main__":
     main()
+    # Leave without the interpreter's teardown: with FSDP2's sharded modules alive, finalising them after the
+    # process group was destroyed aborted a worker in native code now and then ("terminate called without an
+    # active exception", SIGABRT) although its work was written. Everything is written and closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
