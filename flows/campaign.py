@@ -92,29 +92,28 @@ def _load_at_start() -> float:
 
 
 def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
-    """How ``config``'s stages run; ``torch_threads: auto`` chosen from the policy's size and this machine's cores
-    (:func:`rlhf_core.precision.resolve_threads`)."""
+    """How ``config``'s stages run; ``execution.torch_threads: auto`` chosen from the policy's size and this
+    machine's cores (:func:`rlhf_core.precision.resolve_threads`)."""
+    execution = config.execution
     return Execution(
-        device=config.device,
+        device=execution.device,
         torch_threads=resolve_threads(
-            config.torch_threads,
+            execution.torch_threads,
             parameters=count_parameters(base.policy.path),
             cores=len(os.sched_getaffinity(0)),
             load=_load_at_start(),
         ),  # fmt: skip
-        checkpoint_seconds=config.checkpoint_seconds,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-        task_runner=config.execution.task_runner,
-        address=config.execution.address,
-        training_processes=config.execution.training_processes,
-        accelerate_config=None
-        if config.execution.accelerate_config is None
-        else str(config.execution.accelerate_config),
-        training_launcher=config.execution.training_launcher,
-        rendezvous_timeout=config.execution.rendezvous_timeout,
-        sharding=config.execution.sharding,
-        frozen_model_bytes=int(config.execution.frozen_models_gb * 2**30),
-        engine_url=config.execution.engine_url,
+        checkpoint_seconds=execution.checkpoint_seconds,
+        gradient_checkpointing=execution.gradient_checkpointing,
+        task_runner=execution.task_runner,
+        address=execution.address,
+        training_processes=execution.training_processes,
+        accelerate_config=None if execution.accelerate_config is None else str(execution.accelerate_config),
+        training_launcher=execution.training_launcher,
+        rendezvous_timeout=execution.rendezvous_timeout,
+        sharding=execution.sharding,
+        frozen_model_bytes=int(execution.frozen_models_gb * 2**30),
+        engine_url=execution.engine_url,
     )
 
 

@@ -277,12 +277,13 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
     from tasks.text import prompt_text, read_prompts
 
     try:
-        device = resolve_device(config.device)
+        device = resolve_device(config.execution.device)
     except ValueError as error:
         raise InputError(str(error)) from error
     if config.precision == "fp16" and device.type != "cuda":
         raise InputError(
-            f"`precision` fp16 needs a CUDA device; `device` {config.device} runs on the CPU: use bf16 or fp32"
+            f"`precision` fp16 needs a CUDA device; `execution.device` {config.execution.device} runs on the CPU: "
+            "use bf16 or fp32"
         )
     context, vocabulary = _model_limits("model.policy", Path(base.policy.path))
     tokenizer_setting = "model.tokenizer" if config.model.tokenizer else "model.policy"

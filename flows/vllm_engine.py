@@ -59,7 +59,7 @@ def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str
     """The server's command-line options for ``config``, serving ``policy`` first."""
     from rlhf_core.precision import resolve_device
 
-    device = resolve_device(config.device).type
+    device = resolve_device(config.execution.device).type
     arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[config.precision]]
     if config.model.lora is not None:
         arguments += ["--max-lora-rank", str(config.model.lora.r)]
@@ -79,7 +79,7 @@ def _environment(config: PipelineConfig) -> dict[str, str]:
     )
     # The CPU build's KV cache (GiB), and its threads: the project's own thread count unless set.
     environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    environment.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
+    environment.setdefault("OMP_NUM_THREADS", str(config.execution.torch_threads))
     environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return environment
 
