@@ -97,7 +97,7 @@ def _config(policy: Path, prompts: Path, run_root: Path, *extra: str):
             f"data.eval_prompts={prompts}",
             "reward.source=function",
             "reward.function=bench.vllm_engine:length_reward",
-            f"torch_threads={THREADS}",
+            f"execution.torch_threads={THREADS}",
             *extra,
         ],
     )
@@ -235,7 +235,7 @@ def iteration(policy: Path, engine: str) -> dict:
     sets = [
         f"run_root={scratch / 'runs'}", f"model.policy={policy}", f"data.prompts={prompts}",
         f"data.eval_prompts={prompts}", "reward.source=function", "reward.function=bench.vllm_engine:length_reward",
-        f"torch_threads={THREADS}", "iterations=1", "advantages.estimator=grpo", "sizes.samples_per_prompt=4",
+        f"execution.torch_threads={THREADS}", "iterations=1", "advantages.estimator=grpo", "sizes.samples_per_prompt=4",
         "sizes.rollout_prompts=8", "sizes.eval_prompts=8", "sampling.max_new_tokens=32", "sampling.batch_size=8",
         "ppo.epochs=1", "ppo.minibatch_size=16", "model.lora.r=8", f"sampling.engine={engine}",
     ]  # fmt: skip
