@@ -198,6 +198,11 @@ class ExecutionConfig(_Frozen):
     engine_port: int = Field(0, ge=0, lt=65536)
     """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
     free one."""
+    engine_compile: bool = True
+    """Compile the model of the generation engine the command starts (vLLM's default: torch.compile, and CUDA graphs
+    on a GPU): a slower start for faster sampling. On this project's 2-core CPU, SmolLM2-135M sampled 22% more
+    tokens/s compiled, for 75 s more at each start (bench/RESULTS.md section 8); `false` runs eager, for short
+    commands."""
 
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:

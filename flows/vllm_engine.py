@@ -63,9 +63,9 @@ def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str
     arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[config.precision]]
     if config.model.lora is not None:
         arguments += ["--max-lora-rank", str(config.model.lora.r)]
-    if device == "cpu":
-        arguments.append("--enforce-eager")  # torch.compile costs 20+ s a start on CPU and gains little there
-    else:
+    if not config.execution.engine_compile:
+        arguments.append("--enforce-eager")
+    if device != "cpu":
         arguments += ["--gpu-memory-utilization", str(config.execution.engine_gpu_memory)]
     return arguments
 
