@@ -7,8 +7,9 @@ iteration (``rlhf.kind=iteration``), a nested run per stage (``rlhf.kind=stage``
 
 Choices:
 
-1. The tags below are the records' whole vocabulary; every query of them lives here (or in
-   :mod:`campaign`, above), so the data layout of existing campaigns has one definition.
+1. The tags below are the records' whole vocabulary, declared once: the flows and :mod:`campaign` write and
+   search runs with them too. Their names and values, with the artifact paths, are the data layout of every
+   existing campaign, so they do not change.
 2. A stage's output exists once on local disk. With a local store (a SQLite tracking URI, the
    default) it is recorded *by reference*: the run gets the manifest as its ``output/`` artifact and
    the output folder's path as a tag, and registered model versions point at the folder; nothing is
