@@ -36,7 +36,7 @@ STAGES = (
 
 BUCKETS = (
     ("torch (compute)", ("/torch/", "/transformers/", "/accelerate/", "/rlhf_core/", "/demo/", "/tasks/labelers")),
-    ("MLflow + SQLAlchemy", ("/mlflow/", "/sqlalchemy/", "/alembic/", "storage/tracking")),
+    ("MLflow + SQLAlchemy", ("/mlflow/", "/sqlalchemy/", "/alembic/", "storage/tracking", "storage/mlflow_store")),
     (
         "Prefect + its HTTP/async stack",
         (

@@ -31,6 +31,7 @@ from campaign.store import campaign_layout, store_tracker
 from flows.config import PipelineConfig
 from storage.locks import LockTimeout, exclusive_lock
 from storage.manifest import Manifest, prune_files, read_manifest
+from storage.mlflow_store import RunSummary
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
@@ -41,7 +42,6 @@ from storage.tracking import (
     TAG_PARENT_RUN_ID,
     TAG_REPLAY_OF,
     TAG_STAGE,
-    RunSummary,
     Tracker,
 )
 
@@ -82,7 +82,7 @@ def _stage_runs_of(tracker: Tracker, experiment_id: str, run: RunSummary) -> lis
     ones its output tags name."""
     own = tracker.runs(experiment_id, tags={TAG_PARENT_RUN_ID: run.run_id})
     named = [run_id for key, run_id in run.tags.items() if key.startswith(TAG_OUTPUT_PREFIX) and run_id]
-    return own + [RunSummary(run_id, "", tracker.run_tags(run_id)) for run_id in named]
+    return own + [tracker.run(run_id) for run_id in named]
 
 
 def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:

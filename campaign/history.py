@@ -25,7 +25,8 @@ from demo.world import complete_world
 from flows.config import ConfigError, PipelineConfig
 from flows.model_sources import NotConverted
 from storage.manifest import package_version
-from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION, RunSummary
+from storage.mlflow_store import RunSummary
+from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION
 from tasks.code import code_fingerprint
 
 if TYPE_CHECKING:

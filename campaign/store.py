@@ -64,8 +64,8 @@ def resolve_run(config: PipelineConfig, name: str) -> str:
         if ":" in name:
             raise LookupError(f"no campaign {campaign!r} in the MLflow store {tracker.tracking_uri}")
         try:
-            tracker.run_tags(name)
-        except Exception as error:  # noqa: BLE001 - MLflow raises its own exception type for a missing run
+            tracker.run(name)
+        except LookupError as error:
             raise LookupError(f"{name!r} is neither a campaign nor a run id in {tracker.tracking_uri}") from error
         return name
     finished = tracker.finished_iterations(experiment_id)
@@ -95,7 +95,7 @@ def stage_run(
         LookupError: the run records none and ``required`` is set (else None is returned: an
             iteration with a reward function has no reward-model stage).
     """
-    run_id = tracker.run_tags(parent_run_id).get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
+    run_id = tracker.run(parent_run_id).tags.get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
         experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
     )  # runs recorded before the output tags existed: their own nested stage run
     if run_id is None and required:

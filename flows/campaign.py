@@ -28,6 +28,7 @@ from flows.inputs import InputError, check_inputs
 from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
 from rlhf_core.loading import command_threads
 from storage.diagnostics import describe_flag, drift_flags
+from storage.mlflow_store import RunSummary
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
@@ -40,7 +41,6 @@ from storage.tracking import (
     TAG_OUTPUT_PREFIX,
     TAG_REPLAY_OF,
     TAG_SUPERSEDED_BY,
-    RunSummary,
 )
 from tasks.context import BaseInputs, Execution, StageContext, TrackingStore
 from tasks.ppo_update import prune_optimizer_states
@@ -196,10 +196,10 @@ def _open_run(
     if parent is None:
         all_tags = {TAG_CAMPAIGN: config.campaign, TAG_ITERATION: str(iteration), TAG_ITERATION_KEY: key, **tags}
         parent = tracker.start_run(experiment_id, name=name, tags={**all_tags, TAG_FLOW_RUN_ID: flow_run_id or ""})
-    elif tracker.run_status(parent) != "FINISHED":
+    elif tracker.run(parent).status != "FINISHED":
         tracker.reopen_run(parent)
         tracker.set_tags(parent, {TAG_FLOW_RUN_ID: flow_run_id or ""})
-    if tracker.run_status(parent) != "FINISHED":
+    if tracker.run(parent).status != "FINISHED":
         # Again on a reopened run: the attempt that created it may have died before logging these.
         # Params it has are kept (execution settings, which may differ, are params too).
         tracker.log_params(parent, config.model_dump(mode="json"), skip_logged=True)
@@ -236,7 +236,7 @@ def open_iteration(
 @task(name="open_replay", cache_policy=NO_CACHE)
 def open_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs) -> StageContext:
     """A new run tagged with the iteration run it replays (the same one again for the same settings)."""
-    iteration = int(tracking_store(config).tracker().run_tags(source_run_id)[TAG_ITERATION])
+    iteration = int(tracking_store(config).tracker().run(source_run_id).tags[TAG_ITERATION])
     return _open_run(
         config,
         iteration,
@@ -264,9 +264,10 @@ def close_iteration(
     names the ``experience`` it replayed (its source's rollout).
     """
     tracker = context.tracker
-    tags = tracker.run_tags(context.parent_run_id)
+    parent = tracker.run(context.parent_run_id)
+    tags = parent.tags
     kind = tags.get(TAG_KIND, KIND_ITERATION)
-    was_finished = tracker.run_status(context.parent_run_id) == "FINISHED"
+    was_finished = parent.status == "FINISHED"
     metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
     figure = _overoptimisation(context, metrics) if kind == KIND_ITERATION else None
     inspection = None
@@ -380,7 +381,7 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
         newest = list(tracker.finished_iterations(context.experiment_id).values())[-1]
         run_id = stage_run(context.tracker, context.experiment_id, newest.run_id, "ppo_update")
         folders = context.layout.stage_outputs("ppo_update")
-        keep = context.layout.stage_dir("ppo_update", tracker.run_tags(run_id)[TAG_INPUT_KEY])
+        keep = context.layout.stage_dir("ppo_update", tracker.run(run_id).tags[TAG_INPUT_KEY])
     freed = prune_optimizer_states(folders, keep=keep)
     if freed:
         get_run_logger().info("pruned %.1f MB of optimizer states no iteration continues from", freed / 2**20)
@@ -427,7 +428,7 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     Opens no run, so a replay can check these before it records anything.
     """
     tracker = tracking_store(config).tracker()
-    iteration = int(tracker.run_tags(source_run_id)[TAG_ITERATION])
+    iteration = int(tracker.run(source_run_id).tags[TAG_ITERATION])
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
     experience = recorded_result(context, stage_run(context.tracker, context.experiment_id, source_run_id, "rollout"))
     scored = recorded_result(

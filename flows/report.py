@@ -73,8 +73,9 @@ KL_NOTE = (
 def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: Sequence[str] | None = None) -> str:
     """Metrics as rows, runs as columns; the first rows say what each run is."""
     tracker = store_tracker(config)
-    tags = [tracker.run_tags(run_id) for run_id in run_ids]
-    values = [tracker.run_metrics(run_id) for run_id in run_ids]
+    runs = [tracker.run(run_id) for run_id in run_ids]
+    tags = [run.tags for run in runs]
+    values = [run.metrics for run in runs]
     names = list(metrics) if metrics else [name for name in HEADLINE_METRICS if any(name in v for v in values)]
     unknown = [name for name in names if not any(name in v for v in values)]
     if unknown:

@@ -8,7 +8,8 @@ Modules:
 * :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
 * :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
 * :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
-* :mod:`storage.tracking`: ``Tracker``, the only code that imports mlflow.
+* :mod:`storage.mlflow_store`: ``MlflowStore``, MLflow behind a small adapter: the only code that imports mlflow.
+* :mod:`storage.tracking`: ``Tracker``, the pipeline's records in MLflow (campaigns, stage records), on that adapter.
 * :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
 * :mod:`storage.recorded`: the folder of a stage output a run recorded in MLflow.
 * :mod:`storage.diagnostics`: what ``rlhf inspect`` computes from the shards, as polars expressions, and drift flags.
@@ -42,6 +43,7 @@ _EXPORTS = {
     "save_training_state": "checkpoints",
     "load_training_state": "checkpoints",
     "load_tokenizer": "checkpoints",
+    "MlflowStore": "mlflow_store",
     "StageRecord": "tracking",
     "Tracker": "tracking",
     "ImportFormatError": "importers",

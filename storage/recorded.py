@@ -38,7 +38,7 @@ def recorded_output(
         MissingOutputError: the run recorded its output by reference and that folder is gone.
         CorruptOutputError: the output does not match its manifest.
     """
-    tags = tracker.run_tags(run_id) if tags is None else tags
+    tags = tracker.run(run_id).tags if tags is None else tags
     stage, input_key = tags[TAG_STAGE], tags[TAG_INPUT_KEY]
     stage_dir = layout.stage_dir(stage, input_key)
     if verify:

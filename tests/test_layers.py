@@ -2,7 +2,9 @@
 
 ``campaign`` (the campaign model) reads the typed config, ``flows.config``, and ``flows.model_sources``, nothing else
 of ``flows``; it
-imports neither Prefect nor torch (``test_the_campaign_model_imports_neither_prefect_nor_torch``).
+imports neither Prefect nor torch (``test_the_campaign_model_imports_neither_prefect_nor_torch``). MLflow sits behind
+one adapter, ``storage/mlflow_store.py``, the only module of the project that imports it
+(``test_one_module_imports_each_wrapped_library``; ``bench/`` is no layer and keeps its own use).
 
 Read from the source (every import statement, inside functions too), so a lazy import cannot hide
 a layering break. ``rlhf_core`` also imports none of the libraries of the outer layers
@@ -29,9 +31,12 @@ MAY_IMPORT_MODULES = {"campaign": {"flows.config", "flows.model_sources"}}
 """Single modules of a higher layer a layer may import: the campaign model reads the typed config, and locates
 model settings as ``flows.model_sources`` does (a GGUF file converted once; Prefect only to log a conversion)."""
 FIRST_PARTY = set(MAY_IMPORT)
+WRAPPED = {"mlflow": "storage/mlflow_store.py"}
+"""Libraries behind an adapter: the one module of the project that may import each."""
 
 
 def _imports(path: Path, allowed_modules: set[str] = frozenset()) -> set[str]:
+    """The top-level packages ``path`` imports (first-party and third-party), less the modules in ``allowed_modules``."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -41,18 +46,30 @@ def _imports(path: Path, allowed_modules: set[str] = frozenset()) -> set[str]:
         else:
             continue
         names.update(module.split(".")[0] for module in modules if module not in allowed_modules)
-    return names & FIRST_PARTY
+    return names
 
 
 @pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
 def test_no_layer_imports_a_layer_above_it(layer):
     allowed = MAY_IMPORT_MODULES.get(layer, set())
     breaks = {
-        str(path.relative_to(ROOT)): sorted(_imports(path, allowed) - MAY_IMPORT[layer])
+        str(path.relative_to(ROOT)): sorted((_imports(path, allowed) & FIRST_PARTY) - MAY_IMPORT[layer])
         for path in sorted((ROOT / layer).rglob("*.py"))
-        if _imports(path, allowed) - MAY_IMPORT[layer]
+        if (_imports(path, allowed) & FIRST_PARTY) - MAY_IMPORT[layer]
     }
     assert not breaks, f"imports running back up: {breaks}"
+
+
+@pytest.mark.parametrize("library", sorted(WRAPPED))
+def test_one_module_imports_each_wrapped_library(library):
+    """Everything else reaches the library through that module, in the project's own terms."""
+    importers = [
+        str(path.relative_to(ROOT))
+        for layer in sorted(FIRST_PARTY)
+        for path in sorted((ROOT / layer).rglob("*.py"))
+        if library in _imports(path)
+    ]
+    assert importers == [WRAPPED[library]], f"{library} imported outside its adapter: {importers}"
 
 
 def test_the_campaign_model_imports_neither_prefect_nor_torch():

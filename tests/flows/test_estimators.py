@@ -77,7 +77,7 @@ def test_a_critic_free_campaign_never_makes_loads_or_trains_a_critic(grouped):
 
 def test_the_adaptive_kl_coefficient_carries_to_the_next_iteration_and_to_a_continuation(grouped):
     tracker = tracking_store(grouped).tracker()
-    first, second = (tracker.run_metrics(resolve_run(grouped, f"grpo:{i}")) for i in range(2))
+    first, second = (tracker.run(resolve_run(grouped, f"grpo:{i}")).metrics for i in range(2))
     assert first["compute_advantages/kl_coef"] == 0.1
     # Iteration 0 rolls out the reference itself: KL about 0, so the error clips at -0.2, and with
     # steps / horizon = 16 / 16 the next coefficient is 0.1 * (1 - 0.2) = 0.08.
@@ -107,9 +107,9 @@ def test_one_saved_experience_replays_under_another_estimator(grouped, overrides
     replay_run = rlhf_replay(replay_config(grouped, source, overrides), source)
     tracker = tracking_store(grouped).tracker()
     tags, metrics, source_metrics = (
-        tracker.run_tags(replay_run),
-        tracker.run_metrics(replay_run),
-        tracker.run_metrics(source),
+        tracker.run(replay_run).tags,
+        tracker.run(replay_run).metrics,
+        tracker.run(source).metrics,
     )
     assert tags["rlhf.replay_of"] == source and _outputs(grouped, "rollout") == rollouts_before  # nothing generated
     assert metrics["compute_advantages/advantage_mean"] != source_metrics["compute_advantages/advantage_mean"]
@@ -152,7 +152,7 @@ def test_a_reward_function_replaces_candidates_preferences_and_the_reward_model(
     for skipped in ("sample_candidates", "collect_preferences", "train_reward_model"):
         assert not (campaign_dir / skipped).exists(), skipped
     tracker = tracking_store(function_reward).tracker()
-    metrics = tracker.run_metrics(resolve_run(function_reward, "verifiable:0"))
+    metrics = tracker.run(resolve_run(function_reward, "verifiable:0")).metrics
     (rollout,) = _outputs(function_reward, "rollout")
     table = pq.read_table(next(rollout.glob("experience-*.parquet")))
     lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
@@ -205,7 +205,7 @@ def test_the_other_group_estimators_run_the_campaign_too(prefect_server, checkpo
         ],
     )
     rlhf_campaign(config)
-    metrics = tracking_store(config).tracker().run_metrics(resolve_run(config, f"{campaign}:0"))
+    metrics = tracking_store(config).tracker().run(resolve_run(config, f"{campaign}:0")).metrics
     assert metrics["ppo_update/optimizer_steps"] == 2 and 0.0 <= metrics["evaluate/gold_win_rate"] <= 1.0
     assert not (_outputs(config, "ppo_update")[0] / "critic").exists()
 
@@ -229,5 +229,5 @@ def test_issue23_a_rubric_labels_the_pairs_a_reward_model_learns_from(
     for pair in pairs:  # the chosen response is never shorter, and the margin is the score gap
         chosen, rejected = len(pair["chosen"].split()), len(pair["rejected"].split())
         assert chosen >= rejected and pair["margin"] == pytest.approx(0.1 * (chosen - rejected), abs=1e-6)
-    metrics = tracking_store(config).tracker().run_metrics(resolve_run(config, "rubric:0"))
+    metrics = tracking_store(config).tracker().run(resolve_run(config, "rubric:0")).metrics
     assert metrics["evaluate/rubric_mean"] >= 0 and metrics["evaluate/reference_rubric_mean"] >= 0

@@ -86,6 +86,6 @@ def test_after_gc_a_kept_iteration_replays_and_a_removed_one_is_refused_clearly(
     config, _, _, source_of_iteration_0 = collected
     source = resolve_run(config, f"{config.campaign}:2")
     replayed = rlhf_replay(replay_config(config, source, ["advantages.kl_coef=0.2"]), source)
-    assert tracking_store(config).tracker().run_tags(replayed)["rlhf.replay_of"] == source
+    assert tracking_store(config).tracker().run(replayed).tags["rlhf.replay_of"] == source
     with pytest.raises(Exception, match="no longer exists"):
         rlhf_replay(replay_config(config, source_of_iteration_0, ["advantages.kl_coef=0.2"]), source_of_iteration_0)

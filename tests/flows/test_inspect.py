@@ -58,8 +58,8 @@ def _json(config, capsys, *argv: str) -> dict:
 
 
 def _output(tracker, run_id: str, stage: str) -> Path:
-    stage_run = tracker.run_tags(run_id)[f"{TAG_OUTPUT_PREFIX}{stage}"]
-    return Path(tracker.run_tags(stage_run)[TAG_OUTPUT_PATH])
+    stage_run = tracker.run(run_id).tags[f"{TAG_OUTPUT_PREFIX}{stage}"]
+    return Path(tracker.run(stage_run).tags[TAG_OUTPUT_PATH])
 
 
 def test_each_column_agrees_with_what_the_stages_measured(recorded, capsys):
@@ -72,7 +72,7 @@ def test_each_column_agrees_with_what_the_stages_measured(recorded, capsys):
         (1, f"replay {replay[:12]}"),
     ]
     for row, run_id in zip(rows, [resolve_run(config, f"{config.campaign}:0"), source, replay], strict=True):
-        metrics = tracker.run_metrics(run_id)
+        metrics = tracker.run(run_id).metrics
         if row["run"] == "iteration":  # the replay's experience is its source's: the rollout metrics are there
             assert row["rollouts"] == metrics["rollout/rollouts"] == 32
             assert row["length_mean"] == pytest.approx(metrics["rollout/response_length_mean"], rel=1e-6)
@@ -139,7 +139,7 @@ def test_each_iteration_run_carries_its_summary_and_top_responses_in_mlflow(reco
     config, source, replay = recorded
     tracker = tracking_store(config).tracker()
     for run_id in (source, replay):
-        metrics = tracker.run_metrics(run_id)
+        metrics = tracker.run(run_id).metrics
         assert metrics["inspect/rollouts"] == 32 and "inspect/gold_mean" in metrics
         top = json.loads(tracker.load_text(run_id, TOP_RESPONSES))
         assert "response" in top["columns"] and len(top["data"]) == 10

@@ -7,7 +7,7 @@ The artifact (flows.campaign.close_iteration) holds a row per stage, the over-op
 shows with no server behind it) and one metric per row; every metric's name and value must be on the page, no table
 cell may cut its text off, the figure must load and the MLflow link must open the iteration's run. The link `rlhf
 run` prints must open the campaign's experiment on its runs, which MLflow 3.17 shows only in its machine-learning
-view (storage.tracking.UI_RUNS_VIEW): its bare experiment page opens on the GenAI overview instead.
+view (storage.mlflow_store.UI_RUNS_VIEW): its bare experiment page opens on the GenAI overview instead.
 """
 
 from __future__ import annotations

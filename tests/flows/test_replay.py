@@ -44,7 +44,7 @@ def test_replay_reruns_stages_5_to_7_only_and_is_tagged_with_its_source(recorded
 
     tracker = tracking_store(recorded).tracker()
     client = MlflowClient(tracker.tracking_uri)
-    tags = tracker.run_tags(replay_run)
+    tags = tracker.run(replay_run).tags
     assert tags["rlhf.kind"] == "replay" and tags["rlhf.replay_of"] == source and tags["rlhf.iteration"] == "1"
     children = client.search_runs(
         [tracker.experiment_id(recorded.campaign)], f"tags.`mlflow.parentRunId` = '{replay_run}'"
@@ -53,8 +53,8 @@ def test_replay_reruns_stages_5_to_7_only_and_is_tagged_with_its_source(recorded
     # No generation: no new rollout or candidate outputs appeared.
     assert sorted(p.name for p in (campaign_dir / "rollout").iterdir()) == rollouts_before
     assert sorted(p.name for p in (campaign_dir / "sample_candidates").iterdir()) == candidates_before
-    metrics = tracker.run_metrics(replay_run)
-    source_metrics = tracker.run_metrics(source)
+    metrics = tracker.run(replay_run).metrics
+    source_metrics = tracker.run(source).metrics
     assert metrics["ppo_update/optimizer_steps"] == 2 * source_metrics["ppo_update/optimizer_steps"]
     assert metrics["compute_advantages/kl_mean"] != source_metrics["compute_advantages/kl_mean"]
     # A replay is an experiment: it does not move the registered models' newest version.
@@ -102,9 +102,9 @@ def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_conti
     state = rlhf_campaign(again)
     assert state.policy.reused
     source = resolve_run(again, f"{again.campaign}:1")
-    assert tracking_store(again).tracker().run_tags(source)["rlhf.iteration_key"] != ""
+    assert tracking_store(again).tracker().run(source).tags["rlhf.iteration_key"] != ""
     replay_run = rlhf_replay(replay_config(again, source, ["ppo.epochs=3"]), source)
-    assert tracking_store(again).tracker().run_tags(replay_run)["rlhf.replay_of"] == source
+    assert tracking_store(again).tracker().run(replay_run).tags["rlhf.replay_of"] == source
     next_iteration, latest = load_latest_state.fn(again, resolve_base.fn(again))
     assert next_iteration == again.iterations and latest.policy.digest == state.policy.digest
 

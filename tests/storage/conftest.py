@@ -18,16 +18,26 @@ from storage.layout import RunLayout
 @pytest.fixture(scope="session")
 def migrated_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty, fully migrated MLflow SQLite database (created once per session)."""
-    from storage.tracking import Tracker
+    from storage.mlflow_store import MlflowStore
 
     layout = RunLayout(tmp_path_factory.mktemp("mlflow-template"))
-    Tracker(layout.tracking_uri())
+    MlflowStore(layout.tracking_uri())
     return layout.mlflow_db()
 
 
 @pytest.fixture
 def layout(tmp_path: Path) -> RunLayout:
     return RunLayout(tmp_path / "run")
+
+
+@pytest.fixture
+def store(layout: RunLayout, migrated_mlflow_db: Path):
+    """An MlflowStore on a private copy of the migrated store, artifacts under the test's run root."""
+    from storage.mlflow_store import MlflowStore
+
+    layout.root.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(migrated_mlflow_db, layout.mlflow_db())
+    return MlflowStore(layout.tracking_uri(), artifact_root=layout.artifact_root())
 
 
 @pytest.fixture

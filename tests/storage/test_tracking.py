@@ -1,4 +1,7 @@
-"""Tracker against a real MLflow SQLite store in tmp_path: stage records, downloads, models, races."""
+"""Tracker against a real MLflow SQLite store in tmp_path: stage records, downloads, models, iterations, races.
+
+The generic record operations it inherits are tested in ``test_mlflow_store.py``.
+"""
 
 from __future__ import annotations
 
@@ -150,22 +153,6 @@ def test_tables_are_logged_as_datasets(tracker: Tracker, layout: RunLayout) -> N
     assert client(tracker).get_run(other_run).inputs.dataset_inputs[0].dataset.digest == digest  # same bytes
 
 
-def test_params_are_flattened_and_metrics_batched(tracker: Tracker) -> None:
-    experiment_id = tracker.experiment_id("camp")
-    run_id = tracker.start_run(experiment_id, name="ppo_update", tags={"rlhf.kind": "stage"})
-    tracker.log_params(run_id, {"ppo": {"clip_eps": 0.2, "schedule": [1, 2]}, "seed": 3, "eos": None})
-    tracker.log_params(run_id, {f"many.p{i}": i for i in range(250)})  # three batches of at most 100
-    metrics = {f"ppo/m{i}": float(i) for i in range(1500)}  # two batches of at most 1000
-    tracker.log_metrics(run_id, metrics, step=4)
-    tracker.end_run(run_id)
-    data = client(tracker).get_run(run_id).data
-    assert data.params["ppo.clip_eps"] == "0.2" and data.params["ppo.schedule"] == "[1, 2]"
-    assert data.params["eos"] == "None" and data.params["many.p249"] == "249"
-    assert len(data.params) == 4 + 250
-    assert data.metrics == metrics
-    assert [m.step for m in client(tracker).get_metric_history(run_id, "ppo/m7")] == [4]
-
-
 def test_register_model_adds_versions_and_moves_aliases(tracker: Tracker, layout: RunLayout) -> None:
     _, run_id, manifest = _record(tracker, layout)
     first_dir = layout.stage_dir("sample", manifest.input_key)
@@ -224,23 +211,6 @@ def test_finished_iterations_are_the_newest_finished_run_of_each_number_that_not
     tracker.set_tags(runs["old-1"], {"rlhf.superseded_by": runs["new-0"]})
     assert {n: r.run_id for n, r in tracker.finished_iterations(experiment_id).items()} == {0: runs["new-0"]}
     assert tracker.latest_iteration(experiment_id) == 0
-
-
-def test_find_run_and_run_url(tracker: Tracker) -> None:
-    experiment_id = tracker.experiment_id("camp")
-    run_id = tracker.start_run(experiment_id, name="iteration-0", tags={**ITERATION_TAGS, "rlhf.iteration_key": "k1"})
-    assert tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "k1"}) == run_id
-    assert tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "k1"}, status="FINISHED") is None
-    assert tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "k2"}) is None
-    runs_view = "?workflowType=machine_learning"  # MLflow 3.17's UI shows runs in this view only
-    assert tracker.run_url(run_id) == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}{runs_view}"
-    assert (
-        tracker.experiment_url(experiment_id) == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs{runs_view}"
-    )
-    elsewhere = Tracker(tracker.tracking_uri, ui_base="http://mlflow.example:5030/")
-    assert elsewhere.run_url(run_id).startswith(f"http://mlflow.example:5030/#/experiments/{experiment_id}/runs/")
-    with pytest.raises(ValueError, match="quotes"):
-        tracker.find_run(experiment_id, tags={"rlhf.iteration_key": "x' or '1'='1"})
 
 
 def test_two_processes_share_one_fresh_store(tmp_path: Path) -> None:

@@ -234,4 +234,4 @@ def test_issue14_a_run_being_written_by_a_live_process_or_another_host_is_left_a
     MlflowClient(context.tracking.uri).set_tag(elsewhere, TAG_PROCESS, "another-host:1:1")
     MlflowClient(context.tracking.uri).set_tag(dead, TAG_PROCESS, _dead_writer())
     assert tracker.reconcile_runs(context.experiment_id) == [dead]
-    assert [tracker.run_status(run) for run in (mine, elsewhere, dead)] == ["RUNNING", "RUNNING", "KILLED"]
+    assert [tracker.run(run).status for run in (mine, elsewhere, dead)] == ["RUNNING", "RUNNING", "KILLED"]
