@@ -8,6 +8,7 @@ Modules:
 * :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
 * :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
 * :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
+* :mod:`storage.tokenizers`: saved tokenizers, loaded as the class they were saved as (no torch for the generic one).
 * :mod:`storage.tracking`: ``Tracker``, the only code that imports mlflow.
 * :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
 * :mod:`storage.recorded`: the folder of a stage output a run recorded in MLflow.
@@ -41,7 +42,7 @@ _EXPORTS = {
     "save_model": "checkpoints",
     "save_training_state": "checkpoints",
     "load_training_state": "checkpoints",
-    "load_tokenizer": "checkpoints",
+    "load_tokenizer": "tokenizers",
     "StageRecord": "tracking",
     "Tracker": "tracking",
     "ImportFormatError": "importers",
