@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
@@ -19,10 +20,12 @@ from demo.world import DemoWorld
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
 from flows.model_sources import PACKAGE_PREFIX, model_input
 from storage.fingerprints import FingerprintCache
-from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT, Tracker
 from tasks.context import BaseInputs, InputFile
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference
+
+if TYPE_CHECKING:  # MLflow only where a store is read: locating the inputs (base_inputs) needs none
+    from storage.tracking import Tracker
 
 INPUT_SETTINGS = {
     "policy": "model.policy",
@@ -193,6 +196,8 @@ def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
     Raises:
         ConfigError: naming the first differing fields, their values there and here, and what to do.
     """
+    from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT
+
     fingerprint = config_fingerprint(config)
     tags = tracker.experiment_tags(config.campaign)
     recorded = tags.get(TAG_CONFIG_FINGERPRINT)
@@ -216,6 +221,8 @@ _RECORDED: dict[tuple[str, str], str] = {}
 def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
     """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered. Once
     per process and campaign: the iterations of a campaign flow after the first check nothing again."""
+    from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT
+
     if _RECORDED.get(key := (tracker.tracking_uri, config.campaign)) == config_fingerprint(config):
         return
     fingerprint = check_campaign_config(config, tracker)

@@ -16,7 +16,8 @@ A model setting names one of:
 4. (``model.policy`` only) a hub name, ``org/name``, fetched into or found in the Hugging Face cache.
 
 Nothing here imports torch unless a file has to be converted: recognising a finished campaign
-(:mod:`campaign.history`) reads the cache only (:class:`NotConverted` says it cannot).
+(:mod:`campaign.history`) and the input checks made before anything runs (:mod:`flows.inputs`) read the cache only
+(:class:`NotConverted` says it cannot).
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def model_input(
 
     Args:
         cache: input fingerprints (a GGUF file is hashed once per path, size and modification time); None: locate
-            a folder without reading it (``sha256`` empty), and raise :class:`NotConverted` for a GGUF file.
-        layout: the run root's layout, whose cache holds converted GGUF files.
+            without writing anything, a folder without reading it (``sha256`` empty), a GGUF file by its digest from
+            the run root's fingerprint cache (hashed here when it is not there; remembered by no one), never
+            converting it (:class:`NotConverted`).
+        layout: the run root's layout, whose cache holds converted GGUF files and input fingerprints.
         convert: convert a GGUF file found in no cache; False raises :class:`NotConverted` instead.
 
     Raises:
@@ -110,7 +113,7 @@ def model_input(
     if not path.is_file():
         raise ModelSourceError(f"`{setting}` {path} is not a file: a GGUF model is one .gguf file")
     if cache is None:
-        raise NotConverted(f"`{setting}` {path} is a GGUF file: found by its content, which is not read here")
+        cache, convert = FingerprintCache(layout.fingerprint_cache()), False  # read, never saved
     sha256 = cache.fingerprint(path)
     folder = layout.converted_model_dir(sha256)
     if not folder.is_dir():

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from storage.importers import render_chat
 from tasks.text import Prompt, conversation_id_lists, prompt_ids, same_tokenizer
 from tests.conftest import byte_level_bpe as bpe
@@ -80,3 +82,39 @@ def test_issue27_the_text_rules_and_a_generic_tokenizer_import_no_torch(tmp_path
         capture_output=True, text=True, check=True, timeout=120,
     )  # fmt: skip
     assert result.stdout.strip() == "False"
+
+
+def _demo_model_folder(folder: Path, config) -> Path:
+    """The demo's word-level tokenizer beside a model config, as the demo world saves its policy."""
+    from demo.tokenizer import build_tokenizer
+
+    build_tokenizer("the cat is happy . a dog sad tell me joke".split()).save_pretrained(folder)
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model", ["demo-gpt2", "demo-llama", "chatml-qwen2"])
+def test_issue27_the_ids_the_checks_and_stages_encode_are_autotokenizers_and_its_chat_templates(model, tmp_path):
+    """The input checks load a folder's tokenizer without torch (storage.tokenizers) and encode with the stages'
+    own rule (prompt_ids); both give what AutoTokenizer and apply_chat_template give, for the tiny demo model and a
+    chat model. SmolLM2's (a Llama converted from GGUF) is in tests/flows/test_smollm2.py (slow)."""
+    from transformers import AutoTokenizer, GPT2Config, LlamaConfig
+
+    from tasks.text import load_tokenizer
+    from tests.conftest import tiny_config
+
+    folder = tmp_path / model
+    if model == "chatml-qwen2":
+        bpe().save_pretrained(folder)
+        tiny_config("qwen2", vocab_size=len(bpe())).save_pretrained(folder)
+    else:
+        _demo_model_folder(folder, GPT2Config(n_positions=64) if model == "demo-gpt2" else LlamaConfig())
+    loaded, reference = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    turns = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a  joke ."})
+    chat = Prompt(render_chat(list(turns), add_generation_prompt=True), turns)
+    if reference.chat_template:
+        expected = reference.apply_chat_template(list(turns), add_generation_prompt=True, return_dict=True)
+    else:
+        expected = reference(render_chat(list(turns), add_generation_prompt=True))
+    assert prompt_ids(loaded, chat) == list(expected["input_ids"])
+    assert prompt_ids(loaded, PLAIN) == reference(PLAIN.text)["input_ids"]
