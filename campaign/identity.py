@@ -18,7 +18,7 @@ from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.model_sources import PACKAGE_PREFIX, model_input
+from flows.model_sources import PACKAGE_PREFIX, is_gguf, model_input
 from storage.fingerprints import FingerprintCache
 from tasks.context import BaseInputs, InputFile
 from tasks.judge import JudgeReference
@@ -65,8 +65,9 @@ def base_inputs(
     Args:
         config: the settings naming the inputs.
         cache: fingerprints already computed (it learns new ones; saving it is the caller's choice); None locates
-            the inputs without reading them (every ``sha256`` empty; a GGUF file raises ``NotConverted``), for
-            checks made before hashing a model.
+            the inputs without reading them (a folder's ``sha256`` empty; a GGUF model's converted folder, or the
+            file itself when it is not converted yet: :func:`flows.model_sources.model_input`), for the checks made
+            before hashing a model.
         world: the demo world, when :func:`uses_demo_world`; its files fill the inputs ``config`` leaves unset.
         convert: convert a GGUF model file not converted yet (:mod:`flows.model_sources`); False raises
             :class:`flows.model_sources.NotConverted` instead.
@@ -88,7 +89,7 @@ def base_inputs(
         return model_input(cache, layout, setting, value, convert=convert)
 
     policy_file = model("model.policy", _local_model_folder(policy))
-    if not (Path(policy_file.path) / "config.json").is_file():
+    if not is_gguf(policy_file.path) and not (Path(policy_file.path) / "config.json").is_file():
         raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
     return BaseInputs(
         policy=policy_file,

@@ -355,22 +355,21 @@ def _check_inputs_early(config):
 
     Returns:
         Where each base input is (none hashed; a GGUF model's converted folder found by the file's content), for
-        :func:`_check_models`; or None where they are known only later, and checked then, in full
-        (:func:`_prepare`): the demo world's, which the flow builds, and a GGUF model not converted yet.
+        :func:`_check_models`; or None where the weights are there only later, and checked then, in full
+        (:func:`_prepare`): the demo world's, which the flow builds (its tokens too), and a GGUF model not
+        converted yet (its tokens are checked here, from the file, before the conversion).
     """
     from campaign.identity import base_inputs, uses_demo_world
     from flows.inputs import check_files, check_tokens
-    from flows.model_sources import NotConverted
+    from flows.model_sources import is_gguf
 
     check_files(config)
     if uses_demo_world(config):
         return None
-    try:
-        located = base_inputs(config, None, None)
-    except NotConverted:
-        return None
+    located = base_inputs(config, None, None)
     check_tokens(config, located)
-    return located
+    models = (located.policy, located.tokenizer, located.reward_model)
+    return None if any(model is not None and is_gguf(model.path) for model in models) else located
 
 
 def _check_models(config, located) -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from flows.config import PipelineConfig
+from flows.model_sources import gguf_config, gguf_tokenizer, is_gguf
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.errors import UserError
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
@@ -74,11 +75,16 @@ def _first_line(error: BaseException) -> str:
 def _model_limits(setting: str, folder: Path) -> tuple[int | None, int | None]:
     """``(context length, vocabulary size)`` of a model folder, either None where its config does not say: as
     ``config.json`` states them (``max_position_embeddings``, ``vocab_size``), else as ``AutoConfig`` reads them
-    (which imports torch; GPT-2 calls its context ``n_positions``).
+    (which imports torch; GPT-2 calls its context ``n_positions``). For a GGUF file not converted yet, as its
+    conversion will write them (:func:`flows.model_sources.gguf_config`).
 
     Raises:
         FileNotFoundError, InputError: see :func:`_config_of`.
+        ModelSourceError: a GGUF file that cannot be converted.
     """
+    if is_gguf(folder):
+        config = gguf_config(setting, folder)
+        return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
     settings = _config_of(setting, folder)
     context, vocabulary = (settings.get(key) for key in ("max_position_embeddings", "vocab_size"))
     if isinstance(context, int) and isinstance(vocabulary, int):
@@ -116,6 +122,10 @@ def _tokenizer(setting: str, folder: str):
     """
     from tasks.text import load_tokenizer
 
+    if is_gguf(folder):  # not converted yet: as its conversion will save it
+        tokenizer = gguf_tokenizer(setting, Path(folder))
+        tokenizer.model_max_length = sys.maxsize
+        return tokenizer
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as error:  # noqa: BLE001 - a missing or malformed tokenizer raises anything from OSError to TypeError
@@ -345,7 +355,7 @@ def check_tokens(config: PipelineConfig, base: BaseInputs) -> None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:
             reward_tokenizer = _tokenizer("model.reward_model", base.reward_tokenizer)
-            if (Path(base.reward_model.path) / "config.json").is_file():
+            if is_gguf(base.reward_model.path) or (Path(base.reward_model.path) / "config.json").is_file():
                 reward_context, _ = _model_limits("model.reward_model", Path(base.reward_model.path))
         _check_preferences(
             "data.preferences", Path(base.preferences.path), reward_tokenizer,

@@ -164,3 +164,32 @@ ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
         assert row["prompt_ids"] == list(expected["input_ids"]), question
     (preferences_dir,) = (campaign / "collect_preferences").iterdir()
     assert {row["labeler"] for row in read_table(preferences_dir, "preferences").to_pylist()} == {"function"}
+
+
+def test_issue27_the_checks_encode_smollm2s_prompts_as_autotokenizer_and_its_chat_template_do(run_root):
+    """The input checks tokenise before torch is imported, with the stages' own rule (tasks.text.prompt_ids) on the
+    converted folder's tokenizer as storage.tokenizers loads it, and, before a first conversion, on the tokenizer
+    read from the GGUF file itself (rlhf_core.gguf.gguf_tokenizer): both give AutoTokenizer's ids through the chat
+    template (Llama family: SmolLM2), and the file's config states the converted folder's context and vocabulary."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.gguf import gguf_config, gguf_tokenizer
+
+    converted = model_input(FingerprintCache(None), RunLayout(root=run_root), "model.policy", SMOLLM2, convert=False)
+    reference = AutoTokenizer.from_pretrained(converted.path)
+    from_file = gguf_tokenizer(converted.source)
+    chats = [({"role": "user", "content": question},) for _, question, _ in QUESTIONS] + [
+        ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcödé,  two  spaces\n漢字?"})
+    ]
+    for turns in chats:
+        expected = list(
+            reference.apply_chat_template(list(turns), add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
+        assert prompt_ids(load_tokenizer(converted.path), Prompt("", turns)) == expected
+        assert prompt_ids(from_file, Prompt("", turns)) == expected
+    plain = "Plain text, with  two spaces and ünïcödé."
+    assert prompt_ids(load_tokenizer(converted.path), Prompt(plain)) == reference(plain)["input_ids"]
+    config = json.loads((Path(converted.path) / "config.json").read_text())
+    from_file_config = gguf_config(converted.source)
+    limits = (from_file_config.max_position_embeddings, from_file_config.vocab_size)
+    assert limits == (config["max_position_embeddings"], config["vocab_size"]) == (8192, 49152)
