@@ -759,20 +759,24 @@ def test_issue14_verbose_adds_the_traceback_to_a_user_error(capfd):
     assert code == 2 and "Traceback" in stderr and stderr.strip().splitlines()[-1].startswith("rlhf: `ppo.clip_eps`")
 
 
+def _main_in_a_process(argv: list[str], heavy: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """``rlhf <argv>`` in a fresh process, which prints which of the ``heavy`` modules it had imported."""
+    script = (
+        "import sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\nsys.exit(code)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 def test_issue27_a_file_refusal_comes_before_torch_mlflow_or_prefect_is_imported(checkpoint_world, tmp_path):
     """What makes it answer in a second or two with a real model (flows.inputs.check_files): neither the heavy
     libraries nor a Prefect server are loaded for it."""
     prompts = _file(tmp_path, "p.jsonl", _jsonl([{"mesages": [{"role": "user", "content": "a"}]}]))
     argv = _run(tmp_path, checkpoint_world, f"data.prompts={prompts}")
-    script = (
-        "import sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'mlflow', 'prefect') if m in sys.modules))\n"
-        "sys.exit(code)"
-    )
-    finished = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    finished = _main_in_a_process(argv, ("torch", "transformers", "mlflow", "prefect"))
     assert finished.returncode == 2, finished.stderr[-3000:]
     assert "did you mean 'messages'" in finished.stderr
     assert finished.stdout.strip() == "[]", finished.stdout
@@ -814,14 +818,7 @@ def test_issue27_a_refusal_that_needs_the_tokenizer_comes_before_torch_mlflow_or
     """flows.inputs.check_tokens: the tokenizer-level checks (a chat policy with a generic fast tokenizer, whose
     config.json states its context) answer with the stages' own tokenisation before the heavy libraries load."""
     argv = _run(tmp_path, chat_world, *overrides(tmp_path, chat_world))
-    script = (
-        "import sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
-        "print(sorted(m for m in ('torch', 'mlflow', 'prefect') if m in sys.modules))\nsys.exit(code)"
-    )
-    finished = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    finished = _main_in_a_process(argv, ("torch", "mlflow", "prefect"))
     _assert_refused(finished.returncode, finished.stderr, tmp_path / "runs", names, {})
     assert not (tmp_path / "runs").exists(), "a refused command creates no run root"
     assert finished.stdout.strip() == "[]", finished.stdout
