@@ -74,7 +74,7 @@ def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) ->
     root = Path(tempfile.mkdtemp(prefix="rlhf-estimators-", dir=SCRATCH))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
-        config = load_config(config_file or RLHF_DEMO, [*overrides, f"run_root={root}", "torch_threads=1"])
+        config = load_config(config_file or RLHF_DEMO, [*overrides, f"run_root={root}", "execution.torch_threads=1"])
         state, seconds = None, []
         for iteration in range(config.iterations):
             begin = time.perf_counter()

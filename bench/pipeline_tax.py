@@ -112,7 +112,7 @@ def flow_run(world: Path, iterations: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
-        config = load_config(REPO / "configs" / "demo.yaml", [f"run_root={root}", "torch_threads=1"])
+        config = load_config(REPO / "configs" / "demo.yaml", [f"run_root={root}", "execution.torch_threads=1"])
         state, profile = None, cProfile.Profile()
         for iteration in range(iterations):
             if iteration == iterations - 1:
@@ -167,7 +167,7 @@ def plain_run(world: Path, iterations: int) -> dict:
     from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists
     from tasks.text import batches, conversation_id_lists, decode, load_tokenizer, read_prompts, rotating_subset
 
-    config = load_config(REPO / "configs" / "demo.yaml", ["torch_threads=1"])
+    config = load_config(REPO / "configs" / "demo.yaml", ["execution.torch_threads=1"])
     paths = world_at(world)
     clock = Clock()
     tokenizer = load_tokenizer(str(paths.model_dir))

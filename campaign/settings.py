@@ -75,8 +75,9 @@ CAMPAIGN_START = ("initialize",)
 """Stages that run once per campaign, before its first iteration. What they received shaped the policy a replay
 starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""
 
-EXECUTION = ("device", "torch_threads", "checkpoint_seconds", "model.gradient_checkpointing", "execution")
-"""Where and how stages run: part of no input key, so a campaign can continue elsewhere."""
+EXECUTION = ("execution",)
+"""Where and how stages run (:class:`flows.config.ExecutionConfig`, every field of it): part of no input key, so a
+campaign can continue elsewhere."""
 LOCATION = ("run_root", "tracking_uri", "tracking_ui_url")
 """Where the store is."""
 

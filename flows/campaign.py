@@ -4,8 +4,6 @@ MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import polars as pl
@@ -28,8 +26,7 @@ from flows.config import PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.inputs import InputError, check_inputs
 from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
-from rlhf_core.loading import count_parameters
-from rlhf_core.precision import resolve_threads
+from rlhf_core.loading import command_threads
 from storage.diagnostics import describe_flag, drift_flags
 from storage.tracking import (
     KIND_ITERATION,
@@ -84,37 +81,24 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
-@functools.cache
-def _load_at_start() -> float:
-    """The machine's 1-minute load average when this process first asked: every iteration of a command then runs
-    on the same number of threads (its own stages would raise the load it reads later)."""
-    return os.getloadavg()[0]
-
-
 def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
-    """How ``config``'s stages run; ``torch_threads: auto`` chosen from the policy's size and this machine's cores
-    (:func:`rlhf_core.precision.resolve_threads`)."""
+    """How ``config``'s stages run; ``execution.torch_threads: auto`` chosen from the policy's size and this
+    machine's cores (:func:`rlhf_core.precision.resolve_threads`)."""
+    execution = config.execution
     return Execution(
-        device=config.device,
-        torch_threads=resolve_threads(
-            config.torch_threads,
-            parameters=count_parameters(base.policy.path),
-            cores=len(os.sched_getaffinity(0)),
-            load=_load_at_start(),
-        ),  # fmt: skip
-        checkpoint_seconds=config.checkpoint_seconds,
-        gradient_checkpointing=config.model.gradient_checkpointing,
-        task_runner=config.execution.task_runner,
-        address=config.execution.address,
-        training_processes=config.execution.training_processes,
-        accelerate_config=None
-        if config.execution.accelerate_config is None
-        else str(config.execution.accelerate_config),
-        training_launcher=config.execution.training_launcher,
-        rendezvous_timeout=config.execution.rendezvous_timeout,
-        sharding=config.execution.sharding,
-        frozen_model_bytes=int(config.execution.frozen_models_gb * 2**30),
-        engine_url=config.execution.engine_url,
+        device=execution.device,
+        torch_threads=command_threads(execution.torch_threads, base.policy.path),
+        checkpoint_seconds=execution.checkpoint_seconds,
+        gradient_checkpointing=execution.gradient_checkpointing,
+        task_runner=execution.task_runner,
+        address=execution.address,
+        training_processes=execution.training_processes,
+        accelerate_config=None if execution.accelerate_config is None else str(execution.accelerate_config),
+        training_launcher=execution.training_launcher,
+        rendezvous_timeout=execution.rendezvous_timeout,
+        sharding=execution.sharding,
+        frozen_model_bytes=int(execution.frozen_models_gb * 2**30),
+        engine_url=execution.engine_url,
     )
 
 

@@ -7,10 +7,13 @@ in ``configs/`` are diffs from these defaults; ``--set a.b=value`` overrides app
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
+import logging
 import textwrap
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -43,6 +46,8 @@ from rlhf_core.config import (
 )
 from rlhf_core.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 
 class _Frozen(BaseModel):
     # No NaN or infinity in any number; the stage configs refuse them in their own checks.
@@ -68,9 +73,6 @@ class ModelSource(_Frozen):
     lora: LoraConfig | None = None
     """Low-rank adapters on every trained model (actor, critic, reward model); `--set model.lora.r=8` alone turns
     them on with the other defaults. None trains every weight."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass of every trained model: less memory, about a third more compute.
-    Results are the same, so it is part of no input key."""
 
 
 class DataSource(_Frozen):
@@ -136,9 +138,24 @@ class RewardSource(_Frozen):
 
 
 class ExecutionConfig(_Frozen):
-    """Where the stages' work runs: on which engine the generation stages fan out, how many processes train.
-    Part of no input key: the same config gives byte-identical outputs on every runner (see docs/scaling.md)."""
+    """Where and how fast the stages' work runs: the device and threads, how often training saves its progress,
+    on which engine the generation stages fan out, how many processes train. None of it changes an output, so it
+    is part of no input key and of no campaign's identity: a campaign may continue anywhere, and a replay may
+    change any of it (docs/scaling.md)."""
 
+    device: DeviceChoice = "auto"
+    """Where every model runs: `auto` (CUDA when torch sees a GPU, else the CPU), `cpu` or `cuda`. Outputs are the
+    same on any device (to float rounding on a GPU)."""
+    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
+    fastest there); for a larger one the cores other work leaves idle when the command starts (SmolLM2-135M: 1.7x
+    faster on 2 idle cores than on 1, far slower on 2 busy ones; rlhf_core.precision.resolve_threads)."""
+    checkpoint_seconds: float = Field(60.0, ge=0)
+    """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
+    A crashed stage continues from its last save; short stages never pay for saving."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass of every trained model: less memory, about a third more compute,
+    the same results."""
     task_runner: Literal["local", "dask", "ray"] = "local"
     """Where the shards of sample_candidates, rollout, evaluate and reward-model labelling run: `local` (in the
     stage's own process, one after another), `dask` or `ray` (Prefect task runners, one task per shard)."""
@@ -159,7 +176,7 @@ class ExecutionConfig(_Frozen):
     own); DeepSpeed and Megatron-LM are refused (docs/scaling.md)."""
     training_launcher: Literal["accelerate", "ray"] = "accelerate"
     """How the `execution.training_processes` processes start: `accelerate launch` on this machine, or `ray`: Ray
-    Train workers (one CPU each, one GPU each with `device` cuda) placed anywhere on the Ray cluster at
+    Train workers (one CPU each, one GPU each with `execution.device` cuda) placed anywhere on the Ray cluster at
     `execution.address` (a local Ray without one), several machines included (docs/scaling.md). Either way
     `execution.accelerate_config`'s FSDP settings shard the models."""
     rendezvous_timeout: float = Field(300.0, gt=0)
@@ -181,6 +198,11 @@ class ExecutionConfig(_Frozen):
     engine_port: int = Field(0, ge=0, lt=65536)
     """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
     free one."""
+    engine_compile: bool = True
+    """Compile the model of the generation engine the command starts (vLLM's default: torch.compile, and CUDA graphs
+    on a GPU): a slower start for faster sampling. On this project's 2-core CPU, SmolLM2-135M sampled 22% more
+    tokens/s compiled, for 75 s more at each start (bench/RESULTS.md section 8); `false` runs eager, for short
+    commands."""
 
     @model_validator(mode="after")
     def _engine_is_installed(self) -> ExecutionConfig:
@@ -293,19 +315,10 @@ class PipelineConfig(_Frozen):
     """Root seed; every stage derives its own from (seed, stage, iteration)."""
     iterations: int = Field(8, gt=0)
     """Iterations a campaign runs."""
-    device: DeviceChoice = "auto"
-    """Where every model runs: `auto` (CUDA when torch sees a GPU, else the CPU), `cpu` or `cuda`. Part of no
-    input key: outputs are the same on any device (to float rounding on a GPU)."""
     precision: Precision = "fp32"
     """Numeric precision of every forward pass: `fp32`, `bf16` or `fp16` (a GPU only). Trained weights stay fp32
-    (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32."""
-    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
-    """torch intra-op threads, set by every stage. `auto`: one for a model under 20 M parameters (the demo's: one is
-    fastest there); for a larger one the cores other work leaves idle when the command starts (SmolLM2-135M: 1.7x
-    faster on 2 idle cores than on 1, far slower on 2 busy ones; rlhf_core.precision.resolve_threads)."""
-    checkpoint_seconds: float = Field(60.0, ge=0)
-    """Save mid-stage progress (reward-model and PPO epochs) at most this often; 0 saves every epoch.
-    A crashed stage continues from its last save; short stages never pay for saving."""
+    (Accelerate's mixed precision); frozen models are held in this precision; log-probs and losses are fp32. It
+    changes the outputs, so unlike where they are computed (`execution`) it is part of the stages' input keys."""
     execution: ExecutionConfig = ExecutionConfig()
     labeler: LabelerName | None = None
     """Who labels candidate pairs when a reward model learns from them: an imported file (`import`, with
@@ -322,6 +335,16 @@ class PipelineConfig(_Frozen):
     reward_model: RewardModelConfig = RewardModelConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     ppo: PPOConfig = PPOConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_settings(cls, data: Any) -> Any:
+        """A config written before a setting moved (:data:`MOVED_SETTINGS`), as a run recorded it, reads the same."""
+        if not isinstance(data, dict):
+            return data
+        data = copy.deepcopy(data)
+        move_settings(data)
+        return data
 
     @field_validator("run_root")
     @classmethod
@@ -470,6 +493,50 @@ def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node[leaf] = value
 
 
+MOVED_SETTINGS = {
+    "device": "execution.device",
+    "torch_threads": "execution.torch_threads",
+    "checkpoint_seconds": "execution.checkpoint_seconds",
+    "model.gradient_checkpointing": "execution.gradient_checkpointing",
+}
+"""Old name -> new name of the settings that moved into `execution`, the one home of where and how work runs. A
+config file or ``--set`` naming one the old way is read the new way with a notice (until the next release, which
+refuses it); the config a run recorded (its ``config.json``, a deployment's parameters) silently, always: a
+campaign is history, and its old runs stay readable."""
+
+
+def move_settings(tree: dict[str, Any]) -> list[str]:
+    """Move every setting ``tree`` gives under an old name (:data:`MOVED_SETTINGS`) to its new place, in place.
+
+    Returns:
+        The old names found.
+
+    Raises:
+        ValueError: a setting is given under both names.
+    """
+    moved = []
+    for old, new in MOVED_SETTINGS.items():
+        *parents, leaf = old.split(".")
+        section = _get_dotted(tree, ".".join(parents)) if parents else tree
+        if not isinstance(section, dict) or leaf not in section:
+            continue
+        if _get_dotted(tree, new) is not None:
+            raise ValueError(f"`{old}` is the old name of `{new}`, and both are given: keep `{new}`")
+        _set_dotted(tree, new, section.pop(leaf))
+        moved.append(old)
+    return moved
+
+
+@functools.cache  # once per process and origin: a command may read its config twice (`rlhf config`, a replay)
+def _tell_moved(old: str, origin: str) -> None:
+    logger.warning(
+        "%s: `%s` is now `%s`; the old name is read until the next release, which refuses it",
+        origin,
+        old,
+        MOVED_SETTINGS[old],
+    )
+
+
 PATH_SETTINGS = ("run_root", "data.prompts", "data.eval_prompts", "data.preferences", "execution.accelerate_config")
 """Settings that are paths: relative ones in a config file are relative to its folder, given with ``--set`` to the
 working directory (:func:`absolute_path`)."""
@@ -509,16 +576,21 @@ def _absolute_paths(tree: dict[str, Any], folder: Path) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"ppo.epochs=2"`` -> ``("ppo.epochs", 2)``; the value is parsed as YAML.
+    """``"ppo.epochs=2"`` -> ``("ppo.epochs", 2)``; the value is parsed as YAML, an old name
+    (:data:`MOVED_SETTINGS`) is given as the new one, with a notice.
 
     Raises:
         ConfigError: not ``key=value``, or the value is not YAML (``[1,``).
     """
     key, separator, raw = text.partition("=")
-    if not separator or not key.strip():
+    key = key.strip()
+    if not separator or not key:
         raise ConfigError(f"--set {text}: an override must look like `section.field=value`")
+    if key in MOVED_SETTINGS:
+        _tell_moved(key, f"--set {text}")
+        key = MOVED_SETTINGS[key]
     try:
-        return key.strip(), yaml.safe_load(raw)
+        return key, yaml.safe_load(raw)
     except yaml.YAMLError as error:
         raise ConfigError(f"--set {text}: the value is not valid YAML ({_yaml_problem(error)})") from error
 
@@ -610,6 +682,12 @@ def load_config(
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping, got {type(tree).__name__}")
         _absolute_paths(tree, Path(path).absolute().parent)
+        try:
+            moved = move_settings(tree)
+        except ValueError as error:
+            raise ConfigError(f"config file {path}: {error}") from None
+        for old in moved:
+            _tell_moved(old, f"config file {path}")
     given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)

@@ -378,12 +378,13 @@ def check_models(config: PipelineConfig, base: BaseInputs) -> None:
     from tasks.text import load_tokenizer, prompt_text, read_prompts
 
     try:
-        device = resolve_device(config.device)
+        device = resolve_device(config.execution.device)
     except ValueError as error:
         raise InputError(str(error)) from error
     if config.precision == "fp16" and device.type != "cuda":
         raise InputError(
-            f"`precision` fp16 needs a CUDA device; `device` {config.device} runs on the CPU: use bf16 or fp32"
+            f"`precision` fp16 needs a CUDA device; `execution.device` {config.execution.device} runs on the CPU: "
+            "use bf16 or fp32"
         )
     _check_weights("model.policy", Path(base.policy.path))
     if base.preferences is not None and base.reward_model is not None:  # what scores the imported pairs

@@ -30,6 +30,7 @@ from pathlib import Path
 from flows.children import free_port, launch_tied, stop
 from flows.config import PipelineConfig
 from rlhf_core.errors import UserError
+from rlhf_core.loading import command_threads
 
 logger = logging.getLogger(__name__)
 
@@ -59,27 +60,27 @@ def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str
     """The server's command-line options for ``config``, serving ``policy`` first."""
     from rlhf_core.precision import resolve_device
 
-    device = resolve_device(config.device).type
+    device = resolve_device(config.execution.device).type
     arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[config.precision]]
     if config.model.lora is not None:
         arguments += ["--max-lora-rank", str(config.model.lora.r)]
-    if device == "cpu":
-        arguments.append("--enforce-eager")  # torch.compile costs 20+ s a start on CPU and gains little there
-    else:
+    if not config.execution.engine_compile:
+        arguments.append("--enforce-eager")
+    if device != "cpu":
         arguments += ["--gpu-memory-utilization", str(config.execution.engine_gpu_memory)]
     return arguments
 
 
-def _environment(config: PipelineConfig) -> dict[str, str]:
+def _environment(config: PipelineConfig, policy: str) -> dict[str, str]:
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     environment.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in the server's process: deterministic scheduling
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
-    # The CPU build's KV cache (GiB), and its threads: the project's own thread count unless set.
+    # The CPU build's KV cache (GiB), and its threads: the stages' own thread count unless set.
     environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    environment.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
+    environment.setdefault("OMP_NUM_THREADS", str(command_threads(config.execution.torch_threads, policy)))
     environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return environment
 
@@ -171,7 +172,7 @@ def ensure_engine(config: PipelineConfig, policy: str) -> str:
         process = launch_tied(
             str(python),
             [str(python), "-I", str(SERVER), *server_arguments(config, policy, port)],
-            env=_environment(config),
+            env=_environment(config, policy),
             stdout=output,
             stderr=subprocess.STDOUT,
         )

@@ -42,6 +42,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -69,7 +70,14 @@ from transformers import (
 
 from rlhf_core.config import LoraConfig
 from rlhf_core.models import Critic, RewardModel, freeze, hidden_size
-from rlhf_core.precision import Precision, accelerate_mixed_precision, autocast, check_precision, compute_dtype
+from rlhf_core.precision import (
+    Precision,
+    accelerate_mixed_precision,
+    autocast,
+    check_precision,
+    compute_dtype,
+    resolve_threads,
+)
 from rlhf_core.vllm_client import ServedPolicy
 
 logger = logging.getLogger(__name__)
@@ -494,6 +502,22 @@ def count_parameters(folder: str | Path) -> int:
     if total == 0:
         total = sum(path.stat().st_size for path in folder.glob("pytorch_model*.bin")) // 4
     return total
+
+
+@functools.cache
+def _load_at_start() -> float:
+    """The machine's 1-minute load average when this process first asked: every iteration of a command, and the
+    generation engine it starts, then run on the same number of threads (its own stages would raise the load it
+    reads later)."""
+    return os.getloadavg()[0]
+
+
+def command_threads(choice: int | str, policy: str | Path) -> int:
+    """The torch threads ``execution.torch_threads`` (``choice``) gives this command for the policy in the folder
+    ``policy`` on this machine (:func:`rlhf_core.precision.resolve_threads`)."""
+    return resolve_threads(
+        choice, parameters=count_parameters(policy), cores=len(os.sched_getaffinity(0)), load=_load_at_start()
+    )
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -8,8 +8,8 @@ Choices:
    precision's dtype, which halves their memory.
 2. Log-probs, losses, values and scores are always cast to fp32 before any arithmetic on them
    (:func:`rlhf_core.sequences.logprobs_from_logits` and the model heads do it).
-3. ``device`` is ``auto`` (CUDA when available), ``cpu`` or ``cuda``. Asking for CUDA where
-   there is none is an error, never a silent fall-back to the CPU.
+3. ``device`` (the setting ``execution.device``) is ``auto`` (CUDA when available), ``cpu`` or
+   ``cuda``. Asking for CUDA where there is none is an error, never a silent fall-back to the CPU.
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" or choice.startswith("cuda:"):
         if not torch.cuda.is_available():
             raise ValueError(
-                f"`device` is {choice!r} but torch sees no CUDA device on this machine; use `auto` or `cpu`"
+                f"`execution.device` is {choice!r} but torch sees no CUDA device on this machine; use `auto` or `cpu`"
             )
         return torch.device(choice)
-    raise ValueError(f"`device` must be one of {get_args(DeviceChoice)}, got {choice!r}")
+    raise ValueError(f"`execution.device` must be one of {get_args(DeviceChoice)}, got {choice!r}")
 
 
 AUTO_THREADS_MIN_PARAMETERS = 20_000_000
-"""From this many parameters up, ``torch_threads: auto`` takes the idle cores; below, one thread: a small model's
-matrix products are too short to pay for waking a second thread (``bench/torch_threads.py``)."""
+"""From this many parameters up, ``execution.torch_threads: auto`` takes the idle cores; below, one thread: a small
+model's matrix products are too short to pay for waking a second thread (``bench/torch_threads.py``)."""
 
 
 def resolve_threads(choice: int | str, *, parameters: int, cores: int, load: float = 0.0) -> int:
@@ -84,7 +84,7 @@ def resolve_threads(choice: int | str, *, parameters: int, cores: int, load: flo
         return max(1, min(cores, cores - math.floor(load))) if parameters >= AUTO_THREADS_MIN_PARAMETERS else 1
     if isinstance(choice, int) and not isinstance(choice, bool) and choice > 0:
         return choice
-    raise ValueError(f"`torch_threads` must be a positive number or auto, got {choice!r}")
+    raise ValueError(f"`execution.torch_threads` must be a positive number or auto, got {choice!r}")
 
 
 @contextmanager

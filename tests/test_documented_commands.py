@@ -76,7 +76,11 @@ def _has_cuda() -> bool:
 SUBSTITUTIONS = [
     (r"^bash scripts/setup\.sh && ", "", "the suite runs inside the environment setup.sh made (CI runs it first)"),
     (r"^bash scripts/test\.sh\b", None, "it runs the suite this test is part of (CI runs it)"),
-    (r"device=cuda", "device=cpu", "without a GPU, `device=cuda` is refused; skipped only where torch sees none"),
+    (
+        r"execution\.device=cuda",
+        "execution.device=cpu",
+        "without a GPU, `execution.device=cuda` is refused; skipped only where torch sees none",
+    ),
 ]
 """``(pattern, replacement, reason)``: a command matching ``pattern`` is rewritten (None: not run)."""
 
@@ -200,7 +204,7 @@ class Page:
             if re.search(pattern, command):
                 if replacement is None:
                     return None
-                if pattern == "device=cuda" and _has_cuda():
+                if pattern == r"execution\.device=cuda" and _has_cuda():
                     continue
                 command = re.sub(pattern, replacement, command)
         for documented, port in self.ports.items():

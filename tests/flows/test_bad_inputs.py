@@ -116,7 +116,11 @@ CONFIG_CASES = [
     Case("set-nan", lambda t, w: _run(t, w, "ppo.clip_eps=.nan"), ("`ppo.clip_eps`", "finite", "--set")),
     Case("set-inf", lambda t, w: _run(t, w, "reward_model.learning_rate=.inf"), ("reward_model.learning_rate",)),
     Case("set-nan-lr", lambda t, w: _run(t, w, "ppo.actor_learning_rate=.nan"), ("ppo.actor_learning_rate",)),
-    Case("set-inf-seconds", lambda t, w: _run(t, w, "checkpoint_seconds=.inf"), ("checkpoint_seconds", "finite")),
+    Case(
+        "set-inf-seconds",
+        lambda t, w: _run(t, w, "execution.checkpoint_seconds=.inf"),
+        ("execution.checkpoint_seconds", "finite"),
+    ),
     Case("set-gamma-range", lambda t, w: _run(t, w, "advantages.gamma=1.5"), ("`advantages.gamma`", "<= 1")),
     Case("set-top-p-zero", lambda t, w: _run(t, w, "sampling.top_p=0"), ("`sampling.top_p`", "> 0")),
     Case("set-negative-epochs", lambda t, w: _run(t, w, "ppo.epochs=-1"), ("`ppo.epochs`",)),
@@ -136,7 +140,7 @@ CONFIG_CASES = [
         lambda t, w: ["serve", "--config", str(TINY), "--interval", "nan"],
         ("interval", "positive"),
     ),
-    Case("fp16-on-cpu", lambda t, w: _run(t, w, "precision=fp16", "device=cpu"), ("`precision` fp16",)),
+    Case("fp16-on-cpu", lambda t, w: _run(t, w, "precision=fp16", "execution.device=cpu"), ("`precision` fp16",)),
 ]
 
 FILE_CASES = [
@@ -394,7 +398,9 @@ MODEL_CASES += [
     ),
 ]
 if not torch.cuda.is_available():
-    MODEL_CASES.append(Case("cuda-without-a-gpu", lambda t, w: _run(t, w, "device=cuda"), ("`device`", "no CUDA")))
+    MODEL_CASES.append(
+        Case("cuda-without-a-gpu", lambda t, w: _run(t, w, "execution.device=cuda"), ("`execution.device`", "no CUDA"))
+    )
 
 
 def _files(run_root: Path) -> dict[str, str]:
@@ -582,7 +588,8 @@ def test_issue15_a_campaign_refuses_a_config_it_was_not_started_with(finished, c
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the MLflow UI opens on runs
     # The same campaign with other execution settings and more iterations is the same campaign (it reuses stage 0 on).
     code, stderr = _main(
-        _run(tmp_path, checkpoint_world, "torch_threads=2", "checkpoint_seconds=5", "iterations=1"), capfd
+        _run(tmp_path, checkpoint_world, "execution.torch_threads=2", "execution.checkpoint_seconds=5", "iterations=1"),
+        capfd,
     )
     assert code == 0, stderr
 

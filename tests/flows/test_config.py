@@ -248,3 +248,34 @@ def test_issue27_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
     nested.write_text("ppo:\n  epochs: 1\n  clip_eps: 0.1\n  epochs: 3\n")
     with pytest.raises(ConfigError, match=r"nested.yaml: `epochs` is given twice, at lines 2 and 4"):
         load_config(nested)
+
+
+def test_issue26_an_execution_setting_under_its_old_name_is_read_in_its_new_place_with_a_notice(tmp_path, caplog):
+    from flows.config import MOVED_SETTINGS, _tell_moved, setting_names
+
+    assert not set(MOVED_SETTINGS) & set(setting_names()) and set(MOVED_SETTINGS.values()) <= set(setting_names())
+    _tell_moved.cache_clear()  # each notice is said once per process: this test counts them
+    old = tmp_path / "old.yaml"
+    old.write_text("demo: true\nlabeler: gold\ndevice: cpu\ntorch_threads: 2\nmodel:\n  gradient_checkpointing: true\n")
+    new = tmp_path / "new.yaml"
+    new.write_text(
+        "demo: true\nlabeler: gold\nexecution:\n  device: cpu\n  torch_threads: 2\n  gradient_checkpointing: true\n"
+    )
+    overrides = ["checkpoint_seconds=5", "torch_threads=3"]  # --set wins over the file, as ever
+    config = load_config(old, overrides)
+    assert config == load_config(new, ["execution.checkpoint_seconds=5", "execution.torch_threads=3"])
+    assert (config.execution.torch_threads, config.execution.checkpoint_seconds) == (3, 5.0)
+    said = [record.getMessage() for record in caplog.records if record.name == "flows.config"]
+    assert len(said) == len(MOVED_SETTINGS) + 1  # the file's three, then each --set
+    assert said[0] == (
+        f"config file {old}: `device` is now `execution.device`; the old name is read until the next release, "
+        "which refuses it"
+    )
+    assert said[-1].startswith("--set torch_threads=3: `torch_threads` is now `execution.torch_threads`;")
+
+
+def test_issue26_a_setting_given_under_both_names_is_refused(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("device: cpu\nexecution:\n  device: cuda\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: `device` is the old name of `execution\.device`, and both"):
+        load_config(both)

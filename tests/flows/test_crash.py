@@ -46,7 +46,7 @@ STAGES = [
     "evaluate",
 ]
 WINDOWS = ["computing", "output", "recording"]
-COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "checkpoint_seconds=0"]
+COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "execution.checkpoint_seconds=0"]
 DEADLINE = 600
 
 

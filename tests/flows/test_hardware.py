@@ -40,7 +40,7 @@ def bf16_campaign(prefect_server, checkpoint_world, tmp_path_factory):
             f"data.prompts={checkpoint_world['prompts']}",
             f"data.eval_prompts={checkpoint_world['eval_prompts']}",
             "precision=bf16",
-            "device=cpu",
+            "execution.device=cpu",
         ],
     )
     state = rlhf_campaign(config, return_state=True)
@@ -69,7 +69,7 @@ def test_every_stage_ran_its_models_on_the_seams_device_in_its_roles_dtype(bf16_
     assert manifests and len(manifests) == (1 if stage == "initialize" else config.iterations)
     for manifest in manifests:
         runtime = manifest["runtime"]
-        assert runtime["device"] == "cpu" and config.torch_threads == "auto"
+        assert runtime["device"] == "cpu" and config.execution.torch_threads == "auto"
         assert runtime["torch_threads"] == 1  # auto: one thread for a model under 20 M parameters
         loaded = [(m["role"], m["dtype"], m["trainable"]) for m in runtime.get("models", [])]
         assert loaded == MODELS[stage]
@@ -90,7 +90,7 @@ def lora_campaign(prefect_server, checkpoint_world, tmp_path_factory):
             f"data.eval_prompts={checkpoint_world['eval_prompts']}",
             "precision=bf16",
             "model.lora.r=4",
-            "model.gradient_checkpointing=true",
+            "execution.gradient_checkpointing=true",
         ],
     )
     return config, rlhf_campaign(config, return_state=True)

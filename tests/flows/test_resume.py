@@ -30,7 +30,7 @@ def _file_hashes(campaign_dir: Path) -> dict[str, str]:
     return hashes
 
 
-COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "checkpoint_seconds=0"]
+COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "execution.checkpoint_seconds=0"]
 
 
 def _world(checkpoint_world) -> list[str]:

@@ -150,7 +150,7 @@ def test_two_training_processes_resume_after_kill_minus_nine_as_if_never_crashed
         f"model.policy={checkpoint_world['policy']}",
         f"data.prompts={checkpoint_world['prompts']}",
         f"data.eval_prompts={checkpoint_world['eval_prompts']}",
-        "execution.training_processes=2", "ppo.epochs=6", "reward_model.epochs=3", "checkpoint_seconds=0",
+        "execution.training_processes=2", "ppo.epochs=6", "reward_model.epochs=3", "execution.checkpoint_seconds=0",
     ]  # fmt: skip
     uninterrupted = load_config(CONFIGS / "tiny.yaml", [f"run_root={tmp_path / 'uninterrupted'}", *overrides])
     assert rlhf_campaign(uninterrupted, return_state=True).is_completed()

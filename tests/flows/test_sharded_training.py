@@ -122,7 +122,7 @@ def test_a_sharded_campaign_resumes_after_kill_minus_nine_as_if_never_crashed(
         f"model.policy={checkpoint_world['policy']}",
         f"data.prompts={checkpoint_world['prompts']}",
         f"data.eval_prompts={checkpoint_world['eval_prompts']}",
-        *SHARDED, "ppo.epochs=4", "reward_model.epochs=2", "checkpoint_seconds=0",
+        *SHARDED, "ppo.epochs=4", "reward_model.epochs=2", "execution.checkpoint_seconds=0",
     ]  # fmt: skip
     uninterrupted = load_config(CONFIGS / "tiny.yaml", [f"run_root={tmp_path / 'uninterrupted'}", *overrides])
     assert rlhf_campaign(uninterrupted, return_state=True).is_completed()

@@ -77,7 +77,7 @@ def test_issue23_one_iteration_of_smollm2_through_its_gguf_file(run_root, tmp_pa
         f"""campaign: smollm2-ci
 run_root: {run_root}
 iterations: 1
-torch_threads: 1
+execution: {{torch_threads: 1}}
 model:
   policy: {SMOLLM2}
   lora: {{r: 4}}
@@ -136,7 +136,7 @@ def test_issue23_a_reward_model_learned_from_a_rubrics_labels_samples_through_th
         f"""campaign: smollm2-ci-rm
 run_root: {run_root}
 iterations: 1
-torch_threads: 1
+execution: {{torch_threads: 1}}
 labeler: function
 model:
   policy: {SMOLLM2}

@@ -28,13 +28,13 @@ def test_autocast_runs_matrix_products_in_the_precision_and_fp32_changes_nothing
 def test_device_choices():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match="`device` must be one of"):
+    with pytest.raises(ValueError, match="`execution.device` must be one of"):
         resolve_device("tpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_asking_for_cuda_without_a_gpu_is_an_error_not_a_silent_cpu_run():
-    with pytest.raises(ValueError, match="`device` is 'cuda' but torch sees no CUDA device"):
+    with pytest.raises(ValueError, match="`execution.device` is 'cuda' but torch sees no CUDA device"):
         resolve_device("cuda")
 
 
@@ -48,5 +48,5 @@ def test_issue23_auto_threads_take_every_core_for_a_large_model_and_one_for_a_sm
     assert resolve_threads("auto", parameters=134_515_008, cores=16, load=4.2) == 12
     assert resolve_threads("auto", parameters=134_515_008, cores=2, load=0.7) == 2  # a light load: both
     assert resolve_threads(3, parameters=100_000, cores=2, load=18.0) == 3  # a number is kept as it is
-    with pytest.raises(ValueError, match="`torch_threads`"):
+    with pytest.raises(ValueError, match="`execution.torch_threads`"):
         resolve_threads(0, parameters=1, cores=2)

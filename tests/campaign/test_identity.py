@@ -1,0 +1,115 @@
+"""A campaign's identity: what a run recorded before a setting moved still names the same campaign and runs.
+
+``config_recorded_before_issue26.json`` is the ``config.json`` rlhf-pipeline recorded (commit cf9f86ce) beside an
+iteration run of ``configs/tiny.yaml`` with ``--set run_root=/runs iterations=1 device=cpu torch_threads=2
+checkpoint_seconds=5 model.gradient_checkpointing=true execution.frozen_models_gb=0.5``: the execution settings
+still at the top level and in ``model``. The fingerprint, campaign fields and iteration key below are what that
+version computed for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from campaign.identity import campaign_fields, config_fingerprint, run_key
+from campaign.store import CONFIG_ARTIFACT, source_config, store_tracker
+from flows.cli import main
+from flows.config import PipelineConfig, _tell_moved, load_config
+from storage.tracking import (
+    KIND_ITERATION,
+    TAG_CAMPAIGN,
+    TAG_CAMPAIGN_CONFIG,
+    TAG_CONFIG_FINGERPRINT,
+    TAG_ITERATION,
+    TAG_ITERATION_KEY,
+    TAG_KIND,
+)
+from tasks.context import BaseInputs, InputFile
+
+HERE = Path(__file__).parent
+TINY = HERE.parents[1] / "configs" / "tiny.yaml"
+RECORDED = (HERE / "config_recorded_before_issue26.json").read_text()
+
+FINGERPRINT = "0121c676d26d71b1c44c687ed59e09907027c1acf68715ccfe978442555688ea"
+ITERATION_KEY = "99883634608aa61806c0c8a30f2ff3fd44db1b72cfedcf24a9093118d0fef228"
+CAMPAIGN_CONFIG = {  # the experiment tag `rlhf.campaign_config` that version wrote
+    "campaign": "tiny",
+    "data": {"eval_prompts": None, "preferences": None, "prompts": None},
+    "demo": True,
+    "human": {},
+    "labeler": "gold",
+    "model": {"critic_init": "policy", "lora": None, "policy": None, "reward_model": None, "tokenizer": None},
+    "precision": "fp32",
+    "reward": {"function": None, "source": "reward_model"},
+    "reward_model": {
+        "batch_size": 8,
+        "epochs": 1,
+        "eval_fraction": 0.25,
+        "learning_rate": 0.0003,
+        "max_grad_norm": 1.0,
+        "train": True,
+        "use_margin": True,
+        "weight_decay": 0.0,
+    },
+    "sampling": {"batch_size": 16, "engine": "hf", "max_new_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    "seed": 0,
+    "sizes": {
+        "candidates_per_prompt": 2,
+        "preference_prompts": 16,
+        "rollout_prompts": 16,
+        "rows_per_shard": 4096,
+        "samples_per_prompt": 1,
+    },
+}
+BASE = BaseInputs(
+    policy=InputFile(path="/inputs/policy", sha256="p" * 64),
+    tokenizer=InputFile(path="/inputs/policy", sha256="p" * 64),
+    prompts=InputFile(path="/inputs/prompts.jsonl", sha256="1" * 64),
+    eval_prompts=InputFile(path="/inputs/eval_prompts.jsonl", sha256="2" * 64),
+)
+MOVED = ["device=cpu", "torch_threads=2", "checkpoint_seconds=5", "model.gradient_checkpointing=true"]
+"""The overrides of the recorded run, by their old names."""
+
+
+def test_issue26_a_config_recorded_before_the_execution_settings_moved_reads_as_the_same_campaign():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    execution = recorded.execution
+    assert (execution.device, execution.torch_threads, execution.checkpoint_seconds) == ("cpu", 2, 5.0)
+    assert execution.gradient_checkpointing and execution.frozen_models_gb == 0.5
+    now = load_config(TINY, ["run_root=/runs", "iterations=1", "execution.frozen_models_gb=0.5"] + MOVED)
+    assert recorded == now
+    assert config_fingerprint(recorded) == FINGERPRINT
+    assert campaign_fields(recorded) == CAMPAIGN_CONFIG
+    assert run_key(recorded, BASE, "", 0) == ITERATION_KEY
+
+
+def test_issue26_a_campaign_finished_before_the_move_has_nothing_to_run_with_the_old_names_or_the_new(
+    tmp_path, capsys, caplog
+):
+    # The store as that version left it: the campaign's tags and one finished iteration run with its config.
+    tracker = store_tracker(load_config(TINY, [f"run_root={tmp_path}"]))
+    experiment_id = tracker.experiment_id("tiny")
+    tracker.set_experiment_tags(
+        experiment_id,
+        {TAG_CAMPAIGN_CONFIG: json.dumps(CAMPAIGN_CONFIG, sort_keys=True), TAG_CONFIG_FINGERPRINT: FINGERPRINT},
+    )
+    tags = {TAG_CAMPAIGN: "tiny", TAG_ITERATION: "0", TAG_KIND: KIND_ITERATION, TAG_ITERATION_KEY: ITERATION_KEY}
+    run_id = tracker.start_run(experiment_id, name="iteration-0", tags=tags)
+    tracker.log_text(run_id, RECORDED, CONFIG_ARTIFACT)
+    tracker.end_run(run_id)
+    _tell_moved.cache_clear()  # each notice is said once per process: this test counts them
+
+    for names in (MOVED, ["execution.torch_threads=1", "execution.checkpoint_seconds=60"]):  # free to change
+        overrides = [f"run_root={tmp_path}", "iterations=1", *names]
+        assert main(["run", "--config", str(TINY), *(f"--set={text}" for text in overrides)]) == 0
+        assert "all 1 iterations are finished; nothing to run" in capsys.readouterr().out
+    notices = [record.getMessage() for record in caplog.records if record.name == "flows.config"]
+    assert notices == [
+        f"--set {text}: `{text.partition('=')[0]}` is now `execution.{text.partition('=')[0].rpartition('.')[2]}`; "
+        "the old name is read until the next release, which refuses it"
+        for text in MOVED
+    ]
+    # What `rlhf replay`, `export` and `gc` read of the iteration.
+    read = source_config(load_config(TINY, [f"run_root={tmp_path}"]), run_id)
+    assert read == PipelineConfig.model_validate_json(RECORDED) and read.execution.torch_threads == 2
