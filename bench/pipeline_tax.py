@@ -164,17 +164,8 @@ def plain_run(world: Path, iterations: int) -> dict:
     from tasks.evaluate import _gold_metrics
     from tasks.judge import JudgeReference, load_judge
     from tasks.labelers import CandidatePair, JudgeLabeler
-    from tasks.text import (
-        batches,
-        conversation_id_lists,
-        decode,
-        encode_prompts,
-        load_tokenizer,
-        pad_token_lists,
-        read_prompts,
-        response_token_lists,
-        rotating_subset,
-    )
+    from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists
+    from tasks.text import batches, conversation_id_lists, decode, load_tokenizer, read_prompts, rotating_subset
 
     config = load_config(REPO / "configs" / "demo.yaml", ["execution.torch_threads=1"])
     paths = world_at(world)

@@ -48,15 +48,8 @@ def run(
     from tasks.context import stage_seed
     from tasks.reward_function import RewardFunctionReference, score_texts
     from tasks.rollout import ROLLOUT_PROMPT_OFFSET, function_scorer
-    from tasks.text import (
-        decode,
-        encode_prompts,
-        load_tokenizer,
-        prompt_text,
-        read_prompts,
-        response_token_lists,
-        rotating_subset,
-    )
+    from tasks.tensors import encode_prompts, response_token_lists
+    from tasks.text import decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 
     # 4 optimizer steps per iteration whatever the batch, as the config's 64 rollouts in minibatches of 16
     group = load_config(CONFIG).sizes.samples_per_prompt

@@ -53,7 +53,7 @@ def build_model(world: Path) -> Path:
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from demo.build import build_default_world
-    from storage.checkpoints import load_tokenizer
+    from storage.tokenizers import load_tokenizer
 
     folder = world / "gpt2-85m"
     if (folder / "config.json").is_file():

@@ -107,7 +107,8 @@ def _config(policy: Path, prompts: Path, run_root: Path, *extra: str):
 def generation(policy: Path, *, prompts: int, max_new_tokens: int, batch: int) -> dict:
     """Sections 1-3 on SmolLM2: the chat prompts, encoded as the stages encode them."""
     from rlhf_core.config import SamplingConfig
-    from tasks.text import encode_prompts, load_tokenizer, read_prompts
+    from tasks.tensors import encode_prompts
+    from tasks.text import load_tokenizer, read_prompts
 
     scratch = SCRATCH / "vllm"
     scratch.mkdir(parents=True, exist_ok=True)

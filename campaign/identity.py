@@ -12,17 +12,20 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
 from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.model_sources import PACKAGE_PREFIX, model_input
+from flows.model_sources import PACKAGE_PREFIX, is_gguf, model_input
 from storage.fingerprints import FingerprintCache
-from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT, Tracker
 from tasks.context import BaseInputs, InputFile
 from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference
+
+if TYPE_CHECKING:  # MLflow only where a store is read: locating the inputs (base_inputs) needs none
+    from storage.tracking import Tracker
 
 INPUT_SETTINGS = {
     "policy": "model.policy",
@@ -62,8 +65,9 @@ def base_inputs(
     Args:
         config: the settings naming the inputs.
         cache: fingerprints already computed (it learns new ones; saving it is the caller's choice); None locates
-            the inputs without reading them (every ``sha256`` empty; a GGUF file raises ``NotConverted``), for
-            checks made before hashing a model.
+            the inputs without reading them (a folder's ``sha256`` empty; a GGUF model's converted folder, or the
+            file itself when it is not converted yet: :func:`flows.model_sources.model_input`), for the checks made
+            before hashing a model.
         world: the demo world, when :func:`uses_demo_world`; its files fill the inputs ``config`` leaves unset.
         convert: convert a GGUF model file not converted yet (:mod:`flows.model_sources`); False raises
             :class:`flows.model_sources.NotConverted` instead.
@@ -85,7 +89,7 @@ def base_inputs(
         return model_input(cache, layout, setting, value, convert=convert)
 
     policy_file = model("model.policy", _local_model_folder(policy))
-    if not (Path(policy_file.path) / "config.json").is_file():
+    if not is_gguf(policy_file.path) and not (Path(policy_file.path) / "config.json").is_file():
         raise FileNotFoundError(f"`model.policy` folder {policy} has no config.json: not a Hugging Face checkpoint")
     return BaseInputs(
         policy=policy_file,
@@ -193,6 +197,8 @@ def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
     Raises:
         ConfigError: naming the first differing fields, their values there and here, and what to do.
     """
+    from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT
+
     fingerprint = config_fingerprint(config)
     tags = tracker.experiment_tags(config.campaign)
     recorded = tags.get(TAG_CONFIG_FINGERPRINT)
@@ -216,6 +222,8 @@ _RECORDED: dict[tuple[str, str], str] = {}
 def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
     """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered. Once
     per process and campaign: the iterations of a campaign flow after the first check nothing again."""
+    from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT
+
     if _RECORDED.get(key := (tracker.tracking_uri, config.campaign)) == config_fingerprint(config):
         return
     fingerprint = check_campaign_config(config, tracker)

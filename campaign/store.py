@@ -5,10 +5,13 @@ importing neither torch nor Prefect, so they start in seconds."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.config import PipelineConfig
 from storage.layout import RunLayout
-from storage.tracking import TAG_OUTPUT_PREFIX, TAG_PARENT_RUN_ID, TAG_STAGE, Tracker, open_tracker
+
+if TYPE_CHECKING:  # MLflow is imported when a store is opened: locating the inputs (campaign.identity) needs none
+    from storage.tracking import Tracker
 
 
 def campaign_layout(config: PipelineConfig) -> RunLayout:
@@ -34,6 +37,8 @@ def artifact_root(config: PipelineConfig) -> Path | None:
 
 def store_tracker(config: PipelineConfig) -> Tracker:
     """The :class:`Tracker` of ``config``'s store (one per store and process)."""
+    from storage.tracking import open_tracker
+
     root = artifact_root(config)
     return open_tracker(tracking_uri(config), None if root is None else str(root), config.tracking_ui_url)
 
@@ -95,6 +100,8 @@ def stage_run(
         LookupError: the run records none and ``required`` is set (else None is returned: an
             iteration with a reward function has no reward-model stage).
     """
+    from storage.tracking import TAG_OUTPUT_PREFIX, TAG_PARENT_RUN_ID, TAG_STAGE
+
     run_id = tracker.run(parent_run_id).tags.get(f"{TAG_OUTPUT_PREFIX}{stage}") or tracker.find_run(
         experiment_id, tags={TAG_PARENT_RUN_ID: parent_run_id, TAG_STAGE: stage}, status="FINISHED"
     )  # runs recorded before the output tags existed: their own nested stage run

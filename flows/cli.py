@@ -349,27 +349,40 @@ def _running_flows(console):
             console.close()
 
 
-def _check_model_and_prompts(config) -> None:
-    """The model's and tokenizer's checks (:func:`flows.inputs.check_inputs`: weights' headers, vocabulary, every
-    prompt's length), before the flows are imported and the model hashed: a refusal waits for neither. The demo
-    world's inputs are checked once it is built (in :func:`_prepare`)."""
-    from campaign.identity import base_inputs, uses_demo_world
-    from flows.inputs import check_inputs
-    from flows.model_sources import NotConverted
+def _check_inputs_early(config):
+    """The input checks that need no weights, torch, MLflow or Prefect (:func:`flows.inputs.check_files`, then
+    :func:`flows.inputs.check_tokens`), before anything else, so such a refusal answers in a second or two.
 
+    Returns:
+        Where each base input is (none hashed; a GGUF model's converted folder found by the file's content), for
+        :func:`_check_models`; or None where the weights are there only later, and checked then, in full
+        (:func:`_prepare`): the demo world's, which the flow builds (its tokens too), and a GGUF model not
+        converted yet (its tokens are checked here, from the file, before the conversion).
+    """
+    from campaign.identity import base_inputs, uses_demo_world
+    from flows.inputs import check_files, check_tokens
+    from flows.model_sources import is_gguf
+
+    check_files(config)
     if uses_demo_world(config):
-        return
-    try:
-        located = base_inputs(config, None, None)  # where each input is, none read
-    except NotConverted:  # a GGUF model is located by its content: checked once identified, in _prepare
-        return
-    check_inputs(config, located)
+        return None
+    located = base_inputs(config, None, None)
+    check_tokens(config, located)
+    models = (located.policy, located.tokenizer, located.reward_model)
+    return None if any(model is not None and is_gguf(model.path) for model in models) else located
+
+
+def _check_models(config, located) -> None:
+    """The input checks that need torch (:func:`flows.inputs.check_models`: device, weights' headers, reward head,
+    reward function), before the flows are imported and the model hashed: a refusal waits for neither."""
+    from flows.inputs import check_models
+
+    if located is not None:
+        check_models(config, located)
 
 
 def _run(config, arguments) -> int:
-    from flows.inputs import check_files
-
-    check_files(config)  # before MLflow, Prefect or torch is imported: a file refused answers in a second or two
+    located = _check_inputs_early(config)
     from campaign.history import campaign_finished, difference_note
     from flows.config import ConfigError
     from flows.report import campaign_link, campaign_report
@@ -383,7 +396,7 @@ def _run(config, arguments) -> int:
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
         with _server_coming_up():
-            _check_model_and_prompts(config)
+            _check_models(config, located)
             from flows.rlhf_pipeline import rlhf_campaign
 
             console, base = _prepare(config, arguments, checked=True)
@@ -395,13 +408,11 @@ def _run(config, arguments) -> int:
 
 
 def _iterate(config, arguments) -> int:
-    from flows.inputs import check_files
-
-    check_files(config)  # as `rlhf run` does
+    located = _check_inputs_early(config)  # as `rlhf run` does
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
-        _check_model_and_prompts(config)
+        _check_models(config, located)
         from flows.rlhf_pipeline import rlhf_iteration
 
         console, base = _prepare(config, arguments)

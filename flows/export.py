@@ -21,8 +21,8 @@ from campaign.store import resolve_run, source_config, stage_run
 from flows.campaign import context_for, resolve_base, tracking_store
 from flows.config import PipelineConfig
 from rlhf_core.loading import ModelLoader, merged
-from storage.checkpoints import load_tokenizer
 from storage.files import temporary_sibling
+from storage.tokenizers import load_tokenizer
 from tasks.records import recorded_result
 
 ExportedModel = Literal["actor", "critic", "reward_model"]

@@ -13,14 +13,25 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
    turns) plus ``sampling.max_new_tokens``, at most the model's ``max_position_embeddings``; every
    imported pair fits the reward model as it is scored (:func:`tasks.text.conversation_id_lists`, in the
    reward model's own tokens). Longer ones are refused, not truncated: a prompt cut short silently
-   would train on something other than the file says.
+   would train on something other than the file says. A row the chat template refuses (its
+   ``raise_exception``, as templates that want alternating turns do) is refused naming the row.
 4. The device exists on this machine and supports the precision (fp16 needs a GPU).
 5. A reward function (``reward.function``) takes the columns of both prompt files and is called once
    (:func:`tasks.reward_function.check_reward_function`).
 
-:func:`check_files` makes the checks that need no model, tokenizer or device (every input exists, the model's
-``config.json`` and context, every row parses, enough rows) before the command imports torch, MLflow or Prefect
-or starts a server, so those refusals come in a second or two; :func:`check_inputs` then makes them all.
+They come in three steps, cheapest first, so that a refusal waits only for what it needs:
+
+* :func:`check_files` needs no model, tokenizer or device (every input exists, the model's ``config.json`` and
+  context, every row parses, enough rows);
+* :func:`check_tokens` needs the tokenizers and the models' ``config.json`` but no weights: the vocabulary, and
+  every prompt and pair in tokens (3). The tokenisation rule is the stages' own (:mod:`tasks.text`), which with a
+  generic fast tokenizer (SmolLM2's, every tokenizer built from a ``tokenizers.Tokenizer``) imports no torch, and
+  neither does anything else here but for a model whose ``config.json`` does not state its context
+  (``max_position_embeddings``; GPT-2's ``n_positions`` is read through ``AutoConfig``);
+* :func:`check_models` needs torch: the device, the weights' headers, a reward head, the reward function.
+
+``rlhf run`` makes the first two before it imports torch, MLflow or Prefect or starts a server, so those
+refusals come in a second or two; :func:`check_inputs` makes the last two (the flows' own check).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from flows.config import PipelineConfig
+from flows.model_sources import gguf_config, gguf_tokenizer, is_gguf
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.errors import UserError
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
@@ -61,18 +73,35 @@ def _first_line(error: BaseException) -> str:
 
 
 def _model_limits(setting: str, folder: Path) -> tuple[int | None, int | None]:
-    """``(context length, vocabulary size)`` of a model folder, either None where its config does not say.
+    """``(context length, vocabulary size)`` of a model folder, either None where its config does not say: as
+    ``config.json`` states them (``max_position_embeddings``, ``vocab_size``), else as ``AutoConfig`` reads them
+    (which imports torch; GPT-2 calls its context ``n_positions``). For a GGUF file not converted yet, as its
+    conversion will write them (:func:`flows.model_sources.gguf_config`).
 
     Raises:
-        InputError: no readable config or weights.
+        FileNotFoundError, InputError: see :func:`_config_of`.
+        ModelSourceError: a GGUF file that cannot be converted.
     """
-    from safetensors import safe_open
+    if is_gguf(folder):
+        config = gguf_config(setting, folder)
+        return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
+    settings = _config_of(setting, folder)
+    context, vocabulary = (settings.get(key) for key in ("max_position_embeddings", "vocab_size"))
+    if isinstance(context, int) and isinstance(vocabulary, int):
+        return context, vocabulary
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError or KeyError here
         raise InputError(f"`{setting}` {folder}: config.json cannot be read: {_first_line(error)}") from error
+    return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
+
+
+def _check_weights(setting: str, folder: Path) -> None:
+    """Refuse a model folder without weights, or with a safetensors file whose header does not parse."""
+    from safetensors import safe_open
+
     weights = sorted(path for pattern in _WEIGHT_FILES for path in folder.glob(pattern))
     if not weights:
         raise InputError(f"`{setting}` {folder} holds no weights (model.safetensors or pytorch_model.bin)")
@@ -83,7 +112,6 @@ def _model_limits(setting: str, folder: Path) -> tuple[int | None, int | None]:
                     pass
             except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError
                 raise InputError(f"`{setting}` {path} is not a readable safetensors file: {error}") from error
-    return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
 
 
 def _tokenizer(setting: str, folder: str):
@@ -94,6 +122,10 @@ def _tokenizer(setting: str, folder: str):
     """
     from tasks.text import load_tokenizer
 
+    if is_gguf(folder):  # not converted yet: as its conversion will save it
+        tokenizer = gguf_tokenizer(setting, Path(folder))
+        tokenizer.model_max_length = sys.maxsize
+        return tokenizer
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as error:  # noqa: BLE001 - a missing or malformed tokenizer raises anything from OSError to TypeError
@@ -115,6 +147,8 @@ def _check_prompts(
     setting: str, path: Path, tokenizer, *, used: int | None, at_least: int, context: int | None, max_new_tokens: int
 ) -> None:
     """Parse every row; count them; check that the first ``used`` (all: None) fit with a full response."""
+    from jinja2 import TemplateError
+
     from tasks.text import Prompt, prompt_ids
 
     rows = 0
@@ -123,14 +157,23 @@ def _check_prompts(
             rows += len(batch)
             checked = batch if used is None else batch[: max(used - (rows - len(batch)), 0)]
             for row, record, text, messages in checked:
-                length = len(prompt_ids(tokenizer, Prompt(text, tuple(messages))))
                 field = "prompt" if record.get("prompt") is not None else "messages"
+                try:
+                    length = len(prompt_ids(tokenizer, Prompt(text, tuple(messages))))
+                except TemplateError as error:
+                    raise _template_refusal(setting, path, row, field, error) from error
                 needed = length + max_new_tokens
                 what = f"{length} prompt tokens + `sampling.max_new_tokens`={max_new_tokens} is {needed}"
                 _fits(setting, path, row, field, needed, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
     _enough_prompts(setting, path, rows, at_least=at_least)
+
+
+def _template_refusal(setting: str, path: Path, row: int, field: str, error: Exception) -> InputError:
+    return InputError(
+        f"`{setting}` {path}, row {row}, field {field!r}: the tokenizer's chat template refuses it: {_first_line(error)}"
+    )
 
 
 def _enough_prompts(setting: str, path: Path, rows: int, *, at_least: int) -> None:
@@ -143,6 +186,8 @@ def _check_preferences(
     setting: str, path: Path, tokenizer, *, context: int | None, at_least: int, eval_fraction: float | None
 ) -> None:
     """Parse every pair; count them; check that each fits the reward model as it is scored."""
+    from jinja2 import TemplateError
+
     from tasks.text import Prompt, conversation_id_lists
 
     pairs = 0
@@ -151,7 +196,16 @@ def _check_preferences(
             pairs += len(batch)
             prompts = [Prompt(prompt, tuple(messages)) for _, prompt, messages, *_ in batch]
             responses = [chosen for *_, chosen, _, _ in batch] + [rejected for *_, rejected, _ in batch]
-            lengths = [len(ids) for ids in conversation_id_lists(tokenizer, prompts + prompts, responses)]
+            try:
+                lengths = [len(ids) for ids in conversation_id_lists(tokenizer, prompts + prompts, responses)]
+            except TemplateError:  # which pair: each alone
+                for index, (row, *_) in enumerate(batch):
+                    for field, response in (("chosen", responses[index]), ("rejected", responses[len(batch) + index])):
+                        try:
+                            conversation_id_lists(tokenizer, [prompts[index]], [response])
+                        except TemplateError as error:
+                            raise _template_refusal(setting, path, row, field, error) from error
+                raise
             for index, (row, *_) in enumerate(batch):
                 for field, tokens in (("chosen", lengths[index]), ("rejected", lengths[len(batch) + index])):
                     what = f"{tokens} tokens with its prompt, as the reward model reads it"
@@ -178,12 +232,12 @@ def _found_later(model: str) -> bool:
     return not Path(model).exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1
 
 
-def _context_of(setting: str, folder: Path) -> int | None:
-    """The context length a model folder's ``config.json`` states (``max_position_embeddings``), read as JSON.
+def _config_of(setting: str, folder: Path) -> dict:
+    """A model folder's ``config.json``, read as JSON (no transformers).
 
     Raises:
         FileNotFoundError: no such folder, or no ``config.json`` in it.
-        InputError: ``config.json`` is not JSON.
+        InputError: ``config.json`` is not a JSON object.
     """
     if not folder.exists():
         raise FileNotFoundError(f"`{setting}` folder {folder} does not exist")
@@ -193,8 +247,9 @@ def _context_of(setting: str, folder: Path) -> int | None:
         settings = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InputError(f"`{setting}` {folder}: config.json cannot be read: {_first_line(error)}") from error
-    context = settings.get("max_position_embeddings") if isinstance(settings, dict) else None
-    return context if isinstance(context, int) else None
+    if not isinstance(settings, dict):
+        raise InputError(f"`{setting}` {folder}: config.json cannot be read: not a JSON object")
+    return settings
 
 
 def check_files(config: PipelineConfig) -> None:
@@ -220,8 +275,8 @@ def check_files(config: PipelineConfig) -> None:
             raise FileNotFoundError(f"`{setting}` {path} does not exist")
     policy, max_new_tokens = config.model.policy, config.sampling.max_new_tokens
     if policy is not None and not _found_later(policy) and not policy.lower().endswith(".gguf"):
-        context = _context_of("model.policy", Path(policy))
-        if context is not None and max_new_tokens >= context:
+        context = _config_of("model.policy", Path(policy)).get("max_position_embeddings")
+        if isinstance(context, int) and max_new_tokens >= context:
             raise InputError(
                 f"`sampling.max_new_tokens`={max_new_tokens} leaves no room for a prompt in the model's context "
                 f"length {context}"
@@ -264,27 +319,15 @@ def _check_shardable(setting: str, folder: Path, config: PipelineConfig) -> None
         ) from None
 
 
-def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
-    """Refuse inputs the stages could not use (see the module docstring); reads them, changes nothing.
+def check_tokens(config: PipelineConfig, base: BaseInputs) -> None:
+    """What needs the tokenizers and the models' ``config.json`` but no weights (module docstring): the tokenizer
+    fits the policy's vocabulary, ``sampling.max_new_tokens`` leaves room in its context, and every prompt and
+    imported pair fits, in tokens as the stages encode them. Imports no torch for a model whose ``config.json``
+    states its context and a generic fast tokenizer (:mod:`storage.tokenizers`).
 
     Raises:
         InputError: the first problem found.
-        RewardFunctionError: the reward function cannot be called with the prompts' columns, or raises.
     """
-    from rlhf_core.loading import has_reward_head
-    from rlhf_core.precision import resolve_device
-    from tasks.reward_function import check_reward_function
-    from tasks.text import prompt_text, read_prompts
-
-    try:
-        device = resolve_device(config.execution.device)
-    except ValueError as error:
-        raise InputError(str(error)) from error
-    if config.precision == "fp16" and device.type != "cuda":
-        raise InputError(
-            f"`precision` fp16 needs a CUDA device; `execution.device` {config.execution.device} runs on the CPU: "
-            "use bf16 or fp32"
-        )
     context, vocabulary = _model_limits("model.policy", Path(base.policy.path))
     tokenizer_setting = "model.tokenizer" if config.model.tokenizer else "model.policy"
     tokenizer = _tokenizer(tokenizer_setting, base.tokenizer.path)
@@ -308,6 +351,45 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
+    if base.preferences is not None:
+        reward_context, reward_tokenizer = context, tokenizer
+        if base.reward_model is not None:
+            reward_tokenizer = _tokenizer("model.reward_model", base.reward_tokenizer)
+            if is_gguf(base.reward_model.path) or (Path(base.reward_model.path) / "config.json").is_file():
+                reward_context, _ = _model_limits("model.reward_model", Path(base.reward_model.path))
+        _check_preferences(
+            "data.preferences", Path(base.preferences.path), reward_tokenizer,
+            context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
+            eval_fraction=config.reward_model.eval_fraction if config.reward_model.train else None,
+        )  # fmt: skip
+
+
+def check_models(config: PipelineConfig, base: BaseInputs) -> None:
+    """What needs torch (module docstring): the device and precision, the weights' headers, a reward model's head,
+    the reward function called once, a model FSDP can shard. Assumes :func:`check_tokens` passed.
+
+    Raises:
+        InputError: the first problem found.
+        RewardFunctionError: the reward function cannot be called with the prompts' columns, or raises.
+    """
+    from rlhf_core.loading import has_reward_head
+    from rlhf_core.precision import resolve_device
+    from tasks.reward_function import check_reward_function
+    from tasks.text import load_tokenizer, prompt_text, read_prompts
+
+    try:
+        device = resolve_device(config.execution.device)
+    except ValueError as error:
+        raise InputError(str(error)) from error
+    if config.precision == "fp16" and device.type != "cuda":
+        raise InputError(
+            f"`precision` fp16 needs a CUDA device; `execution.device` {config.execution.device} runs on the CPU: "
+            "use bf16 or fp32"
+        )
+    _check_weights("model.policy", Path(base.policy.path))
+    if base.preferences is not None and base.reward_model is not None:  # what scores the imported pairs
+        if (Path(base.reward_model.path) / "config.json").is_file():
+            _check_weights("model.reward_model", Path(base.reward_model.path))
     if config.labeler == "reward_model" and config.learns_from_labels and base.reward_model is not None:
         if not has_reward_head(base.reward_model.path):
             raise InputError(
@@ -316,24 +398,25 @@ def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
                 "or a reward model this project exported, or label with import or human"
             )
     for function in filter(None, (base.reward_function, base.rubric)):
+        tokenizer = load_tokenizer(base.tokenizer.path)
         samples = [
             (setting, prompt, prompt_text(tokenizer, prompt))
             for setting, path in (("data.prompts", base.prompts.path), ("data.eval_prompts", base.eval_prompts.path))
             for prompt in read_prompts(path)[:1]
         ]
         check_reward_function(function, samples)
-    if base.preferences is not None:
-        reward_context, reward_tokenizer = context, tokenizer
-        if base.reward_model is not None:
-            reward_tokenizer = _tokenizer("model.reward_model", base.reward_tokenizer)
-            if (Path(base.reward_model.path) / "config.json").is_file():
-                reward_context, _ = _model_limits("model.reward_model", Path(base.reward_model.path))
-        _check_preferences(
-            "data.preferences", Path(base.preferences.path), reward_tokenizer,
-            context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
-            eval_fraction=config.reward_model.eval_fraction if config.reward_model.train else None,
-        )  # fmt: skip
     if config.execution.sharding is not None:
         _check_shardable("model.policy", Path(base.policy.path), config)
         if base.reward_model is not None and config.reward_model.train:
             _check_shardable("model.reward_model", Path(base.reward_model.path), config)
+
+
+def check_inputs(config: PipelineConfig, base: BaseInputs) -> None:
+    """Refuse inputs the stages could not use (see the module docstring); reads them, changes nothing.
+
+    Raises:
+        InputError: the first problem found.
+        RewardFunctionError: the reward function cannot be called with the prompts' columns, or raises.
+    """
+    check_tokens(config, base)
+    check_models(config, base)

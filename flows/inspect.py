@@ -208,7 +208,7 @@ def eos_token_id(directory: Path) -> int | None:
         found = Tokenizer.from_file(str(vocabulary)).token_to_id(token)
         if found is not None:
             return found
-    from storage.checkpoints import load_tokenizer
+    from storage.tokenizers import load_tokenizer
 
     return load_tokenizer(directory).eos_token_id
 
@@ -308,7 +308,7 @@ def select_responses(
 
 def decode_responses(responses: pl.DataFrame, directory: Path) -> pl.DataFrame:
     """``responses`` with ``prompt`` and ``response`` texts in place of their token ids (special tokens dropped)."""
-    from storage.checkpoints import load_tokenizer
+    from storage.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(directory)
     texts = {

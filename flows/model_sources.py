@@ -16,7 +16,8 @@ A model setting names one of:
 4. (``model.policy`` only) a hub name, ``org/name``, fetched into or found in the Hugging Face cache.
 
 Nothing here imports torch unless a file has to be converted: recognising a finished campaign
-(:mod:`campaign.history`) reads the cache only (:class:`NotConverted` says it cannot).
+(:mod:`campaign.history`) and the input checks made before anything runs (:mod:`flows.inputs`) read the cache only
+(:class:`NotConverted` says it cannot).
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.console import STAGE_EVENT
 from rlhf_core.errors import UserError
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
 from tasks.context import InputFile
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 logger.setLevel(logging.INFO)  # a conversion is said even where the root logger shows warnings only
@@ -93,14 +98,18 @@ def model_input(
 
     Args:
         cache: input fingerprints (a GGUF file is hashed once per path, size and modification time); None: locate
-            a folder without reading it (``sha256`` empty), and raise :class:`NotConverted` for a GGUF file.
-        layout: the run root's layout, whose cache holds converted GGUF files.
+            without writing anything, for the checks made before anything runs (:mod:`flows.inputs`): a folder
+            without reading it (``sha256`` empty), a GGUF file by its digest from the run root's fingerprint cache
+            (hashed here when it is not there; remembered by no one), and one not converted yet as the file itself
+            (its ``path`` a ``.gguf`` file, whose config and tokenizer :func:`gguf_config` and
+            :func:`gguf_tokenizer` read), never converting it.
+        layout: the run root's layout, whose cache holds converted GGUF files and input fingerprints.
         convert: convert a GGUF file found in no cache; False raises :class:`NotConverted` instead.
 
     Raises:
         FileNotFoundError: nothing at ``value``.
         ModelSourceError: see :func:`package_file`; a GGUF file that cannot be converted.
-        NotConverted: see ``convert``.
+        NotConverted: see ``convert`` (never when ``cache`` is None).
     """
     path = local_path(setting, value)
     if not path.exists():
@@ -109,15 +118,53 @@ def model_input(
         return InputFile(path=str(path.resolve()), sha256="" if cache is None else cache.fingerprint(path))
     if not path.is_file():
         raise ModelSourceError(f"`{setting}` {path} is not a file: a GGUF model is one .gguf file")
-    if cache is None:
-        raise NotConverted(f"`{setting}` {path} is a GGUF file: found by its content, which is not read here")
-    sha256 = cache.fingerprint(path)
+    sha256 = (cache or FingerprintCache(layout.fingerprint_cache())).fingerprint(path)  # that one read, never saved
     folder = layout.converted_model_dir(sha256)
     if not folder.is_dir():
+        if cache is None:
+            return InputFile(path=str(path.resolve()), sha256=sha256, source=str(path.resolve()))
         if not convert:
             raise NotConverted(f"`{setting}` {path} is not converted yet")
         _convert(setting, path, folder)
     return InputFile(path=str(folder), sha256=sha256, source=str(path.resolve()))
+
+
+def gguf_config(setting: str, file: Path) -> PretrainedConfig:
+    """The config a GGUF file not converted yet will be converted with (:func:`rlhf_core.gguf.gguf_config`; imports
+    torch, as transformers' GGUF reader does).
+
+    Raises:
+        ModelSourceError: the file cannot be converted (said as :func:`model_input` says it).
+    """
+    from rlhf_core.gguf import GgufError
+    from rlhf_core.gguf import gguf_config as read_config
+
+    try:
+        return read_config(file)
+    except GgufError as error:
+        raise _not_convertible(setting, file, error) from error
+
+
+def gguf_tokenizer(setting: str, file: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer a GGUF file not converted yet will be converted with (:func:`rlhf_core.gguf.gguf_tokenizer`).
+
+    Raises:
+        ModelSourceError: as :func:`gguf_config`.
+    """
+    from rlhf_core.gguf import GgufError
+    from rlhf_core.gguf import gguf_tokenizer as read_tokenizer
+
+    try:
+        return read_tokenizer(file)
+    except GgufError as error:
+        raise _not_convertible(setting, file, error) from error
+
+
+def _not_convertible(setting: str, file: Path, error: Exception) -> ModelSourceError:
+    return ModelSourceError(
+        f"`{setting}` {file} cannot be converted into a Hugging Face model (only GGUF files of an architecture "
+        f"transformers de-quantises can): {error}"
+    )
 
 
 def _convert(setting: str, file: Path, folder: Path) -> None:
@@ -133,10 +180,7 @@ def _convert(setting: str, file: Path, folder: Path) -> None:
     except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
         if isinstance(error, GgufError):
-            raise ModelSourceError(
-                f"`{setting}` {file} cannot be converted into a Hugging Face model (only GGUF files of an "
-                f"architecture transformers de-quantises can): {error}"
-            ) from error
+            raise _not_convertible(setting, file, error) from error
         raise
     try:
         temporary.rename(folder)

@@ -6,7 +6,9 @@ file's metadata the same way. Such a model cannot be saved as it is (``save_pret
 model "quantized with gguf"), so :func:`convert_gguf` copies its weights into a model built from the
 same config without the ``quantization_config`` and saves that, with the tokenizer, as a plain
 folder: from there the model seam (:mod:`rlhf_core.loading`) reads it like any other. This module and
-the seam are the only places that call ``from_pretrained``; no stage reads a GGUF file.
+the seam are the only places that call ``from_pretrained``; no stage reads a GGUF file. The input checks
+read a file's config and tokenizer before converting it (:func:`gguf_config`, :func:`gguf_tokenizer`: no
+weights read), so a prompt the model cannot take is refused before the weights are de-quantised.
 
 Choices:
 1. The folder holds fp32 weights (the de-quantised values, exactly): training needs full-precision
@@ -26,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 
 class GgufError(ValueError):
@@ -47,9 +49,9 @@ def convert_gguf(file: str | Path, folder: str | Path) -> None:
     try:
         with _progress_bar_as_configured():
             quantized = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception as error:  # noqa: BLE001 - a bad magic, a truncated tensor, an unknown architecture: one refusal
         raise GgufError(_first_line(error)) from error
+    tokenizer = gguf_tokenizer(file)
     config = copy.deepcopy(quantized.config)
     del config.quantization_config  # what makes save_pretrained refuse
     with torch.device("meta"):
@@ -60,6 +62,32 @@ def convert_gguf(file: str | Path, folder: str | Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def gguf_config(file: str | Path) -> PretrainedConfig:
+    """The model config in the GGUF ``file``'s metadata, as :func:`convert_gguf` saves it (no tensor is read).
+
+    Raises:
+        GgufError: the file cannot be read, or ``transformers`` does not know its architecture.
+    """
+    file = Path(file)
+    try:
+        return AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    except Exception as error:  # noqa: BLE001 - as in convert_gguf
+        raise GgufError(_first_line(error)) from error
+
+
+def gguf_tokenizer(file: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer (and chat template) in the GGUF ``file``'s metadata, as :func:`convert_gguf` saves it.
+
+    Raises:
+        GgufError: the file cannot be read, or ``transformers`` cannot build its tokenizer.
+    """
+    file = Path(file)
+    try:
+        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except Exception as error:  # noqa: BLE001 - as in convert_gguf
+        raise GgufError(_first_line(error)) from error
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ Modules:
 * :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
 * :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
 * :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
+* :mod:`storage.tokenizers`: saved tokenizers, loaded as the class they were saved as (no torch for the generic one).
 * :mod:`storage.mlflow_store`: ``MlflowStore``, MLflow behind a small adapter: the only code that imports mlflow.
 * :mod:`storage.tracking`: ``Tracker``, the pipeline's records in MLflow (campaigns, stage records), on that adapter.
 * :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
@@ -42,7 +43,7 @@ _EXPORTS = {
     "save_model": "checkpoints",
     "save_training_state": "checkpoints",
     "load_training_state": "checkpoints",
-    "load_tokenizer": "checkpoints",
+    "load_tokenizer": "tokenizers",
     "MlflowStore": "mlflow_store",
     "StageRecord": "tracking",
     "Tracker": "tracking",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.errors import UserError
 from rlhf_core.loading import save_model_folder
@@ -65,26 +65,6 @@ def save_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
-
-
-_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def load_tokenizer(directory: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
-    """Load a tokenizer as the class it was saved as.
-
-    ``AutoTokenizer.from_pretrained(directory, **kwargs)``, except for a generic fast tokenizer
-    (``tokenizer_class`` ``TokenizersBackend`` / ``PreTrainedTokenizerFast``, e.g. one built in
-    code from a ``tokenizers.Tokenizer``): transformers 5 would build the model family's own class
-    when a ``config.json`` sits beside it (a Qwen2 BPE over a word-level vocabulary tokenizes
-    everything to nothing), so that one is loaded with ``PreTrainedTokenizerFast`` directly.
-    """
-    directory = Path(directory)
-    config_file = directory / "tokenizer_config.json"
-    saved_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if saved_class in _GENERIC_TOKENIZERS:
-        return PreTrainedTokenizerFast.from_pretrained(directory, **kwargs)
-    return AutoTokenizer.from_pretrained(directory, **kwargs)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -10,7 +10,7 @@ statements without importing anything), each *normalised*: its syntax tree witho
 
 Choices:
 1. What computes is ``rlhf_core`` (models, maths, generation, training loops) and the tasks' own
-   helpers that shape data (``tasks.text``, ``tasks.labelers``); not ``storage`` (bytes on disk:
+   helpers that shape data (``tasks.text``, ``tasks.tensors``, ``tasks.labelers``); not ``storage`` (bytes on disk:
    its contract is ``SCHEMA_VERSION``, part of every key), ``flows`` (orchestration, console) nor
    the tasks' plumbing (:data:`PLUMBING`: the stage mechanism, context, launch and fan-out). A change
    in an installed library (torch, transformers) is not seen; its version is recorded with each run.

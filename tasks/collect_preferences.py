@@ -39,7 +39,8 @@ from tasks.labelers import (
 )
 from tasks.reward_function import RewardFunctionReference
 from tasks.stage import StageResult, stage
-from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts, reward_scorer
+from tasks.tensors import reward_scorer
+from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
 
 STAGE = "collect_preferences"
 

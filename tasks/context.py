@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storage.layout import RunLayout
-from storage.tracking import Tracker, open_tracker
 from tasks.judge import JudgeReference  # at run time: a flow validates the base inputs it is given
 from tasks.reward_function import RewardFunctionReference
 
-if TYPE_CHECKING:  # the context itself needs no torch: a command that only reads base inputs starts without it
+if TYPE_CHECKING:  # neither torch nor MLflow at import: a command that only locates its inputs starts without them
     import torch
 
     from rlhf_core.config import LoraConfig, Precision, Sharding
     from rlhf_core.loading import ModelLoader
+    from storage.tracking import Tracker
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,8 @@ class TrackingStore:
     ui_url: str | None = None
 
     def tracker(self) -> Tracker:
+        from storage.tracking import open_tracker
+
         return open_tracker(self.uri, self.artifact_root, self.ui_url)
 
 

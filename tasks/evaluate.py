@@ -31,16 +31,8 @@ from tasks.judge import JudgeReference
 from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.stage import SAMPLES, StageResult, stage
-from tasks.text import (
-    Prompt,
-    decode,
-    encode_prompts,
-    load_tokenizer,
-    prompt_text,
-    read_prompts,
-    response_token_lists,
-    reward_scorer,
-)
+from tasks.tensors import encode_prompts, response_token_lists, reward_scorer
+from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts
 
 STAGE = "evaluate"
 SIDES = ("policy", "reference")

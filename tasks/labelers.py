@@ -22,7 +22,8 @@ import torch
 
 from rlhf_core.evaluation import Judge
 from tasks.reward_function import RewardFunction, score_texts
-from tasks.text import Prompt, RewardScorer
+from tasks.tensors import RewardScorer
+from tasks.text import Prompt
 
 
 @dataclass(frozen=True)

@@ -28,18 +28,8 @@ from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.reward_function import RewardFunctionReference, score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.stage import StageResult, stage
-from tasks.text import (
-    Prompt,
-    RewardScorer,
-    decode,
-    encode_prompts,
-    load_tokenizer,
-    prompt_text,
-    read_prompts,
-    response_token_lists,
-    reward_scorer,
-    rotating_subset,
-)
+from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
+from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 
 STAGE = "rollout"
 ROLLOUT_PROMPT_OFFSET = 7919
@@ -48,7 +38,7 @@ preference prompts of the same iteration, so the two stages see different prompt
 
 
 def model_scorer(scorer: RewardScorer, prompts: list[Prompt], prompt_length: int) -> ScoreFn:
-    """One batch's :data:`ScoreFn` from the reward model (in its own tokens; see :class:`tasks.text.RewardScorer`)."""
+    """One batch's :data:`ScoreFn` from the reward model (in its own tokens; see :class:`tasks.tensors.RewardScorer`)."""
 
     def score(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return scorer.score(prompts, sequences, attention_mask, prompt_length=prompt_length)

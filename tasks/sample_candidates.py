@@ -21,15 +21,8 @@ from tasks.context import StageContext
 from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.stage import StageResult, stage
-from tasks.text import (
-    decode,
-    encode_prompts,
-    load_tokenizer,
-    prompt_token_lists,
-    read_prompts,
-    response_token_lists,
-    rotating_subset,
-)
+from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
+from tasks.text import decode, load_tokenizer, read_prompts, rotating_subset
 
 STAGE = "sample_candidates"
 

@@ -1,7 +1,8 @@
-"""Text in and out of token ids for the stage tasks: prompts, conversations, responses, reward scoring.
+"""Text in and out of token ids for the stage tasks and the input checks: prompts, conversations, responses.
 
 One rendering, used the same way by every stage (sampling, preference pairs, reward-model
-training and scoring, rollout, evaluation):
+training and scoring, rollout, evaluation) and by the checks that refuse a prompt before anything runs
+(:mod:`flows.inputs`):
 
 1. A :class:`Prompt` is plain text or chat turns. Plain text is tokenised with the tokenizer's own
    special tokens (a BOS where the model expects one). Chat turns go through the tokenizer's chat
@@ -10,12 +11,13 @@ training and scoring, rollout, evaluation):
 2. A conversation (a prompt and a response) for a reward model is rendered through the reward
    model's own tokenizer the same way: the template with the response as the final assistant turn,
    or, for a plain prompt (or no template), prompt ids + the response's ids + EOS.
-3. Prompts are left-padded, the layout every ``rlhf_core`` function assumes, whatever the
-   tokenizer's own padding side.
-4. A response's text is decoded from its action tokens without special tokens; its token ids are
+3. A response's text is decoded from its action tokens without special tokens; its token ids are
    kept beside it wherever the pipeline generated them, so a reward model with the policy's
    tokenizer sees exactly what the policy produced. A reward model with another tokenizer sees the
-   prompt and the decoded response re-rendered in its own tokens (:class:`RewardScorer`).
+   prompt and the decoded response re-rendered in its own tokens (:class:`tasks.tensors.RewardScorer`).
+
+This module imports no torch (nor does a generic fast tokenizer, :mod:`storage.tokenizers`), so the input checks
+tokenise every prompt by these rules before torch is imported; token lists become tensors in :mod:`tasks.tensors`.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import pyarrow as pa
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from storage.checkpoints import load_tokenizer as load_saved_tokenizer
 from storage.importers import import_prompts, prompt_columns, render_chat
 from storage.schemas import MESSAGES, PROMPT
+from storage.tokenizers import load_tokenizer as load_saved_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -149,133 +150,9 @@ def _token_lists(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, specia
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]]
 
 
-def left_pad(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists.
-
-    Shapes:
-        returns (B, P) long ids and (B, P) long mask.
-    """
-    width = max(1, max((len(row) for row in rows), default=1))
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        if row:
-            ids[index, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
-            mask[index, width - len(row) :] = 1
-    return ids, mask
-
-
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask.
-
-    Shapes:
-        returns (B, P) long and (B, P) long.
-    """
-    return left_pad([prompt_ids(tokenizer, prompt) for prompt in prompts], pad_token_id=tokenizer.pad_token_id)
-
-
-def prompt_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """The unpadded prompt ids of each row. Shapes: prompt_ids, prompt_mask: (B, P)."""
-    return [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask, strict=True)]
-
-
-def response_token_lists(sequences: torch.Tensor, action_mask: torch.Tensor) -> list[list[int]]:
-    """The action tokens of each row. Shapes: sequences: (B, T); action_mask: (B, R)."""
-    responses = sequences[:, sequences.shape[1] - action_mask.shape[1] :]  # (B, R)
-    return [row[mask].tolist() for row, mask in zip(responses.cpu(), action_mask.cpu(), strict=True)]
-
-
 def decode(tokenizer: PreTrainedTokenizerBase, token_lists: Sequence[Sequence[int]]) -> list[str]:
     """Readable text of each token list, special tokens dropped."""
     return [tokenizer.decode(list(tokens), skip_special_tokens=True).strip() for tokens in token_lists]
-
-
-def pad_token_lists(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists (a reward model reads the last real token, so either side works).
-
-    Shapes:
-        returns (B, T) long ids and (B, T) long mask.
-    """
-    width = max(1, max((len(row) for row in rows), default=1))
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        ids[index, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-        mask[index, : len(row)] = 1
-    return ids, mask
-
-
-class RewardScorer:
-    """Scores responses with a reward model, in the reward model's own tokens.
-
-    The caller puts the model in eval mode and the stage's autocast around the calls.
-
-    Args:
-        model: the reward model (``(ids, mask) -> (B,)``).
-        policy_tokenizer, reward_tokenizer: the tokenizers of the policy and of the reward model.
-        same_tokens: the two tokenizers are the same (by content): the policy's ids are scored as they are, but for
-            chat prompts under a template (see :meth:`_scores_policy_ids`).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        policy_tokenizer: PreTrainedTokenizerBase,
-        reward_tokenizer: PreTrainedTokenizerBase,
-        same_tokens: bool,
-    ) -> None:
-        self.model = model
-        self.policy_tokenizer = policy_tokenizer
-        self.reward_tokenizer = reward_tokenizer
-        self.same_tokens = same_tokens
-
-    def _scores_policy_ids(self, prompts: Sequence[Prompt]) -> bool:
-        """Whether the policy's own ids are what the reward model reads, as it did in training
-        (:func:`conversation_id_lists`): with the same tokenizer, except for chat prompts under a chat template, whose
-        conversation training renders whole through the template (its end-of-turn text after the response
-        included), so scoring renders them the same way instead of reading the generated ids."""
-        chat = bool(self.reward_tokenizer.chat_template) and any(prompt.messages for prompt in prompts)
-        return self.same_tokens and not chat
-
-    @torch.no_grad()
-    def score(
-        self, prompts: Sequence[Prompt], sequences: torch.Tensor, attention_mask: torch.Tensor, *, prompt_length: int
-    ) -> torch.Tensor:
-        """Scores of generated responses to ``prompts``.
-
-        Shapes:
-            sequences, attention_mask: (B, T) policy tokens, ``[left-padded prompt | right-padded response]``;
-            returns (B,) float32 on the model's device.
-        """
-        if self._scores_policy_ids(prompts):
-            device = next(self.model.parameters()).device
-            return self.model(sequences.to(device), attention_mask.to(device)).float()
-        action_mask = attention_mask[:, prompt_length:].bool()  # (B, R)
-        responses = decode(self.policy_tokenizer, response_token_lists(sequences, action_mask))
-        return self.score_texts(prompts, responses)
-
-    @torch.no_grad()
-    def score_candidates(
-        self, prompts: Sequence[Prompt], token_lists: Sequence[Sequence[int]], responses: Sequence[str]
-    ) -> torch.Tensor:
-        """Scores of candidates kept as full policy token lists (prompt + response) and as response text.
-
-        Shapes: returns (B,).
-        """
-        if not self._scores_policy_ids(prompts):
-            return self.score_texts(prompts, responses)
-        ids, mask = pad_token_lists(token_lists, pad_token_id=self.policy_tokenizer.pad_token_id)
-        device = next(self.model.parameters()).device
-        return self.model(ids.to(device), mask.to(device)).float()
-
-    @torch.no_grad()
-    def score_texts(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
-        """Scores of text responses, rendered as conversations in the reward model's tokens. Shapes: returns (B,)."""
-        rows = conversation_id_lists(self.reward_tokenizer, prompts, responses)
-        ids, mask = pad_token_lists(rows, pad_token_id=self.reward_tokenizer.pad_token_id)
-        device = next(self.model.parameters()).device
-        return self.model(ids.to(device), mask.to(device)).float()
 
 
 def batches(count: int, size: int) -> Iterator[slice]:
@@ -296,15 +173,3 @@ def same_tokenizer(first: PreTrainedTokenizerBase, second: PreTrainedTokenizerBa
     """Whether two tokenizers turn text into the same ids: the same vocabulary and special tokens."""
     specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
     return first.get_vocab() == second.get_vocab() and all(getattr(first, s) == getattr(second, s) for s in specials)
-
-
-def reward_scorer(model: torch.nn.Module, *, policy_tokenizer_dir: str, reward_tokenizer_dir: str) -> RewardScorer:
-    """A :class:`RewardScorer` for a reward model with the tokenizer in ``reward_tokenizer_dir``."""
-    policy_tokenizer = load_tokenizer(policy_tokenizer_dir)
-    reward_tokenizer = load_tokenizer(reward_tokenizer_dir)
-    return RewardScorer(
-        model,
-        policy_tokenizer=policy_tokenizer,
-        reward_tokenizer=reward_tokenizer,
-        same_tokens=same_tokenizer(policy_tokenizer, reward_tokenizer),
-    )

@@ -31,7 +31,8 @@ from storage.shards import read_table
 from tasks.context import StageContext
 from tasks.launch import TrainingOutput, train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
-from tasks.text import conversation_id_lists, load_tokenizer, pad_token_lists, prompts_of
+from tasks.tensors import pad_token_lists
+from tasks.text import conversation_id_lists, load_tokenizer, prompts_of
 from tasks.training import check_states, save_checkpoint, save_trained, train_models
 
 STAGE = "train_reward_model"

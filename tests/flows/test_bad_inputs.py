@@ -766,20 +766,66 @@ def test_issue14_verbose_adds_the_traceback_to_a_user_error(capfd):
     assert code == 2 and "Traceback" in stderr and stderr.strip().splitlines()[-1].startswith("rlhf: `ppo.clip_eps`")
 
 
+def _main_in_a_process(argv: list[str], heavy: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """``rlhf <argv>`` in a fresh process, which prints which of the ``heavy`` modules it had imported."""
+    script = (
+        "import sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\nsys.exit(code)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 def test_issue27_a_file_refusal_comes_before_torch_mlflow_or_prefect_is_imported(checkpoint_world, tmp_path):
     """What makes it answer in a second or two with a real model (flows.inputs.check_files): neither the heavy
     libraries nor a Prefect server are loaded for it."""
     prompts = _file(tmp_path, "p.jsonl", _jsonl([{"mesages": [{"role": "user", "content": "a"}]}]))
     argv = _run(tmp_path, checkpoint_world, f"data.prompts={prompts}")
-    script = (
-        "import sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'mlflow', 'prefect') if m in sys.modules))\n"
-        "sys.exit(code)"
-    )
-    finished = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    finished = _main_in_a_process(argv, ("torch", "transformers", "mlflow", "prefect"))
     assert finished.returncode == 2, finished.stderr[-3000:]
     assert "did you mean 'messages'" in finished.stderr
+    assert finished.stdout.strip() == "[]", finished.stdout
+
+
+RAISING_TEMPLATE = (  # as Gemma's and Mistral's templates refuse what they cannot render
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _too_long_prompt(tmp: Path, world: dict[str, Path]) -> list[str]:
+    turn = {"role": "user", "content": " ".join(["the sun is warm"] * 40)}  # 160 words: the policy has 128 positions
+    rows = [{"messages": [{"role": "user", "content": "a"}]}, {"messages": [turn]}]
+    return [f"data.prompts={_file(tmp, 'p.jsonl', _jsonl(rows))}"]
+
+
+def _a_row_the_template_refuses(tmp: Path, world: dict[str, Path]) -> list[str]:
+    policy = tmp / "policy"
+    shutil.copytree(world["policy"], policy)
+    (policy / "chat_template.jinja").write_text(RAISING_TEMPLATE)
+    system = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"}]}
+    rows = [{"messages": [{"role": "user", "content": "a"}]}, system]
+    return [f"model.policy={policy}", f"data.prompts={_file(tmp, 'p.jsonl', _jsonl(rows))}"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (_too_long_prompt, ("`data.prompts`", "row 2", "'messages'", "more than the model's context length 128")),
+        (_a_row_the_template_refuses, ("`data.prompts`", "row 2", "chat template refuses it", "System role")),
+    ],
+    ids=["prompt-longer-than-the-context", "row-the-chat-template-refuses"],
+)
+def test_issue27_a_refusal_that_needs_the_tokenizer_comes_before_torch_mlflow_or_prefect_is_imported(
+    overrides, names, chat_world, tmp_path
+):
+    """flows.inputs.check_tokens: the tokenizer-level checks (a chat policy with a generic fast tokenizer, whose
+    config.json states its context) answer with the stages' own tokenisation before the heavy libraries load."""
+    argv = _run(tmp_path, chat_world, *overrides(tmp_path, chat_world))
+    finished = _main_in_a_process(argv, ("torch", "mlflow", "prefect"))
+    _assert_refused(finished.returncode, finished.stderr, tmp_path / "runs", names, {})
+    assert not (tmp_path / "runs").exists(), "a refused command creates no run root"
     assert finished.stdout.strip() == "[]", finished.stdout

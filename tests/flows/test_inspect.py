@@ -18,8 +18,8 @@ from flows.config import load_config
 from flows.inspect import TOP_RESPONSES
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from storage.checkpoints import load_tokenizer
 from storage.shards import read_table
+from storage.tokenizers import load_tokenizer
 from storage.tracking import TAG_OUTPUT_PATH, TAG_OUTPUT_PREFIX
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

@@ -19,6 +19,7 @@ from flows.model_sources import (
 )
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
+from tasks.context import InputFile
 
 
 def write_gguf(path: Path, *, arch: str) -> Path:
@@ -84,6 +85,21 @@ def test_a_gguf_file_not_converted_yet_is_said_without_converting(tmp_path):
     file = write_gguf(tmp_path / "model.gguf", arch="rwkv6")
     with pytest.raises(NotConverted):
         model_input(FingerprintCache(None), RunLayout(root=tmp_path / "runs"), "model.policy", file, convert=False)
+
+
+def test_issue27_located_without_a_cache_a_gguf_file_is_found_by_its_content_and_nothing_is_written(tmp_path):
+    """The input checks locate a GGUF model before anything runs (flows.inputs): its converted folder through the
+    run root's fingerprint cache, read and never saved, or the file itself, never converting it."""
+    file = write_gguf(tmp_path / "model.gguf", arch="rwkv6")
+    layout = RunLayout(root=tmp_path / "runs")
+    sha256 = FingerprintCache(None).fingerprint(file)
+    located = model_input(None, layout, "model.policy", file)
+    assert located == InputFile(path=str(file.resolve()), sha256=sha256, source=str(file.resolve()))
+    assert not layout.root.exists()
+    layout.converted_model_dir(sha256).mkdir(parents=True)  # as a conversion left it
+    found = model_input(None, layout, "model.policy", file)
+    assert found.path == str(layout.converted_model_dir(sha256)) and found.sha256 == sha256
+    assert found.source == str(file.resolve()) and not layout.fingerprint_cache().exists()
 
 
 def test_a_folder_is_identified_by_its_content_and_has_no_source(tmp_path):

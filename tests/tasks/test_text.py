@@ -1,22 +1,18 @@
 """One rendering for every stage: prompts and conversations through each tokenizer's chat template (or the
-plain format), left padding, and reward scoring in the reward model's own tokens."""
+plain format)."""
 
 from __future__ import annotations
 
-import torch
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from rlhf_core.models import RewardModel
+import pytest
+
 from storage.importers import render_chat
-from tasks.text import (
-    Prompt,
-    RewardScorer,
-    conversation_id_lists,
-    encode_prompts,
-    prompt_ids,
-    same_tokenizer,
-)
+from tasks.text import Prompt, conversation_id_lists, prompt_ids, same_tokenizer
 from tests.conftest import byte_level_bpe as bpe
-from tests.conftest import tiny_config
 
 CHAT = Prompt("\n\nHuman: tell me a joke\n\nAssistant:", ({"role": "user", "content": "tell me a joke"},))
 PLAIN = Prompt("the cat is")
@@ -67,57 +63,58 @@ def test_conversations_tokenised_in_batches_are_those_tokenised_one_at_a_time():
     assert conversation_id_lists(bpe(), [], []) == []
 
 
-def test_prompts_are_left_padded():
-    tokenizer = bpe()
-    ids, mask = encode_prompts(tokenizer, [CHAT, PLAIN])
-    lengths = [len(prompt_ids(tokenizer, prompt)) for prompt in (CHAT, PLAIN)]
-    assert mask.sum(dim=1).tolist() == lengths and bool(mask[:, -1].all())
-    assert ids[1, : ids.shape[1] - lengths[1]].eq(tokenizer.pad_token_id).all()
-
-
 def test_same_tokenizer_compares_vocabulary_and_special_tokens():
     assert same_tokenizer(bpe(), bpe())
     assert not same_tokenizer(bpe(), bpe(vocab_size=280))
 
 
-def test_a_reward_model_with_another_tokenizer_scores_the_re_rendered_conversation():
-    policy, reward = bpe(), bpe(vocab_size=280)
-    torch.manual_seed(0)
-    model = RewardModel(config=tiny_config("llama", vocab_size=len(reward))).eval()
-    scorer = RewardScorer(model, policy_tokenizer=policy, reward_tokenizer=reward, same_tokens=False)
-    prompt = prompt_ids(policy, CHAT)
-    response = policy("why did the chicken", add_special_tokens=False)["input_ids"] + [policy.eos_token_id]
-    sequences = torch.tensor([prompt + response])
-    attention = torch.ones_like(sequences)
-    score = scorer.score([CHAT], sequences, attention, prompt_length=len(prompt))
-    torch.testing.assert_close(score, scorer.score_texts([CHAT], ["why did the chicken"]), rtol=0, atol=0)
-    ids = torch.tensor([conversation_id_lists(reward, [CHAT], ["why did the chicken"])[0]])
-    with torch.no_grad():
-        torch.testing.assert_close(score, model(ids, torch.ones_like(ids)), rtol=0, atol=0)
+def test_issue27_the_text_rules_and_a_generic_tokenizer_import_no_torch(tmp_path):
+    """The input checks tokenise every prompt with this module before torch is imported (flows.inputs)."""
+    bpe().save_pretrained(tmp_path)
+    script = (
+        "import sys\nfrom tasks.text import load_tokenizer, prompt_ids, Prompt\n"
+        f"prompt_ids(load_tokenizer({str(tmp_path)!r}), Prompt('', ({{'role': 'user', 'content': 'hi'}},)))\n"
+        "print('torch' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert result.stdout.strip() == "False"
 
 
-def test_a_reward_model_with_the_policys_tokenizer_scores_the_generated_ids_as_they_are():
-    policy = bpe()
-    torch.manual_seed(0)
-    model = RewardModel(config=tiny_config("llama", vocab_size=len(policy))).eval()
-    scorer = RewardScorer(model, policy_tokenizer=policy, reward_tokenizer=policy, same_tokens=True)
-    sequences, attention = torch.tensor([[0, 5, 6, 7, 8]]), torch.tensor([[0, 1, 1, 1, 1]])
-    with torch.no_grad():
-        expected = model(sequences, attention)
-    torch.testing.assert_close(scorer.score([PLAIN], sequences, attention, prompt_length=3), expected, rtol=0, atol=0)
+def _demo_model_folder(folder: Path, config) -> Path:
+    """The demo's word-level tokenizer beside a model config, as the demo world saves its policy."""
+    from demo.tokenizer import build_tokenizer
+
+    build_tokenizer("the cat is happy . a dog sad tell me joke".split()).save_pretrained(folder)
+    config.save_pretrained(folder)
+    return folder
 
 
-def test_a_chat_rollout_is_scored_as_the_reward_model_was_trained_with_the_policys_tokenizer_too():
-    # Training renders a chat pair whole through the template (end-of-turn after the response included);
-    # the generated ids end at EOS instead, so scoring them as they are would read another sequence.
-    policy = bpe()
-    torch.manual_seed(0)
-    model = RewardModel(config=tiny_config("llama", vocab_size=len(policy))).eval()
-    scorer = RewardScorer(model, policy_tokenizer=policy, reward_tokenizer=policy, same_tokens=True)
-    prompt = prompt_ids(policy, CHAT)
-    response = policy("why did the chicken", add_special_tokens=False)["input_ids"] + [policy.eos_token_id]
-    sequences = torch.tensor([prompt + response])
-    score = scorer.score([CHAT], sequences, torch.ones_like(sequences), prompt_length=len(prompt))
-    ids = torch.tensor([conversation_id_lists(policy, [CHAT], ["why did the chicken"])[0]])
-    with torch.no_grad():
-        torch.testing.assert_close(score, model(ids, torch.ones_like(ids)), rtol=0, atol=0)
+@pytest.mark.parametrize("model", ["demo-gpt2", "demo-llama", "chatml-qwen2"])
+def test_issue27_the_ids_the_checks_and_stages_encode_are_autotokenizers_and_its_chat_templates(model, tmp_path):
+    """The input checks load a folder's tokenizer without torch (storage.tokenizers) and encode with the stages'
+    own rule (prompt_ids); both give what AutoTokenizer and apply_chat_template give, for the tiny demo model and a
+    chat model. SmolLM2's (a Llama converted from GGUF) is in tests/flows/test_smollm2.py (slow)."""
+    from transformers import AutoTokenizer, GPT2Config, LlamaConfig
+
+    from tasks.text import load_tokenizer
+    from tests.conftest import tiny_config
+
+    folder = tmp_path / model
+    if model == "chatml-qwen2":
+        bpe().save_pretrained(folder)
+        tiny_config("qwen2", vocab_size=len(bpe())).save_pretrained(folder)
+    else:
+        _demo_model_folder(folder, GPT2Config(n_positions=64) if model == "demo-gpt2" else LlamaConfig())
+    loaded, reference = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    turns = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a  joke ."})
+    chat = Prompt(render_chat(list(turns), add_generation_prompt=True), turns)
+    if reference.chat_template:
+        expected = reference.apply_chat_template(list(turns), add_generation_prompt=True, return_dict=True)
+    else:
+        expected = reference(render_chat(list(turns), add_generation_prompt=True))
+    assert prompt_ids(loaded, chat) == list(expected["input_ids"])
+    assert prompt_ids(loaded, PLAIN) == reference(PLAIN.text)["input_ids"]
