@@ -198,6 +198,11 @@ class ExecutionConfig(_Frozen):
     engine_port: int = Field(0, ge=0, lt=65536)
     """The port of the generation engine the command starts (`sampling.engine: vllm`, no `engine_url`); 0 picks a
     free one."""
+    engine_lora: Literal["auto", "merge", "request"] = "auto"
+    """How the generation engine the command starts samples from a LoRA policy: `request` (vLLM's LoRA requests
+    over the loaded base), `merge` (the adapter merged into a copy of the base weights, swapped in like a full
+    model once per generation stage) or `auto`: merge on a CPU, where vLLM's LoRA kernels halved SmolLM2's tokens/s,
+    requests on a GPU (bench/RESULTS.md section 8)."""
     engine_compile: bool = True
     """Compile the model of the generation engine the command starts (vLLM's default: torch.compile, and CUDA graphs
     on a GPU): a slower start for faster sampling. On this project's 2-core CPU, SmolLM2-135M sampled 22% more

@@ -63,7 +63,12 @@ def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str
     device = resolve_device(config.execution.device).type
     arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[config.precision]]
     if config.model.lora is not None:
-        arguments += ["--max-lora-rank", str(config.model.lora.r)]
+        lora_mode = config.execution.engine_lora
+        if lora_mode == "auto":
+            lora_mode = "merge" if device == "cpu" else "request"
+        arguments += ["--lora-mode", lora_mode]
+        if lora_mode == "request":
+            arguments += ["--max-lora-rank", str(config.model.lora.r)]
     if not config.execution.engine_compile:
         arguments.append("--enforce-eager")
     if device != "cpu":

@@ -18,8 +18,10 @@ Choices:
 1. The engine is built once, from the initial policy. A request names the weights it must be sampled
    from: a full model folder is swapped in place (``collective_rpc("reload_weights", weights_path=...)``,
    layerwise, no rebuild) when it is not the one loaded; a LoRA adapter folder goes with the request as a
-   ``LoRARequest`` over the loaded base. Folders are told apart by their files' sizes, times and inodes,
-   so a folder rewritten at the same path is loaded again.
+   ``LoRARequest`` over the loaded base (``--lora-mode request``), or is merged into a copy of the base weights
+   that is then swapped in like a full folder (``--lora-mode merge``: vLLM's LoRA kernels on CPU halved SmolLM2's
+   tokens/s, a merge and a swap cost about a second a stage). Folders are told apart by their files' sizes, times
+   and inodes, so a folder rewritten at the same path is loaded again.
 2. Reproducible tokens: every request has its own seed; prefix caching is off (a cached prefix is computed
    in other batches than a fresh one); the engine core runs in this process
    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the launcher); requests are served one at a time.
@@ -49,6 +51,8 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -68,6 +72,57 @@ def folder_identity(folder: str) -> tuple:
             status = os.stat(os.path.join(path, name))
             files.append((name, status.st_size, status.st_mtime_ns, status.st_ino))
     return (path, tuple(files))
+
+
+def merged_lora_weights(base: dict, adapter: dict, config: dict) -> dict:
+    """``base``'s tensors with a peft LoRA adapter's updates added: ``W + s * B @ A`` for each adapted module
+    (Hu et al. 2021), ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), transposed for a
+    ``fan_in_fan_out`` layer (GPT-2's Conv1D stores ``W`` as (in, out)); computed in the weight's dtype, as peft's
+    ``merge_and_unload``.
+
+    Args:
+        base: the base model's tensors by name (``model.layers.0.self_attn.q_proj.weight``).
+        adapter: the adapter's tensors as peft saves them (``base_model.model.<module>.lora_A.weight``: (r, in);
+            ``lora_B``: (out, r)).
+        config: the adapter's ``adapter_config.json``.
+
+    Raises:
+        ValueError: an adapter this merge does not cover (DoRA, per-module ranks or alphas, extra saved modules),
+            or a module the base does not have.
+    """
+    import math
+
+    unsupported = [
+        name for name in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save") if config.get(name)
+    ]
+    if unsupported:
+        raise ValueError(f"the adapter sets {', '.join(unsupported)}, which a merge does not cover")
+    rank, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    merged = dict(base)
+    for key, down in adapter.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+        name = f"{module}.weight"
+        if name not in merged:
+            raise ValueError(f"the adapter's module {module} is not a weight of the base model")
+        weight = merged[name]
+        delta = (adapter[key.replace(".lora_A.", ".lora_B.")].to(weight.dtype) @ down.to(weight.dtype)) * scale
+        merged[name] = weight + (delta.T if config.get("fan_in_fan_out") else delta)
+    return merged
+
+
+def read_tensors(folder: str) -> dict:
+    """Every tensor of the ``*.safetensors`` files of ``folder``, by name."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
 
 
 def one_line(error: BaseException) -> str:
@@ -108,6 +163,7 @@ class Engine:
         self.version = vllm.__version__
         self.weights = folder_identity(arguments.model)
         self.adapters: dict[tuple, int] = {}
+        self.lora_mode = arguments.lora_mode
         self.token_budget = arguments.max_num_batched_tokens // 2
         self.max_sequences = arguments.max_num_seqs
         self.check_reload(arguments.model)
@@ -144,6 +200,28 @@ class Engine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
         self.llm.collective_rpc(retie_output_embeddings)
 
+    def serve_merged(self, weights: str, adapter: str) -> float:
+        """Make the engine hold the full weights of the folder ``weights`` with the LoRA ``adapter`` merged in
+        (choice 1, ``--lora-mode merge``); returns the seconds the merge and the swap took. The merged weights are
+        written to a folder (in shared memory where there is some) that is removed once the engine has read it."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        identity = ("merged", folder_identity(weights), folder_identity(adapter))
+        if identity == self.weights:
+            return 0.0
+        start = time.perf_counter()
+        config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        merged = merged_lora_weights(read_tensors(weights), read_tensors(adapter), config)
+        shared = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        with tempfile.TemporaryDirectory(prefix="rlhf-engine-merged-", dir=shared) as folder:
+            save_file({name: tensor.contiguous() for name, tensor in merged.items()}, f"{folder}/model.safetensors")
+            shutil.copy(Path(weights) / "config.json", folder)
+            self.reload(folder)
+        self.weights = identity
+        return time.perf_counter() - start
+
     def adapter(self, folder: str | None):
         """The ``LoRARequest`` of the adapter folder, or None; a new folder gets a new id."""
         if folder is None:
@@ -158,8 +236,11 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        swap = self.serve(request["weights"])
-        lora = self.adapter(request.get("adapter"))
+        weights, adapter = request["weights"], request.get("adapter")
+        if adapter is not None and self.lora_mode == "merge":
+            swap, lora = self.serve_merged(weights, adapter), None
+        else:
+            swap, lora = self.serve(weights), self.adapter(adapter)
         prompts, seeds = request["prompts"], request["seeds"]
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -311,6 +392,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-lora-rank", type=int, default=0, help="0: no LoRA adapters")
+    parser.add_argument(
+        "--lora-mode",
+        default="request",
+        choices=["request", "merge"],
+        help="serve LoRA adapters as vLLM LoRA requests, or merged into the base weights (choice 1)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="0: vLLM's default")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile or CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one engine shards the model over")

@@ -7,7 +7,7 @@ Each campaign runs the ``rlhf`` command as a user does, so the engine is started
   fp32 forward of the actor the stage was given (< 1e-4), and not the initial policy's;
 * a second run on Dask (its workers reach the engine by URL) writes byte-identical outputs: a rerun is
   reproducible, and the runner changes nothing;
-* LoRA adapters are served (the base stays loaded);
+* LoRA adapters are served, merged into the base weights or as vLLM LoRA requests over the loaded base;
 * ``kill -9`` during a rollout leaves no engine process, and the next run ends as an uncrashed one;
 * what the engine cannot do is one line naming ``sampling.engine``, exit 2, before any stage runs.
 
@@ -130,9 +130,11 @@ def test_a_grpo_campaign_runs_on_the_engine(llama_world, tmp_path):
     assert not (rollout / "critic").exists()
 
 
-def test_lora_adapters_are_served_over_the_loaded_base(llama_world, tmp_path):
+@pytest.mark.parametrize("mode", ["merge", "request"])
+def test_lora_adapters_are_served_merged_or_over_the_loaded_base(llama_world, tmp_path, mode):
     run_root = tmp_path / "lora"
-    _run_to_end(_command(run_root, llama_world, "model.lora.r=8", "ppo.tis_cap=2.0"), tmp_path / "run.log")
+    sets = ("model.lora.r=8", "ppo.tis_cap=2.0", f"execution.engine_lora={mode}")
+    _run_to_end(_command(run_root, llama_world, *sets), tmp_path / "run.log")
     (_, update), *_ = [(i, f) for i, f in _outputs(run_root, "ppo_update") if i == 0]
     assert (update / "actor" / "adapter_config.json").is_file()  # what iteration 1 samples from: an adapter
     for _, folder in _outputs(run_root, "rollout") + _outputs(run_root, "evaluate"):
