@@ -45,6 +45,7 @@ PLUMBING = (
     "tasks.reward_function",
     "tasks.stage",
     "tasks.train_worker",
+    "tasks.training_job",
 )
 """Modules of the computing packages that decide where and whether code runs, not what it computes. A judge or
 reward function is fingerprinted by its own module (:class:`tasks.judge.JudgeReference`), not by the loader."""

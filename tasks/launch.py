@@ -26,8 +26,6 @@ checkpoints; the next one resumes from them like one process would.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -37,13 +35,13 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.precision import Precision, accelerate_mixed_precision
 from storage.progress import partial_dir
 from tasks.context import StageContext
+from tasks.training_job import ERROR_PREFIX, encode
 
 JOB_FOLDER = "job"
 LOG_TAIL_LINES = 40
@@ -51,27 +49,10 @@ LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailed
 """The last line of the launcher's traceback when a worker failed; its summary of the workers follows."""
 WORKER_TRACEBACK_LINE = re.compile(r"\[rank\d+\]:")
 """How torch marks the lines of a worker's uncaught Python exception in the workers' log."""
-ERROR_PREFIX = "error-"
-"""A failed worker writes its traceback to ``job/error-<rank>.txt``."""
 
 
 class TrainingWorkerError(RuntimeError):
     """A training worker process failed; the message ends with the workers' last log lines."""
-
-
-@dataclass
-class TrainingOutput:
-    """What a training function writes into, in a worker: the folders of the stage's :class:`StageOutput`.
-
-    Args:
-        path: the output's temporary folder (the main process writes its files there).
-        final_dir: the output's final folder (its ``.partial`` sibling holds the mid-epoch checkpoints).
-        runtime: where the models ran, sent back to the stage with the metrics.
-    """
-
-    path: Path
-    final_dir: Path
-    runtime: dict[str, Any] = field(default_factory=dict)
 
 
 def train(
@@ -257,48 +238,3 @@ def _tail(log: Path) -> str:
         lines = lines[:start] + lines[end + 1 :]
     lines = [line for line in lines if not WORKER_TRACEBACK_LINE.match(line)]
     return "\n".join(lines[-LOG_TAIL_LINES:])
-
-
-def encode(value: Any) -> Any:
-    """``value`` as JSON data that :func:`decode` turns back into an equal value: frozen dataclasses (by
-    class name), paths, tuples, dicts and lists of them, and plain JSON values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        kind = type(value)
-        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        return {"__dataclass__": f"{kind.__module__}:{kind.__qualname__}", "fields": fields}
-    if isinstance(value, Path):
-        return {"__path__": str(value)}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(item) for item in value]}
-    if isinstance(value, list):
-        return [encode(item) for item in value]
-    if isinstance(value, Mapping):
-        return {"__dict__": {str(key): encode(item) for key, item in value.items()}}
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    raise TypeError(f"a training job argument must be plain data, a path or a dataclass, got {value!r}")
-
-
-def decode(value: Any) -> Any:
-    """The value :func:`encode` encoded."""
-    if isinstance(value, list):
-        return [decode(item) for item in value]
-    if not isinstance(value, dict):
-        return value
-    if "__dataclass__" in value:
-        kind = resolve(value["__dataclass__"])
-        return kind(**{name: decode(item) for name, item in value["fields"].items()})
-    if "__path__" in value:
-        return Path(value["__path__"])
-    if "__tuple__" in value:
-        return tuple(decode(item) for item in value["__tuple__"])
-    return {key: decode(item) for key, item in value["__dict__"].items()}
-
-
-def resolve(name: str) -> Any:
-    """The object named ``module:qualified.name``."""
-    module, _, qualified = name.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in qualified.split("."):
-        target = getattr(target, part)
-    return target

@@ -37,10 +37,11 @@ from storage.manifest import StageOutput, prunable_digest, prunable_present, pru
 from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.context import StageContext
-from tasks.launch import TrainingOutput, train
+from tasks.launch import train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import load_tokenizer
 from tasks.training import check_states, save_checkpoint, save_trained, train_models
+from tasks.training_job import TrainingOutput
 
 STAGE = "ppo_update"
 PROGRESS_FILE = "progress.json"

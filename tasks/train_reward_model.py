@@ -29,11 +29,12 @@ from storage.manifest import StageOutput, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.context import StageContext
-from tasks.launch import TrainingOutput, train
+from tasks.launch import train
 from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.tensors import pad_token_lists
 from tasks.text import conversation_id_lists, load_tokenizer, prompts_of
 from tasks.training import check_states, save_checkpoint, save_trained, train_models
+from tasks.training_job import TrainingOutput
 
 STAGE = "train_reward_model"
 

@@ -19,8 +19,8 @@ from accelerate.utils import gather_object
 from rlhf_core.precision import resolve_device
 from storage.files import write_text_replacing
 from tasks.context import Execution
-from tasks.launch import ERROR_PREFIX, TrainingOutput, decode, resolve
 from tasks.stage import PEAKS, peak_memory
+from tasks.training_job import ERROR_PREFIX, TrainingOutput, decode, resolve
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tasks.context import Execution
-from tasks.launch import TrainingOutput, TrainingWorkerError, train
+from tasks.launch import TrainingWorkerError, train
+from tasks.training_job import TrainingOutput
 
 
 @dataclass(frozen=True)
