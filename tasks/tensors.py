@@ -10,27 +10,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tasks.text import Prompt, conversation_id_lists, decode, load_tokenizer, prompt_ids, same_tokenizer
-
-
-def left_pad(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists.
-
-    Shapes:
-        returns (B, P) long ids and (B, P) long mask.
-    """
-    width = max(1, max((len(row) for row in rows), default=1))
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        if row:
-            ids[index, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
-            mask[index, width - len(row) :] = 1
-    return ids, mask
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +24,8 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
     Shapes:
         returns (B, P) long and (B, P) long.
     """
-    return left_pad([prompt_ids(tokenizer, prompt) for prompt in prompts], pad_token_id=tokenizer.pad_token_id)
+    rows = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    return pad_token_lists(rows, pad_token_id=tokenizer.pad_token_id, side="left")
 
 
 def prompt_token_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
@@ -53,8 +39,11 @@ def response_token_lists(sequences: torch.Tensor, action_mask: torch.Tensor) -> 
     return [row[mask].tolist() for row, mask in zip(responses.cpu(), action_mask.cpu(), strict=True)]
 
 
-def pad_token_lists(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists (a reward model reads the last real token, so either side works).
+def pad_token_lists(
+    rows: Sequence[Sequence[int]], *, pad_token_id: int, side: Literal["left", "right"] = "right"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists to one width: on the left for prompts a model continues, on the right where either side
+    works (a reward model reads the last real token).
 
     Shapes:
         returns (B, T) long ids and (B, T) long mask.
@@ -63,8 +52,10 @@ def pad_token_lists(rows: Sequence[Sequence[int]], *, pad_token_id: int) -> tupl
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for index, row in enumerate(rows):
-        ids[index, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-        mask[index, : len(row)] = 1
+        if row:
+            columns = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+            ids[index, columns] = torch.tensor(list(row), dtype=torch.long)
+            mask[index, columns] = 1
     return ids, mask
 
 
