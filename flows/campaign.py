@@ -103,9 +103,10 @@ def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
 
 
 @task(name="resolve_base", cache_policy=NO_CACHE)
-def resolve_base(config: PipelineConfig) -> BaseInputs:
+def resolve_base(config: PipelineConfig, *, checked: bool = False) -> BaseInputs:
     """Locate (or build, for the embedded demo) the initial policy, tokenizer and prompts, identify each by
-    its content (:func:`campaign.identity.base_inputs`), and refuse any the stages could not use.
+    its content (:func:`campaign.identity.base_inputs`), and refuse any the stages could not use, unless
+    ``checked``: the command already ran :func:`flows.inputs.check_inputs`' two halves on the same inputs.
 
     Raises:
         FileNotFoundError: an input does not exist.
@@ -118,7 +119,8 @@ def resolve_base(config: PipelineConfig) -> BaseInputs:
         world = build_default_world(demo_world_dir(config), seed=0)
     cache = fingerprint_cache(config)
     base = base_inputs(config, cache, world)
-    check_inputs(config, base)
+    if not checked:  # the command checked these same inputs before it loaded anything (flows.cli)
+        check_inputs(config, base)
     if config.model.critic_init == "reward_model" and not same_tokenizer(
         load_tokenizer(base.tokenizer.path), load_tokenizer(base.reward_tokenizer)
     ):

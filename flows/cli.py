@@ -257,7 +257,7 @@ class _RunFailures(logging.Filter):
         return record.levelno < logging.ERROR and not final
 
 
-def _prepare(config, arguments, *, replay: bool = False, checked: bool = False):
+def _prepare(config, arguments, *, replay: bool = False, checked: bool = False, inputs_checked: bool = False):
     """What every flow-running command does first: check the campaign's inputs, that no other process runs
     it and (but for a replay, whose config is its source's) that it was started with this config, then make
     sure a Prefect server is there, one this process owns if none is configured.
@@ -265,7 +265,8 @@ def _prepare(config, arguments, *, replay: bool = False, checked: bool = False):
     Returns:
         The console that shows the stages (:func:`flows.console.show_stages`; close it when the flows end), or
         None with ``--verbose``, which shows the whole log instead; and the base inputs, resolved and checked
-        once for the whole command (the flows take them).
+        once for the whole command (the flows take them; ``inputs_checked``: the command checked them already,
+        :func:`_check_inputs_early`).
 
     Raises:
         LockHeld: another process is running the campaign.
@@ -290,7 +291,7 @@ def _prepare(config, arguments, *, replay: bool = False, checked: bool = False):
             handler.addFilter(_RunFailures())
         console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
     try:
-        base = resolve_base.fn(config)
+        base = resolve_base.fn(config, checked=inputs_checked)
         if config.sampling.engine == "vllm":  # started now, so what it cannot do is told before any stage runs
             from flows.vllm_engine import ensure_engine
 
@@ -399,7 +400,7 @@ def _run(config, arguments) -> int:
             _check_models(config, located)
             from flows.rlhf_pipeline import rlhf_campaign
 
-            console, base = _prepare(config, arguments, checked=True)
+            console, base = _prepare(config, arguments, checked=True, inputs_checked=located is not None)
             with _running_flows(console):
                 rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
     print(campaign_report(config))
@@ -415,7 +416,7 @@ def _iterate(config, arguments) -> int:
         _check_models(config, located)
         from flows.rlhf_pipeline import rlhf_iteration
 
-        console, base = _prepare(config, arguments)
+        console, base = _prepare(config, arguments, inputs_checked=located is not None)
         with _running_flows(console):
             rlhf_iteration(config, base=base)
     print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
