@@ -66,9 +66,9 @@ def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) ->
     """A campaign (``config_file``, or the RLHF demo's, with ``overrides``) in a temporary run root:
     per-iteration wall seconds and metrics."""
     started = time.perf_counter()
+    from campaign.config import load_config
     from flows import rlhf_pipeline
-    from flows.campaign import tracking_store
-    from flows.config import load_config
+    from flows.iterations import tracking_store
 
     imported = time.perf_counter() - started
     root = Path(tempfile.mkdtemp(prefix="rlhf-estimators-", dir=SCRATCH))
@@ -181,8 +181,8 @@ def main() -> None:
         args.out.write_text(json.dumps(run_campaign(args.worker, args.config, args.extra)))
         return
 
+    from campaign.config import load_config
     from demo.build import build_default_world
-    from flows.config import load_config
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
     world = build_default_world(SCRATCH / "demo-world", seed=0, progress=False).model_dir.parent

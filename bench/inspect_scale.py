@@ -7,7 +7,7 @@ The campaign is written once (real schemas, real manifests, real MLflow records,
 there), then each reader runs in a fresh process, so its peak resident memory (``ru_maxrss``) is its own:
 
 * ``inspect``: ``rlhf inspect CAMPAIGN --format json``, the whole command (MLflow lookup, summary, flags);
-* ``summary``: :func:`flows.inspect.summarize_runs` over the runs the command found (the scans alone);
+* ``summary``: :func:`flows.inspection.summarize_runs` over the runs the command found (the scans alone);
 * ``pandas``: every ``scored_experience`` shard read with ``pyarrow.parquet.read_table`` (only the summary's
   columns) and converted ``to_pandas()``, then the same figures computed with pandas and numpy.
 
@@ -31,9 +31,9 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from campaign.config import load_config  # noqa: E402
 from campaign.store import campaign_layout, store_tracker  # noqa: E402
 from demo.tokenizer import EOS_ID, build_tokenizer  # noqa: E402
-from flows.config import load_config  # noqa: E402
 from storage.manifest import StageOutput  # noqa: E402
 from storage.schemas import EXPERIENCE, SAMPLES, SCORED_EXPERIENCE  # noqa: E402
 from storage.tracking import (  # noqa: E402
@@ -214,8 +214,8 @@ print(f"read and summarised in {time.perf_counter() - start:.2f} s, {len(rows)} 
 _SUMMARY = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3])
-from flows.config import load_config
-from flows.inspect import eos_token_id, find_runs, summarize_runs, tokenizer_dir
+from campaign.config import load_config
+from flows.inspection import eos_token_id, find_runs, summarize_runs, tokenizer_dir
 config = load_config(None, [f"run_root={sys.argv[1]}"], store_only=True)
 start = time.perf_counter()
 runs = find_runs(config, sys.argv[2])

@@ -68,11 +68,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.perf_counter()
+    from campaign.config import load_config
     from campaign.history import finished_iterations, what_differs
     from campaign.identity import base_inputs, demo_world_dir, fingerprint_cache
     from campaign.store import store_tracker
     from demo.world import complete_world
-    from flows.config import load_config
     from flows.report import campaign_report  # noqa: F401 - the command prints it: its imports count
 
     imported = time.perf_counter()

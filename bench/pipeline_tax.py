@@ -79,9 +79,9 @@ CAUSES = (
     ("loading models", "rlhf_core/loading.py", ("load",)),
     ("saving models and optimizer states", "", ("save_model_folder", "save_training_state")),
     ("writing and verifying outputs (hashes, manifests)", "storage/manifest.py", ("_finish", "find_stage_output")),
-    ("recording stage runs in MLflow", "tasks/stage.py", ("_record_stage",)),
-    ("closing the iteration: its run, figure, Prefect artifact", "flows/campaign.py", ("close_iteration",)),
-    ("  of which the over-optimisation figure", "flows/campaign.py", ("_log_overoptimisation",)),
+    ("recording stage runs in MLflow", "runtime/stage.py", ("_record_stage",)),
+    ("closing the iteration: its run, figure, Prefect artifact", "flows/iterations.py", ("close_iteration",)),
+    ("  of which the over-optimisation figure", "flows/iterations.py", ("_log_overoptimisation",)),
 )
 """What the flow does that the plain loop does not: (label, file, functions), timed by their cumulative time in
 the profiled iteration. The first five do not call each other; the figure is part of closing the iteration."""
@@ -103,9 +103,9 @@ def profile_causes(profile: cProfile.Profile) -> dict[str, float]:
 def flow_run(world: Path, iterations: int) -> dict:
     clock = Clock()
     with clock.measure("import"):
+        from campaign.config import load_config
         from flows import rlhf_pipeline
-        from flows.campaign import tracking_store
-        from flows.config import load_config
+        from flows.iterations import tracking_store
         from flows.prefect_server import flow_settings
         from rlhf_core.config import AdvantageConfig
         from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
@@ -149,9 +149,9 @@ def plain_run(world: Path, iterations: int) -> dict:
     import pyarrow as pa
     import torch
 
+    from campaign.config import load_config
     from campaign.identity import GOLD_JUDGE
     from demo.world import world_at
-    from flows.config import load_config
     from rlhf_core.experience_maker import ExperienceMaker, score_experience
     from rlhf_core.generation import generate, sample_candidates
     from rlhf_core.loading import ModelLoader
@@ -159,10 +159,11 @@ def plain_run(world: Path, iterations: int) -> dict:
     from rlhf_core.ppo import ppo_update
     from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
     from rlhf_core.sequences import sequence_logprobs
+    from runtime.context import stage_seed
+    from runtime.models import accelerator_for
+    from runtime.references import JudgeReference, load_judge
     from storage.experience_io import experience_to_table, table_to_experience
-    from tasks.context import stage_seed
     from tasks.evaluate import _gold_metrics
-    from tasks.judge import JudgeReference, load_judge
     from tasks.labelers import CandidatePair, JudgeLabeler
     from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists
     from tasks.text import batches, conversation_id_lists, decode, load_tokenizer, read_prompts, rotating_subset
@@ -174,7 +175,7 @@ def plain_run(world: Path, iterations: int) -> dict:
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     train_prompts, eval_prompts = read_prompts(paths.prompts_path), read_prompts(paths.eval_prompts_path)
     models = ModelLoader(device=torch.device("cpu"), precision="fp32")
-    accelerator = models.accelerator()
+    accelerator = accelerator_for(models.device, models.precision)
     actor = models.load("actor", paths.model_dir, trainable=True)
     torch.manual_seed(stage_seed(config.seed, "initialize", 0))
     critic = models.load("critic", paths.model_dir, trainable=True)

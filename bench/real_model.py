@@ -228,7 +228,7 @@ def compare(prompts: int, iterations: int, threads: int, out: Path) -> dict:
 
 def tax(iterations: int, threads: int, out: Path) -> dict:
     """The plain loop of the curve's stages at the config's sizes (LoRA, evaluation included)."""
-    from flows.config import load_config
+    from campaign.config import load_config
 
     config = load_config(CONFIG)
     folder, load = str(ensure_folder()), os.getloadavg()

@@ -38,15 +38,17 @@ def run(
     """``iterations`` iterations; the config's sizes and settings unless given (``max_new_tokens``, ``learning_rate``)."""
     import torch
 
-    from flows.config import load_config
+    from campaign.config import load_config
     from rlhf_core.evaluation import response_kl
     from rlhf_core.experience_maker import ExperienceMaker, score_experience
     from rlhf_core.generation import generate
     from rlhf_core.loading import ModelLoader
     from rlhf_core.ppo import ppo_update
     from rlhf_core.sequences import sequence_logprobs
-    from tasks.context import stage_seed
-    from tasks.reward_function import RewardFunctionReference, score_texts
+    from runtime.context import stage_seed
+    from runtime.models import accelerator_for
+    from runtime.references import RewardFunctionReference
+    from tasks.reward_function import score_texts
     from tasks.rollout import ROLLOUT_PROMPT_OFFSET, function_scorer
     from tasks.tensors import encode_prompts, response_token_lists
     from tasks.text import decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
@@ -73,7 +75,7 @@ def run(
         bases={"policy": model},
         lora=config.model.lora if lora else None,
     )
-    accelerator = models.accelerator()
+    accelerator = accelerator_for(models.device, models.precision)
     actor = models.load("actor", model, trainable=True)
     reference = models.reference(actor)
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=config.ppo.actor_learning_rate)

@@ -68,6 +68,7 @@ def main() -> None:
     from rlhf_core.loading import ModelLoader
     from rlhf_core.ppo import ppo_update
     from rlhf_core.sequences import sequence_logprobs
+    from runtime.models import accelerator_for
 
     started = time.perf_counter()
     folder = args.model
@@ -88,7 +89,7 @@ def main() -> None:
     ppo = PPOConfig(epochs=1, minibatch_size=8, actor_learning_rate=1e-4)
     device = torch.device(args.device)
     models = ModelLoader(device=device, precision="fp32", bases={"policy": folder}, lora=LoraConfig(r=16, alpha=32))
-    accelerator = models.accelerator()
+    accelerator = accelerator_for(models.device, models.precision)
     actor = models.load("actor", folder, trainable=True)
     reference = models.reference(actor)
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=ppo.actor_learning_rate)

@@ -40,7 +40,7 @@ RAISING_TEMPLATE = (
 
 def _converted() -> Path:
     """SmolLM2's converted folder under ``WORK/converted`` (converted the first time)."""
-    from flows.model_sources import model_input
+    from campaign.model_sources import model_input
     from storage.fingerprints import FingerprintCache
     from storage.layout import RunLayout
 

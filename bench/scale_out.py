@@ -66,7 +66,7 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.config import load_config
+    from campaign.config import load_config
     from flows.rlhf_pipeline import rlhf_campaign
 
     config_file = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

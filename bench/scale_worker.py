@@ -104,7 +104,7 @@ def main() -> None:
     model = build_model(args.world)
     demo = args.world / "demo-world"
 
-    from flows.config import load_config
+    from campaign.config import load_config
     from flows.rlhf_pipeline import rlhf_campaign
 
     with tempfile.TemporaryDirectory(dir=args.world) as run_root:

@@ -6,7 +6,7 @@ every process's peak memory, one run each.
 Each run is a worker (``--worker SIZE VARIANT OUT``, alone or under ``accelerate launch`` with 2 gloo processes)
 that builds the size's GPT-2 actor and critic from seeds, makes one rollout of ``rollout_batch`` prompts of random
 tokens (the experience every variant trains on), then, inside the stage's own peak-memory measure
-(:func:`tasks.stage.peak_memory`: the growth of the resident set's high-water mark on CPU), builds the trained
+(:func:`runtime.stage.peak_memory`: the growth of the resident set's high-water mark on CPU), builds the trained
 actor and critic (sharded with FSDP2), their AdamW optimizers, and runs ``ppo_epochs`` epochs of one minibatch of
 the whole batch. Wall time is the update's (models built and prepared, then the epochs); peak memory is each
 process's, so it holds the trained models' weights, gradients and AdamW states (sharded: 1/N of them) plus the
@@ -39,11 +39,11 @@ def _worker(size: Size, variant: str, out: Path) -> None:
     from rlhf_core.config import AdvantageConfig, PPOConfig, SamplingConfig, Sharding
     from rlhf_core.distributed import prepare, shard_model
     from rlhf_core.experience_maker import ExperienceMaker, score_experience
-    from rlhf_core.loading import ModelLoader
     from rlhf_core.models import Critic, freeze
     from rlhf_core.ppo import ppo_update
-    from tasks.stage import peak_memory
-    from tasks.train_worker import leave_process_group
+    from runtime.models import accelerator_for
+    from runtime.stage import peak_memory
+    from runtime.worker import leave_process_group
 
     torch.set_num_threads(1)
     state = PartialState(cpu=True)
@@ -68,7 +68,7 @@ def _worker(size: Size, variant: str, out: Path) -> None:
     experience = score_experience(experience, AdvantageConfig(kl_coef=size.kl_coef))
     del actor, critic, maker
     ppo = PPOConfig(epochs=size.ppo_epochs, minibatch_size=size.rollout_batch)
-    accelerator = ModelLoader(device=torch.device("cpu"), precision="fp32").accelerator()
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     with peak_memory(torch.device("cpu")) as peak:
         started = time.perf_counter()
         trained = list(models())

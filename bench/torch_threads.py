@@ -77,7 +77,7 @@ def main() -> None:
     if arguments.worker:
         print(json.dumps(_worker(arguments.worker[0], int(arguments.worker[1]))))
         return
-    from flows.model_sources import model_input
+    from campaign.model_sources import model_input
     from storage.fingerprints import FingerprintCache
     from storage.layout import RunLayout
 

@@ -87,7 +87,7 @@ def chat_prompts(count: int, path: Path) -> Path:
 
 
 def _config(policy: Path, prompts: Path, run_root: Path, *extra: str):
-    from flows.config import load_config
+    from campaign.config import load_config
 
     return load_config(
         None,
@@ -149,11 +149,11 @@ def engine_figures(policy: Path, model, batches: list, sampling, *, eos: int | N
     """The engine's side of :func:`compare`, on an engine started for it (``execution.engine_compile``)."""
     import torch
 
-    from flows.vllm_engine import EngineStartError, ensure_engine, stop_engine
     from rlhf_core.generation import generate
     from rlhf_core.mismatch import logprob_mismatch
     from rlhf_core.sequences import sequence_logprobs
-    from rlhf_core.vllm_client import ServedPolicy
+    from runtime.engine import EngineStartError, ensure_engine, stop_engine
+    from runtime.engine_client import ServedPolicy
 
     scratch = SCRATCH / "vllm"
     device = next(model.parameters()).device
@@ -161,7 +161,7 @@ def engine_figures(policy: Path, model, batches: list, sampling, *, eos: int | N
     config = _config(policy, prompts, scratch / "runs", "sampling.engine=vllm", f"execution.engine_compile={compiled}")
     start = time.perf_counter()
     try:
-        url = ensure_engine(config, str(policy))
+        url = ensure_engine(config.execution, precision=config.precision, lora_rank=None, policy=str(policy))
     except EngineStartError as error:
         return {"refused": str(error)}
     engine = {"start_seconds": time.perf_counter() - start}

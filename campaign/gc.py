@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from campaign.config import PipelineConfig
 from campaign.store import campaign_layout, store_tracker
-from flows.config import PipelineConfig
 from storage.locks import LockTimeout, exclusive_lock
 from storage.manifest import Manifest, prune_files, read_manifest
 from storage.mlflow_store import RunSummary

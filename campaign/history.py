@@ -18,19 +18,19 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
+from campaign.config import ConfigError, PipelineConfig
 from campaign.identity import INPUT_SETTINGS, base_inputs, demo_world_dir, fingerprint_cache, uses_demo_world
+from campaign.model_sources import NotConverted
 from campaign.settings import STAGE_SETTINGS
 from campaign.store import existing_tracker
 from demo.world import complete_world
-from flows.config import ConfigError, PipelineConfig
-from flows.model_sources import NotConverted
+from runtime.code import code_fingerprint
 from storage.manifest import package_version
 from storage.mlflow_store import RunSummary
 from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION
-from tasks.code import code_fingerprint
 
 if TYPE_CHECKING:
-    from tasks.context import BaseInputs
+    from runtime.context import BaseInputs
 
 STAGE_MODULES = tuple(sorted(f"tasks.{stage}" for stage in STAGE_SETTINGS if stage != "human_labels")) + (
     "flows.human_labels",  # the stage that pauses for a person's answers lives with the flows (it needs Prefect)
@@ -40,7 +40,7 @@ STAGE_MODULES = tuple(sorted(f"tasks.{stage}" for stage in STAGE_SETTINGS if sta
 
 def code_in_use(base: BaseInputs) -> str:
     """The fingerprint of the code an iteration with ``base`` computes with: every stage's
-    (:func:`tasks.code.code_fingerprint`, comments and docstrings left out) and the judge's and reward
+    (:func:`runtime.code.code_fingerprint`, comments and docstrings left out) and the judge's and reward
     function's, which the stages load by name."""
     named = [reference.code for reference in (base.judge, base.reward_function) if reference is not None]
     stages = [code_fingerprint(module) for module in STAGE_MODULES]

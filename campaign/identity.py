@@ -4,7 +4,7 @@ one it was started with), its base inputs, located and identified by their conte
 Nothing here imports torch, transformers or Prefect, so a command that only has to recognise finished work
 (``rlhf run`` of a finished campaign, :mod:`campaign.history`) starts in seconds. Checking that the stages can
 use the inputs (:func:`flows.inputs.check_inputs`) and building the demo world are the flow's
-(:func:`flows.campaign.resolve_base`).
+(:func:`flows.iterations.resolve_base`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from campaign.config import ConfigError, HumanLabelConfig, PipelineConfig
+from campaign.model_sources import PACKAGE_PREFIX, is_gguf, model_input
 from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
-from flows.config import ConfigError, HumanLabelConfig, PipelineConfig
-from flows.model_sources import PACKAGE_PREFIX, is_gguf, model_input
+from runtime.context import BaseInputs, InputFile
+from runtime.references import JudgeReference, RewardFunctionReference
 from storage.fingerprints import FingerprintCache
-from tasks.context import BaseInputs, InputFile
-from tasks.judge import JudgeReference
-from tasks.reward_function import RewardFunctionReference
 
 if TYPE_CHECKING:  # MLflow only where a store is read: locating the inputs (base_inputs) needs none
     from storage.tracking import Tracker
@@ -35,7 +34,7 @@ INPUT_SETTINGS = {
     "preferences": "data.preferences",
     "reward_model": "model.reward_model",
 }
-"""The input files of :class:`tasks.context.BaseInputs`, by field: the setting naming each."""
+"""The input files of :class:`runtime.context.BaseInputs`, by field: the setting naming each."""
 
 GOLD_JUDGE = "demo.gold:JUDGE"
 """The embedded demo's hidden gold rater: it judges evaluation in the demo world (`demo`), and labels with `gold`."""
@@ -66,11 +65,11 @@ def base_inputs(
         config: the settings naming the inputs.
         cache: fingerprints already computed (it learns new ones; saving it is the caller's choice); None locates
             the inputs without reading them (a folder's ``sha256`` empty; a GGUF model's converted folder, or the
-            file itself when it is not converted yet: :func:`flows.model_sources.model_input`), for the checks made
+            file itself when it is not converted yet: :func:`campaign.model_sources.model_input`), for the checks made
             before hashing a model.
         world: the demo world, when :func:`uses_demo_world`; its files fill the inputs ``config`` leaves unset.
-        convert: convert a GGUF model file not converted yet (:mod:`flows.model_sources`); False raises
-            :class:`flows.model_sources.NotConverted` instead.
+        convert: convert a GGUF model file not converted yet (:mod:`campaign.model_sources`); False raises
+            :class:`campaign.model_sources.NotConverted` instead.
 
     Raises:
         FileNotFoundError: an input does not exist, or the policy folder is not a Hugging Face checkpoint.
@@ -111,7 +110,7 @@ def base_inputs(
 
 
 def _local_model_folder(policy: str) -> str:
-    """``policy`` itself when it is a local path (or a ``pkg:`` reference, :mod:`flows.model_sources`); a hub name
+    """``policy`` itself when it is a local path (or a ``pkg:`` reference, :mod:`campaign.model_sources`); a hub name
     (``org/name``) is fetched into (or found in) the Hugging Face cache, so its content can be fingerprinted like
     any folder."""
     if Path(policy).exists() or policy.startswith(PACKAGE_PREFIX):

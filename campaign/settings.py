@@ -1,7 +1,7 @@
 """What each stage receives: the one table the flows call stages with and the replay rules derive from.
 
 Every stage task takes its settings as keyword arguments, and its input key is derived from
-exactly those (:mod:`tasks.stage`). :data:`STAGE_SETTINGS` says, per stage, which config field
+exactly those (:mod:`runtime.stage`). :data:`STAGE_SETTINGS` says, per stage, which config field
 (a dotted path) or base input (``base.<field>``) each argument is, so:
 
 * the flows call ``stage(context, *upstream, **stage_settings(config, base, stage))``;
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flows.config import PipelineConfig
+from campaign.config import PipelineConfig
 
 if TYPE_CHECKING:  # the CLI reads what a replay may change while it builds its parser: no MLflow import for that
-    from tasks.context import BaseInputs
+    from runtime.context import BaseInputs
 
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
     "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora", "critic_init": "model.critic_init"},
@@ -76,7 +76,7 @@ CAMPAIGN_START = ("initialize",)
 starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""
 
 EXECUTION = ("execution",)
-"""Where and how stages run (:class:`flows.config.ExecutionConfig`, every field of it): part of no input key, so a
+"""Where and how stages run (:class:`campaign.config.ExecutionConfig`, every field of it): part of no input key, so a
 campaign can continue elsewhere."""
 LOCATION = ("run_root", "tracking_uri", "tracking_ui_url")
 """Where the store is."""

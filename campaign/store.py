@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flows.config import PipelineConfig
+from campaign.config import PipelineConfig
 from storage.layout import RunLayout
 
 if TYPE_CHECKING:  # MLflow is imported when a store is opened: locating the inputs (campaign.identity) needs none

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
     _find_modules_beside(arguments.config)
     try:
-        from flows.config import load_config
+        from campaign.config import load_config
 
         config = load_config(
             arguments.config, _store_overrides(arguments), store_only=arguments.command in _STORE_COMMANDS
@@ -275,9 +275,9 @@ def _prepare(config, arguments, *, replay: bool = False, checked: bool = False, 
     """
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from flows.campaign import resolve_base
-    from flows.config import ConfigError
+    from campaign.config import ConfigError
     from flows.console import show_stages
+    from flows.iterations import generation_engine, resolve_base
     from flows.prefect_server import ensure_prefect_api
 
     if config.run_root.exists() and not config.run_root.is_dir():
@@ -292,10 +292,7 @@ def _prepare(config, arguments, *, replay: bool = False, checked: bool = False, 
         console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
     try:
         base = resolve_base.fn(config, checked=inputs_checked)
-        if config.sampling.engine == "vllm":  # started now, so what it cannot do is told before any stage runs
-            from flows.vllm_engine import ensure_engine
-
-            ensure_engine(config, base.policy.path)
+        generation_engine(config, base.policy.path)  # now: what it cannot do is told before any stage runs
     except BaseException:
         if console is not None:
             console.close()
@@ -361,8 +358,8 @@ def _check_inputs_early(config):
         converted yet (its tokens are checked here, from the file, before the conversion).
     """
     from campaign.identity import base_inputs, uses_demo_world
+    from campaign.model_sources import is_gguf
     from flows.inputs import check_files, check_tokens
-    from flows.model_sources import is_gguf
 
     check_files(config)
     if uses_demo_world(config):
@@ -384,8 +381,8 @@ def _check_models(config, located) -> None:
 
 def _run(config, arguments) -> int:
     located = _check_inputs_early(config)
+    from campaign.config import ConfigError
     from campaign.history import campaign_finished, difference_note
-    from flows.config import ConfigError
     from flows.report import campaign_link, campaign_report
 
     if config.run_root.exists() and not config.run_root.is_dir():
@@ -451,7 +448,7 @@ def _compare(config, arguments) -> int:
 
 
 def _inspect(config, arguments) -> int:
-    from flows.inspect import RENDERERS, inspect_campaign
+    from flows.inspection import RENDERERS, inspect_campaign
 
     inspection = inspect_campaign(
         config,
@@ -490,7 +487,7 @@ def _serve(config, arguments) -> int:
 
 
 def _config(config, arguments) -> int:
-    from flows.config import ConfigError, commented_yaml, load_config
+    from campaign.config import ConfigError, commented_yaml, load_config
 
     try:  # as `rlhf run` would read it: say so if it would refuse it
         load_config(arguments.config, arguments.overrides)
@@ -520,8 +517,8 @@ def _store_overrides(arguments: argparse.Namespace) -> list[str]:
     recorded config (:func:`flows.replay.replay_config`), never the defaults, which they might not fit."""
     if arguments.command != "replay":
         return arguments.overrides
+    from campaign.config import parse_override
     from campaign.settings import LOCATION
-    from flows.config import parse_override
 
     return [text for text in arguments.overrides if parse_override(text)[0] in LOCATION]
 

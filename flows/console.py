@@ -4,7 +4,7 @@ Without ``--verbose`` the console shows the stages, not the log: Prefect's own l
 states) and the project's INFO records stay out of the terminal but still reach the Prefect UI (every
 stage's task log says what it did), warnings and errors still print, and the Hugging Face libraries'
 progress bars and load reports are off. The stages announce themselves with log records marked
-:data:`tasks.stage.STAGE_EVENT`; :class:`StageConsole` turns them into::
+:data:`runtime.events.STAGE_EVENT`; :class:`StageConsole` turns them into::
 
     iteration 3 of campaign demo
       sample_candidates      1.9 s  1024 candidates
@@ -24,8 +24,9 @@ import os
 import sys
 from typing import IO
 
-STAGE_EVENT = "rlhf_stage_event"
-"""The record attribute :mod:`tasks.stage` and the flows mark their announcements with (the same string there)."""
+from runtime.events import STAGE_EVENT
+
+"""The record attribute :mod:`runtime.stage` and the flows mark their announcements with (the same string there)."""
 
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "sample_candidates": (("candidates", "{:.0f} candidates"),),
@@ -130,6 +131,6 @@ def show_stages(console_handlers: list[logging.Handler]) -> StageConsole:
     return console
 
 
-_ANNOUNCING = ("prefect.task_runs", "prefect.flow_runs", "tasks.stage", "flows")
+_ANNOUNCING = ("prefect.task_runs", "prefect.flow_runs", "runtime.stage", "flows")
 """Where stages and flows announce: Prefect's run loggers (so the Prefect UI's logs say the same), or their module's
 logger outside a run."""

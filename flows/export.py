@@ -17,13 +17,13 @@ from typing import Literal
 
 import torch
 
+from campaign.config import PipelineConfig
 from campaign.store import resolve_run, source_config, stage_run
-from flows.campaign import context_for, resolve_base, tracking_store
-from flows.config import PipelineConfig
+from flows.iterations import context_for, resolve_base, tracking_store
 from rlhf_core.loading import ModelLoader, merged
+from runtime.records import recorded_result
 from storage.files import temporary_sibling
 from storage.tokenizers import load_tokenizer
-from tasks.records import recorded_result
 
 ExportedModel = Literal["actor", "critic", "reward_model"]
 _STAGE_OF = {"actor": "ppo_update", "critic": "ppo_update", "reward_model": "train_reward_model"}

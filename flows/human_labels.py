@@ -7,7 +7,7 @@ Choices:
    iteration flow calls when ``labeler`` is ``human``), not a task. The paused run shows a
    **Resume** button in the Prefect UI that opens the form.
 2. The answers are a stage output of their own, ``human_labels`` (one row per pair: ``A``, ``B``
-   or ``tie/skip``), written through :func:`tasks.stage.run_stage` like any stage. Its input key
+   or ``tie/skip``), written through :func:`runtime.stage.run_stage` like any stage. Its input key
    is the candidates' digest plus ``human.relabel``, so a re-run (after a crash, or of a finished
    iteration) finds the answers and asks nothing. The preference stage takes the output as an
    upstream, so the answers are part of its input key.
@@ -47,18 +47,19 @@ from prefect.input import RunInput
 from prefect.utilities.urls import url_for
 from pydantic import Field, create_model
 
-from flows.config import HumanLabelConfig
+from campaign.config import HumanLabelConfig
 from flows.label_page import LabelForm, LabelPage, resume_when_paused, serving
 from rlhf_core.errors import UserError
+from runtime.code import code_fingerprint
+from runtime.context import StageContext
+from runtime.events import STAGE_EVENT
+from runtime.stage import StageResult, run_stage
 from storage.manifest import StageOutput
 from storage.progress import latest_progress, save_progress
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
 from storage.shards import read_table
-from tasks.code import code_fingerprint
 from tasks.collect_preferences import candidate_pairs
-from tasks.context import StageContext
 from tasks.labelers import SKIP, CandidatePair, HumanChoice
-from tasks.stage import STAGE_EVENT, StageResult, run_stage
 
 STAGE = "human_labels"
 ANSWERS_FILE = "answers.json"

@@ -43,14 +43,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from flows.config import PipelineConfig
-from flows.model_sources import gguf_config, gguf_tokenizer, is_gguf
+from campaign.config import PipelineConfig
+from campaign.model_sources import gguf_config, gguf_tokenizer, is_gguf
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.errors import UserError
 from storage.importers import ImportFormatError, preference_rows, prompt_rows
 
 if TYPE_CHECKING:  # check_files imports neither torch, transformers nor MLflow
-    from tasks.context import BaseInputs
+    from runtime.context import BaseInputs
 
 _BATCH = 256
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.pt", "*.ckpt")
@@ -76,7 +76,7 @@ def _model_limits(setting: str, folder: Path) -> tuple[int | None, int | None]:
     """``(context length, vocabulary size)`` of a model folder, either None where its config does not say: as
     ``config.json`` states them (``max_position_embeddings``, ``vocab_size``), else as ``AutoConfig`` reads them
     (which imports torch; GPT-2 calls its context ``n_positions``). For a GGUF file not converted yet, as its
-    conversion will write them (:func:`flows.model_sources.gguf_config`).
+    conversion will write them (:func:`campaign.model_sources.gguf_config`).
 
     Raises:
         FileNotFoundError, InputError: see :func:`_config_of`.
@@ -226,7 +226,7 @@ def _enough_pairs(setting: str, path: Path, pairs: int, *, at_least: int, eval_f
 
 def _found_later(model: str) -> bool:
     """Whether a model setting names a hub model (``org/name``, no such path), as :mod:`campaign.identity` reads it,
-    or a file in a package (``pkg:``, :mod:`flows.model_sources`): either is found later."""
+    or a file in a package (``pkg:``, :mod:`campaign.model_sources`): either is found later."""
     if model.startswith("pkg:"):
         return True
     return not Path(model).exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1

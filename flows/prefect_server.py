@@ -38,8 +38,8 @@ from prefect.context import refresh_global_settings_context
 from prefect.logging import get_logger
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
-from flows.children import free_port, launch_tied, stop
 from rlhf_core.errors import UserError
+from runtime.children import free_port, launch_tied, stop
 
 logger = get_logger("rlhf.prefect_server")
 
@@ -75,7 +75,7 @@ def _launch(port: int) -> subprocess.Popen:
     }
     # Concurrency-slot leases on disk (under PREFECT_HOME), not in the server's memory: the server dies with its
     # command, and the campaign slot a killed run held must stay releasable by the next command (which finds its
-    # lease recorded, flows.engines.campaign_slot) or revocable when the lease runs out. In memory, the lease
+    # lease recorded, flows.concurrency.campaign_slot) or revocable when the lease runs out. In memory, the lease
     # died with the server while the slot stayed taken in the database, and the next run waited forever.
     environment.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
     # In a process group of its own: Ctrl-C in a terminal signals the whole foreground group, and the server

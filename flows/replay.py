@@ -17,13 +17,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from campaign.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from campaign.settings import LOCATION, changeable_fields, covers
 from campaign.store import source_config
-from flows.config import ConfigError, PipelineConfig, _set_dotted, describe_errors, parse_override
 from rlhf_core.config import GROUP_ESTIMATORS
+from runtime.stage import StageResult
 from storage.schemas import OLD_VALUES, PROMPT_ID
 from storage.shards import read_table
-from tasks.stage import StageResult
 
 
 def _refusal(fields: list[str]) -> ConfigError:

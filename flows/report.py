@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from campaign.config import PipelineConfig
 from campaign.store import store_tracker
-from flows.config import PipelineConfig
 from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND
 
 HEADLINE_METRICS = {

@@ -15,9 +15,13 @@ from functools import partial
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from campaign.config import PipelineConfig
 from campaign.history import check_from_iteration, finished_iterations, what_differs
 from campaign.settings import stage_settings
-from flows.campaign import (
+from flows.concurrency import campaign_slot
+from flows.heap import iteration_starting
+from flows.human_labels import request_human_labels
+from flows.iterations import (
     IterationState,
     ReplayInputs,
     campaign_layout,
@@ -29,22 +33,19 @@ from flows.campaign import (
     open_replay,
     resolve_base,
 )
-from flows.config import PipelineConfig
-from flows.engines import campaign_slot, engine
-from flows.heap import iteration_starting
-from flows.human_labels import request_human_labels
 from flows.replay import check_replay_data, check_replayable
-from flows.vllm_engine import with_generation_engine
+from runtime.cluster import cluster
+from runtime.context import BaseInputs, StageContext
+from runtime.events import STAGE_EVENT
+from runtime.stage import StageResult
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
-from tasks.context import BaseInputs, StageContext
 from tasks.evaluate import evaluate
 from tasks.initialize import initialize
 from tasks.ppo_update import optimizer_state, ppo_update
 from tasks.rollout import rollout
 from tasks.sample_candidates import sample_candidates
-from tasks.stage import STAGE_EVENT, StageResult
 from tasks.train_reward_model import train_reward_model
 
 
@@ -88,11 +89,11 @@ def rlhf_iteration(
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
     With ``fresh``, a finished run of the same inputs is recomputed in a new run, which supersedes it. ``base``:
-    the base inputs the command resolved already (:func:`flows.campaign.resolve_base`), or None to resolve them.
+    the base inputs the command resolved already (:func:`flows.iterations.resolve_base`), or None to resolve them.
 
     Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
     iterations of one campaign never run at once, on one machine or several; runs on the engines of
-    ``config.execution`` (:mod:`flows.engines`). If it fails, its MLflow run ends FAILED (KILLED on
+    ``config.execution`` (:mod:`runtime.cluster`) and the generation engine (:func:`flows.iterations.generation_engine`). If it fails, its MLflow run ends FAILED (KILLED on
     Ctrl-C); running it again reopens and finishes it.
     """
     iteration_starting()  # the second in a process freezes its long-lived objects out of full collections
@@ -100,10 +101,9 @@ def rlhf_iteration(
     with (
         exclusive_lock(layout.lock_file()),
         campaign_slot(config.campaign, layout.slot_file()),
-        engine(config) as config,
+        cluster(config.execution),
     ):
         base = base or resolve_base(config)
-        config = with_generation_engine(config, base.policy.path)
         if iteration is None:
             iteration, state = load_latest_state(config, base)
             _name_iteration_run(config.campaign, iteration)
@@ -170,9 +170,8 @@ def rlhf_campaign(
     Raises:
         ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
     """
-    with engine(config) as config:  # one local cluster for every iteration
+    with cluster(config.execution):  # one local cluster for every iteration
         base = base or resolve_base(config)
-        config = with_generation_engine(config, base.policy.path)
         finished = finished_iterations(config)
         start = next((n for n in range(config.iterations) if n not in finished), config.iterations)
         if from_iteration is not None:
@@ -205,10 +204,9 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
     with (
         exclusive_lock(layout.lock_file()),
         campaign_slot(config.campaign, layout.slot_file()),
-        engine(config) as config,
+        cluster(config.execution),
     ):
         base = base or resolve_base(config)
-        config = with_generation_engine(config, base.policy.path)
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)

@@ -46,7 +46,7 @@ from prefect.runner import Runner
 from prefect.settings import get_current_settings
 from pydantic import ValidationError
 
-from flows.config import ConfigError, PipelineConfig
+from campaign.config import ConfigError, PipelineConfig
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from rlhf_core.config import field_bounds
 

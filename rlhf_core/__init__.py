@@ -51,5 +51,4 @@ __all__ = [
     "reward_training",
     "rewards",
     "sequences",
-    "vllm_client",
 ]

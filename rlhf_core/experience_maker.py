@@ -13,10 +13,10 @@ Choices:
 4. Without a critic (critic-free estimators) no values are computed: ``old_values`` is None.
 5. :func:`score_experience` (stage 5) dispatches on the estimator: GAE over the KL-shaped rewards
    and the rollout values, or a critic-free estimator of :mod:`rlhf_core.advantages`.
-6. The sampler may be the vLLM engine serving the actor (a :class:`ServedPolicy`): its log-probs come from
-   other kernels, so ``old_logprobs`` are then always recomputed by the actor (as TRL does with vLLM). The
-   sampler's own log-probs are kept as ``engine_logprobs`` whichever samples, so the mismatch can be measured
-   and corrected (:mod:`rlhf_core.mismatch`).
+6. The sampler may be the vLLM engine serving the actor (an :class:`rlhf_core.generation.ExternalSampler`): its
+   log-probs come from other kernels, so ``old_logprobs`` are then always recomputed by the actor (as TRL does with
+   vLLM). The sampler's own log-probs are kept as ``engine_logprobs`` whichever samples, so the mismatch can be
+   measured and corrected (:mod:`rlhf_core.mismatch`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from rlhf_core.advantages import broadcast_over_tokens, group_advantages, reinfo
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
 from rlhf_core.gae import Advantages, compute_gae
-from rlhf_core.generation import generate
+from rlhf_core.generation import ExternalSampler, generate
 from rlhf_core.models import Critic, evaluating, fused_activations
 from rlhf_core.precision import Precision, autocast, check_precision
 from rlhf_core.rewards import normalize_scores, shaped_rewards
 from rlhf_core.sequences import response_slice, sequence_logprobs
-from rlhf_core.vllm_client import ServedPolicy
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(sequences (B, T), attention_mask (B, T)) -> scores (B,)``."""
@@ -135,7 +134,7 @@ class ExperienceMaker:
         eos_token_id: int | None,
         pad_token_id: int,
         precision: Precision = "fp32",
-        sampler: ServedPolicy | None = None,
+        sampler: ExternalSampler | None = None,
     ) -> None:
         self.actor = actor
         self.sampler = sampler

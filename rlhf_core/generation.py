@@ -11,9 +11,9 @@ Choices:
 4. Tokens are drawn by inverse CDF from one uniform number per row and step, and those numbers
    come from a CPU ``torch.Generator``: B numbers a step cross to the device, and the same seed
    samples the same tokens on any device (up to float rounding of the cumulative sums).
-5. The engine behind :func:`generate` is chosen by what it is given: a model samples here (``hf``), a
-   :class:`rlhf_core.vllm_client.ServedPolicy` samples in the long-lived vLLM engine, one request per row
-   with the row's own seed (so a row's tokens do not depend on the rows beside it). Either way the result
+5. The engine behind :func:`generate` is chosen by what it is given: a model samples here (``hf``), an
+   :class:`ExternalSampler` (the long-lived vLLM engine serving a policy, :class:`runtime.engine_client.ServedPolicy`)
+   samples elsewhere, one request per row with the row's own seed (so a row's tokens do not depend on the rows beside it). Either way the result
    has the same layout, and ``logprobs`` are the sampler's own (vLLM's processed log-probs: after
    temperature, and, unlike ours, after top-k / top-p filtering where those are set).
 """
@@ -21,7 +21,7 @@ Choices:
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -31,7 +31,16 @@ from rlhf_core.config import SamplingConfig
 from rlhf_core.divergence import check_finite
 from rlhf_core.models import evaluating, fused_activations
 from rlhf_core.sequences import position_ids_from_mask
-from rlhf_core.vllm_client import ServedPolicy, engine_generate
+
+
+class ExternalSampler(Protocol):
+    """A policy sampled outside this process (choice 5): one response per prompt, each with its own seed."""
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], *, config: SamplingConfig, eos_token_id: int | None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's response tokens (EOS included when reached) and the sampler's log-prob of each."""
+        ...
 
 
 class Generation(NamedTuple):
@@ -203,7 +212,7 @@ def _decode(
 
 @torch.no_grad()
 def generate(
-    model: PreTrainedModel | ServedPolicy,
+    model: PreTrainedModel | ExternalSampler,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,
@@ -216,20 +225,20 @@ def generate(
     """Sample one response per row.
 
     Args:
-        model: a causal LM (``AutoModelForCausalLM``), or the policy as the vLLM engine serves it.
+        model: a causal LM (``AutoModelForCausalLM``), or an :class:`ExternalSampler` (the vLLM engine).
         prompt_ids: left-padded prompts.
         prompt_mask: 1 for real prompt tokens.
         config: temperature, top-k, top-p and ``max_new_tokens``.
         eos_token_id: token that ends a response, or None.
         pad_token_id: token written after EOS.
         generator: CPU random stream for sampling here (a model); pass a seeded one for reproducible samples.
-        seeds: one seed per row, for the engine (a :class:`ServedPolicy`; required there, unused here).
+        seeds: one seed per row, for an :class:`ExternalSampler` (required there, unused here).
 
     Shapes:
         prompt_ids, prompt_mask: (B, P); seeds: B numbers; returns :class:`Generation` with T = P + R.
 
     Raises:
-        rlhf_core.vllm_client.EngineError: the engine is gone or failed the request.
+        Whatever an :class:`ExternalSampler` raises (the engine is gone or failed the request).
     """
     if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
         raise ValueError(
@@ -240,7 +249,7 @@ def generate(
     if not bool(prompt_mask[:, -1].bool().all()):
         # A right-padded row would be continued from the logits of a padding position.
         raise ValueError("`prompt_ids` must be left-padded: the last column of `prompt_mask` must be 1 in every row")
-    if isinstance(model, ServedPolicy):
+    if not isinstance(model, torch.nn.Module):
         if seeds is None or len(seeds) != prompt_ids.shape[0]:
             raise ValueError("generating with the engine needs `seeds`: one per row of `prompt_ids`")
         return _engine_generation(
@@ -267,7 +276,7 @@ def generate(
 
 
 def _engine_generation(
-    policy: ServedPolicy,
+    policy: ExternalSampler,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     seeds: list[int],
@@ -279,8 +288,8 @@ def _engine_generation(
     """Sample each row in the engine (choice 5), laid out as :func:`_decode`'s rows are: responses padded on the
     right with ``pad_token_id`` up to the longest one, action mask False there, log-probs 0 there."""
     prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
-    responses, response_logprobs = engine_generate(
-        policy, prompts, [int(seed) for seed in seeds], config=config, eos_token_id=eos_token_id
+    responses, response_logprobs = policy.sample(
+        prompts, [int(seed) for seed in seeds], config=config, eos_token_id=eos_token_id
     )
     length = max(len(response) for response in responses)
     batch = len(responses)
@@ -302,7 +311,7 @@ def _engine_generation(
 
 
 def sample_candidates(
-    model: PreTrainedModel | ServedPolicy,
+    model: PreTrainedModel | ExternalSampler,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,

@@ -1,8 +1,8 @@
 """The model seam: the one place that loads (and saves) the models a stage needs, on its device, in its precision.
 
 Every stage gets its actor, reference, critic and reward model from a :class:`ModelLoader`; no
-stage calls ``from_pretrained`` itself. The loader also builds the stage's ``Accelerator`` and
-its autocast context, so device and precision are decided here and nowhere else.
+stage calls ``from_pretrained`` itself. The loader also gives the stage its autocast context (its
+``Accelerator`` is :func:`runtime.models.accelerator`'s, for the same device and precision).
 
 Choices:
 1. Roles: ``actor`` (a causal LM), ``reference`` (the frozen initial policy), ``critic``
@@ -32,7 +32,7 @@ Choices:
    otherwise silently train in fp32.
 9. Every load is recorded in :attr:`ModelLoader.loaded` (role, device, dtype, trainable), so a
    stage output can say where its models ran (and which it found in memory, see 10).
-10. Frozen models may be kept between the stages of one process (:class:`FrozenModels`): the
+10. Frozen models may be kept between the stages of one process (a :class:`ModelCache`): the
    reference, the reward model and the actor an iteration samples with and evaluates are each
    used by two or three stages, and a stage that finds one in memory skips loading it. A
    trained model is always loaded afresh (its training must not touch what another stage holds).
@@ -42,22 +42,17 @@ Choices:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, DistributedType
 from safetensors.torch import load_file
 from torch import nn
 from transformers import (
@@ -70,15 +65,7 @@ from transformers import (
 
 from rlhf_core.config import LoraConfig
 from rlhf_core.models import Critic, RewardModel, freeze, hidden_size
-from rlhf_core.precision import (
-    Precision,
-    accelerate_mixed_precision,
-    autocast,
-    check_precision,
-    compute_dtype,
-    resolve_threads,
-)
-from rlhf_core.vllm_client import ServedPolicy
+from rlhf_core.precision import Precision, autocast, check_precision, compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -159,64 +146,12 @@ class AdapterDisabled(nn.Module):
             return self.model(*args, **kwargs)
 
 
-class FrozenModels:
-    """Frozen models kept in memory between the stages of one process, least recently used first out.
+class ModelCache(Protocol):
+    """Where frozen models are kept between stages and found again (:class:`runtime.models.FrozenModels`)."""
 
-    A model is found again only if it would load the same: the same role, device, dtype and files, each
-    file named by path, size, modification time and inode, so a folder written again (a crashed stage
-    redone, an output deleted and recomputed) is loaded again. Stage outputs are never changed in
-    place, so in a campaign that happens only when they are replaced.
+    def get(self, key: Hashable) -> nn.Module | None: ...
 
-    Args:
-        max_bytes: the most parameter and buffer bytes held; a model larger than this is never kept,
-            and 0 keeps none. The models stay on their device: on a GPU this memory is taken from the
-            stages that train.
-    """
-
-    def __init__(self, max_bytes: int = 0) -> None:
-        self.max_bytes = max_bytes
-        self._models: OrderedDict[Hashable, tuple[nn.Module, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    @property
-    def held_bytes(self) -> int:
-        with self._lock:
-            return self._held_bytes()
-
-    def _held_bytes(self) -> int:
-        return sum(size for _, size in self._models.values())
-
-    def get(self, key: Hashable) -> nn.Module | None:
-        with self._lock:
-            if key not in self._models:
-                return None
-            self._models.move_to_end(key)
-            return self._models[key][0]
-
-    def put(self, key: Hashable, model: nn.Module) -> None:
-        size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        with self._lock:
-            self._models.pop(key, None)
-            if size <= self.max_bytes:
-                self._models[key] = (model, size)
-            self._evict()
-
-    def resize(self, max_bytes: int) -> None:
-        with self._lock:
-            self.max_bytes = max_bytes
-            self._evict()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._models.clear()
-
-    def _evict(self) -> None:
-        while self._models and self._held_bytes() > self.max_bytes:
-            self._models.popitem(last=False)
-
-
-PROCESS_FROZEN_MODELS = FrozenModels()
-"""The frozen models this process keeps between its stages (see :meth:`FrozenModels.resize` for its bound)."""
+    def put(self, key: Hashable, model: nn.Module) -> None: ...
 
 
 def _files_identity(*folders: Path) -> tuple[tuple[str, int, int, int], ...] | None:
@@ -253,7 +188,7 @@ class ModelLoader:
             reference; ``reward_model``: a pretrained reward model).
         lora: adapters for models loaded trainable from full weights; None trains every weight.
         frozen_models: where frozen models are kept for the next stage and found again
-            (:class:`FrozenModels`); None loads every model from its folder.
+            (:class:`ModelCache`); None loads every model from its folder.
     """
 
     def __init__(
@@ -264,7 +199,7 @@ class ModelLoader:
         gradient_checkpointing: bool = False,
         bases: Mapping[str, str | Path] | None = None,
         lora: LoraConfig | None = None,
-        frozen_models: FrozenModels | None = None,
+        frozen_models: ModelCache | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.precision = check_precision(precision)
@@ -348,21 +283,6 @@ class ModelLoader:
             self.frozen_models.put(key, model)
         return model
 
-    def served(self, source: str | Path, url: str | None) -> ServedPolicy:
-        """The causal LM of the folder ``source`` as the generation engine at ``url`` serves it: the folder's own
-        weights, or its base's (a folder that only refers to one), plus its LoRA adapter if it holds one.
-
-        Raises:
-            ValueError: no engine URL (``sampling.engine: vllm`` needs one: the command starts the engine).
-        """
-        if not url:
-            raise ValueError("`sampling.engine` vllm needs a running engine: none was started or given (engine_url)")
-        source = Path(source)
-        meta = FolderMeta.read(source)
-        weights = self._base_folder(meta.base) if meta is not None and meta.base else source
-        adapter = source if meta is not None and meta.adapter else None
-        return ServedPolicy(url=url, weights=str(weights), adapter=None if adapter is None else str(adapter))
-
     def reference(self, actor: nn.Module | None = None) -> nn.Module:
         """The frozen initial policy: ``actor`` with its adapters off under LoRA, else the base loaded frozen."""
         if actor is not None and _is_adapted(actor):
@@ -435,20 +355,6 @@ class ModelLoader:
         """The forward-pass context of this precision (see :func:`rlhf_core.precision.autocast`)."""
         return autocast(self.device, self.precision)
 
-    def accelerator(self) -> Accelerator:
-        """An ``Accelerator`` on this device with this precision as its mixed precision.
-
-        Accelerate keeps its state in a process-wide singleton that refuses a second precision;
-        a process running one stage after another (one precision each) resets it when it must.
-        Under ``accelerate launch`` the launch decides, and nothing is reset.
-        """
-        mixed_precision = accelerate_mixed_precision(self.precision)
-        shared = AcceleratorState._shared_state
-        if shared and shared.get("distributed_type", DistributedType.NO) == DistributedType.NO:
-            if shared.get("_mixed_precision") != mixed_precision or shared.get("device") != self.device:
-                AcceleratorState._reset_state(reset_partial_state=True)
-        return Accelerator(cpu=self.device.type == "cpu", mixed_precision=mixed_precision)
-
 
 def _backbone(folder: Path, placement: dict[str, Any]) -> tuple[PreTrainedModel, nn.Linear | None]:
     """The backbone in ``folder`` and the head it comes with: the score head of a sequence-classification
@@ -502,22 +408,6 @@ def count_parameters(folder: str | Path) -> int:
     if total == 0:
         total = sum(path.stat().st_size for path in folder.glob("pytorch_model*.bin")) // 4
     return total
-
-
-@functools.cache
-def _load_at_start() -> float:
-    """The machine's 1-minute load average when this process first asked: every iteration of a command, and the
-    generation engine it starts, then run on the same number of threads (its own stages would raise the load it
-    reads later)."""
-    return os.getloadavg()[0]
-
-
-def command_threads(choice: int | str, policy: str | Path) -> int:
-    """The torch threads ``execution.torch_threads`` (``choice``) gives this command for the policy in the folder
-    ``policy`` on this machine (:func:`rlhf_core.precision.resolve_threads`)."""
-    return resolve_threads(
-        choice, parameters=count_parameters(policy), cores=len(os.sched_getaffinity(0)), load=_load_at_start()
-    )
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """The folder of a stage output a run recorded in MLflow: in the campaign's layout, downloaded there if missing.
 
-What continuing, replaying (``tasks.records``) and inspecting (``flows.inspect``) a campaign all start from.
+What continuing, replaying (``runtime.records``) and inspecting (``flows.inspection``) a campaign all start from.
 """
 
 from __future__ import annotations

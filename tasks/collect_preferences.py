@@ -4,7 +4,7 @@ With labeler ``human`` the labels are a person's answers, asked for by the itera
 this stage (:mod:`flows.human_labels`) and passed in as their own stage output, so they are part
 of this stage's input key: the same answers reuse the output, other answers make a new one.
 
-Labelling by a reward model splits the pairs into shards (:mod:`tasks.fanout`), wherever
+Labelling by a reward model splits the pairs into shards (:mod:`runtime.fanout`), wherever
 ``execution.task_runner`` runs them.
 """
 
@@ -21,13 +21,14 @@ import pyarrow.compute as pc
 from rlhf_core.config import LabelerName
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
+from runtime.context import InputFile, StageContext
+from runtime.fanout import Shard, plan_shards, run_shards
+from runtime.references import JudgeReference, RewardFunctionReference
+from runtime.stage import StageResult, stage
 from storage.importers import import_preferences
 from storage.manifest import StageOutput
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
-from tasks.context import InputFile, StageContext
-from tasks.fanout import Shard, plan_shards, run_shards
-from tasks.judge import JudgeReference
 from tasks.labelers import (
     SKIP,
     CandidatePair,
@@ -37,8 +38,6 @@ from tasks.labelers import (
     Labeler,
     RewardModelLabeler,
 )
-from tasks.reward_function import RewardFunctionReference
-from tasks.stage import StageResult, stage
 from tasks.tensors import reward_scorer
 from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
 

@@ -16,12 +16,12 @@ from rlhf_core.advantages import adaptive_kl_coef
 from rlhf_core.config import AdvantageConfig
 from rlhf_core.experience_maker import score_experience
 from rlhf_core.masked import masked_mean
+from runtime.context import StageContext
+from runtime.stage import StageResult, stage
 from storage.experience_io import experience_to_table, table_to_experience
 from storage.manifest import StageOutput
 from storage.schemas import SCORED_EXPERIENCE
 from storage.shards import read_table
-from tasks.context import StageContext
-from tasks.stage import StageResult, stage
 
 STAGE = "compute_advantages"
 NEXT_KL_COEF = "next_kl_coef"

@@ -4,7 +4,7 @@ Reports the reward's score of both (the reward model's, or the reward function's
 summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
 applies, the gold score of both and the policy's gold win rate against the reference (ties count
 half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed (on vLLM, the
-same per-row seeds: :mod:`tasks.sampler`). The prompts are split into shards (:mod:`tasks.fanout`) wherever
+same per-row seeds: :mod:`tasks.sampler`). The prompts are split into shards (:mod:`runtime.fanout`) wherever
 ``execution.task_runner`` runs them. On vLLM the KL uses the actor's own log-probs of the engine's tokens, and the
 stage records the engine's mismatch to them.
 """
@@ -23,14 +23,14 @@ from rlhf_core.generation import generate
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from rlhf_core.sequences import sequence_logprobs
+from runtime.context import StageContext
+from runtime.fanout import Shard, plan_shards, run_shards
+from runtime.references import JudgeReference, RewardFunctionReference
+from runtime.stage import SAMPLES, StageResult, stage
 from storage.manifest import StageOutput
 from storage.schemas import ENGINE_LOGPROBS, EVALUATION, LOGPROB_COLUMNS, OLD_LOGPROBS, POLICY_KL, PROMPT
-from tasks.context import StageContext
-from tasks.fanout import Shard, plan_shards, run_shards
-from tasks.judge import JudgeReference
-from tasks.reward_function import RewardFunctionReference, score_texts
+from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
-from tasks.stage import SAMPLES, StageResult, stage
 from tasks.tensors import encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts
 
@@ -62,7 +62,7 @@ def evaluate(
         rubric: the rubric that labels pairs (labeler ``function``): its mean score of both sides is reported
             beside the reward model's; None for none.
         reward_function: the reward function (``reward.source: function``), or None.
-        rows_per_shard: held-out prompts per shard (:mod:`tasks.fanout`).
+        rows_per_shard: held-out prompts per shard (:mod:`runtime.fanout`).
     """
     if (reward_model is None) == (reward_function is None):
         raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.config import LoraConfig
+from runtime.context import StageContext
+from runtime.stage import stage, stage_models
 from storage.checkpoints import save_model
 from storage.manifest import StageOutput
-from tasks.context import StageContext
-from tasks.stage import stage, stage_models
 from tasks.text import load_tokenizer
 
 STAGE = "initialize"

@@ -21,7 +21,8 @@ from typing import Literal, NamedTuple, Protocol, get_args
 import torch
 
 from rlhf_core.evaluation import Judge
-from tasks.reward_function import RewardFunction, score_texts
+from runtime.references import RewardFunction
+from tasks.reward_function import score_texts
 from tasks.tensors import RewardScorer
 from tasks.text import Prompt
 

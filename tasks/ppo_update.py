@@ -15,8 +15,8 @@ input's states were pruned, while computing it again then is refused (it could n
 replay continues them while they exist, and otherwise starts from fresh optimizers, under another key.
 
 With ``execution.training_processes`` N > 1 the update runs in N ``accelerate launch`` processes (or Ray Train
-workers), each on its share of every minibatch (:mod:`tasks.launch`, :mod:`rlhf_core.distributed`), the models
-sharded over them under FSDP2 (:mod:`tasks.training`); the main process writes the models.
+workers), each on its share of every minibatch (:mod:`runtime.launch`, :mod:`rlhf_core.distributed`), the models
+sharded over them under FSDP2 (:mod:`runtime.training`); the main process writes the models.
 """
 
 from __future__ import annotations
@@ -32,16 +32,17 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
 from rlhf_core.precision import Precision
+from runtime.context import StageContext
+from runtime.job import TrainingOutput
+from runtime.launch import train
+from runtime.models import accelerator_for
+from runtime.stage import StageResult, Throttle, stage, stage_models, write_training_curve
+from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.experience_io import table_to_experience
 from storage.manifest import StageOutput, prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
-from tasks.context import StageContext
-from tasks.launch import train
-from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.text import load_tokenizer
-from tasks.training import check_states, save_checkpoint, save_trained, train_models
-from tasks.training_job import TrainingOutput
 
 STAGE = "ppo_update"
 PROGRESS_FILE = "progress.json"
@@ -95,7 +96,7 @@ def ppo_update(
 ) -> dict[str, float]:
     """Write ``actor/`` (and ``critic/``) and their optimizer states after PPO epochs over the experience.
 
-    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`tasks.launch`).
+    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`runtime.launch`).
 
     Args:
         optimizer: the optimizer states of ``policy`` to continue (see :func:`optimizer_state`);
@@ -142,7 +143,7 @@ def update_policy(
 ) -> dict[str, float]:
     """The update itself, in each training process: the main process writes the output and its checkpoints."""
     models = stage_models(out, context, precision)
-    accelerator = models.accelerator()
+    accelerator = accelerator_for(models.device, models.precision)
     main = accelerator.is_main_process
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     generator = context.generator(STAGE)

@@ -17,8 +17,7 @@ checker or a unit-test runner. With ``reward.source: function`` it scores the ro
 learned reward model.
 
 Choices:
-1. As a stage setting it is keyed by its name and the fingerprint of its module's code (as a
-   judge is, :class:`tasks.judge.JudgeReference`), so editing the function re-runs what it scored.
+1. As a stage setting it is keyed by its name and the fingerprint of its module's code (:class:`runtime.references.RewardFunctionReference`), so editing the function re-runs what it scored.
 2. It is imported, its signature bound to the prompt files' columns and it is called once (the first
    training prompt, an empty response) before anything runs (:func:`check_reward_function`): a module
    that does not import, a missing callable, a signature that does not take the columns, or a
@@ -33,70 +32,19 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlhf_core.errors import UserError
-from tasks.code import code_fingerprint
-from tasks.judge import load_object
+from runtime.references import REWARD_FUNCTION_SETTING as SETTING
+from runtime.references import RewardFunction, RewardFunctionError, RewardFunctionReference
 
 if TYPE_CHECKING:
     import torch
 
     from tasks.text import Prompt
 
-RewardFunction = Callable[..., float]
 PROMPT_TEXT = "prompt_text"
 """The parameter through which a reward function asks for the prompt as the model saw it."""
-SETTING = "`reward.function`"
-
-
-class RewardFunctionError(UserError, ValueError):
-    """A reward function that cannot be used: it does not load, does not take the prompt's columns, raises, or
-    returns something other than a finite number. The message (one line) names it."""
-
-
-def load_reward_function(reference: str) -> RewardFunction:
-    """The callable that ``reference`` (``module:attribute``) names.
-
-    Raises:
-        RewardFunctionError: it cannot be loaded, or is not callable.
-    """
-    try:
-        function = load_object(reference)
-    except ValueError as error:
-        raise RewardFunctionError(
-            f"{SETTING} {error} (modules are looked up in the config file's folder, the working directory and on "
-            "PYTHONPATH)"
-        ) from error
-    if not callable(function):
-        raise RewardFunctionError(
-            f"{SETTING} {reference!r} is not a reward function: it must be callable as `(prompt, response, "
-            "**columns) -> float`"
-        )
-    return function  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class RewardFunctionReference:
-    """A reward function by name (``module:attribute``) and the fingerprint of its module's code."""
-
-    name: str
-    code: str
-
-    @classmethod
-    def of(cls, name: str) -> RewardFunctionReference:
-        """The reference to ``name``, checked to load as a callable.
-
-        Raises:
-            RewardFunctionError: see :func:`load_reward_function`.
-        """
-        load_reward_function(name)
-        return cls(name=name, code=code_fingerprint(name.partition(":")[0]))
-
-    def load(self) -> RewardFunction:
-        return load_reward_function(self.name)
 
 
 def wants_prompt_text(function: RewardFunction) -> bool:

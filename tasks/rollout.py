@@ -4,7 +4,7 @@ Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLO
 id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
 policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
 a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The
-prompts are split into shards (:mod:`tasks.fanout`), each rolled out with its own generator (or, on vLLM, one seed
+prompts are split into shards (:mod:`runtime.fanout`), each rolled out with its own generator (or, on vLLM, one seed
 per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them. The sampler's log-probs are kept
 beside the actor's (``engine_logprobs``), and the stage records their mismatch.
 """
@@ -20,14 +20,15 @@ from rlhf_core.config import SamplingConfig
 from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
+from runtime.context import StageContext
+from runtime.fanout import Shard, plan_shards, run_shards
+from runtime.references import RewardFunctionReference
+from runtime.stage import StageResult, stage
 from storage.experience_io import experience_to_table
 from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
-from tasks.context import StageContext
-from tasks.fanout import Shard, plan_shards, run_shards
-from tasks.reward_function import RewardFunctionReference, score_texts
+from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
-from tasks.stage import StageResult, stage
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 

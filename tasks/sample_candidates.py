@@ -1,6 +1,6 @@
 """Stage 1, sample candidates: N responses per preference prompt from the current actor.
 
-The prompts are split into shards (:mod:`tasks.fanout`), each sampled with its own generator (or, on vLLM, one
+The prompts are split into shards (:mod:`runtime.fanout`), each sampled with its own generator (or, on vLLM, one
 seed per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them.
 """
 
@@ -15,12 +15,12 @@ from rlhf_core.generation import sample_candidates as sample
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision
 from rlhf_core.sequences import sequence_logprobs
+from runtime.context import StageContext
+from runtime.fanout import Shard, plan_shards, run_shards
+from runtime.stage import StageResult, stage
 from storage.manifest import StageOutput
 from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
-from tasks.context import StageContext
-from tasks.fanout import Shard, plan_shards, run_shards
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
-from tasks.stage import StageResult, stage
 from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
 from tasks.text import decode, load_tokenizer, read_prompts, rotating_subset
 

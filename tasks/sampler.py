@@ -1,8 +1,8 @@
 """What samples in a generation stage (``sampling.engine``), and the mismatch its log-probs leave.
 
 ``hf`` samples with the stage's actor and the shard's generator, as always. ``vllm`` samples in the long-lived
-engine (:mod:`flows.vllm_engine`), serving the actor folder the stage was given, with one seed per row
-(:meth:`tasks.fanout.Shard.row_seeds`); the stage then recomputes the log-probs of the sampled tokens with the
+engine (:mod:`runtime.engine`), serving the actor folder the stage was given, with one seed per row
+(:meth:`runtime.fanout.Shard.row_seeds`); the stage then recomputes the log-probs of the sampled tokens with the
 actor (the trainer's numerics) and records how far the engine's are from them.
 """
 
@@ -17,10 +17,10 @@ from transformers import PreTrainedModel
 from rlhf_core.config import SamplingConfig
 from rlhf_core.loading import ModelLoader
 from rlhf_core.mismatch import logprob_mismatch
-from rlhf_core.vllm_client import ServedPolicy
+from runtime.context import StageContext
+from runtime.engine_client import ServedPolicy, served_policy
+from runtime.fanout import Shard
 from storage.schemas import ENGINE_LOGPROBS, OLD_LOGPROBS
-from tasks.context import StageContext
-from tasks.fanout import Shard
 
 
 def policy_sampler(
@@ -29,7 +29,7 @@ def policy_sampler(
     """What :func:`rlhf_core.generation.generate` samples with: the actor, or the engine serving its folder."""
     if sampling.engine == "hf":
         return actor
-    return models.served(actor_dir, context.execution.engine_url)
+    return served_policy(actor_dir, context.execution.engine_url, bases=models.bases)
 
 
 def row_seeds(sampling: SamplingConfig, shard: Shard, first_row: int, rows: int) -> list[int] | None:

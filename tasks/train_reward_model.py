@@ -9,8 +9,8 @@ Pairs are rendered as conversations in the reward model's own tokens (:func:`tas
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
-``accelerate launch`` processes, each on its share of every minibatch (:mod:`tasks.launch`,
-:mod:`rlhf_core.distributed`), the model sharded over them under FSDP2 (:mod:`tasks.training`); the main
+``accelerate launch`` processes, each on its share of every minibatch (:mod:`runtime.launch`,
+:mod:`rlhf_core.distributed`), the model sharded over them under FSDP2 (:mod:`runtime.training`); the main
 process writes the model.
 """
 
@@ -24,17 +24,18 @@ from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, he
 from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
+from runtime.context import StageContext
+from runtime.job import TrainingOutput
+from runtime.launch import train
+from runtime.models import accelerator_for
+from runtime.stage import StageResult, Throttle, stage, stage_models, write_training_curve
+from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.checkpoints import save_model
 from storage.manifest import StageOutput, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
-from tasks.context import StageContext
-from tasks.launch import train
-from tasks.stage import StageResult, Throttle, stage, stage_models, write_training_curve
 from tasks.tensors import pad_token_lists
 from tasks.text import conversation_id_lists, load_tokenizer, prompts_of
-from tasks.training import check_states, save_checkpoint, save_trained, train_models
-from tasks.training_job import TrainingOutput
 
 STAGE = "train_reward_model"
 
@@ -66,7 +67,7 @@ def train_reward_model(
 ) -> dict[str, float]:
     """Continue training the previous reward model (or a fresh head on the base policy) on all pairs.
 
-    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`tasks.launch`).
+    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`runtime.launch`).
     """
     pretrained = context.base.reward_model.path if context.base.reward_model else None
     if not reward_model.train:
@@ -109,7 +110,7 @@ def fit(
     models = stage_models(out, context, precision, lora=lora)
     tokenizer = load_tokenizer(context.base.reward_tokenizer)
     pretrained = context.base.reward_model.path if context.base.reward_model else None
-    accelerator = models.accelerator()
+    accelerator = accelerator_for(models.device, models.precision)
     main = accelerator.is_main_process
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
     generator = context.generator(STAGE)

@@ -219,8 +219,8 @@ class Page:
         return command
 
     def newest_iteration(self, campaign: str) -> str:
+        from campaign.config import load_config
         from campaign.store import resolve_run
-        from flows.config import load_config
 
         return resolve_run(load_config(None, [f"run_root={self.folder / '.rlhf'}"], store_only=True), campaign)
 

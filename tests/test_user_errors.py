@@ -12,7 +12,7 @@ from rlhf_core.errors import UserError
 @pytest.mark.parametrize(
     "name",
     [
-        "flows.config:ConfigError",
+        "campaign.config:ConfigError",
         "flows.inputs:InputError",
         "flows.prefect_server:PrefectServerError",
         "flows.human_labels:HumanLabelTimeout",
@@ -22,8 +22,8 @@ from rlhf_core.errors import UserError
         "storage.locks:UnsafeLockFile",
         "tasks.train_reward_model:TooFewPairs",
         "tasks.reward_function:RewardFunctionError",
-        "flows.model_sources:ModelSourceError",
-        "flows.inspect:InspectError",
+        "campaign.model_sources:ModelSourceError",
+        "flows.inspection:InspectError",
     ],
 )
 def test_each_layers_user_errors_are_user_errors(name):

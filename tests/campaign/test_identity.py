@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from campaign.config import PipelineConfig, _tell_moved, load_config
 from campaign.identity import campaign_fields, config_fingerprint, run_key
 from campaign.store import CONFIG_ARTIFACT, source_config, store_tracker
 from flows.cli import main
-from flows.config import PipelineConfig, _tell_moved, load_config
+from runtime.context import BaseInputs, InputFile
 from storage.tracking import (
     KIND_ITERATION,
     TAG_CAMPAIGN,
@@ -25,7 +26,6 @@ from storage.tracking import (
     TAG_ITERATION_KEY,
     TAG_KIND,
 )
-from tasks.context import BaseInputs, InputFile
 
 HERE = Path(__file__).parent
 TINY = HERE.parents[1] / "configs" / "tiny.yaml"
@@ -104,7 +104,7 @@ def test_issue26_a_campaign_finished_before_the_move_has_nothing_to_run_with_the
         overrides = [f"run_root={tmp_path}", "iterations=1", *names]
         assert main(["run", "--config", str(TINY), *(f"--set={text}" for text in overrides)]) == 0
         assert "all 1 iterations are finished; nothing to run" in capsys.readouterr().out
-    notices = [record.getMessage() for record in caplog.records if record.name == "flows.config"]
+    notices = [record.getMessage() for record in caplog.records if record.name == "campaign.config"]
     assert notices == [
         f"--set {text}: `{text.partition('=')[0]}` is now `execution.{text.partition('=')[0].rpartition('.')[2]}`; "
         "the old name is read until the next release, which refuses it"

@@ -7,10 +7,10 @@ import inspect
 
 import pytest
 
+from campaign.config import PipelineConfig
 from campaign.settings import STAGE_SETTINGS, covers, replayable_fields, stage_settings
-from flows.config import PipelineConfig
 from flows.human_labels import request_human_labels
-from tasks.context import BaseInputs, InputFile
+from runtime.context import BaseInputs, InputFile
 
 FILE = InputFile(path="/p", sha256="0" * 64)
 

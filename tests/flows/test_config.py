@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, PipelineConfig, load_config
+from campaign.config import ConfigError, PipelineConfig, load_config
 from rlhf_core.config import Sharding
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -127,7 +127,7 @@ def test_issue15_your_own_model_with_the_demo_rubric_is_refused(overrides, named
 
 
 def test_issue15_rlhf_config_prints_each_description_as_a_comment_and_loads_back(tmp_path):
-    from flows.config import commented_yaml
+    from campaign.config import commented_yaml
 
     config = load_config(CONFIGS / "demo.yaml", ["ppo.clip_eps=0.1"])
     text = commented_yaml(config)
@@ -251,7 +251,7 @@ def test_issue27_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
 
 
 def test_issue26_an_execution_setting_under_its_old_name_is_read_in_its_new_place_with_a_notice(tmp_path, caplog):
-    from flows.config import MOVED_SETTINGS, _tell_moved, setting_names
+    from campaign.config import MOVED_SETTINGS, _tell_moved, setting_names
 
     assert not set(MOVED_SETTINGS) & set(setting_names()) and set(MOVED_SETTINGS.values()) <= set(setting_names())
     _tell_moved.cache_clear()  # each notice is said once per process: this test counts them
@@ -265,7 +265,7 @@ def test_issue26_an_execution_setting_under_its_old_name_is_read_in_its_new_plac
     config = load_config(old, overrides)
     assert config == load_config(new, ["execution.checkpoint_seconds=5", "execution.torch_threads=3"])
     assert (config.execution.torch_threads, config.execution.checkpoint_seconds) == (3, 5.0)
-    said = [record.getMessage() for record in caplog.records if record.name == "flows.config"]
+    said = [record.getMessage() for record in caplog.records if record.name == "campaign.config"]
     assert len(said) == len(MOVED_SETTINGS) + 1  # the file's three, then each --set
     assert said[0] == (
         f"config file {old}: `device` is now `execution.device`; the old name is read until the next release, "

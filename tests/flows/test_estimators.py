@@ -10,12 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+from campaign.config import ConfigError, load_config
 from campaign.store import resolve_run
-from flows.campaign import load_latest_state, resolve_base, tracking_store
-from flows.config import ConfigError, load_config
+from flows.iterations import load_latest_state, resolve_base, tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-from tasks.reward_function import RewardFunctionError
+from runtime.references import RewardFunctionError
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

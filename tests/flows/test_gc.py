@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from campaign.config import load_config
 from campaign.gc import collect_garbage, plan_gc
 from campaign.settings import stage_settings
 from campaign.store import resolve_run
-from flows.campaign import load_latest_state, open_iteration, resolve_base, tracking_store
 from flows.cli import main
-from flows.config import load_config
+from flows.iterations import load_latest_state, open_iteration, resolve_base, tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from tasks.collect_preferences import collect_preferences

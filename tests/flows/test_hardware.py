@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.config import load_config
+from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

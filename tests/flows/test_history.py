@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.code import FIRST_PARTY
+from runtime.code import FIRST_PARTY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def test_comment_docstring_and_log_message_edits_anywhere_re_run_nothing(project
     before = [run.info.run_id for run in _iteration_runs(run_root)]
     _edit(source / "storage" / "tracking.py", '"""', '# an edited comment\n"""')
     _edit(source / "rlhf_core" / "gae.py", "    Naive equivalent", "    A naive equivalent, edited")
-    _edit(source / "tasks" / "stage.py", '"%s: reusing output %s"', '"%s: reusing the output %s"')
+    _edit(source / "runtime" / "stage.py", '"%s: reusing output %s"', '"%s: reusing the output %s"')
     _edit(source / "flows" / "rlhf_pipeline.py", '"""The RLHF flows', '"""The RLHF flows (edited)')
     done = rlhf("run")
     assert done.returncode == 0, done.stderr

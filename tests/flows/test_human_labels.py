@@ -12,7 +12,7 @@ from uuid import UUID
 import pytest
 from pydantic import ValidationError
 
-from flows.config import ConfigError, load_config
+from campaign.config import ConfigError, load_config
 from flows.console import StageConsole
 from flows.human_labels import HumanLabelTimeout, ask_for_labels, label_form, pairs_markdown
 from flows.label_page import LabelForm, answers_from_form, page_html

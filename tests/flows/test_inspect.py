@@ -11,11 +11,11 @@ import pyarrow.compute as pc
 import pytest
 
 from bench.inspect_scale import write_synthetic_campaign
+from campaign.config import load_config
 from campaign.store import resolve_run
-from flows.campaign import tracking_store
 from flows.cli import main
-from flows.config import load_config
-from flows.inspect import TOP_RESPONSES
+from flows.inspection import TOP_RESPONSES
+from flows.iterations import tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
 from storage.shards import read_table

@@ -3,7 +3,7 @@ its UI and an `mlflow server` over the run's local store, each on a port of its 
 real `rlhf run` of the tiny campaign told where the MLflow UI is (`tracking_ui_url`), and headless Chromium
 (slow; skipped without ``chromium``).
 
-The artifact (flows.campaign.close_iteration) holds a row per stage, the over-optimisation figure (embedded: it
+The artifact (flows.iterations.close_iteration) holds a row per stage, the over-optimisation figure (embedded: it
 shows with no server behind it) and one metric per row; every metric's name and value must be on the page, no table
 cell may cut its text off, the figure must load and the MLflow link must open the iteration's run. The link `rlhf
 run` prints must open the campaign's experiment on its runs, which MLflow 3.17 shows only in its machine-learning

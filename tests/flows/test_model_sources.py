@@ -1,4 +1,4 @@
-"""Model settings as folders (flows/model_sources.py): `pkg:` references, and GGUF files refused in one line when
+"""Model settings as folders (campaign/model_sources.py): `pkg:` references, and GGUF files refused in one line when
 they cannot be converted. The conversion of a real GGUF file, and its content-keyed cache, are in
 tests/flows/test_smollm2.py (slow: it converts SmolLM2-135M-Instruct)."""
 
@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows.model_sources import (
+from campaign.model_sources import (
     ModelSourceError,
     NotConverted,
     local_path,
     model_input,
     package_file,
 )
+from runtime.context import InputFile
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
-from tasks.context import InputFile
 
 
 def write_gguf(path: Path, *, arch: str) -> Path:

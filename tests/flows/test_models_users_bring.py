@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
+from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 from storage.shards import read_table
 from tasks.text import Prompt, load_tokenizer, prompt_ids, same_tokenizer
@@ -93,7 +93,7 @@ def test_a_pretrained_reward_model_used_as_it_is_collects_no_pairs_copies_nothin
 
 
 def test_a_critic_cannot_start_from_a_reward_model_with_another_tokenizer(prefect_server, chat_world, tmp_path):
-    from flows.campaign import resolve_base
+    from flows.iterations import resolve_base
 
     config = _config(chat_world, tmp_path, "model.critic_init=reward_model")
     with pytest.raises(

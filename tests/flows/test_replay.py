@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from campaign.config import ConfigError, PipelineConfig, load_config
 from campaign.store import resolve_run
-from flows.campaign import tracking_store
 from flows.cli import main
-from flows.config import ConfigError, PipelineConfig, load_config
+from flows.iterations import tracking_store
 from flows.replay import replay_config
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
@@ -96,7 +96,7 @@ def test_compare_command_prints_a_table_and_names_unknown_runs(recorded, capsys)
 def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_continued(recorded):
     """A setting outside every stage's key (here `human.poll_seconds`) makes new iteration runs whose
     stages are all reused from the first campaign's runs; they must still name their outputs."""
-    from flows.campaign import load_latest_state, resolve_base
+    from flows.iterations import load_latest_state, resolve_base
 
     again = recorded.model_copy(update={"human": recorded.human.model_copy(update={"poll_seconds": 5})})
     state = rlhf_campaign(again)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
+from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 
 ROOT = Path(__file__).resolve().parents[2]

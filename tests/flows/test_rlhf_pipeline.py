@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
+from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
     does every manifest; nothing differs from what is here now."""
     from campaign.history import code_in_use, difference_note, input_contents
     from campaign.store import store_tracker
-    from flows.campaign import resolve_base
+    from flows.iterations import resolve_base
     from storage.manifest import package_version, read_manifest
 
     config, _ = campaign
@@ -198,7 +198,7 @@ def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
     config, _ = campaign
     script = (
         "import json, sys\n"
-        "from flows.config import PipelineConfig\n"
+        "from campaign.config import PipelineConfig\n"
         "from campaign.history import campaign_finished, difference_note\n"
         "from flows.report import campaign_report\n"
         f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"

@@ -17,8 +17,8 @@ import pytest
 from prefect.utilities.schema_tools import ValidationError as SchemaValidationError
 from prefect.utilities.schema_tools import validate
 
+from campaign.config import ConfigError, PipelineConfig, load_config
 from campaign.store import campaign_layout
-from flows.config import ConfigError, PipelineConfig, load_config
 from flows.serve import build_deployments, schema_bounds, with_bounds
 from storage.locks import exclusive_lock
 from tests.flows.conftest import flow_runs_in_state

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.config import load_config
+from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 from tests.flows.test_bad_inputs import Case, _assert_refused, _main, _run
 from tests.flows.test_scaling import CONFIGS, stage_files, tiny_config

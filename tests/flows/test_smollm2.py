@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from campaign.model_sources import model_input
 from flows.cli import main
-from flows.model_sources import model_input
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
 from storage.shards import read_table

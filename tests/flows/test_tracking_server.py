@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from campaign.config import load_config
 from campaign.store import resolve_run
-from flows.config import load_config
-from flows.engines import campaign_limit
+from flows.concurrency import campaign_limit
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 

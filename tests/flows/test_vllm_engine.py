@@ -32,8 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flows.cli import main
-from flows.vllm_engine import engine_python
 from rlhf_core.sequences import sequence_logprobs
+from runtime.engine import engine_python
 from storage.experience_io import table_to_experience
 from storage.shards import read_table
 from tests.flows.test_crash import _alive, _descendants, _environment, _file_hashes, _run_to_end, _wait_gone

@@ -1,5 +1,5 @@
-"""How the command starts the generation engine (``flows/vllm_engine.py``) and what its server computes without
-vLLM (``flows/vllm_server.py``): its options and environment follow the config; a merged LoRA adapter is peft's."""
+"""How the command starts the generation engine (``runtime/engine.py``) and what its server computes without
+vLLM (``engine_server/server.py``): its options and environment follow the config; a merged LoRA adapter is peft's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from flows.vllm_engine import _environment, server_arguments
-from flows.vllm_server import merged_lora_weights, read_tensors
+from campaign.config import load_config
+from engine_server.server import merged_lora_weights, read_tensors
+from runtime.engine import _environment, server_arguments
+
+
+def _arguments(config, policy: str) -> list[str]:
+    lora = config.model.lora
+    return server_arguments(
+        config.execution,
+        precision=config.precision,
+        lora_rank=None if lora is None else lora.r,
+        policy=policy,
+        port=8100,
+    )
 
 
 def _config(world: dict[str, Path], *extra: str):
@@ -31,22 +42,24 @@ def _config(world: dict[str, Path], *extra: str):
 @pytest.mark.parametrize(("compile_setting", "eager"), [("true", False), ("false", True)])
 def test_the_engine_compiles_its_model_unless_told_not_to(llama_world, compile_setting, eager):
     config = _config(llama_world, f"execution.engine_compile={compile_setting}")
-    arguments = server_arguments(config, str(llama_world["policy"]), 8100)
+    arguments = _arguments(config, str(llama_world["policy"]))
     assert ("--enforce-eager" in arguments) is eager
 
 
 def test_the_engine_runs_on_the_stages_thread_count(llama_world, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     policy = str(llama_world["policy"])
-    assert _environment(_config(llama_world, "execution.torch_threads=3"), policy)["OMP_NUM_THREADS"] == "3"
+    assert _environment(_config(llama_world, "execution.torch_threads=3").execution, policy)["OMP_NUM_THREADS"] == "3"
     # auto: one thread for a model under 20 M parameters (the tiny Llama), never the word "auto"
-    assert _environment(_config(llama_world, "execution.torch_threads=auto"), policy)["OMP_NUM_THREADS"] == "1"
+    assert (
+        _environment(_config(llama_world, "execution.torch_threads=auto").execution, policy)["OMP_NUM_THREADS"] == "1"
+    )
 
 
 @pytest.mark.parametrize(("mode", "served"), [("auto", "merge"), ("merge", "merge"), ("request", "request")])
 def test_lora_policies_are_merged_on_a_cpu_unless_told_otherwise(llama_world, mode, served):
     config = _config(llama_world, "model.lora.r=8", f"execution.engine_lora={mode}")
-    arguments = server_arguments(config, str(llama_world["policy"]), 8100)
+    arguments = _arguments(config, str(llama_world["policy"]))
     assert arguments[arguments.index("--lora-mode") + 1] == served
     assert ("--max-lora-rank" in arguments) is (served == "request")  # vLLM's LoRA layers only where they serve
 

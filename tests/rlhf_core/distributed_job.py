@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
 from rlhf_core.distributed import Sharding, full_state_dict, prepare, shard_model
 from rlhf_core.experience_maker import ExperienceMaker, score_experience
-from rlhf_core.loading import ModelLoader
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.ppo import ppo_update
 from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
-from tasks.train_worker import leave_process_group
+from runtime.models import accelerator_for
+from runtime.worker import leave_process_group
 from tests.conftest import EOS, PAD, left_padded, tiny_config
 
 TEMPERATURE = 0.7
@@ -81,7 +81,7 @@ def run_ppo(
     name: str, config: PPOConfig, out: Path, *, shard: bool, arch: str = "gpt2", lora: bool = False,
     checkpointing: bool = False,
 ) -> None:  # fmt: skip
-    accelerator = ModelLoader(device=torch.device("cpu"), precision="fp32").accelerator()
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     torch.manual_seed(0)
     actor = AutoModelForCausalLM.from_config(_config(arch))
     critic = Critic(config=_config(arch))
@@ -123,7 +123,7 @@ def run_ppo(
 def run_reward_model(
     out: Path, *, shard: bool, name: str = "reward_model", arch: str = "gpt2", lora: bool = False
 ) -> None:
-    accelerator = ModelLoader(device=torch.device("cpu"), precision="fp32").accelerator()
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     torch.manual_seed(0)
     model = RewardModel(config=_config(arch))
     generator = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ import sys
 
 import rlhf_core
 
-FORBIDDEN = ("prefect", "mlflow", "polars", "pyarrow", "storage", "tasks", "flows", "demo")
+FORBIDDEN = ("prefect", "mlflow", "polars", "pyarrow", "storage", "runtime", "tasks", "campaign", "flows", "demo")
 
 
 def test_importing_rlhf_core_and_every_submodule_loads_no_forbidden_module():

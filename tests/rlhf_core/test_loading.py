@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.config import LoraConfig
-from rlhf_core.loading import FolderMeta, FrozenModels, ModelLoader, merged, save_model_folder
+from rlhf_core.loading import FolderMeta, ModelLoader, merged, save_model_folder
 from rlhf_core.models import Critic, RewardModel, dropout_disabled, evaluating
+from runtime.models import FrozenModels, accelerator_for
 from tests.conftest import PAD, left_padded, tiny_causal_lm, tiny_config
 
 CPU = torch.device("cpu")
@@ -122,9 +123,9 @@ def test_gradient_checkpointing_recomputes_activations_and_changes_no_gradient(f
 
 def test_each_precision_gets_an_accelerator_of_its_own_in_one_process():
     # Accelerate keeps one process-wide state; the seam resets it when the precision changes.
-    assert ModelLoader(device=CPU, precision="bf16").accelerator().mixed_precision == "bf16"
-    assert ModelLoader(device=CPU, precision="fp32").accelerator().mixed_precision == "no"
-    assert ModelLoader(device=CPU, precision="bf16").accelerator().native_amp
+    assert accelerator_for(CPU, "bf16").mixed_precision == "bf16"
+    assert accelerator_for(CPU, "fp32").mixed_precision == "no"
+    assert accelerator_for(CPU, "bf16").native_amp
 
 
 # ----------------------------------------------------------------------------- LoRA, base references, exports

@@ -11,12 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, SamplingConfig
 from rlhf_core.experience_maker import ExperienceMaker, score_experience
-from rlhf_core.loading import ModelLoader
 from rlhf_core.losses import entropy_from_logits
 from rlhf_core.masked import masked_mean, masked_whiten
 from rlhf_core.models import Critic, freeze, fused_activations
 from rlhf_core.ppo import explained_variance, ppo_update
 from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask, response_logits, response_slice
+from runtime.models import accelerator_for
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
 TEMPERATURE = 0.7
@@ -25,7 +25,7 @@ PROMPTS = [[3, 4, 5], [6, 5], [9, 10, 11, 12], [13], [14, 15], [16, 17, 18], [19
 
 def setup(*, actor_learning_rate=1e-3, critic_learning_rate=1e-3, dropout=0.0, seed=0, precision="fp32"):
     """Prepared actor and critic, their Adam optimizers, and one scored batch of 8 rollouts."""
-    accelerator = ModelLoader(device=torch.device("cpu"), precision=precision).accelerator()
+    accelerator = accelerator_for(torch.device("cpu"), precision)
     torch.manual_seed(seed)
     config = tiny_config("gpt2")
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = dropout

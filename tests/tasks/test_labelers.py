@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.references import RewardFunctionError
 from tasks.labelers import CandidatePair, FunctionLabeler, Label
-from tasks.reward_function import RewardFunctionError
 from tasks.text import Prompt
 
 

@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from demo.gold import gold_score
-from tasks.reward_function import (
-    RewardFunctionError,
-    RewardFunctionReference,
-    check_reward_function,
-    load_reward_function,
-    score_texts,
-)
+from runtime.references import RewardFunctionError, RewardFunctionReference, load_reward_function
+from tasks.reward_function import check_reward_function, score_texts
 from tasks.text import Prompt
 
 CHAT = Prompt(

@@ -1,4 +1,4 @@
-"""The job a training stage hands its workers (:mod:`tasks.launch`, :mod:`tasks.train_worker`): its arguments as
+"""The job a training stage hands its workers (:mod:`runtime.launch`, :mod:`runtime.worker`): its arguments as
 JSON, what a worker writes into, and where a failed worker leaves its traceback. Both sides import it, so neither
 imports the other for it."""
 

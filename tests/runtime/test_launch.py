@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.context import Execution
-from tasks.launch import TrainingWorkerError, train
-from tasks.training_job import TrainingOutput
+from runtime.context import Execution
+from runtime.job import TrainingOutput
+from runtime.launch import TrainingWorkerError, train
 
 
 @dataclass(frozen=True)
 class Job:
-    """What :func:`tasks.launch.train` reads of a stage context: where and how it runs."""
+    """What :func:`runtime.launch.train` reads of a stage context: where and how it runs."""
 
     execution: Execution
 

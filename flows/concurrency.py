@@ -1,20 +1,10 @@
-"""The existing engines a flow runs on, started and stopped around it: the local Dask cluster or Ray
-instance its shards fan out to, and the Prefect global concurrency slot of its campaign.
+"""Prefect global concurrency limits around the flows: two iterations of one campaign never run at once.
 
-Choices:
-1. A local cluster (``execution.task_runner`` dask or ray without ``execution.address``) lives as long
-   as the outermost flow that needs it: a campaign starts one for all its iterations, an iteration
-   started alone starts its own. Its Dask address is handed to the flows inside through the config
-   (``execution.address``, part of no input key); Ray is a per-process instance that stays initialised.
-2. Each stage connects its own Prefect task runner to that address (:func:`tasks.fanout.run_shards`), so
-   a flow's own task runner stays Prefect's default and nothing below the flows depends on how the
-   flow was started.
-3. Two iterations of one campaign never run at once on any machine: an iteration or replay holds a slot
-   of the Prefect global concurrency limit ``rlhf-campaign-<name>`` (limit 1, created when missing) beside
-   the campaign's lock file (which only covers one machine, or one shared file system). Slots are
-   leased: a process that dies without releasing its slot loses it once the lease runs out
-   (:data:`LEASE_SECONDS`, when the server's repossessor service runs), or at once when the next run
-   of the campaign on the same machine finds its lease recorded (:func:`campaign_slot`).
+An iteration or replay holds a slot of the Prefect global concurrency limit ``rlhf-campaign-<name>`` (limit 1,
+created when missing) beside the campaign's lock file (which only covers one machine, or one shared file system).
+Slots are leased: a process that dies without releasing its slot loses it once the lease runs out
+(:data:`LEASE_SECONDS`, when the server's repossessor service runs), or at once when the next run of the campaign
+on the same machine finds its lease recorded (:func:`campaign_slot`).
 """
 
 from __future__ import annotations
@@ -26,50 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
-from flows.config import PipelineConfig
-
 logger = logging.getLogger(__name__)
 
 CAMPAIGN_LIMIT_PREFIX = "rlhf-campaign-"
 LEASE_SECONDS = 60.0
 """How long the slot of a process that died stays taken (a live holder renews its lease in the background)."""
-
-
-@contextmanager
-def engine(config: PipelineConfig) -> Iterator[PipelineConfig]:
-    """Start the local cluster ``config.execution`` asks for (if it asks for one and none runs yet) for the block.
-
-    Yields:
-        ``config``, with ``execution.address`` set to the local Dask scheduler it started.
-    """
-    execution = config.execution
-    if execution.task_runner == "dask" and execution.address is None:
-        from distributed import LocalCluster
-
-        # One thread per worker process: torch already parallelises inside a shard (torch_threads).
-        with LocalCluster(
-            n_workers=execution.workers, threads_per_worker=1, processes=True, dashboard_address=None
-        ) as cluster:
-            logger.info(
-                "started a local Dask cluster of %d workers at %s", execution.workers, cluster.scheduler_address
-            )
-            address = execution.model_copy(update={"address": cluster.scheduler_address})
-            yield config.model_copy(update={"execution": address})
-        return
-    if execution.task_runner == "ray":
-        import ray
-
-        if not ray.is_initialized():
-            # "local" starts an instance of our own: with no address Ray joins a cluster `ray start` left running on
-            # this machine (found through /tmp/ray), whose CPUs and lifetime are not ours.
-            local = {"num_cpus": execution.workers} if execution.address is None else {}
-            ray.init(address=execution.address or "local", include_dashboard=False, namespace="prefect", **local)
-            try:
-                yield config
-            finally:
-                ray.shutdown()
-            return
-    yield config
 
 
 def campaign_limit(campaign: str) -> str:

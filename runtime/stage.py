@@ -8,7 +8,7 @@ stage receives, so what a stage reads and what decides its reuse cannot drift ap
   files by content), plus the context's ``seed``, ``iteration`` and base-input fingerprint;
 * its upstream outputs: the positional arguments after the context (``StageResult``, None, or a
   tuple of them), by manifest digest;
-* its code: :func:`tasks.code.code_fingerprint` of the stage's module.
+* its code: :func:`runtime.code.code_fingerprint` of the stage's module.
 
 Every stage also records its wall time (``seconds``) and peak memory (``peak_memory_mb``: the
 growth of the process's resident memory on CPU, ``max_memory_allocated`` on CUDA) as metrics, and
@@ -47,6 +47,9 @@ from rlhf_core.divergence import DivergenceError
 from rlhf_core.errors import UserError
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
+from runtime.code import code_fingerprint
+from runtime.context import InputFile, StageContext
+from runtime.events import STAGE_EVENT
 from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
@@ -63,15 +66,8 @@ from storage.tracking import (
     MissingOutputError,
     Tracker,
 )
-from tasks.code import code_fingerprint
-from tasks.context import InputFile, StageContext
 
 logger = logging.getLogger(__name__)
-
-STAGE_EVENT = "rlhf_stage_event"
-"""A log record attribute marking a stage's start (``"started"``, with ``rlhf_stage``) and end (``"finished"``, with
-``rlhf_result``, the :class:`StageResult`), for a console that shows stages rather than log lines
-(``flows.console``, which names the same string)."""
 
 
 @dataclass(frozen=True)
@@ -359,7 +355,7 @@ def _release_memory() -> None:
     The models themselves are freed by reference counting when the stage function returns (nothing
     keeps them in a cycle; ``tests/tasks/test_stage.py`` checks it), so no ``gc.collect()`` is
     needed: it would cost about 0.3 s per stage with torch, Prefect and MLflow loaded. The frozen
-    models the process keeps for later stages (:data:`rlhf_core.loading.PROCESS_FROZEN_MODELS`) stay.
+    models the process keeps for later stages (:data:`runtime.models.PROCESS_FROZEN_MODELS`) stay.
     """
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

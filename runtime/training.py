@@ -35,6 +35,7 @@ from rlhf_core.distributed import (
     prepare,
     shard_model,
 )
+from runtime.context import Execution
 from storage.checkpoints import (
     check_optimizer_layout,
     load_optimizer_shard,
@@ -44,7 +45,6 @@ from storage.checkpoints import (
     save_training_state,
 )
 from storage.progress import save_progress, shared_staging
-from tasks.context import Execution
 
 
 @dataclass

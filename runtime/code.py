@@ -32,24 +32,16 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-FIRST_PARTY = ("rlhf_core", "storage", "tasks", "campaign", "flows", "demo")
+_SOURCE_ROOT = Path(__file__).resolve().parents[1]
+FIRST_PARTY = tuple(
+    sorted(path.parent.name for path in _SOURCE_ROOT.glob("*/__init__.py") if path.parent.name not in ("tests", "bench"))
+)
+"""The project's packages: every package of the repository but its tests and benchmarks."""
 COMPUTING = ("rlhf_core", "tasks")
 """The packages whose modules a fingerprint follows into (less :data:`PLUMBING`)."""
-PLUMBING = (
-    "tasks.code",
-    "tasks.context",
-    "tasks.fanout",
-    "tasks.judge",
-    "tasks.launch",
-    "tasks.records",
-    "tasks.reward_function",
-    "tasks.stage",
-    "tasks.train_worker",
-    "tasks.training_job",
-)
-"""Modules of the computing packages that decide where and whether code runs, not what it computes. A judge or
-reward function is fingerprinted by its own module (:class:`tasks.judge.JudgeReference`), not by the loader."""
-_SOURCE_ROOT = Path(__file__).resolve().parents[1]
+PLUMBING = ("tasks.reward_function",)
+"""Modules of the computing packages that decide where and whether code runs, not what it computes. A reward
+function is fingerprinted by its own module (:class:`runtime.references.RewardFunctionReference`), not by the loader."""
 
 
 def _module_file(module: str) -> Path | None:

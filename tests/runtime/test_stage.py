@@ -14,11 +14,12 @@ import torch
 from pydantic import BaseModel
 
 from rlhf_core.config import AdvantageConfig
+from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.models import accelerator_for
+from runtime.stage import StageResult, run_stage, setting_value, stage, stage_models, upstream_digests
 from storage.layout import RunLayout
 from storage.manifest import read_manifest
 from storage.schemas import PROMPTS
-from tasks.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
-from tasks.stage import StageResult, run_stage, setting_value, stage, stage_models, upstream_digests
 from tests.conftest import tiny_causal_lm
 
 FILE = InputFile(path="/data/prompts.jsonl", sha256="a" * 64)
@@ -142,7 +143,7 @@ LOADED: list[weakref.ref] = []
 def loads_a_model(out, context: StageContext, *, source: str) -> dict[str, float]:
     models = stage_models(out, context, "fp32")
     actor = models.load("actor", source, trainable=True)
-    accelerator = models.accelerator()
+    accelerator = accelerator_for(models.device, models.precision)
     optimizer = torch.optim.AdamW(actor.parameters())
     actor, optimizer = accelerator.prepare(actor, optimizer)
     LOADED.append(weakref.ref(accelerator.unwrap_model(actor)))
@@ -186,14 +187,14 @@ def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(con
     version once."""
     from mlflow import MlflowClient
 
-    import tasks.stage
+    import runtime.stage
     from storage.tracking import TAG_PROCESS
 
     def killed(stage, window):
         if window == "recording":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(tasks.stage, "hold", killed)
+    monkeypatch.setattr(runtime.stage, "hold", killed)
     run = dict(settings={"n": 1}, upstream={}, code="3" * 64, produce=_produce_actor, register={"actor": "actor"})
     with pytest.raises(KeyboardInterrupt):
         run_stage(context, "trainer", **run)
@@ -207,7 +208,7 @@ def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(con
     (artifacts / "_manifest.json").write_text("{half")
     (artifacts / "stray.tmp").write_text("left by the interrupted copy")
 
-    monkeypatch.setattr(tasks.stage, "hold", lambda stage, window: None)
+    monkeypatch.setattr(runtime.stage, "hold", lambda stage, window: None)
     assert context.tracker.reconcile_runs(context.experiment_id) == [interrupted.info.run_id]
     result = run_stage(context, "trainer", **run)
 

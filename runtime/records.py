@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from runtime.context import StageContext
+from runtime.stage import StageResult
 from storage.manifest import read_manifest
 from storage.recorded import recorded_output
 from storage.tracking import KIND_STAGE, TAG_KIND, TAG_MANIFEST_DIGEST
-from tasks.context import StageContext
-from tasks.stage import StageResult
 
 
 def recorded_result(context: StageContext, run_id: str) -> StageResult:

@@ -6,12 +6,12 @@ its own process. Otherwise :func:`train`:
 1. writes a job spec (``<output>.partial/job/spec.json``: the training function by name, the output
    folders, the stage context and the stage's arguments, as JSON) beside the stage's mid-epoch
    checkpoints;
-2. runs ``accelerate launch --num_processes N -m tasks.train_worker SPEC`` (plus the accelerate config
+2. runs ``accelerate launch --num_processes N -m runtime.worker SPEC`` (plus the accelerate config
    file, e.g. for the GPUs of a node), on a free port, its output going to ``job/workers.log``; or, with
    ``execution.training_launcher`` ray, N Ray Train workers placed on the Ray cluster at ``execution.address``
    (any of its machines), once the cluster has room for all of them (else a ``TimeoutError`` after
    ``execution.rendezvous_timeout``). Every worker first joins the process group and checks that it sees all N
-   (:func:`tasks.train_worker.join_process_group`);
+   (:func:`runtime.worker.join_process_group`);
 3. every worker reads the stage's inputs from disk and trains on its share of every minibatch
    (:mod:`rlhf_core.distributed`); the main process alone writes the output's files, mid-epoch
    checkpoints included, and ``job/result.json`` (metrics and runtime);
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.precision import Precision, accelerate_mixed_precision
+from runtime.context import StageContext
+from runtime.job import ERROR_PREFIX, encode
 from storage.progress import partial_dir
-from tasks.context import StageContext
-from tasks.training_job import ERROR_PREFIX, encode
 
 JOB_FOLDER = "job"
 LOG_TAIL_LINES = 40
@@ -99,7 +99,7 @@ def train(
         status = _run_on_ray(spec, execution, log, started=ray_started)
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
-        command += ["-m", "tasks.train_worker", str(spec)]
+        command += ["-m", "runtime.worker", str(spec)]
         environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads)}
         with open(log, "wb") as output:
             status = subprocess.run(
@@ -176,7 +176,7 @@ def _run_on_ray(spec: Path, execution: Any, log: Path, *, started: bool) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from tasks.train_worker import ray_worker
+    from runtime.worker import ray_worker
 
     resources = _worker_resources(execution)
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(execution.rendezvous_timeout)  # the controller's

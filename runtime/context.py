@@ -1,7 +1,7 @@
 """What a stage task knows about where it runs: the :class:`StageContext`.
 
 A task receives the context plus exactly the settings and upstream outputs it uses (see
-:mod:`tasks.stage`). The context holds what is common to every stage of an iteration:
+:mod:`runtime.stage`). The context holds what is common to every stage of an iteration:
 
 * where outputs go (``layout``) and where they are recorded (``tracking``, ``experiment_id``,
   the iteration's MLflow run);
@@ -19,9 +19,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runtime.references import (
+    JudgeReference,  # at run time: a flow validates the base inputs it is given
+    RewardFunctionReference,
+)
 from storage.layout import RunLayout
-from tasks.judge import JudgeReference  # at run time: a flow validates the base inputs it is given
-from tasks.reward_function import RewardFunctionReference
 
 if TYPE_CHECKING:  # neither torch nor MLflow at import: a command that only locates its inputs starts without them
     import torch
@@ -41,7 +43,7 @@ class InputFile:
     Args:
         path: the file or folder the stages read.
         sha256: its content's fingerprint; for a folder converted from ``source``, the source's.
-        source: the file ``path`` was converted from (a GGUF model, :mod:`flows.model_sources`), or None.
+        source: the file ``path`` was converted from (a GGUF model, :mod:`campaign.model_sources`), or None.
     """
 
     path: str
@@ -135,9 +137,9 @@ class Execution:
         torch_threads: torch intra-op threads, set at the start of every stage (`auto` already resolved).
         checkpoint_seconds: save mid-stage progress at most this often.
         gradient_checkpointing: recompute activations in the backward pass of trained models.
-        task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`tasks.fanout`).
+        task_runner: where generation stages run their shards: ``local``, ``dask`` or ``ray`` (:mod:`runtime.fanout`).
         address: the Dask scheduler or Ray cluster the shards run on (None: this process, or a local Ray).
-        training_processes: processes the training stages run in (:mod:`tasks.launch`).
+        training_processes: processes the training stages run in (:mod:`runtime.launch`).
         accelerate_config: an ``accelerate config`` file for those processes, or None.
         training_launcher: ``accelerate`` (``accelerate launch`` on this machine) or ``ray`` (Ray Train workers on
             the Ray cluster at ``address``).
@@ -145,7 +147,7 @@ class Execution:
         sharding: how the trained models are sharded over those processes (FSDP2, from ``accelerate_config``), or
             None (data parallel).
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
-            :class:`rlhf_core.loading.FrozenModels`).
+            :class:`runtime.models.FrozenModels`).
         engine_url: the generation engine server the stages sample on (``sampling.engine: vllm``), or None.
     """
 
@@ -167,8 +169,9 @@ class Execution:
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None
     ) -> ModelLoader:
         """The model seam for one stage (:class:`rlhf_core.loading.ModelLoader`)."""
-        from rlhf_core.loading import PROCESS_FROZEN_MODELS, ModelLoader
+        from rlhf_core.loading import ModelLoader
         from rlhf_core.precision import resolve_device
+        from runtime.models import PROCESS_FROZEN_MODELS
 
         PROCESS_FROZEN_MODELS.resize(self.frozen_model_bytes)
         return ModelLoader(
@@ -198,7 +201,7 @@ class TrackingStore:
 
 def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
     """A seed from the coordinates ``(seed, stage, iteration, *more)`` (nanochat-style), stable across runs and
-    machines: the one derivation of every seed (a shard's adds ``shard-N``, :func:`tasks.fanout.shard_seed`)."""
+    machines: the one derivation of every seed (a shard's adds ``shard-N``, :func:`runtime.fanout.shard_seed`)."""
     digest = hashlib.sha256("/".join(map(str, (seed, stage, iteration, *more))).encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from demo.gold import JUDGE, gold_score
-from tasks.judge import JudgeReference, load_judge, load_object
+from runtime.references import JudgeReference, load_judge, load_object
 
 
 def test_the_demo_judge_loads_by_name_and_scores_like_the_rubric():

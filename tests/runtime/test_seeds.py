@@ -1,12 +1,12 @@
-"""Every seed derives from its coordinates in one place (tasks.context.stage_seed), pinned by value: a changed
+"""Every seed derives from its coordinates in one place (runtime.context.stage_seed), pinned by value: a changed
 derivation would change every sampled token of every campaign."""
 
 from __future__ import annotations
 
 import hashlib
 
-from tasks.context import stage_seed
-from tasks.fanout import shard_seed
+from runtime.context import stage_seed
+from runtime.fanout import shard_seed
 
 
 def _pinned(text: str) -> int:

@@ -1,4 +1,4 @@
-"""One ``accelerate launch`` worker of a training stage: ``python -m tasks.train_worker SPEC`` (see :mod:`tasks.launch`).
+"""One ``accelerate launch`` worker of a training stage: ``python -m runtime.worker SPEC`` (see :mod:`runtime.launch`).
 
 Every worker runs the training function of the job spec on the stage's inputs; the function saves on the
 main process only, and the main process writes the job's result (metrics and runtime) last, atomically.
@@ -17,10 +17,10 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from rlhf_core.precision import resolve_device
+from runtime.context import Execution
+from runtime.job import ERROR_PREFIX, TrainingOutput, decode, resolve
+from runtime.stage import PEAKS, peak_memory
 from storage.files import write_text_replacing
-from tasks.context import Execution
-from tasks.stage import PEAKS, peak_memory
-from tasks.training_job import ERROR_PREFIX, TrainingOutput, decode, resolve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _run(Path(spec_path))
     except BaseException:
-        # The worker's own error, whole, where the stage finds it (tasks.launch.worker_errors): in the workers'
+        # The worker's own error, whole, where the stage finds it (runtime.launch.worker_errors): in the workers'
         # log it can be lost among the other workers' output and the launcher's summary.
         rank = os.environ.get("RANK", "0")
         (Path(spec_path).parent / f"{ERROR_PREFIX}{rank}.txt").write_text(traceback.format_exc())
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def ray_worker(config: dict[str, str]) -> None:
-    """The job as a Ray Train worker's training function (:func:`tasks.launch.train` with Ray): Ray Train has
+    """The job as a Ray Train worker's training function (:func:`runtime.launch.train` with Ray): Ray Train has
     formed the process group and set the variables accelerate reads (``RANK``, ``WORLD_SIZE``, ...)."""
     main([config["spec"]])
 

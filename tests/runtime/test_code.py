@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-import tasks.code
-from tasks.code import COMPUTING, FIRST_PARTY, PLUMBING, code_closure, code_fingerprint, normalised
+import runtime.code
+from runtime.code import COMPUTING, FIRST_PARTY, PLUMBING, code_closure, code_fingerprint, normalised
 
 
 @pytest.fixture
 def source_copy(tmp_path: Path, monkeypatch) -> Path:
     """A copy of the project's packages that the fingerprints read instead of the real ones."""
-    root = Path(tasks.code.__file__).resolve().parents[1]
+    root = Path(runtime.code.__file__).resolve().parents[1]
     for package in FIRST_PARTY:
         shutil.copytree(root / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(tasks.code, "_SOURCE_ROOT", tmp_path)
+    monkeypatch.setattr(runtime.code, "_SOURCE_ROOT", tmp_path)
     code_fingerprint.cache_clear()
     yield tmp_path
     code_fingerprint.cache_clear()
@@ -26,9 +26,9 @@ def source_copy(tmp_path: Path, monkeypatch) -> Path:
 def test_the_closure_follows_imports_transitively_into_the_code_that_computes():
     closure = code_closure("tasks.compute_advantages")
     assert {"tasks.compute_advantages", "rlhf_core.gae", "rlhf_core.rewards", "rlhf_core.masked"} <= closure.keys()
-    assert "tasks.rollout" not in closure and "flows.config" not in closure  # only what it imports
+    assert "tasks.rollout" not in closure and "campaign.config" not in closure  # only what it imports
     assert all(name == "tasks.compute_advantages" or name.split(".")[0] in COMPUTING for name in closure)
-    assert not closure.keys() & {"storage.tracking", "storage.experience_io", "tasks.stage", *PLUMBING}
+    assert not closure.keys() & {"storage.tracking", "storage.experience_io", "runtime.stage", *PLUMBING}
 
 
 def test_the_ppo_update_closure_is_its_maths_not_its_plumbing():
@@ -58,7 +58,7 @@ def test_comments_docstrings_and_plumbing_keep_the_key(source_copy: Path):
     gae.write_text(
         "# a comment\n" + text[:first_def] + '    """An edited docstring."""\n    # note\n' + text[first_def:]
     )
-    for plumbing in ("storage/tracking.py", "tasks/stage.py", "flows/console.py"):
+    for plumbing in ("storage/tracking.py", "runtime/stage.py", "flows/console.py"):
         path = source_copy / plumbing
         path.write_text(path.read_text() + "\nCHANGED = 1\n")
     code_fingerprint.cache_clear()

@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
+from campaign.config import PipelineConfig
 from campaign.history import provenance
 from campaign.identity import (
     base_inputs,
@@ -22,11 +23,15 @@ from campaign.identity import (
     uses_demo_world,
 )
 from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, tracking_uri
-from flows.config import PipelineConfig
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.inputs import InputError, check_inputs
-from flows.inspect import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
-from rlhf_core.loading import command_threads
+from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
+from runtime.cluster import cluster_address
+from runtime.context import BaseInputs, Execution, StageContext, TrackingStore
+from runtime.engine import ensure_engine
+from runtime.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
+from runtime.stage import StageResult
+from runtime.threads import command_threads
 from storage.diagnostics import describe_flag, drift_flags
 from storage.mlflow_store import RunSummary
 from storage.tracking import (
@@ -42,10 +47,7 @@ from storage.tracking import (
     TAG_REPLAY_OF,
     TAG_SUPERSEDED_BY,
 )
-from tasks.context import BaseInputs, Execution, StageContext, TrackingStore
 from tasks.ppo_update import prune_optimizer_states
-from tasks.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
-from tasks.stage import StageResult
 from tasks.text import load_tokenizer, same_tokenizer
 
 
@@ -81,9 +83,21 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
+def generation_engine(config: PipelineConfig, policy: str) -> str | None:
+    """The URL of the generation engine ``config``'s stages sample on, started (serving ``policy`` first) unless it
+    runs already (:func:`runtime.engine.ensure_engine`); None with ``sampling.engine: hf``."""
+    if config.sampling.engine != "vllm":
+        return None
+    lora = config.model.lora
+    rank = None if lora is None else lora.r
+    return ensure_engine(config.execution, precision=config.precision, lora_rank=rank, policy=policy)
+
+
 def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
-    """How ``config``'s stages run; ``execution.torch_threads: auto`` chosen from the policy's size and this
-    machine's cores (:func:`rlhf_core.precision.resolve_threads`)."""
+    """How ``config``'s stages run: on the cluster a :func:`runtime.cluster.cluster` block started or
+    ``execution.address`` names, with the generation engine (:func:`generation_engine`), and
+    ``execution.torch_threads: auto`` chosen from the policy's size and this machine's cores
+    (:func:`rlhf_core.precision.resolve_threads`)."""
     execution = config.execution
     return Execution(
         device=execution.device,
@@ -91,14 +105,14 @@ def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
         checkpoint_seconds=execution.checkpoint_seconds,
         gradient_checkpointing=execution.gradient_checkpointing,
         task_runner=execution.task_runner,
-        address=execution.address,
+        address=cluster_address(execution),
         training_processes=execution.training_processes,
         accelerate_config=None if execution.accelerate_config is None else str(execution.accelerate_config),
         training_launcher=execution.training_launcher,
         rendezvous_timeout=execution.rendezvous_timeout,
         sharding=execution.sharding,
         frozen_model_bytes=int(execution.frozen_models_gb * 2**30),
-        engine_url=execution.engine_url,
+        engine_url=generation_engine(config, base.policy.path),
     )
 
 
@@ -257,7 +271,7 @@ def close_iteration(
     *,
     experience: StageResult | None = None,
 ) -> IterationState:
-    """Log every stage's metrics and the inspection of its experience (:mod:`flows.inspect`) on the iteration run,
+    """Log every stage's metrics and the inspection of its experience (:mod:`flows.inspection`) on the iteration run,
     finish it, and leave a Prefect summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
@@ -324,8 +338,8 @@ def _overoptimisation(context: StageContext, metrics: dict[str, float]):
 def _log_inspection(
     context: StageContext, stages: list[StageResult], *, kind: str
 ) -> tuple[dict[str, float], pl.DataFrame]:
-    """The run's ``inspect/*`` metrics and top responses (:func:`flows.inspect.inspect_run`); the responses go on the
-    run as the table :data:`flows.inspect.TOP_RESPONSES`."""
+    """The run's ``inspect/*`` metrics and top responses (:func:`flows.inspection.inspect_run`); the responses go on the
+    run as the table :data:`flows.inspection.TOP_RESPONSES`."""
     run = ITERATION_RUN if kind == KIND_ITERATION else f"{KIND_REPLAY} {context.parent_run_id[:12]}"
     outputs = stage_outputs(
         {result.stage: result.directory for result in stages},

@@ -1,14 +1,14 @@
 """The generation engine server: one vLLM engine, kept alive, serving whatever weights each request names.
 
 Run by the ``rlhf`` command from the engine's own environment (``bash scripts/setup-vllm.sh`` makes
-``.venv-vllm``; :mod:`flows.vllm_engine` starts and stops this process), or by a user who runs one for
+``.venv-vllm``; :mod:`runtime.engine` starts and stops this process), or by a user who runs one for
 several commands::
 
-    .venv-vllm/bin/python flows/vllm_server.py --model POLICY_DIR --port 8100
+    .venv-vllm/bin/python engine_server/server.py --model POLICY_DIR --port 8100
     rlhf run --set sampling.engine=vllm --set execution.engine_url=http://127.0.0.1:8100
 
 It imports only the standard library and vLLM (the project's own packages are not installed in that
-environment), and speaks JSON over HTTP (:mod:`rlhf_core.vllm_client` is its one client):
+environment), and speaks JSON over HTTP (:mod:`runtime.engine_client` is its one client):
 
 * ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model"}``;
 * ``POST /generate`` with ``{"weights", "adapter", "prompts", "seeds", "temperature", "top_k", "top_p",
@@ -45,7 +45,7 @@ import os
 import sys
 
 # Run as a script, this file's folder (flows/) comes first on the path, and its modules would shadow the standard
-# library's (flows/inspect.py is not `inspect`): the server imports nothing of the project.
+# library's (flows/inspection.py is not `inspect`): the server imports nothing of the project.
 if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     del sys.path[0]
 

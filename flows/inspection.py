@@ -24,8 +24,8 @@ from pathlib import Path
 
 import polars as pl
 
+from campaign.config import PipelineConfig
 from campaign.store import existing_tracker, store_layout
-from flows.config import PipelineConfig
 from flows.report import text_table
 from rlhf_core.errors import UserError
 from storage.diagnostics import (
@@ -342,7 +342,7 @@ def stage_outputs(folders: dict[str, Path], *, iteration: int, run: str, run_id:
 
 def inspect_run(outputs: RunOutputs, *, top: int = 10) -> tuple[dict[str, float], pl.DataFrame]:
     """One run's summary as ``inspect/<column>`` metrics (the numbers it has), and its ``top`` highest-scoring
-    responses, decoded: what :func:`flows.campaign.close_iteration` logs on the run."""
+    responses, decoded: what :func:`flows.iterations.close_iteration` logs on the run."""
     eos = eos_token_id(tokenizer_dir(outputs))
     row = run_summary(outputs, eos=eos).collect().row(0, named=True)
     metrics = {

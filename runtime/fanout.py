@@ -14,7 +14,7 @@
    the output is in place).
 3. ``local`` runs the shards in the stage's own process, one after another, loading the models once.
    ``dask`` and ``ray`` submit one Prefect task per shard to ``execution.address`` (a Dask scheduler or a Ray
-   cluster; the flow starts a local one when none is given, see :mod:`flows.engines`); each task loads its
+   cluster; the flow starts a local one when none is given, see :mod:`runtime.cluster`); each task loads its
    models, sets torch's thread count (a worker never ran the stage's own setup) and writes its piece.
    Workers therefore need the run folder and the model and data files at the same paths.
 4. A shard's failure fails the stage with the shard's error, after the other shards finished.
@@ -35,10 +35,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
 from rlhf_core.precision import Precision
+from runtime.context import Execution, StageContext, stage_seed
 from storage.manifest import StageOutput
 from storage.progress import partial_dir
 from storage.shards import read_piece, write_piece
-from tasks.context import Execution, StageContext, stage_seed
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ ShardWork = Callable[..., Iterator[pa.Table]]
 
 
 def shard_seed(seed: int, stage: str, iteration: int, shard: int) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration, shard)`` (:func:`tasks.context.stage_seed`)."""
+    """A seed from the coordinates ``(seed, stage, iteration, shard)`` (:func:`runtime.context.stage_seed`)."""
     return stage_seed(seed, stage, iteration, f"shard-{shard}")
 
 
@@ -198,7 +198,7 @@ def task_runner(execution: Execution) -> Any:
         if execution.address is None:
             raise ValueError(
                 "`execution.task_runner` dask needs `execution.address`: the flows start a local cluster and set it "
-                "(flows.engines); a stage run on its own needs a running Dask scheduler"
+                "(runtime.cluster); a stage run on its own needs a running Dask scheduler"
             )
         return DaskTaskRunner(address=execution.address)
     if execution.task_runner == "ray":

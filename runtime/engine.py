@@ -4,7 +4,7 @@ generation stage of every iteration the command runs, gone when the command is.
 Choices:
 1. It runs in a process of its own, from an environment of its own (``.venv-vllm``, made by
    ``bash scripts/setup-vllm.sh``; ``RLHF_VLLM_ENV`` names another): vLLM pins exact torch and transformers
-   versions, the project's ``.venv`` keeps its own. The process is ``flows/vllm_server.py``.
+   versions, the project's ``.venv`` keeps its own. The process is ``engine_server/server.py``.
 2. It is started like the temporary Prefect server (:mod:`flows.prefect_server`): in a process group of its
    own, through a launcher that asks the kernel to end it when the command dies (``kill -9`` included), and
    stopped at exit. One engine per process: a second config that needs another one (another policy, dtype or
@@ -27,18 +27,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from flows.children import free_port, launch_tied, stop
-from flows.config import PipelineConfig
 from rlhf_core.errors import UserError
-from rlhf_core.loading import command_threads
+from rlhf_core.precision import Precision
+from runtime.children import free_port, launch_tied, stop
+from runtime.execution import ExecutionConfig
+from runtime.threads import command_threads
 
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = Path(__file__).with_name("vllm_server.py")
+SERVER = ROOT / "engine_server" / "server.py"
 ENVIRONMENT = ".venv-vllm"
 START_SECONDS = float(os.environ.get("RLHF_ENGINE_START_SECONDS", "900"))
-_ADDRESS_IN_USE = 3  # flows/vllm_server.py's exit code when its port is taken
+_ADDRESS_IN_USE = 3  # engine_server/server.py's exit code when its port is taken
 _STOP_SECONDS = 10.0
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -56,27 +57,34 @@ def engine_python() -> Path:
     return Path(os.environ.get("RLHF_VLLM_ENV") or ROOT / ENVIRONMENT) / "bin" / "python"
 
 
-def server_arguments(config: PipelineConfig, policy: str, port: int) -> list[str]:
-    """The server's command-line options for ``config``, serving ``policy`` first."""
+def server_arguments(
+    execution: ExecutionConfig, *, precision: Precision, lora_rank: int | None, policy: str, port: int
+) -> list[str]:
+    """The server's command-line options, serving ``policy`` first.
+
+    Args:
+        precision: the stages' precision: the engine's dtype.
+        lora_rank: the rank of the policy's LoRA adapters (``model.lora.r``), or None for full fine-tuning.
+    """
     from rlhf_core.precision import resolve_device
 
-    device = resolve_device(config.execution.device).type
-    arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[config.precision]]
-    if config.model.lora is not None:
-        lora_mode = config.execution.engine_lora
+    device = resolve_device(execution.device).type
+    arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[precision]]
+    if lora_rank is not None:
+        lora_mode = execution.engine_lora
         if lora_mode == "auto":
             lora_mode = "merge" if device == "cpu" else "request"
         arguments += ["--lora-mode", lora_mode]
         if lora_mode == "request":
-            arguments += ["--max-lora-rank", str(config.model.lora.r)]
-    if not config.execution.engine_compile:
+            arguments += ["--max-lora-rank", str(lora_rank)]
+    if not execution.engine_compile:
         arguments.append("--enforce-eager")
     if device != "cpu":
-        arguments += ["--gpu-memory-utilization", str(config.execution.engine_gpu_memory)]
+        arguments += ["--gpu-memory-utilization", str(execution.engine_gpu_memory)]
     return arguments
 
 
-def _environment(config: PipelineConfig, policy: str) -> dict[str, str]:
+def _environment(execution: ExecutionConfig, policy: str) -> dict[str, str]:
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     environment.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in the server's process: deterministic scheduling
@@ -85,7 +93,7 @@ def _environment(config: PipelineConfig, policy: str) -> dict[str, str]:
     )
     # The CPU build's KV cache (GiB), and its threads: the stages' own thread count unless set.
     environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    environment.setdefault("OMP_NUM_THREADS", str(command_threads(config.execution.torch_threads, policy)))
+    environment.setdefault("OMP_NUM_THREADS", str(command_threads(execution.torch_threads, policy)))
     environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return environment
 
@@ -104,7 +112,7 @@ def _wait(process: subprocess.Popen, url: str, log: Path, *, policy: str, port: 
     Raises:
         EngineStartError: it exited, failed to load the model, or did not answer in time.
     """
-    from rlhf_core.vllm_client import EngineError, engine_health
+    from runtime.engine_client import EngineError, engine_health
 
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
@@ -135,21 +143,22 @@ def _last_line(log: Path) -> str:
     return lines[-1] if lines else f"no output; log {log}"
 
 
-def ensure_engine(config: PipelineConfig, policy: str) -> str:
-    """The URL of a generation engine for ``config`` (``sampling.engine: vllm``), starting one if needed.
+def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank: int | None, policy: str) -> str:
+    """The URL of a generation engine (``sampling.engine: vllm``), starting one if needed.
 
     Args:
-        config: the run's config; ``execution.engine_url`` names a running engine, else one is started.
+        execution: ``engine_url`` names a running engine, else one is started with the ``engine_*`` settings.
+        precision, lora_rank: see :func:`server_arguments`.
         policy: the initial policy's folder, which the engine loads first.
 
     Raises:
         EngineStartError: see :class:`EngineStartError`.
     """
     global _running
-    from rlhf_core.vllm_client import EngineError, engine_health
+    from runtime.engine_client import EngineError, engine_health
 
-    if config.execution.engine_url:
-        url = config.execution.engine_url.rstrip("/")
+    if execution.engine_url:
+        url = execution.engine_url.rstrip("/")
         try:
             health = engine_health(url)
         except EngineError as error:
@@ -166,18 +175,19 @@ def ensure_engine(config: PipelineConfig, policy: str) -> str:
             f"`sampling.engine` vllm needs the engine's environment ({python.parents[1]} is missing): run "
             "`bash scripts/setup-vllm.sh` (see docs/engines.md)"
         )
-    key = (str(python), *server_arguments(config, policy, config.execution.engine_port))
+    options = {"precision": precision, "lora_rank": lora_rank, "policy": policy}
+    key = (str(python), *server_arguments(execution, **options, port=execution.engine_port))
     if _running is not None and _running[0] == key and _running[1].poll() is None:
         return _running[2]
     stop_engine()
-    port = config.execution.engine_port or free_port()
+    port = execution.engine_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
     with log.open("w") as output:
         process = launch_tied(
             str(python),
-            [str(python), "-I", str(SERVER), *server_arguments(config, policy, port)],
-            env=_environment(config, policy),
+            [str(python), "-I", str(SERVER), *server_arguments(execution, **options, port=port)],
+            env=_environment(execution, policy),
             stdout=output,
             stderr=subprocess.STDOUT,
         )
@@ -190,13 +200,3 @@ def ensure_engine(config: PipelineConfig, policy: str) -> str:
         "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
     )
     return url
-
-
-def with_generation_engine(config: PipelineConfig, policy: str) -> PipelineConfig:
-    """``config`` with ``execution.engine_url`` set to the engine the generation stages sample on, when
-    ``sampling.engine`` is vllm (:func:`ensure_engine`); ``config`` as it is otherwise. The engine serves the
-    process's next flows too, and stops when the process ends."""
-    if config.sampling.engine != "vllm":
-        return config
-    url = ensure_engine(config, policy)
-    return config.model_copy(update={"execution": config.execution.model_copy(update={"engine_url": url})})

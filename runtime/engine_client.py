@@ -1,8 +1,9 @@
-"""The client of the generation engine server (``flows/vllm_server.py``): a long-lived vLLM engine in its own
+"""The client of the generation engine server (``engine_server/server.py``): a long-lived vLLM engine in its own
 process and environment, reached by URL. Standard library only (JSON over HTTP).
 
-:func:`rlhf_core.generation.generate` samples through it when it is given a :class:`ServedPolicy` instead of
-a model; nothing else calls it but the health check of the command that starts the engine.
+:func:`rlhf_core.generation.generate` samples through it when it is given a :class:`ServedPolicy` (an
+:class:`rlhf_core.generation.ExternalSampler`) instead of a model; nothing else calls it but the health check of the
+command that starts the engine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import SamplingConfig
@@ -34,6 +36,39 @@ class ServedPolicy:
     url: str
     weights: str
     adapter: str | None = None
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], *, config: SamplingConfig, eos_token_id: int | None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One response per prompt from the engine (:func:`engine_generate`)."""
+        return engine_generate(self, prompts, seeds, config=config, eos_token_id=eos_token_id)
+
+
+def served_policy(source: str | Path, url: str | None, *, bases: dict[str, Path]) -> ServedPolicy:
+    """The causal LM of the folder ``source`` as the engine at ``url`` serves it: the folder's own weights, or its
+    base's (a folder that only refers to one, :class:`rlhf_core.loading.FolderMeta`), plus its LoRA adapter if it
+    holds one.
+
+    Args:
+        bases: base-model name -> folder (:attr:`rlhf_core.loading.ModelLoader.bases`).
+
+    Raises:
+        ValueError: no engine URL (``sampling.engine: vllm`` needs one: the command starts the engine), or a folder
+            that refers to a base this run does not have.
+    """
+    from rlhf_core.loading import FolderMeta
+
+    if not url:
+        raise ValueError("`sampling.engine` vllm needs a running engine: none was started or given (engine_url)")
+    source = Path(source)
+    meta = FolderMeta.read(source)
+    weights = source
+    if meta is not None and meta.base:
+        if meta.base not in bases:
+            raise ValueError(f"a model folder refers to the base {meta.base!r}, which this run does not have")
+        weights = bases[meta.base]
+    adapter = source if meta is not None and meta.adapter else None
+    return ServedPolicy(url=url, weights=str(weights), adapter=None if adapter is None else str(adapter))
 
 
 def engine_health(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
