@@ -34,7 +34,9 @@ from pathlib import Path
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = tuple(
-    sorted(path.parent.name for path in _SOURCE_ROOT.glob("*/__init__.py") if path.parent.name not in ("tests", "bench"))
+    sorted(
+        path.parent.name for path in _SOURCE_ROOT.glob("*/__init__.py") if path.parent.name not in ("tests", "bench")
+    )
 )
 """The project's packages: every package of the repository but its tests and benchmarks."""
 COMPUTING = ("rlhf_core", "tasks")
