@@ -159,9 +159,9 @@ def plain_run(world: Path, iterations: int) -> dict:
     from rlhf_core.ppo import ppo_update
     from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
     from rlhf_core.sequences import sequence_logprobs
-    from runtime.context import stage_seed
     from runtime.models import accelerator_for
     from runtime.references import JudgeReference, load_judge
+    from runtime.seeds import stage_seed
     from storage.experience_io import experience_to_table, table_to_experience
     from tasks.evaluate import _gold_metrics
     from tasks.labelers import CandidatePair, JudgeLabeler

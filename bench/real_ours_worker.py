@@ -45,9 +45,9 @@ def run(
     from rlhf_core.loading import ModelLoader
     from rlhf_core.ppo import ppo_update
     from rlhf_core.sequences import sequence_logprobs
-    from runtime.context import stage_seed
     from runtime.models import accelerator_for
     from runtime.references import RewardFunctionReference
+    from runtime.seeds import stage_seed
     from tasks.reward_function import score_texts
     from tasks.rollout import ROLLOUT_PROMPT_OFFSET, function_scorer
     from tasks.tensors import encode_prompts, response_token_lists

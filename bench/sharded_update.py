@@ -41,8 +41,8 @@ def _worker(size: Size, variant: str, out: Path) -> None:
     from rlhf_core.experience_maker import ExperienceMaker, score_experience
     from rlhf_core.models import Critic, freeze
     from rlhf_core.ppo import ppo_update
+    from runtime.metering import peak_memory
     from runtime.models import accelerator_for
-    from runtime.stage import peak_memory
     from runtime.worker import leave_process_group
 
     torch.set_num_threads(1)

@@ -1,73 +1,22 @@
-"""What each stage receives: the one table the flows call stages with and the replay rules derive from.
+"""What each stage receives, as the campaign sees it: the settings table, derived from the stages' declarations
+(:mod:`tasks.settings`), and the replay rules derived from it.
 
-Every stage task takes its settings as keyword arguments, and its input key is derived from
-exactly those (:mod:`runtime.stage`). :data:`STAGE_SETTINGS` says, per stage, which config field
-(a dotted path) or base input (``base.<field>``) each argument is, so:
+Each stage declares its settings once, each by the config field (a dotted path) or base input (``base.<field>``)
+it reads (:mod:`runtime.declaration`). :data:`STAGE_SETTINGS` is that, per stage, so what a replay may change is
+derived, not kept by hand (:func:`replayable_fields`): the settings the replayed stages receive, minus those a stage
+of the iteration it reuses also received.
 
-* the flows call ``stage(context, *upstream, **stage_settings(config, base, stage))``;
-* what a replay may change is derived, not kept by hand (:func:`replayable_fields`): the
-  settings the replayed stages receive, minus those a stage of the iteration it reuses also
-  received.
-
-Settings of :data:`EXECUTION` (where and how stages run) and :data:`LOCATION` (where the store
-is) reach no input key and may always change.
+Settings of :data:`EXECUTION` (where and how stages run) and :data:`LOCATION` (where the store is) reach no input key
+and may always change.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from runtime.declaration import BASE, setting_paths
+from tasks.settings import STAGES
 
-from campaign.config import PipelineConfig
-
-if TYPE_CHECKING:  # the CLI reads what a replay may change while it builds its parser: no MLflow import for that
-    from runtime.context import BaseInputs
-
-STAGE_SETTINGS: dict[str, dict[str, str]] = {
-    "initialize": {"critic": "advantages.uses_critic", "lora": "model.lora", "critic_init": "model.critic_init"},
-    "sample_candidates": {
-        "sampling": "sampling",
-        "precision": "precision",
-        "prompts": "sizes.preference_prompts",
-        "candidates_per_prompt": "sizes.candidates_per_prompt",
-        "rows_per_shard": "sizes.rows_per_shard",
-    },
-    "human_labels": {"relabel": "human.relabel"},
-    "collect_preferences": {
-        "labeler": "labeler",
-        "judge": "base.judge",
-        "rubric": "base.rubric",
-        "preferences": "base.preferences",
-        "precision": "precision",
-        "rows_per_shard": "sizes.rows_per_shard",
-    },
-    "train_reward_model": {"reward_model": "reward_model", "precision": "precision", "lora": "model.lora"},
-    "rollout": {
-        "sampling": "sampling",
-        "precision": "precision",
-        "prompts": "sizes.rollout_prompts",
-        "samples_per_prompt": "sizes.samples_per_prompt",
-        "rows_per_shard": "sizes.rows_per_shard",
-        "reward_function": "base.reward_function",
-    },
-    "compute_advantages": {"advantages": "advantages", "rows_per_shard": "sizes.rows_per_shard"},
-    "ppo_update": {
-        "ppo": "ppo",
-        "critic": "advantages.uses_critic",
-        "precision": "precision",
-        "temperature": "sampling.temperature",
-        "max_new_tokens": "sampling.max_new_tokens",
-    },
-    "evaluate": {
-        "sampling": "sampling",
-        "precision": "precision",
-        "prompts": "sizes.eval_prompts",
-        "judge": "base.judge",
-        "rubric": "base.rubric",
-        "reward_function": "base.reward_function",
-        "rows_per_shard": "sizes.rows_per_shard",
-    },
-}
-"""stage -> {argument: config path (a field, or a property such as ``advantages.uses_critic``) or ``base.<field>``}."""
+STAGE_SETTINGS: dict[str, dict[str, str]] = {settings.stage: setting_paths(settings) for settings in STAGES}
+"""stage -> {setting: config path (a field, or a property such as ``advantages.uses_critic``) or ``base.<field>``}."""
 
 REPLAYED_STAGES = ("compute_advantages", "ppo_update", "evaluate")
 """The stages a replay runs again; every other stage's output is reused from the source iteration."""
@@ -76,28 +25,10 @@ CAMPAIGN_START = ("initialize",)
 starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""
 
 EXECUTION = ("execution",)
-"""Where and how stages run (:class:`campaign.config.ExecutionConfig`, every field of it): part of no input key, so a
+"""Where and how stages run (:class:`runtime.execution.ExecutionConfig`, every field of it): part of no input key, so a
 campaign can continue elsewhere."""
 LOCATION = ("run_root", "tracking_uri", "tracking_ui_url")
 """Where the store is."""
-
-_BASE = "base."
-
-
-def config_value(config: PipelineConfig, path: str) -> Any:
-    """The value at a dotted path of the config (``sizes.eval_prompts``)."""
-    value: Any = config
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def stage_settings(config: PipelineConfig, base: BaseInputs, stage: str) -> dict[str, Any]:
-    """The keyword arguments ``stage`` is called with."""
-    return {
-        argument: getattr(base, path[len(_BASE) :]) if path.startswith(_BASE) else config_value(config, path)
-        for argument, path in STAGE_SETTINGS[stage].items()
-    }
 
 
 def replayable_fields() -> tuple[str, ...]:
@@ -117,7 +48,7 @@ def replayable_fields() -> tuple[str, ...]:
     allowed = {
         path
         for path in replayed
-        if not path.startswith(_BASE) and not any(covers((other,), path) or covers((path,), other) for other in reused)
+        if not path.startswith(BASE) and not any(covers((other,), path) or covers((path,), other) for other in reused)
     }
     return tuple(sorted(path for path in allowed if not covers(tuple(allowed - {path}), path)))
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -47,21 +48,21 @@ from prefect.input import RunInput
 from prefect.utilities.urls import url_for
 from pydantic import Field, create_model
 
-from campaign.config import HumanLabelConfig
+from campaign.config import PipelineConfig
 from flows.label_page import LabelForm, LabelPage, resume_when_paused, serving
 from rlhf_core.errors import UserError
-from runtime.code import code_fingerprint
 from runtime.context import StageContext
+from runtime.declaration import StageResult, settings_from
 from runtime.events import STAGE_EVENT
-from runtime.stage import StageResult, run_stage
-from storage.manifest import StageOutput
+from runtime.job import Job
+from runtime.stage import Stage, run_stage
 from storage.progress import latest_progress, save_progress
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
 from storage.shards import read_table
 from tasks.collect_preferences import candidate_pairs
 from tasks.labelers import SKIP, CandidatePair, HumanChoice
+from tasks.settings import HumanLabelsSettings
 
-STAGE = "human_labels"
 ANSWERS_FILE = "answers.json"
 
 
@@ -71,63 +72,56 @@ class HumanLabelTimeout(UserError, FlowPauseTimeout):
     exit_code = 3
 
 
-def request_human_labels(
-    context: StageContext, candidates: StageResult, *, relabel: int, human: HumanLabelConfig
-) -> StageResult:
+def work(job: Job[HumanLabelsSettings]) -> dict[str, float]:
+    """Ask for the answers still missing (a crashed attempt's saved forms are not asked again) and write them."""
+    settings, context, out = job.settings, job.context, job.out
+    pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
+    saved = latest_progress(out.final_dir)
+    human = settings.human
+    choices = ask_for_labels(
+        pairs,
+        heading=f"Campaign `{context.campaign}`, iteration {context.iteration}",
+        pairs_per_form=human.pairs_per_form,
+        timeout_seconds=human.timeout_seconds,
+        poll_seconds=human.poll_seconds,
+        answered=json.loads((saved[1] / ANSWERS_FILE).read_text()) if saved is not None else [],
+        on_form=partial(_save_answers, out.final_dir),
+        page_address=(human.page_host, human.page_port),
+    )
+    table = pa.table({PAIR_ID: list(range(len(choices))), CHOICE: choices}, schema=HUMAN_LABELS)
+    out.write_table(human_labels.name, table, schema=HUMAN_LABELS)
+    return {"pairs": float(len(choices)), "skipped": float(choices.count(SKIP))}
+
+
+human_labels = Stage(HumanLabelsSettings, work=work)
+
+
+def request_human_labels(context: StageContext, config: PipelineConfig, candidates: StageResult) -> StageResult:
     """The person's answers for this iteration's candidate pairs: stored ones, or asked for now.
 
-    Must be called from a flow: asking pauses the current flow run until each form is answered.
-
-    Args:
-        relabel: answers are stored per value (the stage's only setting): another value asks again.
-        human: how the forms are shown and waited for.
+    Must be called from a flow: asking pauses the current flow run until each form is answered, so the stage runs
+    in the flow's own process rather than as a Prefect task.
 
     Raises:
         HumanLabelTimeout: a form was not answered in time (the flow run fails).
     """
-
-    def produce(out: StageOutput) -> dict[str, float]:
-        pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
-        heading = f"Campaign `{context.campaign}`, iteration {context.iteration}"
-        saved = latest_progress(out.final_dir)
-        answered = json.loads((saved[1] / ANSWERS_FILE).read_text()) if saved is not None else []
-
-        def save(choices: list[str]) -> None:
-            # Counted in answered pairs where a training stage counts epochs.
-            save_progress(out.final_dir, len(choices), lambda folder: _write_answers(folder, choices))
-
-        choices = ask_for_labels(
-            pairs,
-            heading=heading,
-            pairs_per_form=human.pairs_per_form,
-            timeout_seconds=human.timeout_seconds,
-            poll_seconds=human.poll_seconds,
-            answered=answered,
-            on_form=save,
-            page_address=(human.page_host, human.page_port),
-        )
-        table = pa.table({PAIR_ID: list(range(len(choices))), CHOICE: choices}, schema=HUMAN_LABELS)
-        out.write_table(STAGE, table, schema=HUMAN_LABELS)
-        return {"pairs": float(len(choices)), "skipped": float(choices.count(SKIP))}
-
-    result = run_stage(
-        context,
-        STAGE,
-        settings={"relabel": relabel},
-        upstream={"candidates": candidates},
-        code=code_fingerprint(__name__),
-        produce=produce,
-    )
+    settings = settings_from(HumanLabelsSettings, config, context.base, {"candidates": candidates})
+    result = run_stage(human_labels, context, settings)
     if result.reused:
         get_run_logger().info(
             "%s: using the answers stored for these candidates (%s); raise `human.relabel` to be asked again",
-            STAGE,
+            human_labels.name,
             result.path,
         )
     return result
 
 
-def _write_answers(folder: Path, choices: list[str]) -> None:
+def _save_answers(final_dir: Path, choices: list[str]) -> None:
+    """Save the answers so far as a mid-stage checkpoint, counted in answered pairs where training counts epochs."""
+    save_progress(final_dir, len(choices), partial(_write_answers, choices=choices))
+
+
+def _write_answers(folder: Path, *, choices: list[str]) -> None:
     folder.mkdir(parents=True)
     (folder / ANSWERS_FILE).write_text(json.dumps(choices))
 

@@ -28,9 +28,9 @@ from flows.inputs import InputError, check_inputs
 from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
 from runtime.cluster import cluster_address
 from runtime.context import BaseInputs, Execution, StageContext, TrackingStore
+from runtime.declaration import StageResult
 from runtime.engine import ensure_engine
 from runtime.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
-from runtime.stage import StageResult
 from runtime.threads import command_threads
 from storage.diagnostics import describe_flag, drift_flags
 from storage.mlflow_store import RunSummary

@@ -21,7 +21,7 @@ from campaign.config import ConfigError, PipelineConfig, _set_dotted, describe_e
 from campaign.settings import LOCATION, changeable_fields, covers
 from campaign.store import source_config
 from rlhf_core.config import GROUP_ESTIMATORS
-from runtime.stage import StageResult
+from runtime.declaration import StageResult
 from storage.schemas import OLD_VALUES, PROMPT_ID
 from storage.shards import read_table
 

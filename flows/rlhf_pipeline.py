@@ -5,19 +5,16 @@ iteration from its saved experience with new settings.
 A campaign's finished iterations are history (:mod:`campaign.history`): running it again continues from its first
 unfinished iteration, whatever code or inputs changed. Within an iteration, every stage is reused when its output
 for the same inputs (and the same code that computes it) already exists, so a crashed run continues from its
-first unfinished stage. Each stage gets exactly the settings :data:`campaign.settings.STAGE_SETTINGS` lists for it.
+first unfinished stage. Each stage gets exactly the settings it declares (:mod:`tasks.settings`), read from the config.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from campaign.config import PipelineConfig
 from campaign.history import check_from_iteration, finished_iterations, what_differs
-from campaign.settings import stage_settings
 from flows.concurrency import campaign_slot
 from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
@@ -36,8 +33,8 @@ from flows.iterations import (
 from flows.replay import check_replay_data, check_replayable
 from runtime.cluster import cluster
 from runtime.context import BaseInputs, StageContext
+from runtime.declaration import StageResult
 from runtime.events import STAGE_EVENT
-from runtime.stage import StageResult
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -93,8 +90,9 @@ def rlhf_iteration(
 
     Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
     iterations of one campaign never run at once, on one machine or several; runs on the engines of
-    ``config.execution`` (:mod:`runtime.cluster`) and the generation engine (:func:`flows.iterations.generation_engine`). If it fails, its MLflow run ends FAILED (KILLED on
-    Ctrl-C); running it again reopens and finishes it.
+    ``config.execution`` (:mod:`runtime.cluster`) and the generation engine
+    (:func:`flows.iterations.generation_engine`). If it fails, its MLflow run ends FAILED (KILLED on Ctrl-C); running
+    it again reopens and finishes it.
     """
     iteration_starting()  # the second in a process freezes its long-lived objects out of full collections
     layout = campaign_layout(config)
@@ -112,48 +110,38 @@ def rlhf_iteration(
             "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
         )
         with context.tracker.ends_on_error(context.parent_run_id):
-            return _iteration(config, base, context, state)
+            return _iteration(config, context, state)
 
 
-def _iteration(
-    config: PipelineConfig, base: BaseInputs, context: StageContext, state: IterationState | None
-) -> IterationState:
-    settings = partial(stage_settings, config, base)
-    initialized = None if state else initialize(context, **settings("initialize")).result()  # iteration 0 only
-    state = state or IterationState(policy=initialized)
+def _iteration(config: PipelineConfig, context: StageContext, state: IterationState | None) -> IterationState:
+    state = state or IterationState(policy=initialize(context, config))  # iteration 0 starts the campaign
     reward_model, all_preferences, learned = None, (), []
     if config.reward.source == "reward_model":
-        collected = _collect(config, context, settings, state) if config.reward_model.train else ()
+        collected = _collect(config, context, state) if config.reward_model.train else ()
         all_preferences = (*state.preferences, *collected[-1:])
-        reward_model = train_reward_model(
-            context, all_preferences, state.reward_model, **settings("train_reward_model")
-        ).result()
+        reward_model = train_reward_model(context, config, preferences=all_preferences, previous=state.reward_model)
         learned = [*collected, reward_model]
-    experience = rollout(context, state.policy, reward_model, **settings("rollout")).result()
+    experience = rollout(context, config, policy=state.policy, reward_model=reward_model)
     scored = compute_advantages(
-        context, experience, reward_model, state.advantages, **settings("compute_advantages")
-    ).result()
-    policy = ppo_update(context, state.policy, optimizer_state(state.policy), scored, **settings("ppo_update")).result()
-    evaluation = evaluate(context, policy, reward_model, **settings("evaluate")).result()
+        context, config, experience=experience, reward_model=reward_model, previous=state.advantages
+    )
+    policy = ppo_update(context, config, policy=state.policy, optimizer=optimizer_state(state.policy), scored=scored)
+    evaluation = evaluate(context, config, policy=policy, reward_model=reward_model)
     stages = [*learned, experience, scored, policy, evaluation]
     new_state = IterationState(policy, reward_model, all_preferences, scored)
     return close_iteration(context, stages, new_state)
 
 
-def _collect(config: PipelineConfig, context, settings, state: IterationState) -> tuple[StageResult, ...]:
+def _collect(config: PipelineConfig, context: StageContext, state: IterationState) -> tuple[StageResult, ...]:
     """Stages 1 and 2: candidates from the current policy (none for imported pairs: nothing would read them), and
     their preference labels."""
     if config.labeler == "import":
-        return (collect_preferences(context, None, None, None, **settings("collect_preferences")).result(),)
-    candidates = sample_candidates(context, state.policy, **settings("sample_candidates")).result()
-    labels = (
-        request_human_labels(context, candidates, human=config.human, **settings("human_labels"))
-        if config.labeler == "human"
-        else None
-    )
+        return (collect_preferences(context, config, candidates=None, reward_model=None, labels=None),)
+    candidates = sample_candidates(context, config, policy=state.policy)
+    labels = request_human_labels(context, config, candidates) if config.labeler == "human" else None
     judge_model = state.reward_model if config.labeler == "reward_model" else None
-    preferences = collect_preferences(context, candidates, judge_model, labels, **settings("collect_preferences"))
-    return candidates, preferences.result()
+    preferences = collect_preferences(context, config, candidates=candidates, reward_model=judge_model, labels=labels)
+    return candidates, preferences
 
 
 @flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)
@@ -211,18 +199,16 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)
         with context.tracker.ends_on_error(context.parent_run_id):
-            return _replay(config, base, context, inputs)
+            return _replay(config, context, inputs)
 
 
-def _replay(config: PipelineConfig, base: BaseInputs, context: StageContext, inputs: ReplayInputs) -> str:
-    settings = partial(stage_settings, config, base)
+def _replay(config: PipelineConfig, context: StageContext, inputs: ReplayInputs) -> str:
     scored = compute_advantages(
-        context, inputs.experience, inputs.reward_model, inputs.previous, **settings("compute_advantages")
-    ).result()
-    new_policy = ppo_update(
-        context, inputs.policy, optimizer_state(inputs.policy, present_only=True), scored, **settings("ppo_update")
-    ).result()
-    evaluation = evaluate(context, new_policy, inputs.reward_model, **settings("evaluate")).result()
+        context, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
+    )
+    optimizer = optimizer_state(inputs.policy, present_only=True)
+    new_policy = ppo_update(context, config, policy=inputs.policy, optimizer=optimizer, scored=scored)
+    evaluation = evaluate(context, config, policy=new_policy, reward_model=inputs.reward_model)
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
     close_iteration(context, [scored, new_policy, evaluation], state, experience=inputs.experience)
     return context.parent_run_id

@@ -9,7 +9,9 @@ kernel's parent-death signal still ends it when the command dies, however it die
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 from collections.abc import Sequence
@@ -24,6 +26,15 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 """A ``python -c`` program: ``TIED PARENT_PID EXECUTABLE ARGS...`` becomes ``EXECUTABLE ARGS...``, ended with
 SIGTERM when the process ``PARENT_PID`` ends."""
+
+
+def end_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """A ``preexec_fn`` asking Linux to stop the child with SIGTERM when the process that started it dies (``kill -9``
+    included): an ``accelerate launch`` then stops its workers."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:

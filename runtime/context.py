@@ -23,6 +23,7 @@ from runtime.references import (
     JudgeReference,  # at run time: a flow validates the base inputs it is given
     RewardFunctionReference,
 )
+from runtime.seeds import stage_seed
 from storage.layout import RunLayout
 
 if TYPE_CHECKING:  # neither torch nor MLflow at import: a command that only locates its inputs starts without them
@@ -197,13 +198,6 @@ class TrackingStore:
         from storage.tracking import open_tracker
 
         return open_tracker(self.uri, self.artifact_root, self.ui_url)
-
-
-def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
-    """A seed from the coordinates ``(seed, stage, iteration, *more)`` (nanochat-style), stable across runs and
-    machines: the one derivation of every seed (a shard's adds ``shard-N``, :func:`runtime.fanout.shard_seed`)."""
-    digest = hashlib.sha256("/".join(map(str, (seed, stage, iteration, *more))).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,135 @@
-"""The job a training stage hands its workers (:mod:`runtime.launch`, :mod:`runtime.worker`): its arguments as
-JSON, what a worker writes into, and where a failed worker leaves its traceback. Both sides import it, so neither
-imports the other for it."""
+"""The one job a stage's work is given, and its one wire format, wherever the work runs.
+
+A :class:`Job` is what :class:`runtime.stage.Stage`'s ``plan`` and ``work`` receive: the stage's context, its
+settings (with its inputs, :mod:`runtime.declaration`), where it writes (its output's temporary and final
+folders), and the shards it is to compute, if any. In the stage's own process it holds the
+:class:`storage.manifest.StageOutput`; shipped elsewhere (a Dask or Ray shard task, an ``accelerate launch`` rank,
+a Ray Train worker), it travels as JSON (:func:`encode`) and arrives with a :class:`JobOutput` in its place: the
+same folders, and a runtime record sent back with the result.
+
+Both sides import this module, so neither the launchers nor the workers import each other for it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from runtime.context import StageContext
+from runtime.declaration import StageSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlhf_core.config import LoraConfig
+    from rlhf_core.loading import ModelLoader
+    from rlhf_core.precision import Precision
+    from runtime.shards import Shard
+    from runtime.stage import Stage
+    from storage.manifest import StageOutput
+
+S = TypeVar("S", bound=StageSettings)
 ERROR_PREFIX = "error-"
-"""A failed worker writes its traceback to ``job/error-<rank>.txt``."""
+"""A failed training process writes its traceback to ``job/error-<rank>.txt``."""
+SPEC_FILE = "spec.json"
+"""A training job's wire format, beside its processes' result and errors."""
+RESULT_FILE = "result.json"
+"""What a training job's main process reports: its metrics and runtime."""
 
 
 @dataclass
-class TrainingOutput:
-    """What a training function writes into, in a worker: the folders of the stage's :class:`StageOutput`.
+class JobOutput:
+    """Where a job shipped to another process writes: the folders of the stage's :class:`StageOutput`.
 
     Args:
-        path: the output's temporary folder (the main process writes its files there).
-        final_dir: the output's final folder (its ``.partial`` sibling holds the mid-epoch checkpoints).
-        runtime: where the models ran, sent back to the stage with the metrics.
+        path: the output's temporary folder (a training job's main process writes its files there).
+        final_dir: the output's final folder (its ``.partial`` sibling holds mid-stage checkpoints and shards).
+        runtime: where the models ran, sent back to the stage with the result.
     """
 
     path: Path
     final_dir: Path
     runtime: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Job(Generic[S]):
+    """One stage's work (see the module docstring).
+
+    Args:
+        module: the module that declares the stage (``tasks.rollout``); a worker imports it by name.
+        context: the iteration the stage belongs to.
+        settings: the stage's settings and inputs.
+        out: where it writes: the stage's :class:`StageOutput`, or a :class:`JobOutput` in another process.
+        shards: the shards this job computes (a fan-out stage's work); empty otherwise.
+    """
+
+    module: str
+    context: StageContext
+    settings: S
+    out: StageOutput | JobOutput
+    shards: tuple[Shard, ...] = ()
+
+    @property
+    def stage(self) -> str:
+        return self.settings.stage
+
+    def declaration(self) -> Stage:
+        """The :class:`runtime.stage.Stage` this job belongs to, found by its module and name."""
+        return getattr(importlib.import_module(self.module), self.stage)
+
+    def models(self, precision: Precision, *, lora: LoraConfig | None = None) -> ModelLoader:
+        """The model seam for this job (:class:`rlhf_core.loading.ModelLoader`); every model it loads is recorded in
+        the output's runtime.
+
+        Args:
+            lora: adapters for the models this job trains from full weights (a stage continuing an adapter needs
+                none: the folder says it holds one).
+        """
+        loader = self.context.execution.model_loader(precision, bases=self.context.base.bases, lora=lora)
+        self.out.runtime.update(precision=precision, models=loader.loaded)
+        return loader
+
+    def generator(self) -> torch.Generator:
+        """A CPU generator seeded from ``(seed, stage, iteration)``."""
+        return self.context.generator(self.stage)
+
+    def seed(self) -> int:
+        """The stage's seed, ``(seed, stage, iteration)`` (:func:`runtime.seeds.stage_seed`)."""
+        return self.context.stage_seed(self.stage)
+
+    def plan_shards(self, items: int, *, rows_per_item: int, rows_per_shard: int) -> tuple[Shard, ...]:
+        """This stage's ``items`` in shards of about ``rows_per_shard`` rows (:func:`runtime.shards.plan_shards`)."""
+        from runtime.shards import plan_shards
+
+        context = self.context
+        return plan_shards(
+            items,
+            rows_per_shard=rows_per_shard,
+            rows_per_item=rows_per_item,
+            seed=context.seed,
+            stage=self.stage,
+            iteration=context.iteration,
+        )
+
+    def shipped(self, shards: tuple[Shard, ...] = ()) -> Job[S]:
+        """This job as another process receives it: a :class:`JobOutput` for its output, and ``shards``."""
+        return replace(self, out=JobOutput(path=self.out.path, final_dir=self.out.final_dir), shards=shards)
+
+
+def encode_job(job: Job) -> str:
+    """``job`` as JSON text (its output as a :class:`JobOutput`), for :func:`decode_job` in another process."""
+    return json.dumps(encode(job.shipped(job.shards)))
+
+
+def decode_job(text: str) -> Job:
+    """The job :func:`encode_job` encoded."""
+    return decode(json.loads(text))
 
 
 def encode(value: Any) -> Any:
@@ -47,7 +149,7 @@ def encode(value: Any) -> Any:
         return {"__dict__": {str(key): encode(item) for key, item in value.items()}}
     if value is None or isinstance(value, str | int | float | bool):
         return value
-    raise TypeError(f"a training job argument must be plain data, a path or a dataclass, got {value!r}")
+    raise TypeError(f"a job must be plain data, paths and dataclasses, got {value!r}")
 
 
 def decode(value: Any) -> Any:

@@ -3,9 +3,8 @@
 With ``execution.training_processes`` 1 and no ``execution.accelerate_config``, a training stage trains in
 its own process. Otherwise :func:`train`:
 
-1. writes a job spec (``<output>.partial/job/spec.json``: the training function by name, the output
-   folders, the stage context and the stage's arguments, as JSON) beside the stage's mid-epoch
-   checkpoints;
+1. writes the stage's job in its wire format (``<output>.partial/job/spec.json``, :func:`runtime.job.encode_job`)
+   beside the stage's mid-epoch checkpoints;
 2. runs ``accelerate launch --num_processes N -m runtime.worker SPEC`` (plus the accelerate config
    file, e.g. for the GPUs of a node), on a free port, its output going to ``job/workers.log``; or, with
    ``execution.training_launcher`` ray, N Ray Train workers placed on the Ray cluster at ``execution.address``
@@ -25,23 +24,23 @@ checkpoints; the next one resumes from them like one process would.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlhf_core.precision import Precision, accelerate_mixed_precision
-from runtime.context import StageContext
-from runtime.job import ERROR_PREFIX, encode
+from runtime.children import end_with_parent, free_port
+from runtime.job import ERROR_PREFIX, RESULT_FILE, SPEC_FILE, Job, encode_job
+from storage.files import write_text_replacing
 from storage.progress import partial_dir
+
+if TYPE_CHECKING:
+    from runtime.context import Execution
 
 JOB_FOLDER = "job"
 LOG_TAIL_LINES = 40
@@ -55,46 +54,29 @@ class TrainingWorkerError(RuntimeError):
     """A training worker process failed; the message ends with the workers' last log lines."""
 
 
-def train(
-    out: Any,
-    context: StageContext,
-    function: Callable[..., Mapping[str, float]],
-    *upstream: Any,
-    precision: Precision,
-    **settings: Any,
-) -> dict[str, float]:
-    """Run ``function(out, context, *upstream, precision=..., **settings)`` in this process or in launched workers.
+def train(job: Job, *, precision: Precision) -> dict[str, float]:
+    """Run the stage's work in this process or in launched training processes; returns its metrics.
 
     Args:
-        out: the stage's output (:class:`storage.manifest.StageOutput`).
-        function: a module-level training function (the workers import it by name); it saves on the main
-            process only and returns the stage's metrics.
+        job: the stage's job; its work saves on the main process only and returns the stage's metrics.
         precision: the stage's precision (also the launch's mixed precision).
 
     Raises:
         TrainingWorkerError: a worker failed.
     """
-    execution = context.execution
+    execution = job.context.execution
     on_ray = execution.training_launcher == "ray"
     if execution.training_processes == 1 and execution.accelerate_config is None and not on_ray:
-        return dict(function(out, context, *upstream, precision=precision, **settings))
+        return dict(job.declaration().work(job))
     ray_started = _join_ray(execution) if on_ray else False  # before any file: a cluster without room writes none
-    folder = partial_dir(out.final_dir) / JOB_FOLDER
+    folder = partial_dir(job.out.final_dir) / JOB_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    spec, result, log = folder / "spec.json", folder / "result.json", folder / "workers.log"
+    spec, log = folder / SPEC_FILE, folder / "workers.log"
+    result = folder / RESULT_FILE
     result.unlink(missing_ok=True)
     for stale in folder.glob(f"{ERROR_PREFIX}*.txt"):  # a crashed launch's
         stale.unlink()
-    job = {
-        "function": f"{function.__module__}:{function.__qualname__}",
-        "output": str(out.path),
-        "final_dir": str(out.final_dir),
-        "result": str(result),
-        "context": encode(context),
-        "upstream": encode(list(upstream)),
-        "settings": encode({"precision": precision, **settings}),
-    }
-    spec.write_text(json.dumps(job, indent=1))
+    write_text_replacing(spec, encode_job(job))
     if on_ray:
         status = _run_on_ray(spec, execution, log, started=ray_started)
     else:
@@ -103,19 +85,19 @@ def train(
         environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads)}
         with open(log, "wb") as output:
             status = subprocess.run(
-                command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=_end_with_parent
+                command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=end_with_parent
             ).returncode
     if status != 0 or not result.is_file():
         raise TrainingWorkerError(
-            f"{function.__module__}: the {execution.training_processes} training processes failed (exit status "
+            f"{job.stage}: the {execution.training_processes} training processes failed (exit status "
             f"{status}){worker_errors(folder)}; the end of {log}:\n{_tail(log)}"
         )
     reported = json.loads(result.read_text())
-    out.runtime.update(reported["runtime"])
+    job.out.runtime.update(reported["runtime"])
     return reported["metrics"]
 
 
-def launch_options(execution: Any, precision: Precision) -> list[str]:
+def launch_options(execution: Execution, precision: Precision) -> list[str]:
     """``accelerate launch`` options: the config file if given, the process count, the precision, a free port."""
     options = []
     if execution.accelerate_config is not None:
@@ -125,18 +107,18 @@ def launch_options(execution: Any, precision: Precision) -> list[str]:
     if execution.training_processes > 1:
         options += ["--num_processes", str(execution.training_processes)]
     options += ["--num_machines", "1", "--mixed_precision", accelerate_mixed_precision(precision)]
-    options += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    options += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
     return options
 
 
-def _worker_resources(execution: Any) -> dict[str, float]:
+def _worker_resources(execution: Execution) -> dict[str, float]:
     """What one Ray Train worker holds: a CPU, and a GPU where the models run on CUDA."""
     from rlhf_core.precision import resolve_device
 
     return {"CPU": 1.0, "GPU": 1.0} if resolve_device(execution.device).type == "cuda" else {"CPU": 1.0}
 
 
-def _join_ray(execution: Any) -> bool:
+def _join_ray(execution: Execution) -> bool:
     """Connect to the Ray cluster at ``execution.address`` (a local Ray without one), unless this process already
     is, and wait until it has room for every training worker; returns whether this call connected.
 
@@ -168,7 +150,7 @@ def _join_ray(execution: Any) -> bool:
     return started
 
 
-def _run_on_ray(spec: Path, execution: Any, log: Path, *, started: bool) -> int:
+def _run_on_ray(spec: Path, execution: Execution, log: Path, *, started: bool) -> int:
     """Run the job's workers as a Ray Train ``TorchTrainer`` (gloo on CPUs, NCCL on GPUs); their process group is
     Ray Train's, set up where Ray placed them. Returns 0, or 1 with the failure in ``log`` (each worker's own
     traceback is in its ``job/error-<rank>.txt``)."""
@@ -203,21 +185,6 @@ def _run_on_ray(spec: Path, execution: Any, log: Path, *, started: bool) -> int:
     finally:
         if started:
             ray.shutdown()
-
-
-def _free_port() -> int:
-    """A free TCP port on this machine: concurrent launches must not share a rendezvous port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _end_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
-    """Ask Linux to stop the launcher when the stage's process dies (``kill -9`` included); it stops its workers."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def worker_errors(folder: Path) -> str:

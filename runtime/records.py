@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runtime.context import StageContext
-from runtime.stage import StageResult
+from runtime.declaration import StageResult
 from storage.manifest import read_manifest
 from storage.recorded import recorded_output
 from storage.tracking import KIND_STAGE, TAG_KIND, TAG_MANIFEST_DIGEST

@@ -1,7 +1,7 @@
-"""One ``accelerate launch`` worker of a training stage: ``python -m runtime.worker SPEC`` (see :mod:`runtime.launch`).
+"""One training process of a training stage: ``python -m runtime.worker SPEC`` (see :mod:`runtime.launch`).
 
-Every worker runs the training function of the job spec on the stage's inputs; the function saves on the
-main process only, and the main process writes the job's result (metrics and runtime) last, atomically.
+Every process runs the stage's ``work`` on the job of the spec (:func:`runtime.job.decode_job`); the work saves on
+the main process only, and the main process writes the job's result (metrics and runtime) last, atomically.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from accelerate.utils import gather_object
 
 from rlhf_core.precision import resolve_device
 from runtime.context import Execution
-from runtime.job import ERROR_PREFIX, TrainingOutput, decode, resolve
-from runtime.stage import PEAKS, peak_memory
+from runtime.job import ERROR_PREFIX, RESULT_FILE, decode_job
+from runtime.metering import PEAKS, peak_memory
 from storage.files import write_text_replacing
 
 
@@ -42,16 +42,15 @@ def ray_worker(config: dict[str, str]) -> None:
 
 
 def _run(spec_path: Path) -> None:
-    job = json.loads(spec_path.read_text())
-    context = decode(job["context"])
-    state = join_process_group(context.execution)
-    function = resolve(job["function"])
-    out = TrainingOutput(path=Path(job["output"]), final_dir=Path(job["final_dir"]))
-    with peak_memory(resolve_device(context.execution.device)) as peak:
-        metrics = function(out, context, *decode(job["upstream"]), **decode(job["settings"]))
-        out.runtime[PEAKS] = gather_object([peak()])  # collective: every process's, in rank order
+    job = decode_job(spec_path.read_text())
+    execution = job.context.execution
+    state = join_process_group(execution)
+    with peak_memory(resolve_device(execution.device)) as peak:
+        metrics = job.declaration().work(job)
+        job.out.runtime[PEAKS] = gather_object([peak()])  # collective: every process's, in rank order
     if state.is_main_process:
-        write_text_replacing(Path(job["result"]), json.dumps({"metrics": dict(metrics), "runtime": out.runtime}))
+        result = {"metrics": dict(metrics), "runtime": job.out.runtime}
+        write_text_replacing(spec_path.with_name(RESULT_FILE), json.dumps(result))
     leave_process_group(state)
 
 

@@ -232,3 +232,12 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
             raise ValueError(f"column `{field.name}` has null values inside its lists")
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+TABLES = {
+    "candidates": CANDIDATES,
+    "preferences": PREFERENCES,
+    "experience": EXPERIENCE,
+    "evaluation": EVALUATION,
+}
+"""The tables a fan-out stage's shards write, by name (a shard's rows travel to the stage as a named table)."""

@@ -18,15 +18,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlhf_core.config import LabelerName
-from rlhf_core.loading import ModelLoader
-from rlhf_core.precision import Precision
-from runtime.context import InputFile, StageContext
-from runtime.fanout import Shard, plan_shards, run_shards
-from runtime.references import JudgeReference, RewardFunctionReference
-from runtime.stage import StageResult, stage
+from runtime.declaration import StageResult
+from runtime.job import Job
+from runtime.stage import Shards, Stage
 from storage.importers import import_preferences
-from storage.manifest import StageOutput
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
 from tasks.labelers import (
@@ -38,10 +33,12 @@ from tasks.labelers import (
     Labeler,
     RewardModelLabeler,
 )
+from tasks.settings import CollectPreferencesSettings
 from tasks.tensors import reward_scorer
 from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
 
-STAGE = "collect_preferences"
+PAIRS_PER_ITERATION = 1_000_000
+"""Pair ids of iteration N start at N times this: a pair's id names it across the whole campaign."""
 
 
 def candidate_pairs(candidates: pa.Table, *, columns: Sequence[Mapping[str, Any]] = ()) -> list[CandidatePair]:
@@ -104,78 +101,68 @@ def human_table(pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id:
     return labelled_table([pairs[index] for index in kept], labeler, first_pair_id=first_pair_id)
 
 
-@stage(STAGE)
-def collect_preferences(
-    out: StageOutput,
-    context: StageContext,
-    candidates: StageResult | None,
-    reward_model: StageResult | None,
-    labels: StageResult | None,
-    *,
-    labeler: LabelerName,
-    judge: JudgeReference | None,
-    rubric: RewardFunctionReference | None,
-    preferences: InputFile | None,
-    precision: Precision,
-    rows_per_shard: int,
-) -> dict[str, float]:
-    """Write the ``preferences`` table for this iteration's candidates.
+def plan(job: Job[CollectPreferencesSettings]) -> Shards | None:
+    """Labelling by a reward model runs over shards of the candidate pairs; every other labeler labels here."""
+    settings = job.settings
+    if settings.labeler != "reward_model":
+        return None
+    if settings.reward_model is None and job.context.base.reward_model is None:
+        raise ValueError("labeler 'reward_model' needs a reward model: a trained one, or `model.reward_model`")
+    pairs = len(candidate_pairs(read_table(settings.candidates.directory, "candidates")))
+    return Shards(job.plan_shards(pairs, rows_per_item=1, rows_per_shard=settings.rows_per_shard), "preferences")
 
-    Args:
-        candidates: the candidates to label; None with labeler ``import``, which samples none.
-        reward_model: the judge with labeler ``reward_model``: the previous iteration's reward model, or None in
-            the first iteration, where the pretrained ``model.reward_model`` judges.
-        labels: the person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise.
-        labeler: ``gold``, ``function``, ``reward_model``, ``import`` or ``human``.
-        judge: the gold judge (labeler ``gold``).
-        rubric: the reward function that labels (labeler ``function``).
-        preferences: the file of pairs to import (labeler ``import``, iteration 0 only).
+
+def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa.Table]:
+    """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model
+    (:func:`label_shards`); with any other labeler, the whole ``preferences`` table written here, and its metrics.
+
+    Labeler ``import`` reads its file in iteration 0 only; ``human`` takes the person's answers (a ``human_labels``
+    output), dropping tie/skip answers; ``function`` labels with the rubric ``reward.function``; ``gold`` with the
+    gold judge.
     """
+    settings, context = job.settings, job.context
+    labeler, first_pair_id = settings.labeler, context.iteration * PAIRS_PER_ITERATION
+    if labeler == "reward_model":
+        return label_shards(job)
     shown: dict[str, float] = {}
     if labeler == "import":
-        if preferences is None:
+        if settings.preferences is None:
             raise ValueError("labeler 'import' needs a preferences file")
-        table = import_preferences(preferences.path) if context.iteration == 0 else PREFERENCES.empty_table()
+        table = import_preferences(settings.preferences.path) if context.iteration == 0 else PREFERENCES.empty_table()
     elif labeler == "human":
-        pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
-        table = human_table(pairs, _answers(labels), first_pair_id=context.iteration * 1_000_000)
+        pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
+        table = human_table(pairs, _answers(settings.labels), first_pair_id=first_pair_id)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
-    elif labeler == "reward_model":
-        if reward_model is None and context.base.reward_model is None:
-            raise ValueError("labeler 'reward_model' needs a reward model: a trained one, or `model.reward_model`")
-        pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
-        shards = plan_shards(
-            len(pairs), rows_per_shard=rows_per_shard, rows_per_item=1, seed=context.seed, stage=STAGE,
-            iteration=context.iteration,
-        )  # fmt: skip
-        table = run_shards(
-            out, context, STAGE, label_shards, shards, schema=PREFERENCES, precision=precision,
-            candidates=candidates, reward_model=reward_model,
-        )  # fmt: skip
     elif labeler == "function":
-        if rubric is None:
+        if settings.rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")
         tokenizer = load_tokenizer(context.base.tokenizer.path)
         rows = read_prompts(context.base.prompts.path)  # a candidate's prompt_id is its prompt's row
+        candidates = read_table(settings.candidates.directory, "candidates")
         table = labelled_table(
-            candidate_pairs(read_table(candidates.directory, "candidates"), columns=[row.columns for row in rows]),
-            FunctionLabeler(rubric.load(), rubric.name, render=partial(prompt_text, tokenizer)),
-            first_pair_id=context.iteration * 1_000_000,
+            candidate_pairs(candidates, columns=[row.columns for row in rows]),
+            FunctionLabeler(settings.rubric.load(), settings.rubric.name, render=partial(prompt_text, tokenizer)),
+            first_pair_id=first_pair_id,
         )
     else:
-        if judge is None:
+        if settings.judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")
         table = labelled_table(
-            candidate_pairs(read_table(candidates.directory, "candidates")),
-            JudgeLabeler(judge.load()),
-            first_pair_id=context.iteration * 1_000_000,
+            candidate_pairs(read_table(settings.candidates.directory, "candidates")),
+            JudgeLabeler(settings.judge.load()),
+            first_pair_id=first_pair_id,
         )
-    out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=rows_per_shard)
-    if labeler == "import":  # an imported pair is chosen over rejected: a margin of 0 means none was given, not a tie
-        return {"pairs": float(table.num_rows)}
+    return {**gather(job, table), **shown}
+
+
+def gather(job: Job[CollectPreferencesSettings], table: pa.Table) -> dict[str, float]:
+    """Write the ``preferences`` table; its pair count and share of ties."""
+    job.out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=job.settings.rows_per_shard)
+    if job.settings.labeler == "import":  # an imported pair is chosen over rejected: a margin of 0 means none was
+        return {"pairs": float(table.num_rows)}  # given, not a tie
     ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
-    return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1), **shown}
+    return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1)}
 
 
 def _answers(labels: StageResult | None) -> pa.Table:
@@ -184,25 +171,26 @@ def _answers(labels: StageResult | None) -> pa.Table:
     return read_table(labels.directory, "human_labels")
 
 
-def label_shards(
-    models: ModelLoader,
-    context: StageContext,
-    shards: list[Shard],
-    *,
-    candidates: StageResult,
-    reward_model: StageResult | None,
-) -> Iterator[pa.Table]:
+def label_shards(job: Job[CollectPreferencesSettings]) -> Iterator[pa.Table]:
     """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model (the pretrained
     ``model.reward_model`` where no iteration has trained one yet)."""
-    pairs = candidate_pairs(read_table(candidates.directory, "candidates"))
-    judge = reward_model.directory / "reward_model" if reward_model is not None else context.base.reward_model.path
+    settings, context = job.settings, job.context
+    models = job.models(settings.precision)
+    pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
+    judge = (
+        settings.reward_model.directory / "reward_model"
+        if settings.reward_model is not None
+        else context.base.reward_model.path
+    )
     scorer = reward_scorer(
         models.load("reward_model", judge),
         policy_tokenizer_dir=context.base.tokenizer.path,
         reward_tokenizer_dir=context.base.reward_tokenizer,
     )
     labeler = RewardModelLabeler(scorer, autocast=models.autocast)
-    for shard in shards:
-        yield labelled_table(
-            pairs[shard.start : shard.stop], labeler, first_pair_id=context.iteration * 1_000_000 + shard.start
-        )
+    for shard in job.shards:
+        first_pair_id = context.iteration * PAIRS_PER_ITERATION + shard.start
+        yield labelled_table(pairs[shard.start : shard.stop], labeler, first_pair_id=first_pair_id)
+
+
+collect_preferences = Stage(CollectPreferencesSettings, plan=plan, work=work, gather=gather)

@@ -16,14 +16,14 @@ from rlhf_core.advantages import adaptive_kl_coef
 from rlhf_core.config import AdvantageConfig
 from rlhf_core.experience_maker import score_experience
 from rlhf_core.masked import masked_mean
-from runtime.context import StageContext
-from runtime.stage import StageResult, stage
+from runtime.declaration import StageResult
+from runtime.job import Job
+from runtime.stage import Stage
 from storage.experience_io import experience_to_table, table_to_experience
-from storage.manifest import StageOutput
 from storage.schemas import SCORED_EXPERIENCE
 from storage.shards import read_table
+from tasks.settings import ComputeAdvantagesSettings
 
-STAGE = "compute_advantages"
 NEXT_KL_COEF = "next_kl_coef"
 """The metric that hands the adaptive controller's coefficient to the next iteration's stage 5."""
 
@@ -36,30 +36,15 @@ def starting_kl_coef(advantages: AdvantageConfig, previous: StageResult | None) 
     return advantages.kl_coef
 
 
-@stage(STAGE)
-def compute_advantages(
-    out: StageOutput,
-    context: StageContext,
-    experience: StageResult,
-    reward_model: StageResult | None,
-    previous: StageResult | None,
-    *,
-    advantages: AdvantageConfig,
-    rows_per_shard: int,
-) -> dict[str, float]:
-    """Write the ``scored_experience`` table: per-token rewards, KL, advantages and returns.
-
-    Args:
-        reward_model: the reward model whose held-out score statistics normalise the scores, or
-            None for a reward function's scores (used as they are).
-        previous: the previous iteration's output of this stage (None in the first iteration):
-            where the adaptive KL coefficient comes from.
-    """
-    table = read_table(experience.directory, "experience")
+def work(job: Job[ComputeAdvantagesSettings]) -> dict[str, float]:
+    """Write the ``scored_experience`` table: per-token rewards, KL, advantages and returns."""
+    settings = job.settings
+    table = read_table(settings.experience.directory, "experience")
     # Only masks and per-token floats are read here and padding is stripped again on write,
     # so the id used to pad token columns cannot change the output.
     rollouts = table_to_experience(table, pad_token_id=0)
-    kl_coef = starting_kl_coef(advantages, previous)
+    advantages, reward_model = settings.advantages, settings.reward_model
+    kl_coef = starting_kl_coef(advantages, settings.previous)
     if reward_model is None:  # a reward function has no held-out score statistics: its scores are used as they are
         advantages = dataclasses.replace(advantages, normalize_scores=False)
         score_mean, score_std = 0.0, 1.0
@@ -71,11 +56,11 @@ def compute_advantages(
         score_mean = float(rollouts.scores.mean())
         score_std = float(rollouts.scores.std()) if rollouts.batch_size > 1 else 1.0
     scored = score_experience(rollouts, advantages, score_mean=score_mean, score_std=score_std, kl_coef=kl_coef)
-    out.write_table(
+    job.out.write_table(
         "scored_experience",
         experience_to_table(scored, first_row=table.column("row")[0].as_py()),
         schema=SCORED_EXPERIENCE,
-        rows_per_shard=rows_per_shard,
+        rows_per_shard=settings.rows_per_shard,
     )
     mask = scored.action_mask
     kl_mean = float(scored.kl.sum(dim=1).mean())
@@ -91,3 +76,6 @@ def compute_advantages(
             kl_coef, kl_mean, target=advantages.kl_target, horizon=advantages.kl_horizon, steps=scored.batch_size
         )
     return metrics
+
+
+compute_advantages = Stage(ComputeAdvantagesSettings, work=work)

@@ -17,106 +17,45 @@ from collections.abc import Iterator
 import pyarrow as pa
 import torch
 
-from rlhf_core.config import SamplingConfig
 from rlhf_core.evaluation import response_kl, win_rate
 from rlhf_core.generation import generate
-from rlhf_core.loading import ModelLoader
-from rlhf_core.precision import Precision
 from rlhf_core.sequences import sequence_logprobs
-from runtime.context import StageContext
-from runtime.fanout import Shard, plan_shards, run_shards
+from runtime.job import Job
 from runtime.references import JudgeReference, RewardFunctionReference
-from runtime.stage import SAMPLES, StageResult, stage
-from storage.manifest import StageOutput
-from storage.schemas import ENGINE_LOGPROBS, EVALUATION, LOGPROB_COLUMNS, OLD_LOGPROBS, POLICY_KL, PROMPT
+from runtime.stage import Shards, Stage
+from storage.schemas import ENGINE_LOGPROBS, EVALUATION, LOGPROB_COLUMNS, OLD_LOGPROBS, POLICY_KL, PROMPT, SAMPLES
 from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.settings import EvaluateSettings
 from tasks.tensors import encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts
 
-STAGE = "evaluate"
 SIDES = ("policy", "reference")
 
 
-@stage(STAGE)
-def evaluate(
-    out: StageOutput,
-    context: StageContext,
-    policy: StageResult,
-    reward_model: StageResult | None,
-    *,
-    sampling: SamplingConfig,
-    precision: Precision,
-    prompts: int,
-    judge: JudgeReference | None,
-    rubric: RewardFunctionReference | None,
-    reward_function: RewardFunctionReference | None,
-    rows_per_shard: int,
-) -> dict[str, float]:
-    """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics.
-
-    Args:
-        reward_model: the reward model's output, or None when ``reward_function`` scores instead.
-        prompts: how many held-out prompts to evaluate (the first ones of the file).
-        judge: the gold judge, or None for no gold metrics.
-        rubric: the rubric that labels pairs (labeler ``function``): its mean score of both sides is reported
-            beside the reward model's; None for none.
-        reward_function: the reward function (``reward.source: function``), or None.
-        rows_per_shard: held-out prompts per shard (:mod:`runtime.fanout`).
-    """
-    if (reward_model is None) == (reward_function is None):
+def plan(job: Job[EvaluateSettings]) -> Shards:
+    """The held-out prompts in shards."""
+    settings = job.settings
+    if (settings.reward_model is None) == (settings.reward_function is None):
         raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")
-    shards = plan_shards(
-        prompts,
-        rows_per_shard=rows_per_shard,
-        rows_per_item=1,
-        seed=context.seed,
-        stage=STAGE,
-        iteration=context.iteration,
+    return Shards(
+        job.plan_shards(settings.prompts, rows_per_item=1, rows_per_shard=settings.rows_per_shard), "evaluation"
     )
-    table = run_shards(
-        out, context, STAGE, evaluate_shards, shards, schema=EVALUATION, precision=precision,
-        policy=policy, reward_model=reward_model, sampling=sampling, prompts=prompts, reward_function=reward_function,
-    )  # fmt: skip
-    metrics = {
-        "reward_mean": _mean(table, "policy_reward"),
-        "reference_reward_mean": _mean(table, "reference_reward"),
-        "kl_to_reference": _mean(table, POLICY_KL),
-        **mismatch_metrics(table),
-    }
-    records = table.drop_columns(list(LOGPROB_COLUMNS)).to_pylist()
-    if judge is not None:
-        metrics.update(_gold_metrics(records, judge))
-    if rubric is not None:
-        metrics.update(_rubric_metrics(records, read_prompts(context.base.eval_prompts.path)[:prompts], rubric))
-    (out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
-    return metrics
 
 
-def _mean(table: pa.Table, column: str) -> float:
-    return float(torch.tensor(table.column(column).to_pylist(), dtype=torch.float64).mean())
-
-
-def evaluate_shards(
-    models: ModelLoader,
-    context: StageContext,
-    shards: list[Shard],
-    *,
-    policy: StageResult,
-    reward_model: StageResult | None,
-    sampling: SamplingConfig,
-    prompts: int,
-    reward_function: RewardFunctionReference | None,
-) -> Iterator[pa.Table]:
+def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     """The :data:`storage.schemas.EVALUATION` rows of each shard of the held-out prompts.
 
     Both sides sample a batch with the same generator seed (the shard's seed plus the batch's first prompt).
     """
+    settings, context = job.settings, job.context
+    sampling, reward_model, reward_function = settings.sampling, settings.reward_model, settings.reward_function
+    models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    actor = models.load("actor", policy.directory / "actor")
+    actor = models.load("actor", settings.policy.directory / "actor")
     sides = {"policy": actor, "reference": models.reference(actor)}
     samplers = {
-        "policy": policy_sampler(models, context, policy.directory / "actor", actor, sampling),
+        "policy": policy_sampler(models, context, settings.policy.directory / "actor", actor, sampling),
         "reference": policy_sampler(models, context, context.base.policy.path, sides["reference"], sampling),
     }
     scorer = None
@@ -127,9 +66,9 @@ def evaluate_shards(
             reward_tokenizer_dir=context.base.reward_tokenizer,
         )
     function = None if reward_function is None else reward_function.load()
-    held_out = read_prompts(context.base.eval_prompts.path)[:prompts]
+    held_out = read_prompts(context.base.eval_prompts.path)[: settings.prompts]
     texts = [prompt_text(tokenizer, prompt) for prompt in held_out]
-    for shard in shards:
+    for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in EVALUATION.names}
         for part in shard.batches(sampling.batch_size):
             prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
@@ -183,6 +122,29 @@ def evaluate_shards(
         yield pa.table(rows, schema=EVALUATION)
 
 
+def gather(job: Job[EvaluateSettings], table: pa.Table) -> dict[str, float]:
+    """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics."""
+    settings = job.settings
+    metrics = {
+        "reward_mean": _mean(table, "policy_reward"),
+        "reference_reward_mean": _mean(table, "reference_reward"),
+        "kl_to_reference": _mean(table, POLICY_KL),
+        **mismatch_metrics(table),
+    }
+    records = table.drop_columns(list(LOGPROB_COLUMNS)).to_pylist()
+    if settings.judge is not None:
+        metrics.update(_gold_metrics(records, settings.judge))
+    if settings.rubric is not None:
+        held_out = read_prompts(job.context.base.eval_prompts.path)[: settings.prompts]
+        metrics.update(_rubric_metrics(records, held_out, settings.rubric))
+    (job.out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
+    return metrics
+
+
+def _mean(table: pa.Table, column: str) -> float:
+    return float(torch.tensor(table.column(column).to_pylist(), dtype=torch.float64).mean())
+
+
 def _rubric_metrics(records: list[dict], held_out: list[Prompt], rubric: RewardFunctionReference) -> dict[str, float]:
     """The rubric's mean score of both sides (``held_out``: each record's prompt); adds ``<side>_rubric`` to each
     record."""
@@ -210,3 +172,6 @@ def _gold_metrics(records: list[dict], judge_reference: JudgeReference) -> dict[
         "reference_gold_mean": float(gold["reference"].mean()),
         "gold_win_rate": float(win_rate(gold["policy"], gold["reference"])),
     }
+
+
+evaluate = Stage(EvaluateSettings, plan=plan, work=work, gather=gather)

@@ -12,35 +12,28 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.config import LoraConfig
-from runtime.context import StageContext
-from runtime.stage import stage, stage_models
+from runtime.job import Job
+from runtime.stage import Stage
 from storage.checkpoints import save_model
-from storage.manifest import StageOutput
+from tasks.settings import InitializeSettings
 from tasks.text import load_tokenizer
 
-STAGE = "initialize"
 
-
-@stage(STAGE)
-def initialize(
-    out: StageOutput, context: StageContext, *, critic: bool, lora: LoraConfig | None, critic_init: str
-) -> dict[str, float]:
-    """Write ``actor/`` (and ``critic/`` when ``critic`` is set) for iteration 0 to start from.
-
-    Args:
-        critic: make a critic (an estimator that uses one: GAE).
-        critic_init: ``policy`` or ``reward_model``: the base the critic starts from.
-    """
-    models = stage_models(out, context, "fp32", lora=lora)
-    tokenizer = load_tokenizer(context.base.tokenizer.path)
-    torch.manual_seed(context.stage_seed(STAGE))  # fresh adapters and the value head
-    actor = models.load("actor", context.base.policy.path, trainable=True)
-    save_model(out.path / "actor", actor, tokenizer, weights=False)
-    if critic:
-        value_model = models.load("critic", context.base.bases[critic_init], trainable=True)
-        save_model(out.path / "critic", value_model, tokenizer, weights=False)
+def work(job: Job[InitializeSettings]) -> dict[str, float]:
+    """Write ``actor/`` (and ``critic/`` when the estimator uses one) for iteration 0 to start from."""
+    settings, base = job.settings, job.context.base
+    models = job.models("fp32", lora=settings.lora)
+    tokenizer = load_tokenizer(base.tokenizer.path)
+    torch.manual_seed(job.seed())  # fresh adapters and the value head
+    actor = models.load("actor", base.policy.path, trainable=True)
+    save_model(job.out.path / "actor", actor, tokenizer, weights=False)
+    if settings.critic:
+        value_model = models.load("critic", base.bases[settings.critic_init], trainable=True)
+        save_model(job.out.path / "critic", value_model, tokenizer, weights=False)
     return {
         "actor_parameters": float(sum(p.numel() for p in actor.parameters())),
         "trained_parameters": float(sum(p.numel() for p in actor.parameters() if p.requires_grad)),
     }
+
+
+initialize = Stage(InitializeSettings, work=work)

@@ -28,23 +28,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import PPOConfig
 from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
-from rlhf_core.precision import Precision
-from runtime.context import StageContext
-from runtime.job import TrainingOutput
-from runtime.launch import train
+from runtime.declaration import StageResult
+from runtime.job import Job
+from runtime.metering import Throttle
 from runtime.models import accelerator_for
-from runtime.stage import StageResult, Throttle, stage, stage_models, write_training_curve
+from runtime.record import write_training_curve
+from runtime.stage import Stage, Training
 from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.experience_io import table_to_experience
-from storage.manifest import StageOutput, prunable_digest, prunable_present, prune_files, read_manifest
+from storage.manifest import prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
+from tasks.settings import PPOUpdateSettings
 from tasks.text import load_tokenizer
 
-STAGE = "ppo_update"
 PROGRESS_FILE = "progress.json"
 OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
 
@@ -80,32 +79,12 @@ def prune_optimizer_states(folders: list[Path], *, keep: Path | None) -> int:
     return sum(prune_files(folder) for folder in folders if keep is None or folder.resolve() != keep.resolve())
 
 
-@stage(STAGE, register={"actor": "actor", "critic": "critic"})
-def ppo_update(
-    out: StageOutput,
-    context: StageContext,
-    policy: StageResult,
-    optimizer: OptimizerState | None,
-    scored: StageResult,
-    *,
-    ppo: PPOConfig,
-    critic: bool,
-    precision: Precision,
-    temperature: float,
-    max_new_tokens: int,
-) -> dict[str, float]:
-    """Write ``actor/`` (and ``critic/``) and their optimizer states after PPO epochs over the experience.
-
-    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`runtime.launch`).
-
-    Args:
-        optimizer: the optimizer states of ``policy`` to continue (see :func:`optimizer_state`);
-            None starts fresh ones.
-        critic: train the policy's critic (GAE), or update the actor alone (critic-free estimators).
-        temperature: the sampling temperature of the rollout (the update's log-probs use it too).
-        max_new_tokens: the generation budget, the constant of the ``token_sum_norm`` aggregation.
-    """
-    if critic and not (policy.directory / "critic").is_dir():
+def plan(job: Job[PPOUpdateSettings]) -> Training:
+    """Refuse what cannot be trained (a critic the policy lacks; optimizer states pruned since), before any training
+    process starts; then train in this process, or in ``execution.training_processes`` launched ones."""
+    settings, out = job.settings, job.out
+    policy, optimizer = settings.policy, settings.optimizer
+    if settings.critic and not (policy.directory / "critic").is_dir():
         raise ValueError(
             f"advantages.estimator gae trains a critic, but the policy in {policy.directory} has none (it was "
             "trained by a critic-free estimator): keep a critic-free estimator, or start a new campaign"
@@ -119,34 +98,20 @@ def ppo_update(
     checkpoint = latest_progress(out.final_dir)
     reads = checkpoint[1] if checkpoint else Path(optimizer.path) if optimizer is not None else None
     if reads is not None:
-        check_states(context.execution, [reads / name for name in OPTIMIZERS])
-    metrics = train(
-        out, context, update_policy, policy, optimizer, scored, precision=precision, ppo=ppo, critic=critic,
-        temperature=temperature, max_new_tokens=max_new_tokens,
-    )  # fmt: skip
+        check_states(job.context.execution, [reads / name for name in OPTIMIZERS])
     out.prunable.update(OPTIMIZERS)
-    return metrics
+    return Training(settings.precision)
 
 
-def update_policy(
-    out: StageOutput | TrainingOutput,
-    context: StageContext,
-    policy: StageResult,
-    optimizer: OptimizerState | None,
-    scored: StageResult,
-    *,
-    ppo: PPOConfig,
-    critic: bool,
-    precision: Precision,
-    temperature: float,
-    max_new_tokens: int,
-) -> dict[str, float]:
+def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     """The update itself, in each training process: the main process writes the output and its checkpoints."""
-    models = stage_models(out, context, precision)
+    settings, context, out = job.settings, job.context, job.out
+    ppo, critic, policy, optimizer = settings.ppo, settings.critic, settings.policy, settings.optimizer
+    models = job.models(settings.precision)
     accelerator = accelerator_for(models.device, models.precision)
     main = accelerator.is_main_process
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    generator = context.generator(STAGE)
+    generator = job.generator()
     checkpoint = latest_progress(out.final_dir)
     source, resume, curve = policy.directory, None, []
     states = Path(optimizer.path) if optimizer is not None else None
@@ -171,7 +136,7 @@ def update_policy(
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     initial = resume.epochs_done if resume else 0
-    bar = tqdm(total=ppo.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
+    bar = tqdm(total=ppo.epochs, initial=initial, desc=job.stage, unit="epoch", leave=False, disable=not main)
 
     def save(folder: Path, progress: PPOProgress | None) -> None:
         """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
@@ -197,12 +162,13 @@ def update_policy(
         )
 
     experience = table_to_experience(
-        read_table(scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
+        read_table(settings.scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
     with bar:  # closed on an error too, so the error's line starts a line of its own
         stats = update(
             actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
-            accelerator=accelerator, temperature=temperature, norm_tokens=max_new_tokens, generator=generator,
+            accelerator=accelerator, temperature=settings.temperature, norm_tokens=settings.max_new_tokens,
+            generator=generator,
             resume=resume, on_epoch_end=save_epoch, on_step=record_step,
         )  # fmt: skip
     save(out.path, None)
@@ -212,3 +178,6 @@ def update_policy(
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),
     }
+
+
+ppo_update = Stage(PPOUpdateSettings, plan=plan, work=work, register={"actor": "actor", "critic": "critic"})

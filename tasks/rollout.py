@@ -16,23 +16,18 @@ from collections.abc import Iterator
 import pyarrow as pa
 import torch
 
-from rlhf_core.config import SamplingConfig
 from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
-from rlhf_core.loading import ModelLoader
-from rlhf_core.precision import Precision
-from runtime.context import StageContext
-from runtime.fanout import Shard, plan_shards, run_shards
+from runtime.job import Job
 from runtime.references import RewardFunctionReference
-from runtime.stage import StageResult, stage
+from runtime.stage import Shards, Stage
 from storage.experience_io import experience_to_table
-from storage.manifest import StageOutput
 from storage.schemas import EXPERIENCE
 from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.settings import RolloutSettings
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 
-STAGE = "rollout"
 ROLLOUT_PROMPT_OFFSET = 7919
 """Rollout prompts start this far (a prime, so it never lines up with the batch sizes) from the
 preference prompts of the same iteration, so the two stages see different prompts where they can."""
@@ -72,84 +67,42 @@ def function_scorer(
     return score
 
 
-@stage(STAGE)
-def rollout(
-    out: StageOutput,
-    context: StageContext,
-    policy: StageResult,
-    reward_model: StageResult | None,
-    *,
-    sampling: SamplingConfig,
-    precision: Precision,
-    prompts: int,
-    samples_per_prompt: int,
-    rows_per_shard: int,
-    reward_function: RewardFunctionReference | None,
-) -> dict[str, float]:
-    """Write the ``experience`` table: ``samples_per_prompt`` scored rollouts for each of ``prompts`` prompts.
-
-    Args:
-        reward_model: the reward model's output, or None when ``reward_function`` scores instead.
-        reward_function: the reward function (``reward.source: function``), or None.
-    """
-    if (reward_model is None) == (reward_function is None):
+def plan(job: Job[RolloutSettings]) -> Shards:
+    """The iteration's rollout prompts in shards, a prompt's group in one."""
+    settings = job.settings
+    if (settings.reward_model is None) == (settings.reward_function is None):
         raise ValueError("rollout needs exactly one reward: a reward model or a reward function")
-    shards = plan_shards(
-        prompts,
-        rows_per_shard=rows_per_shard,
-        rows_per_item=samples_per_prompt,
-        seed=context.seed,
-        stage=STAGE,
-        iteration=context.iteration,
+    shards = job.plan_shards(
+        settings.prompts, rows_per_item=settings.samples_per_prompt, rows_per_shard=settings.rows_per_shard
     )
-    table = run_shards(
-        out, context, STAGE, rollout_shards, shards, schema=EXPERIENCE, precision=precision,
-        policy=policy, reward_model=reward_model, sampling=sampling, prompts=prompts,
-        samples_per_prompt=samples_per_prompt, reward_function=reward_function,
-    )  # fmt: skip
-    out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
-    scores = table.column("scores").to_pylist()
-    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
-    return {
-        "score_mean": sum(scores) / len(scores),
-        "response_length_mean": sum(lengths) / len(lengths),
-        "rollouts": float(len(scores)),
-        **mismatch_metrics(table),
-    }
+    return Shards(shards, table="experience")
 
 
-def rollout_shards(
-    models: ModelLoader,
-    context: StageContext,
-    shards: list[Shard],
-    *,
-    policy: StageResult,
-    reward_model: StageResult | None,
-    sampling: SamplingConfig,
-    prompts: int,
-    samples_per_prompt: int,
-    reward_function: RewardFunctionReference | None,
-) -> Iterator[pa.Table]:
+def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
     """The ``experience`` rows of each shard of the iteration's rollout prompts."""
+    settings, context = job.settings, job.context
+    sampling, samples_per_prompt = settings.sampling, settings.samples_per_prompt
+    models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    actor = models.load("actor", policy.directory / "actor")
-    sampler = policy_sampler(models, context, policy.directory / "actor", actor, sampling)
-    critic = models.load("critic", policy.directory / "critic") if (policy.directory / "critic").is_dir() else None
+    policy = settings.policy.directory
+    actor = models.load("actor", policy / "actor")
+    sampler = policy_sampler(models, context, policy / "actor", actor, sampling)
+    critic = models.load("critic", policy / "critic") if (policy / "critic").is_dir() else None
     scorer = None
-    if reward_model is not None:
+    if settings.reward_model is not None:
         scorer = reward_scorer(
-            models.load("reward_model", reward_model.directory / "reward_model"),
+            models.load("reward_model", settings.reward_model.directory / "reward_model"),
             policy_tokenizer_dir=context.base.tokenizer.path,
             reward_tokenizer_dir=context.base.reward_tokenizer,
         )
     reference = models.reference(actor)
     chosen = rotating_subset(
         read_prompts(context.base.prompts.path),
-        count=prompts,
+        count=settings.prompts,
         iteration=context.iteration,
         offset=ROLLOUT_PROMPT_OFFSET,
     )
-    for shard in shards:
+    for shard in job.shards:
         generator = shard.generator()
         tables = []
         for part in shard.batches(sampling.batch_size):
@@ -163,7 +116,7 @@ def rollout_shards(
             if scorer is not None:
                 score = model_scorer(scorer, batch, length)
             else:
-                score = function_scorer(reward_function, tokenizer, batch, group_ids, length)
+                score = function_scorer(settings.reward_function, tokenizer, batch, group_ids, length)
             maker = ExperienceMaker(
                 actor,
                 critic,
@@ -185,3 +138,19 @@ def rollout_shards(
             )
             tables.append(experience_to_table(experience, first_row=first_row))
         yield pa.concat_tables(tables)
+
+
+def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
+    """Write the ``experience`` table: ``samples_per_prompt`` scored rollouts for each of ``prompts`` prompts."""
+    job.out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=job.settings.rows_per_shard)
+    scores = table.column("scores").to_pylist()
+    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+    return {
+        "score_mean": sum(scores) / len(scores),
+        "response_length_mean": sum(lengths) / len(lengths),
+        "rollouts": float(len(scores)),
+        **mismatch_metrics(table),
+    }
+
+
+rollout = Stage(RolloutSettings, plan=plan, work=work, gather=gather)

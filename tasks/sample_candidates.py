@@ -10,73 +10,39 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from rlhf_core.config import SamplingConfig
 from rlhf_core.generation import sample_candidates as sample
-from rlhf_core.loading import ModelLoader
-from rlhf_core.precision import Precision
 from rlhf_core.sequences import sequence_logprobs
-from runtime.context import StageContext
-from runtime.fanout import Shard, plan_shards, run_shards
-from runtime.stage import StageResult, stage
-from storage.manifest import StageOutput
+from runtime.job import Job
+from runtime.stage import Shards, Stage
 from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.settings import SampleCandidatesSettings
 from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
 from tasks.text import decode, load_tokenizer, read_prompts, rotating_subset
 
-STAGE = "sample_candidates"
 
-
-@stage(STAGE)
-def sample_candidates(
-    out: StageOutput,
-    context: StageContext,
-    policy: StageResult,
-    *,
-    sampling: SamplingConfig,
-    precision: Precision,
-    prompts: int,
-    candidates_per_prompt: int,
-    rows_per_shard: int,
-) -> dict[str, float]:
-    """Write the ``candidates`` table: ``candidates_per_prompt`` responses for each of ``prompts`` prompts."""
-    shards = plan_shards(
-        prompts,
-        rows_per_shard=rows_per_shard,
-        rows_per_item=candidates_per_prompt,
-        seed=context.seed,
-        stage=STAGE,
-        iteration=context.iteration,
+def plan(job: Job[SampleCandidatesSettings]) -> Shards:
+    """The preference prompts in shards, a prompt's candidates in one."""
+    settings = job.settings
+    shards = job.plan_shards(
+        settings.prompts, rows_per_item=settings.candidates_per_prompt, rows_per_shard=settings.rows_per_shard
     )
-    table = run_shards(
-        out, context, STAGE, sample_shards, shards, schema=CANDIDATES, precision=precision,
-        policy=policy, sampling=sampling, prompts=prompts, candidates_per_prompt=candidates_per_prompt,
-    )  # fmt: skip
-    out.write_table("candidates", table, schema=CANDIDATES, rows_per_shard=rows_per_shard)
-    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
-    return {
-        "candidates": float(len(lengths)),
-        "response_length_mean": sum(lengths) / max(len(lengths), 1),
-        **mismatch_metrics(table),
-    }
+    return Shards(shards, table="candidates")
 
 
-def sample_shards(
-    models: ModelLoader,
-    context: StageContext,
-    shards: list[Shard],
-    *,
-    policy: StageResult,
-    sampling: SamplingConfig,
-    prompts: int,
-    candidates_per_prompt: int,
-) -> Iterator[pa.Table]:
+def work(job: Job[SampleCandidatesSettings]) -> Iterator[pa.Table]:
     """The ``candidates`` rows of each shard of the iteration's preference prompts."""
+    settings, context = job.settings, job.context
+    sampling, candidates_per_prompt = settings.sampling, settings.candidates_per_prompt
+    models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    actor = models.load("actor", policy.directory / "actor")
-    sampler = policy_sampler(models, context, policy.directory / "actor", actor, sampling)
-    chosen = rotating_subset(read_prompts(context.base.prompts.path), count=prompts, iteration=context.iteration)
-    for shard in shards:
+    actor_dir = settings.policy.directory / "actor"
+    actor = models.load("actor", actor_dir)
+    sampler = policy_sampler(models, context, actor_dir, actor, sampling)
+    chosen = rotating_subset(
+        read_prompts(context.base.prompts.path), count=settings.prompts, iteration=context.iteration
+    )
+    for shard in job.shards:
         generator = shard.generator()
         rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
         for part in shard.batches(sampling.batch_size):
@@ -119,3 +85,17 @@ def sample_shards(
                 rows["prompt_ids"].append(prompt_lists[row // candidates_per_prompt])
                 rows["response_ids"].append(response_ids)
         yield pa.table(rows, schema=CANDIDATES)
+
+
+def gather(job: Job[SampleCandidatesSettings], table: pa.Table) -> dict[str, float]:
+    """Write the ``candidates`` table: ``candidates_per_prompt`` responses for each of ``prompts`` prompts."""
+    job.out.write_table("candidates", table, schema=CANDIDATES, rows_per_shard=job.settings.rows_per_shard)
+    lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
+    return {
+        "candidates": float(len(lengths)),
+        "response_length_mean": sum(lengths) / max(len(lengths), 1),
+        **mismatch_metrics(table),
+    }
+
+
+sample_candidates = Stage(SampleCandidatesSettings, plan=plan, work=work, gather=gather)

@@ -19,7 +19,7 @@ from rlhf_core.loading import ModelLoader
 from rlhf_core.mismatch import logprob_mismatch
 from runtime.context import StageContext
 from runtime.engine_client import ServedPolicy, served_policy
-from runtime.fanout import Shard
+from runtime.shards import Shard
 from storage.schemas import ENGINE_LOGPROBS, OLD_LOGPROBS
 
 

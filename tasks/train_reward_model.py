@@ -20,24 +20,22 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import LoraConfig, RewardModelConfig, eval_split_error, held_out_pairs
+from rlhf_core.config import eval_split_error, held_out_pairs
 from rlhf_core.errors import UserError
-from rlhf_core.precision import Precision
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
-from runtime.context import StageContext
-from runtime.job import TrainingOutput
-from runtime.launch import train
+from runtime.job import Job
+from runtime.metering import Throttle
 from runtime.models import accelerator_for
-from runtime.stage import StageResult, Throttle, stage, stage_models, write_training_curve
+from runtime.record import write_training_curve
+from runtime.stage import Stage, Training
 from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.checkpoints import save_model
-from storage.manifest import StageOutput, read_manifest
+from storage.manifest import read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
+from tasks.settings import TrainRewardModelSettings
 from tasks.tensors import pad_token_lists
 from tasks.text import conversation_id_lists, load_tokenizer, prompts_of
-
-STAGE = "train_reward_model"
 
 
 class TooFewPairs(UserError, ValueError):
@@ -54,70 +52,47 @@ def preference_batch(table: pa.Table, tokenizer) -> PreferenceBatch:
     return PreferenceBatch(ids[: len(prompts)], mask[: len(prompts)], ids[len(prompts) :], mask[len(prompts) :], margin)
 
 
-@stage(STAGE, register={"reward-model": "reward_model"})
-def train_reward_model(
-    out: StageOutput,
-    context: StageContext,
-    preferences: tuple[StageResult, ...],
-    previous: StageResult | None,
-    *,
-    reward_model: RewardModelConfig,
-    precision: Precision,
-    lora: LoraConfig | None,
-) -> dict[str, float]:
-    """Continue training the previous reward model (or a fresh head on the base policy) on all pairs.
-
-    Trains in this process, or in ``execution.training_processes`` launched ones (:mod:`runtime.launch`).
-    """
-    pretrained = context.base.reward_model.path if context.base.reward_model else None
-    if not reward_model.train:
-        if pretrained is None:
-            raise ValueError(
-                "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
-            )
-        models = stage_models(out, context, precision)
-        tokenizer = load_tokenizer(context.base.reward_tokenizer)
-        save_model(out.path / "reward_model", models.load("reward_model", pretrained), tokenizer, weights=False)
-        return {"pairs": 0.0}
+def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
+    """Take a pretrained reward model as it is (``reward_model.train`` false: here, :func:`refer_to_pretrained`), or
+    refuse too few pairs before any training process starts; then train in this process, or in
+    ``execution.training_processes`` launched ones."""
+    settings, context = job.settings, job.context
+    if not settings.reward_model.train:
+        return None
     pairs = sum(
         entry.rows or 0
-        for result in preferences
+        for result in settings.preferences
         for entry in read_manifest(result.directory, verify=False).files
         if entry.path.startswith("preferences-")
     )
-    if (error := eval_split_error(pairs, reward_model.eval_fraction)) is not None:  # checked before it all ran,
-        raise TooFewPairs(  # except where tie/skip answers left out pairs
+    if (error := eval_split_error(pairs, settings.reward_model.eval_fraction)) is not None:  # checked before it all
+        raise TooFewPairs(  # ran, except where tie/skip answers left out pairs
             f"train_reward_model: {error}. With human labels, fewer `tie/skip` answers do it: run the same command "
             "with a new `human.relabel` value to be asked again"
         )
-    if (checkpoint := latest_progress(out.final_dir)) is not None:  # a crashed attempt's, which training continues
+    if (checkpoint := latest_progress(job.out.final_dir)) is not None:  # a crashed attempt's, which training continues
         check_states(context.execution, [checkpoint[1] / "optimizer"])
-    return train(out, context, fit, preferences, previous, precision=precision, reward_model=reward_model, lora=lora)
+    return Training(settings.precision)
 
 
-def fit(
-    out: StageOutput | TrainingOutput,
-    context: StageContext,
-    preferences: tuple[StageResult, ...],
-    previous: StageResult | None,
-    *,
-    reward_model: RewardModelConfig,
-    precision: Precision,
-    lora: LoraConfig | None,
-) -> dict[str, float]:
-    """The training itself, in each training process: the main process writes the output and its checkpoints."""
-    config = reward_model
-    models = stage_models(out, context, precision, lora=lora)
+def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
+    """Train the reward model, in each training process (the main process writes the output and its checkpoints);
+    with ``reward_model.train`` false, refer to the pretrained one instead (:func:`refer_to_pretrained`)."""
+    settings, context, out = job.settings, job.context, job.out
+    if not settings.reward_model.train:
+        return refer_to_pretrained(job)
+    config, previous = settings.reward_model, settings.previous
+    models = job.models(settings.precision, lora=settings.lora)
     tokenizer = load_tokenizer(context.base.reward_tokenizer)
     pretrained = context.base.reward_model.path if context.base.reward_model else None
     accelerator = accelerator_for(models.device, models.precision)
     main = accelerator.is_main_process
-    table = pa.concat_tables([read_table(result.directory, "preferences") for result in preferences])
-    generator = context.generator(STAGE)
+    table = pa.concat_tables([read_table(result.directory, "preferences") for result in settings.preferences])
+    generator = job.generator()
     pairs = preference_batch(table, tokenizer)
     order = torch.randperm(len(pairs), generator=generator)
     held_out = held_out_pairs(len(pairs), config.eval_fraction)
-    torch.manual_seed(context.stage_seed(STAGE))  # a fresh reward head is drawn from the global RNG
+    torch.manual_seed(job.seed())  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpoint, resume = latest_progress(out.final_dir), None
     if checkpoint is not None:
@@ -137,7 +112,7 @@ def fit(
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     initial = resume.epochs_done if resume else 0
-    bar = tqdm(total=config.epochs, initial=initial, desc=STAGE, unit="epoch", leave=False, disable=not main)
+    bar = tqdm(total=config.epochs, initial=initial, desc=job.stage, unit="epoch", leave=False, disable=not main)
 
     def save_epoch(progress: RewardTrainingProgress) -> None:
         bar.update(1)
@@ -164,7 +139,7 @@ def fit(
             resume=resume,
             on_epoch_end=save_epoch,
             on_step=lambda step, values: curve.append({"step": step, **values}),
-            dropout_seed=context.stage_seed(STAGE),
+            dropout_seed=job.seed(),
         )
     save_trained(trained, out.path, {"reward_model": model}, {}, tokenizer=tokenizer, step=0)
     if main:
@@ -172,3 +147,20 @@ def fit(
     # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
     metrics = {k: float(v) for k, v in stats._asdict().items()}
     return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(held_out)}
+
+
+def refer_to_pretrained(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
+    """The output of a reward model taken as it is: a folder that refers to the pretrained ``model.reward_model``
+    (nothing is copied), with no held-out statistics."""
+    base = job.context.base
+    if base.reward_model is None:
+        raise ValueError("`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use")
+    models = job.models(job.settings.precision)
+    tokenizer = load_tokenizer(base.reward_tokenizer)
+    save_model(
+        job.out.path / "reward_model", models.load("reward_model", base.reward_model.path), tokenizer, weights=False
+    )
+    return {"pairs": 0.0}
+
+
+train_reward_model = Stage(TrainRewardModelSettings, plan=plan, work=work, register={"reward-model": "reward_model"})

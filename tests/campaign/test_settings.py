@@ -1,37 +1,44 @@
-"""The settings table: it names exactly what each stage function takes, and the replay rules follow from it."""
+"""The settings table: derived from each stage's one declaration, and the replay rules follow from it."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
+import subprocess
+import sys
 
 import pytest
 
 from campaign.config import PipelineConfig
-from campaign.settings import STAGE_SETTINGS, covers, replayable_fields, stage_settings
-from flows.human_labels import request_human_labels
+from campaign.settings import STAGE_SETTINGS, covers, replayable_fields
 from runtime.context import BaseInputs, InputFile
+from runtime.declaration import setting_values, settings_from
+from tasks.settings import (
+    STAGES,
+    CollectPreferencesSettings,
+    InitializeSettings,
+    PPOUpdateSettings,
+    RolloutSettings,
+)
 
 FILE = InputFile(path="/p", sha256="0" * 64)
+BASE = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE, preferences=FILE)
 
 
-def _settings_of(function) -> set[str]:
-    return {p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+@pytest.mark.parametrize("settings", STAGES, ids=[settings.stage for settings in STAGES])
+def test_each_stage_is_declared_once_with_its_settings(settings):
+    """The stage a module declares runs with exactly the settings class the table is derived from."""
+    module = "flows.human_labels" if settings.stage == "human_labels" else f"tasks.{settings.stage}"
+    stage = getattr(importlib.import_module(module), settings.stage)
+    assert stage.settings is settings and stage.name == settings.stage
+    assert settings.stage in STAGE_SETTINGS
 
 
-@pytest.mark.parametrize("stage", sorted(STAGE_SETTINGS))
-def test_the_table_names_exactly_the_keyword_arguments_of_each_stage(stage):
-    if stage == "human_labels":
-        assert set(STAGE_SETTINGS[stage]) == _settings_of(request_human_labels) - {"human"}
-    else:
-        assert set(STAGE_SETTINGS[stage]) == _settings_of(getattr(importlib.import_module(f"tasks.{stage}"), stage))
-
-
-def test_stage_settings_read_the_config_and_the_base_inputs():
+def test_settings_are_read_from_the_config_and_the_base_inputs():
     config = PipelineConfig(demo=True, labeler="gold", sizes={"rollout_prompts": 12}, precision="bf16")
-    base = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE, preferences=FILE)
-    rollout = stage_settings(config, base, "rollout")
-    assert rollout == {
+    policy = object()  # an input is whatever the flow hands over
+    rollout = settings_from(RolloutSettings, config, BASE, {"policy": policy, "reward_model": None})
+    assert rollout.policy is policy
+    assert setting_values(rollout) == {
         "sampling": config.sampling,
         "precision": "bf16",
         "prompts": 12,
@@ -39,12 +46,33 @@ def test_stage_settings_read_the_config_and_the_base_inputs():
         "rows_per_shard": 4096,
         "reward_function": None,
     }
-    assert stage_settings(config, base, "collect_preferences")["preferences"] is FILE
-    assert stage_settings(config, base, "ppo_update")["temperature"] == config.sampling.temperature
+    inputs = {"candidates": None, "reward_model": None, "labels": None}
+    assert settings_from(CollectPreferencesSettings, config, BASE, inputs).preferences is FILE
+    update = settings_from(PPOUpdateSettings, config, BASE, {"policy": None, "optimizer": None, "scored": None})
+    assert update.temperature == config.sampling.temperature
     # A derived property is a setting too: the update and initialize read whether the estimator uses a critic.
     grpo = PipelineConfig(demo=True, labeler="gold", advantages={"estimator": "grpo"}, sizes={"samples_per_prompt": 4})
-    assert stage_settings(config, base, "initialize") == {"critic": True, "lora": None, "critic_init": "policy"}
-    assert stage_settings(grpo, base, "ppo_update")["critic"] is False
+    assert setting_values(settings_from(InitializeSettings, config, BASE, {})) == {
+        "critic": True,
+        "lora": None,
+        "critic_init": "policy",
+    }
+    assert settings_from(PPOUpdateSettings, grpo, BASE, {"policy": 1, "optimizer": 2, "scored": 3}).critic is False
+
+
+def test_a_stage_is_given_exactly_its_inputs():
+    config = PipelineConfig(demo=True, labeler="gold")
+    with pytest.raises(TypeError, match="rollout needs the inputs reward_model"):
+        settings_from(RolloutSettings, config, BASE, {"policy": 1})
+    with pytest.raises(TypeError, match="not scored"):
+        settings_from(RolloutSettings, config, BASE, {"policy": 1, "reward_model": None, "scored": 2})
+
+
+def test_the_table_is_read_without_torch_or_prefect():
+    """The CLI builds its help from the replay rules: reading the declarations must load no model library."""
+    script = "import sys, campaign.settings; print(sorted({'torch', 'prefect', 'transformers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_replay_may_change_what_only_the_replayed_stages_read():

@@ -10,7 +10,6 @@ from mlflow import MlflowClient
 
 from campaign.config import load_config
 from campaign.gc import collect_garbage, plan_gc
-from campaign.settings import stage_settings
 from campaign.store import resolve_run
 from flows.cli import main
 from flows.iterations import load_latest_state, open_iteration, resolve_base, tracking_store
@@ -48,8 +47,8 @@ def collected(prefect_server, checkpoint_world, tmp_path_factory):
     base = resolve_base.fn(config)
     iteration, state = load_latest_state.fn(config, base)
     context = open_iteration.fn(config, iteration, base, state)
-    candidates = sample_candidates.fn(context, state.policy, **stage_settings(config, base, "sample_candidates")).data
-    collect_preferences.fn(context, candidates, None, None, **stage_settings(config, base, "collect_preferences"))
+    candidates = sample_candidates.run(context, config, policy=state.policy)
+    collect_preferences.run(context, config, candidates=candidates, reward_model=None, labels=None)
     before = _outputs(config)
     source_of_iteration_0 = resolve_run(config, f"{config.campaign}:0")
     assert main(["gc", config.campaign, "--dry-run", f"--set=run_root={config.run_root}"]) == 0

@@ -11,19 +11,31 @@ from pathlib import Path
 
 import pytest
 
-from runtime.context import Execution
-from runtime.job import TrainingOutput
+from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.declaration import StageSettings, setting
+from runtime.job import Job, JobOutput
 from runtime.launch import TrainingWorkerError, train
+from runtime.stage import Stage
+from storage.layout import RunLayout
+
+FILE = InputFile(path="/p", sha256="0" * 64)
 
 
 @dataclass(frozen=True)
-class Job:
-    """What :func:`runtime.launch.train` reads of a stage context: where and how it runs."""
+class LaunchSettings(StageSettings):
+    stage = "launched"
+    which: str = setting("which")
+    """The name of this module's function every training process runs."""
 
-    execution: Execution
+
+def work(job: Job[LaunchSettings]) -> dict[str, float]:
+    return globals()[job.settings.which]()
 
 
-def sum_the_ranks(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
+launched = Stage(LaunchSettings, work=work)
+
+
+def sum_the_ranks() -> dict[str, float]:
     """A training function that all-reduces ``rank + 1`` over the process group: 3 with 2 processes.
 
     The first process ends a second after the second: a process that left the group while another still held
@@ -42,7 +54,7 @@ def sum_the_ranks(out: TrainingOutput, context: Job, *, precision: str) -> dict[
     return {"processes": state.num_processes, "rank_sum": total.item()}
 
 
-def fail_in_the_second_process(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
+def fail_in_the_second_process() -> dict[str, float]:
     """A training function whose second worker fails; the first ends normally."""
     from accelerate import PartialState
 
@@ -51,7 +63,7 @@ def fail_in_the_second_process(out: TrainingOutput, context: Job, *, precision: 
     return {"loss": 0.0}
 
 
-def abort_in_the_second_process(out: TrainingOutput, context: Job, *, precision: str) -> dict[str, float]:
+def abort_in_the_second_process() -> dict[str, float]:
     """A training function whose second worker dies in native code, leaving no Python traceback."""
     import os
     import sys
@@ -66,24 +78,38 @@ def abort_in_the_second_process(out: TrainingOutput, context: Job, *, precision:
 
 def test_the_launched_workers_form_one_process_group_on_the_cpu(tmp_path: Path):
     """Accelerate sees no process group on a CPU unless asked: each worker would otherwise train alone."""
-    out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
-    out.path.mkdir()
-    metrics = train(out, Job(Execution(device="cpu", training_processes=2)), sum_the_ranks, precision="fp32")
+    metrics = train(_job(tmp_path, "sum_the_ranks"), precision="fp32")
     assert metrics == {"processes": 2, "rank_sum": 3.0}
 
 
-def _failed_launch_message(tmp_path: Path, fn) -> str:
-    """The error of a 2-process launch of ``fn`` that fails."""
-    out = TrainingOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
+def _job(tmp_path: Path, which: str) -> Job[LaunchSettings]:
+    """A job of 2 CPU processes that run ``which``."""
+    out = JobOutput(path=tmp_path / "output.tmp", final_dir=tmp_path / "output")
     out.path.mkdir()
-    job = Job(Execution(device="cpu", training_processes=2))
+    store = RunLayout(tmp_path / "store")
+    base = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE)
+    context = StageContext(
+        layout=RunLayout(tmp_path / "campaign"),
+        tracking=TrackingStore(uri=store.tracking_uri(), artifact_root=None),
+        campaign="campaign",
+        experiment_id="0",
+        iteration=0,
+        seed=0,
+        base=base,
+        execution=Execution(device="cpu", training_processes=2),
+    )
+    return Job(__name__, context, LaunchSettings(which=which), out)
+
+
+def _failed_launch_message(tmp_path: Path, which: str) -> str:
+    """The error of a 2-process launch of ``which`` that fails."""
     with pytest.raises(TrainingWorkerError, match="exit status") as failure:
-        train(out, job, fn, precision="fp32")
+        train(_job(tmp_path, which), precision="fp32")
     return str(failure.value)
 
 
 def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
-    message = _failed_launch_message(tmp_path, fail_in_the_second_process)
+    message = _failed_launch_message(tmp_path, "fail_in_the_second_process")
     assert "2 training processes failed" in message
     # the worker's own traceback, whole, however long the launcher's summary after it in the log
     assert "worker 1:\nTraceback (most recent call last):" in message
@@ -93,7 +119,7 @@ def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
 
 def test_a_worker_that_dies_without_a_traceback_fails_the_stage_with_its_last_words(tmp_path: Path):
     """The launcher's own traceback says nothing; the worker's output and the launcher's summary do."""
-    message = _failed_launch_message(tmp_path, abort_in_the_second_process)
+    message = _failed_launch_message(tmp_path, "abort_in_the_second_process")
     assert "worker 1: native library failure" in message
     assert "SIGABRT" in message
     assert "accelerate/commands/launch.py" not in message

@@ -15,8 +15,10 @@ from pydantic import BaseModel
 
 from rlhf_core.config import AdvantageConfig
 from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.declaration import StageResult, StageSettings, input_digests, setting, upstream
+from runtime.job import Job
 from runtime.models import accelerator_for
-from runtime.stage import StageResult, run_stage, setting_value, stage, stage_models, upstream_digests
+from runtime.stage import Stage, run_stage, setting_value
 from storage.layout import RunLayout
 from storage.manifest import read_manifest
 from storage.schemas import PROMPTS
@@ -43,11 +45,17 @@ def _result(stage: str, digest: str) -> StageResult:
     return StageResult(stage=stage, path="/x", input_key="0" * 64, digest=digest, reused=True, run_id=None)
 
 
-def test_upstream_digests_name_tuples_by_position_and_skip_none():
-    digests = upstream_digests(
-        {"policy": _result("ppo", "p"), "labels": None, "pairs": (_result("a", "1"), _result("b", "2"))}
-    )
-    assert digests == {"policy": "p", "pairs_0": "1", "pairs_1": "2"}
+@dataclasses.dataclass(frozen=True)
+class PairsSettings(StageSettings):
+    stage = "pairs"
+    policy: StageResult = upstream()
+    labels: StageResult | None = upstream()
+    pairs: tuple[StageResult, ...] = upstream()
+
+
+def test_input_digests_name_tuples_by_position_and_skip_none():
+    settings = PairsSettings(policy=_result("ppo", "p"), labels=None, pairs=(_result("a", "1"), _result("b", "2")))
+    assert input_digests(settings) == {"policy": "p", "pairs_0": "1", "pairs_1": "2"}
 
 
 @pytest.fixture
@@ -70,55 +78,67 @@ def context(tmp_path: Path) -> StageContext:
 SEEN: list[dict] = []
 
 
-@stage("toy")
-def toy(out, context: StageContext, source: StageResult | None, *, rows: int, prompts: InputFile) -> dict[str, float]:
+@dataclasses.dataclass(frozen=True)
+class ToySettings(StageSettings):
+    stage = "toy"
+    source: StageResult | None = upstream()
+    rows: int = setting("rows")
+    prompts: InputFile = setting("base.prompts")
+
+
+def _write_rows(job: Job[ToySettings]) -> dict[str, float]:
     """A stage writing ``rows`` prompt rows; notes what it saw, to check what the mechanism set up."""
+    rows = job.settings.rows
     SEEN.append({"threads": torch.get_num_threads(), "rows": rows})
     table = pa.table({"prompt_id": list(range(rows)), "prompt": ["p"] * rows, "messages": [[]] * rows}, schema=PROMPTS)
-    out.write_table("prompts", table, schema=PROMPTS)
+    job.out.write_table("prompts", table, schema=PROMPTS)
     _ = torch.ones(16_000_000)  # 64 MB written (above glibc's mmap threshold), so the peak is visible
     return {"rows": float(rows)}
+
+
+toy = Stage(ToySettings, work=_write_rows)
+
+
+def _toy(context: StageContext, source: StageResult | None, *, rows: int, prompts: InputFile) -> StageResult:
+    return run_stage(toy, context, ToySettings(source=source, rows=rows, prompts=prompts))
 
 
 def test_a_stage_runs_once_per_input_key_and_any_argument_changes_the_key(context):
     SEEN.clear()
     torch.set_num_threads(2)
-    first = toy.fn(context, None, rows=3, prompts=FILE)
-    assert not first.data.reused and SEEN == [{"threads": 1, "rows": 3}]  # the stage set its thread count
-    again = toy.fn(context, None, rows=3, prompts=dataclasses.replace(FILE, path="/moved.jsonl"))
-    assert again.data.reused and again.data.input_key == first.data.input_key and len(SEEN) == 1
-    keys = {first.data.input_key}
+    first = _toy(context, None, rows=3, prompts=FILE)
+    assert not first.reused and SEEN == [{"threads": 1, "rows": 3}]  # the stage set its thread count
+    again = _toy(context, None, rows=3, prompts=dataclasses.replace(FILE, path="/moved.jsonl"))
+    assert again.reused and again.input_key == first.input_key and len(SEEN) == 1
+    keys = {first.input_key}
     for changed in (
-        toy.fn(context, None, rows=4, prompts=FILE),  # a setting
-        toy.fn(context, None, rows=3, prompts=dataclasses.replace(FILE, sha256="b" * 64)),  # a file's content
-        toy.fn(context, first.data, rows=3, prompts=FILE),  # an upstream output
-        toy.fn(dataclasses.replace(context, iteration=1), None, rows=3, prompts=FILE),  # the iteration
-        toy.fn(dataclasses.replace(context, seed=7), None, rows=3, prompts=FILE),  # the seed
+        _toy(context, None, rows=4, prompts=FILE),  # a setting
+        _toy(context, None, rows=3, prompts=dataclasses.replace(FILE, sha256="b" * 64)),  # a file's content
+        _toy(context, first, rows=3, prompts=FILE),  # an upstream output
+        _toy(dataclasses.replace(context, iteration=1), None, rows=3, prompts=FILE),  # the iteration
+        _toy(dataclasses.replace(context, seed=7), None, rows=3, prompts=FILE),  # the seed
     ):
-        assert not changed.data.reused
-        keys.add(changed.data.input_key)
+        assert not changed.reused
+        keys.add(changed.input_key)
     assert len(keys) == 6
     # Where it runs is not part of the key.
     elsewhere = dataclasses.replace(context, execution=Execution(device="cpu", torch_threads=2, checkpoint_seconds=1))
-    assert toy.fn(elsewhere, None, rows=3, prompts=FILE).data.input_key == first.data.input_key
+    assert _toy(elsewhere, None, rows=3, prompts=FILE).input_key == first.input_key
 
 
-def test_the_code_is_part_of_the_key(context):
-    def produce(out):
-        out.write_table(
-            "prompts", pa.table({"prompt_id": [0], "prompt": ["p"], "messages": [[]]}, schema=PROMPTS), schema=PROMPTS
-        )
-        return {}
+def test_the_code_is_part_of_the_key(context, monkeypatch):
+    import runtime.stage
 
-    one = run_stage(context, "coded", settings={}, upstream={}, code="1" * 64, produce=produce)
-    same = run_stage(context, "coded", settings={}, upstream={}, code="1" * 64, produce=produce)
-    edited = run_stage(context, "coded", settings={}, upstream={}, code="2" * 64, produce=produce)
+    one = _toy(context, None, rows=1, prompts=FILE)
+    same = _toy(context, None, rows=1, prompts=FILE)
+    monkeypatch.setattr(runtime.stage, "code_fingerprint", lambda module: "2" * 64)
+    edited = _toy(context, None, rows=1, prompts=FILE)
     assert same.reused and same.input_key == one.input_key
     assert not edited.reused and edited.input_key != one.input_key
 
 
 def test_every_stage_records_seconds_peak_memory_where_it_ran_and_its_inputs(context):
-    result = toy.fn(context, None, rows=2, prompts=FILE).data
+    result = _toy(context, None, rows=2, prompts=FILE)
     manifest = read_manifest(result.directory)
     assert manifest.metrics["rows"] == 2.0 and manifest.metrics["seconds"] > 0
     assert manifest.metrics["peak_memory_mb"] >= 60  # the 64 MB buffer
@@ -128,34 +148,34 @@ def test_every_stage_records_seconds_peak_memory_where_it_ran_and_its_inputs(con
     assert manifest.config["context"] == {"seed": 0, "iteration": 0, "base": context.base.fingerprint}
 
 
-def test_a_stage_function_must_take_out_and_context_first():
-    with pytest.raises(TypeError, match="must start with \\(out, context"):
-
-        @stage("bad")
-        def bad(context, out):  # noqa: ARG001
-            return {}
-
-
 LOADED: list[weakref.ref] = []
 
 
-@stage("loads_a_model")
-def loads_a_model(out, context: StageContext, *, source: str) -> dict[str, float]:
-    models = stage_models(out, context, "fp32")
-    actor = models.load("actor", source, trainable=True)
+@dataclasses.dataclass(frozen=True)
+class LoaderSettings(StageSettings):
+    stage = "loads_a_model"
+    source: str = setting("source")
+
+
+def _load_a_model(job: Job[LoaderSettings]) -> dict[str, float]:
+    models = job.models("fp32")
+    actor = models.load("actor", job.settings.source, trainable=True)
     accelerator = accelerator_for(models.device, models.precision)
     optimizer = torch.optim.AdamW(actor.parameters())
     actor, optimizer = accelerator.prepare(actor, optimizer)
     LOADED.append(weakref.ref(accelerator.unwrap_model(actor)))
-    (out.path / "done").write_text("")
+    (job.out.path / "done").write_text("")
     return {}
+
+
+loads_a_model = Stage(LoaderSettings, work=_load_a_model)
 
 
 def test_a_stages_models_are_freed_when_it_returns_and_are_recorded(context, tmp_path):
     tiny_causal_lm("gpt2").save_pretrained(tmp_path / "policy")
     gc.disable()  # so that only reference counting can free them
     try:
-        result = loads_a_model.fn(context, source=str(tmp_path / "policy")).data
+        result = run_stage(loads_a_model, context, LoaderSettings(source=str(tmp_path / "policy")))
         assert LOADED and LOADED[-1]() is None
     finally:
         gc.enable()
@@ -173,11 +193,20 @@ def _dead_writer() -> str:
     return f"{socket.gethostname()}:{process.pid}:1"
 
 
-def _produce_actor(out) -> dict[str, float]:
-    (out.path / "actor").mkdir()
-    (out.path / "actor" / "weights.bin").write_bytes(bytes(range(256)) * 64)
-    (out.path / "actor" / "config.json").write_text("{}")
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings(StageSettings):
+    stage = "trainer"
+    n: int = setting("n")
+
+
+def _produce_actor(job: Job[TrainerSettings]) -> dict[str, float]:
+    (job.out.path / "actor").mkdir()
+    (job.out.path / "actor" / "weights.bin").write_bytes(bytes(range(256)) * 64)
+    (job.out.path / "actor" / "config.json").write_text("{}")
     return {"loss": 0.5}
+
+
+trainer = Stage(TrainerSettings, work=_produce_actor, register={"actor": "actor"})
 
 
 def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(context, monkeypatch):
@@ -187,17 +216,16 @@ def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(con
     version once."""
     from mlflow import MlflowClient
 
-    import runtime.stage
+    import runtime.record
     from storage.tracking import TAG_PROCESS
 
     def killed(stage, window):
         if window == "recording":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(runtime.stage, "hold", killed)
-    run = dict(settings={"n": 1}, upstream={}, code="3" * 64, produce=_produce_actor, register={"actor": "actor"})
+    monkeypatch.setattr(runtime.record, "hold", killed)
     with pytest.raises(KeyboardInterrupt):
-        run_stage(context, "trainer", **run)
+        run_stage(trainer, context, TrainerSettings(n=1))
     client = MlflowClient(context.tracking.uri, registry_uri=context.tracking.uri)
     (interrupted,) = client.search_runs([context.experiment_id])
     assert interrupted.info.status == "KILLED"
@@ -208,9 +236,9 @@ def test_issue14_an_interrupted_record_is_finished_in_place_never_duplicated(con
     (artifacts / "_manifest.json").write_text("{half")
     (artifacts / "stray.tmp").write_text("left by the interrupted copy")
 
-    monkeypatch.setattr(runtime.stage, "hold", lambda stage, window: None)
+    monkeypatch.setattr(runtime.record, "hold", lambda stage, window: None)
     assert context.tracker.reconcile_runs(context.experiment_id) == [interrupted.info.run_id]
-    result = run_stage(context, "trainer", **run)
+    result = run_stage(trainer, context, TrainerSettings(n=1))
 
     (finished,) = client.search_runs([context.experiment_id])
     assert finished.info.run_id == interrupted.info.run_id == result.run_id

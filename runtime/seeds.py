@@ -1,0 +1,29 @@
+"""Every seed of the pipeline, derived from coordinates (nanochat-style): the one home of the seed derivation.
+
+A seed is a hash of ``(seed, stage, iteration, *more)`` (:func:`stage_seed`): stable across runs, machines and
+Python versions, and independent of what ran before. A stage's generator uses ``(seed, stage, iteration)``; a
+fan-out shard's adds ``shard-N`` (:func:`shard_seed`); a row sampled by the generation engine, which seeds each
+request on its own, adds ``row`` and the row's number in the output (:func:`row_seed`). Every stage's code key covers
+this module, so editing a derivation re-runs what it seeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
+    """A 63-bit seed from the coordinates ``(seed, stage, iteration, *more)``."""
+    digest = hashlib.sha256("/".join(map(str, (seed, stage, iteration, *more))).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def shard_seed(seed: int, stage: str, iteration: int, shard: int) -> int:
+    """The seed of a fan-out shard's generator: ``(seed, stage, iteration, shard-N)``."""
+    return stage_seed(seed, stage, iteration, f"shard-{shard}")
+
+
+def row_seed(shard_seed: int, row: int) -> int:
+    """The seed of one output row (``row``: its number in the stage's output) sampled by the engine, from its shard's
+    seed: a row's tokens depend on no other row, nor on how rows are batched or where they run."""
+    return stage_seed(shard_seed, "row", row)

@@ -1,0 +1,180 @@
+"""What each stage is given: one frozen dataclass per stage, its settings (by config path) and its inputs
+(other stages' outputs), declared once (:mod:`runtime.declaration`).
+
+Each stage's module declares the stage itself (``rollout = Stage(RolloutSettings, plan=..., work=...)``); its
+settings live here, in one module that imports neither torch nor Prefect, because the campaign model derives the
+settings table and the replay rules from them (:mod:`campaign.settings`) in commands that load no model library.
+Adding a setting to a stage is one field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from runtime.declaration import StageSettings, setting, upstream
+
+if TYPE_CHECKING:
+    from rlhf_core.config import AdvantageConfig, LabelerName, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig
+    from rlhf_core.precision import Precision
+    from runtime.context import InputFile
+    from runtime.declaration import StageResult
+    from runtime.references import JudgeReference, RewardFunctionReference
+    from tasks.ppo_update import OptimizerState
+
+
+@dataclass(frozen=True)
+class InitializeSettings(StageSettings):
+    """Stage 0: the campaign's starting actor (and critic)."""
+
+    stage = "initialize"
+    critic: bool = setting("advantages.uses_critic")
+    """Make a critic (an estimator that uses one: GAE)."""
+    lora: LoraConfig | None = setting("model.lora")
+    critic_init: str = setting("model.critic_init")
+    """``policy`` or ``reward_model``: the base the critic starts from."""
+
+
+@dataclass(frozen=True)
+class SampleCandidatesSettings(StageSettings):
+    """Stage 1: N responses per preference prompt from the current actor."""
+
+    stage = "sample_candidates"
+    policy: StageResult = upstream()
+    sampling: SamplingConfig = setting("sampling")
+    precision: Precision = setting("precision")
+    prompts: int = setting("sizes.preference_prompts")
+    candidates_per_prompt: int = setting("sizes.candidates_per_prompt")
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
+class HumanLabelsSettings(StageSettings):
+    """A person's answers for the candidate pairs (labeler ``human``; asked by the flow, :mod:`flows.human_labels`)."""
+
+    stage = "human_labels"
+    candidates: StageResult = upstream()
+    relabel: int = setting("human.relabel")
+    """Answers are stored per value: another value asks again."""
+    human: Any = setting("human", keyed=False)
+    """How the forms are shown and waited for (:class:`campaign.config.HumanLabelConfig`)."""
+
+
+@dataclass(frozen=True)
+class CollectPreferencesSettings(StageSettings):
+    """Stage 2: preference labels for the candidate pairs (or pairs imported from a file)."""
+
+    stage = "collect_preferences"
+    candidates: StageResult | None = upstream()
+    """The candidates to label; None with labeler ``import``, which samples none."""
+    reward_model: StageResult | None = upstream()
+    """The judge with labeler ``reward_model``: the previous iteration's reward model, or None in the first
+    iteration, where the pretrained ``model.reward_model`` judges."""
+    labels: StageResult | None = upstream()
+    """The person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise."""
+    labeler: LabelerName = setting("labeler")
+    judge: JudgeReference | None = setting("base.judge")
+    rubric: RewardFunctionReference | None = setting("base.rubric")
+    preferences: InputFile | None = setting("base.preferences")
+    precision: Precision = setting("precision")
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
+class TrainRewardModelSettings(StageSettings):
+    """Stage 3: the reward model, trained on every preference pair so far."""
+
+    stage = "train_reward_model"
+    preferences: tuple[StageResult, ...] = upstream()
+    previous: StageResult | None = upstream()
+    """The previous iteration's reward model, which training continues; None in the first iteration."""
+    reward_model: RewardModelConfig = setting("reward_model")
+    precision: Precision = setting("precision")
+    lora: LoraConfig | None = setting("model.lora")
+
+
+@dataclass(frozen=True)
+class RolloutSettings(StageSettings):
+    """Stage 4: scored rollouts of the actor."""
+
+    stage = "rollout"
+    policy: StageResult = upstream()
+    reward_model: StageResult | None = upstream()
+    """The reward model, or None when ``reward_function`` scores instead."""
+    sampling: SamplingConfig = setting("sampling")
+    precision: Precision = setting("precision")
+    prompts: int = setting("sizes.rollout_prompts")
+    samples_per_prompt: int = setting("sizes.samples_per_prompt")
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+    reward_function: RewardFunctionReference | None = setting("base.reward_function")
+
+
+@dataclass(frozen=True)
+class ComputeAdvantagesSettings(StageSettings):
+    """Stage 5: per-token rewards, KL, advantages and returns (pure)."""
+
+    stage = "compute_advantages"
+    experience: StageResult = upstream()
+    reward_model: StageResult | None = upstream()
+    """The reward model whose held-out score statistics normalise the scores, or None for a reward function's
+    scores (used as they are)."""
+    previous: StageResult | None = upstream()
+    """The previous iteration's output of this stage (None in the first): where the adaptive KL coefficient comes
+    from."""
+    advantages: AdvantageConfig = setting("advantages")
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
+class PPOUpdateSettings(StageSettings):
+    """Stage 6: new actor (and critic) checkpoints from the scored experience."""
+
+    stage = "ppo_update"
+    policy: StageResult = upstream()
+    optimizer: OptimizerState | None = upstream()
+    """The optimizer states of ``policy`` to continue (:func:`tasks.ppo_update.optimizer_state`); None starts
+    fresh ones."""
+    scored: StageResult = upstream()
+    ppo: PPOConfig = setting("ppo")
+    critic: bool = setting("advantages.uses_critic")
+    """Train the policy's critic (GAE), or update the actor alone (critic-free estimators)."""
+    precision: Precision = setting("precision")
+    temperature: float = setting("sampling.temperature")
+    """The sampling temperature of the rollout (the update's log-probs use it too)."""
+    max_new_tokens: int = setting("sampling.max_new_tokens")
+    """The generation budget, the constant of the ``token_sum_norm`` aggregation."""
+
+
+@dataclass(frozen=True)
+class EvaluateSettings(StageSettings):
+    """Stage 7: the policy against the reference on held-out prompts."""
+
+    stage = "evaluate"
+    policy: StageResult = upstream()
+    reward_model: StageResult | None = upstream()
+    """The reward model, or None when ``reward_function`` scores instead."""
+    sampling: SamplingConfig = setting("sampling")
+    precision: Precision = setting("precision")
+    prompts: int = setting("sizes.eval_prompts")
+    """How many held-out prompts to evaluate (the first ones of the file)."""
+    judge: JudgeReference | None = setting("base.judge")
+    """The gold judge, or None for no gold metrics."""
+    rubric: RewardFunctionReference | None = setting("base.rubric")
+    """The rubric that labels pairs (labeler ``function``): its mean score of both sides is reported beside the
+    reward's; None for none."""
+    reward_function: RewardFunctionReference | None = setting("base.reward_function")
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+STAGES: tuple[type[StageSettings], ...] = (
+    InitializeSettings,
+    SampleCandidatesSettings,
+    HumanLabelsSettings,
+    CollectPreferencesSettings,
+    TrainRewardModelSettings,
+    RolloutSettings,
+    ComputeAdvantagesSettings,
+    PPOUpdateSettings,
+    EvaluateSettings,
+)
+"""Every stage's settings, in the order of an iteration."""
