@@ -21,20 +21,18 @@ from typing import TYPE_CHECKING
 from campaign.config import ConfigError, PipelineConfig
 from campaign.identity import INPUT_SETTINGS, base_inputs, demo_world_dir, fingerprint_cache, uses_demo_world
 from campaign.model_sources import NotConverted
-from campaign.settings import STAGE_SETTINGS
 from campaign.store import existing_tracker
 from demo.world import complete_world
 from runtime.code import code_fingerprint
 from storage.manifest import package_version
 from storage.mlflow_store import RunSummary
 from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION
+from tasks.settings import STAGES
 
 if TYPE_CHECKING:
     from runtime.context import BaseInputs
 
-STAGE_MODULES = tuple(sorted(f"tasks.{stage}" for stage in STAGE_SETTINGS if stage != "human_labels")) + (
-    "flows.human_labels",  # the stage that pauses for a person's answers lives with the flows (it needs Prefect)
-)
+STAGE_MODULES = tuple(sorted(settings.module for settings in STAGES))
 """The module of every stage: what :func:`code_in_use` fingerprints."""
 
 

@@ -10,7 +10,8 @@ several commands::
 It imports only the standard library and vLLM (the project's own packages are not installed in that
 environment), and speaks JSON over HTTP (:mod:`runtime.engine_client` is its one client):
 
-* ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model"}``;
+* ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model", "dtype",
+  "lora_mode", "eager"}`` (the last three: how it samples, which the stages' keys name);
 * ``POST /generate`` with ``{"weights", "adapter", "prompts", "seeds", "temperature", "top_k", "top_p",
   "max_tokens", "stop_token_id"}`` -> ``{"tokens", "logprobs", "swap_seconds"}``.
 
@@ -314,6 +315,7 @@ class State:
     error: str | None = None
     lock = threading.Lock()
     model = ""
+    arguments: argparse.Namespace
 
 
 def handler(state: State) -> type[BaseHTTPRequestHandler]:
@@ -343,6 +345,9 @@ def handler(state: State) -> type[BaseHTTPRequestHandler]:
                     "model": state.model,
                     "vllm": engine.version if engine else None,
                     "device": _device(),
+                    "dtype": state.arguments.dtype,
+                    "lora_mode": state.arguments.lora_mode,
+                    "eager": state.arguments.enforce_eager,
                     "pid": os.getpid(),
                 },
             )
@@ -407,7 +412,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
     state = State()
-    state.model = arguments.model
+    state.model, state.arguments = arguments.model, arguments
     try:
         server = ThreadingHTTPServer((arguments.host, arguments.port), handler(state))
     except OSError as error:

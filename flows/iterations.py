@@ -29,7 +29,7 @@ from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_ou
 from runtime.cluster import cluster_address
 from runtime.context import BaseInputs, Execution, StageContext, TrackingStore
 from runtime.declaration import StageResult
-from runtime.engine import ensure_engine
+from runtime.engine import engine_identity, ensure_engine
 from runtime.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
 from runtime.threads import command_threads
 from storage.diagnostics import describe_flag, drift_flags
@@ -99,6 +99,7 @@ def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
     ``execution.torch_threads: auto`` chosen from the policy's size and this machine's cores
     (:func:`rlhf_core.precision.resolve_threads`)."""
     execution = config.execution
+    engine_url = generation_engine(config, base.policy.path)
     return Execution(
         device=execution.device,
         torch_threads=command_threads(execution.torch_threads, base.policy.path),
@@ -112,7 +113,8 @@ def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
         rendezvous_timeout=execution.rendezvous_timeout,
         sharding=execution.sharding,
         frozen_model_bytes=int(execution.frozen_models_gb * 2**30),
-        engine_url=generation_engine(config, base.policy.path),
+        engine_url=engine_url,
+        engine=None if engine_url is None else engine_identity(engine_url),
     )
 
 

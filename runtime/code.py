@@ -1,27 +1,32 @@
 """Code fingerprints: a hash of the code that computes a stage's output, part of its input key.
 
-A stage's output depends on its code as much as on its settings: editing the maths of
-``rlhf_core/gae.py`` must re-run the advantages of an unfinished iteration, not reuse what the old
-code wrote. Editing a comment, a docstring, MLflow plumbing or the console must not. So the
-fingerprint of a stage module covers the code that computes (the module itself, and the
-:data:`COMPUTING` modules it imports, directly or through others, found by reading the import
-statements without importing anything), each *normalised*: its syntax tree without docstrings
-(comments and layout never reach the tree).
+A stage's output depends on its code as much as on its settings: editing the maths of ``rlhf_core/gae.py``, the
+seed derivation or how a model is loaded must re-run the stages of an unfinished iteration that ran it, not reuse
+what the old code wrote. Editing a comment, a docstring or the layout must not. So the fingerprint of a stage
+covers what runs it: its module and every module of the :data:`COMPUTING` packages that module imports, directly or
+through others (found by reading the import statements, without importing anything), each *normalised*: its
+syntax tree without docstrings (comments and layout never reach the tree). A stage that samples on the vLLM engine
+adds the engine's server and identity (:mod:`runtime.engine`).
 
 Choices:
-1. What computes is ``rlhf_core`` (models, maths, generation, training loops) and the tasks' own
-   helpers that shape data (``tasks.text``, ``tasks.tensors``, ``tasks.labelers``); not ``storage`` (bytes on disk:
-   its contract is ``SCHEMA_VERSION``, part of every key), ``flows`` (orchestration, console) nor
-   the tasks' plumbing (:data:`PLUMBING`: the stage mechanism, context, launch and fan-out). A change
-   in an installed library (torch, transformers) is not seen; its version is recorded with each run.
+1. What computes is a package's role, said once here, not a list of modules: ``rlhf_core`` (models, maths,
+   generation, training loops), ``runtime`` (how a stage runs: the seed derivation, model loading, fan-out and
+   launch, the engine's client) and ``tasks`` (the stages, what a reward function is called with). Not ``storage``
+   (bytes on disk: its contract is ``SCHEMA_VERSION``, part of every key), ``campaign`` and ``flows`` (they decide
+   which stages run and hand each its settings, which are keyed) nor ``demo`` (an input, keyed by its files'
+   content). So an edit to the stage mechanism itself (its MLflow record, say) re-keys an unfinished iteration's
+   stages: a recomputation, never a stale reuse. A change in an installed library is not seen here: every manifest
+   records the versions of the libraries that computed it.
 2. Imports inside functions count too: the gold rubric a labeler imports lazily is code it runs.
-3. ``from package import name`` counts the module ``package.name`` when it exists, else the
-   package's ``__init__``.
-4. A module outside the project (a user's judge or reward function) is fingerprinted by its own
-   source, normalised the same way.
-5. A normalised tree is ``ast.dump`` text, which depends on the Python version's syntax tree (a
-   new minor Python may change every key); finished iterations never depend on keys
-   (:mod:`flows.rlhf_pipeline`), so that costs at most an unfinished iteration's stages.
+3. ``from package import name`` counts the module ``package.name`` when it exists, else the package's
+   ``__init__``.
+4. A module outside the project (a user's judge or reward function) is fingerprinted by its own source, normalised
+   the same way.
+5. A normalised tree is ``ast.dump`` text, which depends on the Python version's syntax tree (a new minor Python may
+   change every key); finished iterations never depend on keys (:mod:`campaign.history`), so that costs at most an
+   unfinished iteration's stages.
+6. Each file is parsed and normalised once per content (:func:`_module_code`): a command fingerprints every stage,
+   and most of their closures are shared.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +45,8 @@ FIRST_PARTY = tuple(
     )
 )
 """The project's packages: every package of the repository but its tests and benchmarks."""
-COMPUTING = ("rlhf_core", "tasks")
-"""The packages whose modules a fingerprint follows into (less :data:`PLUMBING`)."""
-PLUMBING = ("tasks.reward_function",)
-"""Modules of the computing packages that decide where and whether code runs, not what it computes. A reward
-function is fingerprinted by its own module (:class:`runtime.references.RewardFunctionReference`), not by the loader."""
+COMPUTING = ("rlhf_core", "runtime", "tasks")
+"""The packages whose modules a fingerprint follows into (choice 1)."""
 
 
 def _module_file(module: str) -> Path | None:
@@ -58,7 +61,7 @@ def _module_file(module: str) -> Path | None:
 
 
 def _computes(module: str) -> bool:
-    return module.split(".")[0] in COMPUTING and module not in PLUMBING
+    return module.split(".")[0] in COMPUTING
 
 
 def _imported_modules(module: str, tree: ast.Module) -> set[str]:
@@ -102,6 +105,40 @@ def _without_docstrings(tree: ast.Module) -> str:
     return ast.dump(_Docstrings().visit(tree))
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """A module's normalised code, its digest, and the first-party modules it imports."""
+
+    code: str
+    digest: bytes
+    imports: frozenset[str]
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(module: str, source: bytes) -> _Parsed:
+    """:class:`_Parsed` of ``module``, whose text is ``source``."""
+    tree = ast.parse(source)
+    imports = frozenset(_imported_modules(module, tree))
+    code = _without_docstrings(tree)
+    return _Parsed(code, hashlib.sha256(code.encode()).digest(), imports)
+
+
+def _closure(module: str) -> dict[str, _Parsed]:
+    """:class:`_Parsed` of ``module`` and of every computing module it imports, transitively, as their files read now
+    (choice 6)."""
+    if _module_file(module) is None:
+        raise ValueError(f"{module!r} is not a module of this project ({', '.join(FIRST_PARTY)})")
+    parsed: dict[str, _Parsed] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        if name in parsed:
+            continue
+        parsed[name] = _parsed(name, _module_file(name).read_bytes())
+        pending.extend(found for found in parsed[name].imports - parsed.keys() if _computes(found))
+    return parsed
+
+
 def code_closure(module: str) -> dict[str, str]:
     """The normalised code (:func:`normalised`) of ``module`` and of every computing module it imports,
     transitively (see the module docstring), by name.
@@ -109,22 +146,9 @@ def code_closure(module: str) -> dict[str, str]:
     Raises:
         ValueError: ``module`` is not a first-party module with a source file.
     """
-    if _module_file(module) is None:
-        raise ValueError(f"{module!r} is not a module of this project ({', '.join(FIRST_PARTY)})")
-    code: dict[str, str] = {}
-    pending = [module]
-    while pending:
-        name = pending.pop()
-        if name in code:
-            continue
-        tree = ast.parse(_module_file(name).read_bytes())
-        imported = _imported_modules(name, tree)
-        code[name] = _without_docstrings(tree)
-        pending.extend(found for found in imported - code.keys() if _computes(found))
-    return code
+    return {name: parsed.code for name, parsed in _closure(module).items()}
 
 
-@functools.cache
 def code_fingerprint(module: str) -> str:
     """sha256 over the normalised code a module computes with: for a first-party module, its
     :func:`code_closure`; for any other (a user's judge or reward function), its own source file.
@@ -133,7 +157,7 @@ def code_fingerprint(module: str) -> str:
         ValueError: the module cannot be found, or has no source file.
     """
     if _module_file(module) is not None:
-        code = code_closure(module)
+        digests = {name: parsed.digest for name, parsed in _closure(module).items()}
     else:
         try:
             spec = importlib.util.find_spec(module)
@@ -141,8 +165,8 @@ def code_fingerprint(module: str) -> str:
             raise ValueError(f"cannot find module {module!r}: {error}") from error
         if spec is None or not spec.origin or not Path(spec.origin).is_file():
             raise ValueError(f"module {module!r} has no source file to fingerprint")
-        code = {module: normalised(Path(spec.origin).read_bytes())}
+        digests = {module: hashlib.sha256(normalised(Path(spec.origin).read_bytes()).encode()).digest()}
     digest = hashlib.sha256()
-    for name in sorted(code):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(code[name].encode()).digest())
+    for name in sorted(digests):
+        digest.update(name.encode() + b"\0" + digests[name])
     return digest.hexdigest()

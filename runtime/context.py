@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runtime.references import (
     JudgeReference,  # at run time: a flow validates the base inputs it is given
@@ -131,7 +131,8 @@ class BaseInputs:
 
 @dataclass(frozen=True)
 class Execution:
-    """How stages run. Never part of an input key: the same outputs come from any of these.
+    """How stages run. Never part of an input key (but for the generation engine's identity): the same outputs come
+    from any of these.
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (see :func:`rlhf_core.precision.resolve_device`).
@@ -150,6 +151,8 @@ class Execution:
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
             :class:`runtime.models.FrozenModels`).
         engine_url: the generation engine server the stages sample on (``sampling.engine: vllm``), or None.
+        engine: what that engine samples with (:func:`runtime.engine.engine_identity`): part of the key of every
+            stage that samples on it, unlike everything else here.
     """
 
     device: str = "auto"
@@ -165,6 +168,7 @@ class Execution:
     sharding: Sharding | None = None
     frozen_model_bytes: int = 0
     engine_url: str | None = None
+    engine: dict[str, Any] | None = None
 
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None

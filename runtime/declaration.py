@@ -51,9 +51,16 @@ def upstream() -> Any:
 
 @dataclass(frozen=True)
 class StageSettings:
-    """The base of every stage's settings: ``stage`` names the stage (its folder, task, MLflow run and metrics)."""
+    """The base of every stage's settings: ``stage`` names the stage (its folder, task, MLflow run and metrics), and
+    ``module`` the module that declares it (``tasks.<stage>`` unless a subclass says otherwise)."""
 
     stage: ClassVar[str]
+    module: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "module" not in cls.__dict__:
+            cls.module = f"tasks.{cls.stage}"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from runtime.children import free_port, launch_tied, stop
+from runtime.declaration import StageSettings, setting_values
 from runtime.execution import ExecutionConfig
 from runtime.threads import command_threads
 
@@ -200,3 +201,32 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
         "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
     )
     return url
+
+
+def engine_identity(url: str) -> dict[str, object]:
+    """What the engine at ``url`` samples with, as the keys of the stages that sample on it name it: its server's
+    code (:func:`runtime.code.code_fingerprint` of this project's ``engine_server/server.py``, which the command
+    starts; an engine someone else runs is taken to be this project's server), and from its ``/health``: the vLLM
+    version, device, dtype, LoRA mode and whether it compiles. Each of them changes the sampled tokens.
+
+    Raises:
+        EngineStartError: the engine does not answer.
+    """
+    from runtime.code import code_fingerprint
+    from runtime.engine_client import EngineError, engine_health
+
+    try:
+        health = engine_health(url)
+    except EngineError as error:
+        raise EngineStartError(f"`sampling.engine` vllm: {error}") from None
+    identity: dict[str, object] = {name: health.get(name) for name in ("vllm", "device", "dtype", "lora_mode", "eager")}
+    return {"server": code_fingerprint("engine_server.server"), **identity}
+
+
+def samples_on_engine(settings: StageSettings) -> bool:
+    """Whether a stage with ``settings`` samples on the generation engine (a keyed ``sampling`` with engine vllm)."""
+    from rlhf_core.config import SamplingConfig
+
+    return any(
+        isinstance(value, SamplingConfig) and value.engine == "vllm" for value in setting_values(settings).values()
+    )

@@ -14,7 +14,8 @@ A flow calls the stage with its inputs: ``rollout(context, config, policy=..., r
 reused if and only if an output with the same *input key* exists: in the run folder, or recorded in MLflow (it is
 downloaded then). The key is derived from exactly what the stage is given, so what it reads and what decides its
 reuse cannot drift apart: its settings; the context's ``seed``, ``iteration`` and base-input fingerprint; its
-inputs, by digest; and the code that computes it (:func:`runtime.code.code_fingerprint` of its module).
+inputs, by digest; the code that computes it (:func:`runtime.code.code_fingerprint` of its module); and for a stage
+that samples on the vLLM engine, the engine's identity (:func:`runtime.engine.engine_identity`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from rlhf_core.precision import Precision, resolve_device
 from runtime.code import code_fingerprint
 from runtime.context import InputFile, StageContext
 from runtime.declaration import StageResult, StageSettings, input_digests, setting_values, settings_from
+from runtime.engine import samples_on_engine
 from runtime.events import STAGE_EVENT
 from runtime.job import Job
 from runtime.metering import PEAKS, peak_memory, peak_metrics, release_memory
@@ -153,6 +155,8 @@ def run_stage(stage: Stage[S], context: StageContext, settings: S) -> StageResul
         "stage": stage_settings,
         "context": {"seed": context.seed, "iteration": context.iteration, "base": context.base.fingerprint},
     }
+    if samples_on_engine(settings):
+        key_settings["engine"] = context.execution.engine
     digests = input_digests(settings)
     code = code_fingerprint(stage.module)
     input_key = compute_input_key(name, key_settings, digests, code=code)

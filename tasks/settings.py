@@ -53,6 +53,7 @@ class HumanLabelsSettings(StageSettings):
     """A person's answers for the candidate pairs (labeler ``human``; asked by the flow, :mod:`flows.human_labels`)."""
 
     stage = "human_labels"
+    module = "flows.human_labels"  # asking pauses the flow run: a flow-level step
     candidates: StageResult = upstream()
     relabel: int = setting("human.relabel")
     """Answers are stored per value: another value asks again."""

@@ -27,9 +27,8 @@ BASE = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE, 
 @pytest.mark.parametrize("settings", STAGES, ids=[settings.stage for settings in STAGES])
 def test_each_stage_is_declared_once_with_its_settings(settings):
     """The stage a module declares runs with exactly the settings class the table is derived from."""
-    module = "flows.human_labels" if settings.stage == "human_labels" else f"tasks.{settings.stage}"
-    stage = getattr(importlib.import_module(module), settings.stage)
-    assert stage.settings is settings and stage.name == settings.stage
+    stage = getattr(importlib.import_module(settings.module), settings.stage)
+    assert stage.settings is settings and stage.name == settings.stage and stage.module == settings.module
     assert settings.stage in STAGE_SETTINGS
 
 

@@ -1,68 +1,166 @@
-"""Code fingerprints: a stage's key changes when the code that computes it changes, and only then."""
+"""Code keys (issue 32): a stage's key is the code that runs it. Table-driven over every stage: a semantic edit in any
+module of a stage's closure (the seed derivation and model loading included) changes its key; a docstring, comment
+or layout edit anywhere changes none; an edit to a module outside every closure changes none. The engine's server
+and identity enter the keys of the stages that sample on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import runtime.code
-from runtime.code import COMPUTING, FIRST_PARTY, PLUMBING, code_closure, code_fingerprint, normalised
+from rlhf_core.config import SamplingConfig
+from runtime.code import COMPUTING, FIRST_PARTY, code_closure, code_fingerprint, normalised
+from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.declaration import StageSettings, setting
+from runtime.job import Job
+from runtime.stage import Stage, run_stage
+from storage.layout import RunLayout
+from tasks.settings import STAGES
+
+STAGE_MODULES = sorted(settings.module for settings in STAGES)
+GENERATION = ("tasks.sample_candidates", "tasks.rollout", "tasks.evaluate")
+TRAINING = ("tasks.initialize", "tasks.train_reward_model", "tasks.ppo_update")
 
 
-@pytest.fixture
-def source_copy(tmp_path: Path, monkeypatch) -> Path:
+@pytest.fixture(scope="module")
+def source_copy(tmp_path_factory) -> Iterator[Path]:
     """A copy of the project's packages that the fingerprints read instead of the real ones."""
     root = Path(runtime.code.__file__).resolve().parents[1]
+    copy = tmp_path_factory.mktemp("source")
     for package in FIRST_PARTY:
-        shutil.copytree(root / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(runtime.code, "_SOURCE_ROOT", tmp_path)
-    code_fingerprint.cache_clear()
-    yield tmp_path
-    code_fingerprint.cache_clear()
+        shutil.copytree(root / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime.code, "_SOURCE_ROOT", copy)
+        yield copy
 
 
-def test_the_closure_follows_imports_transitively_into_the_code_that_computes():
-    closure = code_closure("tasks.compute_advantages")
-    assert {"tasks.compute_advantages", "rlhf_core.gae", "rlhf_core.rewards", "rlhf_core.masked"} <= closure.keys()
-    assert "tasks.rollout" not in closure and "campaign.config" not in closure  # only what it imports
-    assert all(name == "tasks.compute_advantages" or name.split(".")[0] in COMPUTING for name in closure)
-    assert not closure.keys() & {"storage.tracking", "storage.experience_io", "runtime.stage", *PLUMBING}
+def _project_modules(root: Path) -> list[str]:
+    modules = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return modules
 
 
-def test_the_ppo_update_closure_is_its_maths_not_its_plumbing():
-    """The issue's count: 28 modules for a stage before, MLflow plumbing included."""
-    closure = code_closure("tasks.ppo_update")
-    assert "rlhf_core.ppo" in closure and "rlhf_core.losses" in closure
-    assert not any(name.startswith(("storage.", "flows.")) for name in closure)
+def _keys() -> dict[str, str]:
+    return {module: code_fingerprint(module) for module in STAGE_MODULES}
 
 
-def test_editing_gae_changes_the_advantages_stage_and_not_the_sampler(source_copy: Path):
-    before = {module: code_fingerprint(module) for module in ("tasks.compute_advantages", "tasks.sample_candidates")}
-    gae = source_copy / "rlhf_core" / "gae.py"
-    text = gae.read_text()
-    maths = "torch.zeros_like(rewards[:, 0])"
-    assert maths in text
-    gae.write_text(text.replace(maths, "torch.full_like(rewards[:, 0], 0.5)"))  # a changed constant of the maths
-    code_fingerprint.cache_clear()
-    assert code_fingerprint("tasks.compute_advantages") != before["tasks.compute_advantages"]
-    assert code_fingerprint("tasks.sample_candidates") == before["tasks.sample_candidates"]
+def _file(root: Path, module: str) -> Path:
+    base = root.joinpath(*module.split("."))
+    return base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
 
 
-def test_comments_docstrings_and_plumbing_keep_the_key(source_copy: Path):
-    before = code_fingerprint("tasks.compute_advantages")
-    gae = source_copy / "rlhf_core" / "gae.py"
-    text = gae.read_text()
-    first_def = text.index('    """', text.index("\ndef "))
-    gae.write_text(
-        "# a comment\n" + text[:first_def] + '    """An edited docstring."""\n    # note\n' + text[first_def:]
+def test_every_closure_holds_what_runs_the_stage():
+    closures = {module: code_closure(module) for module in STAGE_MODULES}
+    for module, closure in closures.items():
+        assert {"runtime.seeds", "runtime.stage", "runtime.job"} <= closure.keys(), module  # seeds and mechanism
+        assert all(name == module or name.split(".")[0] in COMPUTING for name in closure), module
+        assert not any(
+            name.startswith(("storage.", "campaign.", "flows.", "demo.")) for name in closure if name != module
+        )
+    for module in TRAINING:
+        assert "rlhf_core.loading" in closures[module]  # LoRA creation, dtype rules, head initialisation
+    for module in GENERATION:
+        assert {"runtime.shards", "tasks.sampler", "runtime.engine_client"} <= closures[module].keys()
+    assert "tasks.reward_function" in closures["tasks.rollout"]  # what a reward function is called with
+    assert "rlhf_core.ppo" in closures["tasks.ppo_update"] and "rlhf_core.gae" in closures["tasks.compute_advantages"]
+
+
+def test_a_semantic_edit_changes_exactly_the_keys_whose_closure_holds_the_module(source_copy: Path):
+    """Every module of the project, edited in turn (a constant added): the key of each stage changes if and only if
+    the module is in that stage's closure."""
+    before = _keys()
+    closures = {module: set(code_closure(module)) for module in STAGE_MODULES}
+    inside, outside = 0, 0
+    for module in _project_modules(source_copy):
+        path = _file(source_copy, module)
+        text = path.read_text()
+        path.write_text(text + "\n_KEY_PROBE = 1\n")
+        try:
+            after = _keys()
+        finally:
+            path.write_text(text)
+        changed = {stage for stage in STAGE_MODULES if after[stage] != before[stage]}
+        assert changed == {stage for stage in STAGE_MODULES if module in closures[stage]}, module
+        inside, outside = inside + bool(changed), outside + (not changed)
+    assert inside > 50 and outside > 50  # both kinds are exercised: storage, campaign, flows, demo lie outside
+
+
+def test_docstring_comment_and_layout_edits_anywhere_change_no_key(source_copy: Path):
+    before = _keys()
+    originals = {}
+    for module in _project_modules(source_copy):
+        path = _file(source_copy, module)
+        originals[path] = text = path.read_text()
+        edited = "# an edited comment\n\n" + text.replace('"""', '"""Edited. ', 1) + "\n\n# the end\n"
+        path.write_text(edited)
+    try:
+        assert _keys() == before
+    finally:
+        for path, text in originals.items():
+            path.write_text(text)
+
+
+def test_the_engine_server_is_fingerprinted_like_a_stage_module(source_copy: Path):
+    before = code_fingerprint("engine_server.server")
+    server = _file(source_copy, "engine_server.server")
+    text = server.read_text()
+    try:
+        server.write_text(text.replace('"processed_logprobs"', '"raw_logprobs"'))
+        assert code_fingerprint("engine_server.server") != before
+        server.write_text("# comment\n" + text)
+        assert code_fingerprint("engine_server.server") == before
+    finally:
+        server.write_text(text)
+
+
+FILE = InputFile(path="/p", sha256="0" * 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledSettings(StageSettings):
+    stage = "sampled"
+    sampling: SamplingConfig = setting("sampling")
+
+
+def _write_nothing(job: Job[SampledSettings]) -> dict[str, float]:
+    (job.out.path / "done").write_text("")
+    return {}
+
+
+sampled = Stage(SampledSettings, work=_write_nothing)
+
+
+def test_the_engines_identity_keys_exactly_the_stages_that_sample_on_it(tmp_path: Path):
+    store = RunLayout(tmp_path)
+    tracking = TrackingStore(uri=store.tracking_uri(), artifact_root=str(store.artifact_root()))
+    context = StageContext(
+        layout=RunLayout(tmp_path / "camp"),
+        tracking=tracking,
+        campaign="camp",
+        experiment_id=tracking.tracker().experiment_id("camp"),
+        iteration=0,
+        seed=0,
+        base=BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE),
+        execution=Execution(device="cpu"),
     )
-    for plumbing in ("storage/tracking.py", "runtime/stage.py", "flows/console.py"):
-        path = source_copy / plumbing
-        path.write_text(path.read_text() + "\nCHANGED = 1\n")
-    code_fingerprint.cache_clear()
-    assert code_fingerprint("tasks.compute_advantages") == before
+    identity = {"server": "s" * 64, "vllm": "0.32.0", "device": "cpu", "dtype": "float32", "eager": False}
+
+    def key(engine: str, **changed: object) -> str:
+        execution = dataclasses.replace(context.execution, engine={**identity, **changed})
+        settings = SampledSettings(sampling=SamplingConfig(engine=engine))
+        return run_stage(sampled, dataclasses.replace(context, execution=execution), settings).input_key
+
+    on_engine = key("vllm")
+    for changed in ({"server": "t" * 64}, {"vllm": "0.33.0"}, {"dtype": "bfloat16"}, {"lora_mode": "merge"}):
+        assert key("vllm", **changed) != on_engine, changed
+    assert key("hf", vllm="0.33.0", server="t" * 64) == key("hf")  # hf samples in the stage: no engine in its key
 
 
 def test_normalised_code_ignores_docstrings_comments_and_layout_but_not_constants():
@@ -77,7 +175,6 @@ def test_a_module_outside_the_project_is_fingerprinted_by_its_own_file(tmp_path:
     monkeypatch.syspath_prepend(str(tmp_path))
     first = code_fingerprint("my_rubric")
     (tmp_path / "my_rubric.py").write_text("def score(prompt, response):\n    return 2.0\n")
-    code_fingerprint.cache_clear()
     assert code_fingerprint("my_rubric") != first
     with pytest.raises(ValueError, match="cannot find module|no source file"):
         code_fingerprint("no_such_module_anywhere")
