@@ -34,7 +34,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
-from runtime.job import Job, decode_job, encode_job
+from runtime.job import Job, Shards, decode_job, encode_job
 from runtime.shards import Shard
 from storage.progress import partial_dir
 from storage.schemas import TABLES
@@ -42,7 +42,6 @@ from storage.shards import read_piece, write_piece
 
 if TYPE_CHECKING:
     from runtime.context import Execution
-    from runtime.stage import Shards
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from rlhf_core.precision import Precision
 from runtime.context import StageContext
 from runtime.declaration import StageSettings
 
@@ -28,9 +29,7 @@ if TYPE_CHECKING:
 
     from rlhf_core.config import LoraConfig
     from rlhf_core.loading import ModelLoader
-    from rlhf_core.precision import Precision
     from runtime.shards import Shard
-    from runtime.stage import Stage
     from storage.manifest import StageOutput
 
 S = TypeVar("S", bound=StageSettings)
@@ -40,6 +39,23 @@ SPEC_FILE = "spec.json"
 """A training job's wire format, beside its processes' result and errors."""
 RESULT_FILE = "result.json"
 """What a training job's main process reports: its metrics and runtime."""
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A plan: ``work`` computes the rows of these shards (of the table ``table`` of :data:`storage.schemas.TABLES`)
+    wherever ``execution.task_runner`` runs them, and ``gather`` writes the output from all of them, in order."""
+
+    shards: tuple[Shard, ...]
+    table: str
+
+
+@dataclass(frozen=True)
+class Training:
+    """A plan: ``work`` trains in this process or in the ``execution.training_processes`` launched ones, under
+    ``precision`` (also the launch's mixed precision), and returns the stage's metrics."""
+
+    precision: Precision
 
 
 @dataclass
@@ -79,7 +95,7 @@ class Job(Generic[S]):
     def stage(self) -> str:
         return self.settings.stage
 
-    def declaration(self) -> Stage:
+    def declaration(self) -> Any:
         """The :class:`runtime.stage.Stage` this job belongs to, found by its module and name."""
         return getattr(importlib.import_module(self.module), self.stage)
 

@@ -38,16 +38,15 @@ from pydantic import BaseModel
 
 from rlhf_core.divergence import DivergenceError
 from rlhf_core.errors import UserError
-from rlhf_core.precision import Precision, resolve_device
+from rlhf_core.precision import resolve_device
 from runtime.code import code_fingerprint
 from runtime.context import InputFile, StageContext
 from runtime.declaration import StageResult, StageSettings, input_digests, setting_values, settings_from
 from runtime.engine import samples_on_engine
 from runtime.events import STAGE_EVENT
-from runtime.job import Job
+from runtime.job import Job, Shards, Training
 from runtime.metering import PEAKS, peak_memory, peak_metrics, release_memory
 from runtime.record import announce, describe_result, record_stage, stage_state
-from runtime.shards import Shard
 from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
@@ -57,23 +56,6 @@ from storage.tracking import MissingOutputError
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=StageSettings)
-
-
-@dataclass(frozen=True)
-class Shards:
-    """A plan: ``work`` computes the rows of these shards (of the table ``table`` of :data:`storage.schemas.TABLES`)
-    wherever ``execution.task_runner`` runs them, and ``gather`` writes the output from all of them, in order."""
-
-    shards: tuple[Shard, ...]
-    table: str
-
-
-@dataclass(frozen=True)
-class Training:
-    """A plan: ``work`` trains in this process or in the ``execution.training_processes`` launched ones, under
-    ``precision`` (also the launch's mixed precision), and returns the stage's metrics."""
-
-    precision: Precision
 
 
 @dataclass(frozen=True)

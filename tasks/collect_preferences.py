@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from runtime.declaration import StageResult
-from runtime.job import Job
-from runtime.stage import Shards, Stage
+from runtime.job import Job, Shards
+from runtime.stage import Stage
 from storage.importers import import_preferences
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table

@@ -22,7 +22,6 @@ sharded over them under FSDP2 (:mod:`runtime.training`); the main process writes
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,36 +30,21 @@ from tqdm.auto import tqdm
 from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
 from runtime.declaration import StageResult
-from runtime.job import Job
+from runtime.job import Job, Training
 from runtime.metering import Throttle
 from runtime.models import accelerator_for
 from runtime.record import write_training_curve
-from runtime.stage import Stage, Training
+from runtime.stage import Stage
 from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.experience_io import table_to_experience
 from storage.manifest import prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
-from tasks.settings import PPOUpdateSettings
+from tasks.settings import OptimizerState, PPOUpdateSettings
 from tasks.text import load_tokenizer
 
 PROGRESS_FILE = "progress.json"
 OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
-
-
-@dataclass(frozen=True)
-class OptimizerState:
-    """The optimizer states a policy output was written with, identified by their content.
-
-    Args:
-        path: the policy output folder holding them.
-        digest: their identity (kept in the manifest, also once they are pruned).
-        present: whether the files are still on disk.
-    """
-
-    path: str
-    digest: str
-    present: bool
 
 
 def optimizer_state(policy: StageResult, *, present_only: bool = False) -> OptimizerState | None:

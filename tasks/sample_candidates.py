@@ -12,8 +12,8 @@ import pyarrow as pa
 
 from rlhf_core.generation import sample_candidates as sample
 from rlhf_core.sequences import sequence_logprobs
-from runtime.job import Job
-from runtime.stage import Shards, Stage
+from runtime.job import Job, Shards
+from runtime.stage import Stage
 from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.settings import SampleCandidatesSettings

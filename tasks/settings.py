@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from runtime.context import InputFile
     from runtime.declaration import StageResult
     from runtime.references import JudgeReference, RewardFunctionReference
-    from tasks.ppo_update import OptimizerState
 
 
 @dataclass(frozen=True)
@@ -124,6 +123,21 @@ class ComputeAdvantagesSettings(StageSettings):
     from."""
     advantages: AdvantageConfig = setting("advantages")
     rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer states a policy output was written with, identified by their content.
+
+    Args:
+        path: the policy output folder holding them.
+        digest: their identity (kept in the manifest, also once they are pruned).
+        present: whether the files are still on disk.
+    """
+
+    path: str
+    digest: str
+    present: bool
 
 
 @dataclass(frozen=True)

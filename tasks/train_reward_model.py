@@ -23,11 +23,11 @@ from tqdm.auto import tqdm
 from rlhf_core.config import eval_split_error, held_out_pairs
 from rlhf_core.errors import UserError
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
-from runtime.job import Job
+from runtime.job import Job, Training
 from runtime.metering import Throttle
 from runtime.models import accelerator_for
 from runtime.record import write_training_curve
-from runtime.stage import Stage, Training
+from runtime.stage import Stage
 from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.checkpoints import save_model
 from storage.manifest import read_manifest
