@@ -18,6 +18,9 @@
    models, sets torch's thread count (a worker never ran the stage's own setup) and writes its piece.
    Workers therefore need the run folder and the model and data files at the same paths.
 4. A shard's failure fails the stage with the shard's error, after the other shards finished.
+5. Shards that sample on the generation engine prove every weight swap first (:mod:`runtime.engine_probe`); each
+   process's proved swaps come back with its shards, and the stage records them (the manifest's runtime
+   ``engine_probe``, the metric ``engine_probe_gap``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from prefect.futures import wait
 
 from rlhf_core.precision import Precision
 from runtime.context import Execution, StageContext, stage_seed
+from runtime.engine_probe import PROBE_RECORDS, probe_failures_named, record_metrics, recording
 from storage.manifest import StageOutput
 from storage.progress import partial_dir
 from storage.shards import read_piece, write_piece
@@ -132,13 +136,17 @@ def run_shards(
         )
     execution = context.execution
     runtime: list[dict] = []
+    probes: list[dict] = []
     if todo and execution.task_runner == "local":
-        runtime = write_shards(folder, work, context, todo, schema=schema, precision=precision, arguments=arguments)
+        with probe_failures_named(stage):
+            runtime, probes = write_shards(
+                folder, work, context, todo, schema=schema, precision=precision, arguments=arguments
+            )
     elif todo:
         shard_task = task(name=f"{stage}-shard", cache_policy=NO_CACHE)(write_shards)
         # a worker runs shard tasks on several threads at once and outlives the command: it keeps no models
         worker_context = replace(context, execution=replace(execution, frozen_model_bytes=0))
-        with task_runner(execution) as runner:
+        with task_runner(execution) as runner, probe_failures_named(stage):
             futures = [
                 runner.submit(
                     shard_task,
@@ -156,10 +164,14 @@ def run_shards(
             ]
             wait(futures)  # every shard ends before the stage does, failed or not: none keeps writing after it
             results = [future.result() for future in futures]  # raises the first failed shard's error
-        runtime = results[0]
+        runtime = results[0][0]
+        probes = [record for _, records in results for record in records]
     out.runtime.update(precision=precision, task_runner=execution.task_runner, shards=len(shards))
     if runtime:
         out.runtime["models"] = runtime
+    if probes:
+        out.runtime[PROBE_RECORDS] = probes
+        out.metrics.update(record_metrics(probes))
     tables = [read_piece(piece_path(folder, shard), schema=schema) for shard in shards]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
@@ -177,13 +189,15 @@ def write_shards(
     schema: pa.Schema,
     precision: Precision,
     arguments: dict[str, Any],
-) -> list[dict]:
-    """Compute ``shards`` with ``work`` in this process and write their pieces; returns the models it loaded."""
+) -> tuple[list[dict], list[dict]]:
+    """Compute ``shards`` with ``work`` in this process and write their pieces; returns the models it loaded and the
+    generation engine's swaps it proved (choice 5)."""
     torch.set_num_threads(context.execution.torch_threads)
     models = context.execution.model_loader(precision, bases=context.base.bases)
-    for shard, table in zip(shards, work(models, context, shards, **arguments), strict=True):
-        write_piece(piece_path(folder, shard), table, schema=schema)
-    return list(models.loaded)
+    with recording() as probes:
+        for shard, table in zip(shards, work(models, context, shards, **arguments), strict=True):
+            write_piece(piece_path(folder, shard), table, schema=schema)
+    return list(models.loaded), probes
 
 
 def task_runner(execution: Execution) -> Any:

@@ -92,6 +92,9 @@ def test_a_gae_campaign_samples_every_stage_on_the_engine(gae_run):
             metrics = _metrics(folder)
             assert metrics["engine_logprob_max_abs_diff"] < 1e-4, (stage, metrics)
             assert 1.0 <= metrics["token_mult_prob_error"] <= 1.0001, (stage, metrics)
+            assert metrics["engine_probe_gap"] < 1e-4, (stage, metrics)  # issue 36: every swap proved, and recorded
+            swaps = json.loads((folder / "_manifest.json").read_text())["runtime"]["engine_probe"]
+            assert swaps and all(swap["gap"] < 1e-4 and swap["tolerance"] == 1e-4 for swap in swaps), swaps
     log = (gae_run / "run.log").read_text()
     assert log.count("starting the vLLM generation engine") <= 1  # one engine for the whole command
 
@@ -153,7 +156,7 @@ def test_kill_minus_nine_during_a_rollout_leaves_no_engine_and_resumes_identical
             assert time.monotonic() < deadline, "timed out waiting for the rollout"
             time.sleep(0.05)
         children = _descendants(process.pid)
-        assert any("vllm_server.py" in _command_line(pid) for pid in children), "no engine process to kill"
+        assert any("engine_server/server.py" in _command_line(pid) for pid in children), "no engine process to kill"
         process.send_signal(signal.SIGKILL)
         process.wait()
     assert not _wait_gone(children), f"left after kill -9: {[_command_line(pid) for pid in _alive(children)]}"
@@ -173,7 +176,7 @@ def test_an_engine_that_dies_fails_its_stage_in_one_line_and_the_next_run_resume
             assert process.poll() is None, f"`rlhf run` ended before its rollout; see {log}"
             assert time.monotonic() < deadline, "timed out waiting for the rollout"
             time.sleep(0.02)
-        engines = [pid for pid in _descendants(process.pid) if "vllm_server.py" in _command_line(pid)]
+        engines = [pid for pid in _descendants(process.pid) if "engine_server/server.py" in _command_line(pid)]
         assert engines, "no engine process to kill"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
