@@ -36,8 +36,7 @@ from runtime.threads import command_threads
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = Path(os.environ.get("RLHF_ENGINE_SERVER") or ROOT / "engine_server" / "server.py")
-"""The server script the engine runs; ``RLHF_ENGINE_SERVER`` names another (the fault-injection tests' own)."""
+SERVER = ROOT / "engine_server" / "server.py"
 ENVIRONMENT = ".venv-vllm"
 START_SECONDS = float(os.environ.get("RLHF_ENGINE_START_SECONDS", "900"))
 _ADDRESS_IN_USE = 3  # engine_server/server.py's exit code when its port is taken
@@ -58,6 +57,12 @@ def engine_python() -> Path:
     return Path(os.environ.get("RLHF_VLLM_ENV") or ROOT / ENVIRONMENT) / "bin" / "python"
 
 
+def server_script() -> str:
+    """The server the engine runs: ``engine_server/server.py``, or the script ``RLHF_ENGINE_SERVER`` names (the
+    fault-injection tests' broken server, tests/flows/faulty_engine_server.py)."""
+    return os.environ.get("RLHF_ENGINE_SERVER") or str(SERVER)
+
+
 def engine_lora_mode(choice: str, *, precision: Precision, device: str) -> str:
     """How the engine serves a LoRA policy (``execution.engine_lora``): ``merge`` or ``request``.
 
@@ -71,8 +76,8 @@ def engine_lora_mode(choice: str, *, precision: Precision, device: str) -> str:
     """
     if choice == "merge" and precision != "fp32":
         raise EngineStartError(
-            f"`execution.engine_lora` merge cannot serve a LoRA policy in a {precision} engine (`precision` "
-            f"{precision}): the merged weights would round most of the update away; use request or auto"
+            f"`sampling.engine` vllm: `execution.engine_lora` merge cannot serve a LoRA policy in a {precision} engine "
+            f"(`precision` {precision}): the merged weights would round most of the update away; use request or auto"
         )
     if choice == "auto":
         return "merge" if device == "cpu" and precision == "fp32" else "request"
@@ -209,7 +214,7 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
     with log.open("w") as output:
         process = launch_tied(
             str(python),
-            [str(python), "-I", str(SERVER), *server_arguments(execution, **options, port=port)],
+            [str(python), "-I", server_script(), *server_arguments(execution, **options, port=port)],
             env=_environment(execution, policy),
             stdout=output,
             stderr=subprocess.STDOUT,

@@ -156,7 +156,16 @@ def engine_generate(
     )
 
 
-def engine_score(policy: ServedPolicy, batch: ProbeBatch, *, timeout: float = 3600.0) -> list[list[float]]:
+class ScoreAnswer(NamedTuple):
+    """The engine's answer to a scoring request: the log-prob of every response token of each sequence, what the
+    request's weight swap took (0 when none) and what the scoring took, in seconds."""
+
+    logprobs: list[list[float]]
+    swap_seconds: float
+    seconds: float
+
+
+def engine_score(policy: ServedPolicy, batch: ProbeBatch, *, timeout: float = 3600.0) -> ScoreAnswer:
     """The engine's log-prob of every response token of ``batch`` under ``policy``: temperature 1, over the whole
     vocabulary (vLLM's prompt log-probs), swapping the policy in first if the engine does not hold it.
 
@@ -164,7 +173,8 @@ def engine_score(policy: ServedPolicy, batch: ProbeBatch, *, timeout: float = 36
         EngineError: the engine is gone or failed the request.
     """
     request = {"weights": policy.weights, "adapter": policy.adapter, **batch._asdict()}
-    return _call(f"{policy.url}/score", request, timeout=timeout)["logprobs"]
+    answer = _call(f"{policy.url}/score", request, timeout=timeout)
+    return ScoreAnswer(logprobs=answer["logprobs"], swap_seconds=answer["swap_seconds"], seconds=answer["seconds"])
 
 
 def _call(url: str, body: dict[str, Any] | None, *, timeout: float) -> dict[str, Any]:
