@@ -295,8 +295,12 @@ class Engine:
         if len(sequences) != len(prompt_lengths):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        # Under a LoRA request vLLM 0.32's LoRA output layer gives a prompt's tokens the adapter indices of the step's
+        # requests (one per request, not per token: "einsum(): subscript b has size 4 ... size 20" on CPU); with one
+        # request per step the one index applies to every token, which is right.
+        chunks = self._chunks(sequences) if lora is None else ((row, row + 1) for row in range(len(sequences)))
         logprobs = []
-        for start, stop_at in self._chunks(sequences):
+        for start, stop_at in chunks:
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=ids) for ids in sequences[start:stop_at]],
                 sampling_params=params,
