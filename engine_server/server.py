@@ -192,6 +192,7 @@ class Engine:
         self.weights = folder_identity(arguments.model)
         self.adapters: dict[tuple, int] = {}
         self.lora_mode = arguments.lora_mode
+        self.lora_layers = bool(rank)
         self.dtype = arguments.dtype
         self.swaps = 0
         """Weight swaps begun so far: with the adapter a request names, what :meth:`state` reports."""
@@ -295,10 +296,11 @@ class Engine:
         if len(sequences) != len(prompt_lengths):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        # Under a LoRA request vLLM 0.32's LoRA output layer gives a prompt's tokens the adapter indices of the step's
-        # requests (one per request, not per token: "einsum(): subscript b has size 4 ... size 20" on CPU); with one
-        # request per step the one index applies to every token, which is right.
-        chunks = self._chunks(sequences) if lora is None else ((row, row + 1) for row in range(len(sequences)))
+        # With LoRA layers (--max-lora-rank) vLLM 0.32's output layer gives a prompt's tokens the adapter indices of
+        # the step's requests, one per request and not per token ("einsum(): subscript b has size 4 ... size 20" on
+        # CPU), with or without an adapter; one request per step makes its one index every token's, which is right.
+        one_by_one = ((row, row + 1) for row in range(len(sequences)))
+        chunks = one_by_one if self.lora_layers else self._chunks(sequences)
         logprobs = []
         for start, stop_at in chunks:
             outputs = self.llm.generate(
