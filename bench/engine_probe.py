@@ -134,7 +134,9 @@ def measure(policy: Path, precision: str) -> dict:
     wide_gate = gated_policy(served, actor, wide, models=loader, iteration=0)
     engine = engine_score(served, wide.batch()).logprobs
     differences = sorted(
-        abs(e - t) for row_e, row_t in zip(engine, wide_gate.expected, strict=True) for e, t in zip(row_e, row_t, strict=True)
+        abs(e - t)
+        for row_e, row_t in zip(engine, wide_gate.expected, strict=True)
+        for e, t in zip(row_e, row_t, strict=True)
     )
     result.update(
         wide_tokens=len(differences),
