@@ -282,11 +282,6 @@ class PPOConfig:
     """Truncated importance sampling of the engine's mismatch (Yao et al. 2025, "TIS"): each token's policy loss
     is weighted by min(exp(old_logprobs - engine_logprobs), tis_cap), the probability the trainer gives the
     sampled token over the one the sampler gave it, capped. None weighs every token 1 (verl and SkyRL use 2)."""
-    max_skipped_steps: int = bounded(16, gt=0)
-    """Under `precision` fp16, the optimizer steps the loss scaler may skip in a row (an overflowing step is skipped and
-    the scale halved, recorded as `skipped_steps`) before the update counts as diverged: 16 halvings take the
-    scale fp16 starts at, 2^16 (PyTorch GradScaler, DeepSpeed), to 1, where DeepSpeed stops a run. Unused in fp32 and
-    bf16, where any non-finite gradient norm is a divergence."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -48,7 +48,9 @@ MAX_SKIPPED_STEPS = 16
 """Optimizer steps an fp16 loss scaler may skip in a row before the model counts as diverged: from the scale fp16
 training starts at, 2^16 (PyTorch ``GradScaler``'s ``init_scale``; DeepSpeed's ``initial_scale_power`` 16), 16
 halvings reach 1, DeepSpeed's default ``min_loss_scale``, where DeepSpeed stops a run ("Current loss scale already
-at minimum"): past that an overflow is the model's, not the scale's."""
+at minimum"): past that an overflow is the model's, not the scale's. The default of ``ppo_update`` and
+``fit_reward_model``'s ``max_skipped_steps``: not a config setting yet, because a new field of ``ppo`` or
+``reward_model`` changes every finished iteration's run key and campaign fingerprint (the review's R9)."""
 
 
 def skipped_steps(
@@ -67,7 +69,7 @@ def skipped_steps(
     Args:
         scaled: a loss scaler drives the step (fp16); without one (fp32, bf16) a non-finite norm is a divergence.
         in_a_row: the steps skipped in a row before this one.
-        limit: the skips in a row that count as a divergence (``ppo.max_skipped_steps``).
+        limit: the skips in a row that count as a divergence (:data:`MAX_SKIPPED_STEPS` unless the caller says).
 
     Raises:
         DivergenceError: a non-finite norm without a scaler, or the ``limit``-th skip in a row.

@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import check_finite, check_weights, skipped_steps
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
@@ -229,6 +229,7 @@ def ppo_update(
     resume: PPOProgress | None = None,
     on_epoch_end: Callable[[PPOProgress], None] | None = None,
     on_step: Callable[[int, MinibatchStats], None] | None = None,
+    max_skipped_steps: int = MAX_SKIPPED_STEPS,
 ) -> PPOStats:
     """``config.epochs`` passes of minibatch PPO over ``experience``.
 
@@ -249,6 +250,8 @@ def ppo_update(
             checkpoint with the models, optimizers and ``generator`` state.
         on_step: called after every optimizer step with the step number (from 1) and the minibatch's
             statistics, e.g. to record training curves.
+        max_skipped_steps: under fp16's loss scaler, the steps it may skip in a row before the update counts as
+            diverged (:data:`rlhf_core.divergence.MAX_SKIPPED_STEPS`).
 
     Returns:
         :class:`PPOStats` averaged over the optimizer steps taken.
@@ -308,7 +311,7 @@ def ppo_update(
                     norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                     in_a_row[name] = skipped_steps(
                         torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row[name],
-                        limit=config.max_skipped_steps, **diverged,
+                        limit=max_skipped_steps, **diverged,
                     )  # fmt: skip
                     skipped += in_a_row[name] > 0
                     optimizer.step()

@@ -147,6 +147,7 @@ def fit_reward_model(
     on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     dropout_seed: int | None = None,
+    max_skipped_steps: int = MAX_SKIPPED_STEPS,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
 
@@ -165,6 +166,8 @@ def fit_reward_model(
             ``(dropout_seed, epoch, process index)`` (:func:`epoch_seed`): every process draws its own masks,
             and a run resumed at an epoch draws the masks of one that never stopped, in any process. None
             leaves the global RNG to the caller.
+        max_skipped_steps: under fp16's loss scaler, the steps it may skip in a row before training counts as
+            diverged (:data:`rlhf_core.divergence.MAX_SKIPPED_STEPS`).
     """
     if len(train_pairs) == 0 or len(eval_pairs) == 0:
         raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
@@ -191,14 +194,14 @@ def fit_reward_model(
                 )
                 # 2. DDP averages the processes' gradients: each backpropagates N times its share
                 #    (a non-finite loss or gradient norm stops training before its step: it diverged; under fp16's
-                #    loss scaler a non-finite norm is a skipped step, and only MAX_SKIPPED_STEPS in a row are)
+                #    loss scaler a non-finite norm is a skipped step, and only max_skipped_steps in a row are)
                 diverged = {"model": "reward_model", "step": steps + 1, "learning_rate": config.learning_rate}
                 check_finite(loss.detach(), quantity="loss", **diverged)
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss * (world * weight))
                 norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 in_a_row = skipped_steps(
-                    torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=MAX_SKIPPED_STEPS, **diverged
+                    torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps, **diverged
                 )
                 skipped += in_a_row > 0
                 optimizer.step()
