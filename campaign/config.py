@@ -292,6 +292,19 @@ class PipelineConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _tis_compares_like_with_like(self) -> PipelineConfig:
+        # vLLM's log-probs of a filtered sample are those of the filtered distribution, the trainer's are over the
+        # whole vocabulary: every TIS weight would fall below 1 (a silent cut of the learning rate; docs/engines.md)
+        sampling = self.sampling
+        if self.ppo.tis_cap is not None and (sampling.top_k > 0 or sampling.top_p < 1):
+            raise ValueError(
+                f"`ppo.tis_cap` weighs tokens by the trainer's probability over the sampler's, which top-k/top-p "
+                f"filtering (`sampling.top_k` {sampling.top_k}, `sampling.top_p` {sampling.top_p}) makes unequal with "
+                "identical weights: set top_k 0 and top_p 1, or drop `ppo.tis_cap`"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _reward_function_is_named(self) -> PipelineConfig:
         if self.reward.source == "function" and not self.reward.function:
             raise ValueError("`reward.source` function needs `reward.function`: a `module:callable`")

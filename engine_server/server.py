@@ -13,7 +13,12 @@ environment), and speaks JSON over HTTP (:mod:`runtime.engine_client` is its one
 * ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model", "dtype",
   "lora_mode", "eager"}`` (the last three: how it samples, which the stages' keys name);
 * ``POST /generate`` with ``{"weights", "adapter", "prompts", "seeds", "temperature", "top_k", "top_p",
-  "max_tokens", "stop_token_id"}`` -> ``{"tokens", "logprobs", "swap_seconds"}``.
+  "max_tokens", "stop_token_id", "probe", "verified"}`` -> ``{"tokens", "logprobs", "swap_seconds", "state",
+  "probe"}``; ``probe`` (optional) is ``{"sequences", "prompt_lengths"}``, answered with ``{"logprobs", "seconds"}``
+  when the engine's ``state`` is not the ``verified`` one (choice 8), else null;
+* ``POST /score`` with ``{"weights", "adapter", "sequences", "prompt_lengths"}`` -> ``{"logprobs", "swap_seconds",
+  "state", "seconds"}``: the log-prob of every token of each sequence after its prompt (temperature 1, the whole
+  vocabulary).
 
 Choices:
 1. The engine is built once, from the initial policy. A request names the weights it must be sampled
@@ -21,7 +26,8 @@ Choices:
    layerwise, no rebuild) when it is not the one loaded; a LoRA adapter folder goes with the request as a
    ``LoRARequest`` over the loaded base (``--lora-mode request``), or is merged into a copy of the base weights
    that is then swapped in like a full folder (``--lora-mode merge``: vLLM's LoRA kernels on CPU halved SmolLM2's
-   tokens/s, a merge and a swap cost about a second a stage). Folders are told apart by their files' sizes, times
+   tokens/s, a merge and a swap cost about a second a stage). A merge sums in fp32 and needs an fp32 engine
+   (:func:`merged_lora_weights`). Folders are told apart by their files' sizes, times
    and inodes, so a folder rewritten at the same path is loaded again.
 2. Reproducible tokens: every request has its own seed; prefix caching is off (a cached prefix is computed
    in other batches than a fresh one); the engine core runs in this process
@@ -38,6 +44,12 @@ Choices:
    Llama and GPT-2). A model whose weights still do not survive a reload of its own folder is refused at start.
 7. The HTTP socket is bound before the engine is built: a taken port ends the process at once (exit code 3)
    and the launcher can report the engine's progress and its failure (``state: failed``).
+8. Every swap can be proved (:mod:`runtime.engine_probe` on the client's side): the engine reports its ``state``,
+   which changes with every swap begun and with the adapter a request goes with; a request may carry a probe batch
+   and the state its client last verified, and when the state differs the probe is scored in the same request,
+   under the same lock, right after the swap and before the request's own prompts. So every sampled token comes
+   from a state that was scored, whoever else uses the engine. The identity of the loaded weights is cleared
+   before a swap begins and set only once it succeeded.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -75,20 +88,31 @@ def folder_identity(folder: str) -> tuple:
     return (path, tuple(files))
 
 
-def merged_lora_weights(base: dict, adapter: dict, config: dict) -> dict:
+LORA_PAIR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
+"""The adapter tensors a merge consumes: each module's ``lora_A.weight`` (r, in) and ``lora_B.weight`` (out, r)."""
+
+
+def merged_lora_weights(base: dict, adapter: dict, config: dict, *, dtype) -> dict:
     """``base``'s tensors with a peft LoRA adapter's updates added: ``W + s * B @ A`` for each adapted module
     (Hu et al. 2021), ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), transposed for a
-    ``fan_in_fan_out`` layer (GPT-2's Conv1D stores ``W`` as (in, out)); computed in the weight's dtype, as peft's
-    ``merge_and_unload``.
+    ``fan_in_fan_out`` layer (GPT-2's Conv1D stores ``W`` as (in, out)).
+
+    The sum is taken in fp32 and the merged weight written in ``dtype``, the dtype the engine runs: a LoRA update is
+    far below half a bf16 ulp of its weight (B ~ 1e-4 against |W| ~ 0.05), so a sum taken in a bf16 checkpoint's own
+    dtype (peft's ``merge_and_unload`` into a bf16 layer) drops most of it, while the trainer computes
+    ``W.float() + s * B @ A``. An fp32 engine on a bf16 base therefore gets the trainer's exact fp32 sum; an engine
+    in bf16 or fp16 cannot hold it, and is never asked to merge (``runtime.engine.engine_lora_mode``).
 
     Args:
         base: the base model's tensors by name (``model.layers.0.self_attn.q_proj.weight``).
         adapter: the adapter's tensors as peft saves them (``base_model.model.<module>.lora_A.weight``: (r, in);
             ``lora_B``: (out, r)).
         config: the adapter's ``adapter_config.json``.
+        dtype: the torch dtype of the merged weights (the others keep their own: the engine casts them exactly).
 
     Raises:
         ValueError: an adapter this merge does not cover (DoRA, per-module ranks or alphas, extra saved modules),
+            a tensor it would not consume (LoRA on embeddings, ``lora_embedding_A``/``B``; LoRA bias tensors), named,
             or a module the base does not have.
     """
     import math
@@ -98,19 +122,23 @@ def merged_lora_weights(base: dict, adapter: dict, config: dict) -> dict:
     ]
     if unsupported:
         raise ValueError(f"the adapter sets {', '.join(unsupported)}, which a merge does not cover")
+    pairs: dict[str, dict[str, object]] = {}
+    for key, tensor in adapter.items():
+        match = LORA_PAIR.match(key)
+        if match is None:
+            raise ValueError(f"the adapter holds {key}, which a merge does not consume: serve it as a LoRA request")
+        pairs.setdefault(match["module"], {})[match["half"]] = tensor
     rank, alpha = config["r"], config["lora_alpha"]
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     merged = dict(base)
-    for key, down in adapter.items():
-        if ".lora_A." not in key:
-            continue
-        module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+    for module, halves in pairs.items():
         name = f"{module}.weight"
         if name not in merged:
             raise ValueError(f"the adapter's module {module} is not a weight of the base model")
-        weight = merged[name]
-        delta = (adapter[key.replace(".lora_A.", ".lora_B.")].to(weight.dtype) @ down.to(weight.dtype)) * scale
-        merged[name] = weight + (delta.T if config.get("fan_in_fan_out") else delta)
+        if set(halves) != {"A", "B"}:
+            raise ValueError(f"the adapter holds only lora_{next(iter(halves))} of {module}")
+        delta = (halves["B"].float() @ halves["A"].float()) * scale  # (out, in), fp32
+        merged[name] = (merged[name].float() + (delta.T if config.get("fan_in_fan_out") else delta)).to(dtype)
     return merged
 
 
@@ -165,6 +193,10 @@ class Engine:
         self.weights = folder_identity(arguments.model)
         self.adapters: dict[tuple, int] = {}
         self.lora_mode = arguments.lora_mode
+        self.lora_layers = bool(rank)
+        self.dtype = arguments.dtype
+        self.swaps = 0
+        """Weight swaps begun so far: with the adapter a request names, what :meth:`state` reports."""
         self.token_budget = arguments.max_num_batched_tokens // 2
         self.max_sequences = arguments.max_num_seqs
         self.check_reload(arguments.model)
@@ -172,11 +204,13 @@ class Engine:
     def check_reload(self, folder: str) -> None:
         """Refuse a model whose weights this build cannot swap in place (choice 6): reloading its own folder must
         leave a few sampled tokens and their log-probs as they were."""
-        probe = {"weights": folder, "prompts": [[0, 1]], "seeds": [0], "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-        probe.update(max_tokens=4, stop_token_id=None)
-        before = self.generate(probe)
-        self.reload(self.weights[0])
-        after = self.generate(probe)
+        request = {"weights": folder, "prompts": [[0, 1]], "seeds": [0], "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        request.update(max_tokens=4, stop_token_id=None)
+        before = self.generate(request)
+        identity = self.weights
+        self.reload(identity[0])
+        self.weights = identity
+        after = self.generate(request)
         drift = max(abs(a - b) for a, b in zip(before["logprobs"][0], after["logprobs"][0], strict=False))
         if before["tokens"] != after["tokens"] or drift > 1e-4:
             architecture = self.llm.llm_engine.model_config.architecture
@@ -197,16 +231,22 @@ class Engine:
 
     def reload(self, folder: str) -> None:
         """Load the weights of ``folder`` in place, layer by layer, and tie the output layer to the input
-        embeddings again where the model ties them (choice 6)."""
+        embeddings again where the model ties them (choice 6). The engine names no weights until the swap has
+        succeeded (choice 8): one that fails midway leaves a mix of two folders, which no request may take for
+        either."""
+        self.weights = None
+        self.swaps += 1
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
         self.llm.collective_rpc(retie_output_embeddings)
 
     def serve_merged(self, weights: str, adapter: str) -> float:
         """Make the engine hold the full weights of the folder ``weights`` with the LoRA ``adapter`` merged in
-        (choice 1, ``--lora-mode merge``); returns the seconds the merge and the swap took. The merged weights are
-        written to a folder (in shared memory where there is some) that is removed once the engine has read it."""
+        (choice 1, ``--lora-mode merge``), in the engine's dtype; returns the seconds the merge and the swap took. The
+        merged weights are written to a folder (in shared memory where there is some) that is removed once the engine
+        has read it."""
         from pathlib import Path
 
+        import torch
         from safetensors.torch import save_file
 
         identity = ("merged", folder_identity(weights), folder_identity(adapter))
@@ -214,7 +254,9 @@ class Engine:
             return 0.0
         start = time.perf_counter()
         config = json.loads((Path(adapter) / "adapter_config.json").read_text())
-        merged = merged_lora_weights(read_tensors(weights), read_tensors(adapter), config)
+        merged = merged_lora_weights(
+            read_tensors(weights), read_tensors(adapter), config, dtype=getattr(torch, self.dtype)
+        )
         shared = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         with tempfile.TemporaryDirectory(prefix="rlhf-engine-merged-", dir=shared) as folder:
             save_file({name: tensor.contiguous() for name, tensor in merged.items()}, f"{folder}/model.safetensors")
@@ -233,15 +275,65 @@ class Engine:
         number = self.adapters.setdefault(identity, len(self.adapters) + 1)
         return LoRARequest(lora_name=f"adapter-{number}", lora_int_id=number, lora_path=identity[0])
 
+    def hold(self, request: dict):
+        """Make the engine hold the weights ``request`` names (a swap when they are not the ones loaded); returns the
+        seconds the swap took and the ``LoRARequest`` to send with its prompts (None but in ``request`` mode)."""
+        weights, adapter = request["weights"], request.get("adapter")
+        if adapter is not None and self.lora_mode == "merge":
+            return self.serve_merged(weights, adapter), None
+        return self.serve(weights), self.adapter(adapter)
+
+    def state(self, lora) -> str:
+        """What the engine holds for a request, as a name that changes with every swap (choice 8): the swaps begun
+        so far, and the LoRA adapter the request goes with."""
+        return f"{self.swaps}" if lora is None else f"{self.swaps}:{lora.lora_int_id}"
+
+    def score(self, sequences: list[list[int]], prompt_lengths: list[int], lora) -> list[list[float]]:
+        """The log-prob of each token after its prompt, ``log softmax(logits)`` over the whole vocabulary
+        (temperature 1, no top-k or top-p: vLLM's prompt log-probs), of each sequence under the weights held now."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(sequences) != len(prompt_lengths):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        # With LoRA layers (--max-lora-rank) vLLM 0.32's output layer gives a prompt's tokens the adapter indices of
+        # the step's requests, one per request and not per token ("einsum(): subscript b has size 4 ... size 20" on
+        # CPU), with or without an adapter; one request per step makes its one index every token's, which is right.
+        one_by_one = ((row, row + 1) for row in range(len(sequences)))
+        chunks = one_by_one if self.lora_layers else self._chunks(sequences)
+        logprobs = []
+        for start, stop_at in chunks:
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=ids) for ids in sequences[start:stop_at]],
+                sampling_params=params,
+                lora_request=lora,
+                use_tqdm=False,
+            )
+            for output, ids, length in zip(
+                outputs, sequences[start:stop_at], prompt_lengths[start:stop_at], strict=True
+            ):
+                steps = output.prompt_logprobs  # one per prompt token, None for the first
+                logprobs.append([steps[index][ids[index]].logprob for index in range(length, len(ids))])
+        return logprobs
+
+    def probe(self, request: dict, lora) -> dict | None:
+        """The probe's log-probs (:meth:`score`) when ``request`` carries a probe and the engine's state is not the
+        one the client last verified (choice 8), else None."""
+        probe = request.get("probe")
+        state = self.state(lora)
+        if probe is None or request.get("verified") == state:
+            return None
+        start = time.perf_counter()
+        logprobs = self.score(probe["sequences"], probe["prompt_lengths"], lora)
+        return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
+
     def generate(self, request: dict) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        weights, adapter = request["weights"], request.get("adapter")
-        if adapter is not None and self.lora_mode == "merge":
-            swap, lora = self.serve_merged(weights, adapter), None
-        else:
-            swap, lora = self.serve(weights), self.adapter(adapter)
+        swap, lora = self.hold(request)
+        probe = self.probe(request, lora)
         prompts, seeds = request["prompts"], request["seeds"]
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -275,7 +367,15 @@ class Engine:
                 logprobs.append(
                     [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
                 )
-        return {"tokens": tokens, "logprobs": logprobs, "swap_seconds": swap}
+        return {"tokens": tokens, "logprobs": logprobs, "swap_seconds": swap, "state": self.state(lora), "probe": probe}
+
+    def score_request(self, request: dict) -> dict:
+        """``POST /score``: the log-probs of given sequences under the weights ``request`` names (:meth:`score`)."""
+        swap, lora = self.hold(request)
+        start = time.perf_counter()
+        logprobs = self.score(request["sequences"], request["prompt_lengths"], lora)
+        seconds = time.perf_counter() - start
+        return {"logprobs": logprobs, "swap_seconds": swap, "state": self.state(lora), "seconds": seconds}
 
     def _chunks(self, prompts: list[list[int]]):
         """``[start, stop)`` ranges of ``prompts`` whose prompt tokens fit half a step's budget (choice 4)."""
@@ -353,7 +453,8 @@ def handler(state: State) -> type[BaseHTTPRequestHandler]:
             )
 
         def do_POST(self) -> None:
-            if self.path != "/generate":
+            routes = {"/generate": "generate", "/score": "score_request"}
+            if self.path not in routes:
                 self._answer(404, {"error": f"no route {self.path}"})
                 return
             if state.engine is None:
@@ -362,7 +463,7 @@ def handler(state: State) -> type[BaseHTTPRequestHandler]:
             try:
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with state.lock:
-                    answer = state.engine.generate(request)
+                    answer = getattr(state.engine, routes[self.path])(request)
             except Exception as error:  # the client reports it; the engine stays up for the next request
                 traceback.print_exc()
                 self._answer(500, {"error": one_line(error)})
@@ -411,6 +512,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
+    if arguments.lora_mode == "merge" and arguments.dtype != "float32":
+        say(f"--lora-mode merge needs --dtype float32: a {arguments.dtype} weight cannot hold a LoRA update")
+        return 2
     state = State()
     state.model, state.arguments = arguments.model, arguments
     try:

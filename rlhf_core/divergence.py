@@ -6,6 +6,10 @@ probabilities, far from the cause (``index 259 is out of bounds``). So the train
 each loss before its backward pass and each gradient norm before its step, and their trained weights
 once at the end; generation checks each step's logits. The first non-finite value raises
 :class:`DivergenceError`, before anything is saved. One reduction per optimizer or decoding step.
+
+Under fp16's loss scaler a non-finite gradient norm is no divergence: the scaled loss overflowed, and the scaler
+skips the step and halves its scale (PyTorch's ``GradScaler``, what Accelerate drives). Only
+:data:`MAX_SKIPPED_STEPS` skips in a row are (:func:`skipped_steps`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,46 @@ def check_finite(
     """Raise :class:`DivergenceError` unless every element of ``value`` is finite."""
     if not bool(torch.isfinite(value).all()):
         raise DivergenceError(model, quantity, step=step, learning_rate=learning_rate)
+
+
+MAX_SKIPPED_STEPS = 16
+"""Optimizer steps an fp16 loss scaler may skip in a row before the model counts as diverged: from the scale fp16
+training starts at, 2^16 (PyTorch ``GradScaler``'s ``init_scale``; DeepSpeed's ``initial_scale_power`` 16), 16
+halvings reach 1, DeepSpeed's default ``min_loss_scale``, where DeepSpeed stops a run ("Current loss scale already
+at minimum"): past that an overflow is the model's, not the scale's. The default of ``ppo_update`` and
+``fit_reward_model``'s ``max_skipped_steps``: not a config setting yet, because a new field of ``ppo`` or
+``reward_model`` changes every finished iteration's run key and campaign fingerprint (the review's R9)."""
+
+
+def skipped_steps(
+    norm: torch.Tensor,
+    *,
+    scaled: bool,
+    in_a_row: int,
+    limit: int,
+    model: str,
+    step: int | None = None,
+    learning_rate: float | None = None,
+) -> int:
+    """The optimizer steps skipped in a row after this one, whose gradient norm is ``norm``: 0 after a finite norm,
+    one more after a non-finite one under a loss scaler (which skips that step).
+
+    Args:
+        scaled: a loss scaler drives the step (fp16); without one (fp32, bf16) a non-finite norm is a divergence.
+        in_a_row: the steps skipped in a row before this one.
+        limit: the skips in a row that count as a divergence (:data:`MAX_SKIPPED_STEPS` unless the caller says).
+
+    Raises:
+        DivergenceError: a non-finite norm without a scaler, or the ``limit``-th skip in a row.
+    """
+    if bool(torch.isfinite(norm).all()):
+        return 0
+    if not scaled:
+        raise DivergenceError(model, "gradient norm", step=step, learning_rate=learning_rate)
+    if in_a_row + 1 >= limit:
+        quantity = f"gradient norm ({limit} steps in a row skipped by the fp16 loss scaler)"
+        raise DivergenceError(model, quantity, step=step, learning_rate=learning_rate)
+    return in_a_row + 1
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import check_finite, check_weights
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
@@ -77,6 +77,8 @@ class PPOStats(NamedTuple):
     explained_variance: torch.Tensor | None
     optimizer_steps: int
     early_stopped: bool
+    skipped_steps: int = 0
+    """Steps the fp16 loss scaler skipped (its scaled loss overflowed; the models' optimizers each count)."""
 
 
 class PPOProgress(NamedTuple):
@@ -227,6 +229,7 @@ def ppo_update(
     resume: PPOProgress | None = None,
     on_epoch_end: Callable[[PPOProgress], None] | None = None,
     on_step: Callable[[int, MinibatchStats], None] | None = None,
+    max_skipped_steps: int = MAX_SKIPPED_STEPS,
 ) -> PPOStats:
     """``config.epochs`` passes of minibatch PPO over ``experience``.
 
@@ -247,6 +250,8 @@ def ppo_update(
             checkpoint with the models, optimizers and ``generator`` state.
         on_step: called after every optimizer step with the step number (from 1) and the minibatch's
             statistics, e.g. to record training curves.
+        max_skipped_steps: under fp16's loss scaler, the steps it may skip in a row before the update counts as
+            diverged (:data:`rlhf_core.divergence.MAX_SKIPPED_STEPS`).
 
     Returns:
         :class:`PPOStats` averaged over the optimizer steps taken.
@@ -267,6 +272,8 @@ def ppo_update(
     totals = {name: torch.tensor(total) for name, total in resume.totals.items()} if resume else None
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
+    scaled = accelerator.scaler is not None  # fp16: an overflowing step is skipped, not a divergence
+    in_a_row, skipped = {"actor": 0, "critic": 0}, 0
     world, rank = accelerator.num_processes, accelerator.process_index
     with dropout_disabled(actor, critic), fused_activations(actor, critic):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
@@ -289,7 +296,8 @@ def ppo_update(
                     break
                 # 3. one step for each model, each with its own gradient clip; DDP averages the gradients of the
                 #    processes' shares, so each backpropagates N times its share (0 times for a stand-in row)
-                #    (a non-finite loss or gradient norm stops the update before its step: it diverged)
+                #    (a non-finite loss or gradient norm stops the update before its step: it diverged; under fp16's
+                #    loss scaler a non-finite norm is a step the scaler skips, and only max_skipped_steps in a row are)
                 steps_to_take = [("actor", losses.actor_loss, actor, actor_optimizer, config.actor_learning_rate)]
                 if critic is not None:
                     steps_to_take.append(
@@ -301,7 +309,11 @@ def ppo_update(
                     optimizer.zero_grad(set_to_none=True)
                     accelerator.backward(loss * (world * weight))
                     norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                    check_finite(torch.as_tensor(norm), quantity="gradient norm", **diverged)
+                    in_a_row[name] = skipped_steps(
+                        torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row[name],
+                        limit=max_skipped_steps, **diverged,
+                    )  # fmt: skip
+                    skipped += in_a_row[name] > 0
                     optimizer.step()
                 # 4. bookkeeping (the value statistics only with a critic)
                 step_stats = {name: value for name, value in stats._asdict().items() if value is not None}
@@ -319,4 +331,10 @@ def ppo_update(
     if critic is not None:
         check_weights(critic, model="critic", learning_rate=config.critic_learning_rate)
     means = {name: totals[name] / steps if name in totals else None for name in MinibatchStats._fields}
-    return PPOStats(**means, explained_variance=variance_explained, optimizer_steps=steps, early_stopped=early_stopped)
+    return PPOStats(
+        **means,
+        explained_variance=variance_explained,
+        optimizer_steps=steps,
+        early_stopped=early_stopped,
+        skipped_steps=skipped,
+    )

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import check_finite, check_weights
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models import RewardModel, evaluating, fused_activations
 
@@ -81,6 +81,8 @@ class RewardModelStats(NamedTuple):
     score_mean: float
     score_std: float
     optimizer_steps: int
+    skipped_steps: int = 0
+    """Steps the fp16 loss scaler skipped (its scaled loss overflowed)."""
 
 
 def _pair_scores(model: RewardModel, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +147,7 @@ def fit_reward_model(
     on_epoch_end: Callable[[RewardTrainingProgress], None] | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     dropout_seed: int | None = None,
+    max_skipped_steps: int = MAX_SKIPPED_STEPS,
 ) -> RewardModelStats:
     """Train ``model`` for ``config.epochs`` epochs on ``train_pairs``; evaluate on ``eval_pairs``.
 
@@ -163,6 +166,8 @@ def fit_reward_model(
             ``(dropout_seed, epoch, process index)`` (:func:`epoch_seed`): every process draws its own masks,
             and a run resumed at an epoch draws the masks of one that never stopped, in any process. None
             leaves the global RNG to the caller.
+        max_skipped_steps: under fp16's loss scaler, the steps it may skip in a row before training counts as
+            diverged (:data:`rlhf_core.divergence.MAX_SKIPPED_STEPS`).
     """
     if len(train_pairs) == 0 or len(eval_pairs) == 0:
         raise ValueError(f"need training and held-out pairs, got {len(train_pairs)} and {len(eval_pairs)}")
@@ -172,6 +177,7 @@ def fit_reward_model(
         (resume.loss_sum, resume.accuracy_sum, resume.optimizer_steps) if resume else (0.0, 0.0, 0)
     )
     world, rank = accelerator.num_processes, accelerator.process_index
+    scaled, in_a_row, skipped = accelerator.scaler is not None, 0, 0  # fp16: see rlhf_core.divergence
     with fused_activations(model):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             if dropout_seed is not None:
@@ -187,13 +193,17 @@ def fit_reward_model(
                     chosen, rejected, margin=batch.margin if config.use_margin else None, pairs=len(minibatch)
                 )
                 # 2. DDP averages the processes' gradients: each backpropagates N times its share
-                #    (a non-finite loss or gradient norm stops training before its step: it diverged)
+                #    (a non-finite loss or gradient norm stops training before its step: it diverged; under fp16's
+                #    loss scaler a non-finite norm is a skipped step, and only max_skipped_steps in a row are)
                 diverged = {"model": "reward_model", "step": steps + 1, "learning_rate": config.learning_rate}
                 check_finite(loss.detach(), quantity="loss", **diverged)
                 optimizer.zero_grad(set_to_none=True)
                 accelerator.backward(loss * (world * weight))
                 norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                check_finite(torch.as_tensor(norm), quantity="gradient norm", **diverged)
+                in_a_row = skipped_steps(
+                    torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps, **diverged
+                )
+                skipped += in_a_row > 0
                 optimizer.step()
                 # 3. the whole minibatch's loss and accuracy (the shares' sum, and their pair-weighted mean)
                 if world == 1:
@@ -220,4 +230,5 @@ def fit_reward_model(
         score_mean=held_out.score_mean,
         score_std=held_out.score_std,
         optimizer_steps=steps,
+        skipped_steps=skipped,
     )

@@ -58,6 +58,33 @@ def engine_python() -> Path:
     return Path(os.environ.get("RLHF_VLLM_ENV") or ROOT / ENVIRONMENT) / "bin" / "python"
 
 
+def server_script() -> str:
+    """The server the engine runs: ``engine_server/server.py``, or the script ``RLHF_ENGINE_SERVER`` names (the
+    fault-injection tests' broken server, tests/flows/faulty_engine_server.py)."""
+    return os.environ.get("RLHF_ENGINE_SERVER") or str(SERVER)
+
+
+def engine_lora_mode(choice: str, *, precision: Precision, device: str) -> str:
+    """How the engine serves a LoRA policy (``execution.engine_lora``): ``merge`` or ``request``.
+
+    A merge sums in fp32 and writes the weights in the engine's dtype (``engine_server.server.merged_lora_weights``):
+    exact in an fp32 engine, but a bf16 or fp16 weight cannot hold a LoRA update (it is far below half an ulp of the
+    weight, and most of it would be lost). So ``auto`` merges only in an fp32 engine on a CPU, where vLLM's LoRA
+    kernels halved SmolLM2's tokens/s, and sends requests elsewhere.
+
+    Raises:
+        EngineStartError: ``merge`` asked for in a bf16 or fp16 engine.
+    """
+    if choice == "merge" and precision != "fp32":
+        raise EngineStartError(
+            f"`sampling.engine` vllm: `execution.engine_lora` merge cannot serve a LoRA policy in a {precision} engine "
+            f"(`precision` {precision}): the merged weights would round most of the update away; use request or auto"
+        )
+    if choice == "auto":
+        return "merge" if device == "cpu" and precision == "fp32" else "request"
+    return choice
+
+
 def server_arguments(
     execution: ExecutionConfig, *, precision: Precision, lora_rank: int | None, policy: str, port: int
 ) -> list[str]:
@@ -66,15 +93,16 @@ def server_arguments(
     Args:
         precision: the stages' precision: the engine's dtype.
         lora_rank: the rank of the policy's LoRA adapters (``model.lora.r``), or None for full fine-tuning.
+
+    Raises:
+        EngineStartError: see :func:`engine_lora_mode`.
     """
     from rlhf_core.precision import resolve_device
 
     device = resolve_device(execution.device).type
     arguments = ["--model", str(policy), "--port", str(port), "--dtype", _DTYPES[precision]]
     if lora_rank is not None:
-        lora_mode = execution.engine_lora
-        if lora_mode == "auto":
-            lora_mode = "merge" if device == "cpu" else "request"
+        lora_mode = engine_lora_mode(execution.engine_lora, precision=precision, device=device)
         arguments += ["--lora-mode", lora_mode]
         if lora_mode == "request":
             arguments += ["--max-lora-rank", str(lora_rank)]
@@ -187,7 +215,7 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
     with log.open("w") as output:
         process = launch_tied(
             str(python),
-            [str(python), "-I", str(SERVER), *server_arguments(execution, **options, port=port)],
+            [str(python), "-I", server_script(), *server_arguments(execution, **options, port=port)],
             env=_environment(execution, policy),
             stdout=output,
             stderr=subprocess.STDOUT,

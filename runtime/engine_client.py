@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlhf_core.config import SamplingConfig
 from rlhf_core.errors import UserError
@@ -41,7 +41,37 @@ class ServedPolicy:
         self, prompts: list[list[int]], seeds: list[int], *, config: SamplingConfig, eos_token_id: int | None
     ) -> tuple[list[list[int]], list[list[float]]]:
         """One response per prompt from the engine (:func:`engine_generate`)."""
-        return engine_generate(self, prompts, seeds, config=config, eos_token_id=eos_token_id)
+        answer = engine_generate(self, prompts, seeds, config=config, eos_token_id=eos_token_id)
+        return answer.tokens, answer.logprobs
+
+
+class ProbeBatch(NamedTuple):
+    """Token sequences to score: each a prompt followed by a response, as plain lists (what the server reads)."""
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+
+
+class EngineAnswer(NamedTuple):
+    """The engine's answer to a generation request.
+
+    Args:
+        tokens: each row's response tokens (EOS included when reached).
+        logprobs: the engine's log-prob of each (after temperature).
+        state: what the engine held for the request; it changes with every swap (``engine_server/server.py``,
+            choice 8).
+        swap_seconds: what the request's weight swap took (0 when none).
+        probe_logprobs: the probe's log-probs (:func:`engine_score`'s) when the request carried a probe and ``state``
+            was not the one given as verified, else None.
+        probe_seconds: what scoring the probe took in the engine (0 when it was not scored).
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    state: str
+    swap_seconds: float
+    probe_logprobs: list[list[float]] | None
+    probe_seconds: float
 
 
 def served_policy(source: str | Path, url: str | None, *, bases: dict[str, Path]) -> ServedPolicy:
@@ -87,13 +117,16 @@ def engine_generate(
     *,
     config: SamplingConfig,
     eos_token_id: int | None,
+    probe: ProbeBatch | None = None,
+    verified: str | None = None,
     timeout: float = 24 * 3600.0,
-) -> tuple[list[list[int]], list[list[float]]]:
+) -> EngineAnswer:
     """One response per prompt from the engine, each sampled with its own seed.
 
-    Returns:
-        Each row's response tokens (EOS included when reached) and the engine's log-prob of each (after
-        temperature).
+    Args:
+        probe: a batch the engine scores right after a swap, in the same request (:class:`EngineAnswer`), or None.
+        verified: the engine state the caller last proved with ``probe``; the probe is scored unless the engine
+            still holds it.
 
     Raises:
         EngineError: the engine is gone or failed the request.
@@ -108,9 +141,40 @@ def engine_generate(
         "top_p": config.top_p,
         "max_tokens": config.max_new_tokens,
         "stop_token_id": eos_token_id,
+        "probe": None if probe is None else probe._asdict(),
+        "verified": verified,
     }
     answer = _call(f"{policy.url}/generate", request, timeout=timeout)
-    return answer["tokens"], answer["logprobs"]
+    scored = answer.get("probe")
+    return EngineAnswer(
+        tokens=answer["tokens"],
+        logprobs=answer["logprobs"],
+        state=answer["state"],
+        swap_seconds=answer["swap_seconds"],
+        probe_logprobs=None if scored is None else scored["logprobs"],
+        probe_seconds=0.0 if scored is None else scored["seconds"],
+    )
+
+
+class ScoreAnswer(NamedTuple):
+    """The engine's answer to a scoring request: the log-prob of every response token of each sequence, what the
+    request's weight swap took (0 when none) and what the scoring took, in seconds."""
+
+    logprobs: list[list[float]]
+    swap_seconds: float
+    seconds: float
+
+
+def engine_score(policy: ServedPolicy, batch: ProbeBatch, *, timeout: float = 3600.0) -> ScoreAnswer:
+    """The engine's log-prob of every response token of ``batch`` under ``policy``: temperature 1, over the whole
+    vocabulary (vLLM's prompt log-probs), swapping the policy in first if the engine does not hold it.
+
+    Raises:
+        EngineError: the engine is gone or failed the request.
+    """
+    request = {"weights": policy.weights, "adapter": policy.adapter, **batch._asdict()}
+    answer = _call(f"{policy.url}/score", request, timeout=timeout)
+    return ScoreAnswer(logprobs=answer["logprobs"], swap_seconds=answer["swap_seconds"], seconds=answer["seconds"])
 
 
 def _call(url: str, body: dict[str, Any] | None, *, timeout: float) -> dict[str, Any]:

@@ -86,9 +86,10 @@ class ExecutionConfig(Settings):
     free one."""
     engine_lora: Literal["auto", "merge", "request"] = "auto"
     """How the generation engine the command starts samples from a LoRA policy: `request` (vLLM's LoRA requests
-    over the loaded base), `merge` (the adapter merged into a copy of the base weights, swapped in like a full
-    model once per generation stage) or `auto`: merge on a CPU, where vLLM's LoRA kernels halved SmolLM2's tokens/s,
-    requests on a GPU (bench/RESULTS.md section 8)."""
+    over the loaded base), `merge` (the adapter merged, in fp32, into a copy of the base weights, swapped in like a full
+    model once per generation stage; only in an fp32 engine, `precision` fp32: a bf16 or fp16 weight cannot hold a LoRA
+    update) or `auto`: merge on a CPU in fp32, where vLLM's LoRA kernels halved SmolLM2's tokens/s, requests elsewhere
+    (bench/RESULTS.md section 8)."""
     engine_compile: bool = True
     """Compile the model of the generation engine the command starts (vLLM's default: torch.compile, and CUDA graphs
     on a GPU): a slower start for faster sampling. On this project's 2-core CPU, SmolLM2-135M sampled 22% more

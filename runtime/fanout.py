@@ -19,6 +19,9 @@
    worker never ran the stage's own setup) and writes its piece. Workers therefore need the run folder and the
    model and data files at the same paths.
 4. A shard's failure fails the stage with the shard's error, after the other shards finished.
+5. Shards that sample on the generation engine prove every weight swap first (:mod:`runtime.engine_probe`); each
+   process's proved swaps come back with its shards, and the stage records them (the manifest's runtime
+   ``engine_probe``, the metric ``engine_probe_gap``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
+from runtime.engine_probe import PROBE_RECORDS, probe_failures_named, record_metrics, recording
 from runtime.job import Job, Shards, decode_job, encode_job
 from runtime.shards import Shard
 from storage.progress import partial_dir
@@ -50,7 +54,7 @@ SHARDS_FOLDER = "shards"
 
 def run_shards(job: Job, plan: Shards) -> pa.Table:
     """Run the stage's work over every shard of ``plan`` not yet written, where ``execution`` says, and gather the
-    rows.
+    rows; record the engine swaps the shards proved (choice 5).
 
     Returns:
         The shards' rows, concatenated in shard order.
@@ -61,22 +65,28 @@ def run_shards(job: Job, plan: Shards) -> pa.Table:
         done = len(plan.shards) - len(todo)
         logger.info("%s: %d of %d shards were already written; running the rest", job.stage, done, len(plan.shards))
     execution = job.context.execution
+    probes: list[dict] = []
     if todo and execution.task_runner == "local":
-        write_pieces(replace(job, shards=todo), plan.table)
+        with probe_failures_named(job.stage):
+            probes = write_pieces(replace(job, shards=todo), plan.table)
     elif todo:
         shard_task = task(name=f"{job.stage}-shard", cache_policy=NO_CACHE)(write_shipped_pieces)
         # a worker runs shard tasks on several threads at once and outlives the command: it keeps no models
         context = replace(job.context, execution=replace(execution, frozen_model_bytes=0))
         shipped = replace(job, context=context)
-        with task_runner(execution) as runner:
+        with task_runner(execution) as runner, probe_failures_named(job.stage):
             futures = [
                 runner.submit(shard_task, {"job": encode_job(shipped.shipped((shard,))), "table": plan.table})
                 for shard in todo
             ]
             wait(futures)  # every shard ends before the stage does, failed or not: none keeps writing after it
-            runtimes = [future.result() for future in futures]  # raises the first failed shard's error
-        job.out.runtime.update(runtimes[0])
+            results = [future.result() for future in futures]  # raises the first failed shard's error
+        job.out.runtime.update(results[0][0])  # where the first shard's models ran
+        probes = [record for _, records in results for record in records]
     job.out.runtime.update(task_runner=execution.task_runner, shards=len(plan.shards))
+    if probes:
+        job.out.runtime[PROBE_RECORDS] = probes
+        job.out.metrics.update(record_metrics(probes))
     schema = TABLES[plan.table]
     tables = [read_piece(piece_path(folder, shard), schema=schema) for shard in plan.shards]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
@@ -86,19 +96,23 @@ def piece_path(folder: Path, shard: Shard) -> Path:
     return folder / f"shard-{shard.index:05d}.parquet"
 
 
-def write_pieces(job: Job, table: str) -> None:
-    """Compute ``job.shards`` with the stage's work in this process and write their pieces."""
+def write_pieces(job: Job, table: str) -> list[dict]:
+    """Compute ``job.shards`` with the stage's work in this process and write their pieces; returns the generation
+    engine's swaps it proved (choice 5)."""
     torch.set_num_threads(job.context.execution.torch_threads)
     folder = partial_dir(job.out.final_dir) / SHARDS_FOLDER
-    for shard, rows in zip(job.shards, job.declaration().work(job), strict=True):
-        write_piece(piece_path(folder, shard), rows, schema=TABLES[table])
+    with recording() as probes:
+        for shard, rows in zip(job.shards, job.declaration().work(job), strict=True):
+            write_piece(piece_path(folder, shard), rows, schema=TABLES[table])
+    return probes
 
 
-def write_shipped_pieces(job: str, table: str) -> dict[str, Any]:
-    """:func:`write_pieces` of a job in its wire format (a shard task); returns where its models ran."""
+def write_shipped_pieces(job: str, table: str) -> tuple[dict[str, Any], list[dict]]:
+    """:func:`write_pieces` of a job in its wire format (a shard task); returns where its models ran and the swaps
+    it proved."""
     shipped = decode_job(job)
-    write_pieces(shipped, table)
-    return shipped.out.runtime
+    probes = write_pieces(shipped, table)
+    return shipped.out.runtime, probes
 
 
 def task_runner(execution: Execution) -> Any:

@@ -9,6 +9,7 @@ SQLite store and its artifacts live beside the stage folders, so moving ``root``
         mlartifacts/<campaign>/ # MLflow artifacts, one folder per experiment
         cache/                  # scratch space: downloads for resume and replay, input fingerprints,
                                 #   GGUF files converted to Hugging Face folders (cache/gguf/<sha256>)
+        engine_probe.json       # the probe batch every weight swap of the generation engine is proved on
         <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
 """
 
@@ -71,6 +72,10 @@ class RunLayout:
         if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
             raise ValueError(f"`sha256` must be a lowercase hex sha256, got {sha256!r}")
         return self.cache_dir() / "gguf" / sha256
+
+    def engine_probe_file(self) -> Path:
+        """The campaign's probe batch for the generation engine's weight swaps (:mod:`runtime.engine_probe`)."""
+        return self.root / "engine_probe.json"
 
     def lock_file(self) -> Path:
         """The file whose lock a running iteration holds, so two never run at once."""

@@ -46,7 +46,8 @@ def plan(job: Job[EvaluateSettings]) -> Shards:
 def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     """The :data:`storage.schemas.EVALUATION` rows of each shard of the held-out prompts.
 
-    Both sides sample a batch with the same generator seed (the shard's seed plus the batch's first prompt).
+    Both sides sample a batch with the same generator seed (the shard's seed plus the batch's first prompt). Each side
+    samples the whole shard before the other (on vLLM, one weight swap per side and shard, not two per batch).
     """
     settings, context = job.settings, job.context
     sampling, reward_model, reward_function = settings.sampling, settings.reward_model, settings.reward_function
@@ -70,11 +71,11 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     texts = [prompt_text(tokenizer, prompt) for prompt in held_out]
     for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in EVALUATION.names}
-        for part in shard.batches(sampling.batch_size):
-            prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
-            prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
-            with models.autocast(), torch.no_grad():
-                for side, sampler in samplers.items():
+        for side, sampler in samplers.items():  # each side over the whole shard: one weight swap per side and shard
+            for part in shard.batches(sampling.batch_size):
+                prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
+                prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
+                with models.autocast(), torch.no_grad():
                     generation = generate(
                         sampler,
                         prompt_ids,
@@ -118,7 +119,8 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
                         for name, values in ((OLD_LOGPROBS, policy_logprobs), (ENGINE_LOGPROBS, generation.logprobs)):
                             kept = [row[keep].tolist() for row, keep in zip(values.cpu(), mask, strict=True)]
                             rows[name].extend(kept if sampler is not actor else [None] * len(kept))
-            rows[PROMPT].extend(texts[part])  # as the model saw it: a chat prompt through its template
+                if side == "policy":  # as the model saw it: a chat prompt through its template
+                    rows[PROMPT].extend(texts[part])
         yield pa.table(rows, schema=EVALUATION)
 
 

@@ -2,8 +2,10 @@
 
 ``hf`` samples with the stage's actor and the shard's generator, as always. ``vllm`` samples in the long-lived
 engine (:mod:`runtime.engine`), serving the actor folder the stage was given, with one seed per row
-(:meth:`runtime.fanout.Shard.row_seeds`); the stage then recomputes the log-probs of the sampled tokens with the
-actor (the trainer's numerics) and records how far the engine's are from them.
+(:meth:`runtime.fanout.Shard.row_seeds`), behind the probe gate (:mod:`runtime.engine_probe`): every weight swap is
+proved against the stage's own forward of the same weights before a token is sampled from it. The stage then
+recomputes the log-probs of the sampled tokens with the actor (the trainer's numerics) and records how far the
+engine's are from them.
 """
 
 from __future__ import annotations
@@ -15,21 +17,51 @@ import torch
 from transformers import PreTrainedModel
 
 from rlhf_core.config import SamplingConfig
+from rlhf_core.generation import generate
 from rlhf_core.loading import ModelLoader
 from rlhf_core.mismatch import logprob_mismatch
 from runtime.context import StageContext
-from runtime.engine_client import ServedPolicy, served_policy
+from runtime.engine_client import served_policy
+from runtime.engine_probe import PROBE_PROMPTS, PROBE_RESPONSE_TOKENS, GatedPolicy, Probe, campaign_probe, gated_policy
+from runtime.seeds import stage_seed
 from runtime.shards import Shard
 from storage.schemas import ENGINE_LOGPROBS, OLD_LOGPROBS
+from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
+from tasks.text import load_tokenizer, read_prompts
 
 
 def policy_sampler(
     models: ModelLoader, context: StageContext, actor_dir: str | Path, actor: PreTrainedModel, sampling: SamplingConfig
-) -> PreTrainedModel | ServedPolicy:
-    """What :func:`rlhf_core.generation.generate` samples with: the actor, or the engine serving its folder."""
+) -> PreTrainedModel | GatedPolicy:
+    """What :func:`rlhf_core.generation.generate` samples with: the actor, or the engine serving its folder behind the
+    probe gate (``actor`` gives the trainer's side of the probe)."""
     if sampling.engine == "hf":
         return actor
-    return served_policy(actor_dir, context.execution.engine_url, bases=models.bases)
+    policy = served_policy(actor_dir, context.execution.engine_url, bases=models.bases)
+    probe = campaign_probe(context.layout.engine_probe_file(), lambda: make_probe(models, context, actor))
+    return gated_policy(policy, actor, probe, models=models, iteration=context.iteration)
+
+
+def make_probe(models: ModelLoader, context: StageContext, actor: PreTrainedModel) -> Probe:
+    """The campaign's probe batch (:mod:`runtime.engine_probe`, choice 1): the first training prompts, in the
+    stages' own encoding, each with a response the project's sampler draws from ``actor`` (temperature 1, a seed of
+    the campaign's)."""
+    tokenizer = load_tokenizer(context.base.tokenizer.path)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, read_prompts(context.base.prompts.path)[:PROBE_PROMPTS])
+    config = SamplingConfig(max_new_tokens=PROBE_RESPONSE_TOKENS, temperature=1.0, batch_size=PROBE_PROMPTS)
+    with models.autocast():
+        generation = generate(
+            actor,
+            prompt_ids.to(models.device),
+            prompt_mask.to(models.device),
+            config=config,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            generator=torch.Generator().manual_seed(stage_seed(context.seed, "engine_probe", 0)),
+        )
+    responses = response_token_lists(generation.sequences, generation.action_mask)
+    prompts = prompt_token_lists(prompt_ids, prompt_mask)
+    return Probe(prompts=tuple(map(tuple, prompts)), responses=tuple(map(tuple, responses)))
 
 
 def row_seeds(sampling: SamplingConfig, shard: Shard, first_row: int, rows: int) -> list[int] | None:

@@ -46,6 +46,9 @@ def test_overrides_apply_on_top_of_the_file():
         # 16 rollouts per iteration in tiny.yaml: a horizon of 8 would move the coefficient by up to 40% at once
         (["advantages.kl_target=1", "advantages.kl_horizon=8"], "advantages.kl_horizon"),
         (["advantages.kl_target=1", "advantages.kl_coef=0"], "kl_coef"),  # 0 times any factor stays 0
+        # issue 36 (R1): the engine's log-probs of a filtered sample are not the trainer's over the whole vocabulary
+        (["ppo.tis_cap=2", "sampling.top_p=0.9"], "ppo.tis_cap"),
+        (["ppo.tis_cap=2", "sampling.top_k=50"], "sampling.top_k"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_problem(overrides, named):

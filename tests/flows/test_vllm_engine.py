@@ -92,6 +92,9 @@ def test_a_gae_campaign_samples_every_stage_on_the_engine(gae_run):
             metrics = _metrics(folder)
             assert metrics["engine_logprob_max_abs_diff"] < 1e-4, (stage, metrics)
             assert 1.0 <= metrics["token_mult_prob_error"] <= 1.0001, (stage, metrics)
+            assert metrics["engine_probe_gap"] < 1e-4, (stage, metrics)  # issue 36: every swap proved, and recorded
+            swaps = json.loads((folder / "_manifest.json").read_text())["runtime"]["engine_probe"]
+            assert swaps and all(swap["gap"] < 1e-4 and swap["tolerance"] == 1e-4 for swap in swaps), swaps
     log = (gae_run / "run.log").read_text()
     assert log.count("starting the vLLM generation engine") <= 1  # one engine for the whole command
 
@@ -153,7 +156,7 @@ def test_kill_minus_nine_during_a_rollout_leaves_no_engine_and_resumes_identical
             assert time.monotonic() < deadline, "timed out waiting for the rollout"
             time.sleep(0.05)
         children = _descendants(process.pid)
-        assert any("vllm_server.py" in _command_line(pid) for pid in children), "no engine process to kill"
+        assert any("engine_server/server.py" in _command_line(pid) for pid in children), "no engine process to kill"
         process.send_signal(signal.SIGKILL)
         process.wait()
     assert not _wait_gone(children), f"left after kill -9: {[_command_line(pid) for pid in _alive(children)]}"
@@ -173,7 +176,7 @@ def test_an_engine_that_dies_fails_its_stage_in_one_line_and_the_next_run_resume
             assert process.poll() is None, f"`rlhf run` ended before its rollout; see {log}"
             assert time.monotonic() < deadline, "timed out waiting for the rollout"
             time.sleep(0.02)
-        engines = [pid for pid in _descendants(process.pid) if "vllm_server.py" in _command_line(pid)]
+        engines = [pid for pid in _descendants(process.pid) if "engine_server/server.py" in _command_line(pid)]
         assert engines, "no engine process to kill"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
@@ -230,3 +233,41 @@ def test_a_model_the_engine_cannot_serve_is_one_line(checkpoint_world, tmp_path,
     if os.environ.get("RLHF_VLLM_GPU"):
         pytest.skip("the CUDA build serves head size 16")
     _refused(_argv(tmp_path / "runs", checkpoint_world), capfd, tmp_path / "runs", "cannot serve")
+
+
+@pytest.fixture(scope="module")
+def bf16_llama_world(llama_world, tmp_path_factory) -> dict[str, Path]:
+    """:func:`llama_world`'s Llama saved in bf16, as most hub checkpoints are."""
+    root = tmp_path_factory.mktemp("llama-bf16")
+    model = AutoModelForCausalLM.from_pretrained(llama_world["policy"], dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(root / "policy")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (llama_world["policy"] / name).is_file():
+            (root / "policy" / name).write_bytes((llama_world["policy"] / name).read_bytes())
+    return {**llama_world, "policy": root / "policy"}
+
+
+@pytest.mark.parametrize(("precision", "served"), [("fp32", "merge"), ("bf16", "request")])
+def test_issue36_a_bf16_base_with_lora_samples_the_trainers_weights(bf16_llama_world, tmp_path, precision, served):
+    """Both choices of `execution.engine_lora: auto` on a bf16 checkpoint: merged (in fp32) into an fp32 engine, or
+    as LoRA requests in a bf16 engine. Every swap passes the probe gate at the precision's tolerance, the update's
+    weights included (iteration 1), and in fp32 the engine's log-probs of its own tokens are the trainer's. (Which
+    mode `auto` serves: tests/flows/test_vllm_launch.py.)"""
+    from runtime.engine_probe import TOLERANCES
+
+    run_root = tmp_path / "lora"
+    sets = (
+        "model.lora.r=8",
+        f"precision={precision}",
+        "ppo.actor_learning_rate=0.01",
+        "execution.engine_compile=false",
+    )
+    _run_to_end(_command(run_root, bf16_llama_world, *sets), tmp_path / "run.log")
+    for stage in ("sample_candidates", "rollout", "evaluate"):
+        outputs = _outputs(run_root, stage)
+        assert [iteration for iteration, _ in outputs] == [0, 1], stage
+        for _, folder in outputs:
+            metrics = _metrics(folder)
+            assert metrics["engine_probe_gap"] <= TOLERANCES[precision], (stage, metrics)
+            if precision == "fp32":  # the exact fp32 sum: the engine's own tokens score as the trainer's
+                assert metrics["engine_logprob_max_abs_diff"] < 1e-4, (stage, metrics)

@@ -68,3 +68,25 @@ def test_reward_model_training_stops_at_the_first_non_finite_loss_before_steppin
         fit_reward_model(model, optimizer, pairs, pairs, RewardModelConfig(batch_size=4), accelerator=accelerator)
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter, before[name], equal_nan=True)  # no step was taken
+
+
+def test_issue36_an_fp16_overflow_is_a_skipped_step_and_only_k_in_a_row_diverge():
+    """D3: under fp16's loss scaler a non-finite gradient norm is a step the scaler skips (it halves its scale), not
+    a divergence; the count restarts at every finite norm, and the K-th skip in a row is one. A CPU stand-in for the
+    scaler's sequence of norms: fp16 training needs CUDA, which the suite does not have."""
+    from rlhf_core.divergence import MAX_SKIPPED_STEPS, DivergenceError, skipped_steps
+
+    inf, finite = torch.tensor(float("inf")), torch.tensor(0.5)
+    options = {"scaled": True, "limit": 3, "model": "actor", "learning_rate": 1e-5}
+    in_a_row = 0
+    for norm, expected in ((inf, 1), (inf, 2), (finite, 0), (torch.tensor(float("nan")), 1), (finite, 0)):
+        in_a_row = skipped_steps(norm, in_a_row=in_a_row, **options)
+        assert in_a_row == expected
+    in_a_row = skipped_steps(inf, in_a_row=skipped_steps(inf, in_a_row=0, **options), **options)
+    with pytest.raises(DivergenceError, match=r"3 steps in a row skipped by the fp16 loss scaler\) is not finite"):
+        skipped_steps(inf, in_a_row=in_a_row, step=7, **options)
+    # without a scaler (fp32, bf16) the first non-finite norm is a divergence, as before
+    with pytest.raises(DivergenceError, match="gradient norm is not finite at optimizer step 7"):
+        skipped_steps(inf, scaled=False, in_a_row=0, limit=3, model="actor", step=7)
+    assert skipped_steps(finite, scaled=False, in_a_row=0, limit=3, model="actor") == 0
+    assert MAX_SKIPPED_STEPS == 16  # 2^16, fp16's first scale, halved 16 times is 1 (DeepSpeed's minimum)

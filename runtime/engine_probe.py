@@ -1,0 +1,253 @@
+"""The probe gate: every weight swap of the generation engine is proved against the trainer's own forward.
+
+The worst RL bug is silent: the engine samples other weights than the trainer holds (an adapter that never
+reaches it, a reload that is skipped or half done, a stale tied output layer, a merge that rounds the update away)
+and training goes off-policy with nothing failing. So a generation stage never samples from a swap it has not
+checked: the engine scores a fixed probe batch right after every swap, and the stage compares those log-probs with
+the ones the stage's own model (the trainer's numerics) gives the same tokens.
+
+Choices:
+1. The probe: :data:`PROBE_PROMPTS` of the campaign's training prompts, each with a response of up to
+   :data:`PROBE_RESPONSE_TOKENS` tokens sampled once by the project's own sampler from the policy the campaign's
+   first gate serves (temperature 1, seeded from the campaign's seed), stored as token ids in the run root
+   (:meth:`storage.layout.RunLayout.engine_probe_file`; the first writer wins) and used by every later gate of the
+   campaign. Tokens a policy of the campaign emits, in its chat template: what its updates move; fixed, so the gaps
+   of every swap and iteration compare. It enters no input key: it changes no output, it only stops wrong ones.
+2. Both sides score the probe at temperature 1 over the whole vocabulary: the engine with vLLM's prompt log-probs,
+   the trainer with :func:`rlhf_core.sequences.sequence_logprobs` on the stage's model, one row at a time (no
+   padding on either side), under the stage's autocast. The weights are compared, not the sampling settings.
+3. The gap is the largest ``|engine - trainer|`` over the probe's response tokens; it must not exceed the tolerance
+   of the stage's precision (:data:`TOLERANCES`). fp32: 1e-4, what the engine's tests hold today (measured: 2e-6 on
+   the tiny Llama, 4.5e-5 on SmolLM2-135M). bf16: 0.5, 2.5 times the largest gap measured on SmolLM2-135M (0.20;
+   the tiny Llama's 0.004): both sides round the logits to bf16, whose ulp is 0.125 at |logit| 16-32
+   (bench/RESULTS.md, "The probe gate"). So in bf16 the gate catches gross faults (a stale output layer, an
+   adapter missing after a real update) but not small ones, which the recorded gaps show drifting. fp16 (CUDA only,
+   not measured here) takes bf16's: fp16 keeps 3 more mantissa bits, so its gaps are smaller.
+4. When: every request of the stage carries the probe and the engine state the stage last proved; the engine
+   scores the probe in the same request, right after the swap and before the request's own prompts, whenever its
+   state has changed (``engine_server/server.py``, choice 8). So no token is sampled from an unproved swap, even
+   when other processes (Dask or Ray workers, another command on a shared engine) swap it in between.
+5. A gap beyond the tolerance raises :class:`EngineProbeError` inside the shard, before its rows are yielded: the
+   stage writes nothing (no piece, no output, no finished MLflow run), and the command ends in one line naming the
+   stage (added by :func:`probe_failures_named` around the shards), the iteration, the weights and the gap, exit
+   code 2.
+6. Every proved swap is recorded (:func:`recording`, opened around a process's shards by :mod:`runtime.fanout`):
+   the manifest's runtime lists each (``engine_probe``) and the stage's metric ``engine_probe_gap`` is the largest
+   gap, so a slow drift shows before it trips. The ``hf`` sampler needs no gate: it is the trainer's model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlhf_core.errors import UserError
+from runtime.engine_client import ProbeBatch, ServedPolicy, engine_generate
+from storage.files import publish_file, temporary_sibling
+
+if TYPE_CHECKING:  # transformers only where a gate is made: runtime.fanout imports this module
+    from rlhf_core.config import SamplingConfig
+    from rlhf_core.loading import ModelLoader
+
+PROBE_PROMPTS = 4
+"""Prompts in the probe batch (choice 1)."""
+PROBE_RESPONSE_TOKENS = 16
+"""The longest response of the probe batch, in tokens (choice 1)."""
+TOLERANCES: dict[str, float] = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
+"""The largest gap (nats) a swap may show, per precision (choice 3)."""
+PROBE_RECORDS = "engine_probe"
+"""Where a stage's manifest runtime lists its proved swaps."""
+GAP_METRIC = "engine_probe_gap"
+"""The stage metric: the largest gap of its swaps."""
+
+
+class EngineProbeError(UserError, RuntimeError):
+    """The generation engine's log-probs of the probe batch are not the trainer's: it samples other weights."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The probe batch: prompts and a response for each, as token ids (choice 1)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    responses: tuple[tuple[int, ...], ...]
+
+    def batch(self) -> ProbeBatch:
+        """The sequences (prompt then response) and prompt lengths the engine scores."""
+        sequences = [
+            list(prompt) + list(response) for prompt, response in zip(self.prompts, self.responses, strict=True)
+        ]
+        return ProbeBatch(sequences=sequences, prompt_lengths=[len(prompt) for prompt in self.prompts])
+
+    def to_json(self) -> str:
+        return json.dumps({"prompts": self.prompts, "responses": self.responses}) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Probe:
+        raw = json.loads(text)
+        return cls(
+            prompts=tuple(tuple(ids) for ids in raw["prompts"]),
+            responses=tuple(tuple(ids) for ids in raw["responses"]),
+        )
+
+
+def campaign_probe(path: Path, make: Callable[[], Probe]) -> Probe:
+    """The campaign's probe from ``path``, made with ``make`` and stored there when it is not yet (the first
+    writer wins: two processes that race both end up using the one stored)."""
+    if not path.is_file():
+        probe = make()
+        temporary = temporary_sibling(path)
+        temporary.write_text(probe.to_json())
+        with contextlib.suppress(FileExistsError):
+            publish_file(temporary, path)
+    return Probe.from_json(path.read_text())
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, probe: Probe) -> list[list[float]]:
+    """The model's log-prob of every response token of the probe: temperature 1, the whole vocabulary, one row at a
+    time (choice 2); the caller holds the stage's autocast.
+
+    Shapes:
+        each row: (len(response),) floats.
+    """
+    from rlhf_core.sequences import sequence_logprobs
+
+    device = next(model.parameters()).device
+    rows = []
+    for sequence, length in zip(*probe.batch(), strict=True):
+        ids = torch.tensor([sequence], device=device)  # (1, T)
+        logprobs = sequence_logprobs(model, ids, torch.ones_like(ids), length, temperature=1.0)  # (1, R)
+        rows.append(logprobs[0].float().cpu().tolist())
+    return rows
+
+
+def probe_gap(engine: list[list[float]], trainer: list[list[float]]) -> float:
+    """The largest ``|engine - trainer|`` over every token (choice 3); infinite when the rows do not line up.
+
+    Naive equivalent: ``max(abs(e - t) for row_e, row_t in zip(engine, trainer) for e, t in zip(row_e, row_t))``.
+    """
+    if [len(row) for row in engine] != [len(row) for row in trainer]:
+        return float("inf")
+    pairs = zip(engine, trainer, strict=True)
+    differences = [abs(e - t) for row_e, row_t in pairs for e, t in zip(row_e, row_t, strict=True)]
+    return float("inf") if any(d != d for d in differences) else max(differences, default=0.0)  # NaN fails
+
+
+_records: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("engine_probe_records", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict]]:
+    """Collect the records of every swap proved in the block (choice 6), in order."""
+    records: list[dict] = []
+    token = _records.set(records)
+    try:
+        yield records
+    finally:
+        _records.reset(token)
+
+
+def record_metrics(records: list[dict]) -> dict[str, float]:
+    """The stage metric of its proved swaps: ``engine_probe_gap``, the largest gap; none without a swap."""
+    return {GAP_METRIC: max(record["gap"] for record in records)} if records else {}
+
+
+@contextlib.contextmanager
+def probe_failures_named(stage: str) -> Iterator[None]:
+    """Name the stage in a failed gate's line (the gate itself runs in a shard, which does not know it)."""
+    try:
+        yield
+    except EngineProbeError as error:
+        raise EngineProbeError(f"{stage}, {error}") from None
+
+
+@dataclass
+class GatedPolicy:
+    """A policy the engine serves, sampled only from swaps the probe proved (an
+    :class:`rlhf_core.generation.ExternalSampler`).
+
+    Args:
+        policy: the weights (and adapter) the engine serves.
+        probe: the campaign's probe batch.
+        expected: the trainer's log-probs of the probe (:func:`trainer_logprobs` of the same weights).
+        tolerance: the largest gap allowed (:data:`TOLERANCES` of the stage's precision).
+        iteration: the stage's iteration, for the failure's line.
+        trainer_seconds: what the trainer's side of the probe took (recorded with the first swap).
+    """
+
+    policy: ServedPolicy
+    probe: Probe
+    expected: list[list[float]]
+    tolerance: float
+    iteration: int
+    trainer_seconds: float = 0.0
+    verified: str | None = field(default=None, init=False)
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], *, config: SamplingConfig, eos_token_id: int | None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One response per prompt from the engine, after proving any swap it made for them.
+
+        Raises:
+            EngineProbeError: the engine's log-probs of the probe are beyond the tolerance from the trainer's.
+            runtime.engine_client.EngineError: the engine is gone or failed the request.
+        """
+        batch = self.probe.batch()
+        answer = engine_generate(
+            self.policy, prompts, seeds, config=config, eos_token_id=eos_token_id, probe=batch, verified=self.verified
+        )
+        if answer.probe_logprobs is not None:
+            self.check(answer.probe_logprobs, state=answer.state, seconds=answer.probe_seconds)
+        return answer.tokens, answer.logprobs
+
+    def check(self, engine: list[list[float]], *, state: str, seconds: float) -> None:
+        """Compare the engine's log-probs of the probe with the trainer's; record the swap, or refuse it."""
+        gap = probe_gap(engine, self.expected)
+        weights = self.policy.weights + (
+            "" if self.policy.adapter is None else f" with the adapter {self.policy.adapter}"
+        )
+        record = {
+            "weights": self.policy.weights,
+            "adapter": self.policy.adapter,
+            "engine_state": state,
+            "gap": gap,
+            "tolerance": self.tolerance,
+            "engine_seconds": seconds,
+            "trainer_seconds": self.trainer_seconds,
+        }
+        records = _records.get()
+        if records is not None:
+            records.append(record)
+        if not gap <= self.tolerance:
+            raise EngineProbeError(
+                f"iteration {self.iteration}: the generation engine does not sample the trainer's weights ({weights}): "
+                f"its log-probs of the probe batch are {gap:.3g} from the trainer's forward (tolerance {self.tolerance:g})"
+            )
+        self.verified, self.trainer_seconds = state, 0.0
+
+
+def gated_policy(
+    policy: ServedPolicy, model: torch.nn.Module, probe: Probe, *, models: ModelLoader, iteration: int
+) -> GatedPolicy:
+    """``policy`` behind the probe gate, its expected log-probs from ``model`` (the same weights in the trainer, run
+    under the stage's autocast; the tolerance is that of the stage's precision)."""
+    start = time.perf_counter()
+    with models.autocast():
+        expected = trainer_logprobs(model, probe)
+    return GatedPolicy(
+        policy=policy,
+        probe=probe,
+        expected=expected,
+        tolerance=TOLERANCES[models.precision],
+        iteration=iteration,
+        trainer_seconds=time.perf_counter() - start,
+    )

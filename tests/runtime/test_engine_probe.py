@@ -1,0 +1,138 @@
+"""The probe gate's own parts (issue 36), without an engine: the gap, the campaign's probe file, the trainer's side
+of the probe, and what a gate does with an engine's answer (a stand-in engine answering over HTTP as the server
+does). The gate against the real engine, broken on purpose, is tests/flows/test_engine_faults.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from rlhf_core.config import SamplingConfig
+from rlhf_core.loading import ModelLoader
+from rlhf_core.sequences import sequence_logprobs
+from runtime.engine_client import ServedPolicy
+from runtime.engine_probe import (
+    GAP_METRIC,
+    EngineProbeError,
+    Probe,
+    campaign_probe,
+    gated_policy,
+    probe_failures_named,
+    probe_gap,
+    record_metrics,
+    recording,
+    trainer_logprobs,
+)
+from tests.conftest import left_padded, tiny_causal_lm
+
+PROBE = Probe(prompts=((1, 5, 6), (1, 7)), responses=((8, 9, 2), (10,)))
+
+
+def test_the_gap_is_the_largest_difference_over_every_token():
+    # |0.5 - 0.25| = 0.25, |-1 - -1.5| = 0.5, |-2 - -2| = 0: the largest is 0.5
+    assert probe_gap([[0.5, -1.0], [-2.0]], [[0.25, -1.5], [-2.0]]) == 0.5
+    assert probe_gap([[0.0]], [[0.0, 1.0]]) == float("inf")  # rows that do not line up never pass
+    assert probe_gap([[float("nan")]], [[0.0]]) == float("inf")
+
+
+def test_the_probe_is_made_once_and_found_again(tmp_path):
+    made = []
+
+    def make() -> Probe:
+        made.append(1)
+        return PROBE
+
+    path = tmp_path / "engine_probe.json"
+    assert campaign_probe(path, make) == PROBE
+    assert campaign_probe(path, lambda: pytest.fail("made a second time")) == PROBE
+    assert made == [1] and json.loads(path.read_text())["responses"] == [[8, 9, 2], [10]]
+    batch = PROBE.batch()
+    assert batch.sequences == [[1, 5, 6, 8, 9, 2], [1, 7, 10]] and batch.prompt_lengths == [3, 2]
+
+
+def test_the_trainers_side_is_the_stages_own_forward_of_each_row():
+    """One row at a time, temperature 1: the same log-probs as the stages' padded batch forward (fp32)."""
+    model = tiny_causal_lm("llama").eval()
+    rows = trainer_logprobs(model, PROBE)
+    ids, mask = left_padded([list(p) for p in PROBE.prompts])  # (2, 3)
+    responses = torch.tensor([[8, 9, 2], [10, 0, 0]])  # (2, 3), right-padded
+    sequences = torch.cat([ids, responses], dim=1)  # (2, 6)
+    attention = torch.cat([mask, torch.tensor([[1, 1, 1], [1, 0, 0]])], dim=1)
+    with torch.no_grad():
+        batch = sequence_logprobs(model, sequences, attention, 3, temperature=1.0)  # (2, 3)
+    torch.testing.assert_close(torch.tensor(rows[0]), batch[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(rows[1]), batch[1, :1], rtol=0, atol=1e-5)
+
+
+class _Engine:
+    """A stand-in engine server: answers ``/generate`` with fixed tokens, and a probe's log-probs (``shift`` away from
+    ``truth``) whenever its state is not the verified one; each request may swap (a new state)."""
+
+    def __init__(self, truth: list[list[float]]) -> None:
+        self.truth, self.shift, self.state, self.requests = truth, 0.0, 0, []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.requests.append(request)
+                probe = None
+                if request["probe"] is not None and request["verified"] != str(engine.state):
+                    probe = {"logprobs": [[v + engine.shift for v in row] for row in engine.truth], "seconds": 0.01}
+                body = {"tokens": [[4]], "logprobs": [[-1.0]], "swap_seconds": 0.0, "state": str(engine.state)}
+                data = json.dumps({**body, "probe": probe}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture
+def engine_and_gate():
+    model = tiny_causal_lm("llama").eval()
+    loader = ModelLoader(device=torch.device("cpu"), precision="fp32")
+    gate = gated_policy(ServedPolicy("", "/runs/ppo_update/abc/actor"), model, PROBE, models=loader, iteration=3)
+    engine = _Engine(gate.expected)
+    gate.policy = ServedPolicy(engine.url, "/runs/ppo_update/abc/actor")
+    yield engine, gate
+    engine.server.shutdown()
+
+
+def test_a_swap_within_tolerance_is_recorded_and_proved_once(engine_and_gate):
+    engine, gate = engine_and_gate
+    config = SamplingConfig(max_new_tokens=4)
+    engine.shift = 5e-5  # within fp32's 1e-4
+    with recording() as records:
+        gate.sample([[1, 2]], [7], config=config, eos_token_id=2)
+        gate.sample([[1, 2]], [8], config=config, eos_token_id=2)  # the same state: not scored again
+        engine.state += 1  # someone swapped the engine in between
+        gate.sample([[1, 2]], [9], config=config, eos_token_id=2)
+    assert [request["verified"] for request in engine.requests] == [None, "0", "0"]
+    assert [record["engine_state"] for record in records] == ["0", "1"]
+    assert records[0]["gap"] == pytest.approx(5e-5, abs=1e-6) and records[0]["tolerance"] == 1e-4
+    assert record_metrics(records) == {GAP_METRIC: pytest.approx(5e-5, abs=1e-6)}
+    assert record_metrics([]) == {}
+
+
+def test_a_swap_beyond_tolerance_stops_before_its_tokens_are_used(engine_and_gate):
+    engine, gate = engine_and_gate
+    engine.shift = 0.02
+    with recording() as records, pytest.raises(EngineProbeError) as refused, probe_failures_named("rollout"):
+        gate.sample([[1, 2]], [7], config=SamplingConfig(max_new_tokens=4), eos_token_id=2)
+    message = str(refused.value)
+    assert message.startswith("rollout, iteration 3: the generation engine does not sample the trainer's weights")
+    assert "/runs/ppo_update/abc/actor" in message and "0.02 from the trainer's forward (tolerance 0.0001)" in message
+    assert refused.value.exit_code == 2 and "\n" not in message
+    assert records[0]["gap"] == pytest.approx(0.02, abs=1e-6)  # recorded before the refusal
+    assert gate.verified is None
