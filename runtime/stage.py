@@ -47,6 +47,7 @@ from rlhf_core.divergence import DivergenceError
 from rlhf_core.errors import UserError
 from rlhf_core.loading import ModelLoader
 from rlhf_core.precision import Precision, resolve_device
+from runtime.assets import publish_output
 from runtime.code import code_fingerprint
 from runtime.context import InputFile, StageContext
 from runtime.events import STAGE_EVENT
@@ -247,6 +248,7 @@ def run_stage(
         else _record_stage(context, tracker, stage, stage_settings, manifest, stage_dir, register)
     )
     result = StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
+    publish_output(context, result, upstream)
     _announce(describe_result(result), {STAGE_EVENT: "finished", "rlhf_result": result})
     return result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,46 @@ def test_running_again_does_no_work_and_says_so(campaign):
             )
         )
     assert iteration_runs == [], "finished iterations are history: no iteration flow runs, no stage task runs"
+
+
+def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upstream(campaign):
+    """Each stage output is an asset named by campaign, iteration, stage and digest, materialised by the run that
+    wrote it (not again by the run that reused it: the one above), with its upstream assets and base inputs as
+    related resources and its figures as payload; the lineage artifact draws them, up to each evaluation."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from runtime.assets import MATERIALIZED, base_dependencies, manifest_asset
+    from storage.manifest import read_manifest
+    from tests.flows.conftest import prefect_events
+
+    config, _ = campaign
+    manifests = [
+        read_manifest(path.parent, verify=False)
+        for path in (config.run_root / config.campaign).glob("*/*/_manifest.json")
+    ]
+    prefix = f"rlhf://{config.campaign}/"
+    events = prefect_events(MATERIALIZED, resource_prefix=prefix, expect=len(manifests))
+    keys = [event.resource.id for event in events]
+    assert sorted(keys) == sorted(manifest_asset(config.campaign, manifest) for manifest in manifests)  # once each
+    by_digest = {manifest.digest: manifest for manifest in manifests}
+    for event in events:
+        manifest = by_digest[event.payload["digest"]]
+        assert event.payload["campaign"] == config.campaign and event.payload["stage"] == manifest.stage
+        assert event.payload["bytes"] > 0 and event.payload["metrics"] == manifest.metrics
+        parents = [by_digest[digest] for digest in manifest.upstream.values() if digest in by_digest]  # not optimizers
+        upstream = {manifest_asset(config.campaign, parent) for parent in parents}
+        related = {resource.id for resource in event.related if resource.role == "asset"}
+        assert related == upstream | set(base_dependencies(config.campaign, manifest))
+        assert {"flow-run", "task-run"} <= {resource.role for resource in event.related}  # who materialised it
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{config.campaign}-lineage"])), limit=1
+        )
+    evaluations = [manifest for manifest in manifests if manifest.stage == "evaluate"]
+    assert "```mermaid" in artifact.data and len(evaluations) == config.iterations
+    for manifest in evaluations:
+        assert re.sub(r"\W", "_", manifest_asset(config.campaign, manifest)) in artifact.data
 
 
 def test_issue15_mlflow_shows_training_curves_samples_and_the_overoptimisation_figure(campaign):
