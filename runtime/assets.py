@@ -22,8 +22,7 @@ Choices:
    materialisation that wrote it, while the outputs made from it still name it as their upstream.
 5. Which base inputs a stage reads is declared in :data:`BASE_INPUTS` (the model and data files; tokenizers go with
    their models).
-6. Events are sent only from inside a Prefect run: outside one (a stage called from a script) there is no server to
-   tell, and Prefect would start a temporary one for a single event.
+6. Events are sent only from inside a Prefect run (:func:`runtime.events.send`).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runtime.events import in_prefect_run, send
 from storage.manifest import Manifest, read_manifest
 
 if TYPE_CHECKING:
@@ -159,10 +159,7 @@ def output_events(
 
 def publish_output(context: StageContext, result: StageResult, upstream: Mapping[str, Any]) -> None:
     """Send Prefect the events of a stage output (:func:`output_events`), from inside a Prefect run only."""
-    from prefect.context import FlowRunContext, TaskRunContext
-    from prefect.events import emit_event
-
-    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+    if not in_prefect_run():
         return
     manifest = read_manifest(result.directory, verify=False)
     parents = [
@@ -173,4 +170,4 @@ def publish_output(context: StageContext, result: StageResult, upstream: Mapping
         context.campaign, manifest, parents, reused=result.reused, run_id=result.run_id, path=result.path
     )
     for event in events:
-        emit_event(event.event, resource=event.resource, related=list(event.related), payload=event.payload)
+        send(event.event, event.resource, related=event.related, payload=event.payload)

@@ -14,6 +14,8 @@ Choices:
    line naming ``sampling.engine`` before any stage runs (:class:`EngineStartError`).
 4. ``execution.engine_url`` names an engine someone already runs: nothing is started, and its health is checked.
 5. Dask and Ray workers reach the engine at its URL (``Execution.engine_url``); it serves one request at a time.
+6. One engine per machine: a started engine holds the machine's engine slot, a Prefect global concurrency limit
+   (:func:`runtime.concurrency.engine_slot`), until it stops; a second command waits for it, and says so.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from runtime.children import free_port, launch_tied, stop
+from runtime.concurrency import engine_slot
 from runtime.execution import ExecutionConfig
 from runtime.threads import command_threads
 
@@ -50,6 +53,8 @@ class EngineStartError(UserError, RuntimeError):
 
 _running: tuple[tuple, subprocess.Popen, str, Path] | None = None
 """The engine this process started: its launch arguments, process, URL and log file."""
+_slot = contextlib.ExitStack()
+"""The machine's engine slot (:func:`runtime.concurrency.engine_slot`) while this process's engine runs."""
 
 
 def engine_python() -> Path:
@@ -104,6 +109,7 @@ def stop_engine() -> None:
     if _running is not None:
         stop(_running[1], timeout=_STOP_SECONDS)
         _running = None
+    _slot.close()
 
 
 def _wait(process: subprocess.Popen, url: str, log: Path, *, policy: str, port: int) -> None:
@@ -180,6 +186,24 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
     if _running is not None and _running[0] == key and _running[1].poll() is None:
         return _running[2]
     stop_engine()
+    _slot.enter_context(engine_slot())
+    atexit.register(_slot.close)  # registered before the engine's stop below, so it runs after it (last in, first)
+    try:
+        process, url, log, port = _launch(python, execution, options)
+        start = time.perf_counter()
+        _wait(process, url, log, policy=policy, port=port)
+    except BaseException:
+        _slot.close()
+        raise
+    _running = (key, process, url, log)
+    logger.info(
+        "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
+    )
+    return url
+
+
+def _launch(python: Path, execution: ExecutionConfig, options: dict) -> tuple[subprocess.Popen, str, Path, int]:
+    """Start the engine's server process (stopped at exit); its process, URL, log file and port."""
     port = execution.engine_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
@@ -187,16 +211,10 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
         process = launch_tied(
             str(python),
             [str(python), "-I", str(SERVER), *server_arguments(execution, **options, port=port)],
-            env=_environment(execution, policy),
+            env=_environment(execution, options["policy"]),
             stdout=output,
             stderr=subprocess.STDOUT,
         )
     atexit.register(stop, process, timeout=_STOP_SECONDS)
     logger.info("starting the vLLM generation engine on %s (log: %s)", url, log)
-    start = time.perf_counter()
-    _wait(process, url, log, policy=policy, port=port)
-    _running = (key, process, url, log)
-    logger.info(
-        "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
-    )
-    return url
+    return process, url, log, port

@@ -166,6 +166,92 @@ def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upst
         assert re.sub(r"\W", "_", manifest_asset(config.campaign, manifest)) in artifact.data
 
 
+def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_they_were_computed_on(campaign):
+    """MLflow's models view: a logged model per actor, critic and reward model, linked to its run, folder, lineage and
+    registered version; evaluation and reward-model figures logged with the model and the data's digest; `best`
+    on the registered actor with the highest gold win rate; and the Prefect events that said so."""
+    import hashlib
+
+    from tests.flows.conftest import prefect_events
+
+    config, _ = campaign
+    client, experiment, runs = _mlflow_runs(config)
+    stage_runs = {run.info.run_id: run for run in runs if run.data.tags.get("rlhf.kind") == "stage"}
+    runs_of = {
+        stage: sorted(run_id for run_id, run in stage_runs.items() if run.data.tags["rlhf.stage"] == stage)
+        for stage in STAGES
+    }
+    models = client.search_logged_models([experiment.experiment_id])
+    named = {name: [model for model in models if model.name == name] for name in ("actor", "critic", "reward_model")}
+    assert sorted(model.source_run_id for model in named["actor"]) == runs_of["ppo_update"]
+    assert sorted(model.source_run_id for model in named["critic"]) == runs_of["ppo_update"]
+    assert sorted(model.source_run_id for model in named["reward_model"]) == runs_of["train_reward_model"]
+    for model in models:
+        run = stage_runs[model.source_run_id]
+        assert model.tags["rlhf.manifest_digest"] == run.data.tags["rlhf.manifest_digest"]
+        assert model.tags["rlhf.iteration"] == run.data.tags["rlhf.iteration"]
+        assert Path(model.tags["rlhf.source"].removeprefix("file://")).name == model.name
+        assert Path(model.tags["rlhf.source"].removeprefix("file://")).is_dir()
+        (version,) = json.loads(model.tags["mlflow.modelVersions"])  # registered once, linked both ways
+        suffix = model.name.replace("_", "-")
+        assert version["name"] == f"{config.campaign}-{suffix}"
+        assert client.get_model_version(version["name"], version["version"]).run_id == model.source_run_id
+    actors = {model.tags["rlhf.iteration"]: model for model in named["actor"]}
+    assert "rlhf.parent_model" not in actors["0"].tags  # iteration 0 starts from the base (initialize's output)
+    assert actors["1"].tags["rlhf.parent_model"] == actors["0"].model_id
+    assert actors["1"].tags["rlhf.upstream.policy"] == actors["0"].tags["rlhf.manifest_digest"]
+
+    eval_digest = hashlib.sha256(Path(config.data.eval_prompts).read_bytes()).hexdigest()[:32]
+    for model in named["actor"]:
+        evaluation = next(
+            run
+            for run in stage_runs.values()
+            if run.data.tags["rlhf.stage"] == "evaluate"
+            and run.data.tags["rlhf.iteration"] == model.tags["rlhf.iteration"]
+        )
+        figures = {metric.key: metric for metric in model.metrics}
+        win_rate = figures["evaluate/gold_win_rate"]
+        assert win_rate.value == evaluation.data.metrics["evaluate/gold_win_rate"]
+        assert (win_rate.dataset_name, win_rate.dataset_digest) == (
+            f"eval_prompts[:{config.sizes.eval_prompts}]",
+            eval_digest,
+        )
+        assert win_rate.run_id == evaluation.info.run_id and "evaluate/seconds" not in figures
+    for model in named["reward_model"]:
+        accuracy = next(metric for metric in model.metrics if metric.key == "train_reward_model/eval_accuracy")
+        assert accuracy.dataset_name == "held_out_pairs"
+        assert accuracy.value == stage_runs[model.source_run_id].data.metrics["train_reward_model/eval_accuracy"]
+
+    best = max(
+        named["actor"],
+        key=lambda model: (
+            next(m.value for m in model.metrics if m.key.endswith("gold_win_rate")),
+            model.tags["rlhf.iteration"],
+        ),
+    )
+    best_version = client.get_model_version_by_alias(f"{config.campaign}-actor", "best")
+    assert best_version.run_id == best.source_run_id
+
+    registered = prefect_events("rlhf.policy.registered", resource_prefix=f"rlhf.campaign.{config.campaign}", expect=2)
+    assert sorted(event.payload["model_id"] for event in registered) == sorted(m.model_id for m in named["actor"])
+    for event in registered:
+        assert event.payload["campaign"] == config.campaign and event.payload["model"] == f"{config.campaign}-actor"
+        assert (
+            event.payload["iteration_run_id"]
+            == stage_runs[event.payload["stage_run_id"]].data.tags["mlflow.parentRunId"]
+        )
+    evaluated = prefect_events("rlhf.iteration.evaluated", resource_prefix=f"rlhf.campaign.{config.campaign}", expect=2)
+    assert sorted(event.payload["iteration"] for event in evaluated) == [0, 1]
+    for event in evaluated:
+        assert event.payload["model_id"] in {model.model_id for model in named["actor"]}
+        assert (
+            event.payload["dataset"]["digest"]
+            == hashlib.sha256(Path(config.data.eval_prompts).read_bytes()).hexdigest()
+        )
+        assert "evaluate/gold_win_rate" in event.payload["metrics"] and event.payload["kind"] == "iteration"
+    assert evaluated[-1].payload["best_version"] == str(best_version.version)
+
+
 def test_issue15_mlflow_shows_training_curves_samples_and_the_overoptimisation_figure(campaign):
     config, _ = campaign
     client, experiment, runs = _mlflow_runs(config)

@@ -82,7 +82,7 @@ def test_nothing_is_sent_outside_a_prefect_run(tmp_path, monkeypatch):
     import prefect.events
 
     sent = []
-    monkeypatch.setattr(prefect.events, "emit_event", lambda *args, **kwargs: sent.append(args))
+    monkeypatch.setattr(prefect.events, "emit_event", lambda *args, **kwargs: sent.append(args))  # what send calls
     output = write_output(tmp_path, "initialize", 0, upstream={})
     folder = tmp_path / "initialize" / output.input_key[:16]
     result = StageResult.of(folder, output, reused=False, run_id=None)
