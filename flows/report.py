@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from campaign.config import PipelineConfig
 from campaign.store import stage_run, store_tracker
-from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND, Tracker
+from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND, TAG_MODEL, Tracker
 
 HEADLINE_METRICS = {
     "evaluate/gold_win_rate": "gold win rate",
@@ -107,7 +107,7 @@ def models_report(tracker: Tracker, run_ids: Sequence[str], *, metrics: Sequence
         stage = (
             None if experiment_id is None else stage_run(tracker, experiment_id, run_id, POLICY_STAGE, required=False)
         )
-        found = [] if stage is None else tracker.logged_models(experiment_id, name="actor", run_id=stage)
+        found = [] if stage is None else tracker.logged_models(experiment_id, tags={TAG_MODEL: "actor"}, run_id=stage)
         models.append(found[0] if found else None)
     if not any(models):
         return ""

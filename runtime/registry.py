@@ -7,7 +7,8 @@ ends), so everything here is as idempotent as the recording is.
 Choices:
 
 1. Each checkpoint folder a stage declares (its ``register`` table: the PPO update's ``actor`` and ``critic``, the
-   reward model) becomes a logged model, in replays too: tagged with its campaign, iteration, stage run, folder
+   reward model) becomes a logged model, in replays too, named ``<folder>-iteration-<n>`` (``-replay`` for a
+   replay's) so the *Models* tab tells them apart: tagged with its campaign, iteration, stage run, folder
    and lineage (the digest of every upstream output, and the logged model it was trained from, where that one is
    a logged model). Only iterations register versions (``<campaign>-<suffix>``), linked to the logged model.
 2. Metrics are linked to the model that produced them and the data they were computed on: the evaluation's to the
@@ -36,6 +37,7 @@ from storage.tracking import (
     TAG_CAMPAIGN,
     TAG_ITERATION,
     TAG_KIND,
+    TAG_MODEL,
     TAG_PARENT_MODEL,
     TAG_UPSTREAM_PREFIX,
     Tracker,
@@ -54,6 +56,8 @@ MODEL_FIGURES = {"train_reward_model": ("reward_model", ("eval_accuracy", "eval_
 """``stage -> (the model it trains, the held-out figures that belong to that model)``."""
 PARENTS = {"actor": "policy", "critic": "policy", "reward_model": "previous"}
 """``model name -> the upstream holding the model it was trained from``."""
+HEADLINE = (*BEST_METRICS, "evaluate/gold_mean", "evaluate/kl_to_reference")
+"""Logged first, so the *Models* tab shows them in its first columns (it keeps the order metrics were logged in)."""
 RUNTIME = ("seconds", "peak_memory_mb")
 """Metrics of how a stage ran, not of what it measured: left off the model (:mod:`runtime.stage` records them)."""
 
@@ -103,10 +107,11 @@ def _record_checkpoint(
         **{f"{TAG_UPSTREAM_PREFIX}{name}": digest for name, digest in upstream.items()},
         **({TAG_PARENT_MODEL: parent_model.model_id} if parent_model is not None else {}),
     }
+    iteration = manifest_iteration(manifest)
     model_id = tracker.record_checkpoint(
         context.experiment_id,
         run_id,
-        name=subfolder,
+        name=f"{subfolder}-iteration-{iteration}" + ("" if context.register_models else "-replay"),
         manifest=manifest,
         stage_dir=stage_dir,
         subfolder=subfolder,
@@ -151,9 +156,11 @@ def _record_evaluation(
     policy = manifest.upstream.get(evaluated)
     model = None if policy is None else tracker.checkpoint_model(context.experiment_id, "actor", policy)
     dataset = eval_prompts(context, manifest)
-    metrics = {
+    figures = {
         f"{manifest.stage}/{name}": value for name, value in manifest.metrics.items() if not name.startswith(RUNTIME)
     }
+    order = [name for name in HEADLINE if name in figures] + sorted(set(figures) - set(HEADLINE))
+    metrics = {name: figures[name] for name in order}
     best = None
     if model is not None:
         tracker.log_model_metrics(run_id, model.model_id, metrics, dataset=dataset)
@@ -184,7 +191,7 @@ def move_best_alias(
     metric = next((key for key in BEST_METRICS if key in metrics), None)
     if metric is None:
         return None
-    for model in tracker.logged_models(experiment_id, name="actor", best_by=metric, dataset=dataset):
+    for model in tracker.logged_models(experiment_id, tags={TAG_MODEL: "actor"}, best_by=metric, dataset=dataset):
         versions = [version for registered, version in model.versions if registered == name]
         scored = any(m.key == metric and m.dataset_name == dataset[0] for m in model.metrics)
         if versions and scored:

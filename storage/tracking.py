@@ -25,6 +25,9 @@ Choices:
    are skipped when already there, ``output/`` artifacts are cleared and logged again, datasets and
    model versions are not added twice. A run on another host is never touched: its writer cannot be
    seen.
+4. A checkpoint folder is also a logged model (:meth:`Tracker.record_checkpoint`), created once per stage run and
+   folder, found by the output's manifest digest and its :data:`TAG_MODEL`; it points at the folder the run
+   recorded and copies nothing. Older records have none, and everything here reads them as before.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ __all__ = [
     "TAG_PACKAGE_VERSION",
     "TAG_SUPERSEDED_BY",
     "TAG_SOURCE",
+    "TAG_MODEL",
     "TAG_STAGE",
     "TAG_PARENT_MODEL",
     "TAG_UPSTREAM_PREFIX",
@@ -103,6 +107,8 @@ TAG_OUTPUT_PATH = "rlhf.output_path"
 TAG_PROCESS = "rlhf.process"
 """The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
+TAG_MODEL = "rlhf.model"
+"""On a logged model: which model of its stage output it is (``actor``, ``critic``, ``reward_model``: its folder)."""
 TAG_SOURCE = "rlhf.source"
 """On a logged model: the folder of its weights (a URI), in the stage output that holds it."""
 TAG_UPSTREAM_PREFIX = "rlhf.upstream."
@@ -451,16 +457,18 @@ class Tracker(MlflowStore):
         subfolder: str,
         tags: Mapping[str, str],
     ) -> str:
-        """The logged model of the checkpoint folder ``subfolder`` of a stage output recorded on ``run_id``, created
-        once (a recording finished by a second attempt finds the first's); its id.
+        """The logged model ``name`` of the checkpoint folder ``subfolder`` of a stage output recorded on ``run_id``,
+        created once (a recording finished by a second attempt finds the first's); its id.
 
-        It is tagged with the output's stage, manifest digest and the folder (:data:`TAG_SOURCE`), plus ``tags``
-        (campaign, iteration, lineage), and holds no copy of the weights.
+        It is tagged with which model it is (:data:`TAG_MODEL`: the folder's name), the output's stage and manifest
+        digest and the folder (:data:`TAG_SOURCE`), plus ``tags`` (campaign, iteration, lineage), and holds no copy
+        of the weights.
         """
-        existing = self.logged_models(experiment_id, name=name, run_id=run_id)
+        existing = self.logged_models(experiment_id, run_id=run_id, tags={TAG_MODEL: subfolder})
         if existing:
             return existing[0].model_id
         model_tags = {
+            TAG_MODEL: subfolder,
             TAG_STAGE: manifest.stage,
             TAG_MANIFEST_DIGEST: manifest.digest,
             TAG_SOURCE: self.model_source(run_id, stage_dir, subfolder),
@@ -470,10 +478,10 @@ class Tracker(MlflowStore):
             experiment_id, name=name, run_id=run_id, tags=model_tags, params={}, model_type=manifest.stage
         )
 
-    def checkpoint_model(self, experiment_id: str, name: str, digest: str) -> LoggedModelSummary | None:
-        """The logged model ``name`` (``actor``, ...) of the stage output with manifest digest ``digest``, or None
-        (an output recorded before checkpoints were logged models, or one that is not a model)."""
-        found = self.logged_models(experiment_id, name=name, tags={TAG_MANIFEST_DIGEST: digest})
+    def checkpoint_model(self, experiment_id: str, model: str, digest: str) -> LoggedModelSummary | None:
+        """The logged model of ``model`` (``actor``, ...) in the stage output with manifest digest ``digest``, or None
+        (an output recorded before checkpoints were logged models, or one that holds no such model)."""
+        found = self.logged_models(experiment_id, tags={TAG_MODEL: model, TAG_MANIFEST_DIGEST: digest})
         return found[0] if found else None
 
     # Finished iterations --------------------------------------------------------------------------

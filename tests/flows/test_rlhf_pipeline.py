@@ -182,7 +182,10 @@ def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_
         for stage in STAGES
     }
     models = client.search_logged_models([experiment.experiment_id])
-    named = {name: [model for model in models if model.name == name] for name in ("actor", "critic", "reward_model")}
+    named = {
+        role: [model for model in models if model.tags["rlhf.model"] == role]
+        for role in ("actor", "critic", "reward_model")
+    }
     assert sorted(model.source_run_id for model in named["actor"]) == runs_of["ppo_update"]
     assert sorted(model.source_run_id for model in named["critic"]) == runs_of["ppo_update"]
     assert sorted(model.source_run_id for model in named["reward_model"]) == runs_of["train_reward_model"]
@@ -190,10 +193,12 @@ def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_
         run = stage_runs[model.source_run_id]
         assert model.tags["rlhf.manifest_digest"] == run.data.tags["rlhf.manifest_digest"]
         assert model.tags["rlhf.iteration"] == run.data.tags["rlhf.iteration"]
-        assert Path(model.tags["rlhf.source"].removeprefix("file://")).name == model.name
+        role = model.tags["rlhf.model"]
+        assert model.name == f"{role}-iteration-{run.data.tags['rlhf.iteration']}"  # told apart in the Models tab
+        assert Path(model.tags["rlhf.source"].removeprefix("file://")).name == role
         assert Path(model.tags["rlhf.source"].removeprefix("file://")).is_dir()
         (version,) = json.loads(model.tags["mlflow.modelVersions"])  # registered once, linked both ways
-        suffix = model.name.replace("_", "-")
+        suffix = role.replace("_", "-")
         assert version["name"] == f"{config.campaign}-{suffix}"
         assert client.get_model_version(version["name"], version["version"]).run_id == model.source_run_id
     actors = {model.tags["rlhf.iteration"]: model for model in named["actor"]}
