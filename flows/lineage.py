@@ -12,8 +12,11 @@ Choices:
    content, and MLflow says which evaluations belong to the campaign's finished iterations.
 2. It holds the evaluations of every finished iteration (and the outputs of the run it is drawn for) and everything
    they were made from; outputs of abandoned attempts and superseded iterations are left out.
-3. Node ids are the asset keys (:func:`runtime.assets.manifest_asset`), so the diagram and the events name the same
-   assets; the run's own outputs are marked written or reused, and each evaluation shows its headline figure.
+3. Each node is named by its asset key (:func:`runtime.assets.manifest_asset`) in a comment beside it, so the
+   diagram and the events name the same assets; node ids are short (``n3``), and the diagram draws the newest
+   :data:`DRAWN_ITERATIONS` iterations only: Mermaid draws no diagram of more than 50,000 characters, and an
+   iteration takes about 1,000 (the tiny campaign: 1,616 characters for one iteration, 3,643 for three). The
+   run's own outputs are marked written or reused, and each evaluation shows its headline figure.
 4. An output whose manifest is no longer on disk (``rlhf gc`` removed it) ends its branch: the graph shows what
    the folder still holds.
 """
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 
 LINEAGE_ARTIFACT = "lineage"
 EVALUATION_STAGE = "evaluate"
+DRAWN_ITERATIONS = 12
+"""The newest iterations the diagram draws (see the module docstring)."""
 HEADLINE = (("gold_win_rate", "gold win rate"), ("rubric_mean", "rubric"), ("reward_mean", "reward"))
 """The figure an evaluation node shows: the first of these its metrics hold."""
 
@@ -93,11 +98,6 @@ def ancestry(manifests: dict[str, Manifest], roots: Iterable[str]) -> list[Manif
     return ordered
 
 
-def _node_id(key: str) -> str:
-    """A Mermaid node id for an asset key (letters, digits and underscores)."""
-    return re.sub(r"\W", "_", key)
-
-
 def _label(manifest: Manifest, *, status: str) -> str:
     lines = [f"{manifest.stage} · {manifest_iteration(manifest)}", manifest.digest[:8]]
     if manifest.stage == EVALUATION_STAGE:
@@ -108,9 +108,16 @@ def _label(manifest: Manifest, *, status: str) -> str:
     return "<br/>".join(lines)
 
 
+def drawn(lineage: Lineage) -> tuple[Manifest, ...]:
+    """The outputs the diagram holds: those of the newest :data:`DRAWN_ITERATIONS` iterations."""
+    iterations = sorted({manifest_iteration(manifest) for manifest in lineage.outputs})[-DRAWN_ITERATIONS:]
+    return tuple(manifest for manifest in lineage.outputs if manifest_iteration(manifest) in iterations)
+
+
 def mermaid(campaign: str, lineage: Lineage) -> str:
     """The lineage as a Mermaid flowchart, top to bottom: the base inputs, then each output below what it was made
-    from (no box per iteration: Mermaid lays boxes side by side, which the artifact's column shrinks unreadably)."""
+    from (no box per iteration: Mermaid lays boxes side by side, which the artifact's column shrinks unreadably).
+    Nodes have short ids, each named by its asset key in a comment line (see the module docstring)."""
     lines = [
         "flowchart TB",
         "  classDef base fill:#e8eef8,stroke:#5b7bb0,color:#1d2b44",
@@ -118,23 +125,26 @@ def mermaid(campaign: str, lineage: Lineage) -> str:
         "  classDef reused fill:#f4f4f4,stroke:#888,stroke-dasharray:4 3,color:#333",
         "  classDef evaluated fill:#fff3d6,stroke:#c08a00,stroke-width:2px,color:#321",
     ]
-    keys = {manifest.digest: manifest_asset(campaign, manifest) for manifest in lineage.outputs}
+    outputs = drawn(lineage)
+    node = {manifest.digest: f"n{index}" for index, manifest in enumerate(outputs)}
     bases: dict[str, str] = {}
     edges: list[tuple[str, str]] = []
-    for manifest in lineage.outputs:
-        child = _node_id(keys[manifest.digest])
-        edges += [(_node_id(keys[parent]), child) for parent in sorted(manifest.upstream.values()) if parent in keys]
+    for manifest in outputs:
+        child = node[manifest.digest]
+        edges += [(node[parent], child) for parent in sorted(manifest.upstream.values()) if parent in node]
         for key in base_dependencies(campaign, manifest):
-            bases[key] = _node_id(key)
+            bases.setdefault(key, f"b{len(bases)}")
             edges.append((bases[key], child))
-    for key, node in sorted(bases.items()):
+    for key, base in bases.items():
         name, sha = key.rsplit("/", 2)[-2:]
-        lines.append(f'  {node}[("{name}<br/>{sha[:8]}")]:::base')
-    for manifest in lineage.outputs:
+        lines += [f"  %% {base}: {key}", f'  {base}[("{name}<br/>{sha[:8]}")]:::base']
+    for manifest in outputs:
         status = "wrote" if manifest.digest in lineage.wrote else "reused" if manifest.digest in lineage.reused else ""
         style = status or ("evaluated" if manifest.stage == EVALUATION_STAGE else "")
-        node = _node_id(keys[manifest.digest])
-        lines.append(f'  {node}["{_label(manifest, status=status)}"]' + (f":::{style}" if style else ""))
+        lines += [
+            f"  %% {node[manifest.digest]}: {manifest_asset(campaign, manifest)}",
+            f'  {node[manifest.digest]}["{_label(manifest, status=status)}"]' + (f":::{style}" if style else ""),
+        ]
     lines += [f"  {parent} --> {child}" for parent, child in dict.fromkeys(edges)]
     return "\n".join(lines)
 
@@ -151,6 +161,7 @@ def lineage_markdown(campaign: str, lineage: Lineage, *, title: str) -> str:
         mermaid(campaign, lineage),
         "```",
         "",
+        *_left_out(lineage),
         "| stage | iteration | asset | this run | rows | MB |",
         "| --- | ---: | --- | --- | ---: | ---: |",
     ]
@@ -165,6 +176,19 @@ def lineage_markdown(campaign: str, lineage: Lineage, *, title: str) -> str:
             f"| {rows or ''} | {size:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _left_out(lineage: Lineage) -> list[str]:
+    """A line saying which iterations the diagram leaves out, if any."""
+    left = len(lineage.outputs) - len(drawn(lineage))
+    if not left:
+        return []
+    first = min(manifest_iteration(manifest) for manifest in drawn(lineage))
+    return [
+        f"The diagram starts at iteration {first}: {left} outputs of earlier iterations are in earlier versions of "
+        "this artifact.",
+        "",
+    ]
 
 
 def evaluated_outputs(tracker: Tracker, experiment_id: str) -> list[str]:
