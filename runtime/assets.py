@@ -28,7 +28,7 @@ Choices:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from runtime.events import in_prefect_run, send
@@ -107,11 +107,15 @@ def output_metadata(manifest: Manifest, *, campaign: str, run_id: str | None) ->
     }
 
 
-def _stage_results(upstream: Mapping[str, Any]) -> list[StageResult]:
-    """The stage outputs among a stage's upstream arguments (a tuple counts each; optimizer states are not outputs)."""
-    from runtime.stage import StageResult
+def _stage_results(upstream: Any) -> list[StageResult]:
+    """The stage outputs a stage was given: among a mapping's values, or a settings dataclass's fields (a tuple counts
+    each; optimizer states and settings are not outputs)."""
+    from runtime.stage import StageResult  # runtime.stage calls this module
 
-    values = [item for value in upstream.values() for item in (value if isinstance(value, tuple | list) else (value,))]
+    given = (
+        upstream.values() if isinstance(upstream, Mapping) else [getattr(upstream, f.name) for f in fields(upstream)]
+    )
+    values = [item for value in given for item in (value if isinstance(value, tuple | list) else (value,))]
     return [value for value in values if isinstance(value, StageResult)]
 
 
@@ -157,8 +161,14 @@ def output_events(
     ]
 
 
-def publish_output(context: StageContext, result: StageResult, upstream: Mapping[str, Any]) -> None:
-    """Send Prefect the events of a stage output (:func:`output_events`), from inside a Prefect run only."""
+def publish_output(context: StageContext, result: StageResult, upstream: Any) -> None:
+    """Send Prefect the events of a stage output (:func:`output_events`), from inside a Prefect run only.
+
+    Args:
+        context: the iteration.
+        result: the output, written or reused.
+        upstream: what the stage was given: ``{name: output}``, or a settings dataclass holding its inputs.
+    """
     if not in_prefect_run():
         return
     manifest = read_manifest(result.directory, verify=False)

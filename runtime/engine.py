@@ -15,7 +15,8 @@ Choices:
 4. ``execution.engine_url`` names an engine someone already runs: nothing is started, and its health is checked.
 5. Dask and Ray workers reach the engine at its URL (``Execution.engine_url``); it serves one request at a time.
 6. One engine per machine: a started engine holds the machine's engine slot, a Prefect global concurrency limit
-   (:func:`runtime.concurrency.engine_slot`), until it stops; a second command waits for it, and says so.
+   (:func:`runtime.concurrency.engine_slot`), until it stops or the command ends; a second command waits for it, and
+   says so.
 """
 
 from __future__ import annotations
@@ -186,24 +187,8 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
     if _running is not None and _running[0] == key and _running[1].poll() is None:
         return _running[2]
     stop_engine()
-    _slot.enter_context(engine_slot())
+    _slot.enter_context(engine_slot())  # an engine that fails to start ends the command, whose exit frees it
     atexit.register(_slot.close)  # registered before the engine's stop below, so it runs after it (last in, first)
-    try:
-        process, url, log, port = _launch(python, execution, options)
-        start = time.perf_counter()
-        _wait(process, url, log, policy=policy, port=port)
-    except BaseException:
-        _slot.close()
-        raise
-    _running = (key, process, url, log)
-    logger.info(
-        "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
-    )
-    return url
-
-
-def _launch(python: Path, execution: ExecutionConfig, options: dict) -> tuple[subprocess.Popen, str, Path, int]:
-    """Start the engine's server process (stopped at exit); its process, URL, log file and port."""
     port = execution.engine_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
@@ -211,10 +196,16 @@ def _launch(python: Path, execution: ExecutionConfig, options: dict) -> tuple[su
         process = launch_tied(
             str(python),
             [str(python), "-I", str(SERVER), *server_arguments(execution, **options, port=port)],
-            env=_environment(execution, options["policy"]),
+            env=_environment(execution, policy),
             stdout=output,
             stderr=subprocess.STDOUT,
         )
     atexit.register(stop, process, timeout=_STOP_SECONDS)
     logger.info("starting the vLLM generation engine on %s (log: %s)", url, log)
-    return process, url, log, port
+    start = time.perf_counter()
+    _wait(process, url, log, policy=policy, port=port)
+    _running = (key, process, url, log)
+    logger.info(
+        "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
+    )
+    return url

@@ -131,6 +131,7 @@ def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upst
     related resources and its figures as payload; the lineage artifact draws them, up to each evaluation."""
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     from runtime.assets import MATERIALIZED, base_dependencies, manifest_asset
     from storage.manifest import read_manifest
@@ -157,7 +158,9 @@ def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upst
         assert {"flow-run", "task-run"} <= {resource.role for resource in event.related}  # who materialised it
     with get_client(sync_client=True) as client:
         (artifact,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{config.campaign}-lineage"])), limit=1
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{config.campaign}-lineage"])),
+            sort=ArtifactSort.CREATED_DESC,  # the last iteration's version
+            limit=1,
         )
     evaluations = [manifest for manifest in manifests if manifest.stage == "evaluate"]
     assert "```mermaid" in artifact.data and len(evaluations) == config.iterations

@@ -88,3 +88,24 @@ def test_nothing_is_sent_outside_a_prefect_run(tmp_path, monkeypatch):
     result = StageResult.of(folder, output, reused=False, run_id=None)
     publish_output(SimpleNamespace(campaign="demo"), result, {})
     assert sent == []
+
+
+def test_the_outputs_a_stage_was_given_are_found_in_a_mapping_or_a_settings_dataclass(tmp_path):
+    from dataclasses import dataclass
+
+    from runtime.assets import _stage_results
+
+    first, second = (
+        StageResult.of(tmp_path / name, write_output(tmp_path, name, 0, upstream={}), reused=False, run_id=None)
+        for name in ("initialize", "rollout")
+    )
+
+    @dataclass(frozen=True)
+    class Settings:
+        policy: StageResult
+        preferences: tuple[StageResult, ...]
+        optimizer: object
+        kl_coef: float
+
+    assert _stage_results({"policy": first, "preferences": (second,), "optimizer": None}) == [first, second]
+    assert _stage_results(Settings(first, (second,), object(), 0.1)) == [first, second]
