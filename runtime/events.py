@@ -13,6 +13,8 @@ Prefect events (what an automation's trigger matches; the names are :data:`EVENT
    concern, and their payload always holds ``campaign`` and ``iteration`` and the digests of the outputs involved.
 3. Events are sent only from inside a Prefect run (:func:`send`): elsewhere there is no server to tell, and Prefect
    would start a temporary one for a single event.
+4. At least once: a stage recording that an earlier attempt left unfinished is finished by the next, which sends
+   its events again (an automation that must act once per policy keys on the payload's ``model_id``).
 """
 
 from __future__ import annotations

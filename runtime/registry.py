@@ -98,16 +98,15 @@ def _record_checkpoint(
     subfolder: str,
 ) -> None:
     """One checkpoint as a logged model, registered as a new version in an iteration (not a replay)."""
-    upstream = manifest.upstream
+    upstream, iteration = manifest.upstream, manifest_iteration(manifest)
     parent = upstream.get(PARENTS.get(subfolder, ""))
     parent_model = None if parent is None else tracker.checkpoint_model(context.experiment_id, subfolder, parent)
     tags = {
         TAG_CAMPAIGN: context.campaign,
-        TAG_ITERATION: str(manifest_iteration(manifest)),
+        TAG_ITERATION: str(iteration),
         **{f"{TAG_UPSTREAM_PREFIX}{name}": digest for name, digest in upstream.items()},
         **({TAG_PARENT_MODEL: parent_model.model_id} if parent_model is not None else {}),
     }
-    iteration = manifest_iteration(manifest)
     model_id = tracker.record_checkpoint(
         context.experiment_id,
         run_id,
@@ -122,7 +121,7 @@ def _record_checkpoint(
     name = f"{context.campaign}-{suffix}"
     version = tracker.register_model(run_id, name=name, stage_dir=stage_dir, subfolder=subfolder, model_id=model_id)
     payload = {
-        "iteration": manifest_iteration(manifest),
+        "iteration": iteration,
         "model": name,
         "version": version,
         "model_id": model_id,
