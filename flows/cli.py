@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument(
         "--interval", type=float, metavar="SECONDS", help="also run one more iteration every SECONDS seconds"
     )
+    serve.add_argument(
+        "--replay-on-register",
+        action="append",
+        metavar="SETTING=VALUE",
+        help="attach an automation: each policy the campaign registers has its iteration replayed with this setting "
+        "changed (repeatable; only what a replay may change, e.g. advantages.kl_coef=0.1)",
+    )
     show = commands.add_parser("config", help="print the resolved config as YAML and exit")
     _add_config_arguments(show)
     show.add_argument(
@@ -292,6 +299,8 @@ def _prepare(config, arguments, *, replay: bool = False, checked: bool = False, 
         console = show_stages(handlers)  # before the inputs: converting a GGUF model says so there
     try:
         base = resolve_base.fn(config, checked=inputs_checked)
+        if config.sampling.engine == "vllm":
+            ensure_prefect_api()  # the engine takes the machine's Prefect concurrency slot before it starts
         generation_engine(config, base.policy.path)  # now: what it cannot do is told before any stage runs
     except BaseException:
         if console is not None:
@@ -482,7 +491,9 @@ def _gc(config, arguments) -> int:
 def _serve(config, arguments) -> int:
     from flows.serve import serve_pipeline
 
-    serve_pipeline(config, cron=arguments.cron, interval=arguments.interval)
+    serve_pipeline(
+        config, cron=arguments.cron, interval=arguments.interval, replay_on_register=arguments.replay_on_register
+    )
     return 0
 
 

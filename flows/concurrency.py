@@ -3,7 +3,7 @@
 An iteration or replay holds a slot of the Prefect global concurrency limit ``rlhf-campaign-<name>`` (limit 1,
 created when missing) beside the campaign's lock file (which only covers one machine, or one shared file system).
 Slots are leased: a process that dies without releasing its slot loses it once the lease runs out
-(:data:`LEASE_SECONDS`, when the server's repossessor service runs), or at once when the next run of the campaign
+(:data:`runtime.concurrency.LEASE_SECONDS`, when the server's repossessor service runs), or at once when the next run of the campaign
 on the same machine finds its lease recorded (:func:`campaign_slot`).
 """
 
@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
+from runtime.concurrency import LEASE_SECONDS, create_limit, limit_full
+
 logger = logging.getLogger(__name__)
 
 CAMPAIGN_LIMIT_PREFIX = "rlhf-campaign-"
-LEASE_SECONDS = 60.0
-"""How long the slot of a process that died stays taken (a live holder renews its lease in the background)."""
 
 
 def campaign_limit(campaign: str) -> str:
@@ -44,13 +44,13 @@ def campaign_slot(campaign: str, record: Path) -> Iterator[None]:
     )
 
     name = campaign_limit(campaign)
-    _create_limit(name)
+    create_limit(name, 1)
     if record.is_file():
         with contextlib.suppress(Exception):  # already released, or expired and revoked by the server
             release_concurrency_slots_with_lease(UUID(record.read_text().strip()))
             logger.info("released the campaign slot of a run that stopped without releasing it")
         record.unlink()
-    if _slot_taken(name):
+    if limit_full(name):
         logger.warning(
             "waiting for campaign %s's slot (Prefect global concurrency limit %s): another iteration or replay of "
             "it runs. If none does (a run killed while a server kept its leases in memory), free the slot: "
@@ -67,26 +67,3 @@ def campaign_slot(campaign: str, record: Path) -> Iterator[None]:
             release_concurrency_slots_with_lease(lease)
         finally:  # a release that fails (the server is gone, Ctrl-C) leaves a lease that expires on its own
             record.unlink(missing_ok=True)
-
-
-def _create_limit(name: str) -> None:
-    """Create the global concurrency limit ``name`` with one slot, unless it exists (its limit is left as set)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another process created it first
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-
-
-def _slot_taken(name: str) -> bool:
-    """Whether the global concurrency limit ``name`` has no free slot now (a run acquiring it will wait)."""
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        limit = client.read_global_concurrency_limit_by_name(name)
-    return limit.active_slots >= limit.limit

@@ -26,6 +26,7 @@ from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stag
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
 from flows.inputs import InputError, check_inputs
 from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
+from flows.lineage import artifact_key, create_lineage_artifact
 from runtime.cluster import cluster_address
 from runtime.context import BaseInputs, Execution, StageContext, TrackingStore
 from runtime.declaration import StageResult
@@ -306,7 +307,7 @@ def close_iteration(
             _supersede(context)
     _prune_optimizer_states(context, stages, kind=kind)
     create_markdown_artifact(
-        key=f"{context.campaign.lower().replace('_', '-').replace('.', '-')}-{kind}-{context.iteration}",
+        key=artifact_key(context.campaign, kind, context.iteration),
         markdown=iteration_summary(
             context,
             stages,
@@ -317,6 +318,7 @@ def close_iteration(
         ),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
+    create_lineage_artifact(context, [*filter(None, [experience]), *stages], kind=kind)
     return state
 
 

@@ -40,10 +40,19 @@ def replay_config(config: PipelineConfig, source_run_id: str, overrides: list[st
     override that sets a field to the value the source run had changes nothing and is accepted, so
     the command that ran the campaign can replay it with the same ``--set`` options.
     """
-    source = source_config(config, source_run_id)
+    return with_replay_changes(source_config(config, source_run_id), overrides, location=config)
+
+
+def with_replay_changes(source: PipelineConfig, overrides: list[str], *, location: PipelineConfig) -> PipelineConfig:
+    """``source`` (the config an iteration ran with) with ``overrides`` applied and the store of ``location``.
+
+    Raises:
+        ConfigError: an override a replay cannot honour (see :func:`forbidden_changes`), or an estimator the
+            source's rollout cannot serve.
+    """
     tree: dict[str, Any] = source.model_dump(mode="json")
     for field in LOCATION:
-        tree[field] = getattr(config, field) if field != "run_root" else str(config.run_root)
+        tree[field] = getattr(location, field) if field != "run_root" else str(location.run_root)
     given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)

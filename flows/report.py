@@ -1,7 +1,9 @@
 """Terminal reports read back from MLflow: a campaign's iterations, and runs side by side.
 
 Metric names are the same in every run (``stage/metric``), so each table here is also a
-comparison the MLflow UI can draw.
+comparison the MLflow UI can draw. :func:`compare_report` ends with the models view: the policy each run
+trained as the logged model MLflow's *Models* tab lists, with its registered version and aliases and the
+evaluation figures logged with it on its held-out data.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from campaign.config import PipelineConfig
-from campaign.store import store_tracker
-from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND
+from campaign.store import stage_run, store_tracker
+from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND, TAG_MODEL, Tracker
 
 HEADLINE_METRICS = {
     "evaluate/gold_win_rate": "gold win rate",
@@ -57,9 +59,10 @@ def campaign_report(config: PipelineConfig) -> str:
 
 
 def campaign_link(config: PipelineConfig) -> str:
-    """Where the MLflow UI lists the campaign's runs (`tracking_ui_url`), as a line to print."""
+    """Where the MLflow UI lists the campaign's runs and its models (`tracking_ui_url`), as lines to print."""
     tracker = store_tracker(config)
-    return f"MLflow: {tracker.experiment_url(tracker.experiment_id(config.campaign))}"
+    experiment_id = tracker.experiment_id(config.campaign)
+    return f"MLflow: {tracker.experiment_url(experiment_id)}\nMLflow models: {tracker.models_url(experiment_id)}"
 
 
 KL_TO_REFERENCE = "evaluate/kl_to_reference"
@@ -87,4 +90,50 @@ def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: S
         ["iteration", *(t.get(TAG_ITERATION, "-") for t in tags)],
         *([name, *(_cell(v, name) for v in values)] for name in names),
     ]
-    return text_table(rows)
+    return "\n\n".join(filter(None, [text_table(rows), models_report(tracker, run_ids, metrics=names)]))
+
+
+POLICY_STAGE = "ppo_update"
+
+
+def models_report(tracker: Tracker, run_ids: Sequence[str], *, metrics: Sequence[str]) -> str:
+    """The policy (actor) each run trained, as MLflow's models view shows it: its logged model, registered version
+    and aliases, the data its evaluation ran on, and ``metrics`` as logged with the model; empty when no run's
+    policy is a logged model (runs recorded before they were)."""
+    models = []
+    for run_id in run_ids:
+        run = tracker.run(run_id)
+        experiment_id = tracker.experiment_id(run.tags[TAG_CAMPAIGN]) if TAG_CAMPAIGN in run.tags else None
+        stage = (
+            None if experiment_id is None else stage_run(tracker, experiment_id, run_id, POLICY_STAGE, required=False)
+        )
+        found = [] if stage is None else tracker.logged_models(experiment_id, tags={TAG_MODEL: "actor"}, run_id=stage)
+        models.append(found[0] if found else None)
+    if not any(models):
+        return ""
+    aliases: dict[tuple[str, str], tuple[str, ...]] = {}
+    for name in {name for model in models if model for name, _ in model.versions}:
+        aliases |= {(name, version.version): version.aliases for version in tracker.model_versions(name)}
+
+    def registered(model) -> str:
+        if model is None or not model.versions:
+            return "-"
+        name, version = model.versions[-1]
+        named = ", ".join(alias for alias in aliases.get((name, version), ()) if alias != "latest")
+        return f"{name} v{version}" + (f" ({named})" if named else "")
+
+    def figure(model, name: str) -> str:
+        values = [metric.value for metric in (model.metrics if model else ()) if metric.key == name]
+        return f"{values[-1]:.4g}" if values else "-"
+
+    def dataset(model) -> str:
+        names = sorted({metric.dataset_name for metric in (model.metrics if model else ()) if metric.dataset_name})
+        return ", ".join(names) or "-"
+
+    rows = [
+        ["policy (logged model)", *(model.model_id if model else "-" for model in models)],
+        ["registered", *(registered(model) for model in models)],
+        ["evaluated on", *(dataset(model) for model in models)],
+        *([name, *(figure(model, name) for model in models)] for name in metrics if name.startswith("evaluate/")),
+    ]
+    return "models (MLflow's Models tab)\n" + text_table(rows)

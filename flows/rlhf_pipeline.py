@@ -31,10 +31,12 @@ from flows.iterations import (
     resolve_base,
 )
 from flows.replay import check_replay_data, check_replayable
+from rlhf_core.precision import resolve_device
 from runtime.cluster import cluster
+from runtime.concurrency import gpu_stages
 from runtime.context import BaseInputs, StageContext
 from runtime.declaration import StageResult
-from runtime.events import STAGE_EVENT
+from runtime.events import STAGE_EVENT, announces_failure
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -89,8 +91,9 @@ def rlhf_iteration(
     the base inputs the command resolved already (:func:`flows.iterations.resolve_base`), or None to resolve them.
 
     Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
-    iterations of one campaign never run at once, on one machine or several; runs on the engines of
-    ``config.execution`` (:mod:`runtime.cluster`) and the generation engine
+    iterations of one campaign never run at once, on one machine or several; on a GPU its stages carry the ``gpu``
+    tag (:func:`runtime.concurrency.gpu_stages`), so other campaigns' GPU stages take turns with them; runs on the
+    cluster of ``config.execution`` (:mod:`runtime.cluster`) and the generation engine
     (:func:`flows.iterations.generation_engine`). If it fails, its MLflow run ends FAILED (KILLED on Ctrl-C); running
     it again reopens and finishes it.
     """
@@ -109,8 +112,25 @@ def rlhf_iteration(
         get_run_logger().info(
             "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
         )
-        with context.tracker.ends_on_error(context.parent_run_id):
+        with (
+            context.tracker.ends_on_error(context.parent_run_id),
+            announces_failure(
+                config.campaign, _failure_payload(context, "iteration", None if state is None else state.policy)
+            ),
+            gpu_stages(resolve_device(config.execution.device).type, campaign=config.campaign),
+        ):
             return _iteration(config, context, state)
+
+
+def _failure_payload(context: StageContext, kind: str, policy: StageResult | None) -> dict:
+    """What the event of a failed iteration or replay says besides the error: which run, from which policy."""
+    return {
+        "iteration": context.iteration,
+        "kind": kind,
+        "iteration_run_id": context.parent_run_id,
+        "flow_run_id": context.flow_run_id,
+        "policy_digest": None if policy is None else policy.digest,
+    }
 
 
 def _iteration(config: PipelineConfig, context: StageContext, state: IterationState | None) -> IterationState:
@@ -198,7 +218,11 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
         inputs = load_replay_inputs(config, source_run_id, base)
         check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)
-        with context.tracker.ends_on_error(context.parent_run_id):
+        with (
+            context.tracker.ends_on_error(context.parent_run_id),
+            announces_failure(config.campaign, _failure_payload(context, "replay", inputs.policy)),
+            gpu_stages(resolve_device(config.execution.device).type, campaign=config.campaign),
+        ):
             return _replay(config, context, inputs)
 
 

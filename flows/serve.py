@@ -19,7 +19,14 @@
 5. Stopping ``serve`` (Ctrl-C or SIGTERM) pauses the deployments, so no scheduled runs pile up while
    nothing serves them; serving again resumes them. Prefect 3.8.8's own SIGTERM handler exits without
    pausing or cancelling anything (it never awaits its stop coroutine), so :class:`_Runner` fixes it.
-6. A Prefect server that does not answer (never started, or gone while serving) is asked once, for a few seconds
+6. ``--replay-on-register SETTING=VALUE`` attaches a trigger to the replay deployment (:func:`replay_trigger`): when
+   the campaign registers a policy (the event :data:`runtime.events.POLICY_REGISTERED`), Prefect's automation starts
+   a replay of that policy's iteration with those settings. The replay waits for the campaign's lock, so it runs once
+   the iteration that registered the policy has finished.
+7. On a machine with GPUs, serving sets the ``gpu`` tag's concurrency limit to their number
+   (:func:`runtime.concurrency.ensure_gpu_limit`): the GPU stages of every campaign served against the same Prefect
+   server take turns, at most one per GPU at once.
+8. A Prefect server that does not answer (never started, or gone while serving) is asked once, for a few seconds
    (:func:`server_answers`), not through the client's retries: serving refuses to start, and stopping says the
    deployments could not be paused and exits within seconds, instead of half a minute of connection-error
    tracebacks.
@@ -40,15 +47,20 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 import httpx
+import torch
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.events import DeploymentEventTrigger
 from prefect.logging import get_logger
 from prefect.runner import Runner
 from prefect.settings import get_current_settings
 from pydantic import ValidationError
 
 from campaign.config import ConfigError, PipelineConfig
+from flows.replay import with_replay_changes
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from rlhf_core.config import field_bounds
+from runtime.concurrency import ensure_gpu_limit
+from runtime.events import POLICY_REGISTERED, campaign_resource
 
 logger = get_logger("rlhf.serve")  # under prefect's logger, so it shows at INFO in the console
 
@@ -105,8 +117,31 @@ def with_bounds(schema: dict[str, Any], *, hidden: tuple[str, ...] = ()) -> dict
     return schema
 
 
+def replay_trigger(config: PipelineConfig, overrides: list[str]) -> DeploymentEventTrigger:
+    """The trigger that replays the iteration of each policy ``config``'s campaign registers, with ``overrides``
+    (``advantages.kl_coef=0.1``, ...): :data:`runtime.events.POLICY_REGISTERED` about the campaign starts the replay
+    deployment with the iteration's MLflow run as ``source_run_id``.
+
+    Raises:
+        ConfigError: an override a replay cannot honour (:func:`flows.replay.with_replay_changes`).
+    """
+    replay = with_replay_changes(config, overrides, location=config)
+    changes = ", ".join(overrides)
+    return DeploymentEventTrigger(
+        name=f"replay each new policy of {config.campaign} with {changes}",
+        description=f"When campaign {config.campaign} registers a policy, replay its iteration with {changes}",
+        expect={POLICY_REGISTERED},
+        match={"prefect.resource.id": campaign_resource(config.campaign)["prefect.resource.id"]},
+        parameters={"config": replay.model_dump(mode="json"), "source_run_id": "{{ event.payload.iteration_run_id }}"},
+    )
+
+
 def build_deployments(
-    config: PipelineConfig, *, cron: str | None = None, interval: float | None = None
+    config: PipelineConfig,
+    *,
+    cron: str | None = None,
+    interval: float | None = None,
+    replay_on_register: list[str] | None = None,
 ) -> list[RunnerDeployment]:
     """The iteration, campaign and replay deployments of ``config``'s campaign, with ``config`` as default.
 
@@ -114,9 +149,12 @@ def build_deployments(
         config: the served config; every run's ``config`` parameter defaults to it.
         cron: a cron expression (UTC) on which the iteration deployment runs one more iteration.
         interval: alternatively, seconds between scheduled iterations.
+        replay_on_register: the replay deployment's trigger (:func:`replay_trigger`): each newly registered
+            policy's iteration is replayed with these settings. None: no trigger.
 
     Raises:
-        ConfigError: both ``cron`` and ``interval``, a non-positive ``interval``, or a malformed ``cron``.
+        ConfigError: both ``cron`` and ``interval``, a non-positive ``interval``, a malformed ``cron``, or a replay
+            setting a replay cannot change.
     """
     if cron is not None and interval is not None:
         raise ConfigError("give either a cron schedule or an interval, not both")
@@ -144,7 +182,11 @@ def build_deployments(
     deployments = [
         iteration,
         rlhf_campaign.to_deployment(parameters=defaults, **common),
-        rlhf_replay.to_deployment(parameters=defaults, **common),
+        rlhf_replay.to_deployment(
+            parameters=defaults,
+            triggers=[replay_trigger(config, replay_on_register)] if replay_on_register else None,
+            **common,
+        ),
     ]
     for deployment in deployments:
         schema = deployment._parameter_openapi_schema  # no public setter in prefect 3.8.8
@@ -237,7 +279,13 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval: float | None = None) -> None:
+def serve_pipeline(
+    config: PipelineConfig,
+    *,
+    cron: str | None = None,
+    interval: float | None = None,
+    replay_on_register: list[str] | None = None,
+) -> None:
     """Serve :func:`build_deployments` until Ctrl-C or SIGTERM; flow runs execute in subprocesses of this one.
 
     What ``prefect.serve`` does, with a runner that also stops cleanly on SIGTERM (see :class:`_Runner`).
@@ -247,7 +295,9 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
         PrefectServerUnreachable: it does not answer.
         ConfigError: see :func:`build_deployments`.
     """
-    deployments = build_deployments(config, cron=cron, interval=interval)  # a bad schedule is named first
+    deployments = build_deployments(  # a bad schedule or replay setting is named first
+        config, cron=cron, interval=interval, replay_on_register=replay_on_register
+    )
     settings = get_current_settings()
     if not settings.api.url:
         raise NoPrefectServer(
@@ -259,6 +309,7 @@ def serve_pipeline(config: PipelineConfig, *, cron: str | None = None, interval:
             f"the Prefect server at PREFECT_API_URL={settings.api.url} does not answer: start it "
             "(`prefect server start`), or point PREFECT_API_URL at one that runs"
         )
+    ensure_gpu_limit(torch.cuda.device_count())
     runner = _Runner(pause_on_shutdown=True)
     for deployment in deployments:
         runner.add_deployment(deployment)

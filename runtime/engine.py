@@ -14,6 +14,9 @@ Choices:
    line naming ``sampling.engine`` before any stage runs (:class:`EngineStartError`).
 4. ``execution.engine_url`` names an engine someone already runs: nothing is started, and its health is checked.
 5. Dask and Ray workers reach the engine at its URL (``Execution.engine_url``); it serves one request at a time.
+6. One engine per machine: a started engine holds the machine's engine slot, a Prefect global concurrency limit
+   (:func:`runtime.concurrency.engine_slot`), until it stops or the command ends; a second command waits for it, and
+   says so.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from rlhf_core.errors import UserError
 from rlhf_core.precision import Precision
 from runtime.children import free_port, launch_tied, stop
+from runtime.concurrency import engine_slot
 from runtime.declaration import StageSettings, setting_values
 from runtime.execution import ExecutionConfig
 from runtime.threads import command_threads
@@ -51,6 +55,8 @@ class EngineStartError(UserError, RuntimeError):
 
 _running: tuple[tuple, subprocess.Popen, str, Path] | None = None
 """The engine this process started: its launch arguments, process, URL and log file."""
+_slot = contextlib.ExitStack()
+"""The machine's engine slot (:func:`runtime.concurrency.engine_slot`) while this process's engine runs."""
 
 
 def engine_python() -> Path:
@@ -133,6 +139,7 @@ def stop_engine() -> None:
     if _running is not None:
         stop(_running[1], timeout=_STOP_SECONDS)
         _running = None
+    _slot.close()
 
 
 def _wait(process: subprocess.Popen, url: str, log: Path, *, policy: str, port: int) -> None:
@@ -209,6 +216,8 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
     if _running is not None and _running[0] == key and _running[1].poll() is None:
         return _running[2]
     stop_engine()
+    _slot.enter_context(engine_slot())  # an engine that fails to start ends the command, whose exit frees it
+    atexit.register(_slot.close)  # registered before the engine's stop below, so it runs after it (last in, first)
     port = execution.engine_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])

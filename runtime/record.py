@@ -18,6 +18,7 @@ from prefect.states import Completed, State
 
 from runtime.context import StageContext
 from runtime.declaration import StageResult
+from runtime.registry import record_models
 from storage.holds import hold
 from storage.manifest import Manifest
 from storage.schemas import SAMPLES
@@ -107,11 +108,7 @@ def record_stage(
             tracker.log_table(run_id, {name: [row.get(name) for row in rows] for name in rows[0]}, "samples.json")
         tracker.log_stage_output(run_id, stage_dir, manifest)
         hold(stage, "recording")
-        for suffix, subfolder in (register or {}).items() if context.register_models else ():
-            if (stage_dir / subfolder).is_dir():  # a critic-free update writes no critic to register
-                tracker.register_model(
-                    run_id, name=f"{context.campaign}-{suffix}", stage_dir=stage_dir, subfolder=subfolder
-                )
+        record_models(context, run_id, manifest, stage_dir, register)
         tracker.end_run(run_id)
     return run_id
 

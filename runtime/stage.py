@@ -39,6 +39,7 @@ from pydantic import BaseModel
 from rlhf_core.divergence import DivergenceError
 from rlhf_core.errors import UserError
 from rlhf_core.precision import resolve_device
+from runtime.assets import publish_output
 from runtime.code import code_fingerprint
 from runtime.context import InputFile, StageContext
 from runtime.declaration import StageResult, StageSettings, input_digests, setting_values, settings_from
@@ -173,6 +174,7 @@ def run_stage(stage: Stage[S], context: StageContext, settings: S) -> StageResul
         else record_stage(context, tracker, name, stage_settings, manifest, stage_dir, stage.register)
     )
     result = StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
+    publish_output(context, result, settings)
     announce(describe_result(result), {STAGE_EVENT: "finished", "rlhf_result": result})
     return result
 

@@ -51,6 +51,10 @@ class RunLayout:
             sorted(path for path in folder.iterdir() if (path / "_manifest.json").is_file()) if folder.is_dir() else []
         )
 
+    def outputs(self) -> list[Path]:
+        """Every finished output folder of every stage, sorted."""
+        return sorted(manifest.parent for manifest in self.root.glob("*/*/_manifest.json"))
+
     def mlflow_db(self) -> Path:
         """The MLflow SQLite database file."""
         return self.root / "mlflow.db"

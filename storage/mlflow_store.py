@@ -21,6 +21,10 @@ Choices:
 5. MLflow's own rules live here and nowhere else: the length limits of params and dataset digests,
    the reserved ``latest`` alias, the experiment type its UI reads, and its UI's addresses.
 6. Searches match exact tag values; a value holding a quote or a backslash is refused, not escaped.
+7. A logged model (MLflow 3's ``LoggedModel``, what its UI's *Models* tab lists) is made READY at once and holds no
+   artifacts of its own: its weights stay where its run recorded them, which its tags say. A registered version
+   made from one is linked to it the way MLflow's own ``register_model`` does (the model's ``mlflow.modelVersions``
+   tag), so the model's page names its versions.
 
 Environment: nothing here reads or sets environment variables. Set ``MLFLOW_DISABLE_TELEMETRY=true``
 in the environment of offline machines (tests do it in ``tests/conftest.py``).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -39,18 +44,31 @@ from typing import Literal
 
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunStatus, RunTag
+from mlflow.entities import (
+    Dataset,
+    DatasetInput,
+    InputTag,
+    LoggedModel,
+    LoggedModelOutput,
+    Metric,
+    Param,
+    Run,
+    RunStatus,
+    RunTag,
+)
 from mlflow.exceptions import MlflowException
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_MODEL_VERSIONS, MLFLOW_PARENT_RUN_ID
 
 __all__ = [
     "DEFAULT_UI_BASE",
     "TAG_PARENT_RUN_ID",
     "UI_RUNS_VIEW",
     "LocalDataset",
+    "LoggedModelSummary",
     "MlflowStore",
+    "ModelMetric",
     "ModelVersionSummary",
     "RunSummary",
 ]
@@ -116,6 +134,47 @@ class LocalDataset:
     name: str
     digest: str
     path: Path
+
+
+@dataclass(frozen=True)
+class ModelMetric:
+    """A metric logged with a model: its value, the dataset it was computed on (name and digest, or None) and the
+    run that logged it."""
+
+    key: str
+    value: float
+    dataset_name: str | None
+    dataset_digest: str | None
+    run_id: str | None
+
+
+@dataclass(frozen=True)
+class LoggedModelSummary:
+    """A logged model as the store holds it: its id, name, the run that made it, tags, params, metrics and the
+    registered versions made from it (``(name, version)``)."""
+
+    model_id: str
+    name: str
+    source_run_id: str | None
+    tags: dict[str, str]
+    params: dict[str, str]
+    metrics: tuple[ModelMetric, ...]
+    versions: tuple[tuple[str, str], ...]
+
+
+def _model_summary(model: LoggedModel) -> LoggedModelSummary:
+    versions = json.loads(model.tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    return LoggedModelSummary(
+        model_id=model.model_id,
+        name=model.name,
+        source_run_id=model.source_run_id,
+        tags=dict(model.tags),
+        params=dict(model.params),
+        metrics=tuple(
+            ModelMetric(m.key, m.value, m.dataset_name, m.dataset_digest, m.run_id) for m in model.metrics or ()
+        ),
+        versions=tuple((str(v["name"]), str(v["version"])) for v in versions),
+    )
 
 
 def _summary(run: Run) -> RunSummary:
@@ -457,7 +516,9 @@ class MlflowStore:
 
     # Registered models ----------------------------------------------------------------------------
 
-    def register_version(self, name: str, source: str, *, run_id: str, alias: str = _LATEST) -> str:
+    def register_version(
+        self, name: str, source: str, *, run_id: str, alias: str = _LATEST, model_id: str | None = None
+    ) -> str:
         """Register ``source`` as a new version of the model ``name`` (created if missing), made by ``run_id``,
         once: a version of that run with that source is kept. ``alias`` is moved to it.
 
@@ -466,6 +527,7 @@ class MlflowStore:
             source: the version's folder (a URI).
             run_id: the run that made it.
             alias: moved to the version; ``latest``, reserved by MLflow, always means the newest.
+            model_id: the logged model the version is made from, linked to it (choice 7), or None.
 
         Returns:
             The version number (a string, as MLflow gives it).
@@ -477,11 +539,26 @@ class MlflowStore:
                 raise
         existing = self._client.search_model_versions(f"name = '{_quote(name)}' and run_id = '{_quote(run_id)}'")
         same = [v for v in existing if v.source == source]
-        version = same[0].version if same else self._client.create_model_version(name, source, run_id=run_id).version
+        version = str(
+            same[0].version if same else self._client.create_model_version(name, source, run_id=run_id).version
+        )
+        if model_id is not None:
+            self._link_version(model_id, name, version)
         # MLflow reserves `latest` and always resolves it to the newest version, which this one now is.
         if alias.lower() != _LATEST:
-            self._client.set_registered_model_alias(name, alias, version)
-        return str(version)
+            self.set_alias(name, alias, version)
+        return version
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        """Point the alias ``alias`` of the registered model ``name`` at ``version`` (moving it from any other)."""
+        self._client.set_registered_model_alias(name, alias, version)
+
+    def _link_version(self, model_id: str, name: str, version: str) -> None:
+        """Name the version on the logged model it was made from, as MLflow's ``register_model`` does (once)."""
+        linked = list(self.logged_model(model_id).versions)
+        if (name, version) not in linked:
+            entries = [{"name": n, "version": v} for n, v in [*linked, (name, version)]]
+            self._client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(entries)})
 
     def model_versions(self, name: str) -> list[ModelVersionSummary]:
         """Every version of the registered model ``name`` (none when it does not exist)."""
@@ -499,6 +576,112 @@ class MlflowStore:
     def delete_model_version(self, name: str, version: str) -> None:
         """Delete one version of a registered model."""
         self._client.delete_model_version(name, version)
+
+    # Logged models --------------------------------------------------------------------------------
+
+    def create_logged_model(
+        self,
+        experiment_id: str,
+        *,
+        name: str,
+        run_id: str,
+        tags: Mapping[str, object],
+        params: Mapping[str, object],
+        model_type: str,
+    ) -> str:
+        """A new READY logged model made by ``run_id`` (an output of the run, so its page lists it); its id.
+
+        Args:
+            experiment_id: the experiment it belongs to.
+            name: its name (``actor``, ``critic``, ``reward_model``).
+            run_id: the run that made it.
+            tags: tag name -> value (stringified).
+            params: param name -> value (stringified, flattened like :meth:`log_params`).
+            model_type: what kind of model it is, shown in the UI.
+        """
+        model = self._client.create_logged_model(
+            experiment_id,
+            name=name,
+            source_run_id=run_id,
+            tags={key: str(value) for key, value in tags.items()},
+            params=dict(_flatten(params)),
+            model_type=model_type,
+        )
+        self._client.finalize_logged_model(model.model_id, "READY")
+        self._client.log_outputs(run_id, models=[LoggedModelOutput(model.model_id, 0)])
+        return model.model_id
+
+    def logged_model(self, model_id: str) -> LoggedModelSummary:
+        """The logged model ``model_id``."""
+        return _model_summary(self._client.get_logged_model(model_id))
+
+    def logged_models(
+        self,
+        experiment_id: str,
+        *,
+        name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        run_id: str | None = None,
+        best_by: str | None = None,
+        dataset: tuple[str, str] | None = None,
+    ) -> list[LoggedModelSummary]:
+        """The experiment's logged models matching every given filter, page by page.
+
+        Args:
+            experiment_id: the experiment to search.
+            name: only models of this name.
+            tags: tag name -> exact value; all must match.
+            run_id: only models this run made.
+            best_by: order by this metric, highest first (the newer of equals first), counting only values logged
+                on ``dataset``.
+            dataset: ``(name, digest)`` of the dataset ``best_by`` is read on.
+        """
+        clauses = [f"tags.`{key}` = '{_quote(value)}'" for key, value in (tags or {}).items()]
+        if name is not None:
+            clauses.append(f"name = '{_quote(name)}'")
+        if run_id is not None:
+            clauses.append(f"source_run_id = '{_quote(run_id)}'")
+        order_by = None
+        if best_by is not None:
+            order = {"field_name": f"metrics.{best_by}", "ascending": False}
+            if dataset is not None:
+                order |= {"dataset_name": dataset[0], "dataset_digest": dataset[1][:_DIGEST_LENGTH]}
+            order_by = [order, {"field_name": "creation_timestamp", "ascending": False}]  # a tie: the newer
+        found: list[LoggedModelSummary] = []
+        token = None
+        while True:
+            page = self._client.search_logged_models(
+                [experiment_id],
+                filter_string=" AND ".join(clauses) or None,
+                order_by=order_by,
+                max_results=_RUNS_PER_PAGE,
+                page_token=token,
+            )
+            found += [_model_summary(model) for model in page]
+            token = page.token
+            if not token:
+                return found
+
+    def log_model_metrics(
+        self, run_id: str, model_id: str, metrics: Mapping[str, float], *, dataset: tuple[str, str], step: int = 0
+    ) -> None:
+        """Log metrics on ``run_id`` as computed by the model ``model_id`` on ``dataset`` (``(name, digest)``; the
+        digest kept to as many characters as MLflow stores), in one batch. A metric the model already has on that
+        dataset is not logged again (a recording finished by a second attempt)."""
+        name, digest = dataset[0], dataset[1][:_DIGEST_LENGTH]
+        logged = {(m.key, m.dataset_name, m.dataset_digest) for m in self.logged_model(model_id).metrics}
+        timestamp = int(time.time() * 1000)
+        entries = [
+            Metric(key, float(value), timestamp, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+            for key, value in metrics.items()
+            if (key, name, digest) not in logged
+        ]
+        for chunk in _chunks(entries, _METRICS_PER_BATCH):
+            self._client.log_batch(run_id, metrics=chunk)
+
+    def models_url(self, experiment_id: str) -> str:
+        """The experiment's *Models* tab in the MLflow UI: its logged models with their metrics."""
+        return f"{self.ui_base}/#/experiments/{experiment_id}/models?{UI_RUNS_VIEW}"
 
     def _model_exists(self, name: str) -> bool:
         try:

@@ -25,6 +25,9 @@ Choices:
    are skipped when already there, ``output/`` artifacts are cleared and logged again, datasets and
    model versions are not added twice. A run on another host is never touched: its writer cannot be
    seen.
+4. A checkpoint folder is also a logged model (:meth:`Tracker.record_checkpoint`), created once per stage run and
+   folder, found by the output's manifest digest and its :data:`TAG_MODEL`; it points at the folder the run
+   recorded and copies nothing. Older records have none, and everything here reads them as before.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from pathlib import Path
 
 from storage.files import temporary_sibling
 from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
-from storage.mlflow_store import TAG_PARENT_RUN_ID, LocalDataset, MlflowStore, RunSummary
+from storage.mlflow_store import TAG_PARENT_RUN_ID, LocalDataset, LoggedModelSummary, MlflowStore, RunSummary
 
 __all__ = [
     "KIND_ITERATION",
@@ -67,7 +70,11 @@ __all__ = [
     "TAG_INPUTS",
     "TAG_PACKAGE_VERSION",
     "TAG_SUPERSEDED_BY",
+    "TAG_SOURCE",
+    "TAG_MODEL",
     "TAG_STAGE",
+    "TAG_PARENT_MODEL",
+    "TAG_UPSTREAM_PREFIX",
     "MissingOutputError",
     "StageRecord",
     "Tracker",
@@ -100,6 +107,14 @@ TAG_OUTPUT_PATH = "rlhf.output_path"
 TAG_PROCESS = "rlhf.process"
 """The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"
+TAG_MODEL = "rlhf.model"
+"""On a logged model: which model of its stage output it is (``actor``, ``critic``, ``reward_model``: its folder)."""
+TAG_SOURCE = "rlhf.source"
+"""On a logged model: the folder of its weights (a URI), in the stage output that holds it."""
+TAG_UPSTREAM_PREFIX = "rlhf.upstream."
+"""On a logged model: ``rlhf.upstream.<name>`` is the manifest digest of each output its stage was given."""
+TAG_PARENT_MODEL = "rlhf.parent_model"
+"""On a logged model: the logged model it was trained from (the previous actor, critic or reward model), if any."""
 TAG_CONFIG_FINGERPRINT = "rlhf.config_fingerprint"
 """Experiment tag: the fingerprint of the config that defines the campaign (``campaign.identity.campaign_fields``)."""
 TAG_CAMPAIGN_CONFIG = "rlhf.campaign_config"
@@ -392,12 +407,20 @@ class Tracker(MlflowStore):
                 shutil.rmtree(staging, ignore_errors=True)
         return destination
 
-    def register_model(self, run_id: str, *, name: str, stage_dir: Path, subfolder: str, alias: str = "latest") -> str:
+    def register_model(
+        self,
+        run_id: str,
+        *,
+        name: str,
+        stage_dir: Path,
+        subfolder: str,
+        alias: str = "latest",
+        model_id: str | None = None,
+    ) -> str:
         """Register the folder ``subfolder`` (e.g. ``actor``) of a stage output recorded on ``run_id`` as a new
         version, once (:meth:`MlflowStore.register_version`).
 
-        The version's source is the folder itself when outputs are recorded by reference, else the
-        run's artifact ``output/<subfolder>``.
+        The version's source is :meth:`model_source`.
 
         Args:
             run_id: the stage run that recorded the output.
@@ -405,15 +428,61 @@ class Tracker(MlflowStore):
             stage_dir: the stage output folder.
             subfolder: the model's folder inside it.
             alias: moved to the new version (``latest``, reserved by MLflow, always means the newest).
+            model_id: the checkpoint's logged model (:meth:`record_checkpoint`), linked to the version.
 
         Returns:
             The new version number (a string, as MLflow gives it).
         """
+        return self.register_version(
+            name, self.model_source(run_id, stage_dir, subfolder), run_id=run_id, alias=alias, model_id=model_id
+        )
+
+    def model_source(self, run_id: str, stage_dir: Path, subfolder: str) -> str:
+        """Where the model folder ``subfolder`` of a stage output recorded on ``run_id`` is (a URI): the folder
+        itself when outputs are recorded by reference, else the run's artifact ``output/<subfolder>``."""
         if self.outputs_by_reference:
-            source = (Path(stage_dir).absolute() / subfolder).as_uri()
-        else:
-            source = f"{self.run(run_id).artifact_uri.rstrip('/')}/{OUTPUT_ARTIFACT_PATH}/{subfolder.strip('/')}"
-        return self.register_version(name, source, run_id=run_id, alias=alias)
+            return (Path(stage_dir).absolute() / subfolder).as_uri()
+        return f"{self.run(run_id).artifact_uri.rstrip('/')}/{OUTPUT_ARTIFACT_PATH}/{subfolder.strip('/')}"
+
+    # Checkpoints as logged models -----------------------------------------------------------------
+
+    def record_checkpoint(
+        self,
+        experiment_id: str,
+        run_id: str,
+        *,
+        name: str,
+        manifest: Manifest,
+        stage_dir: Path,
+        subfolder: str,
+        tags: Mapping[str, str],
+    ) -> str:
+        """The logged model ``name`` of the checkpoint folder ``subfolder`` of a stage output recorded on ``run_id``,
+        created once (a recording finished by a second attempt finds the first's); its id.
+
+        It is tagged with which model it is (:data:`TAG_MODEL`: the folder's name), the output's stage and manifest
+        digest and the folder (:data:`TAG_SOURCE`), plus ``tags`` (campaign, iteration, lineage), and holds no copy
+        of the weights.
+        """
+        existing = self.logged_models(experiment_id, run_id=run_id, tags={TAG_MODEL: subfolder})
+        if existing:
+            return existing[0].model_id
+        model_tags = {
+            TAG_MODEL: subfolder,
+            TAG_STAGE: manifest.stage,
+            TAG_MANIFEST_DIGEST: manifest.digest,
+            TAG_SOURCE: self.model_source(run_id, stage_dir, subfolder),
+            **tags,
+        }
+        return self.create_logged_model(
+            experiment_id, name=name, run_id=run_id, tags=model_tags, params={}, model_type=manifest.stage
+        )
+
+    def checkpoint_model(self, experiment_id: str, model: str, digest: str) -> LoggedModelSummary | None:
+        """The logged model of ``model`` (``actor``, ...) in the stage output with manifest digest ``digest``, or None
+        (an output recorded before checkpoints were logged models, or one that holds no such model)."""
+        found = self.logged_models(experiment_id, tags={TAG_MODEL: model, TAG_MANIFEST_DIGEST: digest})
+        return found[0] if found else None
 
     # Finished iterations --------------------------------------------------------------------------
 

@@ -51,6 +51,10 @@ SHRUNK_SECTIONS = ("sizes", "sampling", "reward_model", "ppo")
 NOT_RUN = {
     ("docs/engines.md", "the engine's own 3.5 GB environment; tests/flows/test_vllm_engine.py runs it in CI"),
     ("docs/operating.md", "the serve command above, with one more setting; the test runs that one"),
+    (
+        "docs/operating.md",
+        "the serve command above, with the replay automation; tests/flows/test_prefect_mlflow_browser.py runs it",
+    ),
     ("docs/human-labels.md", "waits for a person; tests/flows/test_human_labels.py and the browser test answer it"),
     ("docs/scaling.md", "needs other machines"),
     ("docs/scaling.md", "needs 8 GPUs and a 7 B model"),

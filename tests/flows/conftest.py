@@ -138,3 +138,30 @@ def llama_world(tmp_path_factory) -> dict[str, Path]:
             eos_token_id=EOS_ID,
         ),
     )
+
+
+def prefect_events(*names: str, resource_prefix: str = "", expect: int = 1, timeout: float = 60) -> list:
+    """The events named ``names`` (prefixes) about resources whose id starts with ``resource_prefix`` that the Prefect
+    server holds, once it holds at least ``expect`` of them (events reach its database in batches), oldest first."""
+    import time
+    from datetime import UTC, datetime, timedelta
+
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    deadline = time.monotonic() + timeout
+    while True:
+        event_filter = EventFilter(
+            occurred=EventOccurredFilter(since=datetime.now(UTC) - timedelta(days=1), until=datetime.now(UTC)),
+            event=EventNameFilter(prefix=list(names)),
+            resource=EventResourceFilter(id_prefix=[resource_prefix]) if resource_prefix else None,
+        )
+        with get_client(sync_client=True) as client:
+            page = client.read_events(filter=event_filter, limit=50)
+            events = list(page.events)
+            while page.next_page is not None:
+                page = client.read_events_page(page.next_page)
+                events += page.events
+        if len(events) >= expect or time.monotonic() > deadline:
+            return sorted(events, key=lambda event: event.occurred)
+        time.sleep(0.5)

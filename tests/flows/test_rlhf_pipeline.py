@@ -125,6 +125,140 @@ def test_running_again_does_no_work_and_says_so(campaign):
     assert iteration_runs == [], "finished iterations are history: no iteration flow runs, no stage task runs"
 
 
+def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upstream(campaign):
+    """Each stage output is an asset named by campaign, iteration, stage and digest, materialised by the run that
+    wrote it (not again by the run that reused it: the one above), with its upstream assets and base inputs as
+    related resources and its figures as payload; the lineage artifact draws them, up to each evaluation."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from runtime.assets import MATERIALIZED, base_dependencies, manifest_asset
+    from storage.manifest import read_manifest
+    from tests.flows.conftest import prefect_events
+
+    config, _ = campaign
+    manifests = [
+        read_manifest(path.parent, verify=False)
+        for path in (config.run_root / config.campaign).glob("*/*/_manifest.json")
+    ]
+    prefix = f"rlhf://{config.campaign}/"
+    events = prefect_events(MATERIALIZED, resource_prefix=prefix, expect=len(manifests))
+    keys = [event.resource.id for event in events]
+    assert sorted(keys) == sorted(manifest_asset(config.campaign, manifest) for manifest in manifests)  # once each
+    by_digest = {manifest.digest: manifest for manifest in manifests}
+    for event in events:
+        manifest = by_digest[event.payload["digest"]]
+        assert event.payload["campaign"] == config.campaign and event.payload["stage"] == manifest.stage
+        assert event.payload["bytes"] > 0 and event.payload["metrics"] == manifest.metrics
+        parents = [by_digest[digest] for digest in manifest.upstream.values() if digest in by_digest]  # not optimizers
+        upstream = {manifest_asset(config.campaign, parent) for parent in parents}
+        related = {resource.id for resource in event.related if resource.role == "asset"}
+        assert related == upstream | set(base_dependencies(config.campaign, manifest))
+        assert {"flow-run", "task-run"} <= {resource.role for resource in event.related}  # who materialised it
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{config.campaign}-lineage"])),
+            sort=ArtifactSort.CREATED_DESC,  # the last iteration's version
+            limit=1,
+        )
+    evaluations = [manifest for manifest in manifests if manifest.stage == "evaluate"]
+    assert "```mermaid" in artifact.data and len(evaluations) == config.iterations
+    for manifest in evaluations:
+        assert f": {manifest_asset(config.campaign, manifest)}\n" in artifact.data  # named in the diagram
+
+
+def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_they_were_computed_on(campaign):
+    """MLflow's models view: a logged model per actor, critic and reward model, linked to its run, folder, lineage and
+    registered version; evaluation and reward-model figures logged with the model and the data's digest; `best`
+    on the registered actor with the highest gold win rate; and the Prefect events that said so."""
+    import hashlib
+
+    from tests.flows.conftest import prefect_events
+
+    config, _ = campaign
+    client, experiment, runs = _mlflow_runs(config)
+    stage_runs = {run.info.run_id: run for run in runs if run.data.tags.get("rlhf.kind") == "stage"}
+    runs_of = {
+        stage: sorted(run_id for run_id, run in stage_runs.items() if run.data.tags["rlhf.stage"] == stage)
+        for stage in STAGES
+    }
+    models = client.search_logged_models([experiment.experiment_id])
+    named = {
+        role: [model for model in models if model.tags["rlhf.model"] == role]
+        for role in ("actor", "critic", "reward_model")
+    }
+    assert sorted(model.source_run_id for model in named["actor"]) == runs_of["ppo_update"]
+    assert sorted(model.source_run_id for model in named["critic"]) == runs_of["ppo_update"]
+    assert sorted(model.source_run_id for model in named["reward_model"]) == runs_of["train_reward_model"]
+    for model in models:
+        run = stage_runs[model.source_run_id]
+        assert model.tags["rlhf.manifest_digest"] == run.data.tags["rlhf.manifest_digest"]
+        assert model.tags["rlhf.iteration"] == run.data.tags["rlhf.iteration"]
+        role = model.tags["rlhf.model"]
+        assert model.name == f"{role}-iteration-{run.data.tags['rlhf.iteration']}"  # told apart in the Models tab
+        assert Path(model.tags["rlhf.source"].removeprefix("file://")).name == role
+        assert Path(model.tags["rlhf.source"].removeprefix("file://")).is_dir()
+        (version,) = json.loads(model.tags["mlflow.modelVersions"])  # registered once, linked both ways
+        suffix = role.replace("_", "-")
+        assert version["name"] == f"{config.campaign}-{suffix}"
+        assert client.get_model_version(version["name"], version["version"]).run_id == model.source_run_id
+    actors = {model.tags["rlhf.iteration"]: model for model in named["actor"]}
+    assert "rlhf.parent_model" not in actors["0"].tags  # iteration 0 starts from the base (initialize's output)
+    assert actors["1"].tags["rlhf.parent_model"] == actors["0"].model_id
+    assert actors["1"].tags["rlhf.upstream.policy"] == actors["0"].tags["rlhf.manifest_digest"]
+
+    eval_digest = hashlib.sha256(Path(config.data.eval_prompts).read_bytes()).hexdigest()[:32]
+    for model in named["actor"]:
+        evaluation = next(
+            run
+            for run in stage_runs.values()
+            if run.data.tags["rlhf.stage"] == "evaluate"
+            and run.data.tags["rlhf.iteration"] == model.tags["rlhf.iteration"]
+        )
+        figures = {metric.key: metric for metric in model.metrics}
+        win_rate = figures["evaluate/gold_win_rate"]
+        assert win_rate.value == evaluation.data.metrics["evaluate/gold_win_rate"]
+        assert (win_rate.dataset_name, win_rate.dataset_digest) == (
+            f"eval_prompts[:{config.sizes.eval_prompts}]",
+            eval_digest,
+        )
+        assert win_rate.run_id == evaluation.info.run_id and "evaluate/seconds" not in figures
+    for model in named["reward_model"]:
+        accuracy = next(metric for metric in model.metrics if metric.key == "train_reward_model/eval_accuracy")
+        assert accuracy.dataset_name == "held_out_pairs"
+        assert accuracy.value == stage_runs[model.source_run_id].data.metrics["train_reward_model/eval_accuracy"]
+
+    best = max(
+        named["actor"],
+        key=lambda model: (
+            next(m.value for m in model.metrics if m.key.endswith("gold_win_rate")),
+            model.tags["rlhf.iteration"],
+        ),
+    )
+    best_version = client.get_model_version_by_alias(f"{config.campaign}-actor", "best")
+    assert best_version.run_id == best.source_run_id
+
+    registered = prefect_events("rlhf.policy.registered", resource_prefix=f"rlhf.campaign.{config.campaign}", expect=2)
+    assert sorted(event.payload["model_id"] for event in registered) == sorted(m.model_id for m in named["actor"])
+    for event in registered:
+        assert event.payload["campaign"] == config.campaign and event.payload["model"] == f"{config.campaign}-actor"
+        assert (
+            event.payload["iteration_run_id"]
+            == stage_runs[event.payload["stage_run_id"]].data.tags["mlflow.parentRunId"]
+        )
+    evaluated = prefect_events("rlhf.iteration.evaluated", resource_prefix=f"rlhf.campaign.{config.campaign}", expect=2)
+    assert sorted(event.payload["iteration"] for event in evaluated) == [0, 1]
+    for event in evaluated:
+        assert event.payload["model_id"] in {model.model_id for model in named["actor"]}
+        assert (
+            event.payload["dataset"]["digest"]
+            == hashlib.sha256(Path(config.data.eval_prompts).read_bytes()).hexdigest()
+        )
+        assert "evaluate/gold_win_rate" in event.payload["metrics"] and event.payload["kind"] == "iteration"
+    assert evaluated[-1].payload["best_version"] == str(best_version.version)
+
+
 def test_issue15_mlflow_shows_training_curves_samples_and_the_overoptimisation_figure(campaign):
     config, _ = campaign
     client, experiment, runs = _mlflow_runs(config)

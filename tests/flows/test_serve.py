@@ -434,3 +434,26 @@ def test_issue27_serve_without_its_prefect_server_says_so_and_exits_within_secon
     assert took < 15, f"rlhf serve took {took:.0f} s to stop"
     assert "Traceback" not in text, text[-3000:]
     assert text.strip().splitlines()[-1].startswith(f"rlhf: the Prefect server at {api} does not answer"), text
+
+
+def test_issue34_replay_on_register_triggers_the_replay_deployment_on_each_registered_policy(tiny):
+    """`rlhf serve --replay-on-register advantages.kl_coef=0.1`: the event of a registered policy starts the replay of
+    its iteration (the event's iteration run) with the served config, changed only where a replay may change it."""
+    from flows.replay import forbidden_changes
+
+    config, _ = tiny
+    iteration, campaign, replay = build_deployments(config, replay_on_register=["advantages.kl_coef=0.1"])
+    assert not iteration.triggers and not campaign.triggers
+    (trigger,) = replay.triggers
+    assert trigger.expect == {"rlhf.policy.registered"}
+    assert trigger.match.root == {"prefect.resource.id": "rlhf.campaign.tiny"}
+    assert trigger.parameters["source_run_id"] == "{{ event.payload.iteration_run_id }}"
+    replayed = PipelineConfig.model_validate(trigger.parameters["config"])
+    assert replayed.advantages.kl_coef == 0.1 and forbidden_changes(replayed, config) == []
+    assert not build_deployments(config)[2].triggers
+
+
+def test_issue34_a_replay_setting_no_replay_can_change_is_refused_before_serving(tiny):
+    config, _ = tiny
+    with pytest.raises(ConfigError, match="a replay cannot change `sizes.rollout_prompts`"):
+        build_deployments(config, replay_on_register=["sizes.rollout_prompts=3"])

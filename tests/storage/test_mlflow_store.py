@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
 
 import storage.mlflow_store
 from storage.layout import RunLayout
@@ -168,3 +169,50 @@ def test_run_and_experiment_urls_open_the_runs_view(store: MlflowStore) -> None:
 def test_a_tracking_server_keeps_its_own_artifact_root(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="artifacts-destination"):
         MlflowStore("http://127.0.0.1:1", artifact_root=tmp_path)
+
+
+def test_a_logged_model_is_ready_an_output_of_its_run_and_linked_to_its_version(store: MlflowStore) -> None:
+    """Issue 34: MLflow 3's logged model, with no artifacts of its own, named on its registered version's side and
+    its own (what MLflow's register_model does), once."""
+    experiment_id = store.ensure_experiment("camp")
+    run_id = store.create_run(experiment_id, name="ppo_update", tags={})
+    model_id = store.create_logged_model(
+        experiment_id, name="actor-iteration-0", run_id=run_id, tags={"rlhf.model": "actor"}, params={}, model_type="x"
+    )
+    model = store.logged_model(model_id)
+    assert (model.name, model.source_run_id, model.tags["rlhf.model"]) == ("actor-iteration-0", run_id, "actor")
+    assert client(store).get_logged_model(model_id).status == LoggedModelStatus.READY
+    assert [output.model_id for output in client(store).get_run(run_id).outputs.model_outputs] == [model_id]
+    version = store.register_version("camp-actor", "file:///models/actor", run_id=run_id, model_id=model_id)
+    assert store.register_version("camp-actor", "file:///models/actor", run_id=run_id, model_id=model_id) == version
+    assert store.logged_model(model_id).versions == (("camp-actor", version),)  # linked once
+
+
+def test_metrics_go_with_their_model_and_dataset_once_and_rank_the_models(store: MlflowStore) -> None:
+    experiment_id = store.ensure_experiment("camp")
+    models = []
+    for score in (0.25, 0.75, 0.75):
+        run_id = store.create_run(experiment_id, name="evaluate", tags={})
+        model_id = store.create_logged_model(
+            experiment_id, name="actor", run_id=run_id, tags={"rlhf.model": "actor"}, params={}, model_type="x"
+        )
+        dataset = ("eval_prompts[:8]", "d" * 64)
+        store.log_model_metrics(run_id, model_id, {"evaluate/gold_win_rate": score}, dataset=dataset)
+        store.log_model_metrics(run_id, model_id, {"evaluate/gold_win_rate": score}, dataset=dataset)  # a retry
+        models.append(model_id)
+        time.sleep(0.01)  # distinct creation times: of equal scores the newer ranks first
+    (metric,) = store.logged_model(models[0]).metrics
+    assert (metric.key, metric.value, metric.dataset_name, metric.dataset_digest) == (
+        "evaluate/gold_win_rate",
+        0.25,
+        "eval_prompts[:8]",
+        "d" * 32,  # as much of the digest as MLflow stores
+    )
+    ranked = store.logged_models(
+        experiment_id, tags={"rlhf.model": "actor"}, best_by="evaluate/gold_win_rate", dataset=dataset
+    )
+    assert [model.model_id for model in ranked] == [models[2], models[1], models[0]]
+    assert (
+        store.logged_models(experiment_id, run_id=client(store).get_logged_model(models[1]).source_run_id)[0].model_id
+        == models[1]
+    )

@@ -1,0 +1,146 @@
+"""Prefect concurrency limits that keep campaigns off each other's accelerators: the ``gpu`` tag and the generation
+engine's slot (a campaign's own slot, two iterations of one campaign never at once, is :mod:`flows.concurrency`'s).
+
+Choices:
+
+1. The stages of an iteration that runs on a GPU carry the Prefect task tag :data:`GPU_TAG` (:func:`gpu_stages`).
+   ``rlhf serve`` sets the tag's concurrency limit to the number of GPUs the machine has (:func:`ensure_gpu_limit`),
+   so a second campaign's GPU stages wait (Pending, in the Prefect UI) until one is free. Prefect 3.8 keeps a tag's
+   limit as the global concurrency limit ``tag:gpu``; without a limit the tag limits nothing.
+2. A vLLM generation engine this process starts holds the one slot of the global limit ``rlhf-engine-<host>`` for as
+   long as it runs (:func:`engine_slot`): an engine keeps its share of GPU memory between stages, so a second
+   command on the machine waits for the slot before it starts its own.
+3. Whoever waits says for what, once, before it waits (:func:`announce_wait`): Prefect's own waits are silent.
+4. Slots are leased, as the campaign's are: a holder that dies loses its slot when the lease runs out.
+5. Without a Prefect server configured (a benchmark script starting an engine) no slot is taken: Prefect would start
+   a temporary server that no other process sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+logger = logging.getLogger(__name__)
+
+GPU_TAG = "gpu"
+ENGINE_LIMIT_PREFIX = "rlhf-engine-"
+LEASE_SECONDS = 60.0
+"""How long the slot of a process that died stays taken (a live holder renews its lease in the background)."""
+
+
+def create_limit(name: str, slots: int) -> None:
+    """Create the global concurrency limit ``name`` with ``slots`` slots, unless it exists (then it is left as set)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):  # another process created it first
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+
+
+def limit_full(name: str) -> bool:
+    """Whether the global concurrency limit ``name`` exists and has no free slot now (a taker would wait)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            limit = client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            return False
+    return limit.active and limit.active_slots >= limit.limit
+
+
+def announce_wait(name: str, message: str) -> None:
+    """Log ``message`` (what waits, and for what) when the limit ``name`` is full: Prefect waits without a word."""
+    if limit_full(name):
+        logger.warning("%s (Prefect concurrency limit %s; the Prefect UI's Concurrency page shows it)", message, name)
+
+
+@contextmanager
+def held_slot(name: str) -> Iterator[str]:
+    """Hold one slot of the global limit ``name`` (waiting for it) for the block, on a lease renewed in the
+    background; the lease id."""
+    from prefect.concurrency._sync import (
+        acquire_concurrency_slots_with_lease,
+        maintain_concurrency_lease,
+        release_concurrency_slots_with_lease,
+    )
+
+    lease = acquire_concurrency_slots_with_lease([name], 1, lease_duration=LEASE_SECONDS, strict=True).lease_id
+    try:
+        with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
+            yield str(lease)
+    finally:
+        with contextlib.suppress(Exception):  # the server is gone (Ctrl-C at exit): the lease expires on its own
+            release_concurrency_slots_with_lease(lease)
+
+
+def prefect_server_configured() -> bool:
+    """Whether a Prefect server is configured (``PREFECT_API_URL``), one other processes share."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
+
+
+def engine_limit() -> str:
+    """The global concurrency limit of this machine's generation engine."""
+    return f"{ENGINE_LIMIT_PREFIX}{socket.gethostname()}"
+
+
+@contextmanager
+def engine_slot() -> Iterator[None]:
+    """Hold this machine's generation-engine slot (see the module docstring), saying so when it has to wait; nothing
+    without a Prefect server configured."""
+    if not prefect_server_configured():
+        yield
+        return
+    name = engine_limit()
+    create_limit(name, 1)
+    announce_wait(
+        name,
+        "waiting to start the vLLM generation engine: another command on this machine runs one (one engine per "
+        "machine); it frees its slot when that command ends",
+    )
+    with held_slot(name):
+        yield
+
+
+def device_tags(device_type: str) -> tuple[str, ...]:
+    """The Prefect tags of stages that run on a device of this type (``cuda`` or ``cpu``)."""
+    return (GPU_TAG,) if device_type == "cuda" else ()
+
+
+def ensure_gpu_limit(devices: int) -> None:
+    """Set the ``gpu`` tag's concurrency limit to ``devices`` (at least one stage per GPU at once); nothing on a
+    machine without GPUs."""
+    from prefect.client.orchestration import get_client
+
+    if devices < 1:
+        return
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=devices)  # an upsert of `tag:gpu`
+    logger.info("GPU stages: at most %d at once on this Prefect server (tag concurrency limit `%s`)", devices, GPU_TAG)
+
+
+@contextmanager
+def gpu_stages(device_type: str, *, campaign: str) -> Iterator[None]:
+    """Tag the tasks the block runs with :func:`device_tags` (stages on a GPU wait for a free one, see the module
+    docstring), saying so first when every GPU is taken."""
+    from prefect import tags
+
+    names = device_tags(device_type)
+    if names:
+        announce_wait(
+            f"tag:{GPU_TAG}", f"campaign {campaign}: its GPU stages wait for a free GPU, all are in use by other runs"
+        )
+    with tags(*names):
+        yield

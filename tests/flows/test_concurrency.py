@@ -1,0 +1,146 @@
+"""runtime.concurrency against the session's Prefect server: a second campaign's GPU stages and its generation engine
+wait for the first's, and say for what (issue 34)."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+
+from prefect import flow, task
+
+from runtime.concurrency import (
+    GPU_TAG,
+    device_tags,
+    engine_limit,
+    engine_slot,
+    ensure_gpu_limit,
+    gpu_stages,
+    held_slot,
+)
+
+
+def _limit(name: str):
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            return None
+
+
+def _thread(target) -> threading.Thread:
+    """A started thread running ``target`` with this thread's context (the test server's Prefect settings)."""
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(target,))
+    thread.start()
+    return thread
+
+
+def _wait_until(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
+
+
+def test_only_stages_on_a_gpu_carry_the_tag():
+    assert device_tags("cuda") == (GPU_TAG,) and device_tags("cpu") == ()
+
+
+def test_serve_sets_the_gpu_tag_limit_to_the_device_count_and_none_without_gpus(prefect_server):
+    ensure_gpu_limit(0)
+    assert _limit(f"tag:{GPU_TAG}") is None  # a machine without GPUs limits nothing
+    ensure_gpu_limit(2)
+    assert _limit(f"tag:{GPU_TAG}").limit == 2
+    ensure_gpu_limit(1)  # served again on another machine's count: the limit follows it
+    assert _limit(f"tag:{GPU_TAG}").limit == 1
+
+
+def test_a_second_campaigns_gpu_stage_waits_for_the_gpu_and_says_so(prefect_server, caplog):
+    """One GPU (limit 1), held by another campaign's stage: this campaign's stage stays Pending until it is free."""
+    ensure_gpu_limit(1)
+    started: list[datetime] = []
+
+    @task(name="gpu-stage")
+    def stage() -> None:
+        started.append(datetime.now(UTC))
+
+    @flow(name="second-campaign")
+    def second() -> None:
+        with gpu_stages("cuda", campaign="second"):
+            stage()
+
+    release = threading.Event()
+    held = threading.Event()
+
+    def first_campaigns_stage() -> None:
+        with held_slot(f"tag:{GPU_TAG}"):
+            held.set()
+            release.wait(timeout=300)
+
+    holder = _thread(first_campaigns_stage)
+    held.wait(timeout=120)
+    with caplog.at_level(logging.WARNING, logger="runtime.concurrency"):
+        runner = _thread(second)
+        _wait_until(lambda: _pending_gpu_task_runs() > 0, "the second campaign's stage waiting in Pending")
+        assert started == []
+        released = datetime.now(UTC)
+        release.set()
+        holder.join()
+        runner.join(timeout=300)
+    assert started and started[0] > released
+    assert "campaign second: its GPU stages wait for a free GPU" in caplog.text
+    assert f"tag:{GPU_TAG}" in caplog.text
+
+
+def _pending_gpu_task_runs() -> int:
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+        TaskRunFilterTags,
+    )
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                tags=TaskRunFilterTags(all_=[GPU_TAG]),
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=["PENDING"])),
+            )
+        )
+    return len(runs)
+
+
+def test_a_second_engine_on_the_machine_waits_for_the_first_and_says_so(prefect_server, caplog):
+    order: list[str] = []
+    release = threading.Event()
+    held = threading.Event()
+
+    def first_command() -> None:
+        with engine_slot():
+            order.append("first starts its engine")
+            held.set()
+            release.wait(timeout=300)
+            order.append("first stops its engine")
+
+    first = _thread(first_command)
+    held.wait(timeout=120)
+    with caplog.at_level(logging.WARNING, logger="runtime.concurrency"):
+
+        def second_command() -> None:
+            with engine_slot():
+                order.append("second starts its engine")
+
+        second = _thread(second_command)
+        _wait_until(lambda: "waiting to start the vLLM generation engine" in caplog.text, "the second's message")
+        release.set()
+        first.join()
+        second.join(timeout=300)
+    assert order == ["first starts its engine", "first stops its engine", "second starts its engine"]
+    assert engine_limit() in caplog.text
+    assert _limit(engine_limit()).active_slots == 0  # both released
