@@ -104,8 +104,10 @@ def load_state(folder: Path, state: Mapping[str, Any]) -> None:
     the checkpoint may hold more. Every training process calls it together (collective).
 
     Raises:
+        FileNotFoundError: ``folder`` holds no whole checkpoint.
         pickle.UnpicklingError: the checkpoint's metadata holds something this pipeline never writes there.
     """
+    _read_metadata(Path(folder) / CHECKPOINT_METADATA)  # refused here in one line, not inside DCP's collective
     with _one_process_meant():
         dcp.load(dict(state), storage_reader=_Reader(Path(folder)), no_dist=not _distributed())
 
@@ -144,13 +146,19 @@ class _Reader(FileSystemReader):
         super().__init__(folder)
         self.folder = folder
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(self.folder / CHECKPOINT_METADATA, "rb") as file:
-            metadata = _MetadataUnpickler(file, self.folder).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{self.folder / CHECKPOINT_METADATA} holds no checkpoint metadata")
+    def read_metadata(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Metadata:
+        name = CHECKPOINT_METADATA if rank is None else f"__{rank}{CHECKPOINT_METADATA}"  # per process: never written
+        metadata = _read_metadata(self.folder / name)
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
+
+
+def _read_metadata(path: Path) -> Metadata:
+    with open(path, "rb") as file:
+        metadata = _MetadataUnpickler(file, path).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{path} holds no checkpoint metadata")
+    return metadata
 
 
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
@@ -162,9 +170,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     """An unpickler that builds DCP's metadata records (dataclasses and enums of ``torch.distributed.checkpoint``),
     ``torch.Size``, dtypes and layouts, and refuses every other name before importing anything."""
 
-    def __init__(self, file: Any, folder: Path) -> None:
+    def __init__(self, file: Any, path: Path) -> None:
         super().__init__(file)
-        self.folder = folder
+        self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith("torch.distributed.checkpoint.") or module == "torch" or (module, name) == _LAYOUT:
@@ -178,8 +186,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             if admitted:
                 return found
         raise pickle.UnpicklingError(
-            f"{self.folder / CHECKPOINT_METADATA} names {module}.{name}, which no checkpoint of this pipeline holds: "
-            "it was not written by it"
+            f"{self.path} names {module}.{name}, which no checkpoint of this pipeline holds: it was not written by it"
         )
 
 
