@@ -135,7 +135,7 @@ class Checkpointer:
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.throttle = Throttle(execution.checkpoint_seconds)
-        self.bar: Any = None
+        self.bar: Any = None  # the epochs done, shown while training (the context manager)
 
     @property
     def main(self) -> bool:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
 from runtime.checkpointer import OPTIMIZERS, TRAINING_STATE_FILE
-from storage.checkpoints import CHECKPOINT_METADATA
+from storage.checkpoints import CHECKPOINT_METADATA, load_state
 from tests.flows.test_bad_inputs import Case, _assert_refused, _main, _run
 from tests.flows.test_scaling import CONFIGS, stage_files, tiny_config
 
@@ -153,6 +153,48 @@ def test_a_sharded_campaign_resumes_after_kill_minus_nine_as_if_never_crashed(
     assert rlhf_campaign(crashed, return_state=True).is_completed()
     assert stage_files(crashed.run_root) == stage_files(uninterrupted.run_root)
     assert len(list(stage_dir.glob("[!.]*/_manifest.json"))) == 2
+
+
+@pytest.mark.slow
+def test_a_sharded_update_killed_mid_stage_resumes_in_one_process_issue_32(
+    one_process, prefect_server, checkpoint_world, tmp_path, monkeypatch
+):
+    """`rlhf run` with the update sharded over 2 processes, killed once they have saved an epoch's checkpoint (each its
+    part), then run again in this one process: the update continues from that checkpoint and ends with the policy of
+    the in-process update that never crashed, to float rounding."""
+    from prefect.settings import PREFECT_API_URL
+
+    overrides = [
+        f"run_root={tmp_path}", f"model.policy={checkpoint_world['policy']}", f"data.prompts={checkpoint_world['prompts']}",
+        f"data.eval_prompts={checkpoint_world['eval_prompts']}", "iterations=1", "sizes.rows_per_shard=8", *VERIFIABLE,
+        "execution.checkpoint_seconds=0",
+    ]  # fmt: skip
+    stage_dir = tmp_path / "tiny" / "ppo_update"
+    command = [sys.executable, "-m", "flows", "run", "--config", str(CONFIGS / "tiny.yaml")]
+    command += [f"--set={o}" for o in (*overrides, *SHARDED)]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 900
+    try:
+        while not list(stage_dir.glob("*.partial/epoch-*")):
+            assert process.poll() is None, "the campaign ended before it could be killed mid-stage"
+            assert time.monotonic() < deadline, "timed out waiting for a checkpoint of ppo_update"
+            time.sleep(0.002)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    time.sleep(2)  # the launched workers end with their launcher (it ends with the killed process)
+    (checkpoint,) = stage_dir.glob("*.partial/epoch-*")
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {path.name for path in checkpoint.iterdir()}
+    loaded = []
+    monkeypatch.setattr(
+        "runtime.checkpointer.load_state", lambda folder, state: loaded.append(folder) or load_state(folder, state)
+    )
+    assert rlhf_campaign(load_config(CONFIGS / "tiny.yaml", overrides), return_state=True).is_completed()
+    assert [folder.name for folder in loaded] == [checkpoint.name], "the update continued from the 2 processes' epoch"
+    resumed = _manifest(tmp_path, "ppo_update").parent
+    assert "peak_memory_mb_rank1" not in json.loads((resumed / "_manifest.json").read_text())["metrics"]
+    _assert_same_policy(one_process, resumed)
 
 
 def _accelerate_config(tmp: Path, text: str) -> str:

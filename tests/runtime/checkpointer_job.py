@@ -19,7 +19,7 @@ import torch
 from accelerate import PartialState
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from rlhf_core.config import AdvantageConfig, PPOConfig, SamplingConfig
+from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, SamplingConfig
 from rlhf_core.distributed import Sharding
 from rlhf_core.experience import Experience
 from rlhf_core.experience_maker import ExperienceMaker, score_experience
@@ -65,17 +65,19 @@ def update(
     source: str,
     continues: str | None = None,
     stop_after: int | None = None,
+    lora: bool = False,
     shard: bool = False,
 ) -> None:
     """One PPO update of the actor and critic in ``source`` on the experience of ``WORK/policy``, continuing the
     optimizer states kept in ``continues``: writes ``WORK/<name>`` (the stage output), ``WORK/<name>.json`` (its
-    statistics) and ``WORK/<name>.pt`` (:func:`_dump`), or stops after the checkpoint of epoch ``stop_after``."""
+    statistics) and ``WORK/<name>.pt`` (:func:`_dump`), or stops after the checkpoint of epoch ``stop_after``. With
+    ``lora``, both models get new adapters (a seeded draw) and only those and the critic's head are trained."""
     accelerator = accelerator_for(torch.device("cpu"), "fp32")
     generator = torch.Generator().manual_seed(3)
     checkpointer = Checkpointer(
         accelerator, _execution(shard), work / name, generator=generator, epochs=CONFIG.epochs, name=name
     )
-    trained, optimizers = _prepare(checkpointer, Path(source), Path(continues) if continues else None)
+    trained, optimizers = _prepare(checkpointer, Path(source), Path(continues) if continues else None, lora=lora)
 
     def end_epoch(progress: PPOProgress) -> None:
         checkpointer.end_epoch(progress)
@@ -114,8 +116,10 @@ def _execution(shard: bool) -> Execution:
     return Execution(checkpoint_seconds=0, sharding=Sharding() if shard else None)
 
 
-def _prepare(checkpointer: Checkpointer, source: Path, continues: Path | None):
-    loader = ModelLoader(device=torch.device("cpu"), precision="fp32")
+def _prepare(checkpointer: Checkpointer, source: Path, continues: Path | None, *, lora: bool = False):
+    adapters = LoraConfig(r=4, alpha=8, dropout=0.0) if lora else None
+    loader = ModelLoader(device=torch.device("cpu"), precision="fp32", lora=adapters)
+    torch.manual_seed(2)  # the adapters' initialisation
     models = {role: loader.load(role, source / role, trainable=True) for role in ("actor", "critic")}
     factories = {
         "actor": partial(torch.optim.AdamW, lr=CONFIG.actor_learning_rate),

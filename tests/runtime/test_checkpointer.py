@@ -3,8 +3,8 @@ checkpointing, so an update resumes on another number of processes.
 
 A PPO update sharded over 2 gloo processes (FSDP2, a real ``accelerate launch``), stopped after its checkpoint of
 epoch 2 and resumed in 1 process, and one stopped in 1 process and resumed on 2, end with the weights of an
-uninterrupted update to float rounding (the tolerance of tests/rlhf_core/test_distributed.py); on as many processes
-a resumed update is the uninterrupted one exactly. The optimizer states an output keeps, written by 1 process or 2,
+uninterrupted update to float rounding (the tolerance of tests/rlhf_core/test_distributed.py), with LoRA too; on as
+many processes a resumed update is the uninterrupted one exactly. The optimizer states an output keeps, written by 1 process or 2,
 are read back exactly by the other, so the next update continues them on any number of processes; so are the
 previous release's (tests/runtime/policy_before_issue32), whichever number of processes wrote them.
 """
@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from rlhf_core.loading import ModelLoader
 from runtime.checkpointer import OPTIMIZERS, Checkpointer
@@ -52,11 +53,20 @@ def work(tmp_path_factory) -> SimpleNamespace:
     shutil.copytree(BEFORE / "whole", work / "policy", ignore=shutil.ignore_patterns("*_optimizer"))
     policy, before = str(work / "policy"), {kind: str(BEFORE / kind) for kind in ("whole", "sharded")}
     # 1. 2 sharded processes: an update stopped after its checkpoint of epoch 2 (of 4)
-    _launch(work, [{"name": "from_two", "source": policy, "stop_after": 2}])
+    _launch(
+        work,
+        [
+            {"name": "from_two", "source": policy, "stop_after": 2},
+            {"name": "lora_from_two", "source": policy, "stop_after": 2, "lora": True},
+        ],
+    )
     written_by_two = sorted(path.name for path in (work / "from_two.partial" / "epoch-00002").iterdir())
+    lora_checkpoint = FileSystemReader(work / "lora_from_two.partial" / "epoch-00002").read_metadata()
     # 2. this process: that update resumed; another stopped after epoch 2; the uninterrupted update, and one stopped
     #    and resumed here; the previous release's optimizer states read here
     update(work, name="from_two", source=policy)
+    update(work, name="lora_from_two", source=policy, lora=True)
+    update(work, name="lora_uninterrupted", source=policy, lora=True)
     update(work, name="from_one", source=policy, stop_after=2)
     update(work, name="uninterrupted", source=policy)
     update(work, name="stopped_on_one", source=policy, stop_after=2)
@@ -79,11 +89,24 @@ def work(tmp_path_factory) -> SimpleNamespace:
     )
     # 4. this process: the optimizer states the update resumed on 2 processes kept (written by both) read
     read_states(work, name="from_one_read_on_one", source=str(work / "from_one"), continues=str(work / "from_one"))
-    return SimpleNamespace(folder=work, written_by_two=written_by_two)
+    return SimpleNamespace(folder=work, written_by_two=written_by_two, lora_checkpoint=lora_checkpoint)
 
 
-def _weights(output: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {role: load_file(output / role / "model.safetensors") for role in ("actor", "critic")}
+def _weights(output: Path) -> dict[str, torch.Tensor]:
+    """Every tensor the output's model folders hold (weights, adapters, heads), by ``folder/file:name``."""
+    return {
+        f"{file.parent.name}/{file.name}:{name}": value
+        for file in sorted(output.glob("*/*.safetensors"))
+        for name, value in load_file(file).items()
+    }
+
+
+def _assert_same_weights(expected: Path, found: Path) -> None:
+    """To float rounding: the tolerance of tests/rlhf_core/test_distributed.py."""
+    weights, other = _weights(expected), _weights(found)
+    assert weights and weights.keys() == other.keys(), found.name
+    for key, value in weights.items():
+        torch.testing.assert_close(other[key], value, rtol=1e-4, atol=1e-5, msg=f"{found.name}: {key}")
 
 
 def _states(work: SimpleNamespace, name: str) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
@@ -101,16 +124,20 @@ def test_a_sharded_update_resumes_on_one_process_and_a_one_process_update_on_two
     """Weights and statistics to float rounding, the same steps taken, the training curve across the resume."""
     expected = json.loads((work.folder / "uninterrupted.json").read_text())
     for name in ("from_two", "from_one"):
-        found = _weights(work.folder / name)
-        for role, weights in _weights(work.folder / "uninterrupted").items():
-            assert weights.keys() == found[role].keys(), role
-            for key, value in weights.items():
-                torch.testing.assert_close(found[role][key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {role}.{key}")
+        _assert_same_weights(work.folder / "uninterrupted", work.folder / name)
         stats = json.loads((work.folder / f"{name}.json").read_text())
         assert stats["optimizer_steps"] == expected["optimizer_steps"] == 12
         torch.testing.assert_close(stats, expected, rtol=1e-4, atol=1e-5, msg=name)
         curve = json.loads((work.folder / name / "training_curve.json").read_text())
         assert [row["step"] for row in curve] == list(range(1, 13)), name  # 4 epochs of 3 steps
+
+
+def test_a_sharded_lora_update_resumes_on_one_process_from_its_adapters_and_heads_alone(work):
+    """The frozen base is read from the model's source again, not from the checkpoint."""
+    saved = [key for key in work.lora_checkpoint.state_dict_metadata if ".weights." in key]
+    assert saved and all(".lora_" in key or ".value_head." in key for key in saved), saved
+    assert {key.split(".")[0] for key in saved} == {"actor", "critic"}
+    _assert_same_weights(work.folder / "lora_uninterrupted", work.folder / "lora_from_two")
 
 
 def test_the_optimizer_states_an_output_keeps_are_read_exactly_on_another_process_count(work):
@@ -121,8 +148,8 @@ def test_the_optimizer_states_an_output_keeps_are_read_exactly_on_another_proces
 
 def test_a_resumed_update_on_as_many_processes_is_the_uninterrupted_one_exactly(work):
     uninterrupted, resumed = (_weights(work.folder / name) for name in ("uninterrupted", "stopped_on_one"))
-    for role, weights in uninterrupted.items():
-        assert all(torch.equal(resumed[role][key], value) for key, value in weights.items()), role
+    assert uninterrupted.keys() == resumed.keys()
+    assert all(torch.equal(resumed[key], value) for key, value in uninterrupted.items())
     for file in ("training_curve.json", f"{OPTIMIZERS}/__0_0.distcp", f"{OPTIMIZERS}/{CHECKPOINT_METADATA}"):
         assert (work.folder / "uninterrupted" / file).read_bytes() == (
             work.folder / "stopped_on_one" / file
