@@ -240,7 +240,7 @@ class Checkpointer:
         for name, model in self.models.items():
             state[name] = {"optimizer": optimizers[name]["state"]}
             if weights:
-                state[name]["weights"] = get_model_state_dict(model, options=_TRAINED)
+                state[name]["weights"] = _trained_weights(model)
         return state
 
     def _optimizer_states(self) -> dict[str, dict[str, Any]]:
@@ -279,3 +279,11 @@ class Checkpointer:
             parameters = [fqn for group in groups for fqn in group["params"]]
             whole = {parameters[int(index)]: values for index, values in saved["state"].items()}
             set_optimizer_state_dict(model, optimizer, {"state": whole, "param_groups": groups}, options=_WHOLE)
+
+
+def _trained_weights(model: nn.Module) -> dict[str, Any]:
+    """``model``'s state without its frozen parameters, under any of their names: ``ignore_frozen_params`` leaves a
+    frozen parameter in under its second name (GPT-2's output layer is its input embedding)."""
+    frozen = {name for name, parameter in model.named_parameters(remove_duplicate=False) if not parameter.requires_grad}
+    state = get_model_state_dict(model, options=_TRAINED)
+    return {name: value for name, value in state.items() if name not in frozen}

@@ -118,7 +118,8 @@ def _execution(shard: bool) -> Execution:
 
 def _prepare(checkpointer: Checkpointer, source: Path, continues: Path | None, *, lora: bool = False):
     adapters = LoraConfig(r=4, alpha=8, dropout=0.0) if lora else None
-    loader = ModelLoader(device=torch.device("cpu"), precision="fp32", lora=adapters)
+    bases = {role: source / role for role in ("actor", "critic")}  # what an adapter's folder names as its base
+    loader = ModelLoader(device=torch.device("cpu"), precision="fp32", bases=bases, lora=adapters)
     torch.manual_seed(2)  # the adapters' initialisation
     models = {role: loader.load(role, source / role, trainable=True) for role in ("actor", "critic")}
     factories = {
