@@ -77,7 +77,7 @@ def profile_buckets(profile: cProfile.Profile) -> dict[str, float]:
 
 CAUSES = (
     ("loading models", "rlhf_core/loading.py", ("load",)),
-    ("saving models and optimizer states", "", ("save_model_folder", "save_training_state")),
+    ("saving models and optimizer states", "", ("save_model_folder", "save_state")),
     ("writing and verifying outputs (hashes, manifests)", "storage/manifest.py", ("_finish", "find_stage_output")),
     ("recording stage runs in MLflow", "runtime/record.py", ("record_stage",)),
     ("closing the iteration: its run, figure, Prefect artifact", "flows/iterations.py", ("close_iteration",)),

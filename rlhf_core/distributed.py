@@ -18,9 +18,9 @@ those of one process. Each rank then computes on its share of every minibatch:
    gradient and its optimizer state. The forward and backward gather a layer's parameters when they need
    them, and the backward reduce-scatters gradients averaged over the ranks, as DDP's all-reduce averages
    them, so 1 to 4 hold unchanged. Saving the weights gathers them on the main process
-   (:func:`full_state_dict`, collective); each rank saves its own optimizer shard
-   (:func:`local_optimizer_state`). The precision is the unsharded one (:func:`prepare`): fp32 parameters,
-   autocast in the forward pass, so a sharded update computes what an unsharded one does.
+   (:func:`full_state_dict`, collective); optimizer states are saved by every rank together, each its part
+   (torch distributed checkpointing, outside the core). The precision is the unsharded one (:func:`prepare`): fp32
+   parameters, autocast in the forward pass, so a sharded update computes what an unsharded one does.
 
 With one process every function here is the identity, and the arithmetic is that of a plain loop.
 """
@@ -28,7 +28,6 @@ With one process every function here is the identity, and the arithmetic is that
 from __future__ import annotations
 
 from types import MethodType
-from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -36,7 +35,6 @@ from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_contex
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from rlhf_core.config import Sharding
 
@@ -123,44 +121,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             tied.add(name)
         seen.add(id(parameter))
     return {name: value for name, value in state.items() if name not in tied}
-
-
-def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This process's shard of ``optimizer``'s state as plain tensors (``DTensor`` shards made local), so
-    it saves and loads with ``torch.load(..., weights_only=True)``."""
-    state = optimizer.state_dict()
-    local = {
-        index: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in values.items()}
-        for index, values in state["state"].items()
-    }
-    return {"state": local, "param_groups": state["param_groups"]}
-
-
-def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load what :func:`local_optimizer_state` saved, on the same number of processes, into ``optimizer``
-    (whose parameters are the shards of the same models)."""
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    restored = {}
-    for index, values in state["state"].items():
-        parameter = parameters[int(index)]
-        restored[index] = {
-            name: _like_parameter(value, parameter) if name != "step" else value for name, value in values.items()
-        }
-    optimizer.load_state_dict({"state": restored, "param_groups": state["param_groups"]})
-
-
-def _like_parameter(local: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
-    """``local`` as this process's shard of a tensor sharded like ``parameter`` (itself where it is no DTensor)."""
-    if not isinstance(parameter, DTensor) or local.dim() == 0:
-        return local
-    return DTensor.from_local(
-        local.to(parameter.device),
-        parameter.device_mesh,
-        parameter.placements,
-        run_check=False,
-        shape=parameter.shape,
-        stride=parameter.stride(),
-    )
 
 
 def prepare(

@@ -7,7 +7,7 @@ Modules:
 * :mod:`storage.shards`: Parquet shards (``write_shards``, ``read_table``, ``scan_table``).
 * :mod:`storage.manifest`: manifests, input keys, atomic ``StageOutput``, ``read_manifest``.
 * :mod:`storage.experience_io`: ``Experience`` <-> Arrow.
-* :mod:`storage.checkpoints`: ``save_pretrained`` folders and resumable training state.
+* :mod:`storage.checkpoints`: ``save_pretrained`` folders, and training state as torch distributed checkpoints.
 * :mod:`storage.tokenizers`: saved tokenizers, loaded as the class they were saved as (no torch for the generic one).
 * :mod:`storage.mlflow_store`: ``MlflowStore``, MLflow behind a small adapter: the only code that imports mlflow.
 * :mod:`storage.tracking`: ``Tracker``, the pipeline's records in MLflow (campaigns, stage records), on that adapter.
@@ -41,8 +41,8 @@ _EXPORTS = {
     "experience_to_table": "experience_io",
     "table_to_experience": "experience_io",
     "save_model": "checkpoints",
-    "save_training_state": "checkpoints",
-    "load_training_state": "checkpoints",
+    "save_state": "checkpoints",
+    "load_state": "checkpoints",
     "load_tokenizer": "tokenizers",
     "MlflowStore": "mlflow_store",
     "StageRecord": "tracking",

@@ -1,4 +1,4 @@
-"""Checkpoints: Hugging Face ``save_pretrained`` folders, plus the state needed to resume training exactly.
+"""Checkpoints: Hugging Face ``save_pretrained`` folders, and the training state a stage resumes from.
 
 Choices:
 
@@ -6,36 +6,48 @@ Choices:
    :class:`rlhf_core.models.Critic` / :class:`~rlhf_core.models.RewardModel`, which save their
    head beside the backbone. A tokenizer, when given, is saved into the same folder. Loading
    them is the model seam's job (:mod:`rlhf_core.loading`).
-2. Optimizer and scheduler states are ``torch.save``d state dicts (plain tensors, numbers and
-   lists), and every RNG state is encoded as tensors and ints, so that everything loads with
-   ``torch.load(..., weights_only=True)``: nothing is ever unpickled from a checkpoint.
-3. ``step`` and ``extra`` go into ``trainer_state.json``, so they can be read without torch.
-4. The optimizer states of models sharded over N processes (FSDP) are saved sharded: each process writes its
-   own shard, ``optimizer-<rank>-of-<N>.pt`` (:func:`save_optimizer_shard`), and reads it back on N processes
-   again; states saved another way are refused in one line (:func:`check_optimizer_layout`).
+2. Training state (optimizer states, and a stage's trained weights between epochs) is a torch distributed
+   checkpoint (DCP, ``torch.distributed.checkpoint``): a folder of ``.metadata`` and one ``__<rank>_0.distcp`` file
+   per process that wrote it. Every process writes the part it holds (:func:`save_state`), and any number of
+   processes reads it back, each the part it holds then (:func:`load_state`): it is named by tensor, not by process.
+3. Its bytes depend only on what it holds: DCP's metadata would also record the folder and a random save id, which
+   :class:`_Writer` leaves out, so a state written twice alike is the same files, and their digest can be part of an
+   input key (the next PPO update's).
+4. Nothing is unpickled from it but DCP's own records. Every value in it is a tensor (anything else is refused when
+   saving), read with ``torch.load(..., weights_only=True)``; the metadata is read by an unpickler that admits DCP's
+   metadata classes, sizes, dtypes and layouts only (:class:`_MetadataUnpickler`).
+5. What the previous release saved (one ``optimizer.pt``, or ``optimizer-<rank>-of-<N>.pt`` per FSDP process) is
+   read as one whole state (:func:`read_legacy_optimizer_state`), so a campaign it finished continues on any number
+   of processes.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import random
+import dataclasses
+import enum
+import pickle
 import re
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_core.errors import UserError
 from rlhf_core.loading import save_model_folder
 
-logger = logging.getLogger(__name__)
+CHECKPOINT_METADATA = ".metadata"
+"""The file DCP writes last, when every process has written its part: a folder with it holds a whole checkpoint."""
 
 OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
-RNG_FILE = "rng_state.pt"
-TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_SHARD = re.compile(r"optimizer-(\d{5})-of-(\d{5})\.pt")
+"""The previous release's optimizer states: whole, or one file per FSDP process."""
 
 
 def save_model(
@@ -67,177 +79,151 @@ def save_model(
     return directory
 
 
-def _rng_state() -> dict[str, Any]:
-    """Every RNG state as tensors, ints, floats and None (loadable with ``weights_only=True``)."""
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python_version": version,
-        "python_state": torch.tensor(internal, dtype=torch.int64),
-        "python_gauss_next": gauss_next,
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state["numpy"] = {
-        "kind": kind,
-        "keys": torch.from_numpy(keys.astype("int64")),
-        "position": int(position),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached_gaussian),
-    }
-    return state
+def is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole checkpoint of :func:`save_state`."""
+    return (Path(folder) / CHECKPOINT_METADATA).is_file()
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    internal = tuple(int(value) for value in state["python_state"].tolist())
-    random.setstate((state["python_version"], internal, state["python_gauss_next"]))
-    if "cuda" in state:
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:
-            logger.warning("the checkpoint holds CUDA RNG states but CUDA is unavailable; they are not restored")
-    if "numpy" in state:
-        try:
-            import numpy as np
-        except ImportError:
-            logger.warning("the checkpoint holds a numpy RNG state but numpy is not installed")
-            return
-        saved = state["numpy"]
-        keys = saved["keys"].numpy().astype("uint32")
-        np.random.set_state((saved["kind"], keys, saved["position"], saved["has_gauss"], saved["cached_gaussian"]))
+def save_state(folder: Path, state: Mapping[str, Any]) -> None:
+    """Write ``state`` (nested dicts of tensors, plain or ``DTensor`` shards) as a DCP checkpoint into ``folder``.
 
+    Every training process calls it together (collective), each with its own part of the same state; a plain
+    tensor every process holds alike is written once.
 
-def save_training_state(
-    directory: Path,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any | None = None,
-    step: int,
-    extra: dict[str, Any] | None = None,
-    rng: bool = True,
-) -> Path:
-    """Save what training needs to continue exactly: optimizer, scheduler, RNG states, step.
-
-    Args:
-        directory: the folder to write; created if missing.
-        optimizer: its ``state_dict()`` is saved when given.
-        scheduler: an LR scheduler; its ``state_dict()`` is saved when given.
-        step: the number of optimizer steps taken so far.
-        extra: JSON-serialisable values to keep beside ``step`` (e.g. the KL controller's coefficient).
-        rng: save the global RNG states (torch, python, numpy). Training whose only randomness is
-            an explicit ``torch.Generator`` saves that instead and passes False, so the saved
-            bytes do not depend on whatever else ran in the process before.
-
-    Returns:
-        ``directory``.
+    Raises:
+        TypeError: a value in ``state`` is not a tensor (it would be pickled).
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
-    if rng:
-        torch.save(_rng_state(), directory / RNG_FILE)
-    trainer_state = {"step": int(step), "extra": dict(extra or {})}
-    (directory / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
-    return directory
+    _refuse_non_tensors(state, "")
+    with _one_process_meant():
+        dcp.save(dict(state), storage_writer=_Writer(Path(folder)), no_dist=not _distributed())
+
+
+def load_state(folder: Path, state: Mapping[str, Any]) -> None:
+    """Read the DCP checkpoint in ``folder`` into the tensors of ``state``, in place: each process reads the part of
+    every tensor it holds, whatever number of processes saved them. Every key of ``state`` must be in the checkpoint;
+    the checkpoint may hold more. Every training process calls it together (collective).
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no whole checkpoint.
+        pickle.UnpicklingError: the checkpoint's metadata holds something this pipeline never writes there.
+    """
+    _read_metadata(Path(folder) / CHECKPOINT_METADATA)  # refused here in one line, not inside DCP's collective
+    with _one_process_meant():
+        dcp.load(dict(state), storage_reader=_Reader(Path(folder)), no_dist=not _distributed())
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _one_process_meant() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what a stage in its own process means."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _refuse_non_tensors(state: Mapping[str, Any], prefix: str) -> None:
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            _refuse_non_tensors(value, f"{prefix}{key}.")
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(f"a checkpoint holds tensors only; {prefix}{key} is {type(value).__name__}")
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, without the folder and the random save id in the metadata (choice 3)."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, whose metadata is read by :class:`_MetadataUnpickler` (choice 4)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.folder = folder
+
+    def read_metadata(self, *args: Any, rank: int | None = None, **kwargs: Any) -> Metadata:
+        name = CHECKPOINT_METADATA if rank is None else f"__{rank}{CHECKPOINT_METADATA}"  # per process: never written
+        metadata = _read_metadata(self.folder / name)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+
+def _read_metadata(path: Path) -> Metadata:
+    with open(path, "rb") as file:
+        metadata = _MetadataUnpickler(file, path).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{path} holds no checkpoint metadata")
+    return metadata
+
+
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+_LAYOUT = ("torch.serialization", "_get_layout")
+"""How DCP pickles a layout: by its name, looked up by this function."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds DCP's metadata records (dataclasses and enums of ``torch.distributed.checkpoint``),
+    ``torch.Size``, dtypes and layouts, and refuses every other name before importing anything."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or module == "torch" or (module, name) == _LAYOUT:
+            found = super().find_class(module, name)
+            if module == "torch":
+                admitted = found is torch.Size or isinstance(found, _TORCH_VALUES)
+            elif (module, name) == _LAYOUT:
+                admitted = True
+            else:
+                admitted = isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
+            if admitted:
+                return found
+        raise pickle.UnpicklingError(
+            f"{self.path} names {module}.{name}, which no checkpoint of this pipeline holds: it was not written by it"
+        )
+
+
+def read_legacy_optimizer_state(folder: Path) -> dict[str, Any] | None:
+    """The whole optimizer state the previous release saved in ``folder`` (``optimizer.state_dict()``: parameters by
+    index, in the optimizer's order), or None where it saved none.
+
+    ``optimizer.pt`` is that state. FSDP shards (``optimizer-<rank>-of-<N>.pt``, each process's part of every tensor)
+    are joined along the first dimension, where FSDP2 splits a tensor as ``torch.chunk`` does; scalars (``step``) are
+    the same in every shard. Read with ``torch.load(..., weights_only=True)``.
+
+    Raises:
+        FileNotFoundError: a shard is missing.
+    """
+    folder = Path(folder)
+    if (folder / OPTIMIZER_FILE).is_file():
+        return _load(folder / OPTIMIZER_FILE)
+    found = {
+        int(match[1]): (int(match[2]), path)
+        for path in folder.glob("optimizer-*.pt")
+        if (match := OPTIMIZER_SHARD.fullmatch(path.name))
+    }
+    if not found:
+        return None
+    processes = max(count for count, _ in found.values())
+    if sorted(found) != list(range(processes)) or {count for count, _ in found.values()} != {processes}:
+        raise FileNotFoundError(f"{folder} holds {len(found)} of the {processes} optimizer shards of one state")
+    shards = [_load(found[rank][1]) for rank in range(processes)]
+    state = {
+        index: {
+            name: value if value.dim() == 0 else torch.cat([shard["state"][index][name] for shard in shards])
+            for name, value in values.items()
+        }
+        for index, values in shards[0]["state"].items()
+    }
+    return {"state": state, "param_groups": shards[0]["param_groups"]}
 
 
 def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_training_state(
-    directory: Path, *, optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None
-) -> dict[str, Any]:
-    """Restore what :func:`save_training_state` saved: states into ``optimizer`` / ``scheduler``, and the RNGs.
-
-    Everything is read with ``torch.load(..., weights_only=True)``.
-
-    Args:
-        directory: a folder written by :func:`save_training_state`.
-        optimizer: receives the saved optimizer state (the file must exist).
-        scheduler: receives the saved scheduler state (the file must exist).
-
-    Returns:
-        ``{"step": int, "extra": dict}``.
-
-    Raises:
-        FileNotFoundError: a state asked for was not saved.
-    """
-    directory = Path(directory)
-    for wanted, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
-        if wanted is not None and not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} is missing")
-    trainer_state = json.loads((directory / TRAINER_STATE_FILE).read_text())
-    if optimizer is not None:
-        optimizer.load_state_dict(_load(directory / OPTIMIZER_FILE))
-    if scheduler is not None:
-        scheduler.load_state_dict(_load(directory / SCHEDULER_FILE))
-    if (directory / RNG_FILE).is_file():
-        _set_rng_state(_load(directory / RNG_FILE))
-    return {"step": int(trainer_state["step"]), "extra": dict(trainer_state["extra"])}
-
-
-OPTIMIZER_SHARD = re.compile(r"optimizer-(\d{5})-of-(\d{5})\.pt")
-
-
-class OptimizerLayoutError(UserError, ValueError):
-    """Saved optimizer states cannot be loaded by this many training processes."""
-
-
-def _shard_file(rank: int, processes: int) -> str:
-    return f"optimizer-{rank:05d}-of-{processes:05d}.pt"
-
-
-def save_optimizer_shard(directory: Path, state: dict[str, Any], *, rank: int, processes: int) -> Path:
-    """Save this process's shard of an optimizer state (plain tensors: see
-    :func:`rlhf_core.distributed.local_optimizer_state`) beside the ``trainer_state.json`` of
-    :func:`save_training_state`; returns the file."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / _shard_file(rank, processes)
-    torch.save(state, path)
-    return path
-
-
-def load_optimizer_shard(directory: Path, *, rank: int, processes: int) -> dict[str, Any]:
-    """The shard :func:`save_optimizer_shard` saved for ``rank`` of ``processes``."""
-    return _load(Path(directory) / _shard_file(rank, processes))
-
-
-def optimizer_layout(directory: Path) -> int | None:
-    """Over how many processes the optimizer state in ``directory`` is sharded: None for one whole state
-    (``optimizer.pt``), 0 for none saved."""
-    directory = Path(directory)
-    if (directory / OPTIMIZER_FILE).is_file():
-        return None
-    counts = {
-        int(match[2]) for path in directory.glob("optimizer-*.pt") if (match := OPTIMIZER_SHARD.fullmatch(path.name))
-    }
-    return counts.pop() if len(counts) == 1 else 0
-
-
-def check_optimizer_layout(directory: Path, *, processes: int | None) -> None:
-    """Refuse optimizer states that ``processes`` sharded processes (None: unsharded ones) cannot load.
-
-    Raises:
-        OptimizerLayoutError: the states were saved whole and are wanted sharded, or sharded over another number
-            of processes, or sharded and wanted whole.
-    """
-    saved = optimizer_layout(directory)
-    if saved == 0 or saved == processes:
-        return
-    how = "whole (unsharded training)" if saved is None else f"sharded over {saved} processes (FSDP)"
-    wanted = f"{processes} sharded processes" if processes is not None else "unsharded training"
-    raise OptimizerLayoutError(
-        f"the optimizer states in {directory} were saved {how}, and {wanted} cannot load them: set "
-        f"`execution.training_processes` (and `execution.accelerate_config`) as when they were saved"
-    )

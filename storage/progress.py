@@ -26,9 +26,9 @@ def partial_dir(final_dir: Path) -> Path:
 
 
 def shared_staging(final_dir: Path, epochs_done: int) -> Path:
-    """The folder several training processes write the checkpoint after ``epochs_done`` epochs into (each its
-    shard of the optimizer states) before :func:`save_progress` with ``staging`` publishes it: a name every
-    process derives alone. A crashed run's leftover is emptied by the main process before they write."""
+    """The folder the training processes write the checkpoint after ``epochs_done`` epochs into (each its part)
+    before :func:`save_progress` with ``staging`` publishes it: a name every process derives alone. A crashed
+    run's leftover is emptied by the main process before they write."""
     return partial_dir(final_dir) / f".{_EPOCH_PREFIX}{epochs_done:05d}.tmp-shared"
 
 

@@ -4,10 +4,11 @@ With a critic-free estimator (``critic`` False) the actor alone is loaded, train
 new policy has no ``critic/``, and neither have the policies after it.
 
 The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models,
-optimizers, the shuffling stream and running statistics); a crashed run continues from the last
-saved epoch and ends exactly where an uninterrupted one would.
+optimizers, the shuffling stream and running statistics: :mod:`runtime.checkpointer`); a crashed run
+continues from the last saved epoch, on any number of processes, and ends where an uninterrupted one would
+(exactly, on as many).
 
-The optimizer states it writes are *prunable*: only the newest iteration's are needed (to continue
+The optimizer states it writes (``optimizers/``) are *prunable*: only the newest iteration's are needed (to continue
 the campaign), so older ones are deleted (:func:`prune_optimizer_states`). An update continues the
 optimizer states of its input policy, and their digest is part of its input key
 (:class:`OptimizerState`): re-running a finished iteration reuses its output even after its
@@ -16,35 +17,29 @@ replay continues them while they exist, and otherwise starts from fresh optimize
 
 With ``execution.training_processes`` N > 1 the update runs in N ``accelerate launch`` processes (or Ray Train
 workers), each on its share of every minibatch (:mod:`runtime.launch`, :mod:`rlhf_core.distributed`), the models
-sharded over them under FSDP2 (:mod:`runtime.training`); the main process writes the models.
+sharded over them under FSDP2 (:mod:`runtime.checkpointer`); the main process writes the models.
 """
 
 from __future__ import annotations
 
-import json
+from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from rlhf_core.ppo import MinibatchStats, PPOProgress
+from rlhf_core.ppo import PPOProgress
 from rlhf_core.ppo import ppo_update as update
+from runtime.checkpointer import OPTIMIZERS, Checkpointer
 from runtime.declaration import StageResult
 from runtime.job import Job, Training
-from runtime.metering import Throttle
 from runtime.models import accelerator_for
-from runtime.record import write_training_curve
 from runtime.stage import Stage
-from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.experience_io import table_to_experience
 from storage.manifest import prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.settings import OptimizerState, PPOUpdateSettings
 from tasks.text import load_tokenizer
-
-PROGRESS_FILE = "progress.json"
-OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
 
 
 def optimizer_state(policy: StageResult, *, present_only: bool = False) -> OptimizerState | None:
@@ -78,12 +73,7 @@ def plan(job: Job[PPOUpdateSettings]) -> Training:
             f"the optimizer states of {optimizer.path} were pruned (only the newest iteration keeps them), so this "
             "update cannot be computed again exactly; continue from the newest iteration, or replay it"
         )
-    # The optimizer states the update reads: a crashed attempt's last checkpoint's, else its input policy's.
-    checkpoint = latest_progress(out.final_dir)
-    reads = checkpoint[1] if checkpoint else Path(optimizer.path) if optimizer is not None else None
-    if reads is not None:
-        check_states(job.context.execution, [reads / name for name in OPTIMIZERS])
-    out.prunable.update(OPTIMIZERS)
+    out.prunable.add(OPTIMIZERS)
     return Training(settings.precision)
 
 
@@ -93,71 +83,30 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     ppo, critic, policy, optimizer = settings.ppo, settings.critic, settings.policy, settings.optimizer
     models = job.models(settings.precision)
     accelerator = accelerator_for(models.device, models.precision)
-    main = accelerator.is_main_process
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     generator = job.generator()
-    checkpoint = latest_progress(out.final_dir)
-    source, resume, curve = policy.directory, None, []
-    states = Path(optimizer.path) if optimizer is not None else None
-    if checkpoint is not None:
-        source = states = checkpoint[1]
-        saved = json.loads((source / PROGRESS_FILE).read_text())
-        resume = PPOProgress(**saved["progress"])
-        generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
-        curve = saved["curve"]
-    loaded = [models.load("actor", source / "actor", trainable=True)]
+    checkpointer = Checkpointer(
+        accelerator, context.execution, out.final_dir, generator=generator, epochs=ppo.epochs, name=job.stage
+    )
+    loaded = {"actor": models.load("actor", policy.directory / "actor", trainable=True)}
+    factories = {"actor": partial(torch.optim.AdamW, lr=ppo.actor_learning_rate)}
     if critic:
-        loaded.append(models.load("critic", source / "critic", trainable=True))
-    rates = (ppo.actor_learning_rate, ppo.critic_learning_rate)
+        loaded["critic"] = models.load("critic", policy.directory / "critic", trainable=True)
+        factories["critic"] = partial(torch.optim.AdamW, lr=ppo.critic_learning_rate)
     # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
-    folders = [None if states is None else states / name for name in OPTIMIZERS[: len(loaded)]]
-    trained, _ = train_models(
-        accelerator, context.execution, loaded, lambda index, parameters: torch.optim.AdamW(parameters, lr=rates[index]),
-        folders,
-    )  # fmt: skip
-    actor, value_model = trained.models[0], trained.models[1] if critic else None
-    optimizers = trained.optimizers
-
-    throttle = Throttle(context.execution.checkpoint_seconds)
-    initial = resume.epochs_done if resume else 0
-    bar = tqdm(total=ppo.epochs, initial=initial, desc=job.stage, unit="epoch", leave=False, disable=not main)
-
-    def save(folder: Path, progress: PPOProgress | None) -> None:
-        """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
-        named = {"actor": actor} if value_model is None else {"actor": actor, "critic": value_model}
-        steps = progress.optimizer_steps if progress else 0
-        save_trained(
-            trained, folder, named, dict(zip(OPTIMIZERS, optimizers, strict=False)), tokenizer=tokenizer, step=steps
-        )
-        if main and progress is not None:
-            state = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
-            (folder / PROGRESS_FILE).write_text(json.dumps(state))
-
-    def save_epoch(progress: PPOProgress) -> None:
-        bar.update(1)
-        due = main and progress.epochs_done < ppo.epochs and throttle.due()
-        save_checkpoint(
-            trained, out.final_dir, progress.epochs_done, due=due, write=lambda folder: save(folder, progress)
-        )
-
-    def record_step(step: int, stats: MinibatchStats) -> None:
-        curve.append(
-            {"step": step, **{name: float(value) for name, value in stats._asdict().items() if value is not None}}
-        )
-
+    states = Path(optimizer.path) if optimizer is not None else None
+    trained, optimizers = checkpointer.prepare(loaded, factories, continues=states)
     experience = table_to_experience(
         read_table(settings.scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
-    with bar:  # closed on an error too, so the error's line starts a line of its own
+    with checkpointer:
         stats = update(
-            actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
+            trained["actor"], trained.get("critic"), optimizers["actor"], optimizers.get("critic"), experience, ppo,
             accelerator=accelerator, temperature=settings.temperature, norm_tokens=settings.max_new_tokens,
-            generator=generator,
-            resume=resume, on_epoch_end=save_epoch, on_step=record_step,
+            generator=generator, resume=checkpointer.resume(PPOProgress), on_epoch_end=checkpointer.end_epoch,
+            on_step=checkpointer.record_step,
         )  # fmt: skip
-    save(out.path, None)
-    if main:
-        write_training_curve(out.path, curve)
+    checkpointer.save_output(out.path, tokenizer=tokenizer, keep_optimizers=True)
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),

@@ -10,28 +10,26 @@ Training saves its progress after an epoch, at most every ``checkpoint_seconds``
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
 ``accelerate launch`` processes, each on its share of every minibatch (:mod:`runtime.launch`,
-:mod:`rlhf_core.distributed`), the model sharded over them under FSDP2 (:mod:`runtime.training`); the main
+:mod:`rlhf_core.distributed`), the model sharded over them under FSDP2 (:mod:`runtime.checkpointer`); the main
 process writes the model.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import pyarrow as pa
 import torch
-from tqdm.auto import tqdm
 
 from rlhf_core.config import eval_split_error, held_out_pairs
 from rlhf_core.errors import UserError
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
+from runtime.checkpointer import Checkpointer
 from runtime.job import Job, Training
-from runtime.metering import Throttle
 from runtime.models import accelerator_for
-from runtime.record import write_training_curve
 from runtime.stage import Stage
-from runtime.training import check_states, save_checkpoint, save_trained, train_models
 from storage.checkpoints import save_model
 from storage.manifest import read_manifest
-from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.settings import TrainRewardModelSettings
 from tasks.tensors import pad_token_lists
@@ -56,7 +54,7 @@ def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
     """Take a pretrained reward model as it is (``reward_model.train`` false: here, :func:`refer_to_pretrained`), or
     refuse too few pairs before any training process starts; then train in this process, or in
     ``execution.training_processes`` launched ones."""
-    settings, context = job.settings, job.context
+    settings = job.settings
     if not settings.reward_model.train:
         return None
     pairs = sum(
@@ -70,8 +68,6 @@ def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
             f"train_reward_model: {error}. With human labels, fewer `tie/skip` answers do it: run the same command "
             "with a new `human.relabel` value to be asked again"
         )
-    if (checkpoint := latest_progress(job.out.final_dir)) is not None:  # a crashed attempt's, which training continues
-        check_states(context.execution, [checkpoint[1] / "optimizer"])
     return Training(settings.precision)
 
 
@@ -86,7 +82,6 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
     tokenizer = load_tokenizer(context.base.reward_tokenizer)
     pretrained = context.base.reward_model.path if context.base.reward_model else None
     accelerator = accelerator_for(models.device, models.precision)
-    main = accelerator.is_main_process
     table = pa.concat_tables([read_table(result.directory, "preferences") for result in settings.preferences])
     generator = job.generator()
     pairs = preference_batch(table, tokenizer)
@@ -94,56 +89,28 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
     held_out = held_out_pairs(len(pairs), config.eval_fraction)
     torch.manual_seed(job.seed())  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
-    checkpoint, resume = latest_progress(out.final_dir), None
-    if checkpoint is not None:
-        source = checkpoint[1] / "reward_model"
-    trained, (restored,) = train_models(
-        accelerator, context.execution, [models.load("reward_model", source, trainable=True)],
-        lambda _, parameters: torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay),
-        [None if checkpoint is None else checkpoint[1] / "optimizer"],
-    )  # fmt: skip
-    (model,), (optimizer,) = trained.models, trained.optimizers
-    curve: list[dict[str, float]] = []
-    if checkpoint is not None:
-        saved = restored["extra"]
-        resume = RewardTrainingProgress(**saved["progress"])
-        generator.set_state(torch.tensor(saved["generator_state"], dtype=torch.uint8))
-        curve = saved["curve"]
-
-    throttle = Throttle(context.execution.checkpoint_seconds)
-    initial = resume.epochs_done if resume else 0
-    bar = tqdm(total=config.epochs, initial=initial, desc=job.stage, unit="epoch", leave=False, disable=not main)
-
-    def save_epoch(progress: RewardTrainingProgress) -> None:
-        bar.update(1)
-
-        def write(folder):
-            extra = {"progress": progress._asdict(), "generator_state": generator.get_state().tolist(), "curve": curve}
-            save_trained(
-                trained, folder, {"reward_model": model}, {"optimizer": optimizer}, tokenizer=tokenizer,
-                step=progress.optimizer_steps, extra=extra,
-            )  # fmt: skip
-
-        due = main and progress.epochs_done < config.epochs and throttle.due()
-        save_checkpoint(trained, out.final_dir, progress.epochs_done, due=due, write=write)
-
-    with bar:  # closed on an error too, so the error's line starts a line of its own
+    checkpointer = Checkpointer(
+        accelerator, context.execution, out.final_dir, generator=generator, epochs=config.epochs, name=job.stage
+    )
+    trained, optimizers = checkpointer.prepare(
+        {"reward_model": models.load("reward_model", source, trainable=True)},
+        {"reward_model": partial(torch.optim.AdamW, lr=config.learning_rate, weight_decay=config.weight_decay)},
+    )
+    with checkpointer:
         stats = fit_reward_model(
-            model,
-            optimizer,
+            trained["reward_model"],
+            optimizers["reward_model"],
             pairs.select(order[held_out:]),
             pairs.select(order[:held_out]),
             config,
             accelerator=accelerator,
             generator=generator,
-            resume=resume,
-            on_epoch_end=save_epoch,
-            on_step=lambda step, values: curve.append({"step": step, **values}),
+            resume=checkpointer.resume(RewardTrainingProgress),
+            on_epoch_end=checkpointer.end_epoch,
+            on_step=checkpointer.record_step,
             dropout_seed=job.seed(),
         )
-    save_trained(trained, out.path, {"reward_model": model}, {}, tokenizer=tokenizer, step=0)
-    if main:
-        write_training_curve(out.path, curve)
+    checkpointer.save_output(out.path, tokenizer=tokenizer)
     # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
     metrics = {k: float(v) for k, v in stats._asdict().items()}
     return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(held_out)}

@@ -9,12 +9,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
+from torch.distributed.checkpoint import FileSystemReader
 
 from campaign.config import ConfigError, load_config
 from campaign.store import resolve_run
 from flows.iterations import load_latest_state, resolve_base, tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
+from runtime.checkpointer import OPTIMIZERS
 from runtime.references import RewardFunctionError
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
@@ -61,9 +63,12 @@ def test_a_critic_free_campaign_never_makes_loads_or_trains_a_critic(grouped):
     updates = _outputs(grouped, "ppo_update")
     assert len(updates) == grouped.iterations
     for update in updates:
-        assert not (update / "critic").exists() and not (update / "critic_optimizer").exists()
+        assert not (update / "critic").exists()
         assert "value_loss" not in _manifest(update)["metrics"]
         assert {model["role"] for model in _manifest(update)["runtime"]["models"]} == {"actor"}
+    (kept,) = (update / OPTIMIZERS for update in updates if (update / OPTIMIZERS).is_dir())  # the newest's only
+    saved = FileSystemReader(kept).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in saved} == {"actor"}, "no critic optimizer state either"
     tracker = tracking_store(grouped).tracker()
     assert tracker.model_versions("grpo-critic") == [] and len(tracker.model_versions("grpo-actor")) == 2
     for rollout in _outputs(grouped, "rollout"):

@@ -13,6 +13,7 @@ import pytest
 
 from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
+from runtime.checkpointer import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -97,7 +98,7 @@ def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_stat
     with_states = [
         folder.name
         for folder in (config.run_root / config.campaign / "ppo_update").iterdir()
-        if (folder / "actor_optimizer").is_dir()
+        if (folder / OPTIMIZERS).is_dir()
     ]
     assert with_states == [final.policy.directory.name]
     # The newest update continued the previous optimizer states; the first started fresh.

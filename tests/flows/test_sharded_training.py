@@ -1,6 +1,7 @@
 """Sharded training stages (issue 25): `execution.accelerate_config` with FSDP2 over 2 gloo processes trains what one
-process trains, writes the same plain `save_pretrained` folders, saves its optimizer states sharded (one file per
-process) and resumes after kill -9 as if it never crashed; the settings it cannot run are refused in one line."""
+process trains, writes the same plain `save_pretrained` folders, saves its optimizer states as a distributed
+checkpoint (each process its part, issue 32) and resumes after kill -9 as if it never crashed; the settings it cannot
+run are refused in one line."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from safetensors.torch import load_file
 
 from campaign.config import load_config
 from flows.rlhf_pipeline import rlhf_campaign
+from runtime.checkpointer import OPTIMIZERS, TRAINING_STATE_FILE
+from storage.checkpoints import CHECKPOINT_METADATA, load_state
 from tests.flows.test_bad_inputs import Case, _assert_refused, _main, _run
 from tests.flows.test_scaling import CONFIGS, stage_files, tiny_config
 
@@ -53,13 +56,13 @@ def _assert_same_policy(one: Path, two: Path) -> None:
 @pytest.mark.slow
 def test_a_sharded_update_trains_the_policy_of_one_process(one_process, checkpoint_world, tmp_path):
     """The update sharded over 2 processes has the in-process update's input key, its weights to float rounding,
-    each process's optimizer shard and each process's peak memory."""
+    each process's part of the optimizer states and each process's peak memory."""
     config = tiny_config(checkpoint_world, tmp_path, *VERIFIABLE, *SHARDED)
     assert rlhf_campaign(config, return_state=True).is_completed()
     update = _manifest(config.run_root, "ppo_update")
     _assert_same_policy(one_process, update.parent)
-    optimizer = sorted(path.name for path in (update.parent / "actor_optimizer").iterdir())
-    assert optimizer == ["optimizer-00000-of-00002.pt", "optimizer-00001-of-00002.pt", "trainer_state.json"]
+    optimizer = sorted(path.name for path in (update.parent / OPTIMIZERS).iterdir())
+    assert optimizer == [CHECKPOINT_METADATA, "__0_0.distcp", "__1_0.distcp"]
     metrics = json.loads(update.read_text())["metrics"]
     assert metrics["peak_memory_mb"] == max(metrics["peak_memory_mb_rank0"], metrics["peak_memory_mb_rank1"]) > 0
 
@@ -113,8 +116,8 @@ def test_a_sharded_campaign_resumes_after_kill_minus_nine_as_if_never_crashed(
     prefect_server, checkpoint_world, tmp_path
 ):
     """`rlhf run` with both training stages sharded over 2 processes, killed while the sharded PPO workers have saved
-    an epoch of the first iteration's update (every process its optimizer shard), then run again: every output of both
-    iterations (the second continues the first's sharded optimizer states) is the one of a sharded campaign that never
+    an epoch of the first iteration's update (every process its part of the checkpoint), then run again: every output
+    of both iterations (the second continues the first's optimizer states) is the one of a sharded campaign that never
     crashed, byte for byte."""
     from prefect.settings import PREFECT_API_URL
 
@@ -144,12 +147,54 @@ def test_a_sharded_campaign_resumes_after_kill_minus_nine_as_if_never_crashed(
         process.wait(timeout=60)
     time.sleep(2)  # the launched workers end with their launcher (it ends with the killed process)
     checkpoint = sorted(stage_dir.glob("*.partial/epoch-*"))[-1]
-    assert {path.name for path in (checkpoint / "actor_optimizer").iterdir()} >= {
-        "optimizer-00000-of-00002.pt", "optimizer-00001-of-00002.pt"
+    assert {path.name for path in checkpoint.iterdir()} == {
+        CHECKPOINT_METADATA, "__0_0.distcp", "__1_0.distcp", TRAINING_STATE_FILE
     }  # fmt: skip
     assert rlhf_campaign(crashed, return_state=True).is_completed()
     assert stage_files(crashed.run_root) == stage_files(uninterrupted.run_root)
     assert len(list(stage_dir.glob("[!.]*/_manifest.json"))) == 2
+
+
+@pytest.mark.slow
+def test_a_sharded_update_killed_mid_stage_resumes_in_one_process_issue_32(
+    one_process, prefect_server, checkpoint_world, tmp_path, monkeypatch
+):
+    """`rlhf run` with the update sharded over 2 processes, killed once they have saved an epoch's checkpoint (each its
+    part), then run again in this one process: the update continues from that checkpoint and ends with the policy of
+    the in-process update that never crashed, to float rounding."""
+    from prefect.settings import PREFECT_API_URL
+
+    overrides = [
+        f"run_root={tmp_path}", f"model.policy={checkpoint_world['policy']}", f"data.prompts={checkpoint_world['prompts']}",
+        f"data.eval_prompts={checkpoint_world['eval_prompts']}", "iterations=1", "sizes.rows_per_shard=8", *VERIFIABLE,
+        "execution.checkpoint_seconds=0",
+    ]  # fmt: skip
+    stage_dir = tmp_path / "tiny" / "ppo_update"
+    command = [sys.executable, "-m", "flows", "run", "--config", str(CONFIGS / "tiny.yaml")]
+    command += [f"--set={o}" for o in (*overrides, *SHARDED)]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 900
+    try:
+        while not list(stage_dir.glob("*.partial/epoch-*")):
+            assert process.poll() is None, "the campaign ended before it could be killed mid-stage"
+            assert time.monotonic() < deadline, "timed out waiting for a checkpoint of ppo_update"
+            time.sleep(0.002)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    time.sleep(2)  # the launched workers end with their launcher (it ends with the killed process)
+    (checkpoint,) = stage_dir.glob("*.partial/epoch-*")
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {path.name for path in checkpoint.iterdir()}
+    loaded = []
+    monkeypatch.setattr(
+        "runtime.checkpointer.load_state", lambda folder, state: loaded.append(folder) or load_state(folder, state)
+    )
+    assert rlhf_campaign(load_config(CONFIGS / "tiny.yaml", overrides), return_state=True).is_completed()
+    assert [folder.name for folder in loaded] == [checkpoint.name], "the update continued from the 2 processes' epoch"
+    resumed = _manifest(tmp_path, "ppo_update").parent
+    assert "peak_memory_mb_rank1" not in json.loads((resumed / "_manifest.json").read_text())["metrics"]
+    _assert_same_policy(one_process, resumed)
 
 
 def _accelerate_config(tmp: Path, text: str) -> str:

@@ -1,11 +1,13 @@
-"""Checkpoints: safetensors folders with heads, tokenizers, and training that resumes exactly."""
+"""Checkpoints: safetensors folders with heads and tokenizers; training state as torch distributed checkpoints whose
+bytes depend on their content alone and that unpickle nothing but DCP's own records (issue 32)."""
 
 from __future__ import annotations
 
-import random
+import os
+import pickle
+import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -13,16 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.loading import ModelLoader
 from rlhf_core.models import Critic, RewardModel
-from storage.checkpoints import (
-    OptimizerLayoutError,
-    check_optimizer_layout,
-    load_optimizer_shard,
-    load_training_state,
-    optimizer_layout,
-    save_model,
-    save_optimizer_shard,
-    save_training_state,
-)
+from storage.checkpoints import CHECKPOINT_METADATA, load_state, read_legacy_optimizer_state, save_model, save_state
 from storage.tokenizers import load_tokenizer
 from tests.conftest import EOS, PAD, tiny_causal_lm, tiny_config
 
@@ -85,81 +78,52 @@ def test_loading_a_head_from_a_folder_without_one_is_refused(tmp_path: Path) -> 
         _loader().load("critic", tmp_path / "actor")
 
 
-def _train(model, optimizer, scheduler, steps: int) -> list[float]:
-    """A few noisy steps whose data come from every RNG, so resuming must restore all of them."""
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(4, 32, (2, 5))
-        noise = random.random() + float(np.random.rand())
-        loss = model(input_ids=ids, labels=ids).loss * (1.0 + noise)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses
+def test_a_checkpoint_is_the_same_bytes_wherever_it_is_written(tmp_path: Path) -> None:
+    """No folder name or random id in its metadata: its digest can be part of the next update's input key."""
+    state = {"actor": {"weight": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3.0)}}
+    for folder in ("a", "b/c"):
+        save_state(tmp_path / folder, state)
+    assert sorted(path.name for path in (tmp_path / "a").iterdir()) == [CHECKPOINT_METADATA, "__0_0.distcp"]
+    for file in (tmp_path / "a").iterdir():
+        assert file.read_bytes() == (tmp_path / "b" / "c" / file.name).read_bytes(), file.name
+    loaded = {"actor": {"weight": torch.zeros(2, 3), "step": torch.tensor(0.0)}}
+    load_state(tmp_path / "b" / "c", loaded)
+    torch.testing.assert_close(loaded, state, rtol=0, atol=0)
 
 
-def _fresh(model):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    return optimizer, scheduler
+def test_a_checkpoint_holds_tensors_only(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"actor.lr is float"):
+        save_state(tmp_path, {"actor": {"weight": torch.zeros(2), "lr": 0.1}})
 
 
-def test_training_resumes_exactly(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    random.seed(0)
-    np.random.seed(0)
-    model = tiny_causal_lm("gpt2", seed=0)
-    optimizer, scheduler = _fresh(model)
-    _train(model, optimizer, scheduler, 2)
-    save_model(tmp_path / "actor", model)
-    save_training_state(tmp_path / "state", optimizer=optimizer, scheduler=scheduler, step=2, extra={"kl_coef": 0.07})
-    expected = _train(model, optimizer, scheduler, 3)
-
-    for generator in (torch.manual_seed, random.seed, np.random.seed):
-        generator(123)  # scramble every RNG: the checkpoint must bring them back
-    resumed = _loader().load("actor", tmp_path / "actor", trainable=True)
-    optimizer2, scheduler2 = _fresh(resumed)
-    state = load_training_state(tmp_path / "state", optimizer=optimizer2, scheduler=scheduler2)
-    assert state == {"step": 2, "extra": {"kl_coef": 0.07}}
-    assert _train(resumed, optimizer2, scheduler2, 3) == expected
-    for (name, left), right in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
-        assert torch.equal(left, right), name
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch payload-ran",))
 
 
-def test_training_state_loads_with_weights_only(tmp_path: Path) -> None:
-    model = tiny_causal_lm("gpt2")
-    optimizer, scheduler = _fresh(model)
-    _train(model, optimizer, scheduler, 1)
-    save_training_state(tmp_path, optimizer=optimizer, scheduler=scheduler, step=1)
-    for path in tmp_path.glob("*.pt"):
-        torch.load(path, weights_only=True)  # raises on anything that would need unpickling code
+def test_a_checkpoint_whose_metadata_names_anything_else_is_refused_unread(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    save_state(tmp_path / "state", {"weight": torch.zeros(2)})
+    (tmp_path / "state" / CHECKPOINT_METADATA).write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(pickle.UnpicklingError, match=r"names posix.system, which no checkpoint of this pipeline holds"):
+        load_state(tmp_path / "state", {"weight": torch.zeros(2)})
+    assert not (tmp_path / "payload-ran").exists()
 
 
-def test_missing_optimizer_state_is_an_error(tmp_path: Path) -> None:
-    save_training_state(tmp_path, step=5)
-    assert load_training_state(tmp_path) == {"step": 5, "extra": {}}
-    optimizer, _ = _fresh(tiny_causal_lm("gpt2"))
-    with pytest.raises(FileNotFoundError, match="optimizer.pt"):
-        load_training_state(tmp_path, optimizer=optimizer)
+BEFORE = Path(__file__).parents[1] / "runtime" / "policy_before_issue32"
+"""Optimizer states the previous release wrote: ``whole/`` by 1 process, ``sharded/`` by 2 FSDP2 processes."""
 
 
-def test_optimizer_shards_load_on_as_many_processes_and_other_layouts_are_refused_issue_25(tmp_path):
-    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0)}}, "param_groups": [{"lr": 0.1}]}
-    for rank in range(2):
-        save_optimizer_shard(tmp_path / "sharded", state, rank=rank, processes=2)
-    save_training_state(tmp_path / "sharded", step=3)
-    assert optimizer_layout(tmp_path / "sharded") == 2
-    torch.testing.assert_close(load_optimizer_shard(tmp_path / "sharded", rank=1, processes=2), state)
-    check_optimizer_layout(tmp_path / "sharded", processes=2)
-    for processes in (None, 4):
-        with pytest.raises(OptimizerLayoutError, match=r"sharded over 2 processes.*`execution.training_processes`"):
-            check_optimizer_layout(tmp_path / "sharded", processes=processes)
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
-    save_training_state(tmp_path / "whole", optimizer=optimizer, step=0)
-    assert optimizer_layout(tmp_path / "whole") is None
-    check_optimizer_layout(tmp_path / "whole", processes=None)
-    with pytest.raises(OptimizerLayoutError, match=r"saved whole .* 2 sharded processes cannot load them"):
-        check_optimizer_layout(tmp_path / "whole", processes=2)
-    check_optimizer_layout(tmp_path / "nothing", processes=2)  # no states saved: nothing to refuse
+def test_the_previous_releases_optimizer_states_read_whole(tmp_path: Path) -> None:
+    """``optimizer.pt`` as saved; the 2 shards joined are the state 1 process saved after the same steps, to float
+    rounding; a missing shard is named."""
+    whole = read_legacy_optimizer_state(BEFORE / "whole" / "actor_optimizer")
+    saved = torch.load(BEFORE / "whole" / "actor_optimizer" / "optimizer.pt", weights_only=True)
+    torch.testing.assert_close(whole, saved, rtol=0, atol=0)
+    joined = read_legacy_optimizer_state(BEFORE / "sharded" / "actor_optimizer")
+    torch.testing.assert_close(joined, whole, rtol=1e-4, atol=1e-6)
+    assert read_legacy_optimizer_state(tmp_path) is None
+    shutil.copytree(BEFORE / "sharded" / "actor_optimizer", tmp_path / "shards")
+    (tmp_path / "shards" / "optimizer-00001-of-00002.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="holds 1 of the 2 optimizer shards"):
+        read_legacy_optimizer_state(tmp_path / "shards")
