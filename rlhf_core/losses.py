@@ -211,7 +211,11 @@ def value_loss(
         per_token = unclipped
         clipped_more = torch.zeros_like(unclipped, dtype=torch.bool)
     else:
-        values_clipped = old_values + (values - old_values).clamp(-value_clip_eps, value_clip_eps)  # (B, R)
+        delta = values - old_values  # (B, R)
+        # Only where the clamp acts: elsewhere ``old + (values - old)`` rounds to a neighbour of ``values``, and the
+        # comparison below would count float noise as clipping (a clip fraction that depends on batch shapes).
+        moved = delta.abs() > value_clip_eps  # (B, R)
+        values_clipped = torch.where(moved, old_values + delta.clamp(-value_clip_eps, value_clip_eps), values)  # (B, R)
         clipped = (values_clipped - returns).square()  # (B, R)
         per_token = torch.maximum(unclipped, clipped)
         clipped_more = clipped > unclipped

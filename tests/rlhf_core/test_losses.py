@@ -257,6 +257,19 @@ def test_value_loss_without_clip_by_hand():
     torch.testing.assert_close(values.grad, torch.tensor([[-0.25, -0.125, 0.125, -0.75, 0.0]], dtype=F64), **TIGHT)
 
 
+def test_a_value_inside_the_clip_range_is_never_counted_as_clipped():
+    """Float rounding of ``old + (v - old)`` must not count as clipping. In float32, 0.0951585 + (1.7645634 - 0.0951585)
+    rounds to 1.7645636, whose squared error to the return 1.6357816 is larger than the value's own, so a plain
+    comparison of the two squared errors called this value, 1.67 from its old value with a clip of 2, clipped: 3.6% of
+    random tokens were, a clip fraction that moved with batch shapes (one training process against two)."""
+    old, values, returns = (
+        torch.tensor([[x]], dtype=torch.float32) for x in (0.09515851736068726, 1.7645634412765503, 1.6357816457748413)
+    )
+    assert (old + (values - old)).item() != values.item()  # the rounding the statistic must not see
+    _, stats = value_loss(values, old, returns, torch.tensor([[True]]), value_clip_eps=2.0)
+    assert stats.clip_fraction.item() == 0.0
+
+
 def test_value_loss_sequence_mean_by_hand():
     # rows: [0.25, 0.64] (mean 0.445) and [9.0] (mean 9.0): 0.5 * (0.445 + 9.0) / 2 = 2.36125
     values = torch.tensor([[1.5, 1.5], [0.0, 5.0]], dtype=F64)
