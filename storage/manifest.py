@@ -227,7 +227,9 @@ class Manifest:
             raise ValueError(f"malformed `files` entry: {error!r}") from error
         for entry in files:
             if not _safe_relative(entry.path) or entry.path == MANIFEST_FILE:
-                raise ValueError(f"it lists an invalid path {entry.path!r}: a manifest names files of its own folder only")
+                raise ValueError(
+                    f"it lists an invalid path {entry.path!r}: a manifest names files of its own folder only"
+                )
         manifest = cls(**{**raw, "files": files})
         if checksum != manifest.checksum:
             raise ValueError(f"`{_CHECKSUM_KEY}` {checksum!r} does not match the manifest body ({manifest.checksum})")
