@@ -13,7 +13,8 @@ Choices:
    helpers that shape data (``tasks.text``, ``tasks.tensors``, ``tasks.labelers``); not ``storage`` (bytes on disk:
    its contract is ``SCHEMA_VERSION``, part of every key), ``flows`` (orchestration, console) nor
    the tasks' plumbing (:data:`PLUMBING`: the stage mechanism, context, launch and fan-out). A change
-   in an installed library (torch, transformers) is not seen; its version is recorded with each run.
+   in an installed library (torch, transformers) is not seen; its version is recorded in every stage manifest
+   and iteration run (:mod:`runtime.versions`).
 2. Imports inside functions count too: the gold rubric a labeler imports lazily is code it runs.
 3. ``from package import name`` counts the module ``package.name`` when it exists, else the
    package's ``__init__``.

@@ -12,7 +12,8 @@ stage receives, so what a stage reads and what decides its reuse cannot drift ap
 
 Every stage also records its wall time (``seconds``) and peak memory (``peak_memory_mb``: the
 growth of the process's resident memory on CPU, ``max_memory_allocated`` on CUDA) as metrics, and
-where it ran (device, threads, the models it loaded) in its manifest's ``runtime``. A stage that launches training
+where it ran (device, threads, the models it loaded, the library versions: :mod:`runtime.versions`) in its
+manifest's ``runtime``. A stage that launches training
 processes also records each one's peak (``peak_memory_mb_rank<r>``), and ``peak_memory_mb`` is the largest.
 
 Recording a stage in MLflow is idempotent: a stage run that an earlier attempt left unfinished (its
@@ -50,6 +51,7 @@ from rlhf_core.precision import Precision, resolve_device
 from runtime.code import code_fingerprint
 from runtime.context import InputFile, StageContext
 from runtime.events import STAGE_EVENT
+from runtime.versions import stage_versions
 from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
@@ -298,6 +300,7 @@ def _produce(
             disk_errors(stage_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
             out.runtime.update(device=str(device), torch_threads=execution.torch_threads, inputs=context.base.contents)
+            out.runtime["versions"] = stage_versions(context, key_settings["stage"])
             if sources := context.base.sources:
                 out.runtime["model_sources"] = sources
             out.metrics.update(produce(out))
