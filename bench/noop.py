@@ -82,7 +82,7 @@ def main() -> None:
     store_tracker(config)  # opening the MLflow store (cached per process)
     opened = time.perf_counter()
     finished = finished_iterations(config)
-    what_differs(finished, base)
+    what_differs(finished, base, engine_url=None)
     decided = time.perf_counter()
     result = {
         "import_s": imported - started,

@@ -66,6 +66,7 @@ __all__ = [
     "TAG_CODE",
     "TAG_INPUTS",
     "TAG_PACKAGE_VERSION",
+    "TAG_VERSIONS",
     "TAG_SUPERSEDED_BY",
     "TAG_STAGE",
     "MissingOutputError",
@@ -89,6 +90,9 @@ TAG_PACKAGE_VERSION = "rlhf.package_version"
 """On an iteration run: this project's version that computed it."""
 TAG_INPUTS = "rlhf.inputs"
 """On an iteration run: the contents it was computed from, JSON ``{setting: sha256}`` (``model.policy``, ...)."""
+TAG_VERSIONS = "rlhf.versions"
+"""On an iteration run: the versions of the libraries that computed it, JSON ``{library: version}``
+(``runtime.versions.library_versions``)."""
 TAG_SUPERSEDED_BY = "rlhf.superseded_by"
 """On an iteration run recomputed by a later one (``rlhf run --from-iteration``): the run that replaced it, or that
 replaced an iteration it continued from. A superseded run is kept, but no longer the campaign's."""

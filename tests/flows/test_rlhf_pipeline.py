@@ -170,7 +170,8 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
 def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
     """Every iteration run says which code (fingerprint and version) and which input contents produced it, and so
     does every manifest; nothing differs from what is here now."""
-    from campaign.history import code_in_use, difference_note, input_contents
+    from campaign.history import code_in_use, difference_note, input_contents, versions_in_use
+    from runtime.versions import library_versions
     from campaign.store import store_tracker
     from flows.iterations import resolve_base
     from storage.manifest import package_version, read_manifest
@@ -184,11 +185,13 @@ def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
         assert run.tags["rlhf.code"] == code_in_use(base)
         assert run.tags["rlhf.package_version"] == package_version()
         assert json.loads(run.tags["rlhf.inputs"]) == input_contents(base)
+        assert json.loads(run.tags["rlhf.versions"]) == versions_in_use(base, None) == library_versions()
     assert set(input_contents(base)) == {"model.policy", "data.prompts", "data.eval_prompts"}
     for manifest_path in (config.run_root / config.campaign).glob("*/*/_manifest.json"):
         manifest = read_manifest(manifest_path.parent, verify=False)
         assert manifest.code and manifest.package_version == package_version()
         assert manifest.runtime["inputs"] == base.contents
+        assert manifest.runtime["versions"] == library_versions()  # issue 32
     assert difference_note(config) is None
 
 
