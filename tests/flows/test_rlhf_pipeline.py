@@ -171,9 +171,9 @@ def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
     """Every iteration run says which code (fingerprint and version) and which input contents produced it, and so
     does every manifest; nothing differs from what is here now."""
     from campaign.history import code_in_use, difference_note, input_contents, versions_in_use
-    from runtime.versions import library_versions
     from campaign.store import store_tracker
     from flows.iterations import resolve_base
+    from runtime.versions import library_versions
     from storage.manifest import package_version, read_manifest
 
     config, _ = campaign
