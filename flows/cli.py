@@ -14,8 +14,8 @@ Errors: a problem with what the user gave (a setting, an input file, a model, a 
 run that does not exist, a campaign another process is running, a full or read-only disk, Ctrl-C)
 is reported in one line naming it, with exit code 2 (3 for an unanswered human-label form); a
 traceback means a bug, and ``--verbose`` shows one for user errors too. Everything a run checks
-before it starts (config, input files, model, tokenizer, the campaign lock) is checked before any
-flow starts; the temporary Prefect server is launched meanwhile, and stops with the command.
+before it starts (config, input files, model, tokenizer, the campaign lock, the outputs of the finished
+iterations: :mod:`campaign.verification`) is checked before any flow starts; the temporary Prefect server is launched meanwhile, and stops with the command.
 """
 
 from __future__ import annotations
@@ -383,11 +383,14 @@ def _run(config, arguments) -> int:
     located = _check_inputs_early(config)
     from campaign.config import ConfigError
     from campaign.history import campaign_finished, difference_note
+    from campaign.verification import check_finished_outputs
     from flows.report import campaign_link, campaign_report
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     _refuse_if_busy_or_other(config)
+    for restored in check_finished_outputs(config, below=arguments.from_iteration):  # what --from-iteration keeps
+        print(f"campaign `{config.campaign}`: {restored}")
     if arguments.from_iteration is None and campaign_finished(config):  # from MLflow alone: no server, flow, model
         if note := difference_note(config):
             print(f"campaign `{config.campaign}`: {note}")
