@@ -151,7 +151,7 @@ def _used_by(iteration: RunSummary, outputs: list[RecordedOutput]) -> set[Path]:
 def _remedy(output: RecordedOutput) -> str:
     """What to do about a corrupt output: delete it, and the next run restores it or it is computed again."""
     if output.copied:
-        return f"delete {output.folder} and run again: MLflow's copy of it is restored"
+        return f"delete {output.folder} and run again: what MLflow run {output.run.run_id} recorded is restored"
     return f"delete {output.folder} and recompute it (`rlhf run --from-iteration {output.iteration}`)"
 
 
@@ -190,4 +190,4 @@ def _restore(output: RecordedOutput, tracker: Tracker) -> str:
             f"is): put it back, or recompute it (`rlhf run --from-iteration {output.iteration}`)"
         )
     tracker.download_stage_output(output.run.run_id, output.folder)
-    return f"restored {output.name} from MLflow run {output.run.run_id}"
+    return f"restored {output.name} from what MLflow run {output.run.run_id} recorded"
