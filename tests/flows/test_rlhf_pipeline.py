@@ -197,15 +197,18 @@ def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
 
 def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
     """What makes `rlhf run` of a finished campaign take seconds: the decision reads MLflow and the manifests
-    only (torch, transformers and Prefect take most of a full command's start)."""
+    only (torch, transformers and Prefect take most of a full command's start), and so does checking the finished
+    outputs (issue 32)."""
     config, _ = campaign
     script = (
         "import json, sys\n"
         "from campaign.config import PipelineConfig\n"
         "from campaign.history import campaign_finished, difference_note\n"
+        "from campaign.verification import check_finished_outputs\n"
         "from flows.report import campaign_report\n"
         f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"
-        "finished = campaign_finished(config) and difference_note(config) is None\n"
+        "restored = check_finished_outputs(config)\n"
+        "finished = restored == [] and campaign_finished(config) and difference_note(config) is None\n"
         "campaign_report(config)\n"
         "print(json.dumps([finished, sorted({'torch', 'transformers', 'prefect', 'accelerate'} & set(sys.modules))]))\n"
     )
