@@ -98,6 +98,7 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     assert continued.policy.stage == "ppo_update" and not continued.policy.reused
     for stage in ("train_reward_model", "ppo_update"):  # iteration 0's, fetched from the server, and iteration 1's
         assert len(list((second.run_root / "tiny" / stage).glob("[!.]*/_manifest.json"))) == 2, stage
+    (evaluation,) = (second.run_root / "tiny" / "evaluate").glob("[!.]*")  # iteration 1's (none needed iteration 0's)
     source = resolve_run(second, "tiny:0")
     replay_run = rlhf_replay(replay_config(second, source, ["advantages.kl_coef=0.2"]), source)
 
@@ -121,7 +122,6 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     # Issue 32: running the finished campaign again restores a deleted output of its newest iteration from the
     # server's copy. Iteration 0's outputs that iteration 1 did not need were never fetched here: they stay away, as
     # outputs `rlhf gc` removed would.
-    (evaluation,) = (second.run_root / "tiny" / "evaluate").glob("[!.]*")
     shutil.rmtree(evaluation)
     rollouts = sorted((second.run_root / "tiny" / "rollout").glob("[!.]*"))
     overrides = [f"run_root={second.run_root}", f"tracking_uri={url}", "iterations=2"]
