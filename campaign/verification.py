@@ -56,17 +56,18 @@ class RecordedOutput:
     Args:
         run: the stage run that recorded it.
         folder: where the campaign keeps it (``<run root>/<campaign>/<stage>/<input key>``).
-        iteration: the first finished iteration that used it (an output reused by later ones is theirs too).
+        iterations: the finished iterations that used it, in order (an iteration whose stage found the output of
+            the same inputs recorded already reused it).
     """
 
     run: RunSummary
     folder: Path
-    iteration: int
+    iterations: tuple[int, ...]
 
     @property
     def name(self) -> str:
-        """``{folder} (the {stage} output of iteration N)``: how a message names it."""
-        return f"{self.folder} (the {self.run.tags[TAG_STAGE]} output of iteration {self.iteration})"
+        """``{folder} (the {stage} output of iteration N)``: how a message names it, by the first iteration."""
+        return f"{self.folder} (the {self.run.tags[TAG_STAGE]} output of iteration {self.iterations[0]})"
 
     @property
     def copied(self) -> bool:
@@ -99,18 +100,18 @@ def check_finished_outputs(config: PipelineConfig, *, below: int | None = None) 
     finished = {n: run for n, run in tracker.finished_iterations(experiment_id).items() if below is None or n < below}
     if not finished:
         return []
-    outputs = recorded_outputs(config, tracker, experiment_id, finished)
-    newest = _used_by(finished[max(finished)], outputs)
+    newest = max(finished)
     cache = fingerprint_cache(config)
     restored: list[str] = []
     needed: set[str] = set()  # the digests of the outputs the newest iteration's were computed from
-    for output in sorted(outputs, key=lambda output: output.folder not in newest):  # the newest iteration's first
+    outputs = recorded_outputs(config, tracker, experiment_id, finished)
+    for output in sorted(outputs, key=lambda output: newest not in output.iterations):  # the newest iteration's first
         if not output.folder.is_dir():
-            if output.folder not in newest and output.run.tags.get(TAG_MANIFEST_DIGEST) not in needed:
+            if newest not in output.iterations and output.run.tags.get(TAG_MANIFEST_DIGEST) not in needed:
                 continue  # removed by `rlhf gc`, which keeps what the campaign needs
             restored.append(_restore(output, tracker))
         manifest = _verified(output, cache)
-        if output.folder in newest:
+        if newest in output.iterations:
             needed.update(manifest.upstream.values())
     cache.save()
     return restored
@@ -125,7 +126,7 @@ def recorded_outputs(
     stage_runs = {
         run.run_id: run for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_STAGE}, status="FINISHED")
     }
-    outputs: dict[Path, RecordedOutput] = {}
+    used: dict[Path, tuple[RunSummary, list[int]]] = {}
     for number, iteration in sorted(finished.items()):
         named = [run_id for key, run_id in iteration.tags.items() if key.startswith(TAG_OUTPUT_PREFIX)]
         own = [run_id for run_id, run in stage_runs.items() if run.tags.get(TAG_PARENT_RUN_ID) == iteration.run_id]
@@ -134,25 +135,17 @@ def recorded_outputs(
             if run is None or TAG_INPUT_KEY not in run.tags:
                 continue  # a run that recorded no output (or is not finished): nothing of it to check
             folder = layout.stage_dir(run.tags[TAG_STAGE], run.tags[TAG_INPUT_KEY])
-            outputs.setdefault(folder, RecordedOutput(run=run, folder=folder, iteration=number))
-    return list(outputs.values())
-
-
-def _used_by(iteration: RunSummary, outputs: list[RecordedOutput]) -> set[Path]:
-    """The folders of the outputs ``iteration`` used (named by its tags, or its own stage runs)."""
-    named = {run_id for key, run_id in iteration.tags.items() if key.startswith(TAG_OUTPUT_PREFIX)}
-    return {
-        output.folder
-        for output in outputs
-        if output.run.run_id in named or output.run.tags.get(TAG_PARENT_RUN_ID) == iteration.run_id
-    }
+            numbers = used.setdefault(folder, (run, []))[1]
+            if number not in numbers:
+                numbers.append(number)
+    return [RecordedOutput(run, folder, tuple(numbers)) for folder, (run, numbers) in used.items()]
 
 
 def _remedy(output: RecordedOutput) -> str:
     """What to do about a corrupt output: delete it, and the next run restores it or it is computed again."""
     if output.copied:
         return f"delete {output.folder} and run again: what MLflow run {output.run.run_id} recorded is restored"
-    return f"delete {output.folder} and recompute it (`rlhf run --from-iteration {output.iteration}`)"
+    return f"delete {output.folder} and recompute it (`rlhf run --from-iteration {output.iterations[0]}`)"
 
 
 def _verified(output: RecordedOutput, cache: FingerprintCache) -> Manifest:
@@ -187,7 +180,7 @@ def _restore(output: RecordedOutput, tracker: Tracker) -> str:
     if not output.copied:
         raise MissingOutputError(
             f"{output.name} is missing, and MLflow keeps no copy of it (a local store records an output where it "
-            f"is): put it back, or recompute it (`rlhf run --from-iteration {output.iteration}`)"
+            f"is): put it back, or recompute it (`rlhf run --from-iteration {output.iterations[0]}`)"
         )
     tracker.download_stage_output(output.run.run_id, output.folder)
     return f"restored {output.name} from what MLflow run {output.run.run_id} recorded"
