@@ -159,21 +159,20 @@ def finished_iterations(config: PipelineConfig) -> dict[int, RunSummary]:
     return tracker.finished_iterations(tracker.experiment_id(config.campaign))
 
 
-def campaign_finished(config: PipelineConfig) -> bool:
-    """Whether ``config``'s campaign has finished every one of its ``config.iterations`` iterations, read from
-    MLflow alone: nothing is loaded, hashed or started."""
-    finished = finished_iterations(config)
+def campaign_finished(config: PipelineConfig, finished: dict[int, RunSummary]) -> bool:
+    """Whether ``config``'s campaign, whose finished iterations are ``finished`` (:func:`finished_iterations`, read
+    from MLflow alone: nothing is loaded, hashed or started), has finished every one of its ``config.iterations``."""
     return all(number in finished for number in range(config.iterations))
 
 
-def difference_note(config: PipelineConfig) -> str | None:
-    """:func:`what_differs` for ``config``'s campaign as it is in its store, or None (also when the demo world it
-    reads is not built yet, or a GGUF model it reads is not converted: nothing can have finished with them).
+def difference_note(config: PipelineConfig, finished: dict[int, RunSummary]) -> str | None:
+    """:func:`what_differs` for ``config``'s campaign, whose finished iterations are ``finished``
+    (:func:`finished_iterations`), or None (also when the demo world it reads is not built yet, or a GGUF model it
+    reads is not converted: nothing can have finished with them).
 
     Raises:
         FileNotFoundError: a base input does not exist (as any run refuses it).
     """
-    finished = finished_iterations(config)
     if not finished:
         return None
     world = None

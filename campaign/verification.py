@@ -31,7 +31,7 @@ from pathlib import Path
 
 from campaign.config import PipelineConfig
 from campaign.identity import fingerprint_cache
-from campaign.store import campaign_layout, existing_tracker
+from campaign.store import campaign_layout, store_tracker
 from storage.fingerprints import FingerprintCache
 from storage.manifest import MANIFEST_FILE, CorruptOutputError, Manifest, UnsupportedSchemaError, read_manifest
 from storage.mlflow_store import RunSummary
@@ -77,12 +77,15 @@ class RecordedOutput:
         return referenced is None or (Path(referenced) != self.folder and Path(referenced).is_dir())
 
 
-def check_finished_outputs(config: PipelineConfig, *, below: int | None = None) -> list[str]:
-    """Check every output ``config``'s campaign's finished iterations recorded, and restore a missing one the
+def check_finished_outputs(
+    config: PipelineConfig, finished: dict[int, RunSummary], *, below: int | None = None
+) -> list[str]:
+    """Check every output ``config``'s campaign's ``finished`` iterations recorded, and restore a missing one the
     campaign needs from MLflow's copy (module docstring). Reads no output's bytes that the run root's fingerprint
-    cache already knows; creates nothing when the campaign's store does not exist.
+    cache already knows.
 
     Args:
+        finished: the campaign's finished iterations (:func:`campaign.history.finished_iterations`).
         below: check only the iterations before this one (``rlhf run --from-iteration N`` recomputes the others).
 
     Returns:
@@ -93,13 +96,11 @@ def check_finished_outputs(config: PipelineConfig, *, below: int | None = None) 
             the message names the file and what to do.
         MissingOutputError: an output the campaign needs is missing, and MLflow keeps no copy of it.
     """
-    tracker = existing_tracker(config)
-    if tracker is None or not tracker.has_experiment(config.campaign):
-        return []
-    experiment_id = tracker.experiment_id(config.campaign)
-    finished = {n: run for n, run in tracker.finished_iterations(experiment_id).items() if below is None or n < below}
+    finished = {number: run for number, run in finished.items() if below is None or number < below}
     if not finished:
         return []
+    tracker = store_tracker(config)
+    experiment_id = tracker.experiment_id(config.campaign)
     newest = max(finished)
     cache = fingerprint_cache(config)
     restored: list[str] = []

@@ -382,17 +382,18 @@ def _check_models(config, located) -> None:
 def _run(config, arguments) -> int:
     located = _check_inputs_early(config)
     from campaign.config import ConfigError
-    from campaign.history import campaign_finished, difference_note
+    from campaign.history import campaign_finished, difference_note, finished_iterations
     from campaign.verification import check_finished_outputs
     from flows.report import campaign_link, campaign_report
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     _refuse_if_busy_or_other(config)
-    for restored in check_finished_outputs(config, below=arguments.from_iteration):  # what --from-iteration keeps
+    finished = finished_iterations(config)  # one query for all three: from MLflow alone, no server, flow or model
+    for restored in check_finished_outputs(config, finished, below=arguments.from_iteration):
         print(f"campaign `{config.campaign}`: {restored}")
-    if arguments.from_iteration is None and campaign_finished(config):  # from MLflow alone: no server, flow, model
-        if note := difference_note(config):
+    if arguments.from_iteration is None and campaign_finished(config, finished):
+        if note := difference_note(config, finished):
             print(f"campaign `{config.campaign}`: {note}")
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:

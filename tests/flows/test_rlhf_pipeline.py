@@ -192,7 +192,7 @@ def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
         assert manifest.code and manifest.package_version == package_version()
         assert manifest.runtime["inputs"] == base.contents
         assert manifest.runtime["versions"] == library_versions()  # issue 32
-    assert difference_note(config) is None
+    assert difference_note(config, finished) is None
 
 
 def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
@@ -203,12 +203,13 @@ def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
     script = (
         "import json, sys\n"
         "from campaign.config import PipelineConfig\n"
-        "from campaign.history import campaign_finished, difference_note\n"
+        "from campaign.history import campaign_finished, difference_note, finished_iterations\n"
         "from campaign.verification import check_finished_outputs\n"
         "from flows.report import campaign_report\n"
         f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"
-        "restored = check_finished_outputs(config)\n"
-        "finished = restored == [] and campaign_finished(config) and difference_note(config) is None\n"
+        "runs = finished_iterations(config)\n"
+        "restored = check_finished_outputs(config, runs)\n"
+        "finished = restored == [] and campaign_finished(config, runs) and difference_note(config, runs) is None\n"
         "campaign_report(config)\n"
         "print(json.dumps([finished, sorted({'torch', 'transformers', 'prefect', 'accelerate'} & set(sys.modules))]))\n"
     )
