@@ -389,7 +389,7 @@ def _run(config, arguments) -> int:
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     _refuse_if_busy_or_other(config)
-    finished = finished_iterations(config)  # one query for all three: from MLflow alone, no server, flow or model
+    finished = finished_iterations(config)  # one query for the check, the decision, the note and the report
     for restored in check_finished_outputs(config, finished, below=arguments.from_iteration):
         print(f"campaign `{config.campaign}`: {restored}")
     if arguments.from_iteration is None and campaign_finished(config, finished):
@@ -404,13 +404,15 @@ def _run(config, arguments) -> int:
             console, base = _prepare(config, arguments, checked=True, inputs_checked=located is not None)
             with _running_flows(console):
                 rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
-    print(campaign_report(config))
+            finished = finished_iterations(config)
+    print(campaign_report(finished))
     print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
     located = _check_inputs_early(config)  # as `rlhf run` does
+    from campaign.history import finished_iterations
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
@@ -420,7 +422,7 @@ def _iterate(config, arguments) -> int:
         console, base = _prepare(config, arguments, inputs_checked=located is not None)
         with _running_flows(console):
             rlhf_iteration(config, base=base)
-    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
+    print(f"{campaign_report(finished_iterations(config))}\n\n{campaign_link(config)}")
     return 0
 
 

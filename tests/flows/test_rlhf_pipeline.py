@@ -210,7 +210,7 @@ def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
         "runs = finished_iterations(config)\n"
         "restored = check_finished_outputs(config, runs)\n"
         "finished = restored == [] and campaign_finished(config, runs) and difference_note(config, runs) is None\n"
-        "campaign_report(config)\n"
+        "campaign_report(runs)\n"
         "print(json.dumps([finished, sorted({'torch', 'transformers', 'prefect', 'accelerate'} & set(sys.modules))]))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
