@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.errors import UserError
 from storage.files import temporary_sibling
 from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 from storage.mlflow_store import TAG_PARENT_RUN_ID, LocalDataset, MlflowStore, RunSummary
@@ -121,7 +122,7 @@ _SHARD_FILE = re.compile(r"(?P<table>.+)-\d{5,}\.parquet")
 logger = logging.getLogger(__name__)
 
 
-class MissingOutputError(LookupError):
+class MissingOutputError(UserError, LookupError):
     """A stage run recorded its output by reference, and that folder is gone (e.g. removed by ``rlhf gc``)."""
 
 
