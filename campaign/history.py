@@ -54,9 +54,9 @@ def input_contents(base: BaseInputs) -> dict[str, str]:
 
 
 def versions_in_use(base: BaseInputs, engine_url: str | None) -> dict[str, str]:
-    """The versions of the libraries an iteration with ``base`` computes with (:func:`runtime.versions.library_versions`):
-    gguf's when a base model was converted from a GGUF file, vLLM's when its stages sample on the engine at
-    ``engine_url``."""
+    """The versions of the libraries an iteration with ``base`` computes with
+    (:func:`runtime.versions.library_versions`): gguf's when a base model was converted from a GGUF file, vLLM's when
+    its stages sample on the engine at ``engine_url``."""
     return library_versions(engine_url=engine_url, gguf=bool(base.sources))
 
 

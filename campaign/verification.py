@@ -122,7 +122,8 @@ def recorded_outputs(
     config: PipelineConfig, tracker: Tracker, experiment_id: str, finished: dict[int, RunSummary]
 ) -> list[RecordedOutput]:
     """Every stage output the ``finished`` iteration runs used, once each, by iteration: their own stage runs and
-    the ones their ``rlhf.output.<stage>`` tags name (another iteration's, for a stage they reused). One MLflow query."""
+    the ones their ``rlhf.output.<stage>`` tags name (another iteration's, for a stage they reused). One MLflow
+    query."""
     layout = campaign_layout(config)
     stage_runs = {
         run.run_id: run for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_STAGE}, status="FINISHED")

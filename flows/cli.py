@@ -15,7 +15,8 @@ run that does not exist, a campaign another process is running, a full or read-o
 is reported in one line naming it, with exit code 2 (3 for an unanswered human-label form); a
 traceback means a bug, and ``--verbose`` shows one for user errors too. Everything a run checks
 before it starts (config, input files, model, tokenizer, the campaign lock, the outputs of the finished
-iterations: :mod:`campaign.verification`) is checked before any flow starts; the temporary Prefect server is launched meanwhile, and stops with the command.
+iterations: :mod:`campaign.verification`) is checked before any flow starts; the temporary Prefect
+server is launched meanwhile, and stops with the command.
 """
 
 from __future__ import annotations

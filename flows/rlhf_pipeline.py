@@ -165,8 +165,8 @@ def rlhf_campaign(
 
     A finished iteration is kept as it is, whatever code, library versions, input contents or changeable settings
     (PPO or advantage settings, the number of iterations) this run brings: they apply from the first unfinished
-    iteration on, and a notice says what differs (:func:`campaign.history.what_differs`). ``from_iteration`` recomputes the finished
-    iterations from that one on, in new runs that supersede the old ones.
+    iteration on, and a notice says what differs (:func:`campaign.history.what_differs`). ``from_iteration``
+    recomputes the finished iterations from that one on, in new runs that supersede the old ones.
 
     Raises:
         ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
