@@ -5,8 +5,10 @@
 again ``--repeats`` times (each a fresh process, as a user runs it). Also reports,
 from one more process, where that command's time goes: importing the command's modules (neither torch nor
 Prefect), locating the base inputs and fingerprinting them (from the run root's cache; no checks), opening
-the MLflow store, and the decision (one MLflow query of the finished iterations and what differs from what
-produced them; :func:`campaign.history.finished_iterations`, :func:`campaign.history.what_differs`).
+the MLflow store, the decision (one MLflow query of the finished iterations and what differs from what produced
+them; :func:`campaign.history.finished_iterations`, :func:`campaign.history.what_differs`), and checking every
+output of the finished iterations against its recorded digest (:func:`campaign.verification.check_finished_outputs`:
+one MLflow query of their stage runs, sha256s from the run root's cache by size and modification time).
 
 This module itself runs as the worker of the last part (``python -m bench.noop --out FILE --root DIR``).
 """
@@ -72,6 +74,7 @@ def main() -> None:
     from campaign.history import finished_iterations, what_differs
     from campaign.identity import base_inputs, demo_world_dir, fingerprint_cache
     from campaign.store import store_tracker
+    from campaign.verification import check_finished_outputs
     from demo.world import complete_world
     from flows.report import campaign_report  # noqa: F401 - the command prints it: its imports count
 
@@ -82,13 +85,16 @@ def main() -> None:
     store_tracker(config)  # opening the MLflow store (cached per process)
     opened = time.perf_counter()
     finished = finished_iterations(config)
-    what_differs(finished, base)
+    what_differs(finished, base, engine_url=None)
     decided = time.perf_counter()
+    check_finished_outputs(config, finished)
+    checked = time.perf_counter()
     result = {
         "import_s": imported - started,
         "config_and_base_s": resolved - imported,
         "mlflow_store_s": opened - resolved,
         "decision_s": decided - opened,
+        "outputs_checked_s": checked - decided,
         "iterations": config.iterations,
         "finished": len(finished),
     }

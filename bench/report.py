@@ -285,8 +285,10 @@ def _noop_section(noop: dict) -> list[str]:
         f" nor Prefect) | {parts['import_s']:.2f} |",
         f"| of it: config, base inputs located and fingerprinted (cached) | {parts['config_and_base_s']:.2f} |",
         f"| of it: opening the MLflow store | {parts['mlflow_store_s']:.2f} |",
-        f"| of it: the reuse decision, {parts['iterations']} iterations ({parts['reused']} reused) |"
+        f"| of it: the reuse decision, {parts['iterations']} iterations ({parts['finished']} finished) |"
         f" {parts['decision_s']:.2f} ({per_iteration:.3f} per iteration) |",
+        f"| of it: every output of the finished iterations checked against its digest (sha256s cached) |"
+        f" {parts['outputs_checked_s']:.2f} |",
         "",
         f'Every no-op run printed "nothing to run": {"yes" if noop["nothing_to_run"] else "NO"}.',
         "",

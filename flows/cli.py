@@ -14,8 +14,9 @@ Errors: a problem with what the user gave (a setting, an input file, a model, a 
 run that does not exist, a campaign another process is running, a full or read-only disk, Ctrl-C)
 is reported in one line naming it, with exit code 2 (3 for an unanswered human-label form); a
 traceback means a bug, and ``--verbose`` shows one for user errors too. Everything a run checks
-before it starts (config, input files, model, tokenizer, the campaign lock) is checked before any
-flow starts; the temporary Prefect server is launched meanwhile, and stops with the command.
+before it starts (config, input files, model, tokenizer, the campaign lock, the outputs of the finished
+iterations: :mod:`campaign.verification`) is checked before any flow starts; the temporary Prefect
+server is launched meanwhile, and stops with the command.
 """
 
 from __future__ import annotations
@@ -391,14 +392,18 @@ def _check_models(config, located) -> None:
 def _run(config, arguments) -> int:
     located = _check_inputs_early(config)
     from campaign.config import ConfigError
-    from campaign.history import campaign_finished, difference_note
+    from campaign.history import campaign_finished, difference_note, finished_iterations
+    from campaign.verification import check_finished_outputs
     from flows.report import campaign_link, campaign_report
 
     if config.run_root.exists() and not config.run_root.is_dir():
         raise ConfigError(f"`run_root` {config.run_root} is not a folder")
     _refuse_if_busy_or_other(config)
-    if arguments.from_iteration is None and campaign_finished(config):  # from MLflow alone: no server, flow, model
-        if note := difference_note(config):
+    finished = finished_iterations(config)  # one query for the check, the decision, the note and the report
+    for restored in check_finished_outputs(config, finished, below=arguments.from_iteration):
+        print(f"campaign `{config.campaign}`: {restored}")
+    if arguments.from_iteration is None and campaign_finished(config, finished):
+        if note := difference_note(config, finished):
             print(f"campaign `{config.campaign}`: {note}")
         print(f"campaign `{config.campaign}`: all {config.iterations} iterations are finished; nothing to run")
     else:
@@ -409,13 +414,15 @@ def _run(config, arguments) -> int:
             console, base = _prepare(config, arguments, checked=True, inputs_checked=located is not None)
             with _running_flows(console):
                 rlhf_campaign(config, from_iteration=arguments.from_iteration, base=base)
-    print(campaign_report(config))
+            finished = finished_iterations(config)
+    print(campaign_report(finished))
     print(f"\nOutputs: {config.run_root / config.campaign}\n{campaign_link(config)}")
     return 0
 
 
 def _iterate(config, arguments) -> int:
     located = _check_inputs_early(config)  # as `rlhf run` does
+    from campaign.history import finished_iterations
     from flows.report import campaign_link, campaign_report
 
     with _server_coming_up():
@@ -425,7 +432,7 @@ def _iterate(config, arguments) -> int:
         console, base = _prepare(config, arguments, inputs_checked=located is not None)
         with _running_flows(console):
             rlhf_iteration(config, base=base)
-    print(f"{campaign_report(config)}\n\n{campaign_link(config)}")
+    print(f"{campaign_report(finished_iterations(config))}\n\n{campaign_link(config)}")
     return 0
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from campaign.config import PipelineConfig
 from campaign.store import stage_run, store_tracker
+from storage.mlflow_store import RunSummary
 from storage.tracking import TAG_CAMPAIGN, TAG_ITERATION, TAG_KIND, TAG_MODEL, Tracker
 
 HEADLINE_METRICS = {
@@ -35,10 +36,10 @@ def _cell(metrics: dict[str, float], name: str) -> str:
     return f"{metrics[name]:.4g}" if name in metrics else "-"
 
 
-def campaign_report(config: PipelineConfig) -> str:
-    """One row per finished iteration of the campaign, headline metrics as columns."""
-    tracker = store_tracker(config)
-    rows = tracker.iteration_metrics(tracker.experiment_id(config.campaign))
+def campaign_report(finished: dict[int, RunSummary]) -> str:
+    """One row per finished iteration of a campaign (``finished``: :func:`campaign.history.finished_iterations`),
+    headline metrics as columns."""
+    rows = [(number, run.metrics) for number, run in finished.items()]
     columns = [name for name in HEADLINE_METRICS if any(name in metrics for _, metrics in rows)]
     header = ["iteration", *(HEADLINE_METRICS[name] for name in columns)]
     table = text_table(

@@ -24,6 +24,7 @@ from flows.iterations import (
     campaign_layout,
     close_iteration,
     finished_state,
+    generation_engine,
     load_latest_state,
     load_replay_inputs,
     open_iteration,
@@ -170,10 +171,10 @@ def rlhf_campaign(
 ) -> IterationState:
     """``config.iterations`` iterations, each continuing from the previous one's policy and reward model.
 
-    A finished iteration is kept as it is, whatever code, input contents or changeable settings (PPO or advantage
-    settings, the number of iterations) this run brings: they apply from the first unfinished iteration on, and a
-    notice says what differs (:func:`campaign.history.what_differs`). ``from_iteration`` recomputes the finished
-    iterations from that one on, in new runs that supersede the old ones.
+    A finished iteration is kept as it is, whatever code, library versions, input contents or changeable settings
+    (PPO or advantage settings, the number of iterations) this run brings: they apply from the first unfinished
+    iteration on, and a notice says what differs (:func:`campaign.history.what_differs`). ``from_iteration``
+    recomputes the finished iterations from that one on, in new runs that supersede the old ones.
 
     Raises:
         ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
@@ -186,7 +187,9 @@ def rlhf_campaign(
             start = from_iteration
         state = finished_state(config, base, finished.get(start - 1))
         check_from_iteration(from_iteration, finished, optimizer_states_present=_continuable(state))
-        if note := what_differs({n: run for n, run in finished.items() if n < start}, base):
+        earlier = {n: run for n, run in finished.items() if n < start}
+        # The engine the iterations sample on (the command started it already) says its vLLM version.
+        if earlier and (note := what_differs(earlier, base, engine_url=generation_engine(config, base.policy.path))):
             get_run_logger().info("campaign %s: %s", config.campaign, note, extra={STAGE_EVENT: "notice"})
         for iteration in range(start, config.iterations):
             state = rlhf_iteration(config, iteration, state, fresh=iteration in finished, base=base)

@@ -16,7 +16,7 @@ Choices:
    which stages run and hand each its settings, which are keyed) nor ``demo`` (an input, keyed by its files'
    content). So an edit to the stage mechanism itself (its MLflow record, say) re-keys an unfinished iteration's
    stages: a recomputation, never a stale reuse. A change in an installed library is not seen here: every manifest
-   records the versions of the libraries that computed it.
+   records the versions of the libraries that computed it (:mod:`runtime.versions`).
 2. Imports inside functions count too: the gold rubric a labeler imports lazily is code it runs.
 3. ``from package import name`` counts the module ``package.name`` when it exists, else the package's
    ``__init__``.

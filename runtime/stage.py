@@ -16,6 +16,9 @@ downloaded then). The key is derived from exactly what the stage is given, so wh
 reuse cannot drift apart: its settings; the context's ``seed``, ``iteration`` and base-input fingerprint; its
 inputs, by digest; the code that computes it (:func:`runtime.code.code_fingerprint` of its module); and for a stage
 that samples on the vLLM engine, the engine's identity (:func:`runtime.engine.engine_identity`).
+
+Every stage records its wall time and peak memory as metrics (:mod:`runtime.metering`), and where it ran in its
+manifest's ``runtime``: device, threads, the models it loaded and the library versions (:mod:`runtime.versions`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from runtime.events import STAGE_EVENT
 from runtime.job import Job, Shards, Training
 from runtime.metering import PEAKS, peak_memory, peak_metrics, release_memory
 from runtime.record import announce, describe_result, record_stage, stage_state
+from runtime.versions import stage_versions
 from storage.files import disk_errors
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
@@ -198,6 +202,7 @@ def _produce(stage: Stage[S], job: Job[S]) -> Manifest:
             disk_errors(out.final_dir),  # inside: the temporary output is removed on the way out, freeing the disk
         ):
             out.runtime.update(device=str(device), torch_threads=execution.torch_threads, inputs=context.base.contents)
+            out.runtime["versions"] = stage_versions(context, on_engine=samples_on_engine(job.settings))
             if sources := context.base.sources:
                 out.runtime["model_sources"] = sources
             plan = stage.plan(job) if stage.plan is not None else None

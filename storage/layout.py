@@ -8,7 +8,7 @@ SQLite store and its artifacts live beside the stage folders, so moving ``root``
         mlflow.db               # MLflow tracking store (SQLite)
         mlartifacts/<campaign>/ # MLflow artifacts, one folder per experiment
         cache/                  # scratch space: downloads for resume and replay, input fingerprints,
-                                #   GGUF files converted to Hugging Face folders (cache/gguf/<sha256>)
+                                #   GGUF files converted to Hugging Face folders (cache/gguf/<conversion key>)
         engine_probe.json       # the probe batch every weight swap of the generation engine is proved on
         <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
 """
@@ -71,11 +71,12 @@ class RunLayout:
         """The cache of input files' content hashes (see :mod:`storage.fingerprints`)."""
         return self.cache_dir() / "fingerprints.json"
 
-    def converted_model_dir(self, sha256: str) -> Path:
-        """The Hugging Face folder a GGUF file whose content has ``sha256`` is converted into, once."""
-        if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
-            raise ValueError(f"`sha256` must be a lowercase hex sha256, got {sha256!r}")
-        return self.cache_dir() / "gguf" / sha256
+    def converted_model_dir(self, key: str) -> Path:
+        """The Hugging Face folder a GGUF file is converted into, once, named by its conversion key (a hex sha256 of
+        the file's content and of what converts it: ``campaign.model_sources.conversion_key``)."""
+        if len(key) != 64 or not all(c in "0123456789abcdef" for c in key):
+            raise ValueError(f"`key` must be a lowercase hex sha256, got {key!r}")
+        return self.cache_dir() / "gguf" / key
 
     def engine_probe_file(self) -> Path:
         """The campaign's probe batch for the generation engine's weight swaps (:mod:`runtime.engine_probe`)."""

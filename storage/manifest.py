@@ -9,7 +9,9 @@ Choices:
    ``SCHEMA_VERSION``. Equal inputs give equal keys whatever the dict order; any change gives a
    new key (and so a new folder).
 3. The manifest stores a sha256 of its own canonical body (``manifest_sha256``), so an edited
-   manifest is caught as surely as an edited shard. Its :attr:`Manifest.digest`, the value
+   manifest is caught as surely as an edited shard. Anyone can compute that checksum again, so a manifest
+   naming a file outside its folder (``../x``, an absolute path) is refused when it is parsed, before
+   anything (verifying, pruning) touches the file it names. Its :attr:`Manifest.digest`, the value
    downstream stages put in their ``upstream``, covers only the content's identity (stage, input
    key, schema version, files), so a re-run that produces the same bytes has the same digest and
    everything downstream keeps its input keys: that is what lets a resumed run equal one that
@@ -32,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -43,6 +46,7 @@ import pyarrow.parquet as pq
 
 from rlhf_core.errors import UserError
 from storage.files import TEMPORARY_MARK, FileEntry, file_sha256, fsync_directory, temporary_sibling
+from storage.fingerprints import FingerprintCache
 from storage.schemas import SCHEMA_VERSION
 from storage.shards import write_shards
 
@@ -222,6 +226,11 @@ class Manifest:
             )
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed `files` entry: {error!r}") from error
+        for entry in files:
+            if not _safe_relative(entry.path) or entry.path == MANIFEST_FILE:
+                raise ValueError(
+                    f"it lists an invalid path {entry.path!r}: a manifest names files of its own folder only"
+                )
         manifest = cls(**{**raw, "files": files})
         if checksum != manifest.checksum:
             raise ValueError(f"`{_CHECKSUM_KEY}` {checksum!r} does not match the manifest body ({manifest.checksum})")
@@ -233,16 +242,19 @@ def _safe_relative(path: str) -> bool:
     return bool(path) and not pure.is_absolute() and ".." not in pure.parts and pure.as_posix() == path
 
 
-def read_manifest(stage_dir: Path, *, verify: bool = True) -> Manifest:
+def read_manifest(stage_dir: Path, *, verify: bool = True, cache: FingerprintCache | None = None) -> Manifest:
     """Read a stage output's manifest and (with ``verify``) check every byte it lists.
 
-    Checks, in order: the manifest parses and its self-checksum matches; its schema version is
-    this code's; every listed file exists with the listed size and sha256; no unlisted file sits
-    in the folder.
+    Checks, in order: the manifest parses, names only files inside its folder and its self-checksum
+    matches; its schema version is this code's; every listed file exists with the listed size and
+    sha256; no unlisted file sits in the folder.
 
     Args:
         stage_dir: the stage output folder.
         verify: check the files too (hashes every byte); without it only the manifest is checked.
+        cache: sha256s already known by path, size and modification time (:mod:`storage.fingerprints`): a file
+            whose size and modification time are unchanged since it was hashed is not read again. None reads
+            every byte.
 
     Returns:
         The manifest.
@@ -268,7 +280,7 @@ def read_manifest(stage_dir: Path, *, verify: bool = True) -> Manifest:
     except (ValueError, TypeError) as error:
         raise CorruptOutputError(f"{manifest_path} is corrupt: {error}", path=manifest_path) from error
     if verify:
-        _verify_files(stage_dir, manifest)
+        _verify_files(stage_dir, manifest, cache)
     return manifest
 
 
@@ -291,21 +303,23 @@ def _refuse_other_schema(stage_dir: Path, text: str) -> None:
         )
 
 
-def _verify_files(stage_dir: Path, manifest: Manifest) -> None:
+def _verify_files(stage_dir: Path, manifest: Manifest, cache: FingerprintCache | None) -> None:
     listed = set()
     for entry in manifest.files:
         path = stage_dir / entry.path
-        if not _safe_relative(entry.path) or entry.path == MANIFEST_FILE:
-            raise CorruptOutputError(f"{stage_dir / MANIFEST_FILE} lists an invalid path {entry.path!r}", path=path)
         listed.add(entry.path)
-        if entry.prunable and not path.exists():
-            continue  # pruned
-        if not path.is_file():
+        try:
+            status = path.stat()
+        except FileNotFoundError:
+            if entry.prunable:
+                continue  # pruned
+            status = None
+        if status is None or not stat.S_ISREG(status.st_mode):
             raise CorruptOutputError(f"{path} is missing (listed in {MANIFEST_FILE})", path=path)
-        size = path.stat().st_size
+        size = status.st_size
         if size != entry.bytes:
             raise CorruptOutputError(f"{path} is {size} bytes; the manifest says {entry.bytes}", path=path)
-        if file_sha256(path) != entry.sha256:
+        if (file_sha256(path) if cache is None else cache.file_sha256(path)) != entry.sha256:
             raise CorruptOutputError(f"{path} has been altered: its sha256 does not match the manifest", path=path)
     for path in _walk_files(stage_dir):
         relative = path.relative_to(stage_dir).as_posix()
@@ -314,20 +328,24 @@ def _verify_files(stage_dir: Path, manifest: Manifest) -> None:
 
 
 def _walk_files(directory: Path) -> list[Path]:
-    """Every file under ``directory``, sorted; a symlink or special file is an error."""
+    """Every file under ``directory``, sorted; a symlink or special file is an error. A folder's entries say what
+    they are (``os.scandir``), so a rerun that checks every output costs no system call per file for this."""
     files = []
-    for root, folders, names in os.walk(directory):
-        folders.sort()
-        for name in [*names, *folders]:
-            path = Path(root) / name
-            if path.is_symlink():
-                raise CorruptOutputError(f"{path} is a symbolic link; stage outputs hold plain files", path=path)
-        for name in sorted(names):
-            path = Path(root) / name
-            if not path.is_file():
-                raise CorruptOutputError(f"{path} is not a plain file", path=path)
-            files.append(path)
-    return files
+    folders = [str(directory)]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    raise CorruptOutputError(
+                        f"{entry.path} is a symbolic link; stage outputs hold plain files", path=Path(entry.path)
+                    )
+                if entry.is_dir():
+                    folders.append(entry.path)
+                elif entry.is_file():
+                    files.append(entry.path)
+                else:
+                    raise CorruptOutputError(f"{entry.path} is not a plain file", path=Path(entry.path))
+    return [Path(path) for path in sorted(files)]
 
 
 def find_stage_output(final_dir: Path, input_key: str) -> Manifest | None:

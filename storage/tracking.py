@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.errors import UserError
 from storage.files import temporary_sibling
 from storage.manifest import MANIFEST_FILE, Manifest, read_manifest
 from storage.mlflow_store import TAG_PARENT_RUN_ID, LocalDataset, LoggedModelSummary, MlflowStore, RunSummary
@@ -69,6 +70,7 @@ __all__ = [
     "TAG_CODE",
     "TAG_INPUTS",
     "TAG_PACKAGE_VERSION",
+    "TAG_VERSIONS",
     "TAG_SUPERSEDED_BY",
     "TAG_SOURCE",
     "TAG_MODEL",
@@ -96,6 +98,9 @@ TAG_PACKAGE_VERSION = "rlhf.package_version"
 """On an iteration run: this project's version that computed it."""
 TAG_INPUTS = "rlhf.inputs"
 """On an iteration run: the contents it was computed from, JSON ``{setting: sha256}`` (``model.policy``, ...)."""
+TAG_VERSIONS = "rlhf.versions"
+"""On an iteration run: the versions of the libraries that computed it, JSON ``{library: version}``
+(``runtime.versions.library_versions``)."""
 TAG_SUPERSEDED_BY = "rlhf.superseded_by"
 """On an iteration run recomputed by a later one (``rlhf run --from-iteration``): the run that replaced it, or that
 replaced an iteration it continued from. A superseded run is kept, but no longer the campaign's."""
@@ -132,7 +137,7 @@ _SHARD_FILE = re.compile(r"(?P<table>.+)-\d{5,}\.parquet")
 logger = logging.getLogger(__name__)
 
 
-class MissingOutputError(LookupError):
+class MissingOutputError(UserError, LookupError):
     """A stage run recorded its output by reference, and that folder is gone (e.g. removed by ``rlhf gc``)."""
 
 

@@ -18,6 +18,7 @@ from rlhf_core.errors import UserError
         "flows.human_labels:HumanLabelTimeout",
         "storage.importers:ImportFormatError",
         "storage.manifest:CorruptOutputError",
+        "storage.tracking:MissingOutputError",
         "storage.locks:LockHeld",
         "storage.locks:UnsafeLockFile",
         "tasks.train_reward_model:TooFewPairs",

@@ -9,6 +9,7 @@ version computed for it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -87,17 +88,8 @@ def test_issue26_a_config_recorded_before_the_execution_settings_moved_reads_as_
 def test_issue26_a_campaign_finished_before_the_move_has_nothing_to_run_with_the_old_names_or_the_new(
     tmp_path, capsys, caplog
 ):
-    # The store as that version left it: the campaign's tags and one finished iteration run with its config.
-    tracker = store_tracker(load_config(TINY, [f"run_root={tmp_path}"]))
-    experiment_id = tracker.experiment_id("tiny")
-    tracker.set_experiment_tags(
-        experiment_id,
-        {TAG_CAMPAIGN_CONFIG: json.dumps(CAMPAIGN_CONFIG, sort_keys=True), TAG_CONFIG_FINGERPRINT: FINGERPRINT},
-    )
-    tags = {TAG_CAMPAIGN: "tiny", TAG_ITERATION: "0", TAG_KIND: KIND_ITERATION, TAG_ITERATION_KEY: ITERATION_KEY}
-    run_id = tracker.start_run(experiment_id, name="iteration-0", tags=tags)
-    tracker.log_text(run_id, RECORDED, CONFIG_ARTIFACT)
-    tracker.end_run(run_id)
+    run_id = _store_recorded_before(tmp_path, CAMPAIGN_CONFIG)  # the store as that version left it
+    assert _fingerprint_of(CAMPAIGN_CONFIG) == FINGERPRINT
     _tell_moved.cache_clear()  # each notice is said once per process: this test counts them
 
     for names in (MOVED, ["execution.torch_threads=1", "execution.checkpoint_seconds=60"]):  # free to change
@@ -113,3 +105,45 @@ def test_issue26_a_campaign_finished_before_the_move_has_nothing_to_run_with_the
     # What `rlhf replay`, `export` and `gc` read of the iteration.
     read = source_config(load_config(TINY, [f"run_root={tmp_path}"]), run_id)
     assert read == PipelineConfig.model_validate_json(RECORDED) and read.execution.torch_threads == 2
+
+
+def _fingerprint_of(campaign_config: dict) -> str:
+    """The fingerprint of recorded campaign fields, as every version computed it (``campaign.identity``)."""
+    return hashlib.sha256(json.dumps(campaign_config, sort_keys=True).encode()).hexdigest()
+
+
+def _store_recorded_before(tmp_path: Path, campaign_config: dict) -> str:
+    """The store an earlier version left under ``tmp_path``: the campaign's tags (``campaign_config`` and its
+    fingerprint) and one finished iteration run with the config that version recorded; returns that run."""
+    tracker = store_tracker(load_config(TINY, [f"run_root={tmp_path}"]))
+    experiment_id = tracker.experiment_id("tiny")
+    tracker.set_experiment_tags(
+        experiment_id,
+        {
+            TAG_CAMPAIGN_CONFIG: json.dumps(campaign_config, sort_keys=True),
+            TAG_CONFIG_FINGERPRINT: _fingerprint_of(campaign_config),
+        },
+    )
+    tags = {TAG_CAMPAIGN: "tiny", TAG_ITERATION: "0", TAG_KIND: KIND_ITERATION, TAG_ITERATION_KEY: ITERATION_KEY}
+    run_id = tracker.start_run(experiment_id, name="iteration-0", tags=tags)
+    tracker.log_text(run_id, RECORDED, CONFIG_ARTIFACT)
+    tracker.end_run(run_id)
+    return run_id
+
+
+def test_issue32_a_field_added_since_a_campaign_started_counts_as_its_default(tmp_path, capsys):
+    """R9: a campaign recorded before `sampling.engine` existed continues when this config leaves it at its default
+    (which reproduces what ran), and is refused, naming the field, when this config sets another value."""
+    older = json.loads(json.dumps(CAMPAIGN_CONFIG))
+    del older["sampling"]["engine"]
+    _store_recorded_before(tmp_path, older)
+    assert config_fingerprint(load_config(TINY, [f"run_root={tmp_path}"])) != _fingerprint_of(older)
+
+    overrides = [f"--set={text}" for text in (f"run_root={tmp_path}", "iterations=1")]
+    assert main(["run", "--config", str(TINY), *overrides]) == 0
+    assert "all 1 iterations are finished; nothing to run" in capsys.readouterr().out
+
+    assert main(["run", "--config", str(TINY), *overrides, "--set=sampling.engine=vllm"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("rlhf: campaign `tiny` was started with another config (`sampling.engine` 'hf' there, ")
+    assert "'vllm' here" in message and len(message.splitlines()) == 1

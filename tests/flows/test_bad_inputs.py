@@ -536,6 +536,109 @@ def test_issue14_an_edited_output_is_refused_naming_the_file(
     _assert_refused(code, stderr, run_root, (what, named), before)
 
 
+def _computed_in(finished: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run root as if the campaign had been computed there: its stage runs name the copy's
+    folders (a local store records each output by reference, where it is), so nothing outside it has a copy."""
+    run_root = _copy_of(finished, tmp_path)
+    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    for run in client.search_runs([client.get_experiment_by_name("tiny").experiment_id]):
+        if (where := run.data.tags.get("rlhf.output_path")) is not None:
+            client.set_tag(run.info.run_id, "rlhf.output_path", str(run_root / Path(where).relative_to(finished)))
+    return run_root
+
+
+def _truncate_shard(run_root: Path) -> str:
+    shard = next(_output(run_root, "rollout").glob("experience-*.parquet"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return shard.name
+
+
+def _alter_checkpoint(run_root: Path) -> str:
+    weights = _output(run_root, "ppo_update") / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0x01
+    weights.write_bytes(bytes(data))
+    return "actor/model.safetensors"
+
+
+def _re_sign_manifest(run_root: Path) -> str:
+    """A manifest listing a file outside its folder, with its self-checksum computed again (anyone can)."""
+    from storage.manifest import canonical_json
+
+    path = _output(run_root, "compute_advantages") / "_manifest.json"
+    body = json.loads(path.read_text())
+    del body["manifest_sha256"]
+    body["files"].append({"path": "../../../x", "sha256": "0" * 64, "bytes": 1, "rows": None, "prunable": True})
+    body["manifest_sha256"] = hashlib.sha256(canonical_json(body).encode()).hexdigest()
+    path.write_text(json.dumps(body))
+    return "'../../../x'"
+
+
+def _delete_folder(run_root: Path) -> str:
+    folder = _output(run_root, "evaluate")
+    shutil.rmtree(folder)
+    return f"{folder} (the evaluate output of iteration 0) is missing"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (_truncate_shard, "bytes; the manifest says"),
+        (_alter_shard, "has been altered"),
+        (_alter_checkpoint, "has been altered"),
+        (_edit_manifest, "is corrupt"),
+        (_re_sign_manifest, "invalid path"),
+        (_add_a_file, "is not listed"),
+        (_delete_folder, "MLflow keeps no copy of it"),
+    ],  # fmt: skip
+    ids=[
+        "truncated-shard",
+        "altered-shard",
+        "altered-checkpoint",
+        "edited-manifest",
+        "re-signed-manifest",
+        "unlisted-file",
+        "deleted-folder",
+    ],  # fmt: skip
+)
+def test_issue32_a_finished_campaign_run_again_refuses_an_edited_or_missing_output(
+    change, named, finished, checkpoint_world, tmp_path, capfd
+):
+    """What the README promises: running a finished campaign again checks every stage output against its recorded
+    digest. Each change is refused in one line naming the file and what to do (a local store keeps no copy of the
+    files to restore), before anything is written."""
+    run_root = _computed_in(finished, tmp_path)
+    what = change(run_root)
+    before = _files(run_root)
+    code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+    _assert_refused(code, stderr, run_root, (what, named, "rlhf run --from-iteration 0"), before)
+
+
+def test_issue32_an_unchanged_finished_campaign_reads_no_output_twice(
+    finished, checkpoint_world, tmp_path, capfd, monkeypatch
+):
+    """The outputs' sha256s are remembered by size and modification time in the run root's fingerprint cache: the
+    first rerun of a copied run root hashes every output file, the next none."""
+    import storage.fingerprints
+
+    run_root = _copy_of(finished, tmp_path)
+    hashed: list[Path] = []
+    real = storage.fingerprints.file_sha256
+    monkeypatch.setattr(
+        storage.fingerprints, "file_sha256", lambda path, **options: hashed.append(Path(path)) or real(path, **options)
+    )
+
+    def stages_hashed_by_a_rerun() -> set[str]:
+        hashed.clear()
+        code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
+        assert code == 0, stderr
+        campaign = run_root / "tiny"
+        return {path.relative_to(campaign).parts[0] for path in hashed if campaign in path.parents}
+
+    assert stages_hashed_by_a_rerun() >= {"rollout", "ppo_update", "evaluate"}  # new paths to the cache: a copy
+    assert stages_hashed_by_a_rerun() == set()
+
+
 REPLAYS = [
     (lambda t, w: [*_run(t, w, command="replay"), "nosuch:0"], ("no campaign 'nosuch'",)),
     (lambda t, w: [*_run(t, w, command="replay"), "tiny:5"], ("no finished iteration 5",)),

@@ -88,3 +88,22 @@ def test_after_gc_a_kept_iteration_replays_and_a_removed_one_is_refused_clearly(
     assert tracking_store(config).tracker().run(replayed).tags["rlhf.replay_of"] == source
     with pytest.raises(Exception, match="no longer exists"):
         rlhf_replay(replay_config(config, source_of_iteration_0, ["advantages.kl_coef=0.2"]), source_of_iteration_0)
+
+
+def test_issue32_a_finished_campaign_run_again_after_gc_checks_what_is_left(collected, capsys):
+    """The outputs gc removed are not missing ones: running the finished campaign again checks what is left (the
+    newest iteration's outputs and what they were computed from, all there) and has nothing to run."""
+    config, *_ = collected
+    tracker = tracking_store(config).tracker()
+    finished = tracker.finished_iterations(tracker.experiment_id(config.campaign))
+    overrides = [
+        f"run_root={config.run_root}",
+        f"model.policy={config.model.policy}",
+        f"data.prompts={config.data.prompts}",
+        f"data.eval_prompts={config.data.eval_prompts}",
+        f"iterations={len(finished)}",
+    ]
+    capsys.readouterr()
+    assert main(["run", "--config", str(TINY), *(f"--set={text}" for text in overrides)]) == 0
+    said = capsys.readouterr().out
+    assert f"all {len(finished)} iterations are finished; nothing to run" in said and "restored" not in said

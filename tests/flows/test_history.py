@@ -158,3 +158,26 @@ def test_an_input_file_edited_in_place_is_named_and_used_from_the_next_iteration
     assert _outputs(run_root, "rollout") == rollouts + 1
     recorded = [json.loads(run.data.tags["rlhf.inputs"])["data.prompts"] for run in after]
     assert recorded[0] != recorded[1]
+
+
+def test_issue32_a_library_upgrade_is_said_in_one_line_and_a_run_without_versions_says_nothing(project):
+    """Every iteration run records the library versions that computed it (`rlhf.versions`). The story's iteration 0
+    is made to have been computed by an older torch, and iteration 1 by a release that recorded no versions: the next
+    iteration is computed, and its one notice names torch only."""
+    from mlflow import MlflowClient
+
+    _, run_root, rlhf, _ = project
+    current = [run for run in _iteration_runs(run_root) if "rlhf.superseded_by" not in run.data.tags]
+    assert [run.data.tags["rlhf.iteration"] for run in current] == ["0", "1"], "after the edited prompt file, two"
+    recorded = json.loads(current[0].data.tags["rlhf.versions"])
+    assert {"python", "torch", "transformers", "peft", "accelerate"} <= set(recorded)
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_root / 'mlflow.db'}")
+    client.set_tag(current[0].info.run_id, "rlhf.versions", json.dumps({**recorded, "torch": "2.0.0"}))
+    client.delete_tag(current[1].info.run_id, "rlhf.versions")
+
+    more = rlhf("run", overrides=("iterations=3",))
+    assert more.returncode == 0, more.stderr
+    notices = [line for line in (more.stdout + more.stderr).splitlines() if "were computed with" in line]
+    assert len(notices) == 1, more.stderr
+    assert f"other library versions (torch 2.0.0 there, {recorded['torch']} here)" in notices[0]
+    assert "iteration 2 on use what is here now" in notices[0]

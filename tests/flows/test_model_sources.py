@@ -13,11 +13,13 @@ import pytest
 from campaign.model_sources import (
     ModelSourceError,
     NotConverted,
+    conversion_key,
     local_path,
     model_input,
     package_file,
 )
 from runtime.context import InputFile
+from runtime.versions import installed_version
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
 
@@ -96,10 +98,53 @@ def test_issue27_located_without_a_cache_a_gguf_file_is_found_by_its_content_and
     located = model_input(None, layout, "model.policy", file)
     assert located == InputFile(path=str(file.resolve()), sha256=sha256, source=str(file.resolve()))
     assert not layout.root.exists()
-    layout.converted_model_dir(sha256).mkdir(parents=True)  # as a conversion left it
+    layout.converted_model_dir(conversion_key(sha256)).mkdir(parents=True)  # as a conversion left it
     found = model_input(None, layout, "model.policy", file)
-    assert found.path == str(layout.converted_model_dir(sha256)) and found.sha256 == sha256
+    assert found.path == str(layout.converted_model_dir(conversion_key(sha256))) and found.sha256 == sha256
     assert found.source == str(file.resolve()) and not layout.fingerprint_cache().exists()
+
+
+def test_issue32_a_new_converter_converts_again_and_the_file_stays_the_same_input(tmp_path, monkeypatch):
+    """The converted folder is keyed by the file and what converts it (R4): the folder a previous release left
+    (``cache/gguf/<file sha256>``), or one converted with another transformers, gguf or converter code, is not taken
+    for this converter's. The input stays the file's content, which a campaign's records name: a campaign started
+    by the previous release continues."""
+    import campaign.model_sources
+    import rlhf_core.gguf
+
+    converted = []
+
+    def convert(file, folder):  # what rlhf_core.gguf.convert_gguf writes, without de-quantising a real model
+        converted.append(Path(folder).name)
+        Path(folder).mkdir()
+        (Path(folder) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(rlhf_core.gguf, "convert_gguf", convert)
+    file = write_gguf(tmp_path / "model.gguf", arch="llama")
+    layout = RunLayout(root=tmp_path / "runs")
+    cache = FingerprintCache(layout.fingerprint_cache())
+    sha256 = cache.fingerprint(file)
+    layout.converted_model_dir(sha256).mkdir(parents=True)  # as the previous release converted it
+
+    first = model_input(cache, layout, "model.policy", file)
+    assert (
+        first.path == str(layout.converted_model_dir(conversion_key(sha256))) != str(layout.converted_model_dir(sha256))
+    )
+    assert first.sha256 == sha256 and len(converted) == 1
+    assert model_input(cache, layout, "model.policy", file) == first and len(converted) == 1  # converted once
+
+    keys = {conversion_key(sha256)}
+    for library in ("transformers", "gguf"):
+        with monkeypatch.context() as patched:  # that library upgraded, the other as installed
+            upgraded = {name: installed_version(name) for name in ("transformers", "gguf")} | {library: "99.0.0"}
+            patched.setattr(campaign.model_sources, "installed_version", upgraded.get)
+            again = model_input(cache, layout, "model.policy", file)
+            keys.add(conversion_key(sha256))
+        assert again.path != first.path and again.sha256 == sha256
+    with monkeypatch.context() as patched:  # an edited converter: its normalised code differs
+        patched.setattr(campaign.model_sources, "code_fingerprint", lambda module: "e" * 64)
+        keys.add(conversion_key(sha256))
+    assert len(keys) == 4 and len(converted) == 3
 
 
 def test_a_folder_is_identified_by_its_content_and_has_no_source(tmp_path):

@@ -305,9 +305,10 @@ def test_issue15_the_prefect_artifact_shows_every_metric_the_figure_and_the_mlfl
 def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
     """Every iteration run says which code (fingerprint and version) and which input contents produced it, and so
     does every manifest; nothing differs from what is here now."""
-    from campaign.history import code_in_use, difference_note, input_contents
+    from campaign.history import code_in_use, difference_note, input_contents, versions_in_use
     from campaign.store import store_tracker
     from flows.iterations import resolve_base
+    from runtime.versions import library_versions
     from storage.manifest import package_version, read_manifest
 
     config, _ = campaign
@@ -319,26 +320,32 @@ def test_a_finished_campaign_records_what_produced_each_iteration(campaign):
         assert run.tags["rlhf.code"] == code_in_use(base)
         assert run.tags["rlhf.package_version"] == package_version()
         assert json.loads(run.tags["rlhf.inputs"]) == input_contents(base)
+        assert json.loads(run.tags["rlhf.versions"]) == versions_in_use(base, None) == library_versions()
     assert set(input_contents(base)) == {"model.policy", "data.prompts", "data.eval_prompts"}
     for manifest_path in (config.run_root / config.campaign).glob("*/*/_manifest.json"):
         manifest = read_manifest(manifest_path.parent, verify=False)
         assert manifest.code and manifest.package_version == package_version()
         assert manifest.runtime["inputs"] == base.contents
-    assert difference_note(config) is None
+        assert manifest.runtime["versions"] == library_versions()  # issue 32
+    assert difference_note(config, finished) is None
 
 
 def test_the_reuse_decision_loads_neither_torch_nor_prefect(campaign):
     """What makes `rlhf run` of a finished campaign take seconds: the decision reads MLflow and the manifests
-    only (torch, transformers and Prefect take most of a full command's start)."""
+    only (torch, transformers and Prefect take most of a full command's start), and so does checking the finished
+    outputs (issue 32)."""
     config, _ = campaign
     script = (
         "import json, sys\n"
         "from campaign.config import PipelineConfig\n"
-        "from campaign.history import campaign_finished, difference_note\n"
+        "from campaign.history import campaign_finished, difference_note, finished_iterations\n"
+        "from campaign.verification import check_finished_outputs\n"
         "from flows.report import campaign_report\n"
         f"config = PipelineConfig.model_validate_json({config.model_dump_json()!r})\n"
-        "finished = campaign_finished(config) and difference_note(config) is None\n"
-        "campaign_report(config)\n"
+        "runs = finished_iterations(config)\n"
+        "restored = check_finished_outputs(config, runs)\n"
+        "finished = restored == [] and campaign_finished(config, runs) and difference_note(config, runs) is None\n"
+        "campaign_report(runs)\n"
         "print(json.dumps([finished, sorted({'torch', 'transformers', 'prefect', 'accelerate'} & set(sys.modules))]))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)

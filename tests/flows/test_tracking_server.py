@@ -7,6 +7,7 @@ concurrency limit exists, with one slot."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,9 +19,11 @@ import pytest
 
 from campaign.config import load_config
 from campaign.store import resolve_run
+from flows.cli import main
 from flows.concurrency import campaign_limit
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+from storage.manifest import read_manifest
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -77,7 +80,7 @@ def _config(world, run_root: Path, url: str, *overrides: str):
 
 
 def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_server(
-    prefect_server, checkpoint_world, tracking_server, tmp_path
+    prefect_server, checkpoint_world, tracking_server, tmp_path, capsys
 ):
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
@@ -95,6 +98,7 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     assert continued.policy.stage == "ppo_update" and not continued.policy.reused
     for stage in ("train_reward_model", "ppo_update"):  # iteration 0's, fetched from the server, and iteration 1's
         assert len(list((second.run_root / "tiny" / stage).glob("[!.]*/_manifest.json"))) == 2, stage
+    (evaluation,) = (second.run_root / "tiny" / "evaluate").glob("[!.]*")  # iteration 1's (none needed iteration 0's)
     source = resolve_run(second, "tiny:0")
     replay_run = rlhf_replay(replay_config(second, source, ["advantages.kl_coef=0.2"]), source)
 
@@ -114,3 +118,18 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     with get_client(sync_client=True) as prefect:
         limit = prefect.read_global_concurrency_limit_by_name(campaign_limit("tiny"))
     assert limit.limit == 1 and limit.active_slots == 0
+
+    # Issue 32: running the finished campaign again restores a deleted output of its newest iteration from the
+    # server's copy. Iteration 0's outputs that iteration 1 did not need were never fetched here: they stay away, as
+    # outputs `rlhf gc` removed would.
+    shutil.rmtree(evaluation)
+    rollouts = sorted((second.run_root / "tiny" / "rollout").glob("[!.]*"))
+    overrides = [f"run_root={second.run_root}", f"tracking_uri={url}", "iterations=2"]
+    world = [f"model.policy={checkpoint_world['policy']}"]
+    world += [f"data.{name}={checkpoint_world[name]}" for name in ("prompts", "eval_prompts")]
+    assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), *(f"--set={o}" for o in world + overrides)]) == 0
+    said = capsys.readouterr().out
+    assert f"restored {evaluation} (the evaluate output of iteration 1) from what MLflow run" in said
+    assert "all 2 iterations are finished; nothing to run" in said
+    assert read_manifest(evaluation).stage == "evaluate"
+    assert sorted((second.run_root / "tiny" / "rollout").glob("[!.]*")) == rollouts

@@ -19,6 +19,7 @@ from runtime.declaration import StageResult, StageSettings, input_digests, setti
 from runtime.job import Job
 from runtime.models import accelerator_for
 from runtime.stage import Stage, run_stage, setting_value
+from runtime.versions import library_versions
 from storage.layout import RunLayout
 from storage.manifest import read_manifest
 from storage.schemas import PROMPTS
@@ -142,7 +143,13 @@ def test_every_stage_records_seconds_peak_memory_where_it_ran_and_its_inputs(con
     manifest = read_manifest(result.directory)
     assert manifest.metrics["rows"] == 2.0 and manifest.metrics["seconds"] > 0
     assert manifest.metrics["peak_memory_mb"] >= 60  # the 64 MB buffer
-    assert manifest.runtime == {"device": "cpu", "torch_threads": 1, "inputs": context.base.contents}
+    versions = library_versions()  # Python, torch, transformers, peft, accelerate; no engine, no GGUF model here
+    assert manifest.runtime == {
+        "device": "cpu",
+        "torch_threads": 1,
+        "inputs": context.base.contents,
+        "versions": versions,
+    }
     assert set(context.base.contents) == {"policy", "prompts", "eval_prompts"}  # the tokenizer is the policy's
     assert manifest.config["stage"] == {"rows": 2, "prompts": {"sha256": "a" * 64}}
     assert manifest.config["context"] == {"seed": 0, "iteration": 0, "base": context.base.fingerprint}

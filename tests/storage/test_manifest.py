@@ -323,6 +323,20 @@ def test_path_escaping_the_folder_is_refused(tmp_path: Path) -> None:
         read_manifest(final)
 
 
+def test_issue32_a_re_signed_manifest_naming_a_file_outside_its_folder_is_refused_before_pruning(tmp_path: Path):
+    """Its checksum is right (anyone can compute it again), and pruning reads it without verifying the files: the
+    file it names outside the folder is never touched."""
+    final = tmp_path / "out"
+    manifest = _write(final)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("keep me")
+    entries = (*manifest.files, type(manifest.files[0])("../secret.txt", "0" * 64, 7, None, prunable=True))
+    (final / MANIFEST_FILE).write_text(Manifest(**{**manifest.__dict__, "files": entries}).to_json())
+    with pytest.raises(CorruptOutputError, match=r"invalid path '\.\./secret\.txt'"):
+        prune_files(final)
+    assert outside.read_text() == "keep me"
+
+
 def test_missing_folder_is_not_corruption(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_manifest(tmp_path / "nowhere")

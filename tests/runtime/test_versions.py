@@ -1,0 +1,94 @@
+"""The library versions every stage manifest records (issue 32): read from the installed distributions, vLLM's from
+the generation engine's ``/health`` answer (a real HTTP server here, answering as ``engine_server/server.py`` does)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.stage import run_stage
+from runtime.versions import library_versions, stage_versions
+from storage.layout import RunLayout
+from storage.manifest import read_manifest
+from storage.schemas import PROMPTS
+
+FILE = InputFile(path="/data/prompts.jsonl", sha256="a" * 64)
+GGUF = InputFile(path="/runs/cache/gguf/k", sha256="b" * 64, source="/models/m.gguf")
+
+
+@pytest.fixture(scope="module")
+def engine_url():
+    """A server answering ``GET /health`` as the generation engine does, with a vLLM version."""
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"state": "ready", "error": None, "vllm": "0.99.1", "device": "cpu"}).encode()
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+def _context(
+    tmp_path: Path, *, engine_url: str | None = None, policy: InputFile = FILE, store: bool = False
+) -> StageContext:
+    """A stage context; with ``store``, its SQLite MLflow store created (what running a stage needs)."""
+    root = RunLayout(tmp_path)
+    tracking = TrackingStore(uri=root.tracking_uri(), artifact_root=str(root.artifact_root()))
+    return StageContext(
+        layout=RunLayout(tmp_path / "camp"),
+        tracking=tracking,
+        campaign="camp",
+        experiment_id=tracking.tracker().experiment_id("camp") if store else "0",
+        iteration=0,
+        seed=0,
+        base=BaseInputs(policy=policy, tokenizer=policy, prompts=FILE, eval_prompts=FILE),
+        execution=Execution(device="cpu", torch_threads=1, engine_url=engine_url),
+    )
+
+
+def test_issue32_the_versions_are_the_installed_ones_and_gguf_only_where_asked():
+    versions = library_versions()
+    assert versions["python"] == platform.python_version()
+    for name in ("torch", "transformers", "peft", "accelerate"):
+        assert versions[name] == importlib.metadata.version(name)
+    assert "gguf" not in versions and "vllm" not in versions
+    assert library_versions(gguf=True)["gguf"] == importlib.metadata.version("gguf")
+
+
+def test_issue32_vllm_is_the_engines_and_only_for_a_stage_sampling_on_it(tmp_path, engine_url):
+    context = _context(tmp_path, engine_url=engine_url)
+    assert stage_versions(context, {"sampling": {"engine": "vllm"}})["vllm"] == "0.99.1"
+    assert "vllm" not in stage_versions(context, {"ppo": {"epochs": 1}})  # a stage that samples nothing
+    assert "vllm" not in stage_versions(context, {"sampling": {"engine": "hf"}})
+    assert "gguf" in stage_versions(_context(tmp_path, policy=GGUF), {})  # its base model was converted from GGUF
+
+
+def test_issue32_a_stage_manifest_records_the_versions_it_ran_with(tmp_path, engine_url):
+    def produce(out):
+        table = pa.table({"prompt_id": [0], "prompt": ["p"], "messages": [[]]}, schema=PROMPTS)
+        out.write_table("prompts", table, schema=PROMPTS)
+        return {}
+
+    context = _context(tmp_path, engine_url=engine_url, store=True)
+    settings = {"sampling": {"engine": "vllm", "temperature": 1.0}}
+    result = run_stage(context, "sampled", settings=settings, upstream={}, code="1" * 64, produce=produce)
+    assert read_manifest(result.directory).runtime["versions"] == {**library_versions(), "vllm": "0.99.1"}
