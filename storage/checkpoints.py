@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from transformers import PreTrainedTokenizerBase
 
@@ -118,10 +119,18 @@ def _distributed() -> bool:
 
 @contextmanager
 def _one_process_meant() -> Iterator[None]:
-    """Without a process group DCP warns that it assumes one process: that is what a stage in its own process means."""
+    """Without a process group DCP warns that it assumes one process: that is what a stage in its own process means.
+    DCP wraps each process's error in a ``CheckpointException`` (a ``BaseException``): the first process's own error
+    is raised instead (an ``OSError`` first), so a full disk reaches :func:`storage.files.disk_errors` as what it is."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as wrapped:
+            errors = [error for error, _ in wrapped.failures.values()]
+            if not errors:
+                raise
+            raise next((error for error in errors if isinstance(error, OSError)), errors[0]) from wrapped
 
 
 def _refuse_non_tensors(state: Mapping[str, Any], prefix: str) -> None:

@@ -77,11 +77,14 @@ def disk_errors(path: Path) -> Iterator[None]:
 
     safetensors and torch report a full disk in their own exception types (``SafetensorError``, a
     ``RuntimeError`` saying "file write failed"), with no errno to tell it from a bug; a file system
-    left with less than 1 MiB after the failure is taken to be why.
+    left with less than 1 MiB after the failure is taken to be why. An ``ENOSPC`` that names no file (a write
+    through an open stream, as pickle's) is given ``path``.
     """
     try:
         yield
-    except OSError:
+    except OSError as error:
+        if error.errno == errno.ENOSPC and error.filename is None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
         raise
     except Exception as error:
         if _disk_full(Path(path)):

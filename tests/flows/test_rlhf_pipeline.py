@@ -35,6 +35,9 @@ def campaign(prefect_server, checkpoint_world, tmp_path_factory):
         CONFIGS / "tiny.yaml",
         [
             f"run_root={run_root}",
+            # a name no other test's campaign has: the Prefect server is the test session's, and the asset and event
+            # tests below read what it holds of this campaign
+            "campaign=pipeline-e2e",
             f"model.policy={checkpoint_world['policy']}",
             f"data.prompts={checkpoint_world['prompts']}",
             f"data.eval_prompts={checkpoint_world['eval_prompts']}",
@@ -358,6 +361,7 @@ def test_rlhf_run_of_a_finished_campaign_starts_no_flow(campaign, capsys):
     config, _ = campaign
     overrides = {
         "run_root": config.run_root,
+        "campaign": config.campaign,
         "model.policy": config.model.policy,
         "data.prompts": config.data.prompts,
         "data.eval_prompts": config.data.eval_prompts,

@@ -3,6 +3,7 @@ the generation engine's ``/health`` answer (a real HTTP server here, answering a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import platform
@@ -13,8 +14,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rlhf_core.config import SamplingConfig
 from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
-from runtime.stage import run_stage
+from runtime.declaration import StageSettings, setting
+from runtime.job import Job
+from runtime.stage import Stage, run_stage
 from runtime.versions import library_versions, stage_versions
 from storage.layout import RunLayout
 from storage.manifest import read_manifest
@@ -76,19 +80,27 @@ def test_issue32_the_versions_are_the_installed_ones_and_gguf_only_where_asked()
 
 def test_issue32_vllm_is_the_engines_and_only_for_a_stage_sampling_on_it(tmp_path, engine_url):
     context = _context(tmp_path, engine_url=engine_url)
-    assert stage_versions(context, {"sampling": {"engine": "vllm"}})["vllm"] == "0.99.1"
-    assert "vllm" not in stage_versions(context, {"ppo": {"epochs": 1}})  # a stage that samples nothing
-    assert "vllm" not in stage_versions(context, {"sampling": {"engine": "hf"}})
-    assert "gguf" in stage_versions(_context(tmp_path, policy=GGUF), {})  # its base model was converted from GGUF
+    assert stage_versions(context, on_engine=True)["vllm"] == "0.99.1"
+    assert "vllm" not in stage_versions(context, on_engine=False)  # a stage that samples nothing, or not on the engine
+    assert "gguf" in stage_versions(_context(tmp_path, policy=GGUF), on_engine=False)  # converted from a GGUF file
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledSettings(StageSettings):
+    stage = "sampled"
+    sampling: SamplingConfig = setting("sampling")
+
+
+def _write_prompt(job: Job[SampledSettings]) -> dict[str, float]:
+    table = pa.table({"prompt_id": [0], "prompt": ["p"], "messages": [[]]}, schema=PROMPTS)
+    job.out.write_table("prompts", table, schema=PROMPTS)
+    return {}
+
+
+sampled = Stage(SampledSettings, work=_write_prompt)
 
 
 def test_issue32_a_stage_manifest_records_the_versions_it_ran_with(tmp_path, engine_url):
-    def produce(out):
-        table = pa.table({"prompt_id": [0], "prompt": ["p"], "messages": [[]]}, schema=PROMPTS)
-        out.write_table("prompts", table, schema=PROMPTS)
-        return {}
-
     context = _context(tmp_path, engine_url=engine_url, store=True)
-    settings = {"sampling": {"engine": "vllm", "temperature": 1.0}}
-    result = run_stage(context, "sampled", settings=settings, upstream={}, code="1" * 64, produce=produce)
+    result = run_stage(sampled, context, SampledSettings(sampling=SamplingConfig(engine="vllm")))
     assert read_manifest(result.directory).runtime["versions"] == {**library_versions(), "vllm": "0.99.1"}
