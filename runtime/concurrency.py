@@ -11,7 +11,9 @@ Choices:
    long as it runs (:func:`engine_slot`): an engine keeps its share of GPU memory between stages, so a second
    command on the machine waits for the slot before it starts its own.
 3. Whoever waits says for what, once, before it waits (:func:`announce_wait`): Prefect's own waits are silent.
-4. Slots are leased, as the campaign's are: a holder that dies loses its slot when the lease runs out.
+4. Slots are leased: a holder that dies loses its slot when the lease runs out, where the server's repossessor runs.
+   A temporary server's does not (nor Prefect's test harness's), so each holder also records its lease and its
+   process (:func:`held_slot`'s ``record``), and the next taker releases the lease of a holder that no longer runs.
 5. Without a Prefect server configured (a benchmark script starting an engine) no slot is taken: Prefect would start
    a temporary server that no other process sees.
 """
@@ -19,10 +21,19 @@ Choices:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import socket
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
+
+from storage.files import temporary_sibling
+from storage.tracking import process_token, writer_alive
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +77,75 @@ def announce_wait(name: str, message: str) -> None:
 
 
 @contextmanager
-def held_slot(name: str) -> Iterator[str]:
-    """Hold one slot of the global limit ``name`` (waiting for it) for the block, on a lease renewed in the
-    background; the lease id."""
+def held_slot(
+    name: str, *, record: Path | None = None, waiting: str | None = None, locked: bool = False
+) -> Iterator[str]:
+    """Hold one slot of the global limit ``name`` (waiting for it, saying ``waiting`` first when it must) for the
+    block, on a lease renewed in the background; the lease id.
+
+    With ``record`` (choice 4), the holder writes its lease and its process there while it holds the slot, and first
+    releases the lease a holder that died without releasing it left there (:func:`release_dead_holder`); ``locked``:
+    the caller holds a lock every holder of the slot takes first, so the recorded holder is gone, on any machine.
+    """
     from prefect.concurrency._sync import (
         acquire_concurrency_slots_with_lease,
         maintain_concurrency_lease,
         release_concurrency_slots_with_lease,
     )
 
+    if record is not None:
+        release_dead_holder(record, gone=locked)
+    if waiting is not None:
+        announce_wait(name, waiting)
     lease = acquire_concurrency_slots_with_lease([name], 1, lease_duration=LEASE_SECONDS, strict=True).lease_id
+    if record is not None:
+        _write_record(record, str(lease))
     try:
         with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
             yield str(lease)
     finally:
         with contextlib.suppress(Exception):  # the server is gone (Ctrl-C at exit): the lease expires on its own
             release_concurrency_slots_with_lease(lease)
+        if record is not None and _recorded(record) == (str(lease), process_token()):
+            record.unlink(missing_ok=True)
+
+
+def release_dead_holder(record: Path, *, gone: bool = False) -> None:
+    """Release the slot lease ``record`` names if the process that took it no longer runs (``kill -9``), or is known
+    to be ``gone``: a server whose lease repossessor does not run (a temporary server, Prefect's test harness) never
+    expires it, and the next taker would wait forever. A record naming no process (by an earlier release) counts
+    as gone."""
+    from prefect.concurrency._sync import release_concurrency_slots_with_lease
+
+    recorded = _recorded(record)
+    if recorded is None:
+        return
+    lease, holder = recorded
+    if not gone and holder is not None and writer_alive(holder):
+        return
+    with contextlib.suppress(Exception):  # already released, or expired and revoked by the server
+        release_concurrency_slots_with_lease(UUID(lease))
+        logger.info("released the slot %s of a process that stopped without releasing it", record.stem)
+    record.unlink(missing_ok=True)
+
+
+def _recorded(record: Path) -> tuple[str, str | None] | None:
+    """The lease and holder ``record`` names (the holder None in a record of a bare lease id), None without one."""
+    try:
+        text = record.read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text, None
+    return (str(data["lease"]), str(data["holder"])) if isinstance(data, dict) else (text, None)
+
+
+def _write_record(record: Path, lease: str) -> None:
+    temporary = temporary_sibling(record)
+    temporary.write_text(json.dumps({"lease": lease, "holder": process_token()}) + "\n")
+    os.replace(temporary, record)
 
 
 def prefect_server_configured() -> bool:
@@ -96,6 +160,15 @@ def engine_limit() -> str:
     return f"{ENGINE_LIMIT_PREFIX}{socket.gethostname()}"
 
 
+def engine_slot_record() -> Path:
+    """Where the holder of this machine's engine slot on the configured Prefect server records its lease: in the
+    machine's temporary folder, one file per server (two test sessions on one machine each have their own)."""
+    from prefect.settings import get_current_settings
+
+    server = hashlib.sha256(str(get_current_settings().api.url).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"{engine_limit()}-{server}.lease"
+
+
 @contextmanager
 def engine_slot() -> Iterator[None]:
     """Hold this machine's generation-engine slot (see the module docstring), saying so when it has to wait; nothing
@@ -105,12 +178,11 @@ def engine_slot() -> Iterator[None]:
         return
     name = engine_limit()
     create_limit(name, 1)
-    announce_wait(
-        name,
+    waiting = (
         "waiting to start the vLLM generation engine: another command on this machine runs one (one engine per "
-        "machine); it frees its slot when that command ends",
+        "machine); it frees its slot when that command ends"
     )
-    with held_slot(name):
+    with held_slot(name, record=engine_slot_record(), waiting=waiting):
         yield
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 from prefect import flow, task
 
@@ -20,6 +24,8 @@ from runtime.concurrency import (
     gpu_stages,
     held_slot,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _limit(name: str):
@@ -144,3 +150,37 @@ def test_a_second_engine_on_the_machine_waits_for_the_first_and_says_so(prefect_
     assert order == ["first starts its engine", "first stops its engine", "second starts its engine"]
     assert engine_limit() in caplog.text
     assert _limit(engine_limit()).active_slots == 0  # both released
+
+
+HOLDER = """
+import sys, time
+from runtime.concurrency import engine_slot
+with engine_slot():
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_an_engine_slot_whose_holder_was_killed_is_taken_at_once(prefect_server):
+    """kill -9 of a command that held the engine's slot: the next command releases the dead holder's lease instead of
+    waiting for it to expire, which it never does on a server whose repossessor does not run (the test harness's,
+    a command's temporary server). Before, the vLLM suite's resume after kill -9 waited forever."""
+    from prefect.settings import PREFECT_API_URL
+
+    from runtime.concurrency import engine_slot_record
+
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_API_URL": PREFECT_API_URL.value()}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _limit(engine_limit()).active_slots == 1 and engine_slot_record().is_file()
+    finally:
+        holder.kill()
+        holder.wait()
+    started = time.monotonic()
+    with engine_slot():
+        assert _limit(engine_limit()).active_slots == 1
+    assert time.monotonic() - started < 30  # not the 60 s lease, nor forever
+    assert _limit(engine_limit()).active_slots == 0 and not engine_slot_record().exists()
