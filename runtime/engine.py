@@ -216,23 +216,27 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
     if _running is not None and _running[0] == key and _running[1].poll() is None:
         return _running[2]
     stop_engine()
-    _slot.enter_context(engine_slot())  # an engine that fails to start ends the command, whose exit frees it
+    _slot.enter_context(engine_slot())
     atexit.register(_slot.close)  # registered before the engine's stop below, so it runs after it (last in, first)
-    port = execution.engine_port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
-    with log.open("w") as output:
-        process = launch_tied(
-            str(python),
-            [str(python), "-I", server_script(), *server_arguments(execution, **options, port=port)],
-            env=_environment(execution, policy),
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-    atexit.register(stop, process, timeout=_STOP_SECONDS)
-    logger.info("starting the vLLM generation engine on %s (log: %s)", url, log)
-    start = time.perf_counter()
-    _wait(process, url, log, policy=policy, port=port)
+    try:
+        port = execution.engine_port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
+        with log.open("w") as output:
+            process = launch_tied(
+                str(python),
+                [str(python), "-I", server_script(), *server_arguments(execution, **options, port=port)],
+                env=_environment(execution, policy),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        atexit.register(stop, process, timeout=_STOP_SECONDS)
+        logger.info("starting the vLLM generation engine on %s (log: %s)", url, log)
+        start = time.perf_counter()
+        _wait(process, url, log, policy=policy, port=port)
+    except BaseException:
+        _slot.close()  # an engine that did not start holds no slot: a command run in a test process goes on
+        raise
     _running = (key, process, url, log)
     logger.info(
         "the vLLM generation engine serves %s on %s (started in %.1f s)", policy, url, time.perf_counter() - start
