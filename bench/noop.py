@@ -85,7 +85,7 @@ def main() -> None:
     store_tracker(config)  # opening the MLflow store (cached per process)
     opened = time.perf_counter()
     finished = finished_iterations(config)
-    what_differs(finished, base, engine_url=None)
+    what_differs(finished, base, vllm=None)
     decided = time.perf_counter()
     check_finished_outputs(config, finished)
     checked = time.perf_counter()

@@ -51,20 +51,20 @@ def input_contents(base: BaseInputs) -> dict[str, str]:
     return {INPUT_SETTINGS[name]: sha256 for name, sha256 in base.contents.items()}
 
 
-def versions_in_use(base: BaseInputs, engine_url: str | None) -> dict[str, str]:
+def versions_in_use(base: BaseInputs, vllm: str | None) -> dict[str, str]:
     """The versions of the libraries an iteration with ``base`` computes with
-    (:func:`runtime.versions.library_versions`): gguf's when a base model was converted from a GGUF file, vLLM's when
-    its stages sample on the engine at ``engine_url``."""
-    return library_versions(engine_url=engine_url, gguf=bool(base.sources))
+    (:func:`runtime.versions.library_versions`): gguf's when a base model was converted from a GGUF file, ``vllm``
+    (the generation engine's version, :attr:`runtime.context.Execution.engine_vllm`) when its stages sample on it."""
+    return library_versions(vllm=vllm, gguf=bool(base.sources))
 
 
-def provenance(base: BaseInputs, engine_url: str | None) -> dict[str, str]:
+def provenance(base: BaseInputs, vllm: str | None) -> dict[str, str]:
     """The tags that say what produced an iteration run: its code, this package's version, the libraries' versions
-    (``engine_url``: the generation engine its stages sampled on, or None), its inputs' contents."""
+    (``vllm``: the version of the generation engine its stages sampled on, or None), its inputs' contents."""
     return {
         TAG_CODE: code_in_use(base),
         TAG_PACKAGE_VERSION: package_version(),
-        TAG_VERSIONS: json.dumps(versions_in_use(base, engine_url), sort_keys=True),
+        TAG_VERSIONS: json.dumps(versions_in_use(base, vllm), sort_keys=True),
         TAG_INPUTS: json.dumps(input_contents(base), sort_keys=True),
     }
 
@@ -78,15 +78,15 @@ def _other_versions(finished: dict[int, RunSummary], versions: dict[str, str]) -
     return {name: found for name, found in other.items() if found}
 
 
-def what_differs(finished: dict[int, RunSummary], base: BaseInputs, *, engine_url: str | None) -> str | None:
+def what_differs(finished: dict[int, RunSummary], base: BaseInputs, *, vllm: str | None) -> str | None:
     """One line saying what differs between what produced the ``finished`` iterations and ``base`` with this
-    code and these libraries (``engine_url``: the generation engine the stages sample on now, or None), or None
+    code and these libraries (``vllm``: the version of the generation engine the stages sample on now, or None), or None
     when nothing does (or nothing is finished). Runs recorded before the provenance tags say nothing of what
     they lack."""
     if not finished:
         return None
     code, inputs = code_in_use(base), input_contents(base)
-    libraries = versions_in_use(base, engine_url)
+    libraries = versions_in_use(base, vllm)
     other_libraries = _other_versions(finished, libraries)
     other_code = sorted({run.tags[TAG_CODE] for run in finished.values() if run.tags.get(TAG_CODE, code) != code})
     versions = sorted({run.tags[TAG_PACKAGE_VERSION] for run in finished.values() if TAG_PACKAGE_VERSION in run.tags})
@@ -180,4 +180,4 @@ def difference_note(config: PipelineConfig, finished: dict[int, RunSummary]) -> 
         base = base_inputs(config, fingerprint_cache(config), world, convert=False)
     except NotConverted:  # a GGUF model no run under this root converted: its content is not known without it
         return None
-    return what_differs(finished, base, engine_url=None)  # nothing runs: no engine is asked for its version
+    return what_differs(finished, base, vllm=None)  # nothing runs: no engine is asked for its version

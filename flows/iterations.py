@@ -300,7 +300,7 @@ def close_iteration(
             tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
-        record = provenance(context.base, context.execution.engine_url)
+        record = provenance(context.base, context.execution.engine_vllm)
         if any(tags.get(name) != value for name, value in record.items()):
             tracker.set_tags(context.parent_run_id, record)
         if not was_finished:

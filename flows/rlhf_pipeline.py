@@ -37,6 +37,7 @@ from runtime.cluster import cluster
 from runtime.concurrency import gpu_stages
 from runtime.context import BaseInputs, StageContext
 from runtime.declaration import StageResult
+from runtime.engine import engine_identity
 from runtime.events import STAGE_EVENT, announces_failure
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
@@ -189,7 +190,9 @@ def rlhf_campaign(
         check_from_iteration(from_iteration, finished, optimizer_states_present=_continuable(state))
         earlier = {n: run for n, run in finished.items() if n < start}
         # The engine the iterations sample on (the command started it already) says its vLLM version.
-        if earlier and (note := what_differs(earlier, base, engine_url=generation_engine(config, base.policy.path))):
+        engine_url = generation_engine(config, base.policy.path) if earlier else None
+        vllm = None if engine_url is None else engine_identity(engine_url)["vllm"]
+        if earlier and (note := what_differs(earlier, base, vllm=vllm)):
             get_run_logger().info("campaign %s: %s", config.campaign, note, extra={STAGE_EVENT: "notice"})
         for iteration in range(start, config.iterations):
             state = rlhf_iteration(config, iteration, state, fresh=iteration in finished, base=base)

@@ -170,6 +170,11 @@ class Execution:
     engine_url: str | None = None
     engine: dict[str, Any] | None = None
 
+    @property
+    def engine_vllm(self) -> str | None:
+        """The vLLM version of the generation engine, from its identity; None without an engine."""
+        return None if self.engine is None else self.engine.get("vllm")
+
     def model_loader(
         self, precision: Precision, *, bases: dict[str, str], lora: LoraConfig | None = None
     ) -> ModelLoader:

@@ -8,15 +8,15 @@ output, and a campaign continued after an upgrade says so in one line (:func:`ca
 Choices:
 1. Versions come from the installed distributions' metadata (:mod:`importlib.metadata`), never from importing the
    library: recognising a finished campaign imports no torch.
-2. vLLM runs in an environment of its own (:mod:`runtime.engine`), so its version is the engine's own, from its
-   ``/health`` answer. It is asked once per engine and process.
+2. vLLM runs in an environment of its own (:mod:`runtime.engine`), so its version is the engine's own: the one its
+   identity names (:func:`runtime.engine.engine_identity`, read once per command from its ``/health``), which also
+   keys the stages that sample on it.
 3. gguf is recorded only where a model was converted from a GGUF file, and vLLM only where a stage samples on the
    engine: the version of a library that computed nothing would be noise in a comparison.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import platform
 from typing import TYPE_CHECKING
@@ -36,36 +36,19 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-@functools.cache
-def engine_version(url: str) -> str | None:
-    """The vLLM version of the generation engine at ``url``, from its ``/health`` answer.
-
-    Raises:
-        EngineError: the engine did not answer.
-    """
-    from runtime.engine_client import engine_health
-
-    return engine_health(url).get("vllm")
-
-
-def library_versions(*, engine_url: str | None = None, gguf: bool = False) -> dict[str, str]:
+def library_versions(*, vllm: str | None = None, gguf: bool = False) -> dict[str, str]:
     """``{library: version}`` of Python and :data:`LIBRARIES` (those installed); gguf's with ``gguf`` (a model was
-    converted from a GGUF file); vLLM's, from the generation engine at ``engine_url``, when there is one.
-
-    Raises:
-        EngineError: the engine at ``engine_url`` did not answer.
-    """
+    converted from a GGUF file); ``vllm``, the generation engine's version, where one is given."""
     names = (*LIBRARIES, "gguf") if gguf else LIBRARIES
     versions = {"python": platform.python_version()}
     versions.update({name: version for name in names if (version := installed_version(name)) is not None})
-    if engine_url and (version := engine_version(engine_url)) is not None:
-        versions["vllm"] = version
+    if vllm is not None:
+        versions["vllm"] = vllm
     return versions
 
 
 def stage_versions(context: StageContext, *, on_engine: bool) -> dict[str, str]:
     """:func:`library_versions` for one stage: vLLM's where it samples ``on_engine``
     (:func:`runtime.engine.samples_on_engine`), gguf's where a base model was converted from a GGUF file."""
-    return library_versions(
-        engine_url=context.execution.engine_url if on_engine else None, gguf=bool(context.base.sources)
-    )
+    vllm = context.execution.engine_vllm if on_engine else None
+    return library_versions(vllm=vllm, gguf=bool(context.base.sources))

@@ -38,7 +38,7 @@ def _finished(*versions: dict[str, str] | None) -> dict[int, RunSummary]:
 def test_issue32_a_library_in_another_version_is_said_in_one_line():
     now = versions_in_use(BASE, None)
     older = {**now, "torch": "2.0.0", "transformers": "4.40.0"}
-    note = what_differs(_finished(now, older), BASE, engine_url=None)
+    note = what_differs(_finished(now, older), BASE, vllm=None)
     assert note == (
         f"iterations 0-1 were computed with other library versions (torch 2.0.0 there, {now['torch']} here; "
         f"transformers 4.40.0 there, {now['transformers']} here): they are kept as they are, and iteration 2 on use "
@@ -48,7 +48,7 @@ def test_issue32_a_library_in_another_version_is_said_in_one_line():
 
 def test_issue32_runs_of_a_previous_release_and_libraries_not_used_now_say_nothing():
     now = versions_in_use(BASE, None)
-    assert what_differs(_finished(None, None), BASE, engine_url=None) is None  # recorded before versions were
-    assert what_differs(_finished(now, None), BASE, engine_url=None) is None
+    assert what_differs(_finished(None, None), BASE, vllm=None) is None  # recorded before versions were
+    assert what_differs(_finished(now, None), BASE, vllm=None) is None
     # vLLM sampled the finished iterations; nothing asks the engine now (a finished campaign's rerun): not compared.
-    assert what_differs(_finished({**now, "vllm": "0.10.0"}), BASE, engine_url=None) is None
+    assert what_differs(_finished({**now, "vllm": "0.10.0"}), BASE, vllm=None) is None

@@ -1,5 +1,5 @@
 """The library versions every stage manifest records (issue 32): read from the installed distributions, vLLM's from
-the generation engine's ``/health`` answer (a real HTTP server here, answering as ``engine_server/server.py`` does)."""
+the generation engine's identity, read from its ``/health`` answer (a real HTTP server here, answering as ``engine_server/server.py`` does)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from rlhf_core.config import SamplingConfig
 from runtime.context import Execution, InputFile, StageContext
 from runtime.declaration import StageSettings, setting
+from runtime.engine import engine_identity
 from runtime.job import Job
 from runtime.stage import Stage, run_stage
 from runtime.versions import library_versions, stage_versions
@@ -51,9 +52,11 @@ def engine_url():
 
 
 def _context(tmp_path: Path, *, engine_url: str | None = None, policy: InputFile = FILE) -> StageContext:
-    return stage_context(
-        tmp_path, policy=policy, execution=Execution(device="cpu", torch_threads=1, engine_url=engine_url)
-    )
+    """A stage context; with ``engine_url``, on that engine, whose identity is read from its ``/health`` as a command
+    reads it (:func:`flows.iterations.execution_of`)."""
+    engine = None if engine_url is None else engine_identity(engine_url)
+    execution = Execution(device="cpu", torch_threads=1, engine_url=engine_url, engine=engine)
+    return stage_context(tmp_path, policy=policy, execution=execution)
 
 
 def test_issue32_the_versions_are_the_installed_ones_and_gguf_only_where_asked():
