@@ -30,9 +30,11 @@ from pydantic import (
 from rlhf_core.config import (
     GROUP_ESTIMATORS,
     MIN_PREFERENCE_PAIRS,
+    SCORING_LABELERS,
     AdvantageConfig,
     LabelerName,
     LoraConfig,
+    Pairing,
     PPOConfig,
     Precision,
     RewardModelConfig,
@@ -86,7 +88,7 @@ class IterationSizes(_Frozen):
     preference_prompts: int = Field(256, gt=0)
     """Prompts whose candidates are labelled each iteration."""
     candidates_per_prompt: int = Field(4, ge=2, multiple_of=2)
-    """Candidates sampled per preference prompt (an even number); consecutive pairs are labelled."""
+    """Candidates sampled per preference prompt (an even number); `pairing` says which pairs of them are labelled."""
     rollout_prompts: int = Field(256, gt=0)
     """Prompts rolled out for PPO each iteration."""
     samples_per_prompt: int = Field(1, gt=0)
@@ -168,6 +170,11 @@ class PipelineConfig(_Frozen):
     (`reward_model`), your own rubric (`function`: `reward.function` prefers the response it scores higher), or the
     demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function or a pretrained reward
     model used as it is."""
+    pairing: Pairing = "consecutive"
+    """Which pairs of each prompt's candidates become preference pairs: `consecutive` ones, (0, 1), (2, 3), ..., ties
+    kept; `best_vs_worse`, the best candidate against one it beats, drawn at random (UltraFeedback's binarised pairs:
+    one per prompt); or `all_decisive`, every pair with a winner. The last two compare every pair of a prompt's
+    candidates, so they need a labeler that scores each candidate: `function` or `gold`."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -257,17 +264,36 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "`model.critic_init` reward_model needs `model.reward_model`: the reward model to start from"
             )
-        pairs = self.sizes.preference_prompts * self.sizes.candidates_per_prompt // 2
+        if self.pairing != "consecutive" and self.learns_from_labels and self.labeler not in SCORING_LABELERS:
+            raise ValueError(
+                f"`pairing` {self.pairing} compares every pair of a prompt's candidates, which needs a labeler that "
+                f"scores each candidate ({' or '.join(SCORING_LABELERS)}), not `labeler` {self.labeler}: use pairing "
+                "consecutive"
+            )
+        pairs = self.pairs_per_iteration
         if self.learns_from_labels and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:
             raise ValueError(
-                f"`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2 gives {pairs} preference pairs per "
-                f"iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
+                f"`sizes.preference_prompts` {self.sizes.preference_prompts} with `sizes.candidates_per_prompt` "
+                f"{self.sizes.candidates_per_prompt} and `pairing` {self.pairing} gives at most {pairs} preference "
+                f"pairs per iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
             )
         if self.learns_from_labels and self.labeler != "import":
             # The first iteration's pairs: later iterations train on these and their own.
             if (error := eval_split_error(pairs, self.reward_model.eval_fraction)) is not None:
-                raise ValueError(f"{error} (`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2)")
+                raise ValueError(f"{error} (`sizes.preference_prompts`, `sizes.candidates_per_prompt`, `pairing`)")
         return self
+
+    @property
+    def pairs_per_iteration(self) -> int:
+        """The most preference pairs an iteration's candidates give under `pairing` (ties drop some but with
+        `consecutive`)."""
+        prompts, candidates = self.sizes.preference_prompts, self.sizes.candidates_per_prompt
+        per_prompt = {
+            "consecutive": candidates // 2,
+            "best_vs_worse": 1,
+            "all_decisive": candidates * (candidates - 1) // 2,
+        }[self.pairing]
+        return prompts * per_prompt
 
     @model_validator(mode="after")
     def _estimator_fits_the_rollout(self) -> PipelineConfig:

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 from runtime.declaration import StageSettings, setting, upstream
 
 if TYPE_CHECKING:
-    from rlhf_core.config import AdvantageConfig, LabelerName, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig
+    from rlhf_core.config import (
+        AdvantageConfig,
+        LabelerName,
+        LoraConfig,
+        Pairing,
+        PPOConfig,
+        RewardModelConfig,
+        SamplingConfig,
+    )
     from rlhf_core.precision import Precision
     from runtime.context import InputFile
     from runtime.declaration import StageResult
@@ -73,6 +81,8 @@ class CollectPreferencesSettings(StageSettings):
     labels: StageResult | None = upstream()
     """The person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise."""
     labeler: LabelerName = setting("labeler")
+    pairing: Pairing = setting("pairing")
+    """Which pairs of a prompt's candidates are compared and kept (:mod:`tasks.pairing`)."""
     judge: JudgeReference | None = setting("base.judge")
     rubric: RewardFunctionReference | None = setting("base.rubric")
     preferences: InputFile | None = setting("base.preferences")
