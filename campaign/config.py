@@ -63,8 +63,9 @@ class ModelSource(_Frozen):
     `reward_model.train` false uses it as it is; true fine-tunes it on the collected pairs. None: a reward model
     is trained from the policy."""
     critic_init: Literal["policy", "reward_model"] = "policy"
-    """What the critic starts from: the policy's backbone with a fresh value head, or the pretrained reward model
-    (its backbone, and its score head as the value head; as OpenRLHF and verl do)."""
+    """What the critic starts from: the policy's backbone with a fresh value head, or a reward model (its backbone,
+    and its score head as the value head; as OpenRLHF and verl do): the pretrained `model.reward_model`, or, without
+    one, the first reward model the campaign trains (iteration 0's rollout and update take it as the critic)."""
     lora: LoraConfig | None = None
     """Low-rank adapters on every trained model (actor, critic, reward model); `--set model.lora.r=8` alone turns
     them on with the other defaults. None trains every weight."""
@@ -260,9 +261,10 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
             )
-        if self.model.reward_model is None and self.model.critic_init == "reward_model":
+        if self.model.critic_init == "reward_model" and self.model.reward_model is None and not self.learns_from_labels:
             raise ValueError(
-                "`model.critic_init` reward_model needs `model.reward_model`: the reward model to start from"
+                "`model.critic_init` reward_model needs a reward model to start from: `model.reward_model`, or one the "
+                "campaign trains (`reward.source` reward_model)"
             )
         if self.pairing != "consecutive" and self.learns_from_labels and self.labeler not in SCORING_LABELERS:
             raise ValueError(
@@ -282,6 +284,17 @@ class PipelineConfig(_Frozen):
             if (error := eval_split_error(pairs, self.reward_model.eval_fraction)) is not None:
                 raise ValueError(f"{error} (`sizes.preference_prompts`, `sizes.candidates_per_prompt`, `pairing`)")
         return self
+
+    @property
+    def critic_from_trained_reward_model(self) -> bool:
+        """Whether the critic starts from the first reward model the campaign trains (`model.critic_init`
+        reward_model without a pretrained one): the campaign's start then has no critic."""
+        return (
+            self.advantages.uses_critic
+            and self.model.critic_init == "reward_model"
+            and self.model.reward_model is None
+            and self.learns_from_labels
+        )
 
     @property
     def pairs_per_iteration(self) -> int:

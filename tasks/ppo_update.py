@@ -40,7 +40,7 @@ from storage.experience_io import table_to_experience
 from storage.manifest import prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
-from tasks.settings import OptimizerState, PPOUpdateSettings
+from tasks.settings import OptimizerState, PPOUpdateSettings, critic_folder
 from tasks.text import load_tokenizer
 
 PROGRESS_FILE = "progress.json"
@@ -68,7 +68,7 @@ def plan(job: Job[PPOUpdateSettings]) -> Training:
     process starts; then train in this process, or in ``execution.training_processes`` launched ones."""
     settings, out = job.settings, job.out
     policy, optimizer = settings.policy, settings.optimizer
-    if settings.critic and not (policy.directory / "critic").is_dir():
+    if settings.critic and not critic_folder(policy.directory, settings.critic_start).is_dir():
         raise ValueError(
             f"advantages.estimator gae trains a critic, but the policy in {policy.directory} has none (it was "
             "trained by a critic-free estimator): keep a critic-free estimator, or start a new campaign"
@@ -107,7 +107,7 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
         curve = saved["curve"]
     loaded = [models.load("actor", source / "actor", trainable=True)]
     if critic:
-        loaded.append(models.load("critic", source / "critic", trainable=True))
+        loaded.append(models.load("critic", critic_folder(source, settings.critic_start), trainable=True))
     rates = (ppo.actor_learning_rate, ppo.critic_learning_rate)
     # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
     folders = [None if states is None else states / name for name in OPTIMIZERS[: len(loaded)]]
