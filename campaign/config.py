@@ -175,7 +175,8 @@ class PipelineConfig(_Frozen):
     """Which pairs of each prompt's candidates become preference pairs: `consecutive` ones, (0, 1), (2, 3), ..., ties
     kept; `best_vs_worse`, the best candidate against one it beats, drawn at random (UltraFeedback's binarised pairs:
     one per prompt); or `all_decisive`, every pair with a winner. The last two compare every pair of a prompt's
-    candidates, so they need a labeler that scores each candidate: `function` or `gold`."""
+    candidates, so they need a labeler that scores each candidate: `function` or `gold` (`import` samples no
+    candidates: the setting is unused)."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -266,7 +267,8 @@ class PipelineConfig(_Frozen):
                 "`model.critic_init` reward_model needs a reward model to start from: `model.reward_model`, or one the "
                 "campaign trains (`reward.source` reward_model)"
             )
-        if self.pairing != "consecutive" and self.learns_from_labels and self.labeler not in SCORING_LABELERS:
+        scores_each = self.labeler in SCORING_LABELERS or self.labeler == "import"  # import labels no candidates
+        if self.pairing != "consecutive" and self.learns_from_labels and not scores_each:
             raise ValueError(
                 f"`pairing` {self.pairing} compares every pair of a prompt's candidates, which needs a labeler that "
                 f"scores each candidate ({' or '.join(SCORING_LABELERS)}), not `labeler` {self.labeler}: use pairing "
