@@ -5,7 +5,6 @@
 ``.venv/bin/python -m bench.real_loop critic``  (the critic from the policy or from the reward model; warm-up steps)
 ``.venv/bin/python -m bench.real_loop lora``    (a PPO update of actor and critic: LoRA against full fine-tuning)
 ``.venv/bin/python -m bench.real_loop loop``    (the curve: ``rlhf run --config configs/smollm2-rm.yaml``)
-``.venv/bin/python -m bench.real_loop report``  (section 10 of bench/RESULTS.md from what the parts wrote)
 
 ``pairs``, ``critic`` and ``lora`` are plain loops of the stages' own functions (sampling, the rubric labeler and
 :mod:`tasks.pairing`, :func:`rlhf_core.reward_training.fit_reward_model`, the model seam, the value loss, the PPO
@@ -487,7 +486,7 @@ def loop_part(out: Path, *, iterations: int | None, read_back: Path | None) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "report"])
+    parser.add_argument("part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop"])
     parser.add_argument("--prompts", type=int, default=96, help="pairs-file: training prompts, 4 candidates each")
     parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
     parser.add_argument("--iterations", type=int, help="loop: override the config's iterations")
@@ -508,12 +507,8 @@ def main() -> None:
         lora_part(out)
     elif args.part == "lora-worker":
         lora_worker(args.mode, out)
-    elif args.part == "loop":
-        loop_part(out, iterations=args.iterations, read_back=args.read_back)
     else:
-        from bench.real_loop_report import report
-
-        report()
+        loop_part(out, iterations=args.iterations, read_back=args.read_back)
 
 
 if __name__ == "__main__":
