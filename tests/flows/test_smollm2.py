@@ -290,16 +290,12 @@ def test_issue35_the_loop_learns_a_reward_model_starts_the_critic_from_it_and_re
     assert {"rubric_mean", "reference_rubric_mean", "reward_mean", "kl_to_reference"} <= evaluation.keys()
 
 
-@pytest.mark.parametrize("stage", ["train_reward_model", "ppo_update"])
-def test_issue35_kill_minus_nine_in_the_loops_training_then_rerun_equals_a_run_that_never_crashed(
-    stage, loop_campaign, tmp_path
-):
-    from tests.flows.test_crash import _alive, _descendants, _environment, _file_hashes, _run_to_end, _store, _wait_gone
+def _kill_in(command: list[str], stage: str, held: Path, log: Path) -> None:
+    """Run ``command`` until it holds in ``stage``'s ``computing`` window, then kill -9 it: it and every process it
+    started must be gone."""
+    from tests.flows.test_crash import _alive, _descendants, _environment, _wait_gone
 
-    _, policy, hashes, store = loop_campaign
-    run_root, held = tmp_path / "runs", tmp_path / "held"
-    command, log = _loop_command(run_root, policy), tmp_path / "run.log"
-    with open(log, "wb") as output:
+    with open(log, "ab") as output:
         environment = _environment(RLHF_HOLD_AT=f"{stage}:computing", RLHF_HOLD_FILE=str(held))
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
         deadline = time.monotonic() + 900
@@ -315,7 +311,22 @@ def test_issue35_kill_minus_nine_in_the_loops_training_then_rerun_equals_a_run_t
             process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     assert not _wait_gone(children), f"processes outliving the killed `rlhf run`: {_alive(children)}"
-    assert list((run_root / LOOP_CAMPAIGN / stage).glob("*.partial/epoch-*")), "killed after a mid-stage checkpoint"
+
+
+def test_issue35_kill_minus_nine_in_the_reward_models_then_the_critics_training_resumes_to_the_uncrashed_run(
+    loop_campaign, tmp_path
+):
+    """One campaign killed twice (CI time: one run root, whose first command pays the stores' setup, instead of
+    one per stage): in the reward model's training, then, resumed, in the update's, which trains the critic; the
+    third command ends with every output and record of the run that never crashed."""
+    from tests.flows.test_crash import _file_hashes, _run_to_end, _store
+
+    _, policy, hashes, store = loop_campaign
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
+    command = _loop_command(run_root, policy)
+    for stage in ("train_reward_model", "ppo_update"):
+        _kill_in(command, stage, tmp_path / f"held-{stage}", log)
+        assert list((run_root / LOOP_CAMPAIGN / stage).glob("*.partial/epoch-*")), f"killed before {stage}'s epoch 1"
 
     _run_to_end(command, log)
 
