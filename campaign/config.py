@@ -30,9 +30,11 @@ from pydantic import (
 from rlhf_core.config import (
     GROUP_ESTIMATORS,
     MIN_PREFERENCE_PAIRS,
+    SCORING_LABELERS,
     AdvantageConfig,
     LabelerName,
     LoraConfig,
+    Pairing,
     PPOConfig,
     Precision,
     RewardModelConfig,
@@ -61,8 +63,9 @@ class ModelSource(_Frozen):
     `reward_model.train` false uses it as it is; true fine-tunes it on the collected pairs. None: a reward model
     is trained from the policy."""
     critic_init: Literal["policy", "reward_model"] = "policy"
-    """What the critic starts from: the policy's backbone with a fresh value head, or the pretrained reward model
-    (its backbone, and its score head as the value head; as OpenRLHF and verl do)."""
+    """What the critic starts from: the policy's backbone with a fresh value head, or a reward model (its backbone,
+    and its score head as the value head; as OpenRLHF and verl do): the pretrained `model.reward_model`, or, without
+    one, the first reward model the campaign trains (iteration 0's rollout and update take it as the critic)."""
     lora: LoraConfig | None = None
     """Low-rank adapters on every trained model (actor, critic, reward model); `--set model.lora.r=8` alone turns
     them on with the other defaults. None trains every weight."""
@@ -86,7 +89,7 @@ class IterationSizes(_Frozen):
     preference_prompts: int = Field(256, gt=0)
     """Prompts whose candidates are labelled each iteration."""
     candidates_per_prompt: int = Field(4, ge=2, multiple_of=2)
-    """Candidates sampled per preference prompt (an even number); consecutive pairs are labelled."""
+    """Candidates sampled per preference prompt (an even number); `pairing` says which pairs of them are labelled."""
     rollout_prompts: int = Field(256, gt=0)
     """Prompts rolled out for PPO each iteration."""
     samples_per_prompt: int = Field(1, gt=0)
@@ -168,6 +171,12 @@ class PipelineConfig(_Frozen):
     (`reward_model`), your own rubric (`function`: `reward.function` prefers the response it scores higher), or the
     demo's hidden rubric (`gold`, with `demo` only). Needed unless the reward is a function or a pretrained reward
     model used as it is."""
+    pairing: Pairing = "consecutive"
+    """Which pairs of each prompt's candidates become preference pairs: `consecutive` ones, (0, 1), (2, 3), ..., ties
+    kept; `best_vs_worse`, the best candidate against one it beats, drawn at random (UltraFeedback's binarised pairs:
+    one per prompt); or `all_decisive`, every pair with a winner. The last two compare every pair of a prompt's
+    candidates, so they need a labeler that scores each candidate: `function` or `gold` (`import` samples no
+    candidates: the setting is unused)."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -253,21 +262,53 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "`reward_model.train` false needs `model.reward_model`: the pretrained reward model to use"
             )
-        if self.model.reward_model is None and self.model.critic_init == "reward_model":
+        if self.model.critic_init == "reward_model" and self.model.reward_model is None and not self.learns_from_labels:
             raise ValueError(
-                "`model.critic_init` reward_model needs `model.reward_model`: the reward model to start from"
+                "`model.critic_init` reward_model needs a reward model to start from: `model.reward_model`, or one the "
+                "campaign trains (`reward.source` reward_model)"
             )
-        pairs = self.sizes.preference_prompts * self.sizes.candidates_per_prompt // 2
+        scores_each = self.labeler in SCORING_LABELERS or self.labeler == "import"  # import labels no candidates
+        if self.pairing != "consecutive" and self.learns_from_labels and not scores_each:
+            raise ValueError(
+                f"`pairing` {self.pairing} compares every pair of a prompt's candidates, which needs a labeler that "
+                f"scores each candidate ({' or '.join(SCORING_LABELERS)}), not `labeler` {self.labeler}: use pairing "
+                "consecutive"
+            )
+        pairs = self.pairs_per_iteration
         if self.learns_from_labels and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:
             raise ValueError(
-                f"`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2 gives {pairs} preference pairs per "
-                f"iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
+                f"`sizes.preference_prompts` {self.sizes.preference_prompts} with `sizes.candidates_per_prompt` "
+                f"{self.sizes.candidates_per_prompt} and `pairing` {self.pairing} gives at most {pairs} preference "
+                f"pairs per iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
             )
         if self.learns_from_labels and self.labeler != "import":
             # The first iteration's pairs: later iterations train on these and their own.
             if (error := eval_split_error(pairs, self.reward_model.eval_fraction)) is not None:
-                raise ValueError(f"{error} (`sizes.preference_prompts` x `sizes.candidates_per_prompt` / 2)")
+                raise ValueError(f"{error} (`sizes.preference_prompts`, `sizes.candidates_per_prompt`, `pairing`)")
         return self
+
+    @property
+    def critic_from_trained_reward_model(self) -> bool:
+        """Whether the critic starts from the first reward model the campaign trains (`model.critic_init`
+        reward_model without a pretrained one): the campaign's start then has no critic."""
+        return (
+            self.advantages.uses_critic
+            and self.model.critic_init == "reward_model"
+            and self.model.reward_model is None
+            and self.learns_from_labels
+        )
+
+    @property
+    def pairs_per_iteration(self) -> int:
+        """The most preference pairs an iteration's candidates give under `pairing` (ties drop some but with
+        `consecutive`)."""
+        prompts, candidates = self.sizes.preference_prompts, self.sizes.candidates_per_prompt
+        per_prompt = {
+            "consecutive": candidates // 2,
+            "best_vs_worse": 1,
+            "all_decisive": candidates * (candidates - 1) // 2,
+        }[self.pairing]
+        return prompts * per_prompt
 
     @model_validator(mode="after")
     def _estimator_fits_the_rollout(self) -> PipelineConfig:

@@ -134,16 +134,36 @@ def _input_file(cache: FingerprintCache | None, setting: str, path: str | Path) 
     return InputFile(path=str(Path(path).resolve()), sha256="" if cache is None else cache.fingerprint(Path(path)))
 
 
+ADDED_FIELDS: dict[str, object] = {
+    "pairing": "consecutive",
+    "advantages.score_statistics": "held_out",
+}
+"""Fields added after campaigns were recorded, each with the value that computes what the code before it computed
+(consecutive candidates paired, scores normalised by the reward model's held-out statistics). At that value a field
+is left out of every identity (the campaign's fingerprint, run keys), so campaigns and finished iterations recorded
+before it existed keep theirs; any other value is part of them."""
+
+
 def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
-    """The config as JSON values, less the fields at ``paths`` (dotted)."""
+    """The config as JSON values, less the fields at ``paths`` (dotted) and the :data:`ADDED_FIELDS` at their old
+    value."""
     fields = config.model_dump(mode="json")
-    for path in paths:
+    added = tuple(path for path, value in ADDED_FIELDS.items() if _leaf(fields, path) == value)
+    for path in paths + added:
         *parents, leaf = path.split(".")
         node = fields
         for parent in parents:
-            node = node[parent]
-        node.pop(leaf)
+            node = node.get(parent, {})
+        node.pop(leaf, None)
     return fields
+
+
+def _leaf(tree: dict, path: str) -> object:
+    """The value at a dotted ``path`` of a nested dict (None where there is none)."""
+    node: object = tree
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:

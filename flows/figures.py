@@ -2,7 +2,9 @@
 to the reference grows (Gao et al. 2022, "Scaling laws for reward model overoptimization").
 
 A learned reward model's score keeps rising with the KL while the gold score (where a gold judge exists) levels
-off or falls: the gap is the policy exploiting the reward model. One point per iteration, from the evaluation
+off or falls: the gap is the policy exploiting the reward model. Without a gold judge, the rubric that labelled the
+pairs (labeler ``function``) stands in for it: its score is what the reward model was learned from. The two are on
+scales of their own (a reward model's score has no unit), so the judge's score has an axis of its own. One point per iteration, from the evaluation
 metrics every iteration run records. Drawn with matplotlib's object API on the Agg backend: no display, no
 pyplot global state.
 """
@@ -15,13 +17,16 @@ from collections.abc import Sequence
 from typing import Any
 
 REWARD, GOLD, KL = "evaluate/reward_mean", "evaluate/gold_mean", "evaluate/kl_to_reference"
+RUBRIC = "evaluate/rubric_mean"
+JUDGES = ((GOLD, "gold score (hidden judge)"), (RUBRIC, "rubric score (labelled the pairs)"))
+"""The held-out score the learned reward is drawn against, the first every iteration has: (metric, legend)."""
 FIGURE_FILE = "overoptimisation.png"
 
 
 def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, campaign: str) -> Any:
-    """A two-panel matplotlib ``Figure``: reward and gold score against the KL to the reference (one point per
-    iteration, labelled), and all three over iterations. ``rows`` are ``(iteration, metrics)``, oldest first;
-    iterations without evaluation metrics are left out."""
+    """A two-panel matplotlib ``Figure``: reward and gold score (or the rubric's, :data:`JUDGES`) against the KL to
+    the reference (one point per iteration, labelled), and all three over iterations. ``rows`` are
+    ``(iteration, metrics)``, oldest first; iterations without evaluation metrics are left out."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -29,21 +34,26 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     iterations = [iteration for iteration, _ in rows]
     kl = [metrics[KL] for _, metrics in rows]
     reward = [metrics[REWARD] for _, metrics in rows]
-    gold = [metrics[GOLD] for _, metrics in rows] if all(GOLD in metrics for _, metrics in rows) else None
+    judge = next((judge for judge in JUDGES if all(judge[0] in metrics for _, metrics in rows)), None)
+    gold = None if judge is None else [metrics[judge[0]] for _, metrics in rows]
 
     figure = Figure(figsize=(10, 3.8), layout="constrained")
     by_kl, by_iteration = figure.subplots(1, 2)
     by_kl.plot(kl, reward, "o-", color="tab:blue", label="reward (trained on)")
+    judge_axis = by_kl
     if gold is not None:
-        by_kl.plot(kl, gold, "s-", color="tab:orange", label="gold score (hidden judge)")
+        judge_axis = by_kl.twinx()
+        judge_axis.plot(kl, gold, "s-", color="tab:orange", label=judge[1])
+        judge_axis.set_ylabel(judge[1].partition(" (")[0], color="tab:orange")
     for iteration, x, y in zip(iterations, kl, reward, strict=True):
         by_kl.annotate(str(iteration), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    by_kl.set(xlabel="KL to the reference (nats per response)", ylabel="mean score", title="over-optimisation")
-    by_kl.legend(fontsize=8)
+    by_kl.set(xlabel="KL to the reference (nats per response)", ylabel="reward", title="over-optimisation")
+    lines = by_kl.get_lines() + (judge_axis.get_lines() if judge_axis is not by_kl else [])
+    by_kl.legend(lines, [line.get_label() for line in lines], fontsize=8)
 
     by_iteration.plot(iterations, reward, "o-", color="tab:blue", label="reward")
     if gold is not None:
-        by_iteration.plot(iterations, gold, "s-", color="tab:orange", label="gold score")
+        by_iteration.plot(iterations, gold, "s-", color="tab:orange", label=judge[1].partition(" (")[0])
     by_iteration.set(xlabel="iteration", ylabel="mean score", title=f"campaign {campaign}")
     kl_axis = by_iteration.twinx()
     kl_axis.plot(iterations, kl, "^--", color="tab:gray", label="KL to ref")

@@ -143,15 +143,25 @@ def _iteration(config: PipelineConfig, context: StageContext, state: IterationSt
         all_preferences = (*state.preferences, *collected[-1:])
         reward_model = train_reward_model(context, config, preferences=all_preferences, previous=state.reward_model)
         learned = [*collected, reward_model]
-    experience = rollout(context, config, policy=state.policy, reward_model=reward_model)
+    critic_start = _critic_start(config, state.policy, reward_model)
+    experience = rollout(context, config, policy=state.policy, reward_model=reward_model, critic_start=critic_start)
     scored = compute_advantages(
         context, config, experience=experience, reward_model=reward_model, previous=state.advantages
     )
-    policy = ppo_update(context, config, policy=state.policy, optimizer=optimizer_state(state.policy), scored=scored)
+    optimizer = optimizer_state(state.policy)
+    policy = ppo_update(
+        context, config, policy=state.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
+    )
     evaluation = evaluate(context, config, policy=policy, reward_model=reward_model)
     stages = [*learned, experience, scored, policy, evaluation]
     new_state = IterationState(policy, reward_model, all_preferences, scored)
     return close_iteration(context, stages, new_state)
+
+
+def _critic_start(config: PipelineConfig, policy: StageResult, reward_model: StageResult | None) -> StageResult | None:
+    """The reward model the critic starts from while the policy is the campaign's start, which has none
+    (``PipelineConfig.critic_from_trained_reward_model``); None once a PPO update has made the critic."""
+    return reward_model if config.critic_from_trained_reward_model and policy.stage == "initialize" else None
 
 
 def _collect(config: PipelineConfig, context: StageContext, state: IterationState) -> tuple[StageResult, ...]:
@@ -237,7 +247,10 @@ def _replay(config: PipelineConfig, context: StageContext, inputs: ReplayInputs)
         context, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
     )
     optimizer = optimizer_state(inputs.policy, present_only=True)
-    new_policy = ppo_update(context, config, policy=inputs.policy, optimizer=optimizer, scored=scored)
+    critic_start = _critic_start(config, inputs.policy, inputs.reward_model)
+    new_policy = ppo_update(
+        context, config, policy=inputs.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
+    )
     evaluation = evaluate(context, config, policy=new_policy, reward_model=inputs.reward_model)
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
     close_iteration(context, [scored, new_policy, evaluation], state, experience=inputs.experience)

@@ -24,6 +24,12 @@ GenerationEngine = Literal["hf", "vllm"]
 LabelerName = Literal["gold", "import", "reward_model", "human", "function"]
 """Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
 person."""
+Pairing = Literal["consecutive", "best_vs_worse", "all_decisive"]
+"""Which of a prompt's candidates are paired (``tasks.pairing``): consecutive ones, the best against a worse one
+(UltraFeedback's binarised pairs), or every pair with a winner."""
+SCORING_LABELERS: tuple[LabelerName, ...] = ("gold", "function")
+"""Labelers that score each candidate alone, so comparing every pair of a prompt's candidates is cheap and
+consistent: the only ones a pairing other than ``consecutive`` may use."""
 MIN_PREFERENCE_PAIRS = 4
 """The fewest preference pairs a reward model trains on: at least one held out and three to learn from."""
 MIN_EVAL_PAIRS = 4
@@ -57,6 +63,8 @@ GROUP_ESTIMATORS: tuple[Estimator, ...] = ("grpo", "dr_grpo", "rloo")
 """Estimators whose baseline is the other samples of the same prompt: they need groups of at least 2."""
 CRITIC_ESTIMATORS: tuple[Estimator, ...] = ("gae",)
 """Estimators that need a value model (a critic)."""
+ScoreStatistics = Literal["held_out", "running"]
+"""Where the score normalisation's mean and std come from (:class:`AdvantageConfig`)."""
 KLPlacement = Literal["reward", "loss"]
 """Where the KL to the reference acts: the shaped reward, or the policy loss."""
 
@@ -219,14 +227,19 @@ class AdvantageConfig:
     score_clip: float | None = bounded(None, gt=0)
     """Clip scores to [-score_clip, score_clip] before shaping."""
     normalize_scores: bool = True
-    """Standardise reward-model scores with the reward model's held-out mean and std (a reward function's
-    scores are used as they are)."""
+    """Standardise reward-model scores (a reward function's scores are used as they are), with the mean and std
+    `score_statistics` names."""
+    score_statistics: ScoreStatistics = "held_out"
+    """Where the mean and std that normalise reward-model scores come from: `held_out`, the reward model's scores of
+    its held-out pairs (OpenRLHF's `normalize_reward`), or `running`, every rollout's scores so far, this one's
+    included (TRL's `use_score_scaling`), carried from iteration to iteration by this stage's output."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         _check_choice("estimator", self.estimator, Estimator)
         _check_choice("kl_estimator", self.kl_estimator, KLEstimator)
         _check_choice("kl_in", self.kl_in, KLPlacement)
+        _check_choice("score_statistics", self.score_statistics, ScoreStatistics)
         if self.kl_target is not None and self.kl_in != "reward":
             raise SettingError("kl_target", "adapts the KL coefficient of the reward: it needs `kl_in` = 'reward'")
         if self.kl_target is not None and self.kl_coef == 0:

@@ -10,6 +10,8 @@ Choices:
 3. A :class:`Judge` is whatever scores text: the embedded demo's hidden gold rubric, a person's
    rubric, a programmatic checker. The pipeline reaches one through its ``module:attribute``
    name, so nothing here depends on a particular judge.
+4. A learned reward drifts to the length of responses first (Singhal et al. 2023, "A long way to go"): the
+   Pearson correlation of scores with response lengths (:func:`correlation`) is reported every iteration.
 """
 
 from __future__ import annotations
@@ -68,3 +70,20 @@ def win_rate(scores: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tenso
         )
     wins = (scores > baseline_scores).double() + 0.5 * (scores == baseline_scores).double()  # (B,)
     return wins.mean()
+
+
+@torch.no_grad()
+def correlation(values: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """The Pearson correlation of ``values`` with ``others`` (e.g. reward-model scores with response lengths); 0 when
+    either is constant, where it is undefined.
+
+    Naive equivalent: ``cov(x, y) / (std(x) * std(y))`` over the rows, in float64.
+
+    Shapes:
+        values, others: (B,); returns ().
+    """
+    if values.shape != others.shape or values.dim() != 1:
+        raise ValueError(f"`values` {tuple(values.shape)} and `others` {tuple(others.shape)} must be equal 1-D shapes")
+    x, y = values.double() - values.double().mean(), others.double() - others.double().mean()  # (B,), (B,)
+    scale = (x.square().sum() * y.square().sum()).sqrt()
+    return torch.where(scale > 0, (x * y).sum() / scale.clamp_min(1e-300), torch.zeros((), dtype=torch.float64))

@@ -38,6 +38,9 @@ Choices:
    trained model is always loaded afresh (its training must not touch what another stage holds).
 11. A GGUF file is never loaded here: it is converted once, before any stage, into a folder
    (:mod:`rlhf_core.gguf`, the only other caller of ``from_pretrained``), which is loaded like any other.
+12. A critic may be loaded from a reward model's folder (the campaign's first trained one, or a pretrained one):
+   its backbone (or its LoRA adapter over its base) and its score head as the value head, as OpenRLHF and
+   ColossalChat start the critic. Saved again, it is a critic.
 """
 
 from __future__ import annotations
@@ -237,7 +240,9 @@ class ModelLoader:
             raise ValueError("the reference policy is frozen; it cannot be loaded trainable")
         source = Path(source)
         meta = FolderMeta.read(source)
-        if meta is not None and meta.kind != _KIND_OF_ROLE[role]:
+        # a critic may start from a reward model (its backbone, and its score head as the value head: choice 12)
+        starts_critic = role == "critic" and meta is not None and meta.kind == "reward_model"
+        if meta is not None and meta.kind != _KIND_OF_ROLE[role] and not starts_critic:
             raise ValueError(f"{source} holds a {meta.kind}, not the {role} asked for")
         base_name = meta.base if meta is not None and meta.base else self._base_name(source)
         weights = self._base_folder(meta.base) if meta is not None and meta.base else source
@@ -266,6 +271,9 @@ class ModelLoader:
             backbone, weights_head = _backbone(weights, placement)
             backbone = self._adapt(backbone, source, with_adapter, new_adapter, trainable, task_type=None)
             model = _HEADED[role].wrap(backbone, weights_head)
+            if starts_critic and weights_head is None:  # the reward head sits beside the adapter, not the base
+                weights_head = model.head
+                model.head.load_state_dict(load_file(source / f"{RewardModel.head_name}.safetensors"))
             if not model.load_head(source) and weights_head is None and not trainable:
                 raise FileNotFoundError(
                     f"{source / (_HEADED[role].head_name + '.safetensors')} is missing: {source} is not a saved "

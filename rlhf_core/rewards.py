@@ -7,10 +7,13 @@ Choices:
    when the response was truncated), as in Ziegler et al. 2019 and TRL's PPOTrainer.
 3. The per-token reward is ``-kl_coef * kl_t`` everywhere in the action window, plus the score
    on the last token. Outside the action window it is 0, whatever (even inf or nan) sits there.
+4. Scores may be normalised by the reward model's held-out statistics or by running ones over every rollout so
+   far (:func:`update_moments`), kept as count, mean and M2 so that merging is exact.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -118,9 +121,46 @@ def shaped_rewards(
 
 
 def normalize_scores(scores: torch.Tensor, *, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
-    """``(scores - mean) / std``, with the mean and std measured on the reward model's held-out set.
+    """``(scores - mean) / std``, with the mean and std of the reward model's held-out scores, or the running ones of
+    every rollout's (:func:`update_moments`).
 
     Shapes:
         scores: (B,); returns (B,).
     """
     return (scores - mean) / (std + eps)
+
+
+class ScoreMoments(NamedTuple):
+    """The count, mean and sum of squared deviations from the mean (M2) of every score seen so far."""
+
+    count: int
+    mean: float
+    m2: float
+
+    @property
+    def std(self) -> float:
+        """The unbiased standard deviation (1.0 for fewer than two scores, which leave it unknown)."""
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+
+@torch.no_grad()
+def update_moments(moments: ScoreMoments | None, scores: torch.Tensor) -> ScoreMoments:
+    """``moments`` with ``scores`` added: the running statistics of TRL's ``use_score_scaling`` (``RunningMoments``),
+    merged exactly (Chan, Golub and LeVeque 1979), so a run resumed from the carried moments equals one that never
+    stopped.
+
+    Naive equivalent: the count, mean and ``((x - mean) ** 2).sum()`` of every score so far, concatenated.
+
+    Shapes:
+        scores: (B,).
+    """
+    batch = scores.double()
+    count, mean = batch.numel(), float(batch.mean())
+    m2 = float((batch - mean).square().sum())
+    if moments is None or moments.count == 0:
+        return ScoreMoments(count, mean, m2)
+    total = moments.count + count
+    delta = mean - moments.mean
+    return ScoreMoments(
+        total, moments.mean + delta * count / total, moments.m2 + m2 + delta * delta * moments.count * count / total
+    )

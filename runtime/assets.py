@@ -170,10 +170,9 @@ def publish_output(context: StageContext, result: StageResult, upstream: Any) ->
     if not in_prefect_run():
         return
     manifest = read_manifest(result.directory, verify=False)
-    parents = [
-        manifest_asset(context.campaign, read_manifest(parent.directory, verify=False))
-        for parent in _stage_results(upstream)
-    ]
+    # one parent per output, given once or twice (the reward model as the reward and as the critic's start)
+    folders = dict.fromkeys(parent.directory for parent in _stage_results(upstream))
+    parents = [manifest_asset(context.campaign, read_manifest(folder, verify=False)) for folder in folders]
     events = output_events(
         context.campaign, manifest, parents, reused=result.reused, run_id=result.run_id, path=result.path
     )

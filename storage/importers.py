@@ -11,6 +11,9 @@ Supported inputs (a file, or a folder a Hugging Face ``datasets.Dataset`` was sa
   - ``prompt`` / ``chosen`` / ``rejected`` strings (TRL's explicit-prompt format), optional ``margin``;
   - the same as chat message lists (TRL conversational): the prompt is the shared conversation,
     chosen and rejected are its final assistant turns;
+  - UltraFeedback's binarised rows (HuggingFaceH4/ultrafeedback_binarized): a ``prompt`` string and ``chosen`` /
+    ``rejected`` as whole conversations that end with the two answers (the string is their last user turn); its
+    ``prompt_id``, ``messages`` and ``score_*`` columns are left alone;
   - ``chosen`` / ``rejected`` only, as message lists (TRL implicit prompt) or as Anthropic HH
     transcripts (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``), read as chat turns.
 
@@ -405,6 +408,9 @@ def _preference(path: Path, row: int, record: dict[str, Any]) -> Pair:
         )
     chosen_messages = _messages(path, row, chosen, CHOSEN)
     rejected_messages = _messages(path, row, rejected, REJECTED)
+    if isinstance(prompt, str) and len(chosen_messages) > 1:  # UltraFeedback: the conversations hold the prompt
+        return _conversation_of_prompt(path, row, _string(path, row, record, PROMPT, allow_empty=False),
+                                       chosen_messages, rejected_messages)  # fmt: skip
     if prompt is not None:
         if isinstance(prompt, str):
             raise ImportFormatError(path, row, PROMPT, "a string prompt needs string 'chosen' and 'rejected'")
@@ -412,6 +418,16 @@ def _preference(path: Path, row: int, record: dict[str, Any]) -> Pair:
         chosen_messages = prompt_messages + chosen_messages
         rejected_messages = prompt_messages + rejected_messages
     return _split_conversation(path, row, chosen_messages, rejected_messages)
+
+
+def _conversation_of_prompt(path: Path, row: int, prompt: str, chosen: list[Message], rejected: list[Message]) -> Pair:
+    """An UltraFeedback row: the conversations of ``chosen`` and ``rejected`` (their shared turns the prompt), whose
+    last user turn must be the ``prompt`` string."""
+    pair = _split_conversation(path, row, chosen, rejected)
+    users = [message["content"] for message in pair[1] if message["role"] == "user"]
+    if not users or users[-1].strip() != prompt.strip():
+        raise ImportFormatError(path, row, PROMPT, "is not the last user turn of the 'chosen' conversation")
+    return pair
 
 
 def preference_rows(path: Path) -> Iterator[tuple[int, str, list[Message], str, str, float]]:
@@ -423,7 +439,7 @@ def preference_rows(path: Path) -> Iterator[tuple[int, str, list[Message], str, 
     """
     path = Path(path)
     for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
-        _misspelt_columns(path, row, record, (PROMPT, CHOSEN, REJECTED, MARGIN))
+        _misspelt_columns(path, row, record, (PROMPT, CHOSEN, REJECTED, MARGIN, PROMPT_ID))
         yield row, *_preference(path, row, record), _margin(path, row, record)
 
 

@@ -6,18 +6,25 @@ of this stage's input key: the same answers reuse the output, other answers make
 
 Labelling by a reward model splits the pairs into shards (:mod:`runtime.fanout`), wherever
 ``execution.task_runner`` runs them.
+
+Which pairs of a prompt's candidates are compared and kept is the setting ``pairing`` (:mod:`tasks.pairing`):
+consecutive candidates, or, with a labeler that scores each candidate (``function``, ``gold``), the best against a
+worse one or every decisive pair. ``decisive_fraction`` is the share of the compared pairs that had a winner.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
+from itertools import groupby
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlhf_core.config import Pairing
 from runtime.declaration import StageResult
 from runtime.job import Job, Shards
 from runtime.stage import Stage
@@ -30,9 +37,11 @@ from tasks.labelers import (
     FunctionLabeler,
     HumanLabeler,
     JudgeLabeler,
+    Label,
     Labeler,
     RewardModelLabeler,
 )
+from tasks.pairing import compared_pairs, kept_pairs
 from tasks.settings import CollectPreferencesSettings
 from tasks.tensors import reward_scorer
 from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
@@ -41,36 +50,84 @@ PAIRS_PER_ITERATION = 1_000_000
 """Pair ids of iteration N start at N times this: a pair's id names it across the whole campaign."""
 
 
-def candidate_pairs(candidates: pa.Table, *, columns: Sequence[Mapping[str, Any]] = ()) -> list[CandidatePair]:
-    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs.
+class PromptPairs(NamedTuple):
+    """The pairs of one prompt's candidates that the labeler compares: their candidate indices and the pairs."""
+
+    compared: list[tuple[int, int]]
+    pairs: list[CandidatePair]
+
+
+def candidate_groups(
+    candidates: pa.Table, *, columns: Sequence[Mapping[str, Any]] = (), pairing: Pairing = "consecutive"
+) -> list[PromptPairs]:
+    """The pairs of each prompt's candidates that the labeler compares (:func:`tasks.pairing.compared_pairs`), in
+    prompt order.
 
     Args:
         columns: the other columns of each row of the prompts file, by ``prompt_id`` (the row), for a rubric that
             reads them (:mod:`tasks.reward_function`); empty: none.
+        pairing: consecutive candidates, (0, 1), (2, 3), ..., or every pair of them.
     """
     rows = candidates.sort_by([("prompt_id", "ascending"), ("candidate_index", "ascending")]).to_pylist()
-    pairs = []
-    for first, second in zip(rows[::2], rows[1::2], strict=True):
-        if first["prompt_id"] != second["prompt_id"]:
-            raise ValueError(f"prompt {first['prompt_id']} has an odd number of candidates")
-        pairs.append(
-            CandidatePair(
-                prompt=Prompt(
-                    first["prompt"],
-                    tuple(first["messages"]),
-                    MappingProxyType(dict(columns[first["prompt_id"]])) if columns else MappingProxyType({}),
-                ),
-                first=first["response"],
-                second=second["response"],
-                first_ids=first["prompt_ids"] + first["response_ids"],
-                second_ids=second["prompt_ids"] + second["response_ids"],
-            )
+    groups = []
+    for prompt_id, group in groupby(rows, key=lambda row: row["prompt_id"]):
+        group = list(group)
+        try:
+            compared = compared_pairs(len(group), pairing)
+        except ValueError as error:
+            raise ValueError(f"prompt {prompt_id}: {error}") from None
+        prompt = Prompt(
+            group[0]["prompt"],
+            tuple(group[0]["messages"]),
+            MappingProxyType(dict(columns[prompt_id])) if columns else MappingProxyType({}),
         )
-    return pairs
+        pairs = [
+            CandidatePair(
+                prompt=prompt,
+                first=group[first]["response"],
+                second=group[second]["response"],
+                first_ids=group[first]["prompt_ids"] + group[first]["response_ids"],
+                second_ids=group[second]["prompt_ids"] + group[second]["response_ids"],
+            )
+            for first, second in compared
+        ]
+        groups.append(PromptPairs(compared, pairs))
+    return groups
+
+
+def candidate_pairs(candidates: pa.Table, *, columns: Sequence[Mapping[str, Any]] = ()) -> list[CandidatePair]:
+    """Consecutive candidates of each prompt, (0, 1), (2, 3), ..., as pairs (:func:`candidate_groups`, flat)."""
+    return [pair for group in candidate_groups(candidates, columns=columns) for pair in group.pairs]
+
+
+def paired_table(
+    groups: list[PromptPairs], labeler: Labeler, pairing: Pairing, *, seed: int, first_pair_id: int
+) -> tuple[pa.Table, dict[str, float]]:
+    """Label every compared pair of ``groups`` (:func:`candidate_groups`), keep those ``pairing`` keeps
+    (:func:`tasks.pairing.kept_pairs`, its random draws seeded by ``seed``), and say how many it compared and
+    how many of those had a winner.
+
+    Returns:
+        The ``preferences`` table, and the metrics ``compared_pairs`` and ``decisive_fraction``.
+    """
+    compared = [pair for group in groups for pair in group.pairs]
+    labels = labeler.label(compared)
+    rng, kept, start = random.Random(seed), [], 0
+    for group in groups:
+        answers = labels[start : start + len(group.pairs)]
+        kept += [start + index for index in kept_pairs(group.compared, answers, pairing, rng=rng)]
+        start += len(group.pairs)
+    decisive = sum(label.margin > 0 for label in labels)
+    table = pair_table([compared[i] for i in kept], [labels[i] for i in kept], labeler.name, first_pair_id)
+    return table, {"compared_pairs": float(len(compared)), "decisive_fraction": decisive / max(len(compared), 1)}
 
 
 def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_id: int) -> pa.Table:
-    labels = labeler.label(pairs)
+    return pair_table(pairs, labeler.label(pairs), labeler.name, first_pair_id)
+
+
+def pair_table(pairs: list[CandidatePair], labels: list[Label], labeler: str, first_pair_id: int) -> pa.Table:
+    """The ``preferences`` rows of labelled pairs: the winner chosen, the other rejected."""
     chosen = [pair.second if label.winner else pair.first for pair, label in zip(pairs, labels, strict=True)]
     rejected = [pair.first if label.winner else pair.second for pair, label in zip(pairs, labels, strict=True)]
     return pa.table(
@@ -81,7 +138,7 @@ def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_i
             "chosen": chosen,
             "rejected": rejected,
             "margin": [label.margin for label in labels],
-            "labeler": [labeler.name] * len(pairs),
+            "labeler": [labeler] * len(pairs),
         },
         schema=PREFERENCES,
     )
@@ -133,36 +190,34 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
         pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
         table = human_table(pairs, _answers(settings.labels), first_pair_id=first_pair_id)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
-        shown = {"tie_fraction": 1.0 - table.num_rows / max(len(pairs), 1)}
+        ties = 1.0 - table.num_rows / max(len(pairs), 1)
+        shown = {"tie_fraction": ties, "decisive_fraction": 1.0 - ties}
     elif labeler == "function":
         if settings.rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")
         tokenizer = load_tokenizer(context.base.tokenizer.path)
         rows = read_prompts(context.base.prompts.path)  # a candidate's prompt_id is its prompt's row
         candidates = read_table(settings.candidates.directory, "candidates")
-        table = labelled_table(
-            candidate_pairs(candidates, columns=[row.columns for row in rows]),
-            FunctionLabeler(settings.rubric.load(), settings.rubric.name, render=partial(prompt_text, tokenizer)),
-            first_pair_id=first_pair_id,
-        )
+        groups = candidate_groups(candidates, columns=[row.columns for row in rows], pairing=settings.pairing)
+        rubric = FunctionLabeler(settings.rubric.load(), settings.rubric.name, render=partial(prompt_text, tokenizer))
+        table, shown = paired_table(groups, rubric, settings.pairing, seed=job.seed(), first_pair_id=first_pair_id)
     else:
         if settings.judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")
-        table = labelled_table(
-            candidate_pairs(read_table(settings.candidates.directory, "candidates")),
-            JudgeLabeler(settings.judge.load()),
-            first_pair_id=first_pair_id,
-        )
+        groups = candidate_groups(read_table(settings.candidates.directory, "candidates"), pairing=settings.pairing)
+        judge = JudgeLabeler(settings.judge.load())
+        table, shown = paired_table(groups, judge, settings.pairing, seed=job.seed(), first_pair_id=first_pair_id)
     return {**gather(job, table), **shown}
 
 
 def gather(job: Job[CollectPreferencesSettings], table: pa.Table) -> dict[str, float]:
-    """Write the ``preferences`` table; its pair count and share of ties."""
+    """Write the ``preferences`` table; its pair count, share of ties and (the pairs being those compared, as
+    consecutive pairs are) share of decisive pairs."""
     job.out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=job.settings.rows_per_shard)
     if job.settings.labeler == "import":  # an imported pair is chosen over rejected: a margin of 0 means none was
         return {"pairs": float(table.num_rows)}  # given, not a tie
-    ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
-    return {"pairs": float(table.num_rows), "tie_fraction": ties / max(table.num_rows, 1)}
+    ties = (pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0) / max(table.num_rows, 1)
+    return {"pairs": float(table.num_rows), "tie_fraction": ties, "decisive_fraction": 1.0 - ties}
 
 
 def _answers(labels: StageResult | None) -> pa.Table:

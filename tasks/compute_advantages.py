@@ -5,7 +5,8 @@ With ``advantages.kl_target`` set, the KL coefficient is the adaptive controller
 ``advantages.kl_coef`` at the start), records it as ``kl_coef``, and records the next one,
 updated from the KL it measured here, as ``next_kl_coef``. The previous iteration's output is an
 upstream of this one, so resuming, continuing and replaying all start from the coefficient the
-data carries, never from a value kept in memory.
+data carries, never from a value kept in memory. With ``advantages.score_statistics`` ``running`` the running
+moments of the reward model's scores are carried the same way (:data:`RUNNING_MOMENTS`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rlhf_core.advantages import adaptive_kl_coef
 from rlhf_core.config import AdvantageConfig
 from rlhf_core.experience_maker import score_experience
 from rlhf_core.masked import masked_mean
+from rlhf_core.rewards import ScoreMoments, update_moments
 from runtime.declaration import StageResult
 from runtime.job import Job
 from runtime.stage import Stage
@@ -26,6 +28,8 @@ from tasks.settings import ComputeAdvantagesSettings
 
 NEXT_KL_COEF = "next_kl_coef"
 """The metric that hands the adaptive controller's coefficient to the next iteration's stage 5."""
+RUNNING_MOMENTS = ("score_count", "score_running_mean", "score_running_m2")
+"""The metrics that hand the running moments of every rollout's scores so far to the next iteration's stage 5."""
 
 
 def starting_kl_coef(advantages: AdvantageConfig, previous: StageResult | None) -> float:
@@ -34,6 +38,14 @@ def starting_kl_coef(advantages: AdvantageConfig, previous: StageResult | None) 
     if advantages.kl_target is not None and previous is not None and NEXT_KL_COEF in previous.metrics:
         return previous.metrics[NEXT_KL_COEF]
     return advantages.kl_coef
+
+
+def previous_moments(previous: StageResult | None) -> ScoreMoments | None:
+    """The running moments of the scores the previous iteration's stage 5 handed on, or None (none yet)."""
+    if previous is None or RUNNING_MOMENTS[0] not in previous.metrics:
+        return None
+    count, mean, m2 = (previous.metrics[name] for name in RUNNING_MOMENTS)
+    return ScoreMoments(int(count), mean, m2)
 
 
 def work(job: Job[ComputeAdvantagesSettings]) -> dict[str, float]:
@@ -45,9 +57,14 @@ def work(job: Job[ComputeAdvantagesSettings]) -> dict[str, float]:
     rollouts = table_to_experience(table, pad_token_id=0)
     advantages, reward_model = settings.advantages, settings.reward_model
     kl_coef = starting_kl_coef(advantages, settings.previous)
+    carried = {}
     if reward_model is None:  # a reward function has no held-out score statistics: its scores are used as they are
         advantages = dataclasses.replace(advantages, normalize_scores=False)
         score_mean, score_std = 0.0, 1.0
+    elif advantages.score_statistics == "running":
+        moments = update_moments(previous_moments(settings.previous), rollouts.scores)
+        score_mean, score_std = moments.mean, moments.std
+        carried = dict(zip(RUNNING_MOMENTS, map(float, moments), strict=True))
     elif "score_mean" in reward_model.metrics:  # the reward model's held-out statistics
         score_mean, score_std = reward_model.metrics["score_mean"], reward_model.metrics["score_std"]
     else:
@@ -70,6 +87,7 @@ def work(job: Job[ComputeAdvantagesSettings]) -> dict[str, float]:
         "reward_mean": float(scored.rewards.sum(dim=1).mean()),
         "advantage_mean": float(masked_mean(scored.advantages, mask)),
         "return_mean": float(masked_mean(scored.returns, mask)),
+        **carried,
     }
     if advantages.kl_target is not None:
         metrics[NEXT_KL_COEF] = adaptive_kl_coef(

@@ -5,7 +5,9 @@ policy's backbone with a fresh value head (the usual initialisation when no sepa
 given), or, with ``critic_init: reward_model``, a pretrained reward model's backbone with its score
 head as the value head (OpenRLHF and verl start the critic from the reward model). Neither copies a
 base's weights: with full fine-tuning the folders refer to the base (the critic adds its head); with
-LoRA they hold fresh adapters (which change nothing until trained).
+LoRA they hold fresh adapters (which change nothing until trained). With ``critic_init: reward_model`` and no
+pretrained reward model the critic starts from the first one the campaign trains: there is none yet, so the
+start has no critic, and iteration 0's rollout and update take that reward model as the critic.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def work(job: Job[InitializeSettings]) -> dict[str, float]:
     torch.manual_seed(job.seed())  # fresh adapters and the value head
     actor = models.load("actor", base.policy.path, trainable=True)
     save_model(job.out.path / "actor", actor, tokenizer, weights=False)
-    if settings.critic:
+    if settings.critic and settings.critic_init in base.bases:  # else it starts from the first trained reward model
         value_model = models.load("critic", base.bases[settings.critic_init], trainable=True)
         save_model(job.out.path / "critic", value_model, tokenizer, weights=False)
     return {

@@ -38,7 +38,7 @@ from storage.experience_io import table_to_experience
 from storage.manifest import prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
-from tasks.settings import OptimizerState, PPOUpdateSettings
+from tasks.settings import OptimizerState, PPOUpdateSettings, critic_folder
 from tasks.text import load_tokenizer
 
 
@@ -63,7 +63,7 @@ def plan(job: Job[PPOUpdateSettings]) -> Training:
     process starts; then train in this process, or in ``execution.training_processes`` launched ones."""
     settings, out = job.settings, job.out
     policy, optimizer = settings.policy, settings.optimizer
-    if settings.critic and not (policy.directory / "critic").is_dir():
+    if settings.critic and not critic_folder(policy.directory, settings.critic_start).is_dir():
         raise ValueError(
             f"advantages.estimator gae trains a critic, but the policy in {policy.directory} has none (it was "
             "trained by a critic-free estimator): keep a critic-free estimator, or start a new campaign"
@@ -91,7 +91,7 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     loaded = {"actor": models.load("actor", policy.directory / "actor", trainable=True)}
     factories = {"actor": partial(torch.optim.AdamW, lr=ppo.actor_learning_rate)}
     if critic:
-        loaded["critic"] = models.load("critic", policy.directory / "critic", trainable=True)
+        loaded["critic"] = models.load("critic", critic_folder(policy.directory, settings.critic_start), trainable=True)
         factories["critic"] = partial(torch.optim.AdamW, lr=ppo.critic_learning_rate)
     # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
     states = Path(optimizer.path) if optimizer is not None else None

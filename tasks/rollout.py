@@ -2,7 +2,8 @@
 
 Each prompt is sampled ``samples_per_prompt`` times (its group, for GRPO and RLOO); the prompt's
 id is every row's ``prompt_id`` (``Experience.group_ids``). The critic scores values only when the
-policy has one (GAE); a critic-free policy's rollout has none. The reward is the reward model, or
+policy has one (GAE), or starts from the first trained reward model (``critic_start``); a critic-free policy's
+rollout has none. The reward is the reward model, or
 a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The
 prompts are split into shards (:mod:`runtime.fanout`), each rolled out with its own generator (or, on vLLM, one seed
 per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them. The sampler's log-probs are kept
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import torch
 
+from rlhf_core.evaluation import correlation
 from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
 from runtime.job import Job
 from runtime.references import RewardFunctionReference
@@ -24,7 +26,7 @@ from storage.experience_io import experience_to_table
 from storage.schemas import EXPERIENCE
 from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
-from tasks.settings import RolloutSettings
+from tasks.settings import RolloutSettings, critic_folder
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 
@@ -87,7 +89,8 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
     policy = settings.policy.directory
     actor = models.load("actor", policy / "actor")
     sampler = policy_sampler(models, context, policy / "actor", actor, sampling)
-    critic = models.load("critic", policy / "critic") if (policy / "critic").is_dir() else None
+    critic_dir = critic_folder(policy, settings.critic_start)  # none for a critic-free policy
+    critic = models.load("critic", critic_dir) if critic_dir.is_dir() else None
     scorer = None
     if settings.reward_model is not None:
         scorer = reward_scorer(
@@ -148,6 +151,10 @@ def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
     return {
         "score_mean": sum(scores) / len(scores),
         "response_length_mean": sum(lengths) / len(lengths),
+        # a learned reward drifts to length first: watch its correlation (rlhf_core.evaluation, choice 4)
+        "score_length_correlation": float(
+            correlation(torch.tensor(scores), torch.tensor(lengths, dtype=torch.float64))
+        ),
         "rollouts": float(len(scores)),
         **mismatch_metrics(table),
     }

@@ -10,12 +10,21 @@ Adding a setting to a stage is one field here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.declaration import StageSettings, setting, upstream
 
 if TYPE_CHECKING:
-    from rlhf_core.config import AdvantageConfig, LabelerName, LoraConfig, PPOConfig, RewardModelConfig, SamplingConfig
+    from rlhf_core.config import (
+        AdvantageConfig,
+        LabelerName,
+        LoraConfig,
+        Pairing,
+        PPOConfig,
+        RewardModelConfig,
+        SamplingConfig,
+    )
     from rlhf_core.precision import Precision
     from runtime.context import InputFile
     from runtime.declaration import StageResult
@@ -73,6 +82,8 @@ class CollectPreferencesSettings(StageSettings):
     labels: StageResult | None = upstream()
     """The person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise."""
     labeler: LabelerName = setting("labeler")
+    pairing: Pairing = setting("pairing")
+    """Which pairs of a prompt's candidates are compared and kept (:mod:`tasks.pairing`)."""
     judge: JudgeReference | None = setting("base.judge")
     rubric: RewardFunctionReference | None = setting("base.rubric")
     preferences: InputFile | None = setting("base.preferences")
@@ -101,6 +112,9 @@ class RolloutSettings(StageSettings):
     policy: StageResult = upstream()
     reward_model: StageResult | None = upstream()
     """The reward model, or None when ``reward_function`` scores instead."""
+    critic_start: StageResult | None = upstream()
+    """Where the critic starts when the policy has none yet: the first trained reward model (``model.critic_init``
+    reward_model without a pretrained one; :mod:`tasks.initialize`), in iteration 0; None otherwise."""
     sampling: SamplingConfig = setting("sampling")
     precision: Precision = setting("precision")
     prompts: int = setting("sizes.rollout_prompts")
@@ -119,8 +133,8 @@ class ComputeAdvantagesSettings(StageSettings):
     """The reward model whose held-out score statistics normalise the scores, or None for a reward function's
     scores (used as they are)."""
     previous: StageResult | None = upstream()
-    """The previous iteration's output of this stage (None in the first): where the adaptive KL coefficient comes
-    from."""
+    """The previous iteration's output of this stage (None in the first): where the adaptive KL coefficient and the
+    running score moments come from."""
     advantages: AdvantageConfig = setting("advantages")
     rows_per_shard: int = setting("sizes.rows_per_shard")
 
@@ -140,6 +154,14 @@ class OptimizerState:
     present: bool
 
 
+def critic_folder(policy: Path, critic_start: StageResult | None) -> Path:
+    """The critic of the policy output (or mid-stage checkpoint) folder ``policy``, or, where it has none yet, the
+    reward model it starts from (``critic_start``: :attr:`RolloutSettings.critic_start`)."""
+    if (policy / "critic").is_dir() or critic_start is None:
+        return policy / "critic"
+    return critic_start.directory / "reward_model"
+
+
 @dataclass(frozen=True)
 class PPOUpdateSettings(StageSettings):
     """Stage 6: new actor (and critic) checkpoints from the scored experience."""
@@ -150,6 +172,8 @@ class PPOUpdateSettings(StageSettings):
     """The optimizer states of ``policy`` to continue (:func:`tasks.ppo_update.optimizer_state`); None starts
     fresh ones."""
     scored: StageResult = upstream()
+    critic_start: StageResult | None = upstream()
+    """Where the critic starts when the policy has none yet (as the rollout's :attr:`RolloutSettings.critic_start`)."""
     ppo: PPOConfig = setting("ppo")
     critic: bool = setting("advantages.uses_critic")
     """Train the policy's critic (GAE), or update the actor alone (critic-free estimators)."""

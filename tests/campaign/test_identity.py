@@ -9,11 +9,14 @@ version computed for it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
-from campaign.config import PipelineConfig, _tell_moved, load_config
+import pytest
+
+from campaign.config import ConfigError, PipelineConfig, _tell_moved, load_config
 from campaign.identity import campaign_fields, config_fingerprint, run_key
 from campaign.store import CONFIG_ARTIFACT, source_config, store_tracker
 from flows.cli import main
@@ -147,3 +150,23 @@ def test_issue32_a_field_added_since_a_campaign_started_counts_as_its_default(tm
     message = capsys.readouterr().err.strip()
     assert message.startswith("rlhf: campaign `tiny` was started with another config (`sampling.engine` 'hf' there, ")
     assert "'vllm' here" in message and len(message.splitlines()) == 1
+
+
+def test_issue35_fields_added_since_keep_every_identity_at_their_old_value_and_are_part_of_it_at_another():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    assert recorded.pairing == "consecutive" and recorded.advantages.score_statistics == "held_out"
+    assert config_fingerprint(recorded) == FINGERPRINT and run_key(recorded, BASE, "", 0) == ITERATION_KEY
+    paired = recorded.model_copy(update={"pairing": "best_vs_worse"})
+    assert config_fingerprint(paired) != FINGERPRINT and run_key(paired, BASE, "", 0) != ITERATION_KEY
+    assert campaign_fields(paired)["pairing"] == "best_vs_worse"
+    running = recorded.model_copy(
+        update={"advantages": dataclasses.replace(recorded.advantages, score_statistics="running")}
+    )
+    assert config_fingerprint(running) == FINGERPRINT  # a replayable setting: no part of the campaign's identity
+    assert run_key(running, BASE, "", 0) != ITERATION_KEY
+
+
+def test_issue35_a_pairing_that_compares_every_pair_needs_a_labeler_that_scores_each_candidate():
+    with pytest.raises(ConfigError, match="`pairing` best_vs_worse compares every pair .* not `labeler` human"):
+        load_config(TINY, ["labeler=human", "pairing=best_vs_worse"])
+    assert load_config(TINY, ["pairing=all_decisive"]).pairs_per_iteration == 16 * 1  # 16 prompts x 2 candidates

@@ -35,7 +35,9 @@ def test_each_stage_is_declared_once_with_its_settings(settings):
 def test_settings_are_read_from_the_config_and_the_base_inputs():
     config = PipelineConfig(demo=True, labeler="gold", sizes={"rollout_prompts": 12}, precision="bf16")
     policy = object()  # an input is whatever the flow hands over
-    rollout = settings_from(RolloutSettings, config, BASE, {"policy": policy, "reward_model": None})
+    rollout = settings_from(
+        RolloutSettings, config, BASE, {"policy": policy, "reward_model": None, "critic_start": None}
+    )
     assert rollout.policy is policy
     assert setting_values(rollout) == {
         "sampling": config.sampling,
@@ -47,7 +49,9 @@ def test_settings_are_read_from_the_config_and_the_base_inputs():
     }
     inputs = {"candidates": None, "reward_model": None, "labels": None}
     assert settings_from(CollectPreferencesSettings, config, BASE, inputs).preferences is FILE
-    update = settings_from(PPOUpdateSettings, config, BASE, {"policy": None, "optimizer": None, "scored": None})
+    update = settings_from(
+        PPOUpdateSettings, config, BASE, {"policy": None, "optimizer": None, "scored": None, "critic_start": None}
+    )
     assert update.temperature == config.sampling.temperature
     # A derived property is a setting too: the update and initialize read whether the estimator uses a critic.
     grpo = PipelineConfig(demo=True, labeler="gold", advantages={"estimator": "grpo"}, sizes={"samples_per_prompt": 4})
@@ -56,7 +60,12 @@ def test_settings_are_read_from_the_config_and_the_base_inputs():
         "lora": None,
         "critic_init": "policy",
     }
-    assert settings_from(PPOUpdateSettings, grpo, BASE, {"policy": 1, "optimizer": 2, "scored": 3}).critic is False
+    assert (
+        settings_from(
+            PPOUpdateSettings, grpo, BASE, {"policy": 1, "optimizer": 2, "scored": 3, "critic_start": None}
+        ).critic
+        is False
+    )
 
 
 def test_a_stage_is_given_exactly_its_inputs():

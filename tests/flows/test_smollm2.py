@@ -12,9 +12,14 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from campaign.model_sources import conversion_key, model_input
 from flows.cli import main
@@ -219,3 +224,126 @@ def test_issue27_a_prompt_longer_than_smollm2s_context_is_refused_in_one_line_be
     )
     assert "more than the model's context length 8192" in stderr
     assert sorted(path for path in run_root.rglob("*")) == before
+
+
+# Issue 35: the learned-reward loop of configs/smollm2-rm.yaml at CI size: pairs of the rubric's labels, a reward
+# model, the critic started from it, PPO with GAE; killed (kill -9) in the reward model's and the critic's training
+# and resumed identically; its saved experience replayed under GRPO and RLOO.
+LOOP_CONFIG = ROOT / "configs" / "smollm2-rm.yaml"
+LOOP_SIZES = [
+    "iterations=1", "execution.torch_threads=1", "execution.checkpoint_seconds=0", "model.lora.r=4",
+    "model.critic_init=reward_model",
+    "sizes.preference_prompts=4", "sizes.candidates_per_prompt=4", "sizes.rollout_prompts=2",
+    "sizes.samples_per_prompt=2", "sizes.eval_prompts=2", "sampling.max_new_tokens=8", "sampling.batch_size=16",
+    "reward_model.epochs=2", "reward_model.batch_size=4", "reward_model.eval_fraction=0.5",
+    "ppo.epochs=2", "ppo.minibatch_size=2",
+]  # fmt: skip
+"""configs/smollm2-rm.yaml at CI size, its critic started from the reward model iteration 0 trains; two epochs of
+each training stage, a checkpoint after each, so that a kill in its ``computing`` window lands after the first and
+the second command continues from it."""
+
+
+def _loop_command(run_root: Path, policy: str) -> list[str]:
+    overrides = [f"run_root={run_root}", f"model.policy={policy}", *LOOP_SIZES]
+    return [sys.executable, "-m", "flows", "run", "--config", str(LOOP_CONFIG), *(f"--set={o}" for o in overrides)]
+
+
+@pytest.fixture(scope="module")
+def loop_campaign(run_root, tmp_path_factory):
+    """One iteration of the loop through `rlhf run` (the converted folder as the policy, so that every run root
+    of the crash cases finds it without converting), its outputs' hashes and its MLflow store."""
+    from tests.flows.test_crash import _file_hashes, _run_to_end, _store
+
+    converted = model_input(FingerprintCache(None), RunLayout(root=run_root), "model.policy", SMOLLM2, convert=False)
+    loop_root = tmp_path_factory.mktemp("smollm2-loop")
+    _run_to_end(_loop_command(loop_root, converted.path), loop_root / "run.log")
+    store = _store(loop_root, LOOP_CAMPAIGN)
+    assert store["statuses"] == ["FINISHED"] and store["unique outputs"] and store["artifact folders"]
+    return loop_root, converted.path, _file_hashes(loop_root / LOOP_CAMPAIGN), store
+
+
+LOOP_CAMPAIGN = "smollm2-one-word-rm"
+
+
+def test_issue35_the_loop_learns_a_reward_model_starts_the_critic_from_it_and_reports_what_it_needs(loop_campaign):
+    loop_root, _, _, _ = loop_campaign
+    campaign = loop_root / LOOP_CAMPAIGN
+
+    def manifest(stage: str) -> dict:
+        (folder,) = (campaign / stage).iterdir()
+        return json.loads((folder / "_manifest.json").read_text())
+
+    preferences = manifest("collect_preferences")["metrics"]
+    assert 0 < preferences["pairs"] <= preferences["compared_pairs"] and 0 < preferences["decisive_fraction"] <= 1
+    assert 0 <= manifest("train_reward_model")["metrics"]["eval_accuracy"] <= 1
+    (start,) = (campaign / "initialize").iterdir()
+    assert not (start / "critic").exists()  # the critic starts from the reward model iteration 0 trained
+    rollout = manifest("rollout")
+    assert rollout["upstream"]["critic_start"] == rollout["upstream"]["reward_model"]
+    assert -1 <= rollout["metrics"]["score_length_correlation"] <= 1
+    update = manifest("ppo_update")
+    (folder,) = (campaign / "ppo_update").iterdir()
+    critic = json.loads((folder / "critic" / "rlhf_model.json").read_text())
+    assert critic == {"adapter": True, "base": "policy", "kind": "critic"}  # the reward model's adapter, trained on
+    assert "explained_variance" in update["metrics"]
+    evaluation = manifest("evaluate")["metrics"]
+    assert {"rubric_mean", "reference_rubric_mean", "reward_mean", "kl_to_reference"} <= evaluation.keys()
+
+
+def _kill_in(command: list[str], stage: str, held: Path, log: Path) -> None:
+    """Run ``command`` until it holds in ``stage``'s ``computing`` window, then kill -9 it: it and every process it
+    started must be gone."""
+    from tests.flows.test_crash import _alive, _descendants, _environment, _wait_gone
+
+    with open(log, "ab") as output:
+        environment = _environment(RLHF_HOLD_AT=f"{stage}:computing", RLHF_HOLD_FILE=str(held))
+        process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
+        deadline = time.monotonic() + 900
+        try:
+            while not held.exists():
+                assert process.poll() is None, f"`rlhf run` ended before reaching {stage}:computing; see {log}"
+                assert time.monotonic() < deadline, f"timed out waiting for {stage}:computing"
+                time.sleep(0.1)
+            children = _descendants(process.pid)
+            os.kill(process.pid, signal.SIGKILL)
+        finally:
+            process.kill()
+            process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert not _wait_gone(children), f"processes outliving the killed `rlhf run`: {_alive(children)}"
+
+
+def test_issue35_kill_minus_nine_in_the_reward_models_then_the_critics_training_resumes_to_the_uncrashed_run(
+    loop_campaign, tmp_path
+):
+    """One campaign killed twice (CI time: one run root, whose first command pays the stores' setup, instead of
+    one per stage): in the reward model's training, then, resumed, in the update's, which trains the critic; the
+    third command ends with every output and record of the run that never crashed."""
+    from tests.flows.test_crash import _file_hashes, _run_to_end, _store
+
+    _, policy, hashes, store = loop_campaign
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
+    command = _loop_command(run_root, policy)
+    for stage in ("train_reward_model", "ppo_update"):
+        _kill_in(command, stage, tmp_path / f"held-{stage}", log)
+        assert list((run_root / LOOP_CAMPAIGN / stage).glob("*.partial/epoch-*")), f"killed before {stage}'s epoch 1"
+
+    _run_to_end(command, log)
+
+    assert _file_hashes(run_root / LOOP_CAMPAIGN) == hashes
+    assert _store(run_root, LOOP_CAMPAIGN) == store
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_issue35_the_loops_saved_experience_replays_under_a_critic_free_estimator(loop_campaign, estimator, capfd):
+    loop_root, _, _, _ = loop_campaign
+    command = ["replay", f"{LOOP_CAMPAIGN}:0", f"--set=run_root={loop_root}", f"--set=advantages.estimator={estimator}"]
+    capfd.readouterr()
+    assert main(command) == 0, capfd.readouterr().err[-3000:]
+    replay_run = capfd.readouterr().out.split("Replay run ")[1].split(";")[0]
+    client = MlflowClient(f"sqlite:///{loop_root / 'mlflow.db'}")
+    replayed = client.get_run(replay_run)
+    assert replayed.data.tags["rlhf.kind"] == "replay"
+    metrics = replayed.data.metrics
+    assert metrics["ppo_update/optimizer_steps"] > 0 and "ppo_update/value_loss" not in metrics  # no critic trained
+    assert "evaluate/rubric_mean" in metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.evaluation import response_kl, win_rate
+from rlhf_core.evaluation import correlation, response_kl, win_rate
 from rlhf_core.rewards import kl_estimate
 
 
@@ -49,3 +49,12 @@ def test_response_kl_equals_the_reference_loop_and_ignores_padding():
         torch.testing.assert_close(fast, expected)
         poisoned = response_kl(logprobs.masked_fill(~mask, float("inf")), ref_logprobs, mask, estimator=estimator)
         torch.testing.assert_close(poisoned, fast, rtol=0.0, atol=0.0)
+
+
+def test_issue35_the_correlation_of_scores_with_lengths_by_hand():
+    # lengths 1, 2, 3 centre to -1, 0, 1; scores 3, 1, 2 centre to 1, -1, 0:
+    # sum of products -1, sums of squares 2 and 2: -1 / sqrt(4) = -0.5
+    lengths = torch.tensor([1.0, 2.0, 3.0])
+    assert correlation(torch.tensor([3.0, 1.0, 2.0]), lengths).item() == pytest.approx(-0.5)
+    assert correlation(2 * lengths + 1, lengths).item() == pytest.approx(1.0)  # scores that are the length
+    assert correlation(torch.tensor([1.0, 1.0, 1.0]), lengths).item() == 0.0  # a constant: undefined, reported 0

@@ -203,6 +203,36 @@ def test_issue35_an_adapters_config_is_written_the_same_by_every_process(folders
     assert isinstance(actor.peft_config["default"].target_modules, set)  # as PEFT keeps it
 
 
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_issue35_a_critic_starts_from_a_trained_reward_models_folder_with_its_backbone_and_score_head(
+    folders, tmp_path, lora
+):
+    bases = {"policy": folders["policy"]}
+    torch.manual_seed(0)
+    reward_model = ModelLoader(device=CPU, precision="fp32", bases=bases, lora=lora).load(
+        "reward_model", folders["policy"], trainable=True
+    )
+    with torch.no_grad():  # a trained reward model: its adapters (or backbone) and head away from their start
+        for name, parameter in reward_model.named_parameters():
+            if "lora_B" in name or lora is None:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    save_model_folder(reward_model, tmp_path / "reward_model")
+    critic = ModelLoader(device=CPU, precision="fp32", bases=bases, lora=lora).load(
+        "critic", tmp_path / "reward_model", trainable=True
+    )
+    torch.testing.assert_close(critic.head.weight, reward_model.head.weight, rtol=0.0, atol=0.0)
+    ids, mask = left_padded([[3, 4, 5], [6, 7]])
+    with torch.no_grad():
+        hidden = critic.last_hidden_state(ids, mask)  # (B, T, H)
+        expected = reward_model.last_hidden_state(ids, mask)
+    torch.testing.assert_close(hidden, expected, rtol=0.0, atol=0.0)  # the same backbone (adapter included)
+    assert any(p.requires_grad for p in critic.head.parameters())
+    save_model_folder(critic, tmp_path / "critic")
+    assert FolderMeta.read(tmp_path / "critic").kind == "critic"  # saved again, it is a critic
+    with pytest.raises(ValueError, match="holds a reward_model, not the actor"):
+        ModelLoader(device=CPU, precision="fp32", bases=bases).load("actor", tmp_path / "reward_model")
+
+
 def test_a_base_reference_folder_is_the_base(folders, tmp_path):
     bases = {"policy": folders["policy"]}
     loader = ModelLoader(device=CPU, precision="fp32", bases=bases)

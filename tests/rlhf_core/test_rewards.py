@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.rewards import kl_estimate, last_action_index, normalize_scores, shaped_rewards
+from rlhf_core.rewards import (
+    ScoreMoments,
+    kl_estimate,
+    last_action_index,
+    normalize_scores,
+    shaped_rewards,
+    update_moments,
+)
 from rlhf_core.sequences import action_mask_from_tokens
 
 EXACT = dict(rtol=0.0, atol=0.0)
@@ -232,6 +239,29 @@ def test_normalize_scores_by_hand():
     torch.testing.assert_close(
         normalize_scores(torch.tensor([3.0, -1.0, 1.0]), mean=1.0, std=2.0, eps=0.0), torch.tensor([1.0, -1.0, 0.0])
     )
+
+
+def test_issue35_running_score_moments_by_hand():
+    # First batch 1, 3: count 2, mean 2, M2 = 1 + 1 = 2, std sqrt(2 / 1).
+    first = update_moments(None, torch.tensor([1.0, 3.0]))
+    assert first == ScoreMoments(2, 2.0, 2.0) and first.std == pytest.approx(math.sqrt(2.0))
+    # Then 5, 7, 9: mean 7, M2 8; merged: count 5, delta 5, mean 2 + 5 * 3 / 5 = 5,
+    # M2 = 2 + 8 + 25 * 2 * 3 / 5 = 40 (all five: 16 + 4 + 0 + 4 + 16), std sqrt(40 / 4) = sqrt(10).
+    merged = update_moments(first, torch.tensor([5.0, 7.0, 9.0]))
+    assert merged == ScoreMoments(5, 5.0, 40.0) and merged.std == pytest.approx(math.sqrt(10.0))
+    assert ScoreMoments(1, 4.0, 0.0).std == 1.0  # one score: no spread known yet
+
+
+@given(st.lists(st.lists(st.floats(-100, 100), min_size=1, max_size=6), min_size=1, max_size=5))
+@settings(max_examples=50, deadline=None)
+def test_issue35_running_moments_equal_those_of_every_score_at_once(batches):
+    moments = None
+    for batch in batches:
+        moments = update_moments(moments, torch.tensor(batch, dtype=F64))
+    every = torch.tensor([value for batch in batches for value in batch], dtype=F64)
+    assert moments.count == every.numel()
+    assert moments.mean == pytest.approx(float(every.mean()), abs=1e-9)
+    assert moments.m2 == pytest.approx(float((every - every.mean()).square().sum()), rel=1e-9, abs=1e-6)
 
 
 def test_last_action_index_by_hand():

@@ -221,6 +221,24 @@ def test_every_chat_preference_format_lands_in_the_same_chat_pair(tmp_path: Path
     assert table.to_pylist() == [{"pair_id": 0, **expected}, {"pair_id": 1, **expected}]
 
 
+def test_issue35_an_ultrafeedback_binarised_row_lands_in_the_same_chat_pair(tmp_path: Path) -> None:
+    """HuggingFaceH4/ultrafeedback_binarized's columns: the prompt string repeats the last user turn of the two
+    conversations; its id, messages and scores are the dataset's own."""
+    chosen = [*JOKE_TURNS, _assistant("Why did the chicken...")]
+    row = {
+        "prompt": "Tell a joke", "prompt_id": "9f86d0", "chosen": chosen,
+        "rejected": [*JOKE_TURNS, _assistant("No.")], "messages": chosen, "score_chosen": 8.5, "score_rejected": 2.0,
+    }  # fmt: skip
+    for writer, suffix in ((_jsonl, ".jsonl"), (_parquet, ".parquet")):
+        table = import_preferences(writer(tmp_path / f"uf{suffix}", [row]))
+        assert table.to_pylist() == [
+            {"pair_id": 0, **EXPECTED_CHAT_JOKE, "margin": 0.0, "labeler": f"import:uf{suffix}"}
+        ]
+    wrong = _jsonl(tmp_path / "wrong.jsonl", [{**row, "prompt": "Tell a story"}])
+    with pytest.raises(ImportFormatError, match="is not the last user turn of the 'chosen' conversation"):
+        import_preferences(wrong)
+
+
 def test_a_text_pair_stays_text(tmp_path: Path) -> None:
     table = import_preferences(_jsonl(tmp_path / "pairs.jsonl", [EXPECTED_JOKE]))
     assert table.to_pylist() == [

@@ -1,0 +1,515 @@
+"""Issue 35 on SmolLM2-135M-Instruct: the choices of the learned-reward loop, each measured, and its learning curve.
+
+``.venv/bin/python -m bench.real_loop pairs``   (which pairing gives the better reward model per second of sampling)
+``.venv/bin/python -m bench.real_loop pairs-file``  (configs/smollm2/rubric_pairs.jsonl: pairs in UltraFeedback's shape)
+``.venv/bin/python -m bench.real_loop critic``  (the critic from the policy or from the reward model; warm-up steps)
+``.venv/bin/python -m bench.real_loop lora``    (a PPO update of actor and critic: LoRA against full fine-tuning)
+``.venv/bin/python -m bench.real_loop loop``    (the curve: ``rlhf run --config configs/smollm2-rm.yaml``)
+
+``pairs``, ``critic`` and ``lora`` are plain loops of the stages' own functions (sampling, the rubric labeler and
+:mod:`tasks.pairing`, :func:`rlhf_core.reward_training.fit_reward_model`, the model seam, the value loss, the PPO
+update), with the models in memory: each answers one question in minutes where the flow would take an hour.
+
+* ``pairs``: 4 candidates for each of 64 training prompts (one-word task, 16 new tokens, temperature 1), scored by
+  ``smollm2_task:one_word``. Four pair sets from the same sampling budget, 128 candidates each: consecutive pairs
+  of 2 candidates of 64 prompts; consecutive, best-vs-worse and all-decisive pairs of 4 candidates of 32 prompts.
+  A reward model (LoRA, the loop's settings) learns from each; its accuracy is measured on every decisive pair of 4
+  candidates of 32 held-out prompts (topics no training prompt has).
+* ``critic``: 2 x 64 rollouts of the initial policy scored by the ``pairs`` part's best reward model; critics from
+  the policy (a fresh value head) and from that reward model learn the returns of the first 64 rollouts (value
+  loss, no actor step: a warm-up) and are scored on the other 64 (explained variance) after 0, 4, 8 and 16 steps.
+* ``lora``: one rollout of 32 and a PPO update of actor and critic (4 minibatches of 8), full fine-tuning against
+  LoRA r 16, each in a process of its own (peak resident memory), with what it writes per iteration.
+* ``loop``: the flow itself, ``rlhf run --config configs/smollm2-rm.yaml`` on a fresh run root, read back from its
+  MLflow store per iteration (the reward model's held-out accuracy, its score and the rubric's of the policy and of
+  the initial policy on held-out prompts, the KL to the reference, the critic's explained variance, the reward's
+  length correlation, the share of decisive pairs, seconds per stage) and the over-optimisation figure it logged.
+
+Every part writes ``bench/.scratch/real-loop-PART.json`` with the machine's load at its start and end: the machine
+is shared, so its wall seconds are the load's as much as the code's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import REPO, SCRATCH, machine
+from bench.smollm2 import ensure_folder
+
+CONFIG = REPO / "configs" / "smollm2-rm.yaml"
+CAMPAIGN = "smollm2-one-word-rm"
+STAGES = (
+    "sample_candidates",
+    "collect_preferences",
+    "train_reward_model",
+    "rollout",
+    "compute_advantages",
+    "ppo_update",
+    "evaluate",
+)
+NEW_TOKENS = 16
+LORA = {"r": 16, "alpha": 32}
+REWARD_MODEL = {"learning_rate": 1e-4, "epochs": 2, "batch_size": 8}
+"""The reward model's training in ``pairs`` (and the loop's: configs/smollm2-rm.yaml)."""
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _setup():
+    """The model folder, its tokenizer and the task's prompt files."""
+    import torch
+
+    from tasks.text import load_tokenizer, read_prompts
+
+    torch.set_num_threads(1)
+    folder = ensure_folder()
+    tokenizer = load_tokenizer(str(folder))
+    train = read_prompts(REPO / "configs" / "smollm2" / "prompts.jsonl")
+    held_out = read_prompts(REPO / "configs" / "smollm2" / "eval_prompts.jsonl")
+    return folder, tokenizer, train, held_out
+
+
+def sample_candidates(actor, tokenizer, prompts, *, per_prompt: int, seed: int):
+    """``per_prompt`` responses to each prompt, as the ``candidates`` table the stage writes, and the seconds."""
+    import pyarrow as pa
+    import torch
+
+    from rlhf_core.config import SamplingConfig
+    from rlhf_core.generation import sample_candidates as sample
+    from storage.schemas import CANDIDATES
+    from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
+    from tasks.text import decode
+
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64)
+    rows, generator, started = [], torch.Generator().manual_seed(seed), time.perf_counter()
+    batch = sampling.batch_size // per_prompt
+    for start in range(0, len(prompts), batch):
+        part = prompts[start : start + batch]
+        ids, mask = encode_prompts(tokenizer, part)
+        with torch.no_grad():
+            generation = sample(
+                actor, ids, mask, num_samples=per_prompt, config=sampling, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, generator=generator,
+            )  # fmt: skip
+        prompt_lists = prompt_token_lists(ids, mask)
+        responses = response_token_lists(generation.sequences, generation.action_mask)
+        texts = decode(tokenizer, responses)
+        for row in range(len(texts)):
+            prompt = part[row // per_prompt]
+            rows.append(
+                {
+                    "prompt_id": start + row // per_prompt, "candidate_index": row % per_prompt,
+                    "prompt": prompt.text, "messages": list(prompt.messages), "response": texts[row],
+                    "prompt_ids": prompt_lists[row // per_prompt], "response_ids": responses[row],
+                    "old_logprobs": None, "engine_logprobs": None,
+                }
+            )  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=CANDIDATES), time.perf_counter() - started
+
+
+def preference_sets(candidates, held_out_candidates, rubric):
+    """The four pair sets of equal sampling (128 candidates each), and the held-out decisive pairs."""
+    import pyarrow.compute as pc
+
+    from tasks.collect_preferences import candidate_groups, paired_table
+
+    def pairs(table, pairing, prompts, candidates_per_prompt):
+        keep = pc.and_(pc.less(table["prompt_id"], prompts), pc.less(table["candidate_index"], candidates_per_prompt))
+        groups = candidate_groups(table.filter(keep), pairing=pairing)
+        return paired_table(groups, rubric, pairing, seed=0, first_pair_id=0)
+
+    sets = {
+        "consecutive, 2 of 64 prompts": pairs(candidates, "consecutive", 64, 2),
+        "consecutive, 4 of 32 prompts": pairs(candidates, "consecutive", 32, 4),
+        "best_vs_worse, 4 of 32 prompts": pairs(candidates, "best_vs_worse", 32, 4),
+        "all_decisive, 4 of 32 prompts": pairs(candidates, "all_decisive", 32, 4),
+    }
+    held_out, _ = pairs(held_out_candidates, "all_decisive", 32, 4)
+    return sets, held_out
+
+
+def train_reward_model(folder, tokenizer, table, held_out, *, seed: int = 0):
+    """A reward model from the policy's backbone (LoRA) trained on ``table``; its held-out figures and seconds."""
+    import torch
+
+    from rlhf_core.config import LoraConfig, RewardModelConfig
+    from rlhf_core.loading import ModelLoader
+    from rlhf_core.reward_training import fit_reward_model
+    from runtime.models import accelerator_for
+    from tasks.train_reward_model import preference_batch
+
+    config = RewardModelConfig(**REWARD_MODEL)
+    models = ModelLoader(
+        device=torch.device("cpu"), precision="fp32", bases={"policy": folder}, lora=LoraConfig(**LORA)
+    )
+    torch.manual_seed(seed)
+    model = models.load("reward_model", folder, trainable=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+    accelerator = accelerator_for(models.device, models.precision)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    started = time.perf_counter()
+    stats = fit_reward_model(
+        model, optimizer, preference_batch(table, tokenizer), preference_batch(held_out, tokenizer), config,
+        accelerator=accelerator, generator=torch.Generator().manual_seed(seed), dropout_seed=seed,
+    )  # fmt: skip
+    return accelerator.unwrap_model(model), stats, time.perf_counter() - started
+
+
+def pairs_part(out: Path) -> dict:
+    import torch
+    from smollm2_task import one_word
+
+    from rlhf_core.loading import ModelLoader, save_model_folder
+    from tasks.labelers import FunctionLabeler
+
+    folder, tokenizer, train, held_out = _setup()
+    started_load = load()
+    models = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": folder})
+    actor = models.load("actor", folder)
+    candidates, sampling_seconds = sample_candidates(actor, tokenizer, train[:64], per_prompt=4, seed=1)
+    held_out_candidates, _ = sample_candidates(actor, tokenizer, held_out[:32], per_prompt=4, seed=2)
+    per_candidate = sampling_seconds / candidates.num_rows
+    sets, held_out_pairs = preference_sets(candidates, held_out_candidates, FunctionLabeler(one_word, "one_word"))
+    results, best = {}, None
+    for name, (table, metrics) in sets.items():
+        model, stats, seconds = train_reward_model(folder, tokenizer, table, held_out_pairs)
+        results[name] = {
+            "pairs": table.num_rows,
+            "decisive_fraction": metrics["decisive_fraction"],
+            "sampling_seconds": 128 * per_candidate,
+            "training_seconds": seconds,
+            "eval_accuracy": stats.eval_accuracy,
+            "eval_loss": stats.eval_loss,
+            "train_accuracy": stats.train_accuracy,
+        }
+        print(name, json.dumps(results[name]), flush=True)
+        if best is None or stats.eval_accuracy > results[best]["eval_accuracy"]:
+            best = name
+            save_model_folder(model, SCRATCH / "real-loop-reward-model", weights=True)
+            tokenizer.save_pretrained(SCRATCH / "real-loop-reward-model")
+    result = {
+        "machine": machine(),
+        "load_average_start": started_load,
+        "load_average_end": load(),
+        "candidates_sampled": candidates.num_rows,
+        "seconds_per_candidate": per_candidate,
+        "held_out_pairs": held_out_pairs.num_rows,
+        "sets": results,
+        "best": best,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+PAIRS_FILE = REPO / "configs" / "smollm2" / "rubric_pairs.jsonl"
+
+
+def pairs_file_part(prompts: int) -> Path:
+    """Write :data:`PAIRS_FILE`: a preference dataset in UltraFeedback's binarised shape, made by the rubric."""
+    import torch
+    from smollm2_task import one_word
+
+    from rlhf_core.loading import ModelLoader
+    from tasks.collect_preferences import candidate_groups, paired_table
+    from tasks.labelers import FunctionLabeler
+
+    folder, tokenizer, train, _ = _setup()
+    models = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": folder})
+    candidates, _ = sample_candidates(models.load("actor", folder), tokenizer, train[:prompts], per_prompt=4, seed=3)
+    groups = candidate_groups(candidates, pairing="best_vs_worse")
+    table, _ = paired_table(groups, FunctionLabeler(one_word, "one_word"), "best_vs_worse", seed=0, first_pair_id=0)
+    rows = []
+    for index, pair in enumerate(table.to_pylist()):
+        conversation = list(pair["messages"])
+        rows.append(
+            {
+                "prompt": conversation[-1]["content"], "prompt_id": f"rubric-{index}",
+                "chosen": [*conversation, {"role": "assistant", "content": pair["chosen"]}],
+                "rejected": [*conversation, {"role": "assistant", "content": pair["rejected"]}],
+                "score_chosen": one_word(None, pair["chosen"]), "score_rejected": one_word(None, pair["rejected"]),
+            }
+        )  # fmt: skip
+    PAIRS_FILE.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"wrote {len(rows)} pairs of {prompts} prompts to {PAIRS_FILE}", flush=True)
+    return PAIRS_FILE
+
+
+def critic_part(out: Path) -> dict:
+    import torch
+
+    from rlhf_core.config import AdvantageConfig, LoraConfig, SamplingConfig
+    from rlhf_core.experience_maker import ExperienceMaker, score_experience
+    from rlhf_core.loading import ModelLoader
+    from rlhf_core.losses import value_loss
+    from rlhf_core.models import evaluating
+    from rlhf_core.ppo import explained_variance
+    from rlhf_core.sequences import response_slice
+    from tasks.rollout import model_scorer
+    from tasks.tensors import encode_prompts, reward_scorer
+
+    folder, tokenizer, train, _ = _setup()
+    reward_folder = SCRATCH / "real-loop-reward-model"
+    pairs = json.loads((SCRATCH / "real-loop-pairs.json").read_text())
+    started_load = load()
+    models = ModelLoader(
+        device=torch.device("cpu"), precision="fp32", bases={"policy": folder}, lora=LoraConfig(**LORA)
+    )
+    actor = models.load("actor", folder)
+    scorer = reward_scorer(
+        models.load("reward_model", reward_folder), policy_tokenizer_dir=str(folder), reward_tokenizer_dir=str(folder)
+    )
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64)
+    rollouts = []
+    for index, part in enumerate((train[100:164], train[200:264])):
+        ids, mask = encode_prompts(tokenizer, part)
+        maker = ExperienceMaker(
+            actor, None, model_scorer(scorer, part, ids.shape[1]), actor, sampling=sampling,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        rollouts.append(maker.make_experience(ids, mask, generator=torch.Generator().manual_seed(10 + index)))
+    # The returns the critic learns: the normalised score at every token (gamma 1, lambda 1: no critic in them).
+    scores = torch.cat([rollout.scores for rollout in rollouts])
+    mean, std = float(scores.mean()), float(scores.std())
+    config = AdvantageConfig(estimator="reinforce_pp", kl_coef=0.0)  # its returns: the rewards' return
+    targets = [score_experience(rollout, config, score_mean=mean, score_std=std) for rollout in rollouts]
+    results = {}
+    for init, source in (("policy", folder), ("reward_model", reward_folder)):
+        torch.manual_seed(0)
+        critic = models.load("critic", source, trainable=True)
+        optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=1e-4)
+
+        def score_on_held_out(critic=critic) -> float:
+            batch = targets[1]
+            with torch.no_grad(), evaluating(critic):
+                values = response_slice(
+                    critic(batch.sequences, batch.attention_mask), batch.sequences.shape[1] - batch.action_mask.shape[1]
+                )
+            return float(explained_variance(values, batch.returns, batch.action_mask))
+
+        curve, steps, started = {0: score_on_held_out()}, 0, time.perf_counter()
+        order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+        batch_all = targets[0]
+        width = batch_all.sequences.shape[1] - batch_all.action_mask.shape[1]
+        while steps < 16:
+            rows = order[(steps % 4) * 16 : (steps % 4) * 16 + 16]
+            values = response_slice(critic(batch_all.sequences[rows], batch_all.attention_mask[rows]), width)
+            loss, _ = value_loss(values, values.detach(), batch_all.returns[rows], batch_all.action_mask[rows],
+                                 value_clip_eps=None)  # fmt: skip
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+            optimizer.step()
+            steps += 1
+            if steps in (4, 8, 16):
+                curve[steps] = score_on_held_out()
+        results[init] = {"explained_variance": curve, "seconds_per_step": (time.perf_counter() - started) / 16}
+        print(init, json.dumps(results[init]), flush=True)
+    result = {
+        "machine": machine(),
+        "load_average_start": started_load,
+        "load_average_end": load(),
+        "reward_model": pairs["best"],
+        "rollouts": [len(r.scores) for r in rollouts],
+        "critics": results,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def lora_worker(mode: str, out: Path) -> None:
+    """One rollout of 32 and a PPO update of actor and critic, fully fine-tuned or with LoRA, timed; and what the
+    update writes (its output folder) measured."""
+    import torch
+
+    from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, SamplingConfig
+    from rlhf_core.experience_maker import ExperienceMaker, score_experience
+    from rlhf_core.loading import ModelLoader, save_model_folder
+    from rlhf_core.ppo import ppo_update
+    from runtime.models import accelerator_for
+    from tasks.tensors import encode_prompts
+
+    folder, tokenizer, train, _ = _setup()
+    lora = LoraConfig(**LORA) if mode == "lora" else None
+    models = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": folder}, lora=lora)
+    accelerator = accelerator_for(models.device, models.precision)
+    torch.manual_seed(0)
+    loaded = time.perf_counter()
+    actor = models.load("actor", folder, trainable=True)
+    critic = models.load("critic", folder, trainable=True)
+    reference = models.reference(actor)
+    rate = 1e-4 if lora else 2e-5
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=rate) for m in (actor, critic)]
+    actor, critic, *optimizers = accelerator.prepare(actor, critic, *optimizers)
+    load_seconds = time.perf_counter() - loaded
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64)
+    prompts = train[:32]
+    ids, mask = encode_prompts(tokenizer, prompts)
+    lengths = torch.tensor([float(len(p.text)) for p in prompts])
+    maker = ExperienceMaker(
+        actor, critic, lambda sequences, attention: lengths.clone(), reference, sampling=sampling,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    tick, cpu = time.perf_counter(), time.process_time()
+    experience = maker.make_experience(ids, mask, generator=torch.Generator().manual_seed(0))
+    rollout = (time.perf_counter() - tick, time.process_time() - cpu)
+    scored = score_experience(experience, AdvantageConfig(kl_coef=0.05), score_mean=float(lengths.mean()), score_std=1)
+    tick, cpu = time.perf_counter(), time.process_time()
+    ppo_update(
+        actor, critic, optimizers[0], optimizers[1], scored, PPOConfig(epochs=1, minibatch_size=8),
+        accelerator=accelerator, temperature=1.0, norm_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    update = (time.perf_counter() - tick, time.process_time() - cpu)
+    written = SCRATCH / f"real-loop-lora-{mode}"
+    shutil.rmtree(written, ignore_errors=True)
+    tick = time.perf_counter()
+    for name, model, optimizer in (("actor", actor, optimizers[0]), ("critic", critic, optimizers[1])):
+        save_model_folder(accelerator.unwrap_model(model), written / name)
+        torch.save(optimizer.state_dict(), written / f"{name}_optimizer.pt")
+    save_seconds = time.perf_counter() - tick
+    out.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "trained_parameters": sum(
+                    p.numel() for m in (actor, critic) for p in m.parameters() if p.requires_grad
+                ),
+                "load_seconds": load_seconds,
+                "rollout_wall_cpu": rollout,
+                "update_wall_cpu": update,
+                "save_seconds": save_seconds,
+                "written_bytes": sum(p.stat().st_size for p in written.rglob("*") if p.is_file()),
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
+    shutil.rmtree(written, ignore_errors=True)
+
+
+def lora_part(out: Path) -> dict:
+    started_load, runs = load(), {}
+    for mode in ("full", "lora"):
+        path = SCRATCH / f"real-loop-lora-{mode}.json"
+        subprocess.run(
+            [sys.executable, "-m", "bench.real_loop", "lora-worker", "--mode", mode, "--out", str(path)],
+            cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        runs[mode] = json.loads(path.read_text())
+        print(json.dumps(runs[mode]), flush=True)
+    result = {"machine": machine(), "load_average_start": started_load, "load_average_end": load(), "runs": runs}
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def iteration_rows(run_root: Path) -> list[dict]:
+    """Per finished iteration of the campaign: the curve's figures and each stage's seconds, from MLflow."""
+    from mlflow import MlflowClient
+
+    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
+
+    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(CAMPAIGN)
+    finished = f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'"
+    rows = []
+    for run in sorted(
+        client.search_runs([experiment.experiment_id], finished), key=lambda r: int(r.data.tags[TAG_ITERATION])
+    ):
+        metrics = run.data.metrics
+        named = {
+            "rm_accuracy": "train_reward_model/eval_accuracy",
+            "rm_pairs": "train_reward_model/pairs",
+            "rm_eval_pairs": "train_reward_model/eval_pairs",
+            "decisive_fraction": "collect_preferences/decisive_fraction",
+            "rm_score": "evaluate/reward_mean",
+            "initial_rm_score": "evaluate/reference_reward_mean",
+            "rubric": "evaluate/rubric_mean",
+            "initial_rubric": "evaluate/reference_rubric_mean",
+            "kl_to_reference": "evaluate/kl_to_reference",
+            "explained_variance": "ppo_update/explained_variance",
+            "length_correlation": "rollout/score_length_correlation",
+            "response_length": "rollout/response_length_mean",
+        }
+        row = {"iteration": int(run.data.tags[TAG_ITERATION]), **{k: metrics.get(v) for k, v in named.items()}}
+        row["seconds"] = {stage: metrics.get(f"{stage}/seconds") for stage in STAGES}
+        row["wall_seconds"] = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
+        row["run_id"] = run.info.run_id
+        rows.append(row)
+    return rows
+
+
+def loop_part(out: Path, *, iterations: int | None, read_back: Path | None) -> dict:
+    run_root = read_back or SCRATCH / "real-loop-curve"
+    started_load, wall = load(), None
+    if read_back is None:
+        shutil.rmtree(run_root, ignore_errors=True)
+        overrides = [f"model.policy={ensure_folder()}", f"run_root={run_root}"]
+        if iterations is not None:
+            overrides.append(f"iterations={iterations}")
+        command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(CONFIG)]
+        command += [part for override in overrides for part in ("--set", override)]
+        print(" ".join(command), flush=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "configs"), str(REPO)])}
+        tick = time.perf_counter()
+        subprocess.run(command, cwd=REPO, env=env, check=True)
+        wall = time.perf_counter() - tick
+    rows = iteration_rows(run_root)
+    figure = None
+    if rows:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+        figure = client.download_artifacts(rows[-1]["run_id"], "overoptimisation.png", str(SCRATCH))
+    result = {
+        "machine": machine(),
+        "load_average_start": started_load,
+        "load_average_end": load(),
+        "command_wall_seconds": wall,
+        "run_root": str(run_root),
+        "figure": figure,
+        "iterations": rows,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "run_id"}), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop"])
+    parser.add_argument("--prompts", type=int, default=96, help="pairs-file: training prompts, 4 candidates each")
+    parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
+    parser.add_argument("--iterations", type=int, help="loop: override the config's iterations")
+    parser.add_argument("--read-back", type=Path, help="loop: read the run root of a stopped run instead of running")
+    parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-loop-PART.json)")
+    args = parser.parse_args()
+    out = args.out or SCRATCH / f"real-loop-{args.part}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO / "configs"))  # the task's module, smollm2_task, beside its config
+    random.seed(0)
+    if args.part == "pairs":
+        pairs_part(out)
+    elif args.part == "pairs-file":
+        pairs_file_part(args.prompts)
+    elif args.part == "critic":
+        critic_part(out)
+    elif args.part == "lora":
+        lora_part(out)
+    elif args.part == "lora-worker":
+        lora_worker(args.mode, out)
+    else:
+        loop_part(out, iterations=args.iterations, read_back=args.read_back)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
