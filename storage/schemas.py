@@ -16,7 +16,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
 ``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime.
 3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files.
@@ -25,7 +25,9 @@ SCHEMA_VERSION = 5
 5: the sampler's own log-probs are kept beside the trainer's (``engine_logprobs``, the generation engine's;
 ``sampling.engine``): in every rollout, and in candidates and evaluation pieces sampled by vLLM, with the
 trainer's ``old_logprobs`` there. Migration: as for every bump, an unfinished iteration's outputs of schema 4
-are recomputed; finished iterations are kept as they are (a campaign is history)."""
+are recomputed; finished iterations are kept as they are (a campaign is history).
+6: experience keeps the version of the policy that sampled each row (``policy_version``, ``sampling.staleness``).
+Experience of schema 5 is still read (replayed): it has no such column, and its rows are on-policy."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
@@ -52,6 +54,7 @@ KL = "kl"
 POLICY_KL = "policy_kl"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
+POLICY_VERSION = "policy_version"
 
 TOKEN_IDS = pa.list_(pa.int32())
 CHAT_MESSAGES = pa.list_(
@@ -137,7 +140,8 @@ SCORED_TOKEN_COLUMNS = (REWARDS, KL, ADVANTAGES, RETURNS)
 #: Rollout experience (stage 4 output). ``prompt_id`` is the prompt's id in its file (the rows of one
 #: prompt form a group), ``prompt_ids`` the unpadded prompt tokens, ``response_ids`` the unpadded
 #: action tokens; ``old_values`` is null throughout when the rollout had no critic; ``engine_logprobs`` are the
-#: sampler's log-probs of the actions (``old_logprobs`` are the trainer's).
+#: sampler's log-probs of the actions (``old_logprobs`` are the trainer's); ``policy_version`` the version of the
+#: policy that sampled the row (the updates behind it), null only in experience of schema 5, read as it was.
 EXPERIENCE = _schema(
     (ROW, pa.int64()),
     (PROMPT_ID, pa.int64()),
@@ -145,7 +149,8 @@ EXPERIENCE = _schema(
     (RESPONSE_IDS, TOKEN_IDS),
     *((name, TOKEN_FLOATS) for name in EXPERIENCE_TOKEN_COLUMNS),
     (SCORES, pa.float32()),
-    nullable=NULLABLE_TOKEN_COLUMNS,
+    (POLICY_VERSION, pa.int64()),
+    nullable=(*NULLABLE_TOKEN_COLUMNS, POLICY_VERSION),
 )
 
 #: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).

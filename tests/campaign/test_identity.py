@@ -9,6 +9,7 @@ version computed for it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -113,3 +114,12 @@ def test_issue26_a_campaign_finished_before_the_move_has_nothing_to_run_with_the
     # What `rlhf replay`, `export` and `gc` read of the iteration.
     read = source_config(load_config(TINY, [f"run_root={tmp_path}"]), run_id)
     assert read == PipelineConfig.model_validate_json(RECORDED) and read.execution.torch_threads == 2
+
+
+def test_issue33_a_field_added_since_keeps_every_identity_at_its_old_value_and_is_part_of_it_at_another():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    assert recorded.sampling.staleness == 0 and recorded.ppo.off_policy == "decoupled"
+    assert config_fingerprint(recorded) == FINGERPRINT and run_key(recorded, BASE, "", 0) == ITERATION_KEY
+    overlapped = recorded.model_copy(update={"sampling": dataclasses.replace(recorded.sampling, staleness=1)})
+    assert config_fingerprint(overlapped) != FINGERPRINT and run_key(overlapped, BASE, "", 0) != ITERATION_KEY
+    assert campaign_fields(overlapped)["sampling"]["staleness"] == 1
