@@ -119,6 +119,10 @@ EVALUATION = _schema(
 (null otherwise; :data:`LOGPROB_COLUMNS`). The pieces evaluation's shards write (its output is ``samples.jsonl``,
 without the log-probs)."""
 
+#: The reference's response to each held-out prompt (``row``: the prompt's line in the file), sampled once per
+#: campaign and read back by every iteration's evaluation (:mod:`tasks.sample_reference`).
+REFERENCE_RESPONSES = _schema((ROW, pa.int64()), (RESPONSE, pa.string()), (RESPONSE_IDS, TOKEN_IDS))
+
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
@@ -166,6 +170,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "human_labels": HUMAN_LABELS,
     "experience": EXPERIENCE,
     "scored_experience": SCORED_EXPERIENCE,
+    "reference_responses": REFERENCE_RESPONSES,
 }
 
 
@@ -244,5 +249,6 @@ TABLES = {
     "preferences": PREFERENCES,
     "experience": EXPERIENCE,
     "evaluation": EVALUATION,
+    "reference_responses": REFERENCE_RESPONSES,
 }
 """The tables a fan-out stage's shards write, by name (a shard's rows travel to the stage as a named table)."""

@@ -68,6 +68,7 @@ __all__ = [
     "TAG_PACKAGE_VERSION",
     "TAG_SUPERSEDED_BY",
     "TAG_STAGE",
+    "TAG_UPSTREAM_PREFIX",
     "MissingOutputError",
     "StageRecord",
     "Tracker",
@@ -79,6 +80,9 @@ TAG_STAGE = "rlhf.stage"
 TAG_KIND = "rlhf.kind"
 TAG_INPUT_KEY = "rlhf.input_key"
 TAG_MANIFEST_DIGEST = "rlhf.manifest_digest"
+TAG_UPSTREAM_PREFIX = "rlhf.upstream."
+"""On a stage run, ``rlhf.upstream.<input>``: the manifest digest of each output it was made from (its lineage: the
+run tagged with that ``rlhf.manifest_digest`` made it), e.g. the rollout's ``policy``."""
 TAG_ITERATION_KEY = "rlhf.iteration_key"
 """An iteration (or replay) run's identity: the hash of its config, base inputs and starting point."""
 TAG_REPLAY_OF = "rlhf.replay_of"

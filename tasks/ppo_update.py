@@ -25,10 +25,10 @@ import json
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from rlhf_core.ppo import MinibatchStats, PPOProgress
 from rlhf_core.ppo import ppo_update as update
+from runtime.bars import stage_bar
 from runtime.declaration import StageResult
 from runtime.job import Job, Training
 from runtime.metering import Throttle
@@ -41,6 +41,7 @@ from storage.manifest import prunable_digest, prunable_present, prune_files, rea
 from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.settings import OptimizerState, PPOUpdateSettings
+from tasks.staleness import with_proximal_logprobs
 from tasks.text import load_tokenizer
 
 PROGRESS_FILE = "progress.json"
@@ -120,7 +121,7 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     initial = resume.epochs_done if resume else 0
-    bar = tqdm(total=ppo.epochs, initial=initial, desc=job.stage, unit="epoch", leave=False, disable=not main)
+    bar = stage_bar(total=ppo.epochs, initial=initial, desc=job.stage, unit="epoch", disable=not main)
 
     def save(folder: Path, progress: PPOProgress | None) -> None:
         """Actor, critic (if any), their optimizer states and (mid-stage) the progress and shuffling stream."""
@@ -148,6 +149,9 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     experience = table_to_experience(
         read_table(settings.scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
+    experience, off_policy = with_proximal_logprobs(
+        settings, experience, actor, out.final_dir, resumed=checkpoint is not None, main=main
+    )
     with bar:  # closed on an error too, so the error's line starts a line of its own
         stats = update(
             actor, value_model, optimizers[0], optimizers[1] if critic else None, experience, ppo,
@@ -161,6 +165,7 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),
+        **off_policy,
     }
 
 

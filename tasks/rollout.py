@@ -6,7 +6,9 @@ policy has one (GAE); a critic-free policy's rollout has none. The reward is the
 a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The
 prompts are split into shards (:mod:`runtime.fanout`), each rolled out with its own generator (or, on vLLM, one seed
 per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them. The sampler's log-probs are kept
-beside the actor's (``engine_logprobs``), and the stage records their mismatch.
+beside the actor's (``engine_logprobs``), and the stage records their mismatch. Every row keeps the version of the
+policy that sampled it (``policy_version``, :mod:`tasks.staleness`): with ``sampling.staleness`` N the flow hands it
+the policy N versions behind the one the iteration's update starts from.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pyarrow as pa
 import torch
 
 from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
+from runtime.bars import stage_bar
 from runtime.job import Job
 from runtime.references import RewardFunctionReference
 from runtime.stage import Shards, Stage
@@ -25,6 +28,7 @@ from storage.schemas import EXPERIENCE
 from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
 from tasks.settings import RolloutSettings
+from tasks.staleness import policy_version
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 
@@ -96,12 +100,15 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
             reward_tokenizer_dir=context.base.reward_tokenizer,
         )
     reference = models.reference(actor)
+    version = policy_version(settings.policy)
     chosen = rotating_subset(
         read_prompts(context.base.prompts.path),
         count=settings.prompts,
         iteration=context.iteration,
         offset=ROLLOUT_PROMPT_OFFSET,
     )
+    batches = sum(len(range(shard.start, shard.stop, sampling.batch_size)) for shard in job.shards)
+    bar = stage_bar(total=batches, desc=job.stage, unit="batch")
     for shard in job.shards:
         generator = shard.generator()
         tables = []
@@ -136,8 +143,11 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
                 generator=generator,
                 seeds=row_seeds(sampling, shard, first_row, len(batch)),
             )
+            experience = experience.replace(policy_versions=torch.full((len(batch),), version))
             tables.append(experience_to_table(experience, first_row=first_row))
+            bar.update(1)
         yield pa.concat_tables(tables)
+    bar.close()
 
 
 def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
@@ -149,6 +159,7 @@ def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
         "score_mean": sum(scores) / len(scores),
         "response_length_mean": sum(lengths) / len(lengths),
         "rollouts": float(len(scores)),
+        "policy_version": float(min(table.column("policy_version").to_pylist())),
         **mismatch_metrics(table),
     }
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 import torch
-from tqdm.auto import tqdm
 
 from rlhf_core.config import eval_split_error, held_out_pairs
 from rlhf_core.errors import UserError
 from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
+from runtime.bars import stage_bar
 from runtime.job import Job, Training
 from runtime.metering import Throttle
 from runtime.models import accelerator_for
@@ -112,7 +112,7 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
 
     throttle = Throttle(context.execution.checkpoint_seconds)
     initial = resume.epochs_done if resume else 0
-    bar = tqdm(total=config.epochs, initial=initial, desc=job.stage, unit="epoch", leave=False, disable=not main)
+    bar = stage_bar(total=config.epochs, initial=initial, desc=job.stage, unit="epoch", disable=not main)
 
     def save_epoch(progress: RewardTrainingProgress) -> None:
         bar.update(1)
