@@ -29,6 +29,11 @@ are recomputed; finished iterations are kept as they are (a campaign is history)
 6: experience keeps the version of the policy that sampled each row (``policy_version``, ``sampling.staleness``).
 Experience of schema 5 is still read (replayed): it has no such column, and its rows are on-policy."""
 
+READABLE_SCHEMA_VERSIONS = (5, SCHEMA_VERSION)
+"""The schema versions this version reads: its own, and 5, whose tables differ only by experience's
+``policy_version`` column (read as on-policy rows: :mod:`storage.experience_io`), so a campaign of schema-5 iterations
+continues and replays them."""
+
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
 PROMPT = "prompt"

@@ -39,7 +39,7 @@ from storage.schemas import (
 from storage.shards import read_table
 from tasks.reward_function import score_texts
 from tasks.sample_reference import batch_generator, held_out_shards
-from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import EvaluateSettings
 from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts
@@ -95,6 +95,8 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
 
     for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in EVALUATION.names}
+        seeds = row_seeds(sampling, shard, shard.start, shard.stop - shard.start)
+        sample_whole_shard(sampler, tokenizer, held_out[shard.start : shard.stop], seeds=seeds, sampling=sampling)
         for part in shard.batches(sampling.batch_size):
             prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
             prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)

@@ -26,7 +26,7 @@ from runtime.stage import Shards, Stage
 from storage.experience_io import experience_to_table
 from storage.schemas import EXPERIENCE
 from tasks.reward_function import score_texts
-from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import RolloutSettings
 from tasks.staleness import policy_version
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
@@ -112,6 +112,10 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
     for shard in job.shards:
         generator = shard.generator()
         tables = []
+        rows = [prompt for _, prompt in chosen[shard.start : shard.stop] for _ in range(samples_per_prompt)]
+        first = shard.start * samples_per_prompt
+        seeds = row_seeds(sampling, shard, first, len(rows))
+        sample_whole_shard(sampler, tokenizer, rows, seeds=seeds, sampling=sampling)
         for part in shard.batches(sampling.batch_size):
             # Each prompt's G samples sit in consecutive rows.
             batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]

@@ -25,7 +25,7 @@ from runtime.job import Job
 from runtime.shards import Shard, plan_shards
 from runtime.stage import Shards, Stage
 from storage.schemas import REFERENCE_RESPONSES, RESPONSE, RESPONSE_IDS, ROW
-from tasks.sampler import policy_sampler, row_seeds
+from tasks.sampler import policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import SampleReferenceSettings
 from tasks.tensors import encode_prompts, response_token_lists
 from tasks.text import decode, load_tokenizer, read_prompts
@@ -71,6 +71,8 @@ def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
     held_out = read_prompts(context.base.eval_prompts.path)[: settings.prompts]
     for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in REFERENCE_RESPONSES.names}
+        seeds = row_seeds(sampling, shard, shard.start, shard.stop - shard.start)
+        sample_whole_shard(sampler, tokenizer, held_out[shard.start : shard.stop], seeds=seeds, sampling=sampling)
         for part in shard.batches(sampling.batch_size):
             prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
             with models.autocast(), torch.no_grad():
