@@ -134,16 +134,40 @@ def _input_file(cache: FingerprintCache | None, setting: str, path: str | Path) 
     return InputFile(path=str(Path(path).resolve()), sha256="" if cache is None else cache.fingerprint(Path(path)))
 
 
+ADDED_FIELDS: dict[str, object] = {
+    "sampling.staleness": 0,
+    "ppo.off_policy": "decoupled",
+    "ppo.behaviour_weight_cap": 2.0,
+}
+"""Fields added after campaigns were recorded, each with the value that computes what the code before it computed
+(with staleness 0 every row is on-policy, and the correction is none). At that value a field is left out of every
+identity (the campaign's fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep
+theirs; any other value is part of them. A field added without an entry here changes the fingerprint but not the
+campaign: :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the
+campaign's config passes where this one leaves them there. An entry here also keeps run keys, hence finished
+iterations, as they were."""
+
+
 def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:
-    """The config as JSON values, less the fields at ``paths`` (dotted)."""
+    """The config as JSON values, less the fields at ``paths`` (dotted) and the :data:`ADDED_FIELDS` at their old
+    value."""
     fields = config.model_dump(mode="json")
-    for path in paths:
+    added = tuple(path for path, value in ADDED_FIELDS.items() if _leaf(fields, path) == value)
+    for path in paths + added:
         *parents, leaf = path.split(".")
         node = fields
         for parent in parents:
-            node = node[parent]
-        node.pop(leaf)
+            node = node.get(parent, {})
+        node.pop(leaf, None)
     return fields
+
+
+def _leaf(tree: dict, path: str) -> object:
+    """The value at a dotted ``path`` of a nested dict (None where there is none)."""
+    node: object = tree
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:

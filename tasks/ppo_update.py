@@ -39,6 +39,7 @@ from storage.manifest import prunable_digest, prunable_present, prune_files, rea
 from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.settings import OptimizerState, PPOUpdateSettings
+from tasks.staleness import with_proximal_logprobs
 from tasks.text import load_tokenizer
 
 
@@ -99,6 +100,10 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     experience = table_to_experience(
         read_table(settings.scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
+    experience, off_policy = with_proximal_logprobs(
+        settings, experience, trained["actor"], out.final_dir, resumed=checkpointer.resumed is not None,
+        main=checkpointer.main,
+    )  # fmt: skip
     with checkpointer:
         stats = update(
             trained["actor"], trained.get("critic"), optimizers["actor"], optimizers.get("critic"), experience, ppo,
@@ -110,6 +115,7 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),
+        **off_policy,
     }
 
 

@@ -9,6 +9,7 @@ version computed for it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -147,3 +148,12 @@ def test_issue32_a_field_added_since_a_campaign_started_counts_as_its_default(tm
     message = capsys.readouterr().err.strip()
     assert message.startswith("rlhf: campaign `tiny` was started with another config (`sampling.engine` 'hf' there, ")
     assert "'vllm' here" in message and len(message.splitlines()) == 1
+
+
+def test_issue33_a_field_added_since_keeps_every_identity_at_its_old_value_and_is_part_of_it_at_another():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    assert recorded.sampling.staleness == 0 and recorded.ppo.off_policy == "decoupled"
+    assert config_fingerprint(recorded) == FINGERPRINT and run_key(recorded, BASE, "", 0) == ITERATION_KEY
+    overlapped = recorded.model_copy(update={"sampling": dataclasses.replace(recorded.sampling, staleness=1)})
+    assert config_fingerprint(overlapped) != FINGERPRINT and run_key(overlapped, BASE, "", 0) != ITERATION_KEY
+    assert campaign_fields(overlapped)["sampling"]["staleness"] == 1

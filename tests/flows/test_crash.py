@@ -15,6 +15,12 @@ the kill lands at a known point, not after a sleep), kills it with SIGKILL and r
 Training stages run several epochs with ``checkpoint_seconds=0``, so the ``computing`` window of
 ``train_reward_model`` and ``ppo_update`` is after their first mid-stage checkpoint and the second
 command continues from it. Slow (about 25 minutes): ``.ci/run`` runs it as its own step.
+
+Issue 33 adds the overlapped mode (``sampling.staleness=1``: iteration 1's generation stages run in the command's
+process while iteration 0's update trains in a process of its own) in three windows: both lanes in flight (the update
+after its first checkpoint, iteration 1's rollout computed and not published), the rollout published and not yet
+recorded (its iteration records it), and the update published and not recorded while the rollout runs on. The same
+checks hold, against an uncrashed overlapped campaign, and the killed command's training process must die with it.
 """
 
 from __future__ import annotations
@@ -48,15 +54,24 @@ STAGES = [
 WINDOWS = ["computing", "output", "recording"]
 COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "execution.checkpoint_seconds=0"]
 DEADLINE = 600
+OVERLAPPED = ["sampling.staleness=1"]
+OVERLAP_WINDOWS = {
+    "both lanes": "rollout:computing#2,ppo_update:computing#1",
+    "in the rollout": "rollout:output#2",
+    "in the update": "ppo_update:output#1",
+}
+"""Where the overlapped campaign is killed. ``#2``: the second rollout (iteration 1's, beside iteration 0's update);
+the update's ``computing`` point is held in its own training process, after its first checkpoint."""
 
 
-def _command(run_root: Path, world: dict[str, Path]) -> list[str]:
+def _command(run_root: Path, world: dict[str, Path], *more: str) -> list[str]:
     overrides = [
         f"run_root={run_root}",
         f"model.policy={world['policy']}",
         f"data.prompts={world['prompts']}",
         f"data.eval_prompts={world['eval_prompts']}",
         *COMMON,
+        *more,
     ]
     return [sys.executable, "-m", "flows", "run", "--config", str(TINY), *(f"--set={o}" for o in overrides)]
 
@@ -172,31 +187,35 @@ def _store(run_root: Path, campaign: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def uncrashed(checkpoint_world, tmp_path_factory):
-    run_root = tmp_path_factory.mktemp("uncrashed")
-    _run_to_end(_command(run_root, checkpoint_world), run_root / "run.log")
+def _uncrashed(world: dict[str, Path], run_root: Path, *more: str) -> tuple[dict[str, str], dict]:
+    _run_to_end(_command(run_root, world, *more), run_root / "run.log")
     store = _store(run_root, "tiny")
     assert store["statuses"] == ["FINISHED"] and store["unique outputs"] and store["artifact folders"]
     return _file_hashes(run_root / "tiny"), store
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("stage", STAGES)
-def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
-    stage, window, uncrashed, checkpoint_world, tmp_path
-):
-    run_root, held = tmp_path / "runs", tmp_path / "held"
-    command = _command(run_root, checkpoint_world)
-    log = tmp_path / "run.log"
+@pytest.fixture(scope="module")
+def uncrashed(checkpoint_world, tmp_path_factory):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed"))
+
+
+@pytest.fixture(scope="module")
+def uncrashed_overlapped(checkpoint_world, tmp_path_factory):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-overlapped"), *OVERLAPPED)
+
+
+def _kill_when_held(command: list[str], points: str, tmp_path: Path) -> Path:
+    """Run ``command`` until every one of ``points`` holds, ``kill -9`` it, check nothing outlives it; its run root."""
+    held, log = tmp_path / "held", tmp_path / "run.log"
+    expected = {point if "#" in point else f"{point}#1" for point in points.split(",")}
     with open(log, "wb") as output:
-        environment = _environment(RLHF_HOLD_AT=f"{stage}:{window}", RLHF_HOLD_FILE=str(held))
+        environment = _environment(RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
         deadline = time.monotonic() + DEADLINE
         try:
-            while not held.exists():
-                assert process.poll() is None, f"`rlhf run` ended before reaching {stage}:{window}; see {log}"
-                assert time.monotonic() < deadline, f"timed out waiting for {stage}:{window}"
+            while not held.exists() or {line.split()[0] for line in held.read_text().splitlines()} != expected:
+                assert process.poll() is None, f"`rlhf run` ended before reaching {points}; see {log}"
+                assert time.monotonic() < deadline, f"timed out waiting for {points}"
                 time.sleep(0.05)
             children = _descendants(process.pid)
             assert children, "the command runs its temporary Prefect server as a child"
@@ -206,6 +225,27 @@ def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
             process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     assert not _wait_gone(children), f"processes outliving the killed `rlhf run`: {_alive(children)}"
+    return log
+
+
+def _rerun_equals(command: list[str], log: Path, run_root: Path, uncrashed: tuple[dict[str, str], dict]) -> None:
+    """The same command again finishes the campaign exactly as the uncrashed one."""
+    _run_to_end(command, log)
+    hashes, store = uncrashed
+    assert _file_hashes(run_root / "tiny") == hashes
+    assert _store(run_root, "tiny") == store
+    leftovers = [p for p in (run_root / "tiny").glob("*/*") if p.name.startswith(".") or p.name.endswith(".partial")]
+    assert not leftovers, f"half-written folders left: {leftovers}"
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
+    stage, window, uncrashed, checkpoint_world, tmp_path
+):
+    run_root = tmp_path / "runs"
+    command = _command(run_root, checkpoint_world)
+    log = _kill_when_held(command, f"{stage}:{window}", tmp_path)
     before = _runs(_client(run_root), "tiny")
     assert "RUNNING" in {run.info.status for run in before}, "the kill leaves the iteration run RUNNING"
     if window == "recording":
@@ -213,11 +253,22 @@ def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
         assert recording.info.status == "RUNNING" and "rlhf.manifest_digest" in recording.data.tags
     if window == "computing" and stage in ("train_reward_model", "ppo_update"):
         assert list((run_root / "tiny" / stage).glob("*.partial/epoch-*")), "killed after a mid-stage checkpoint"
+    _rerun_equals(command, log, run_root, uncrashed)
 
-    _run_to_end(command, log)
 
-    hashes, store = uncrashed
-    assert _file_hashes(run_root / "tiny") == hashes
-    assert _store(run_root, "tiny") == store
-    leftovers = [p for p in (run_root / "tiny").glob("*/*") if p.name.startswith(".") or p.name.endswith(".partial")]
-    assert not leftovers, f"half-written folders left: {leftovers}"
+@pytest.mark.parametrize("case", OVERLAP_WINDOWS)
+def test_issue33_kill_minus_nine_of_an_overlapped_iteration_then_rerun_equals_a_run_that_never_crashed(
+    case, uncrashed_overlapped, checkpoint_world, tmp_path
+):
+    run_root = tmp_path / "runs"
+    command = _command(run_root, checkpoint_world, *OVERLAPPED)
+    log = _kill_when_held(command, OVERLAP_WINDOWS[case], tmp_path)
+    before = _runs(_client(run_root), "tiny")
+    assert "RUNNING" in {run.info.status for run in before}, "the kill leaves the iteration run RUNNING"
+    assert {run.data.tags.get("rlhf.iteration") for run in before} == {"0"}, "iteration 1 ran ahead, unrecorded"
+    if case == "both lanes":
+        assert list((run_root / "tiny" / "ppo_update").glob("*.partial/epoch-*")), "the update had checkpointed"
+        assert list((run_root / "tiny" / "rollout").glob("*.partial/shards/*")), "the next rollout had its shards"
+    if case == "in the rollout":
+        assert len(list((run_root / "tiny" / "rollout").glob("*/_manifest.json"))) == 2
+    _rerun_equals(command, log, run_root, uncrashed_overlapped)
