@@ -6,7 +6,9 @@ new policy has no ``critic/``, and neither have the policies after it.
 The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models,
 optimizers, the shuffling stream and running statistics: :mod:`runtime.checkpointer`); a crashed run
 continues from the last saved epoch, on any number of processes, and ends where an uninterrupted one would
-(exactly, on as many).
+(exactly, on as many). Under decoupled PPO the log-probs of its starting policy (pi_prox) for rows an older policy
+sampled are kept in the same ``.partial`` folder before the first step and read back on resume
+(:mod:`tasks.staleness`).
 
 The optimizer states it writes (``optimizers/``) are *prunable*: only the newest iteration's are needed (to continue
 the campaign), so older ones are deleted (:func:`prune_optimizer_states`). An update continues the

@@ -9,9 +9,11 @@ Choices:
    policy's, refuses rows staler than ``sampling.staleness``, and under decoupled PPO computes the log-probs of its
    starting policy (pi_prox) once, before its first step, with its own forward.
 3. A crashed update continues from a mid-stage checkpoint whose actor has moved on, so pi_prox cannot be computed
-   again from it: it is kept beside the checkpoints (``<output>.partial/prox_logprobs.safetensors``, written before
-   the first step) and read back. Every training process decides alike whether to read it or compute it (whether a
-   checkpoint exists), so a sharded forward is run by all of them or by none.
+   again from it: it is kept beside the checkpoints (``<output>.partial/prox_logprobs.safetensors``, written whole
+   under a temporary name before the first step, so before any checkpoint) and read back whenever the
+   :class:`runtime.checkpointer.Checkpointer` resumes one. Every training process decides alike whether to read it or
+   compute it (whether the checkpointer found a checkpoint), so a sharded forward is run by all of them or by none.
+   The ``.partial`` folder goes when the output is finished, pi_prox with it.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ command continues from it. Slow (about 25 minutes): ``.ci/run`` runs it as its o
 Issue 33 adds the overlapped mode (``sampling.staleness=1``: iteration 1's generation stages run in the command's
 process while iteration 0's update trains in a process of its own) in three windows: both lanes in flight (the update
 after its first checkpoint, iteration 1's rollout computed and not published), the rollout published and not yet
-recorded (its iteration records it), and the update published and not recorded while the rollout runs on. The same
-checks hold, against an uncrashed overlapped campaign, and the killed command's training process must die with it.
+recorded (its iteration records it), and the update published and not recorded while the rollout runs on; and
+iteration 1's off-policy update once it has kept pi_prox and checkpointed an epoch. The same checks hold, against an
+uncrashed overlapped campaign, and the killed command's training process must die with it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import pytest
 from mlflow import MlflowClient
 
 from storage.manifest import read_manifest
+from tasks.staleness import PROX_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -205,18 +207,28 @@ def uncrashed_overlapped(checkpoint_world, tmp_path_factory):
 
 
 def _kill_when_held(command: list[str], points: str, tmp_path: Path) -> Path:
-    """Run ``command`` until every one of ``points`` holds, ``kill -9`` it, check nothing outlives it; its run root."""
-    held, log = tmp_path / "held", tmp_path / "run.log"
+    """Run ``command`` until every one of ``points`` holds, ``kill -9`` it, check nothing outlives it; its log."""
+    held = tmp_path / "held"
     expected = {point if "#" in point else f"{point}#1" for point in points.split(",")}
+
+    def reached() -> bool:
+        return held.exists() and {line.split()[0] for line in held.read_text().splitlines()} == expected
+
+    environment = _environment(RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
+    return _kill_when(command, reached, points, tmp_path, environment)
+
+
+def _kill_when(command: list[str], reached, what: str, tmp_path: Path, environment: dict[str, str]) -> Path:
+    """Run ``command`` until ``reached()``, ``kill -9`` it, check nothing outlives it; its log."""
+    log = tmp_path / "run.log"
     with open(log, "wb") as output:
-        environment = _environment(RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
         deadline = time.monotonic() + DEADLINE
         try:
-            while not held.exists() or {line.split()[0] for line in held.read_text().splitlines()} != expected:
-                assert process.poll() is None, f"`rlhf run` ended before reaching {points}; see {log}"
-                assert time.monotonic() < deadline, f"timed out waiting for {points}"
-                time.sleep(0.05)
+            while not reached():
+                assert process.poll() is None, f"`rlhf run` ended before reaching {what}; see {log}"
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.02)
             children = _descendants(process.pid)
             assert children, "the command runs its temporary Prefect server as a child"
             os.kill(process.pid, signal.SIGKILL)
@@ -271,4 +283,29 @@ def test_issue33_kill_minus_nine_of_an_overlapped_iteration_then_rerun_equals_a_
         assert list((run_root / "tiny" / "rollout").glob("*.partial/shards/*")), "the next rollout had its shards"
     if case == "in the rollout":
         assert len(list((run_root / "tiny" / "rollout").glob("*/_manifest.json"))) == 2
+    _rerun_equals(command, log, run_root, uncrashed_overlapped)
+
+
+def test_issue33_kill_minus_nine_of_an_off_policy_update_after_a_checkpoint_resumes_with_the_same_pi_prox(
+    uncrashed_overlapped, checkpoint_world, tmp_path
+):
+    """Iteration 1's update trains on rows one version old (decoupled PPO): killed once it has kept pi_prox and
+    checkpointed an epoch, its actor has moved on, and the rerun reads pi_prox back rather than computing it from the
+    checkpoint's actor; the campaign ends as the uncrashed one (its actor included)."""
+    run_root = tmp_path / "runs"
+    command = _command(run_root, checkpoint_world, *OVERLAPPED)
+    updates = run_root / "tiny" / "ppo_update"
+
+    def reached() -> bool:  # iteration 0's update published, iteration 1's mid-stage with its pi_prox kept
+        partial = list(updates.glob("*.partial"))
+        return (
+            len(list(updates.glob("*/_manifest.json"))) == 1
+            and len(partial) == 1
+            and (partial[0] / PROX_FILE).exists()
+            and bool(list(partial[0].glob("epoch-*")))
+        )
+
+    log = _kill_when(command, reached, "iteration 1's update after a checkpoint", tmp_path, _environment())
+    (partial,) = updates.glob("*.partial")
+    assert (partial / PROX_FILE).exists() and list(partial.glob("epoch-*")), "killed mid-stage, pi_prox kept"
     _rerun_equals(command, log, run_root, uncrashed_overlapped)
