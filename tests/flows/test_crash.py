@@ -17,11 +17,13 @@ Training stages run several epochs with ``checkpoint_seconds=0``, so the ``compu
 command continues from it. Slow (about 25 minutes): ``.ci/run`` runs it as its own step.
 
 Issue 33 adds the overlapped mode (``sampling.staleness=1``: iteration 1's generation stages run in the command's
-process while iteration 0's update trains in a process of its own) in three windows: both lanes in flight (the update
-after its first checkpoint, iteration 1's rollout computed and not published), the rollout published and not yet
-recorded (its iteration records it), and the update published and not recorded while the rollout runs on; and
-iteration 1's off-policy update once it has kept pi_prox and checkpointed an epoch. The same checks hold, against an
-uncrashed overlapped campaign, and the killed command's training process must die with it.
+process while iteration 0's update trains in a process of its own), killed in both lanes (the update after its first
+checkpoint, iteration 1's rollout computed and not published), in the rollout (published and not yet recorded: its
+iteration records it) and in iteration 1's off-policy update (once it has kept pi_prox and checkpointed an epoch). The
+same checks hold, against an uncrashed overlapped campaign, and the killed command's training process must die with
+it. About 5 minutes more in CI (the fixture and three cases, each a tiny campaign and a half). The update published
+and not recorded while the rollout runs on was cut for time: the flow records it as in the sequential suite's
+``ppo_update:output`` case, and both lanes' case kills that update in flight.
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ OVERLAPPED = ["sampling.staleness=1"]
 OVERLAP_WINDOWS = {
     "both lanes": "rollout:computing#2,ppo_update:computing#1",
     "in the rollout": "rollout:output#2",
-    "in the update": "ppo_update:output#1",
 }
 """Where the overlapped campaign is killed. ``#2``: the second rollout (iteration 1's, beside iteration 0's update);
 the update's ``computing`` point is held in its own training process, after its first checkpoint."""
