@@ -82,7 +82,7 @@ def test_comment_and_docstring_edits_anywhere_and_orchestration_edits_re_run_not
         "    # Every stage sets its own thread count",
         "    # Each stage sets its thread count",
     )
-    _edit(source / "flows" / "concurrency.py", '"released the campaign slot of', '"released the slot of')
+    _edit(source / "flows" / "concurrency.py", 'another iteration or "', 'another iteration, or "')
     _edit(source / "flows" / "rlhf_pipeline.py", '"""The RLHF flows', '"""The RLHF flows (edited)')
     done = rlhf("run")
     assert done.returncode == 0, done.stderr
