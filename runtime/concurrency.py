@@ -21,12 +21,10 @@ Choices:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import socket
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -161,12 +159,13 @@ def engine_limit() -> str:
 
 
 def engine_slot_record() -> Path:
-    """Where the holder of this machine's engine slot on the configured Prefect server records its lease: in the
-    machine's temporary folder, one file per server (two test sessions on one machine each have their own)."""
+    """Where the holder of this machine's engine slot records its lease: in ``PREFECT_HOME``, where a command's
+    temporary Prefect server keeps its database (each on a port of its own: the server's address would not find a
+    killed command's record), and which every command of one user's Prefect profile shares (two test sessions have
+    their own)."""
     from prefect.settings import get_current_settings
 
-    server = hashlib.sha256(str(get_current_settings().api.url).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"{engine_limit()}-{server}.lease"
+    return Path(get_current_settings().home) / f"{engine_limit()}.lease"
 
 
 @contextmanager

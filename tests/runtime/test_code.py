@@ -15,12 +15,12 @@ import pytest
 import runtime.code
 from rlhf_core.config import SamplingConfig
 from runtime.code import COMPUTING, FIRST_PARTY, code_closure, code_fingerprint, normalised
-from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.context import Execution, InputFile
 from runtime.declaration import StageSettings, setting
 from runtime.job import Job
 from runtime.stage import Stage, run_stage
-from storage.layout import RunLayout
 from tasks.settings import STAGES
+from tests.runtime.conftest import stage_context
 
 STAGE_MODULES = sorted(settings.module for settings in STAGES)
 GENERATION = ("tasks.sample_candidates", "tasks.rollout", "tasks.evaluate")
@@ -138,18 +138,7 @@ sampled = Stage(SampledSettings, work=_write_nothing)
 
 
 def test_the_engines_identity_keys_exactly_the_stages_that_sample_on_it(tmp_path: Path):
-    store = RunLayout(tmp_path)
-    tracking = TrackingStore(uri=store.tracking_uri(), artifact_root=str(store.artifact_root()))
-    context = StageContext(
-        layout=RunLayout(tmp_path / "camp"),
-        tracking=tracking,
-        campaign="camp",
-        experiment_id=tracking.tracker().experiment_id("camp"),
-        iteration=0,
-        seed=0,
-        base=BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE),
-        execution=Execution(device="cpu"),
-    )
+    context = stage_context(tmp_path, execution=Execution(device="cpu"))
     identity = {"server": "s" * 64, "vllm": "0.32.0", "device": "cpu", "dtype": "float32", "eager": False}
 
     def key(engine: str, **changed: object) -> str:

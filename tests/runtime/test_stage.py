@@ -14,18 +14,16 @@ import torch
 from pydantic import BaseModel
 
 from rlhf_core.config import AdvantageConfig
-from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.context import Execution, InputFile, StageContext
 from runtime.declaration import StageResult, StageSettings, input_digests, setting, upstream
 from runtime.job import Job
 from runtime.models import accelerator_for
 from runtime.stage import Stage, run_stage, setting_value
 from runtime.versions import library_versions
-from storage.layout import RunLayout
 from storage.manifest import read_manifest
 from storage.schemas import PROMPTS
 from tests.conftest import tiny_causal_lm
-
-FILE = InputFile(path="/data/prompts.jsonl", sha256="a" * 64)
+from tests.runtime.conftest import FILE, stage_context
 
 
 class Sizes(BaseModel):
@@ -61,19 +59,7 @@ def test_input_digests_name_tuples_by_position_and_skip_none():
 
 @pytest.fixture
 def context(tmp_path: Path) -> StageContext:
-    store = RunLayout(tmp_path)
-    tracking = TrackingStore(uri=store.tracking_uri(), artifact_root=str(store.artifact_root()))
-    base = BaseInputs(policy=FILE, tokenizer=FILE, prompts=FILE, eval_prompts=FILE)
-    return StageContext(
-        layout=RunLayout(tmp_path / "camp"),
-        tracking=tracking,
-        campaign="camp",
-        experiment_id=tracking.tracker().experiment_id("camp"),
-        iteration=0,
-        seed=0,
-        base=base,
-        execution=Execution(device="cpu", torch_threads=1),
-    )
+    return stage_context(tmp_path)
 
 
 SEEN: list[dict] = []

@@ -15,16 +15,15 @@ import pyarrow as pa
 import pytest
 
 from rlhf_core.config import SamplingConfig
-from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
+from runtime.context import Execution, InputFile, StageContext
 from runtime.declaration import StageSettings, setting
 from runtime.job import Job
 from runtime.stage import Stage, run_stage
 from runtime.versions import library_versions, stage_versions
-from storage.layout import RunLayout
 from storage.manifest import read_manifest
 from storage.schemas import PROMPTS
+from tests.runtime.conftest import FILE, stage_context
 
-FILE = InputFile(path="/data/prompts.jsonl", sha256="a" * 64)
 GGUF = InputFile(path="/runs/cache/gguf/k", sha256="b" * 64, source="/models/m.gguf")
 
 
@@ -51,21 +50,9 @@ def engine_url():
     thread.join()
 
 
-def _context(
-    tmp_path: Path, *, engine_url: str | None = None, policy: InputFile = FILE, store: bool = False
-) -> StageContext:
-    """A stage context; with ``store``, its SQLite MLflow store created (what running a stage needs)."""
-    root = RunLayout(tmp_path)
-    tracking = TrackingStore(uri=root.tracking_uri(), artifact_root=str(root.artifact_root()))
-    return StageContext(
-        layout=RunLayout(tmp_path / "camp"),
-        tracking=tracking,
-        campaign="camp",
-        experiment_id=tracking.tracker().experiment_id("camp") if store else "0",
-        iteration=0,
-        seed=0,
-        base=BaseInputs(policy=policy, tokenizer=policy, prompts=FILE, eval_prompts=FILE),
-        execution=Execution(device="cpu", torch_threads=1, engine_url=engine_url),
+def _context(tmp_path: Path, *, engine_url: str | None = None, policy: InputFile = FILE) -> StageContext:
+    return stage_context(
+        tmp_path, policy=policy, execution=Execution(device="cpu", torch_threads=1, engine_url=engine_url)
     )
 
 
@@ -101,6 +88,6 @@ sampled = Stage(SampledSettings, work=_write_prompt)
 
 
 def test_issue32_a_stage_manifest_records_the_versions_it_ran_with(tmp_path, engine_url):
-    context = _context(tmp_path, engine_url=engine_url, store=True)
+    context = _context(tmp_path, engine_url=engine_url)
     result = run_stage(sampled, context, SampledSettings(sampling=SamplingConfig(engine="vllm")))
     assert read_manifest(result.directory).runtime["versions"] == {**library_versions(), "vllm": "0.99.1"}
