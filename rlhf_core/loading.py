@@ -46,8 +46,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Hashable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
@@ -423,6 +423,23 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
+@contextmanager
+def _sets_sorted(configs: Iterable[Any]) -> Iterator[None]:
+    """The set-valued fields of PEFT ``configs`` as sorted lists while inside: PEFT writes a set (``target_modules``
+    as ``all-linear`` resolves) in the process's string-hash order, so the same adapter's ``adapter_config.json``
+    differed from one process to the next, and with it every output made from it."""
+    swapped = [
+        (config, name, value) for config in configs for name, value in vars(config).items() if isinstance(value, set)
+    ]
+    for config, name, value in swapped:
+        setattr(config, name, sorted(value))
+    try:
+        yield
+    finally:
+        for config, name, value in swapped:
+            setattr(config, name, value)
+
+
 def save_model_folder(
     model: nn.Module,
     directory: str | Path,
@@ -455,7 +472,8 @@ def save_model_folder(
     if adapted:
         for config in backbone.peft_config.values():  # say which base, not where it lived on this machine
             config.base_model_name_or_path = base
-        backbone.save_pretrained(directory, save_embedding_layers=False, **given)  # adapters never touch embeddings
+        with _sets_sorted(backbone.peft_config.values()):
+            backbone.save_pretrained(directory, save_embedding_layers=False, **given)  # adapters never touch embeddings
     elif weights:
         backbone.save_pretrained(directory, **given)
     if headed is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -189,6 +190,17 @@ def test_an_adapter_folder_holds_no_base_weights_and_loads_back_identically(fold
         ModelLoader(device=CPU, precision="fp32").load("critic", tmp_path / "critic")
     with pytest.raises(ValueError, match="holds a critic, not the actor"):
         ModelLoader(device=CPU, precision="fp32", bases=bases).load("actor", tmp_path / "critic")
+
+
+def test_issue35_an_adapters_config_is_written_the_same_by_every_process(folders, tmp_path):
+    """PEFT keeps ``all-linear``'s resolved modules as a set: written as it is, their order was the process's string
+    hash order, and a LoRA campaign's outputs differed from one command to the next (the kill -9 resume)."""
+    loader = ModelLoader(device=CPU, precision="fp32", bases={"policy": folders["policy"]}, lora=LORA)
+    actor = loader.load("actor", folders["policy"], trainable=True)
+    save_model_folder(actor, tmp_path / "actor")
+    written = json.loads((tmp_path / "actor" / "adapter_config.json").read_text())["target_modules"]
+    assert len(written) > 1 and written == sorted(written)
+    assert isinstance(actor.peft_config["default"].target_modules, set)  # as PEFT keeps it
 
 
 def test_a_base_reference_folder_is_the_base(folders, tmp_path):
