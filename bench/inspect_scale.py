@@ -100,6 +100,7 @@ def scored_experience(
             "old_values": _lists(lengths, zeros, f32),
             "engine_logprobs": pa.nulls(rollouts, pa.list_(f32)),  # sampled by hf: no engine log-probs
             "scores": pa.array(scores, type=f32),
+            "policy_version": pa.array(np.zeros(rollouts, dtype=np.int64)),
             "rewards": _lists(lengths, rewards, f32),
             "kl": _lists(lengths, d, f32),
             "advantages": _lists(lengths, rng.normal(0.0, 1.0, tokens), f32),

@@ -137,11 +137,18 @@ def _input_file(cache: FingerprintCache | None, setting: str, path: str | Path) 
 ADDED_FIELDS: dict[str, object] = {
     "pairing": "consecutive",
     "advantages.score_statistics": "held_out",
+    "sampling.staleness": 0,
+    "ppo.off_policy": "decoupled",
+    "ppo.behaviour_weight_cap": 2.0,
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
-(consecutive candidates paired, scores normalised by the reward model's held-out statistics). At that value a field
-is left out of every identity (the campaign's fingerprint, run keys), so campaigns and finished iterations recorded
-before it existed keep theirs; any other value is part of them."""
+(consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
+row is on-policy, and the correction is none). At that value a field is left out of every identity (the campaign's
+fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
+is part of them. A field added without an entry here changes the fingerprint but not the campaign:
+:func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's
+config passes where this one leaves them there. An entry here also keeps run keys, hence finished iterations, as
+they were."""
 
 
 def fields_without(config: PipelineConfig, paths: tuple[str, ...]) -> dict:

@@ -233,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         from flows.console import quiet_libraries
 
         quiet_libraries()
-    if hold_at := os.environ.get("RLHF_HOLD_AT"):  # crash tests only: see storage/holds.py
-        from storage.holds import arm
+    if os.environ.get("RLHF_HOLD_AT"):  # crash tests only: see storage/holds.py
+        from storage.holds import arm_from_environment
 
-        arm(hold_at, Path(os.environ["RLHF_HOLD_FILE"]))
+        arm_from_environment()
     _find_modules_beside(arguments.config)
     try:
         from campaign.config import load_config

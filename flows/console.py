@@ -15,6 +15,19 @@ progress bars and load reports are off. The stages announce themselves with log 
 A running stage shows its own progress bar (batches or epochs; it disappears when the stage ends), a
 finished one its summary; reused stages are counted, not listed. A record marked ``notice`` is printed as it
 is: what the person at the terminal must act on (the address of the labelling page a run waits on).
+
+With ``sampling.staleness`` >= 1 the next iteration's generation stages run beside the update (:mod:`flows.overlap`):
+both bars show at once (the update's relayed from its training process, :mod:`runtime.bars`), and a stage of the next
+iteration says so in its summary::
+
+    iteration 3 of campaign demo
+      compute_advantages     0.1 s  reward 0.651
+      rollout              131.8 s  32 rollouts, score 0.31  (iteration 4, beside the update)
+      ppo_update           185.2 s  approx KL 0.002, clipped 3%
+    rollout:  50%|█████     | 2/4 [00:40<00:40, 20.1s/batch]      (while they run)
+    ppo_update:  25%|██▌       | 1/4 [00:45<02:15, 45.0s/epoch]
+
+The next iteration then reuses those outputs; they were shown already, so they are not counted as reused.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import os
 import sys
 from typing import IO
 
-from runtime.events import STAGE_EVENT
+from runtime.events import ITERATION_EVENT, STAGE_EVENT
 
 """The record attribute :mod:`runtime.stage` and the flows mark their announcements with (the same string there)."""
 
@@ -36,6 +49,7 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
     "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL (k1) {:.3g}")),
     "ppo_update": (("approx_kl", "approx KL {:.3g}"), ("clip_fraction", "clipped {:.0%}")),
+    "sample_reference": (("responses", "{:.0f} reference responses, once per campaign"),),
     "evaluate": (
         ("gold_win_rate", "gold win rate {:.2f}"),
         ("reward_mean", "reward {:.3g}"),
@@ -61,21 +75,28 @@ class StageConsole(logging.Handler):
         super().__init__(level=logging.INFO)
         self.stream = stream or sys.stderr
         self.reused = 0
+        self.iteration: int | None = None
+        self.shown: set[str] = set()  # outputs this command computed and showed (input keys)
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, STAGE_EVENT, None)
         if event in ("iteration", "started", "notice"):
             self._flush_reused()
         if event == "iteration":
+            self.iteration = getattr(record, ITERATION_EVENT, None)
             self._write(record.getMessage())
         elif event == "notice":  # something the person at the terminal must act on (where to label pairs)
             self._write(f"  {record.getMessage()}")
         elif event == "finished":
             result = record.rlhf_result  # type: ignore[attr-defined]
-            if result.reused:
+            if not result.reused:
+                iteration = getattr(record, ITERATION_EVENT, None)
+                ahead = self.iteration is not None and iteration is not None and iteration > self.iteration
+                line = summary_line(result.stage, result.metrics)
+                self._write(f"{line}  (iteration {iteration}, beside the update)" if ahead else line)
+                self.shown.add(result.input_key)
+            elif result.input_key not in self.shown:  # not the output of a stage run ahead by this command
                 self.reused += 1
-            else:
-                self._write(summary_line(result.stage, result.metrics))
 
     def _flush_reused(self) -> None:
         if self.reused:

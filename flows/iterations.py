@@ -55,20 +55,46 @@ from tasks.text import load_tokenizer, same_tokenizer
 @dataclass(frozen=True)
 class IterationState:
     """What one iteration hands the next: the policy (actor, and critic if any), the reward model and all
-    pairs so far (none with a reward function), and its scored experience (where the adaptive KL
-    coefficient comes from)."""
+    pairs so far (none with a reward function), its scored experience (where the adaptive KL
+    coefficient comes from), and with ``sampling.staleness`` N the N policies before ``policy`` (``earlier``, oldest
+    first), one of which the next iteration's generation stages sample from."""
 
     policy: StageResult
     reward_model: StageResult | None = None
     preferences: tuple[StageResult, ...] = ()
     advantages: StageResult | None = None
+    earlier: tuple[StageResult, ...] = ()
+
+    def sampler(self, staleness: int) -> StageResult:
+        """The policy ``staleness`` versions behind ``policy`` (the oldest kept, the campaign's initial one, when
+        there are fewer): what the next iteration's generation stages sample from."""
+        chain = (*self.earlier, self.policy)
+        return chain[max(0, len(chain) - 1 - staleness)]
+
+    def after(self, policy: StageResult, *, staleness: int, **handed: object) -> IterationState:
+        """The state after an iteration that made ``policy`` from this one (and ``handed`` on the rest)."""
+        chain = (*self.earlier, self.policy)
+        earlier = chain[max(0, len(chain) - staleness) :] if staleness else ()
+        return IterationState(policy, earlier=earlier, **handed)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Front:
+    """An iteration's generation side (stages 1-4): its stage outputs in order, the reward model that scores it and
+    every preference table so far (None and none with a reward function), and its rollout."""
+
+    stages: tuple[StageResult, ...]
+    reward_model: StageResult | None
+    preferences: tuple[StageResult, ...]
+    experience: StageResult
 
 
 @dataclass(frozen=True)
 class ReplayInputs:
-    """What a replay reuses from its source iteration: the experience, the policy it was rolled out with,
-    the reward model that scored it (None for a reward function), and the previous iteration's scored
-    experience (None in iteration 0), whose adaptive KL coefficient the source started from."""
+    """What a replay reuses from its source iteration: the experience, the policy its update started from (the one
+    that sampled the experience, or with ``sampling.staleness`` a newer one), the reward model that scored it (None
+    for a reward function), and the previous iteration's scored experience (None in iteration 0), whose adaptive KL
+    coefficient the source started from."""
 
     experience: StageResult
     policy: StageResult
@@ -84,26 +110,35 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
+def campaign_threads(config: PipelineConfig, policy: str) -> int:
+    """The torch threads of ``config``'s stages (and of the engine it starts) for the initial ``policy``: chosen once
+    per campaign and machine under ``auto`` (:func:`runtime.threads.command_threads`)."""
+    record = campaign_layout(config).threads_file()
+    return command_threads(config.execution.torch_threads, policy, record=record)
+
+
 def generation_engine(config: PipelineConfig, policy: str) -> str | None:
-    """The URL of the generation engine ``config``'s stages sample on, started (serving ``policy`` first) unless it
-    runs already (:func:`runtime.engine.ensure_engine`); None with ``sampling.engine: hf``."""
+    """The URL of the generation engine ``config``'s stages sample on, started (serving ``policy`` first, on the
+    campaign's threads) unless it runs already (:func:`runtime.engine.ensure_engine`); None with ``sampling.engine:
+    hf``."""
     if config.sampling.engine != "vllm":
         return None
     lora = config.model.lora
     rank = None if lora is None else lora.r
-    return ensure_engine(config.execution, precision=config.precision, lora_rank=rank, policy=policy)
+    threads = campaign_threads(config, policy)
+    return ensure_engine(config.execution, precision=config.precision, lora_rank=rank, policy=policy, threads=threads)
 
 
 def execution_of(config: PipelineConfig, base: BaseInputs) -> Execution:
     """How ``config``'s stages run: on the cluster a :func:`runtime.cluster.cluster` block started or
     ``execution.address`` names, with the generation engine (:func:`generation_engine`), and
-    ``execution.torch_threads: auto`` chosen from the policy's size and this machine's cores
-    (:func:`rlhf_core.precision.resolve_threads`)."""
+    ``execution.torch_threads: auto`` chosen from the policy's size and this machine's idle cores once per campaign
+    and machine (:mod:`runtime.threads`)."""
     execution = config.execution
     engine_url = generation_engine(config, base.policy.path)
     return Execution(
         device=execution.device,
-        torch_threads=command_threads(execution.torch_threads, base.policy.path),
+        torch_threads=campaign_threads(config, base.policy.path),
         checkpoint_seconds=execution.checkpoint_seconds,
         gradient_checkpointing=execution.gradient_checkpointing,
         task_runner=execution.task_runner,
@@ -454,9 +489,10 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     scored = recorded_result(
         context, stage_run(context.tracker, context.experiment_id, source_run_id, "compute_advantages")
     )
+    update = recorded_result(context, stage_run(context.tracker, context.experiment_id, source_run_id, "ppo_update"))
     return ReplayInputs(
         experience=experience,
-        policy=upstream_result(context, experience, "policy"),
+        policy=upstream_result(context, update, "policy"),
         reward_model=optional_upstream_result(context, experience, "reward_model"),
         previous=optional_upstream_result(context, scored, "previous"),
     )
@@ -487,7 +523,8 @@ def finished_state(config: PipelineConfig, base: BaseInputs, finished: RunSummar
 def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, parent: str) -> IterationState:
     """The state after the finished iteration run ``parent``: its PPO output (actor, and critic if any), its
     scored experience, its reward model and every preference table that reward model was trained on (none
-    when a reward function scored that iteration)."""
+    when a reward function scored that iteration), and the ``sampling.staleness`` policies before its PPO output (each
+    update's input policy, back to the campaign's initial one)."""
     tracker = tracking_store(config).tracker()
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
     policy = recorded_result(context, stage_run(context.tracker, context.experiment_id, parent, "ppo_update"))
@@ -500,4 +537,7 @@ def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, paren
         reward_model = recorded_result(context, reward_model_run)
         names = upstream_names(reward_model, prefix="preferences_")
         preferences = tuple(upstream_result(context, reward_model, name) for name in names)
-    return IterationState(policy, reward_model, preferences, advantages)
+    earlier: list[StageResult] = []
+    while len(earlier) < config.sampling.staleness and (earlier or [policy])[0].stage == "ppo_update":
+        earlier.insert(0, upstream_result(context, (earlier or [policy])[0], "policy"))
+    return IterationState(policy, reward_model, preferences, advantages, earlier=tuple(earlier))

@@ -10,6 +10,9 @@ first unfinished stage. Each stage gets exactly the settings it declares (:mod:`
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -19,6 +22,7 @@ from flows.concurrency import campaign_slot
 from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
 from flows.iterations import (
+    Front,
     IterationState,
     ReplayInputs,
     campaign_layout,
@@ -31,6 +35,7 @@ from flows.iterations import (
     open_replay,
     resolve_base,
 )
+from flows.overlap import ahead_of, beside, lanes, runs_ahead
 from flows.replay import check_replay_data, check_replayable
 from rlhf_core.precision import resolve_device
 from runtime.cluster import cluster
@@ -38,7 +43,7 @@ from runtime.concurrency import gpu_stages
 from runtime.context import BaseInputs, StageContext
 from runtime.declaration import StageResult
 from runtime.engine import engine_identity
-from runtime.events import STAGE_EVENT, announces_failure
+from runtime.events import ITERATION_EVENT, STAGE_EVENT, announces_failure
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -47,6 +52,7 @@ from tasks.initialize import initialize
 from tasks.ppo_update import optimizer_state, ppo_update
 from tasks.rollout import rollout
 from tasks.sample_candidates import sample_candidates
+from tasks.sample_reference import sample_reference
 from tasks.train_reward_model import train_reward_model
 
 
@@ -87,10 +93,13 @@ def rlhf_iteration(
     state: IterationState | None = None,
     fresh: bool = False,
     base: BaseInputs | None = None,
+    ahead: bool = False,
 ) -> IterationState:
     """One RLHF iteration. Without ``iteration``, continues the campaign from its latest finished iteration.
     With ``fresh``, a finished run of the same inputs is recomputed in a new run, which supersedes it. ``base``:
     the base inputs the command resolved already (:func:`flows.iterations.resolve_base`), or None to resolve them.
+    With ``ahead`` and ``sampling.staleness`` >= 1, the next iteration's generation stages run beside this one's
+    update (:mod:`flows.overlap`).
 
     Holds the campaign's lock file and the slot of its Prefect global concurrency limit throughout, so two
     iterations of one campaign never run at once, on one machine or several; on a GPU its stages carry the ``gpu``
@@ -112,7 +121,10 @@ def rlhf_iteration(
             _name_iteration_run(config.campaign, iteration)
         context = open_iteration(config, iteration, base, state, fresh=fresh)
         get_run_logger().info(
-            "iteration %d of campaign %s", iteration, config.campaign, extra={STAGE_EVENT: "iteration"}
+            "iteration %d of campaign %s",
+            iteration,
+            config.campaign,
+            extra={STAGE_EVENT: "iteration", ITERATION_EVENT: iteration},
         )
         with (
             context.tracker.ends_on_error(context.parent_run_id),
@@ -121,7 +133,7 @@ def rlhf_iteration(
             ),
             gpu_stages(resolve_device(config.execution.device).type, campaign=config.campaign),
         ):
-            return _iteration(config, context, state)
+            return _iteration(config, context, state, ahead=ahead)
 
 
 def _failure_payload(context: StageContext, kind: str, policy: StageResult | None) -> dict:
@@ -135,43 +147,73 @@ def _failure_payload(context: StageContext, kind: str, policy: StageResult | Non
     }
 
 
-def _iteration(config: PipelineConfig, context: StageContext, state: IterationState | None) -> IterationState:
+def _iteration(
+    config: PipelineConfig, context: StageContext, state: IterationState | None, *, ahead: bool
+) -> IterationState:
     state = state or IterationState(policy=initialize(context, config))  # iteration 0 starts the campaign
-    reward_model, all_preferences, learned = None, (), []
-    if config.reward.source == "reward_model":
-        collected = _collect(config, context, state) if config.reward_model.train else ()
-        all_preferences = (*state.preferences, *collected[-1:])
-        reward_model = train_reward_model(context, config, preferences=all_preferences, previous=state.reward_model)
-        learned = [*collected, reward_model]
-    critic_start = _critic_start(config, state.policy, reward_model)
-    experience = rollout(context, config, policy=state.policy, reward_model=reward_model, critic_start=critic_start)
+    staleness = config.sampling.staleness
+    sampling, training = lanes(context, config)
+    front = _front(config, sampling, state.sampler(staleness), state.reward_model, state.preferences)
     scored = compute_advantages(
-        context, config, experience=experience, reward_model=reward_model, previous=state.advantages
+        training, config, experience=front.experience, reward_model=front.reward_model, previous=state.advantages
     )
-    optimizer = optimizer_state(state.policy)
-    policy = ppo_update(
-        context, config, policy=state.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
+    update = {
+        "policy": state.policy,
+        "optimizer": optimizer_state(state.policy),
+        "scored": scored,
+        "critic_start": _critic_start(config, state.policy, front.reward_model),
+    }
+    if ahead and runs_ahead(config):  # the next iteration's generation beside this update (flows.overlap)
+        next_sampler = state.sampler(staleness - 1)
+        next_front = partial(_front, config, ahead_of(sampling), next_sampler, front.reward_model, front.preferences)
+        policy = beside(ppo_update.submit(training, config, **update), next_front)
+    else:
+        policy = ppo_update(training, config, **update)
+    reference = sample_reference(replace(context, iteration=0), config)  # once per campaign
+    evaluation = evaluate(context, config, policy=policy, reward_model=front.reward_model, reference=reference)
+    stages = [*front.stages, scored, policy, reference, evaluation]
+    new_state = state.after(
+        policy, staleness=staleness, reward_model=front.reward_model, preferences=front.preferences, advantages=scored
     )
-    evaluation = evaluate(context, config, policy=policy, reward_model=reward_model)
-    stages = [*learned, experience, scored, policy, evaluation]
-    new_state = IterationState(policy, reward_model, all_preferences, scored)
     return close_iteration(context, stages, new_state)
 
 
 def _critic_start(config: PipelineConfig, policy: StageResult, reward_model: StageResult | None) -> StageResult | None:
-    """The reward model the critic starts from while the policy is the campaign's start, which has none
+    """The reward model the critic starts from while ``policy`` is the campaign's start, which has none
     (``PipelineConfig.critic_from_trained_reward_model``); None once a PPO update has made the critic."""
     return reward_model if config.critic_from_trained_reward_model and policy.stage == "initialize" else None
 
 
-def _collect(config: PipelineConfig, context: StageContext, state: IterationState) -> tuple[StageResult, ...]:
-    """Stages 1 and 2: candidates from the current policy (none for imported pairs: nothing would read them), and
-    their preference labels."""
+def _front(
+    config: PipelineConfig,
+    context: StageContext,
+    sampler: StageResult,
+    reward_model: StageResult | None,
+    preferences: tuple[StageResult, ...],
+) -> Front:
+    """Stages 1-4, the generation side: candidates and their labels from the ``sampler`` policy, the reward model
+    trained on every pair so far (continuing ``reward_model``), and the rollout of ``sampler``."""
+    learned: list[StageResult] = []
+    if config.reward.source == "reward_model":
+        collected = _collect(config, context, sampler, reward_model) if config.reward_model.train else ()
+        preferences = (*preferences, *collected[-1:])
+        reward_model = train_reward_model(context, config, preferences=preferences, previous=reward_model)
+        learned = [*collected, reward_model]
+    critic_start = _critic_start(config, sampler, reward_model)
+    experience = rollout(context, config, policy=sampler, reward_model=reward_model, critic_start=critic_start)
+    return Front((*learned, experience), reward_model, preferences, experience)
+
+
+def _collect(
+    config: PipelineConfig, context: StageContext, sampler: StageResult, reward_model: StageResult | None
+) -> tuple[StageResult, ...]:
+    """Stages 1 and 2: candidates from the ``sampler`` policy (none for imported pairs: nothing would read them), and
+    their preference labels (by the previous ``reward_model`` with labeler reward_model)."""
     if config.labeler == "import":
         return (collect_preferences(context, config, candidates=None, reward_model=None, labels=None),)
-    candidates = sample_candidates(context, config, policy=state.policy)
+    candidates = sample_candidates(context, config, policy=sampler)
     labels = request_human_labels(context, config, candidates) if config.labeler == "human" else None
-    judge_model = state.reward_model if config.labeler == "reward_model" else None
+    judge_model = reward_model if config.labeler == "reward_model" else None
     preferences = collect_preferences(context, config, candidates=candidates, reward_model=judge_model, labels=labels)
     return candidates, preferences
 
@@ -205,7 +247,8 @@ def rlhf_campaign(
         if earlier and (note := what_differs(earlier, base, vllm=vllm)):
             get_run_logger().info("campaign %s: %s", config.campaign, note, extra={STAGE_EVENT: "notice"})
         for iteration in range(start, config.iterations):
-            state = rlhf_iteration(config, iteration, state, fresh=iteration in finished, base=base)
+            ahead = iteration + 1 < config.iterations
+            state = rlhf_iteration(config, iteration, state, fresh=iteration in finished, base=base, ahead=ahead)
     return state
 
 
@@ -243,15 +286,17 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
 
 
 def _replay(config: PipelineConfig, context: StageContext, inputs: ReplayInputs) -> str:
+    _, training = lanes(context, config)  # the threads and process its source's update had
     scored = compute_advantages(
-        context, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
+        training, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
     )
     optimizer = optimizer_state(inputs.policy, present_only=True)
     critic_start = _critic_start(config, inputs.policy, inputs.reward_model)
     new_policy = ppo_update(
-        context, config, policy=inputs.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
+        training, config, policy=inputs.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
     )
-    evaluation = evaluate(context, config, policy=new_policy, reward_model=inputs.reward_model)
+    reference = sample_reference(replace(context, iteration=0), config)
+    evaluation = evaluate(context, config, policy=new_policy, reward_model=inputs.reward_model, reference=reference)
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
-    close_iteration(context, [scored, new_policy, evaluation], state, experience=inputs.experience)
+    close_iteration(context, [scored, new_policy, reference, evaluation], state, experience=inputs.experience)
     return context.parent_run_id

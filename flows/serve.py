@@ -87,12 +87,13 @@ def schema_bounds() -> dict[type, dict[str, dict[str, float]]]:
 
 
 HIDDEN_PARAMETERS = {
-    "rlhf-iteration": ("state", "fresh", "base"),
+    "rlhf-iteration": ("state", "fresh", "base", "ahead"),
     "rlhf-campaign": ("base",),
     "rlhf-replay": ("base",),
 }
 """Flow parameters left out of a deployment's form: what one command hands its flows in process (the hand-over
-between the iterations of a campaign, a recompute asked with ``--from-iteration``, the base inputs it resolved)."""
+between the iterations of a campaign, a recompute asked with ``--from-iteration``, the base inputs it resolved,
+whether the next iteration's generation runs ahead)."""
 
 
 def with_bounds(schema: dict[str, Any], *, hidden: tuple[str, ...] = ()) -> dict[str, Any]:

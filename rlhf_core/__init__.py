@@ -46,6 +46,7 @@ __all__ = [
     "masked",
     "models",
     "mismatch",
+    "off_policy",
     "ppo",
     "precision",
     "reward_training",

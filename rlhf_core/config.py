@@ -19,6 +19,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 """Numeric precision of forward passes (:mod:`rlhf_core.precision`)."""
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 """Where models run (:func:`rlhf_core.precision.resolve_device`)."""
+OffPolicyCorrection = Literal["decoupled", "behaviour"]
+"""How the PPO update corrects for rows sampled by an older policy (``sampling.staleness``; :mod:`rlhf_core.off_policy`)."""
 GenerationEngine = Literal["hf", "vllm"]
 """What samples responses (:func:`rlhf_core.generation.generate`): our KV-cache loop, or a vLLM engine."""
 LabelerName = Literal["gold", "import", "reward_model", "human", "function"]
@@ -167,6 +169,12 @@ class SamplingConfig:
     """What samples: `hf` (the project's own KV-cache loop on the stage's models) or `vllm` (a long-lived vLLM
     engine in its own environment, `bash scripts/setup-vllm.sh`; see docs/engines.md). Other engines pick other
     tokens for the same seed, so it is part of the generation stages' input keys."""
+    staleness: int = bounded(0, ge=0)
+    """Policy versions the generation stages may lag behind the update (:mod:`rlhf_core.off_policy`): 0 samples each
+    iteration from the policy the previous update made (sequential iterations); 1 samples iteration k+1 from the policy
+    that sampled iteration k, so a campaign samples it while iteration k's update runs (verl's one-step-off, NeMo-RL's
+    `max_trajectory_age_steps` 1, prime-rl's `max_async_level` 1); N samples N versions behind. It changes what is
+    sampled, so it is part of the generation stages' keys. 0 until overlap is measured faster (bench/RESULTS.md)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -295,10 +303,20 @@ class PPOConfig:
     """Truncated importance sampling of the engine's mismatch (Yao et al. 2025, "TIS"): each token's policy loss
     is weighted by min(exp(old_logprobs - engine_logprobs), tis_cap), the probability the trainer gives the
     sampled token over the one the sampler gave it, capped. None weighs every token 1 (verl and SkyRL use 2)."""
+    off_policy: OffPolicyCorrection = "decoupled"
+    """The correction for rows an older policy sampled (`sampling.staleness` >= 1; on-policy rows need none):
+    `decoupled` (Hilton et al. 2022; AReaL, NeMo-RL) clips the ratio around the policy the update starts from and
+    weighs each token by min(pi_prox / pi_behaviour, `behaviour_weight_cap`); `behaviour` takes the sampling policy's
+    log-probs as pi_old (verl's one-step-off, TRL's async GRPO, prime-rl): no recomputation, but the clip region is
+    around a policy the update has already left (rlhf_core.off_policy)."""
+    behaviour_weight_cap: float = bounded(2.0, gt=0)
+    """The truncation of decoupled PPO's behaviour weight pi_prox / pi_behaviour (truncated importance sampling as
+    IMPALA's and TIS's; 2 as verl's and SkyRL's TIS caps)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         _check_choice("aggregation", self.aggregation, LossAggregation)
+        _check_choice("off_policy", self.off_policy, OffPolicyCorrection)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,7 +6,9 @@ prompt are the group that GRPO and RLOO compare (:mod:`rlhf_core.advantages`); o
 ``prompt_id`` column. ``old_values`` is None for a rollout made without a critic. The ``old_`` prefix marks rollout-time quantities of the models
 being trained (``old_logprobs``, ``old_values``), against the current ones the update computes;
 ``ref_logprobs`` come from the frozen reference policy. The same names are the Parquet columns
-(:mod:`storage.schemas`) and the arguments of the maths.
+(:mod:`storage.schemas`) and the arguments of the maths. ``policy_versions`` names the policy that sampled each row
+(the number of updates behind it), so how stale a row is to an update is a query (:mod:`rlhf_core.off_policy`);
+``prox_logprobs`` is the update's own: the log-probs of the policy it starts from, for decoupled PPO.
 
 An Experience is immutable: :meth:`Experience.to`, :meth:`Experience.select` and
 :meth:`Experience.replace` return new ones.
@@ -22,6 +24,8 @@ import torch
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "engine_logprobs")
 """Per-token (B, R) fields a rollout fills."""
+UPDATE_FIELDS = ("prox_logprobs",)
+"""Per-token (B, R) fields the PPO update fills for itself (never stored)."""
 SCORED_FIELDS = ("rewards", "kl", "advantages", "returns")
 """Per-token (B, R) fields stage 5 fills, all together."""
 
@@ -46,6 +50,11 @@ class Experience:
         group_ids: (B,) integer or None, the prompt (group) of each row.
         engine_logprobs: (B, R) float or None, log-probs of the actions as the sampler computed them (vLLM's,
             or the project's own decode loop); ``old_logprobs`` are the trainer's, and what PPO uses.
+        policy_versions: (B,) integer or None, the version of the policy that sampled each row (the updates behind
+            it: 0 for the initial policy); None for experience written before versions were kept (all on-policy).
+        prox_logprobs: (B, R) float or None, the log-probs of the actions under the policy a PPO update starts from
+            (decoupled PPO's pi_prox, :mod:`rlhf_core.off_policy`); None: the update's ratio starts from
+            ``old_logprobs``.
     """
 
     sequences: torch.Tensor
@@ -61,6 +70,8 @@ class Experience:
     returns: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None
+    policy_versions: torch.Tensor | None = None
+    prox_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,16 +113,19 @@ class Experience:
             "action_mask": (batch, response),
             "scores": (batch,),
             "group_ids": (batch,),
+            "policy_versions": (batch,),
         }
-        expected.update({name: (batch, response) for name in TOKEN_FIELDS + SCORED_FIELDS})
+        expected.update({name: (batch, response) for name in TOKEN_FIELDS + SCORED_FIELDS + UPDATE_FIELDS})
         for name, shape in expected.items():
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"`{name}` must have shape {shape}, got {tuple(value.shape)}")
         if self.action_mask.dtype != torch.bool:
             raise ValueError(f"`action_mask` must be bool, got {self.action_mask.dtype}")
-        if self.group_ids is not None and (self.group_ids.is_floating_point() or self.group_ids.dtype == torch.bool):
-            raise ValueError(f"`group_ids` must be integers, got {self.group_ids.dtype}")
+        for name in ("group_ids", "policy_versions"):
+            value = getattr(self, name)
+            if value is not None and (value.is_floating_point() or value.dtype == torch.bool):
+                raise ValueError(f"`{name}` must be integers, got {value.dtype}")
         filled = [getattr(self, name) is not None for name in SCORED_FIELDS]
         if any(filled) and not all(filled):
             raise ValueError(f"{', '.join(SCORED_FIELDS)} must be set together")

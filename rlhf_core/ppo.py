@@ -23,6 +23,9 @@ Choices:
 6. KL in the loss (``config.kl_loss_coef`` > 0, GRPO style): the k3 KL to the reference, from the
    rollout's reference log-probs, is added to the policy loss (:func:`rlhf_core.losses.reference_kl_loss`);
    its value is reported as ``ref_kl`` either way.
+7. Rows an older policy sampled (``sampling.staleness``): given ``prox_logprobs`` (the policy the update starts from)
+   and ``config.off_policy`` ``decoupled``, the ratio is taken to them and every token weighed by its capped behaviour
+   weight (decoupled PPO, :mod:`rlhf_core.off_policy`); without them the ratio is to ``old_logprobs``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss,
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
 from rlhf_core.mismatch import tis_weights
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
+from rlhf_core.off_policy import decoupled_weights
 from rlhf_core.sequences import response_logits, response_slice, token_logprobs
 
 
@@ -142,9 +146,16 @@ def _minibatch_losses(
         if batch.engine_logprobs is None:
             raise ValueError("`tis_cap` needs the sampler's log-probs (`engine_logprobs`); this rollout kept none")
         weights = tis_weights(batch.old_logprobs, batch.engine_logprobs, batch.action_mask, cap=config.tis_cap)
+    pi_old = batch.old_logprobs
+    if config.off_policy == "decoupled" and batch.prox_logprobs is not None:  # choice 7
+        behaviour = decoupled_weights(
+            batch.prox_logprobs, batch.old_logprobs, batch.action_mask, cap=config.behaviour_weight_cap
+        )  # (b, R)
+        weights = behaviour if weights is None else weights * behaviour
+        pi_old = batch.prox_logprobs
     actor_loss, policy_stats = policy_loss(
         logprobs,
-        batch.old_logprobs,
+        pi_old,
         batch.advantages,
         batch.action_mask,
         clip_eps=config.clip_eps,
@@ -237,7 +248,8 @@ def ppo_update(
         actor, critic: trainable models, ``accelerator.prepare``d; ``critic`` None for a
             critic-free estimator (the actor alone is updated).
         actor_optimizer, critic_optimizer: their optimizers, ``prepare``d too (None with no critic).
-        experience: scored experience (advantages and returns filled in; values with a critic).
+        experience: scored experience (advantages and returns filled in; values with a critic), with the
+            ``prox_logprobs`` of the policy the update starts from where rows are stale (choice 7).
         config: epochs, minibatch size, clip ranges, entropy and KL weights, gradient clip,
             target KL, loss aggregation.
         accelerator: drives backward passes, gradient clipping and mixed precision.

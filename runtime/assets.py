@@ -19,7 +19,10 @@ Choices:
 3. The materialisation is also the event "a stage output was written": its payload holds the campaign, iteration,
    stage, digest, input key and MLflow run, so an automation can match ``rlhf://<campaign>/*`` and read them.
 4. A reused output is not materialised again: the run only references it, so its asset keeps the one
-   materialisation that wrote it, while the outputs made from it still name it as their upstream.
+   materialisation that wrote it, while the outputs made from it still name it as their upstream. The call that
+   records an output in MLflow materialises it: an output computed ahead of its iteration (``sampling.staleness``,
+   recorded by nobody yet) is materialised when its iteration finds and records it, and so is one a crashed
+   attempt wrote but did not record.
 5. Which base inputs a stage reads is declared in :data:`BASE_INPUTS` (the model and data files; tokenizers go with
    their models).
 6. Events are sent only from inside a Prefect run (:func:`runtime.events.send`).
@@ -159,13 +162,14 @@ def output_events(
     ]
 
 
-def publish_output(context: StageContext, result: StageResult, upstream: Any) -> None:
+def publish_output(context: StageContext, result: StageResult, upstream: Any, *, reused: bool | None = None) -> None:
     """Send Prefect the events of a stage output (:func:`output_events`), from inside a Prefect run only.
 
     Args:
         context: the iteration.
         result: the output, written or reused.
         upstream: what the stage was given: ``{name: output}``, or a settings dataclass holding its inputs.
+        reused: whether it was materialised before (choice 4); ``result.reused`` when None.
     """
     if not in_prefect_run():
         return
@@ -174,7 +178,12 @@ def publish_output(context: StageContext, result: StageResult, upstream: Any) ->
     folders = dict.fromkeys(parent.directory for parent in _stage_results(upstream))
     parents = [manifest_asset(context.campaign, read_manifest(folder, verify=False)) for folder in folders]
     events = output_events(
-        context.campaign, manifest, parents, reused=result.reused, run_id=result.run_id, path=result.path
+        context.campaign,
+        manifest,
+        parents,
+        reused=result.reused if reused is None else reused,
+        run_id=result.run_id,
+        path=result.path,
     )
     for event in events:
         send(event.event, event.resource, related=event.related, payload=event.payload)

@@ -49,9 +49,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from tqdm.auto import tqdm
 
 from rlhf_core.distributed import full_state_dict, is_sharded, prepare, shard_model
+from runtime.bars import stage_bar
 from runtime.context import Execution
 from runtime.metering import Throttle
 from runtime.record import write_training_curve
@@ -101,7 +101,8 @@ class TrainingState(NamedTuple):
 class Checkpointer:
     """A training stage's trained models and optimizers in this process, and its training state: prepared
     (:meth:`prepare`), checkpointed after epochs (:meth:`end_epoch`), and written as the stage output
-    (:meth:`save_output`). Use it as a context manager around the training loop: it shows the epochs done.
+    (:meth:`save_output`). Use it as a context manager around the training loop: it shows the epochs done (a
+    :func:`runtime.bars.stage_bar`, which a launched training process relays to the stage's process).
 
     Args:
         accelerator: this process's.
@@ -184,9 +185,7 @@ class Checkpointer:
 
     def __enter__(self) -> Checkpointer:
         done = self.checkpoint[0] if self.checkpoint else 0
-        self.bar = tqdm(
-            total=self.epochs, initial=done, desc=self.name, unit="epoch", leave=False, disable=not self.main
-        )
+        self.bar = stage_bar(total=self.epochs, initial=done, desc=self.name, unit="epoch", disable=not self.main)
         return self
 
     def __exit__(self, *error: object) -> None:

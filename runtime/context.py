@@ -150,6 +150,8 @@ class Execution:
             None (data parallel).
         frozen_model_bytes: frozen models kept in memory between a process's stages, in bytes (0: none;
             :class:`runtime.models.FrozenModels`).
+        own_process: a training stage trains in a process of its own even with one process (:mod:`runtime.launch`):
+            the stage's own process samples the next iteration meanwhile (``sampling.staleness``).
         engine_url: the generation engine server the stages sample on (``sampling.engine: vllm``), or None.
         engine: what that engine samples with (:func:`runtime.engine.engine_identity`): part of the key of every
             stage that samples on it, unlike everything else here.
@@ -167,6 +169,7 @@ class Execution:
     rendezvous_timeout: float = 300.0
     sharding: Sharding | None = None
     frozen_model_bytes: int = 0
+    own_process: bool = False
     engine_url: str | None = None
     engine: dict[str, Any] | None = None
 
@@ -225,6 +228,10 @@ class StageContext:
     flow_run_id: str | None = None
     register_models: bool = True
     """Register new actor, critic and reward-model versions in MLflow (off for replays)."""
+    records: bool = True
+    """Record each stage output in MLflow. False for the stages of an iteration computed ahead, while the previous
+    iteration's update runs (``sampling.staleness``): its iteration records them when it calls them (and reuses
+    them)."""
 
     @property
     def tracker(self) -> Tracker:

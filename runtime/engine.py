@@ -119,7 +119,7 @@ def server_arguments(
     return arguments
 
 
-def _environment(execution: ExecutionConfig, policy: str) -> dict[str, str]:
+def _environment(execution: ExecutionConfig, policy: str, threads: int | None) -> dict[str, str]:
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     environment.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in the server's process: deterministic scheduling
@@ -128,7 +128,7 @@ def _environment(execution: ExecutionConfig, policy: str) -> dict[str, str]:
     )
     # The CPU build's KV cache (GiB), and its threads: the stages' own thread count unless set.
     environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    environment.setdefault("OMP_NUM_THREADS", str(command_threads(execution.torch_threads, policy)))
+    environment.setdefault("OMP_NUM_THREADS", str(threads or command_threads(execution.torch_threads, policy)))
     environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return environment
 
@@ -179,13 +179,22 @@ def _last_line(log: Path) -> str:
     return lines[-1] if lines else f"no output; log {log}"
 
 
-def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank: int | None, policy: str) -> str:
+def ensure_engine(
+    execution: ExecutionConfig,
+    *,
+    precision: Precision,
+    lora_rank: int | None,
+    policy: str,
+    threads: int | None = None,
+) -> str:
     """The URL of a generation engine (``sampling.engine: vllm``), starting one if needed.
 
     Args:
         execution: ``engine_url`` names a running engine, else one is started with the ``engine_*`` settings.
         precision, lora_rank: see :func:`server_arguments`.
         policy: the initial policy's folder, which the engine loads first.
+        threads: the threads of an engine it starts (the command's, :mod:`runtime.threads`); None resolves
+            ``execution.torch_threads`` for ``policy``.
 
     Raises:
         EngineStartError: see :class:`EngineStartError`.
@@ -226,7 +235,7 @@ def ensure_engine(execution: ExecutionConfig, *, precision: Precision, lora_rank
             process = launch_tied(
                 str(python),
                 [str(python), "-I", server_script(), *server_arguments(execution, **options, port=port)],
-                env=_environment(execution, policy),
+                env=_environment(execution, policy, threads),
                 stdout=output,
                 stderr=subprocess.STDOUT,
             )

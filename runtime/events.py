@@ -3,7 +3,9 @@ events automations react to.
 
 A log record whose :data:`STAGE_EVENT` attribute is set is an event, not a line of log: ``"started"`` (with
 ``rlhf_stage``) and ``"finished"`` (with ``rlhf_result``, the :class:`runtime.stage.StageResult`) of a stage,
-``"iteration"`` and ``"notice"``. :mod:`flows.console` shows these as stages and notices rather than log lines.
+``"iteration"`` and ``"notice"``; the stage and iteration events also carry their iteration (:data:`ITERATION_EVENT`),
+since with ``sampling.staleness`` an iteration's generation stages run while the previous iteration's update does.
+:mod:`flows.console` shows these as stages and notices rather than log lines.
 
 Prefect events (what an automation's trigger matches; the names are :data:`EVENTS`' keys):
 
@@ -25,6 +27,8 @@ from typing import Any
 
 STAGE_EVENT = "rlhf_stage_event"
 """The log record attribute that marks an event (see the module docstring)."""
+ITERATION_EVENT = "rlhf_iteration"
+"""The log record attribute of an event that says which iteration it belongs to."""
 
 POLICY_REGISTERED = "rlhf.policy.registered"
 ITERATION_EVALUATED = "rlhf.iteration.evaluated"

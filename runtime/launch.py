@@ -15,7 +15,11 @@ its own process. Otherwise :func:`train`:
    (:mod:`rlhf_core.distributed`); the main process alone writes the output's files, mid-epoch
    checkpoints included, and ``job/result.json`` (metrics and runtime);
 4. a worker's failure fails the task with that worker's traceback (each worker writes its own to
-   ``job/error-<rank>.txt``) and the end of the workers' log.
+   ``job/error-<rank>.txt``) and the end of the workers' log;
+5. with ``execution.own_process`` (``sampling.staleness`` >= 1: the stage's process samples the next iteration
+   meanwhile) one process trains in a process of its own, ``python -m runtime.worker SPEC`` with no launcher, as
+   steps 1-4 say, and ends with the stage's process however that ends;
+6. the main process's progress bar is shown by the stage's process while it waits (:mod:`runtime.bars`).
 
 The stage's own process keeps the output (:class:`storage.manifest.StageOutput`): the manifest, the
 atomic publication and the MLflow record are the same as for one process. A crashed launch leaves the
@@ -30,10 +34,12 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_core.precision import Precision, accelerate_mixed_precision
+from runtime.bars import BAR_FILE_VARIABLE, relay_bar
 from runtime.children import end_with_parent, free_port
 from runtime.job import ERROR_PREFIX, RESULT_FILE, SPEC_FILE, Job, encode_job
 from storage.files import write_text_replacing
@@ -43,6 +49,8 @@ if TYPE_CHECKING:
     from runtime.context import Execution
 
 JOB_FOLDER = "job"
+BAR_SECONDS = 0.5
+"""How often the stage's process redraws a training process's progress bar."""
 LOG_TAIL_LINES = 40
 LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 """The last line of the launcher's traceback when a worker failed; its summary of the workers follows."""
@@ -66,7 +74,8 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
     """
     execution = job.context.execution
     on_ray = execution.training_launcher == "ray"
-    if execution.training_processes == 1 and execution.accelerate_config is None and not on_ray:
+    alone = execution.training_processes == 1 and execution.accelerate_config is None and not on_ray
+    if alone and not execution.own_process:
         return dict(job.declaration().work(job))
     ray_started = _join_ray(execution) if on_ray else False  # before any file: a cluster without room writes none
     folder = partial_dir(job.out.final_dir) / JOB_FOLDER
@@ -81,12 +90,17 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
         status = _run_on_ray(spec, execution, log, started=ray_started)
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
+        if alone:  # one process of its own: the worker itself, ended with this process (choice 5)
+            command = [sys.executable]
         command += ["-m", "runtime.worker", str(spec)]
-        environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads)}
+        bar = folder / "bar.json"
+        bar.unlink(missing_ok=True)
+        environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads), BAR_FILE_VARIABLE: str(bar)}
         with open(log, "wb") as output:
-            status = subprocess.run(
+            process = subprocess.Popen(
                 command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=end_with_parent
-            ).returncode
+            )
+            status = _wait_showing(process, relay_bar(bar))
     if status != 0 or not result.is_file():
         raise TrainingWorkerError(
             f"{job.stage}: the {execution.training_processes} training processes failed (exit status "
@@ -95,6 +109,18 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
     reported = json.loads(result.read_text())
     job.out.runtime.update(reported["runtime"])
     return reported["metrics"]
+
+
+def _wait_showing(process: subprocess.Popen, relay: Callable[[bool], None]) -> int:
+    """Wait for ``process``, showing its bar meanwhile (:func:`runtime.bars.relay_bar`); its exit status."""
+    while process.poll() is None:
+        relay(False)
+        try:
+            process.wait(timeout=BAR_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+    relay(True)
+    return process.returncode
 
 
 def launch_options(execution: Execution, precision: Precision) -> list[str]:

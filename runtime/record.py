@@ -30,6 +30,7 @@ from storage.tracking import (
     TAG_ITERATION,
     TAG_KIND,
     TAG_STAGE,
+    TAG_UPSTREAM_PREFIX,
     Tracker,
 )
 
@@ -87,6 +88,7 @@ def record_stage(
             TAG_STAGE: stage,
             TAG_KIND: KIND_STAGE,
             TAG_INPUT_KEY: manifest.input_key,  # from the start, so an interrupted record can be found
+            **{f"{TAG_UPSTREAM_PREFIX}{name}": digest for name, digest in manifest.upstream.items()},
         }
         if context.flow_run_id:
             tags[TAG_FLOW_RUN_ID] = context.flow_run_id

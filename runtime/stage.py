@@ -36,6 +36,7 @@ import pyarrow as pa
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 from prefect.states import State
 from pydantic import BaseModel
 
@@ -47,7 +48,7 @@ from runtime.code import code_fingerprint
 from runtime.context import InputFile, StageContext
 from runtime.declaration import StageResult, StageSettings, input_digests, setting_values, settings_from
 from runtime.engine import samples_on_engine
-from runtime.events import STAGE_EVENT
+from runtime.events import ITERATION_EVENT, STAGE_EVENT
 from runtime.job import Job, Shards, Training
 from runtime.metering import PEAKS, peak_memory, peak_metrics, release_memory
 from runtime.record import announce, describe_result, record_stage, stage_state
@@ -107,6 +108,12 @@ class Stage(Generic[S]):
         settings = settings_from(self.settings, config, context.base, inputs)
         return self.task(context, settings).result()
 
+    def submit(self, context: StageContext, config: Any, **inputs: Any) -> PrefectFuture:
+        """Start the stage as a Prefect task beside the flow's own work (on the flow's task runner, a thread); the
+        future's ``result()`` is its :class:`StageResult`."""
+        settings = settings_from(self.settings, config, context.base, inputs)
+        return self.task.submit(context, settings)
+
     def run(self, context: StageContext, config: Any, **inputs: Any) -> StageResult:
         """The same as calling the stage, in this process with no Prefect task run (a test, a benchmark)."""
         return run_stage(self, context, settings_from(self.settings, config, context.base, inputs))
@@ -162,7 +169,10 @@ def run_stage(stage: Stage[S], context: StageContext, settings: S) -> StageResul
             logger.warning("%s: %s; computing it again", name, error)
             record = None
     if manifest is None:
-        announce(f"{name}: running (input key {input_key[:16]})", {STAGE_EVENT: "started", "rlhf_stage": name})
+        announce(
+            f"{name}: running (input key {input_key[:16]})",
+            {STAGE_EVENT: "started", "rlhf_stage": name, ITERATION_EVENT: context.iteration},
+        )
         out = StageOutput(stage_dir, stage=name, input_key=input_key, config=key_settings, upstream=digests, code=code)
         manifest = _produce(stage, Job(stage.module, context, settings, out))
         hold(name, "output")
@@ -172,14 +182,18 @@ def run_stage(stage: Stage[S], context: StageContext, settings: S) -> StageResul
     # crash between publishing the output and this line leaves progress nothing would read again.
     clear_progress(stage_dir)
 
-    run_id = (
-        record.run_id
-        if record is not None
-        else record_stage(context, tracker, name, stage_settings, manifest, stage_dir, stage.register)
-    )
+    run_id = None  # an output computed ahead of its iteration: recorded when its iteration calls the stage
+    if record is not None:
+        run_id = record.run_id
+    elif context.records:
+        run_id = record_stage(context, tracker, name, stage_settings, manifest, stage_dir, stage.register)
     result = StageResult.of(stage_dir, manifest, reused=reused, run_id=run_id)
-    publish_output(context, result, settings)
-    announce(describe_result(result), {STAGE_EVENT: "finished", "rlhf_result": result})
+    if context.records:  # an output computed ahead is materialised by the iteration that records it
+        publish_output(context, result, settings, reused=record is not None)
+    announce(
+        describe_result(result),
+        {STAGE_EVENT: "finished", "rlhf_result": result, ITERATION_EVENT: context.iteration},
+    )
     return result
 
 

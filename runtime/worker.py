@@ -21,6 +21,7 @@ from runtime.context import Execution
 from runtime.job import ERROR_PREFIX, RESULT_FILE, decode_job
 from runtime.metering import PEAKS, peak_memory
 from storage.files import write_text_replacing
+from storage.holds import arm_from_environment
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +43,7 @@ def ray_worker(config: dict[str, str]) -> None:
 
 
 def _run(spec_path: Path) -> None:
+    arm_from_environment()  # crash tests hold a training process too (storage.holds)
     job = decode_job(spec_path.read_text())
     execution = job.context.execution
     state = join_process_group(execution)

@@ -16,6 +16,8 @@ Choices:
    reads back equal (``torch.equal``) field by field.
 5. ``Experience.group_ids`` is the ``prompt_id`` column; ``old_values`` (a rollout without a critic) or
    ``engine_logprobs`` None is a null in every row of its column, and only all or none may be null.
+6. ``Experience.policy_versions`` is the ``policy_version`` column; None is a null in every row. Experience of
+   schema 5 has no such column and reads as None (it was all sampled on-policy).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from storage.schemas import (
     EXPERIENCE,
     EXPERIENCE_TOKEN_COLUMNS,
     NULLABLE_TOKEN_COLUMNS,
+    POLICY_VERSION,
     PROMPT_ID,
     PROMPT_IDS,
     RESPONSE_IDS,
@@ -130,6 +133,10 @@ def experience_to_table(experience: Experience, *, first_row: int = 0) -> pa.Tab
     if scores.dtype not in _EXACT_FLOATS:
         raise ValueError(f"`scores` is {scores.dtype}; it is stored as float32, so convert it explicitly first")
     columns[SCORES] = pa.array(scores.float().numpy())
+    versions = experience.policy_versions
+    columns[POLICY_VERSION] = (
+        pa.nulls(batch, type=pa.int64()) if versions is None else pa.array(versions.detach().cpu().long().numpy())
+    )
     schema = SCORED_EXPERIENCE if experience.is_scored else EXPERIENCE
     return pa.Table.from_arrays([columns[field.name] for field in schema], schema=schema)
 
@@ -163,7 +170,10 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
         returns sequences, attention_mask: (B, P + R); action_mask and per-token fields: (B, R); scores: (B,).
     """
     scored = all(name in table.column_names for name in SCORED_TOKEN_COLUMNS)
-    table = conform(table, SCORED_EXPERIENCE if scored else EXPERIENCE)
+    schema = SCORED_EXPERIENCE if scored else EXPERIENCE
+    if POLICY_VERSION not in table.column_names:  # schema 5 (choice 6)
+        table = table.append_column(pa.field(POLICY_VERSION, pa.int64()), pa.nulls(table.num_rows, type=pa.int64()))
+    table = conform(table, schema)
     batch = table.num_rows
     if batch == 0:
         raise ValueError("cannot build an Experience from a table with no rows")
@@ -202,4 +212,12 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
         padded[action_mask] = torch.from_numpy(values.astype(np.float32))
         fields[name] = padded
     fields["scores"] = torch.from_numpy(table.column(SCORES).to_numpy().astype(np.float32, copy=True))  # (B,)
+    versions = table.column(POLICY_VERSION)
+    if versions.null_count not in (0, batch):
+        raise ValueError(
+            f"column `{POLICY_VERSION}` is null in {versions.null_count} of {batch} rows: all or none may be"
+        )
+    fields["policy_versions"] = (
+        None if versions.null_count else torch.from_numpy(versions.to_numpy().astype(np.int64, copy=True))  # (B,)
+    )
     return Experience(**fields)

@@ -10,6 +10,7 @@ SQLite store and its artifacts live beside the stage folders, so moving ``root``
         cache/                  # scratch space: downloads for resume and replay, input fingerprints,
                                 #   GGUF files converted to Hugging Face folders (cache/gguf/<conversion key>)
         engine_probe.json       # the probe batch every weight swap of the generation engine is proved on
+        torch_threads.json      # the torch threads `execution.torch_threads: auto` chose, per machine
         <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
 """
 
@@ -81,6 +82,11 @@ class RunLayout:
     def engine_probe_file(self) -> Path:
         """The campaign's probe batch for the generation engine's weight swaps (:mod:`runtime.engine_probe`)."""
         return self.root / "engine_probe.json"
+
+    def threads_file(self) -> Path:
+        """The torch thread count ``execution.torch_threads: auto`` chose for the campaign, per machine
+        (:mod:`runtime.threads`)."""
+        return self.root / "torch_threads.json"
 
     def lock_file(self) -> Path:
         """The file whose lock a running iteration holds, so two never run at once."""

@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from rlhf_core.errors import UserError
 from storage.files import TEMPORARY_MARK, FileEntry, file_sha256, fsync_directory, temporary_sibling
 from storage.fingerprints import FingerprintCache
-from storage.schemas import SCHEMA_VERSION
+from storage.schemas import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION
 from storage.shards import write_shards
 
 __all__ = [
@@ -262,7 +262,7 @@ def read_manifest(stage_dir: Path, *, verify: bool = True, cache: FingerprintCac
     Raises:
         FileNotFoundError: ``stage_dir`` does not exist.
         CorruptOutputError: any check failed; ``path`` and the message name the offending file.
-        UnsupportedSchemaError: the output was written with another ``SCHEMA_VERSION``.
+        UnsupportedSchemaError: the output was written with a schema version this one does not read.
     """
     stage_dir = Path(stage_dir)
     if not stage_dir.is_dir():
@@ -285,7 +285,8 @@ def read_manifest(stage_dir: Path, *, verify: bool = True, cache: FingerprintCac
 
 
 def _refuse_other_schema(stage_dir: Path, text: str) -> None:
-    """Raise :class:`UnsupportedSchemaError` for a manifest of another ``SCHEMA_VERSION``.
+    """Raise :class:`UnsupportedSchemaError` for a manifest of a schema version this one does not read
+    (:data:`storage.schemas.READABLE_SCHEMA_VERSIONS`).
 
     Read before the manifest is parsed: the fields of another version's manifest differ too.
     """
@@ -294,10 +295,11 @@ def _refuse_other_schema(stage_dir: Path, text: str) -> None:
     except json.JSONDecodeError:
         return  # not JSON at all: reported as corrupt by the parser
     version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if isinstance(version, int) and version != SCHEMA_VERSION:
+    if isinstance(version, int) and version not in READABLE_SCHEMA_VERSIONS:
+        readable = " and ".join(map(str, READABLE_SCHEMA_VERSIONS))
         raise UnsupportedSchemaError(
             f"{stage_dir} was written with schema version {version} (rlhf-pipeline "
-            f"{raw.get('package_version', 'unknown')}); this version reads schema {SCHEMA_VERSION} only: run the "
+            f"{raw.get('package_version', 'unknown')}); this version reads schema {readable} only: run the "
             "iteration again to recompute it",
             path=stage_dir / MANIFEST_FILE,
         )

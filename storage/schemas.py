@@ -16,7 +16,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
 ``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime.
 3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files.
@@ -25,7 +25,14 @@ SCHEMA_VERSION = 5
 5: the sampler's own log-probs are kept beside the trainer's (``engine_logprobs``, the generation engine's;
 ``sampling.engine``): in every rollout, and in candidates and evaluation pieces sampled by vLLM, with the
 trainer's ``old_logprobs`` there. Migration: as for every bump, an unfinished iteration's outputs of schema 4
-are recomputed; finished iterations are kept as they are (a campaign is history)."""
+are recomputed; finished iterations are kept as they are (a campaign is history).
+6: experience keeps the version of the policy that sampled each row (``policy_version``, ``sampling.staleness``).
+Experience of schema 5 is still read (replayed): it has no such column, and its rows are on-policy."""
+
+READABLE_SCHEMA_VERSIONS = (5, SCHEMA_VERSION)
+"""The schema versions this version reads: its own, and 5, whose tables differ only by experience's
+``policy_version`` column (read as on-policy rows: :mod:`storage.experience_io`), so a campaign of schema-5 iterations
+continues and replays them."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
@@ -52,6 +59,7 @@ KL = "kl"
 POLICY_KL = "policy_kl"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
+POLICY_VERSION = "policy_version"
 
 TOKEN_IDS = pa.list_(pa.int32())
 CHAT_MESSAGES = pa.list_(
@@ -116,6 +124,10 @@ EVALUATION = _schema(
 (null otherwise; :data:`LOGPROB_COLUMNS`). The pieces evaluation's shards write (its output is ``samples.jsonl``,
 without the log-probs)."""
 
+#: The reference's response to each held-out prompt (``row``: the prompt's line in the file), sampled once per
+#: campaign and read back by every iteration's evaluation (:mod:`tasks.sample_reference`).
+REFERENCE_RESPONSES = _schema((ROW, pa.int64()), (RESPONSE, pa.string()), (RESPONSE_IDS, TOKEN_IDS))
+
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
@@ -137,7 +149,8 @@ SCORED_TOKEN_COLUMNS = (REWARDS, KL, ADVANTAGES, RETURNS)
 #: Rollout experience (stage 4 output). ``prompt_id`` is the prompt's id in its file (the rows of one
 #: prompt form a group), ``prompt_ids`` the unpadded prompt tokens, ``response_ids`` the unpadded
 #: action tokens; ``old_values`` is null throughout when the rollout had no critic; ``engine_logprobs`` are the
-#: sampler's log-probs of the actions (``old_logprobs`` are the trainer's).
+#: sampler's log-probs of the actions (``old_logprobs`` are the trainer's); ``policy_version`` the version of the
+#: policy that sampled the row (the updates behind it), null only in experience of schema 5, read as it was.
 EXPERIENCE = _schema(
     (ROW, pa.int64()),
     (PROMPT_ID, pa.int64()),
@@ -145,7 +158,8 @@ EXPERIENCE = _schema(
     (RESPONSE_IDS, TOKEN_IDS),
     *((name, TOKEN_FLOATS) for name in EXPERIENCE_TOKEN_COLUMNS),
     (SCORES, pa.float32()),
-    nullable=NULLABLE_TOKEN_COLUMNS,
+    (POLICY_VERSION, pa.int64()),
+    nullable=(*NULLABLE_TOKEN_COLUMNS, POLICY_VERSION),
 )
 
 #: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).
@@ -161,6 +175,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "human_labels": HUMAN_LABELS,
     "experience": EXPERIENCE,
     "scored_experience": SCORED_EXPERIENCE,
+    "reference_responses": REFERENCE_RESPONSES,
 }
 
 
@@ -239,5 +254,6 @@ TABLES = {
     "preferences": PREFERENCES,
     "experience": EXPERIENCE,
     "evaluation": EVALUATION,
+    "reference_responses": REFERENCE_RESPONSES,
 }
 """The tables a fan-out stage's shards write, by name (a shard's rows travel to the stage as a named table)."""

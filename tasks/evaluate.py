@@ -3,10 +3,12 @@
 Reports the reward's score of both (the reward model's, or the reward function's), the KL to the reference (mean over responses of the
 summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
 applies, the gold score of both and the policy's gold win rate against the reference (ties count
-half; :func:`rlhf_core.evaluation.win_rate`). Both policies sample each prompt with the same seed (on vLLM, the
-same per-row seeds: :mod:`tasks.sampler`). The prompts are split into shards (:mod:`runtime.fanout`) wherever
-``execution.task_runner`` runs them. On vLLM the KL uses the actor's own log-probs of the engine's tokens, and the
-stage records the engine's mismatch to them.
+half; :func:`rlhf_core.evaluation.win_rate`). The reference's side was sampled once for the campaign
+(:mod:`tasks.sample_reference`) and is read back; the policy samples each prompt with the seed the reference sampled it
+with (on vLLM, the same per-row seeds: :mod:`tasks.sampler`), the same in every iteration, and the iteration's reward
+scores both sides. The prompts are split into shards (:mod:`runtime.fanout`) wherever ``execution.task_runner`` runs
+them. On vLLM the KL uses the actor's own log-probs of the engine's tokens, and the stage records the engine's
+mismatch to them.
 """
 
 from __future__ import annotations
@@ -23,31 +25,41 @@ from rlhf_core.sequences import sequence_logprobs
 from runtime.job import Job
 from runtime.references import JudgeReference, RewardFunctionReference
 from runtime.stage import Shards, Stage
-from storage.schemas import ENGINE_LOGPROBS, EVALUATION, LOGPROB_COLUMNS, OLD_LOGPROBS, POLICY_KL, PROMPT, SAMPLES
+from storage.schemas import (
+    ENGINE_LOGPROBS,
+    EVALUATION,
+    LOGPROB_COLUMNS,
+    OLD_LOGPROBS,
+    POLICY_KL,
+    PROMPT,
+    RESPONSE,
+    RESPONSE_IDS,
+    SAMPLES,
+)
+from storage.shards import read_table
 from tasks.reward_function import score_texts
-from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.sample_reference import batch_generator, held_out_shards
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import EvaluateSettings
-from tasks.tensors import encode_prompts, response_token_lists, reward_scorer
+from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts
 
 SIDES = ("policy", "reference")
 
 
 def plan(job: Job[EvaluateSettings]) -> Shards:
-    """The held-out prompts in shards."""
+    """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.sample_reference.held_out_shards`)."""
     settings = job.settings
     if (settings.reward_model is None) == (settings.reward_function is None):
         raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")
-    return Shards(
-        job.plan_shards(settings.prompts, rows_per_item=1, rows_per_shard=settings.rows_per_shard), "evaluation"
-    )
+    return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), "evaluation")
 
 
 def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     """The :data:`storage.schemas.EVALUATION` rows of each shard of the held-out prompts.
 
-    Both sides sample a batch with the same generator seed (the shard's seed plus the batch's first prompt). Each side
-    samples the whole shard before the other (on vLLM, one weight swap per side and shard, not two per batch).
+    The policy samples each batch with the generator the reference sampled it with (:mod:`tasks.sample_reference`);
+    the reference's responses are read back and scored by this iteration's reward, in the layout the policy's are.
     """
     settings, context = job.settings, job.context
     sampling, reward_model, reward_function = settings.sampling, settings.reward_model, settings.reward_function
@@ -55,10 +67,7 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", settings.policy.directory / "actor")
     sides = {"policy": actor, "reference": models.reference(actor)}
-    samplers = {
-        "policy": policy_sampler(models, context, settings.policy.directory / "actor", actor, sampling),
-        "reference": policy_sampler(models, context, context.base.policy.path, sides["reference"], sampling),
-    }
+    sampler = policy_sampler(models, context, settings.policy.directory / "actor", actor, sampling)
     scorer = None
     if reward_model is not None:
         scorer = reward_scorer(
@@ -69,58 +78,74 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     function = None if reward_function is None else reward_function.load()
     held_out = read_prompts(context.base.eval_prompts.path)[: settings.prompts]
     texts = [prompt_text(tokenizer, prompt) for prompt in held_out]
+    reference = read_table(settings.reference.directory, "reference_responses")
+    reference_ids, reference_texts = reference.column(RESPONSE_IDS).to_pylist(), reference.column(RESPONSE).to_pylist()
+
+    def score(
+        part: slice, sequences: torch.Tensor, attention_mask: torch.Tensor, responses: list[str], prompt_length: int
+    ) -> torch.Tensor:
+        """The reward of each of ``responses`` to the prompts ``part`` (their tokens from ``prompt_length`` on).
+
+        Shapes: sequences, attention_mask: (b, P + R), ``[left-padded prompt | right-padded response]``; returns (b,).
+        """
+        if scorer is not None:
+            return scorer.score(held_out[part], sequences, attention_mask, prompt_length=prompt_length)
+        ids = range(part.start, part.stop)  # held-out prompts are named by their line in the file
+        return score_texts(function, reward_function.name, held_out[part], responses, ids, prompt_texts=texts[part])
+
     for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in EVALUATION.names}
-        for side, sampler in samplers.items():  # each side over the whole shard: one weight swap per side and shard
-            for part in shard.batches(sampling.batch_size):
-                prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
-                prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
-                with models.autocast(), torch.no_grad():
-                    generation = generate(
-                        sampler,
-                        prompt_ids,
-                        prompt_mask,
-                        config=sampling,
-                        eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id,
-                        generator=torch.Generator().manual_seed(shard.seed + part.start),
-                        seeds=row_seeds(sampling, shard, part.start, prompt_ids.shape[0]),
+        seeds = row_seeds(sampling, shard, shard.start, shard.stop - shard.start)
+        sample_whole_shard(sampler, tokenizer, held_out[shard.start : shard.stop], seeds=seeds, sampling=sampling)
+        for part in shard.batches(sampling.batch_size):
+            prompt_ids, prompt_mask = encode_prompts(tokenizer, held_out[part])
+            prompt_ids, prompt_mask = prompt_ids.to(models.device), prompt_mask.to(models.device)
+            prompt_length = prompt_ids.shape[1]  # P: where every response of the batch starts, on both sides
+            with models.autocast(), torch.no_grad():
+                generation = generate(
+                    sampler,
+                    prompt_ids,
+                    prompt_mask,
+                    config=sampling,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    generator=batch_generator(shard, part),
+                    seeds=row_seeds(sampling, shard, part.start, prompt_ids.shape[0]),
+                )
+                responses = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
+                scores = score(part, generation.sequences, generation.attention_mask, responses, prompt_length)
+                # The reference's responses to the same prompts, in the layout the policy's came in.
+                answers, answer_mask = pad_token_lists(reference_ids[part], pad_token_id=tokenizer.pad_token_id)
+                answers, answer_mask = answers.to(models.device), answer_mask.to(models.device)
+                reference_scores = score(
+                    part,
+                    torch.cat([prompt_ids, answers], dim=1),  # (b, P + R')
+                    torch.cat([prompt_mask, answer_mask], dim=1),  # (b, P + R')
+                    reference_texts[part],
+                    prompt_length,
+                )
+                logprobs = {
+                    name: sequence_logprobs(
+                        sides[name],
+                        generation.sequences,
+                        generation.attention_mask,
+                        prompt_ids.shape[1],
+                        temperature=sampling.temperature,
                     )
-                    responses = decode(tokenizer, response_token_lists(generation.sequences, generation.action_mask))
-                    if scorer is not None:
-                        scores = scorer.score(
-                            held_out[part],
-                            generation.sequences,
-                            generation.attention_mask,
-                            prompt_length=prompt_ids.shape[1],
-                        )
-                    else:  # held-out prompts are named by their line in the file
-                        ids = range(part.start, part.stop)
-                        scores = score_texts(
-                            function, reward_function.name, held_out[part], responses, ids, prompt_texts=texts[part]
-                        )
-                    rows[f"{side}_response"].extend(responses)
-                    rows[f"{side}_reward"].extend(scores.cpu().tolist())
-                    if side == "policy":
-                        logprobs = {
-                            name: sequence_logprobs(
-                                sides[name],
-                                generation.sequences,
-                                generation.attention_mask,
-                                prompt_ids.shape[1],
-                                temperature=sampling.temperature,
-                            )
-                            for name in (("reference",) if sampler is actor else SIDES)
-                        }
-                        policy_logprobs = logprobs.get("policy", generation.logprobs)
-                        kl = response_kl(policy_logprobs, logprobs["reference"], generation.action_mask)
-                        rows[POLICY_KL].extend(kl.cpu().tolist())
-                        mask = generation.action_mask.cpu()
-                        for name, values in ((OLD_LOGPROBS, policy_logprobs), (ENGINE_LOGPROBS, generation.logprobs)):
-                            kept = [row[keep].tolist() for row, keep in zip(values.cpu(), mask, strict=True)]
-                            rows[name].extend(kept if sampler is not actor else [None] * len(kept))
-                if side == "policy":  # as the model saw it: a chat prompt through its template
-                    rows[PROMPT].extend(texts[part])
+                    for name in (("reference",) if sampler is actor else SIDES)
+                }
+            policy_logprobs = logprobs.get("policy", generation.logprobs)
+            kl = response_kl(policy_logprobs, logprobs["reference"], generation.action_mask)
+            rows[PROMPT].extend(texts[part])  # as the model saw it: a chat prompt through its template
+            rows["policy_response"].extend(responses)
+            rows["policy_reward"].extend(scores.cpu().tolist())
+            rows["reference_response"].extend(reference_texts[part])
+            rows["reference_reward"].extend(reference_scores.cpu().tolist())
+            rows[POLICY_KL].extend(kl.cpu().tolist())
+            mask = generation.action_mask.cpu()
+            for name, values in ((OLD_LOGPROBS, policy_logprobs), (ENGINE_LOGPROBS, generation.logprobs)):
+                kept = [row[keep].tolist() for row, keep in zip(values.cpu(), mask, strict=True)]
+                rows[name].extend(kept if sampler is not actor else [None] * len(kept))
         yield pa.table(rows, schema=EVALUATION)
 
 

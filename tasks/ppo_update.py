@@ -6,7 +6,9 @@ new policy has no ``critic/``, and neither have the policies after it.
 The update saves its progress after an epoch, at most every ``checkpoint_seconds`` (models,
 optimizers, the shuffling stream and running statistics: :mod:`runtime.checkpointer`); a crashed run
 continues from the last saved epoch, on any number of processes, and ends where an uninterrupted one would
-(exactly, on as many).
+(exactly, on as many). Under decoupled PPO the log-probs of its starting policy (pi_prox) for rows an older policy
+sampled are kept in the same ``.partial`` folder before the first step and read back on resume
+(:mod:`tasks.staleness`).
 
 The optimizer states it writes (``optimizers/``) are *prunable*: only the newest iteration's are needed (to continue
 the campaign), so older ones are deleted (:func:`prune_optimizer_states`). An update continues the
@@ -39,6 +41,7 @@ from storage.manifest import prunable_digest, prunable_present, prune_files, rea
 from storage.progress import latest_progress
 from storage.shards import read_table
 from tasks.settings import OptimizerState, PPOUpdateSettings, critic_folder
+from tasks.staleness import with_proximal_logprobs
 from tasks.text import load_tokenizer
 
 
@@ -99,6 +102,10 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     experience = table_to_experience(
         read_table(settings.scored.directory, "scored_experience"), pad_token_id=tokenizer.pad_token_id
     )
+    experience, off_policy = with_proximal_logprobs(
+        settings, experience, trained["actor"], out.final_dir, resumed=checkpointer.resumed is not None,
+        main=checkpointer.main,
+    )  # fmt: skip
     with checkpointer:
         stats = update(
             trained["actor"], trained.get("critic"), optimizers["actor"], optimizers.get("critic"), experience, ppo,
@@ -110,6 +117,7 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     return {
         **{name: float(value) for name, value in stats._asdict().items() if value is not None},
         "optimizer_restored": float(states is not None),
+        **off_policy,
     }
 
 

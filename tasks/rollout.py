@@ -7,7 +7,9 @@ rollout has none. The reward is the reward model, or
 a reward function of the prompt (as the user wrote it, with its row's other columns) and the response's text. The
 prompts are split into shards (:mod:`runtime.fanout`), each rolled out with its own generator (or, on vLLM, one seed
 per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them. The sampler's log-probs are kept
-beside the actor's (``engine_logprobs``), and the stage records their mismatch.
+beside the actor's (``engine_logprobs``), and the stage records their mismatch. Every row keeps the version of the
+policy that sampled it (``policy_version``, :mod:`tasks.staleness`): with ``sampling.staleness`` N the flow hands it
+the policy N versions behind the one the iteration's update starts from.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import torch
 
 from rlhf_core.evaluation import correlation
 from rlhf_core.experience_maker import ExperienceMaker, ScoreFn
+from runtime.bars import stage_bar
 from runtime.job import Job
 from runtime.references import RewardFunctionReference
 from runtime.stage import Shards, Stage
 from storage.experience_io import experience_to_table
 from storage.schemas import EXPERIENCE
 from tasks.reward_function import score_texts
-from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import RolloutSettings, critic_folder
+from tasks.staleness import policy_version
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
 
@@ -99,15 +103,22 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
             reward_tokenizer_dir=context.base.reward_tokenizer,
         )
     reference = models.reference(actor)
+    version = policy_version(settings.policy)
     chosen = rotating_subset(
         read_prompts(context.base.prompts.path),
         count=settings.prompts,
         iteration=context.iteration,
         offset=ROLLOUT_PROMPT_OFFSET,
     )
+    batches = sum(len(range(shard.start, shard.stop, sampling.batch_size)) for shard in job.shards)
+    bar = stage_bar(total=batches, desc=job.stage, unit="batch")
     for shard in job.shards:
         generator = shard.generator()
         tables = []
+        rows = [prompt for _, prompt in chosen[shard.start : shard.stop] for _ in range(samples_per_prompt)]
+        first = shard.start * samples_per_prompt
+        seeds = row_seeds(sampling, shard, first, len(rows))
+        sample_whole_shard(sampler, tokenizer, rows, seeds=seeds, sampling=sampling)
         for part in shard.batches(sampling.batch_size):
             # Each prompt's G samples sit in consecutive rows.
             batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
@@ -139,8 +150,11 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
                 generator=generator,
                 seeds=row_seeds(sampling, shard, first_row, len(batch)),
             )
+            experience = experience.replace(policy_versions=torch.full((len(batch),), version))
             tables.append(experience_to_table(experience, first_row=first_row))
+            bar.update(1)
         yield pa.concat_tables(tables)
+    bar.close()
 
 
 def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
@@ -156,6 +170,7 @@ def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
             correlation(torch.tensor(scores), torch.tensor(lengths, dtype=torch.float64))
         ),
         "rollouts": float(len(scores)),
+        "policy_version": float(min(table.column("policy_version").to_pylist())),
         **mismatch_metrics(table),
     }
 

@@ -15,7 +15,7 @@ from rlhf_core.sequences import sequence_logprobs
 from runtime.job import Job, Shards
 from runtime.stage import Stage
 from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
-from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds
+from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import SampleCandidatesSettings
 from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
 from tasks.text import decode, load_tokenizer, read_prompts, rotating_subset
@@ -45,6 +45,9 @@ def work(job: Job[SampleCandidatesSettings]) -> Iterator[pa.Table]:
     for shard in job.shards:
         generator = shard.generator()
         rows: dict[str, list] = {name: [] for name in CANDIDATES.names}
+        asked = [prompt for _, prompt in chosen[shard.start : shard.stop] for _ in range(candidates_per_prompt)]
+        seeds = row_seeds(sampling, shard, shard.start * candidates_per_prompt, len(asked))
+        sample_whole_shard(sampler, tokenizer, asked, seeds=seeds, sampling=sampling)
         for part in shard.batches(sampling.batch_size):
             prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
             count = len(range(part.start, part.stop)) * candidates_per_prompt

@@ -182,6 +182,19 @@ class PPOUpdateSettings(StageSettings):
     """The sampling temperature of the rollout (the update's log-probs use it too)."""
     max_new_tokens: int = setting("sampling.max_new_tokens")
     """The generation budget, the constant of the ``token_sum_norm`` aggregation."""
+    staleness: int = setting("sampling.staleness")
+    """How many policy versions behind the update its rows may be (:mod:`tasks.staleness`)."""
+
+
+@dataclass(frozen=True)
+class SampleReferenceSettings(StageSettings):
+    """Once per campaign: the reference's responses to the held-out prompts, which every evaluation reads back."""
+
+    stage = "sample_reference"
+    sampling: SamplingConfig = setting("sampling")
+    precision: Precision = setting("precision")
+    prompts: int = setting("sizes.eval_prompts")
+    rows_per_shard: int = setting("sizes.rows_per_shard")
 
 
 @dataclass(frozen=True)
@@ -190,6 +203,8 @@ class EvaluateSettings(StageSettings):
 
     stage = "evaluate"
     policy: StageResult = upstream()
+    reference: StageResult = upstream()
+    """The reference's responses to the same prompts, with the same seeds (a ``sample_reference`` output)."""
     reward_model: StageResult | None = upstream()
     """The reward model, or None when ``reward_function`` scores instead."""
     sampling: SamplingConfig = setting("sampling")
@@ -214,6 +229,7 @@ STAGES: tuple[type[StageSettings], ...] = (
     RolloutSettings,
     ComputeAdvantagesSettings,
     PPOUpdateSettings,
+    SampleReferenceSettings,
     EvaluateSettings,
 )
 """Every stage's settings, in the order of an iteration."""

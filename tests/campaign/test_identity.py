@@ -170,3 +170,12 @@ def test_issue35_a_pairing_that_compares_every_pair_needs_a_labeler_that_scores_
     with pytest.raises(ConfigError, match="`pairing` best_vs_worse compares every pair .* not `labeler` human"):
         load_config(TINY, ["labeler=human", "pairing=best_vs_worse"])
     assert load_config(TINY, ["pairing=all_decisive"]).pairs_per_iteration == 16 * 1  # 16 prompts x 2 candidates
+
+
+def test_issue33_a_field_added_since_keeps_every_identity_at_its_old_value_and_is_part_of_it_at_another():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    assert recorded.sampling.staleness == 0 and recorded.ppo.off_policy == "decoupled"
+    assert config_fingerprint(recorded) == FINGERPRINT and run_key(recorded, BASE, "", 0) == ITERATION_KEY
+    overlapped = recorded.model_copy(update={"sampling": dataclasses.replace(recorded.sampling, staleness=1)})
+    assert config_fingerprint(overlapped) != FINGERPRINT and run_key(overlapped, BASE, "", 0) != ITERATION_KEY
+    assert campaign_fields(overlapped)["sampling"]["staleness"] == 1

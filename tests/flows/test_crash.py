@@ -15,6 +15,15 @@ the kill lands at a known point, not after a sleep), kills it with SIGKILL and r
 Training stages run several epochs with ``checkpoint_seconds=0``, so the ``computing`` window of
 ``train_reward_model`` and ``ppo_update`` is after their first mid-stage checkpoint and the second
 command continues from it. Slow (about 25 minutes): ``.ci/run`` runs it as its own step.
+
+Issue 33 adds the overlapped mode (``sampling.staleness=1``: iteration 1's generation stages run in the command's
+process while iteration 0's update trains in a process of its own), killed in both lanes (the update after its first
+checkpoint, iteration 1's rollout computed and not published), in the rollout (published and not yet recorded: its
+iteration records it) and in iteration 1's off-policy update (once it has kept pi_prox and checkpointed an epoch). The
+same checks hold, against an uncrashed overlapped campaign, and the killed command's training process must die with
+it. About 5 minutes more in CI (the fixture and three cases, each a tiny campaign and a half). The update published
+and not recorded while the rollout runs on was cut for time: the flow records it as in the sequential suite's
+``ppo_update:output`` case, and both lanes' case kills that update in flight.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import pytest
 from mlflow import MlflowClient
 
 from storage.manifest import read_manifest
+from tasks.staleness import PROX_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +58,23 @@ STAGES = [
 WINDOWS = ["computing", "output", "recording"]
 COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "execution.checkpoint_seconds=0"]
 DEADLINE = 600
+OVERLAPPED = ["sampling.staleness=1"]
+OVERLAP_WINDOWS = {
+    "both lanes": "rollout:computing#2,ppo_update:computing#1",
+    "in the rollout": "rollout:output#2",
+}
+"""Where the overlapped campaign is killed. ``#2``: the second rollout (iteration 1's, beside iteration 0's update);
+the update's ``computing`` point is held in its own training process, after its first checkpoint."""
 
 
-def _command(run_root: Path, world: dict[str, Path]) -> list[str]:
+def _command(run_root: Path, world: dict[str, Path], *more: str) -> list[str]:
     overrides = [
         f"run_root={run_root}",
         f"model.policy={world['policy']}",
         f"data.prompts={world['prompts']}",
         f"data.eval_prompts={world['eval_prompts']}",
         *COMMON,
+        *more,
     ]
     return [sys.executable, "-m", "flows", "run", "--config", str(TINY), *(f"--set={o}" for o in overrides)]
 
@@ -172,32 +190,46 @@ def _store(run_root: Path, campaign: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def uncrashed(checkpoint_world, tmp_path_factory):
-    run_root = tmp_path_factory.mktemp("uncrashed")
-    _run_to_end(_command(run_root, checkpoint_world), run_root / "run.log")
+def _uncrashed(world: dict[str, Path], run_root: Path, *more: str) -> tuple[dict[str, str], dict]:
+    _run_to_end(_command(run_root, world, *more), run_root / "run.log")
     store = _store(run_root, "tiny")
     assert store["statuses"] == ["FINISHED"] and store["unique outputs"] and store["artifact folders"]
     return _file_hashes(run_root / "tiny"), store
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("stage", STAGES)
-def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
-    stage, window, uncrashed, checkpoint_world, tmp_path
-):
-    run_root, held = tmp_path / "runs", tmp_path / "held"
-    command = _command(run_root, checkpoint_world)
+@pytest.fixture(scope="module")
+def uncrashed(checkpoint_world, tmp_path_factory):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed"))
+
+
+@pytest.fixture(scope="module")
+def uncrashed_overlapped(checkpoint_world, tmp_path_factory):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-overlapped"), *OVERLAPPED)
+
+
+def _kill_when_held(command: list[str], points: str, tmp_path: Path) -> Path:
+    """Run ``command`` until every one of ``points`` holds, ``kill -9`` it, check nothing outlives it; its log."""
+    held = tmp_path / "held"
+    expected = {point if "#" in point else f"{point}#1" for point in points.split(",")}
+
+    def reached() -> bool:
+        return held.exists() and {line.split()[0] for line in held.read_text().splitlines()} == expected
+
+    environment = _environment(RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
+    return _kill_when(command, reached, points, tmp_path, environment)
+
+
+def _kill_when(command: list[str], reached, what: str, tmp_path: Path, environment: dict[str, str]) -> Path:
+    """Run ``command`` until ``reached()``, ``kill -9`` it, check nothing outlives it; its log."""
     log = tmp_path / "run.log"
     with open(log, "wb") as output:
-        environment = _environment(RLHF_HOLD_AT=f"{stage}:{window}", RLHF_HOLD_FILE=str(held))
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
         deadline = time.monotonic() + DEADLINE
         try:
-            while not held.exists():
-                assert process.poll() is None, f"`rlhf run` ended before reaching {stage}:{window}; see {log}"
-                assert time.monotonic() < deadline, f"timed out waiting for {stage}:{window}"
-                time.sleep(0.05)
+            while not reached():
+                assert process.poll() is None, f"`rlhf run` ended before reaching {what}; see {log}"
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.02)
             children = _descendants(process.pid)
             assert children, "the command runs its temporary Prefect server as a child"
             os.kill(process.pid, signal.SIGKILL)
@@ -206,6 +238,27 @@ def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
             process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     assert not _wait_gone(children), f"processes outliving the killed `rlhf run`: {_alive(children)}"
+    return log
+
+
+def _rerun_equals(command: list[str], log: Path, run_root: Path, uncrashed: tuple[dict[str, str], dict]) -> None:
+    """The same command again finishes the campaign exactly as the uncrashed one."""
+    _run_to_end(command, log)
+    hashes, store = uncrashed
+    assert _file_hashes(run_root / "tiny") == hashes
+    assert _store(run_root, "tiny") == store
+    leftovers = [p for p in (run_root / "tiny").glob("*/*") if p.name.startswith(".") or p.name.endswith(".partial")]
+    assert not leftovers, f"half-written folders left: {leftovers}"
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
+    stage, window, uncrashed, checkpoint_world, tmp_path
+):
+    run_root = tmp_path / "runs"
+    command = _command(run_root, checkpoint_world)
+    log = _kill_when_held(command, f"{stage}:{window}", tmp_path)
     before = _runs(_client(run_root), "tiny")
     assert "RUNNING" in {run.info.status for run in before}, "the kill leaves the iteration run RUNNING"
     if window == "recording":
@@ -213,11 +266,47 @@ def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
         assert recording.info.status == "RUNNING" and "rlhf.manifest_digest" in recording.data.tags
     if window == "computing" and stage in ("train_reward_model", "ppo_update"):
         assert list((run_root / "tiny" / stage).glob("*.partial/epoch-*")), "killed after a mid-stage checkpoint"
+    _rerun_equals(command, log, run_root, uncrashed)
 
-    _run_to_end(command, log)
 
-    hashes, store = uncrashed
-    assert _file_hashes(run_root / "tiny") == hashes
-    assert _store(run_root, "tiny") == store
-    leftovers = [p for p in (run_root / "tiny").glob("*/*") if p.name.startswith(".") or p.name.endswith(".partial")]
-    assert not leftovers, f"half-written folders left: {leftovers}"
+@pytest.mark.parametrize("case", OVERLAP_WINDOWS)
+def test_issue33_kill_minus_nine_of_an_overlapped_iteration_then_rerun_equals_a_run_that_never_crashed(
+    case, uncrashed_overlapped, checkpoint_world, tmp_path
+):
+    run_root = tmp_path / "runs"
+    command = _command(run_root, checkpoint_world, *OVERLAPPED)
+    log = _kill_when_held(command, OVERLAP_WINDOWS[case], tmp_path)
+    before = _runs(_client(run_root), "tiny")
+    assert "RUNNING" in {run.info.status for run in before}, "the kill leaves the iteration run RUNNING"
+    assert {run.data.tags.get("rlhf.iteration") for run in before} == {"0"}, "iteration 1 ran ahead, unrecorded"
+    if case == "both lanes":
+        assert list((run_root / "tiny" / "ppo_update").glob("*.partial/epoch-*")), "the update had checkpointed"
+        assert list((run_root / "tiny" / "rollout").glob("*.partial/shards/*")), "the next rollout had its shards"
+    if case == "in the rollout":
+        assert len(list((run_root / "tiny" / "rollout").glob("*/_manifest.json"))) == 2
+    _rerun_equals(command, log, run_root, uncrashed_overlapped)
+
+
+def test_issue33_kill_minus_nine_of_an_off_policy_update_after_a_checkpoint_resumes_with_the_same_pi_prox(
+    uncrashed_overlapped, checkpoint_world, tmp_path
+):
+    """Iteration 1's update trains on rows one version old (decoupled PPO): killed once it has kept pi_prox and
+    checkpointed an epoch, its actor has moved on, and the rerun reads pi_prox back rather than computing it from the
+    checkpoint's actor; the campaign ends as the uncrashed one (its actor included)."""
+    run_root = tmp_path / "runs"
+    command = _command(run_root, checkpoint_world, *OVERLAPPED)
+    updates = run_root / "tiny" / "ppo_update"
+
+    def reached() -> bool:  # iteration 0's update published, iteration 1's mid-stage with its pi_prox kept
+        partial = list(updates.glob("*.partial"))
+        return (
+            len(list(updates.glob("*/_manifest.json"))) == 1
+            and len(partial) == 1
+            and (partial[0] / PROX_FILE).exists()
+            and bool(list(partial[0].glob("epoch-*")))
+        )
+
+    log = _kill_when(command, reached, "iteration 1's update after a checkpoint", tmp_path, _environment())
+    (partial,) = updates.glob("*.partial")
+    assert (partial / PROX_FILE).exists() and list(partial.glob("epoch-*")), "killed mid-stage, pi_prox kept"
+    _rerun_equals(command, log, run_root, uncrashed_overlapped)

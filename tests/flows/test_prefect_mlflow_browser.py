@@ -165,7 +165,9 @@ def test_the_asset_graph_shows_the_campaigns_lineage_to_each_evaluated_policy(se
     stages += ("compute_advantages", "ppo_update", "evaluate")
     drawn = {label[0]: label[1:] for label in labels}
     expected = [f"{stage} · 0" for stage in stages] + [f"{stage} · 1" for stage in stages[1:]]
-    assert set(drawn) == {*expected, "policy", "prompts", "eval_prompts"}, labels
+    reference = "sample_reference · 0"  # the reference's samples, made once per campaign, reused by iteration 1
+    assert set(drawn) == {*expected, reference, "policy", "prompts", "eval_prompts"}, labels
+    assert drawn[reference][-1] == "reused"
     assert all(re.fullmatch(r"[0-9a-f]{8}", lines[0]) for lines in drawn.values())  # digest or content, in short
     assert drawn["evaluate · 0"][1].startswith("gold win rate") and drawn["evaluate · 1"][1].startswith("gold win rate")
     assert all(drawn[f"{stage} · 1"][-1] == "wrote" for stage in stages[1:])  # this run's own outputs

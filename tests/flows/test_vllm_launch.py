@@ -51,11 +51,12 @@ def test_the_engine_compiles_its_model_unless_told_not_to(llama_world, compile_s
 def test_the_engine_runs_on_the_stages_thread_count(llama_world, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     policy = str(llama_world["policy"])
-    assert _environment(_config(llama_world, "execution.torch_threads=3").execution, policy)["OMP_NUM_THREADS"] == "3"
+    execution = _config(llama_world, "execution.torch_threads=3").execution
+    assert _environment(execution, policy, None)["OMP_NUM_THREADS"] == "3"
+    assert _environment(execution, policy, 2)["OMP_NUM_THREADS"] == "2"  # the command's count where it has one
     # auto: one thread for a model under 20 M parameters (the tiny Llama), never the word "auto"
-    assert (
-        _environment(_config(llama_world, "execution.torch_threads=auto").execution, policy)["OMP_NUM_THREADS"] == "1"
-    )
+    automatic = _config(llama_world, "execution.torch_threads=auto").execution
+    assert _environment(automatic, policy, None)["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.parametrize(

@@ -47,12 +47,14 @@ def _experience(
         action_mask=action_mask,
         scores=torch.randn(len(responses), generator=generator),
         group_ids=torch.arange(len(responses)),
+        policy_versions=torch.arange(len(responses)) % 2 + 3,
         **fields,
     )
 
 
 def _assert_identical(expected: Experience, actual: Experience) -> None:
-    for name in ("sequences", "attention_mask", "action_mask", "scores", "group_ids", *FLOAT_FIELDS, *SCORED_FIELDS):
+    names = ("sequences", "attention_mask", "action_mask", "scores", "group_ids", "policy_versions")
+    for name in (*names, *FLOAT_FIELDS, *SCORED_FIELDS):
         left, right = getattr(expected, name), getattr(actual, name)
         if left is None:
             assert right is None, name
@@ -112,7 +114,7 @@ def test_over_padded_batch_reads_back_padded_to_its_longest_row() -> None:
     wider = Experience(
         **{
             name: torch.nn.functional.pad(value, (2, 1) if name in ("sequences", "attention_mask") else (0, 1))
-            if value.dim() == 2
+            if value is not None and value.dim() == 2
             else value
             for name, value in experience._tensors().items()
         }
@@ -240,3 +242,20 @@ def test_real_rollout_round_trips() -> None:
     # The sampler pads to the longest prompt and stops at the longest response, with zeros in
     # padded float positions, so the whole batch comes back identical, not only its valid part.
     _assert_identical(experience, table_to_experience(experience_to_table(experience), pad_token_id=PAD))
+
+
+def test_issue33_each_row_keeps_the_version_of_the_policy_that_sampled_it_and_schema_5_reads_as_on_policy() -> None:
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=True)
+    table = experience_to_table(experience)
+    assert table.column("policy_version").to_pylist() == [3, 4, 3, 4]
+    # Experience written before versions were kept (schema 5) has no such column: its rows were all on-policy.
+    older = table_to_experience(table.drop_columns(["policy_version"]), pad_token_id=PAD)
+    assert older.policy_versions is None
+    assert experience_to_table(older).column("policy_version").null_count == 4
+    with pytest.raises(ValueError, match="`policy_version` is null in 1 of 4 rows"):
+        table_to_experience(
+            table.set_column(
+                table.schema.get_field_index("policy_version"), "policy_version", pa.array([3, None, 3, 4])
+            ),
+            pad_token_id=PAD,
+        )

@@ -373,3 +373,16 @@ def test_prunable_files_leave_the_digest_and_may_be_pruned(tmp_path: Path) -> No
     (final / "actor" / "model.safetensors").write_bytes(b"other!!")  # a kept file is still verified
     with pytest.raises(CorruptOutputError, match="altered"):
         read_manifest(final)
+
+
+def test_issue33_an_output_of_schema_5_is_still_read(tmp_path: Path) -> None:
+    """Schema 6 only adds experience's `policy_version` column: a schema-5 output is read as it was (its experience
+    as on-policy rows, tests/storage/test_experience_io.py), so a campaign of schema-5 iterations continues."""
+    final = tmp_path / "out"
+    manifest = _write(final)
+    older = Manifest(**{**manifest.__dict__, "schema_version": 5})
+    (final / MANIFEST_FILE).write_text(older.to_json())
+    assert read_manifest(final).schema_version == 5
+    (final / MANIFEST_FILE).write_text(Manifest(**{**manifest.__dict__, "schema_version": 4}).to_json())
+    with pytest.raises(UnsupportedSchemaError, match="this version reads schema 5 and 6 only"):
+        read_manifest(final)

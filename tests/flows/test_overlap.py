@@ -1,0 +1,174 @@
+"""Issue 33: one-step off-policy iterations (``sampling.staleness`` 1) end to end, on the tiny campaign under a real
+Prefect server and a real SQLite MLflow store.
+
+A campaign runs each next iteration's generation stages beside the current update (flows.overlap); the same iterations
+run one at a time write the same outputs, every rollout names the policy that sampled it, every row its version, the
+updates correct for it, MLflow shows the lineage, and a replay works on the overlapped experience.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from campaign.config import load_config
+from campaign.store import resolve_run
+from flows.iterations import finished_state, resolve_base, tracking_store
+from flows.replay import replay_config
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+from runtime.declaration import StageResult
+from storage.manifest import read_manifest
+from storage.shards import read_table
+from tasks.rollout import ROLLOUT_PROMPT_OFFSET
+from tasks.staleness import policy_version
+from tasks.text import read_prompts, rotating_subset
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+ITERATIONS = 3
+
+
+def _config(run_root: Path, world: dict[str, Path], *more: str):
+    return load_config(
+        TINY,
+        [
+            f"run_root={run_root}",
+            f"model.policy={world['policy']}",
+            f"data.prompts={world['prompts']}",
+            f"data.eval_prompts={world['eval_prompts']}",
+            f"iterations={ITERATIONS}",
+            "sampling.staleness=1",
+            *more,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def overlapped(prefect_server, checkpoint_world, tmp_path_factory):
+    config = _config(tmp_path_factory.mktemp("overlapped"), checkpoint_world)
+    return config, rlhf_campaign(config)
+
+
+def _outputs(config) -> dict[str, StageResult]:
+    """``stage/iteration -> StageResult`` of every finished stage output of the campaign, from the manifests."""
+    outputs = {}
+    for path in (config.run_root / config.campaign).glob("*/*/_manifest.json"):
+        manifest = read_manifest(path.parent, verify=True)
+        iteration = manifest.config["context"]["iteration"]
+        result = StageResult.of(path.parent, manifest, reused=True, run_id=None)
+        outputs[f"{manifest.stage}/{iteration}"] = result
+    return outputs
+
+
+def _hashes(config) -> dict[str, str]:
+    """``stage/key/file -> sha256`` of every finished stage output."""
+    return {
+        f"{path.parent.relative_to(config.run_root / config.campaign)}/{entry.path}": entry.sha256
+        for path in (config.run_root / config.campaign).glob("*/*/_manifest.json")
+        for entry in read_manifest(path.parent, verify=True).files
+    }
+
+
+def test_issue33_each_rollout_samples_the_policy_one_version_behind_its_update_and_every_row_says_so(overlapped):
+    config, _ = overlapped
+    outputs = _outputs(config)
+    for iteration in range(ITERATIONS):
+        rollout, update = outputs[f"rollout/{iteration}"], outputs[f"ppo_update/{iteration}"]
+        behind = max(0, iteration - 1)
+        sampler = outputs["initialize/0"] if behind == 0 else outputs[f"ppo_update/{behind - 1}"]
+        # The rollout's key names the policy that sampled it; the update starts from the newest one.
+        assert read_manifest(rollout.directory).upstream["policy"] == sampler.digest
+        starting = outputs["initialize/0"] if iteration == 0 else outputs[f"ppo_update/{iteration - 1}"]
+        assert read_manifest(update.directory).upstream["policy"] == starting.digest
+        # Staleness is a query: the update's version less each row's.
+        versions = read_table(rollout.directory, "experience").column("policy_version").to_pylist()
+        assert set(versions) == {policy_version(sampler)} == {behind}
+        assert policy_version(starting) - behind == (1 if iteration else 0)
+        assert update.metrics["staleness_max"] == (1.0 if iteration else 0.0)
+        assert update.metrics["stale_fraction"] == (1.0 if iteration else 0.0)
+        # Decoupled PPO weighed the stale rows (pi_prox / pi_behaviour, capped at 2).
+        if iteration:
+            assert update.metrics["behaviour_weight_mean"] != 1.0
+            assert 0 < update.metrics["behaviour_weight_mean"] <= 2.0
+
+
+def test_issue33_no_prompt_is_skipped_or_sampled_twice(overlapped):
+    config, _ = overlapped
+    outputs = _outputs(config)
+    prompts = read_prompts(config.data.prompts)
+    for iteration in range(ITERATIONS):
+        ids = read_table(outputs[f"rollout/{iteration}"].directory, "experience").column("prompt_id").to_pylist()
+        chosen = rotating_subset(
+            prompts, count=config.sizes.rollout_prompts, iteration=iteration, offset=ROLLOUT_PROMPT_OFFSET
+        )
+        assert sorted(ids) == sorted(index for index, _ in chosen for _ in range(config.sizes.samples_per_prompt))
+
+
+def test_issue33_the_same_iterations_run_one_at_a_time_write_the_same_outputs(overlapped, tmp_path, checkpoint_world):
+    """What is sampled does not depend on when it ran (flows.overlap, choice 1): iterations run alone, each after the
+    previous one ended, write byte for byte what the overlapped campaign wrote."""
+    config, _ = overlapped
+    alone = _config(tmp_path, checkpoint_world)
+    base, state = resolve_base(alone), None
+    for iteration in range(ITERATIONS):
+        state = rlhf_iteration(alone, iteration, state, base=base)
+    assert _hashes(alone) == _hashes(config)
+
+
+def test_issue33_mlflow_records_each_output_under_its_own_iteration_with_its_lineage(overlapped):
+    config, _ = overlapped
+    client = MlflowClient(tracking_uri=f"sqlite:///{config.run_root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(config.campaign)
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    assert {run.info.status for run in runs} == {"FINISHED"}
+    parents = {run.info.run_id: run for run in runs if run.data.tags.get("rlhf.kind") == "iteration"}
+    stage_runs = [run for run in runs if run.data.tags.get("rlhf.kind") == "stage"]
+    keys = [(run.data.tags["rlhf.stage"], run.data.tags["rlhf.input_key"]) for run in stage_runs]
+    assert len(keys) == len(set(keys)), "each output is recorded once, though the next iteration's ran ahead"
+    outputs = _outputs(config)
+    for run in stage_runs:
+        parent = parents[run.data.tags["mlflow.parentRunId"]]
+        assert run.data.tags["rlhf.iteration"] == parent.data.tags["rlhf.iteration"]
+    for iteration in range(ITERATIONS):
+        (rollout,) = [
+            run
+            for run in stage_runs
+            if run.data.tags["rlhf.stage"] == "rollout" and run.data.tags["rlhf.iteration"] == str(iteration)
+        ]
+        policy = read_manifest(outputs[f"rollout/{iteration}"].directory).upstream["policy"]
+        assert rollout.data.tags["rlhf.upstream.policy"] == policy
+        (maker,) = [run for run in stage_runs if run.data.tags["rlhf.manifest_digest"] == policy]
+        assert maker.data.tags["rlhf.stage"] == ("initialize" if iteration < 2 else "ppo_update")
+        assert rollout.data.metrics["rollout/policy_version"] == max(0, iteration - 1)
+
+
+def test_issue33_a_campaign_continued_from_mlflow_samples_from_the_same_policy(overlapped):
+    config, final = overlapped
+    runs = (
+        tracking_store(config)
+        .tracker()
+        .finished_iterations(tracking_store(config).tracker().experiment_id(config.campaign))
+    )
+    rebuilt = finished_state(config, resolve_base(config), runs[ITERATIONS - 1])
+    assert rebuilt.policy.digest == final.policy.digest
+    assert [policy.digest for policy in rebuilt.earlier] == [policy.digest for policy in final.earlier]
+    assert rebuilt.sampler(1).digest == final.sampler(1).digest != final.policy.digest
+
+
+def test_issue33_a_replay_of_an_overlapped_iteration_can_take_either_correction(overlapped):
+    config, _ = overlapped
+    source = resolve_run(config, f"{config.campaign}:2")
+    tracker = tracking_store(config).tracker()
+    for setting, weighed in (("ppo.off_policy=behaviour", False), ("ppo.behaviour_weight_cap=1.5", True)):
+        replay_run = rlhf_replay(replay_config(config, source, [setting]), source)
+        assert tracker.run(replay_run).tags["rlhf.replay_of"] == source
+        (update,) = [
+            run for run in tracker.runs(tracker.experiment_id(config.campaign), tags={"rlhf.stage": "ppo_update"})
+            if run.tags.get("mlflow.parentRunId") == replay_run
+        ]  # fmt: skip
+        metrics = json.loads((Path(update.tags["rlhf.output_path"]) / "_manifest.json").read_text())["metrics"]
+        assert metrics["staleness_max"] == 1.0
+        assert (metrics["behaviour_weight_mean"] != 1.0) == weighed
