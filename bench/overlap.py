@@ -1,12 +1,14 @@
 """Overlapped iterations against sequential ones on a real model (issue 33): SmolLM2-135M-Instruct learning
 ``configs/smollm2.yaml``'s one-word task, ``sampling.staleness`` 0 against 1, the same seeds and sizes, one command.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.overlap [--iterations 4] [--seeds 0 1]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.overlap [--iterations 4] [--seeds 0 1] [--threads 2]
 
 For each seed, the sequential campaign (staleness 0), then the overlapped one (staleness 1): ``rlhf run --config
 configs/smollm2.yaml`` on a fresh run root under ``bench/.scratch/overlap`` (the model converted once beforehand by
-:mod:`bench.smollm2`, so no run pays for it), everything else as the config says (``execution.torch_threads`` 1:
-each stage on one thread, so the overlapped campaign's two lanes take a core each). Then, from each run's MLflow
+:mod:`bench.smollm2`, so no run pays for it), everything else as the config says but ``execution.torch_threads``,
+which is ``--threads`` (the machine's cores, 2 here) for both: the sequential campaign's stages run on all of them,
+the overlapped campaign's two lanes on half each (:func:`runtime.threads.lane_threads`). The config's own one thread
+would leave the sequential campaign a core idle and flatter the overlap. Then, from each run's MLflow
 store: per iteration the held-out reward (the mean of ``smollm2_task:one_word`` over 32 held-out prompts, the
 reference sampled once with the same seeds), the KL to the reference, each stage's own seconds (wherever and whenever
 it ran: the overlapped rollout of iteration k ran during iteration k-1), and when the iteration ended; per campaign
@@ -42,8 +44,8 @@ COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.overlap"
 STAGES = ("rollout", "compute_advantages", "ppo_update", "sample_reference", "evaluate")
 
 
-def campaign(staleness: int, seed: int, iterations: int) -> dict:
-    """One campaign of the config at ``staleness`` and ``seed`` on a fresh run root: its figures."""
+def campaign(staleness: int, seed: int, iterations: int, threads: int) -> dict:
+    """One campaign of the config at ``staleness``, ``seed`` and ``threads`` on a fresh run root: its figures."""
     run_root = SCRATCH / "overlap" / f"staleness-{staleness}-seed-{seed}"
     shutil.rmtree(run_root, ignore_errors=True)
     overrides = [
@@ -52,6 +54,7 @@ def campaign(staleness: int, seed: int, iterations: int) -> dict:
         f"iterations={iterations}",
         f"seed={seed}",
         f"sampling.staleness={staleness}",
+        f"execution.torch_threads={threads}",
     ]
     command = [sys.executable, "-m", "flows", "run", "--config", str(CONFIG)]
     command += [f"--set={override}" for override in overrides]
@@ -66,7 +69,7 @@ def campaign(staleness: int, seed: int, iterations: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     sampler.start()
-    completed = subprocess.run(command, cwd=REPO, env=task_env(1))
+    completed = subprocess.run(command, cwd=REPO, env=task_env(threads))
     done.set()
     ended = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -82,6 +85,7 @@ def campaign(staleness: int, seed: int, iterations: int) -> dict:
     return {
         "staleness": staleness,
         "seed": seed,
+        "threads": threads,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "iterations_per_hour": 3600 * len(rows) / wall,
@@ -122,10 +126,12 @@ def section(figures: dict) -> str:
     lines = [
         "## Overlapped iterations: `sampling.staleness` 0 against 1 on SmolLM2 (issue 33)",
         "",
-        f"`{COMMAND} --iterations {figures['iterations']} --seeds {' '.join(map(str, figures['seeds']))}`, commit "
+        f"`{COMMAND} --iterations {figures['iterations']} --seeds {' '.join(map(str, figures['seeds']))} "
+        f"--threads {figures['threads']}`, commit "
         f"{facts['commit']}; {facts['cpu']}, {facts['cores']} cores shared with other engineers' work. Each "
         "campaign: `configs/smollm2.yaml` as it is (GRPO, LoRA r 16, 8 prompts x 4 samples of at most 12 tokens, "
-        "one epoch of 4 steps, 32 held-out prompts, one torch thread per stage), a fresh run root.",
+        f"one epoch of 4 steps, 32 held-out prompts), {figures['threads']} torch threads for the sequential campaign's "
+        "stages and half as many for each lane of the overlapped one, a fresh run root.",
         "",
         "| staleness | seed | iterations | command s | CPU s | iterations/hour (command) | steady s/iteration | "
         "iterations/hour (steady) | load average (mean) | of which this command |",
@@ -162,12 +168,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     arguments = parser.parse_args()
-    figures = {"machine": machine(), "iterations": arguments.iterations, "seeds": arguments.seeds, "campaigns": []}
+    figures = {
+        "machine": machine(),
+        "iterations": arguments.iterations,
+        "seeds": arguments.seeds,
+        "threads": arguments.threads,
+        "campaigns": [],
+    }
     ensure_folder()
     for seed in arguments.seeds:
         for staleness in (0, 1):
-            figures["campaigns"].append(campaign(staleness, seed, arguments.iterations))
+            figures["campaigns"].append(campaign(staleness, seed, arguments.iterations, arguments.threads))
             (SCRATCH / "overlap.json").write_text(json.dumps(figures, indent=2))
     print(section(figures))
 

@@ -447,14 +447,17 @@ def iteration_rows(run_root: Path) -> list[dict]:
     return rows
 
 
-def loop_part(out: Path, *, iterations: int | None, read_back: Path | None) -> dict:
-    run_root = read_back or SCRATCH / "real-loop-curve"
+def loop_part(
+    out: Path, *, iterations: int | None, read_back: Path | None, settings: list[str], run_root: Path | None
+) -> dict:
+    run_root = read_back or run_root or SCRATCH / "real-loop-curve"
     started_load, wall = load(), None
     if read_back is None:
         shutil.rmtree(run_root, ignore_errors=True)
         overrides = [f"model.policy={ensure_folder()}", f"run_root={run_root}"]
         if iterations is not None:
             overrides.append(f"iterations={iterations}")
+        overrides += settings
         command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(CONFIG)]
         command += [part for override in overrides for part in ("--set", override)]
         print(" ".join(command), flush=True)
@@ -475,13 +478,44 @@ def loop_part(out: Path, *, iterations: int | None, read_back: Path | None) -> d
         "load_average_end": load(),
         "command_wall_seconds": wall,
         "run_root": str(run_root),
+        "settings": settings,
         "figure": figure,
         "iterations": rows,
     }
     out.write_text(json.dumps(result, indent=2))
-    for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k != "run_id"}), flush=True)
+    print(loop_section(result), flush=True)
     return result
+
+
+def _figure(value: float | None, form: str) -> str:
+    return "" if value is None else format(value, form)
+
+
+def loop_section(result: dict) -> str:
+    """The curve as a table of bench/RESULTS.md: per iteration, the reward model's held-out accuracy and share of
+    decisive pairs, the policy's rubric and reward-model scores on held-out prompts against the initial policy's, the
+    KL to the reference, the critic's explained variance, the reward's length correlation and seconds per stage."""
+    facts = result["machine"]
+    settings = " ".join(f"--set {setting}" for setting in result["settings"])
+    lines = [
+        f"`.venv/bin/python -m bench.real_loop loop {settings}`".replace("  ", " ") + f", commit {facts['commit']}; "
+        f"load average {result['load_average_start']} at the start, {result['load_average_end']} at the end; "
+        f"command {_figure(result['command_wall_seconds'], '.0f')} s.",
+        "",
+        "| iteration | RM held-out accuracy | decisive pairs | rubric (initial) | RM score (initial) | KL | "
+        "explained variance | length correlation | " + " | ".join(STAGES) + " | iteration s |",
+        "| --- " * (9 + len(STAGES)) + "|",
+    ]
+    for row in result["iterations"]:
+        seconds = " | ".join(_figure(row["seconds"][stage], ".0f") for stage in STAGES)
+        lines.append(
+            f"| {row['iteration']} | {_figure(row['rm_accuracy'], '.2f')} | {_figure(row['decisive_fraction'], '.2f')}"
+            f" | {_figure(row['rubric'], '.3f')} ({_figure(row['initial_rubric'], '.3f')})"
+            f" | {_figure(row['rm_score'], '.2f')} ({_figure(row['initial_rm_score'], '.2f')})"
+            f" | {_figure(row['kl_to_reference'], '.2f')} | {_figure(row['explained_variance'], '.2f')}"
+            f" | {_figure(row['length_correlation'], '.2f')} | {seconds} | {row['wall_seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -491,6 +525,10 @@ def main() -> None:
     parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
     parser.add_argument("--iterations", type=int, help="loop: override the config's iterations")
     parser.add_argument("--read-back", type=Path, help="loop: read the run root of a stopped run instead of running")
+    parser.add_argument("--set", action="append", default=[], help="loop: a config override (KEY=VALUE), repeatable")
+    parser.add_argument(
+        "--run-root", type=Path, help="loop: the (fresh) run root (default bench/.scratch/real-loop-curve)"
+    )
     parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-loop-PART.json)")
     args = parser.parse_args()
     out = args.out or SCRATCH / f"real-loop-{args.part}.json"
@@ -508,7 +546,7 @@ def main() -> None:
     elif args.part == "lora-worker":
         lora_worker(args.mode, out)
     else:
-        loop_part(out, iterations=args.iterations, read_back=args.read_back)
+        loop_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set, run_root=args.run_root)
 
 
 if __name__ == "__main__":
