@@ -110,11 +110,11 @@ def tracking_store(config: PipelineConfig) -> TrackingStore:
     )
 
 
-def campaign_threads(config: PipelineConfig, policy: str) -> int:
+def campaign_threads(config: PipelineConfig, policy: str, *, keep: bool = True) -> int:
     """The torch threads of ``config``'s stages (and of the engine it starts) for the initial ``policy``: chosen once
-    per campaign and machine under ``auto`` (:func:`runtime.threads.command_threads`)."""
+    per campaign and machine under ``auto``, and recorded with ``keep`` (:func:`runtime.threads.command_threads`)."""
     record = campaign_layout(config).threads_file()
-    return command_threads(config.execution.torch_threads, policy, record=record)
+    return command_threads(config.execution.torch_threads, policy, record=record, keep=keep)
 
 
 def generation_engine(config: PipelineConfig, policy: str) -> str | None:
@@ -125,7 +125,7 @@ def generation_engine(config: PipelineConfig, policy: str) -> str | None:
         return None
     lora = config.model.lora
     rank = None if lora is None else lora.r
-    threads = campaign_threads(config, policy)
+    threads = campaign_threads(config, policy, keep=False)  # recorded by the stages', once the engine runs
     return ensure_engine(config.execution, precision=config.precision, lora_rank=rank, policy=policy, threads=threads)
 
 

@@ -102,10 +102,14 @@ def held_slot(
         with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
             yield str(lease)
     finally:
-        with contextlib.suppress(Exception):  # the server is gone (Ctrl-C at exit): the lease expires on its own
+        try:
             release_concurrency_slots_with_lease(lease)
-        if record is not None and _recorded(record) == (str(lease), process_token()):
-            record.unlink(missing_ok=True)
+        except Exception as error:  # the server is gone (Ctrl-C at exit), or did not answer in time
+            # The record stays: the next holder releases the lease (a server that expires none would keep it).
+            logger.warning("could not release the slot lease %s of %s (%s)", lease, name, error)
+        else:
+            if record is not None and _recorded(record) == (str(lease), process_token()):
+                record.unlink(missing_ok=True)
 
 
 def release_dead_holder(record: Path, *, gone: bool = False) -> None:

@@ -32,18 +32,19 @@ SAMPLE_SECONDS = 0.5
 10 ms ticks), short beside a command's start."""
 
 
-def command_threads(choice: int | str, policy: str | Path, *, record: Path | None = None) -> int:
+def command_threads(choice: int | str, policy: str | Path, *, record: Path | None = None, keep: bool = True) -> int:
     """The torch threads ``execution.torch_threads`` (``choice``) gives the policy in the folder ``policy`` on this
     machine (:func:`rlhf_core.precision.resolve_threads`); ``auto`` is read from ``record`` (the campaign's
-    :meth:`storage.layout.RunLayout.threads_file`) when it holds this machine's, else chosen now and written there
-    (choice 1)."""
+    :meth:`storage.layout.RunLayout.threads_file`) when it holds this machine's, else chosen now (once per process)
+    and, with ``keep``, written there (choice 1). Without ``keep`` nothing is written: a command refused before its
+    stages run (an engine that does not start) leaves no file behind."""
     if choice != "auto":
         return resolve_threads(choice, parameters=0, cores=1)
     machine = f"{socket.gethostname()} ({len(os.sched_getaffinity(0))} cores)"
     recorded = json.loads(record.read_text()) if record is not None and record.is_file() else {}
     if machine not in recorded:
         recorded[machine] = _auto_threads(str(policy))
-        if record is not None:
+        if record is not None and keep:
             record.parent.mkdir(parents=True, exist_ok=True)
             write_text_replacing(record, json.dumps(recorded, indent=2, sort_keys=True) + "\n")
     return int(recorded[machine])

@@ -111,50 +111,49 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
         offset=ROLLOUT_PROMPT_OFFSET,
     )
     batches = sum(len(range(shard.start, shard.stop, sampling.batch_size)) for shard in job.shards)
-    bar = stage_bar(total=batches, desc=job.stage, unit="batch")
-    for shard in job.shards:
-        generator = shard.generator()
-        tables = []
-        rows = [prompt for _, prompt in chosen[shard.start : shard.stop] for _ in range(samples_per_prompt)]
-        first = shard.start * samples_per_prompt
-        seeds = row_seeds(sampling, shard, first, len(rows))
-        sample_whole_shard(sampler, tokenizer, rows, seeds=seeds, sampling=sampling)
-        for part in shard.batches(sampling.batch_size):
-            # Each prompt's G samples sit in consecutive rows.
-            batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
-            group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
-            prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
-            prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
-            prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
-            length = prompt_ids.shape[1]
-            if scorer is not None:
-                score = model_scorer(scorer, batch, length)
-            else:
-                score = function_scorer(settings.reward_function, tokenizer, batch, group_ids, length)
-            maker = ExperienceMaker(
-                actor,
-                critic,
-                score,
-                reference,
-                sampling=sampling,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                precision=models.precision,
-                sampler=None if sampler is actor else sampler,
-            )
-            first_row = part.start * samples_per_prompt
-            experience = maker.make_experience(
-                prompt_ids,
-                prompt_mask,
-                group_ids=torch.tensor(group_ids),
-                generator=generator,
-                seeds=row_seeds(sampling, shard, first_row, len(batch)),
-            )
-            experience = experience.replace(policy_versions=torch.full((len(batch),), version))
-            tables.append(experience_to_table(experience, first_row=first_row))
-            bar.update(1)
-        yield pa.concat_tables(tables)
-    bar.close()
+    with stage_bar(total=batches, desc=job.stage, unit="batch") as bar:  # closed on an error too: its line ends
+        for shard in job.shards:
+            generator = shard.generator()
+            tables = []
+            rows = [prompt for _, prompt in chosen[shard.start : shard.stop] for _ in range(samples_per_prompt)]
+            first = shard.start * samples_per_prompt
+            seeds = row_seeds(sampling, shard, first, len(rows))
+            sample_whole_shard(sampler, tokenizer, rows, seeds=seeds, sampling=sampling)
+            for part in shard.batches(sampling.batch_size):
+                # Each prompt's G samples sit in consecutive rows.
+                batch = [prompt for _, prompt in chosen[part] for _ in range(samples_per_prompt)]
+                group_ids = [index for index, _ in chosen[part] for _ in range(samples_per_prompt)]
+                prompt_ids, prompt_mask = encode_prompts(tokenizer, [prompt for _, prompt in chosen[part]])
+                prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+                prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, dim=0)  # (b * G, P)
+                length = prompt_ids.shape[1]
+                if scorer is not None:
+                    score = model_scorer(scorer, batch, length)
+                else:
+                    score = function_scorer(settings.reward_function, tokenizer, batch, group_ids, length)
+                maker = ExperienceMaker(
+                    actor,
+                    critic,
+                    score,
+                    reference,
+                    sampling=sampling,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    precision=models.precision,
+                    sampler=None if sampler is actor else sampler,
+                )
+                first_row = part.start * samples_per_prompt
+                experience = maker.make_experience(
+                    prompt_ids,
+                    prompt_mask,
+                    group_ids=torch.tensor(group_ids),
+                    generator=generator,
+                    seeds=row_seeds(sampling, shard, first_row, len(batch)),
+                )
+                experience = experience.replace(policy_versions=torch.full((len(batch),), version))
+                tables.append(experience_to_table(experience, first_row=first_row))
+                bar.update(1)
+            yield pa.concat_tables(tables)
 
 
 def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:

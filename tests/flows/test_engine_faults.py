@@ -10,8 +10,8 @@ Llama with a tied output layer:
 * ``lora``: LoRA (merged into the engine's weights) over the same bf16 Llama;
 * ``embedding``: LoRA on the embeddings too (``lora_embedding_A``/``B``) over the Llama saved in fp32.
 
-The full and LoRA campaigns' iteration 0 runs clean; then each fault runs iteration 1, whose first stage
-(sample_candidates) serves the first update's weights. The gate must stop it there: exit 2, one line naming the
+The full and LoRA campaigns' iteration 0 runs clean; then each fault runs iteration 1 on an engine reset to the
+base, so its first stage (sample_candidates) swaps to the first update's weights. The gate must stop it there: exit 2, one line naming the
 stage, the iteration, the weights and the gap, no output of iteration 1 (no stage folder, no finished MLflow stage
 run). The embedding adapter is refused by the merge itself, and when the old merge drops it, caught at iteration 0's
 evaluate, the first stage that serves an update. Last, the full and LoRA campaigns run iteration 1 with no fault, to
@@ -228,6 +228,9 @@ def test_every_fault_is_caught_within_its_swap_and_nothing_is_written(worlds, en
     run_root = campaigns[campaign]  # its iteration 0, clean, first
     dtype, extra = CAMPAIGNS[campaign]
     before = _iterations_written(run_root)
+    # The engine holds the base, so iteration 1's first stage swaps (iteration 0's evaluate left it on the first
+    # update's weights, proved then: its sample_candidates would reuse them, and the first swap be evaluate's).
+    _reset(url, fault, worlds["bf16"]["policy"])
     fault.write_text(fault_name)
     try:
         code, stderr = _run(_command(run_root, worlds[dtype], url, "iterations=2", *extra), run_root / "run.log")
@@ -253,6 +256,7 @@ def test_with_no_fault_the_same_campaigns_run_iteration_1_on_proved_swaps(worlds
         if "engine_probe_gap" in recorded["metrics"]:
             assert recorded["metrics"]["engine_probe_gap"] < 1e-4, (manifest, recorded["metrics"])
         if manifest.parent.parent.name == "evaluate" and recorded["config"]["context"]["iteration"] == 1:
-            # R10: one swap per side of its one shard (two batches each), not two per batch
+            # R10: one swap for its one shard (two batches), not one per batch; the reference's side is read back
+            # (sampled once per campaign, in iteration 0), so the policy's is the only one
             swaps = recorded["runtime"]["engine_probe"]
-            assert [swap["adapter"] is None for swap in swaps] == [campaign == "full", True], swaps
+            assert [swap["adapter"] is None for swap in swaps] == [campaign == "full"], swaps

@@ -26,6 +26,9 @@ from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from storage.manifest import read_manifest
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CAMPAIGN = "tracked"
+"""The campaign's own name: its Prefect concurrency limit is no other test's (a slot another test's cancelled run
+left held on the session's server, which expires no lease, would make it wait)."""
 
 
 def _free_port() -> int:
@@ -74,6 +77,7 @@ def _config(world, run_root: Path, url: str, *overrides: str):
             f"data.prompts={world['prompts']}",
             f"data.eval_prompts={world['eval_prompts']}",
             "iterations=1",
+            f"campaign={CAMPAIGN}",
             *overrides,
         ],
     )
@@ -97,13 +101,13 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     continued = rlhf_iteration(second)
     assert continued.policy.stage == "ppo_update" and not continued.policy.reused
     for stage in ("train_reward_model", "ppo_update"):  # iteration 0's, fetched from the server, and iteration 1's
-        assert len(list((second.run_root / "tiny" / stage).glob("[!.]*/_manifest.json"))) == 2, stage
-    (evaluation,) = (second.run_root / "tiny" / "evaluate").glob("[!.]*")  # iteration 1's (none needed iteration 0's)
-    source = resolve_run(second, "tiny:0")
+        assert len(list((second.run_root / CAMPAIGN / stage).glob("[!.]*/_manifest.json"))) == 2, stage
+    (evaluation,) = (second.run_root / CAMPAIGN / "evaluate").glob("[!.]*")  # iteration 1's (none needed iteration 0's)
+    source = resolve_run(second, f"{CAMPAIGN}:0")
     replay_run = rlhf_replay(replay_config(second, source, ["advantages.kl_coef=0.2"]), source)
 
     client = MlflowClient(tracking_uri=url)
-    experiment = client.get_experiment_by_name("tiny")
+    experiment = client.get_experiment_by_name(CAMPAIGN)
     runs = client.search_runs([experiment.experiment_id], max_results=1000)
     iterations = sorted(
         run.data.tags.get("rlhf.iteration") for run in runs if run.data.tags.get("rlhf.kind") == "iteration"
@@ -111,20 +115,20 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     assert iterations == ["0", "1"]
     assert client.get_run(replay_run).data.tags["rlhf.replay_of"] == source
     assert all(run.info.status == "FINISHED" for run in runs)
-    version = client.get_model_version_by_alias("tiny-actor", "latest")
+    version = client.get_model_version_by_alias(f"{CAMPAIGN}-actor", "latest")
     assert int(version.version) == 2
     assert not version.source.startswith("file://"), "a model version on a server points at its artifacts"
 
     with get_client(sync_client=True) as prefect:
-        limit = prefect.read_global_concurrency_limit_by_name(campaign_limit("tiny"))
+        limit = prefect.read_global_concurrency_limit_by_name(campaign_limit(CAMPAIGN))
     assert limit.limit == 1 and limit.active_slots == 0
 
     # Issue 32: running the finished campaign again restores a deleted output of its newest iteration from the
     # server's copy. Iteration 0's outputs that iteration 1 did not need were never fetched here: they stay away, as
     # outputs `rlhf gc` removed would.
     shutil.rmtree(evaluation)
-    rollouts = sorted((second.run_root / "tiny" / "rollout").glob("[!.]*"))
-    overrides = [f"run_root={second.run_root}", f"tracking_uri={url}", "iterations=2"]
+    rollouts = sorted((second.run_root / CAMPAIGN / "rollout").glob("[!.]*"))
+    overrides = [f"run_root={second.run_root}", f"tracking_uri={url}", "iterations=2", f"campaign={CAMPAIGN}"]
     world = [f"model.policy={checkpoint_world['policy']}"]
     world += [f"data.{name}={checkpoint_world[name]}" for name in ("prompts", "eval_prompts")]
     assert main(["run", "--config", str(CONFIGS / "tiny.yaml"), *(f"--set={o}" for o in world + overrides)]) == 0
@@ -132,4 +136,4 @@ def test_a_campaign_continues_and_replays_from_an_empty_run_root_with_only_the_s
     assert f"restored {evaluation} (the evaluate output of iteration 1) from what MLflow run" in said
     assert "all 2 iterations are finished; nothing to run" in said
     assert read_manifest(evaluation).stage == "evaluate"
-    assert sorted((second.run_root / "tiny" / "rollout").glob("[!.]*")) == rollouts
+    assert sorted((second.run_root / CAMPAIGN / "rollout").glob("[!.]*")) == rollouts

@@ -39,6 +39,7 @@ def test_auto_is_chosen_once_per_campaign_and_machine_whatever_the_load_later(mo
     monkeypatch.setattr(threads, "count_parameters", lambda policy: 134_515_008)
     monkeypatch.setattr(threads, "busy_cores", lambda cores: 0.0)
     threads._auto_threads.cache_clear()
+    assert command_threads("auto", "policy", record=record, keep=False) == 2 and not record.exists()  # the engine's
     assert command_threads("auto", "policy", record=record) == 2
     machine = f"{socket.gethostname()} (2 cores)"
     assert json.loads(record.read_text()) == {machine: 2}
