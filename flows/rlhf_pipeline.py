@@ -44,6 +44,7 @@ from runtime.context import BaseInputs, StageContext
 from runtime.declaration import StageResult
 from runtime.engine import engine_identity
 from runtime.events import ITERATION_EVENT, STAGE_EVENT, announces_failure
+from runtime.launch import warm_up
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -153,6 +154,7 @@ def _iteration(
     state = state or IterationState(policy=initialize(context, config))  # iteration 0 starts the campaign
     staleness = config.sampling.staleness
     sampling, training = lanes(context, config)
+    warm_up(training.execution)  # an update of its own process imports its code while the generation stages run
     front = _front(config, sampling, state.sampler(staleness), state.reward_model, state.preferences)
     scored = compute_advantages(
         training, config, experience=front.experience, reward_model=front.reward_model, previous=state.advantages

@@ -17,8 +17,9 @@ its own process. Otherwise :func:`train`:
 4. a worker's failure fails the task with that worker's traceback (each worker writes its own to
    ``job/error-<rank>.txt``) and the end of the workers' log;
 5. with ``execution.own_process`` (``sampling.staleness`` >= 1: the stage's process samples the next iteration
-   meanwhile) one process trains in a process of its own, ``python -m runtime.worker SPEC`` with no launcher, as
-   steps 1-4 say, and ends with the stage's process however that ends;
+   meanwhile) one process trains in a process of its own, :func:`runtime.worker.main` on the spec with no launcher,
+   forked from the command's warm server (:mod:`runtime.warm`: its imports done once), as steps 1-4 say, and ends
+   with the stage's process however that ends;
 6. the main process's progress bar is shown by the stage's process while it waits (:mod:`runtime.bars`).
 
 The stage's own process keeps the output (:class:`storage.manifest.StageOutput`): the manifest, the
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_core.precision import Precision, accelerate_mixed_precision
+from runtime import warm
 from runtime.bars import BAR_FILE_VARIABLE, relay_bar
 from runtime.children import end_with_parent, free_port
 from runtime.job import ERROR_PREFIX, RESULT_FILE, SPEC_FILE, Job, encode_job
@@ -74,7 +76,7 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
     """
     execution = job.context.execution
     on_ray = execution.training_launcher == "ray"
-    alone = execution.training_processes == 1 and execution.accelerate_config is None and not on_ray
+    alone = _alone(execution)
     if alone and not execution.own_process:
         return dict(job.declaration().work(job))
     ray_started = _join_ray(execution) if on_ray else False  # before any file: a cluster without room writes none
@@ -89,18 +91,19 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
     if on_ray:
         status = _run_on_ray(spec, execution, log, started=ray_started)
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
-        if alone:  # one process of its own: the worker itself, ended with this process (choice 5)
-            command = [sys.executable]
-        command += ["-m", "runtime.worker", str(spec)]
         bar = folder / "bar.json"
         bar.unlink(missing_ok=True)
         environment = {**os.environ, "OMP_NUM_THREADS": str(execution.torch_threads), BAR_FILE_VARIABLE: str(bar)}
-        with open(log, "wb") as output:
-            process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=end_with_parent
-            )
-            status = _wait_showing(process, relay_bar(bar))
+        if alone:  # one process of its own: the worker, forked warm, ended with this process (choice 5)
+            status = warm.run(str(spec), log=str(log), environment=environment, relay=relay_bar(bar))
+        else:
+            command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
+            command += ["-m", "runtime.worker", str(spec)]
+            with open(log, "wb") as output:
+                process = subprocess.Popen(
+                    command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=end_with_parent
+                )
+                status = _wait_showing(process, relay_bar(bar))
     if status != 0 or not result.is_file():
         raise TrainingWorkerError(
             f"{job.stage}: the {execution.training_processes} training processes failed (exit status "
@@ -109,6 +112,19 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
     reported = json.loads(result.read_text())
     job.out.runtime.update(reported["runtime"])
     return reported["metrics"]
+
+
+def _alone(execution: Execution) -> bool:
+    """Whether a training stage trains in one process and without a launcher."""
+    launched = execution.accelerate_config is not None or execution.training_launcher == "ray"
+    return execution.training_processes == 1 and not launched
+
+
+def warm_up(execution: Execution) -> None:
+    """Start importing what a training process of its own needs (:func:`runtime.warm.prepare`) if the stages of
+    ``execution`` train in one (choice 5), so that their first one starts warm."""
+    if execution.own_process and _alone(execution):
+        warm.prepare()
 
 
 def _wait_showing(process: subprocess.Popen, relay: Callable[[bool], None]) -> int:
