@@ -31,6 +31,7 @@ from dataclasses import replace
 from prefect.futures import PrefectFuture, wait
 
 from campaign.config import PipelineConfig
+from runtime.concurrency import sharing_the_gpu
 from runtime.context import StageContext
 from runtime.declaration import StageResult
 from runtime.threads import lane_threads
@@ -63,7 +64,8 @@ def beside(update: PrefectFuture, ahead: Callable[[], object]) -> StageResult:
     """Run ``ahead`` here while the submitted ``update`` runs; the update's result once both have ended. Either one's
     error is raised once both have ended: no lane is left running."""
     try:
-        ahead()
+        with sharing_the_gpu():  # on a GPU the update holds the campaign's slot of the gpu tag
+            ahead()
     finally:
         wait([update])
     return update.result()

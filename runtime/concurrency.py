@@ -3,7 +3,9 @@ engine's slot (a campaign's own slot, two iterations of one campaign never at on
 
 Choices:
 
-1. The stages of an iteration that runs on a GPU carry the Prefect task tag :data:`GPU_TAG` (:func:`gpu_stages`).
+1. The stages of an iteration that runs on a GPU carry the Prefect task tag :data:`GPU_TAG` (:func:`gpu_stages`),
+   but for the generation stages an overlapped iteration runs beside its update, which holds the campaign's GPU
+   (:func:`sharing_the_gpu`).
    ``rlhf serve`` sets the tag's concurrency limit to the number of GPUs the machine has (:func:`ensure_gpu_limit`),
    so a second campaign's GPU stages wait (Pending, in the Prefect UI) until one is free. Prefect 3.8 keeps a tag's
    limit as the global concurrency limit ``tag:gpu``; without a limit the tag limits nothing.
@@ -218,4 +220,15 @@ def gpu_stages(device_type: str, *, campaign: str) -> Iterator[None]:
             f"tag:{GPU_TAG}", f"campaign {campaign}: its GPU stages wait for a free GPU, all are in use by other runs"
         )
     with tags(*names):
+        yield
+
+
+@contextmanager
+def sharing_the_gpu() -> Iterator[None]:
+    """Run the block's stages without the :data:`GPU_TAG` of :func:`gpu_stages`: they share the GPU whose slot a
+    stage of the same campaign running meanwhile holds (an overlapped iteration's generation stages beside its
+    update, :mod:`flows.overlap`). With the tag they would wait for that stage's end, and overlap nothing."""
+    from prefect.context import TagsContext
+
+    with TagsContext(current_tags=TagsContext.get().current_tags - {GPU_TAG}):
         yield

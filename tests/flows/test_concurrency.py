@@ -122,6 +122,45 @@ def _pending_gpu_task_runs() -> int:
     return len(runs)
 
 
+def test_issue33_an_overlapped_iterations_generation_shares_its_campaigns_gpu_with_the_update(prefect_server):
+    """One GPU (limit 1): the update, submitted, holds the campaign's slot of the gpu tag; the next iteration's
+    generation stages run beside it (:func:`flows.overlap.beside`) without the tag, so they start at once instead of
+    waiting for the update's end. Here the update ends only once the generation stage has run."""
+    from prefect.runtime import task_run
+
+    from flows.overlap import beside
+
+    ensure_gpu_limit(1)
+    order: list[str] = []
+    tags: dict[str, list[str]] = {}
+    generated = threading.Event()
+
+    @task(name="update")
+    def update() -> str:
+        tags["update"] = sorted(task_run.tags)
+        order.append("update starts")
+        generated.wait(timeout=60)  # without the generation stage beside it: a minute, then on
+        order.append("update ends")
+        return "policy"
+
+    @task(name="rollout")
+    def rollout() -> None:
+        tags["rollout"] = sorted(task_run.tags)
+        order.append("rollout runs")
+        generated.set()
+
+    @flow(name="overlapped-campaign")
+    def campaign() -> str:
+        with gpu_stages("cuda", campaign="overlapped"):
+            future = update.submit()
+            _wait_until(lambda: order == ["update starts"], "the update holding the GPU")
+            return beside(future, rollout)
+
+    assert campaign() == "policy"
+    assert order == ["update starts", "rollout runs", "update ends"]
+    assert tags == {"update": [GPU_TAG], "rollout": []}
+
+
 def test_a_second_engine_on_the_machine_waits_for_the_first_and_says_so(prefect_server, caplog):
     order: list[str] = []
     release = threading.Event()
