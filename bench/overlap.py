@@ -46,19 +46,11 @@ import yaml
 from bench.common import REPO, SCRATCH, machine
 from bench.real_model import iteration_rows, task_env
 from bench.smollm2 import ensure_folder
+from tasks.settings import STAGES as STAGE_SETTINGS
 
 CONFIG = REPO / "configs" / "smollm2.yaml"
 COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.overlap"
-STAGES = (
-    "sample_candidates",
-    "collect_preferences",
-    "train_reward_model",
-    "rollout",
-    "compute_advantages",
-    "ppo_update",
-    "sample_reference",
-    "evaluate",
-)
+STAGES = tuple(settings.stage for settings in STAGE_SETTINGS)
 """Every stage of an iteration; a table shows those the campaign runs."""
 
 
@@ -190,7 +182,7 @@ def section(figures: dict) -> str:
     ran = [
         stage
         for stage in STAGES
-        if any(row["seconds"][stage] is not None for run in figures["campaigns"] for row in run["iterations"])
+        if any(row["seconds"].get(stage) is not None for run in figures["campaigns"] for row in run["iterations"])
     ]
     lines += [
         "",
@@ -203,7 +195,9 @@ def section(figures: dict) -> str:
     ]
     for run in figures["campaigns"]:
         for row in run["iterations"]:
-            stages = " | ".join(_figure(row["seconds"][stage], ".1f" if figures["fine"] else ".0f") for stage in ran)
+            stages = " | ".join(
+                _figure(row["seconds"].get(stage), ".1f" if figures["fine"] else ".0f") for stage in ran
+            )
             lines.append(
                 f"| {run['staleness']} | {run['seed']} | {row['iteration']} | {stages} | "
                 f"{_figure(row['reward'], '.3f')} | {_figure(row['kl_to_reference'], '.2f')} |"
