@@ -67,6 +67,7 @@ NOT_RUN = {
         "a 135 M model for several iterations, longer than a documented command may take; "
         "`python -m bench.real_model curve` runs it",
     ),
+    ("docs/real-model.md", "a 135 M model's iteration, longer than a documented command may take"),
 }
 """The blocks that are not run, by page and reason: keep them few."""
 
