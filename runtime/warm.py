@@ -165,7 +165,10 @@ def _job(request: dict, server: int) -> None:  # pragma: no cover - runs in the 
     """The forked job (choice 1): ended with the server, its own log, environment and threads; then the worker."""
     code = 1
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # not Linux: as runtime.children.end_with_parent, no such signal
+            pass
         if os.getppid() != server:  # the server ended before the request took effect
             os._exit(1)
         with open(request["log"], "wb") as log, open(os.devnull, "rb") as nothing:
