@@ -13,16 +13,18 @@ Choices:
    its torch threads; it runs :func:`runtime.worker.main` on its spec and leaves with :func:`os._exit`. The server
    imports modules and runs no torch operation, so the fork inherits no thread pool and no CUDA context (CUDA
    starts in the job, as in a fresh process).
-2. Nothing outlives the command: the server is ended with the command (the parent-death signal, asked for by a
-   thread that lives as long as the server: Linux sends it when the *thread* that started the child ends), and a
-   job is ended with the server (SIGKILL, checked against the server's pid after it was asked for). A ``kill -9``
-   of the command ends the job, as it ended the fresh process.
+2. Nothing outlives the command: the server ends at the command's end (its requests closed) or with the command
+   (the parent-death signal, asked for by a thread that lives as long as the server: Linux sends it when the
+   *thread* that started the child ends), and a job is ended with the server (SIGKILL, checked against the
+   server's pid after it was asked for). A ``kill -9`` of the command ends the job, as it ended the fresh process.
 3. One job at a time per command (the overlapped update is one stage); a second requester waits. A server that
    died is started again for the next job; its job's exit status is its signal's, as a fresh process's would be.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import importlib
 import json
@@ -53,6 +55,8 @@ READY = "ready"
 POLL_SECONDS = 0.5
 """How often the requester looks for the job's end, showing the job's bar between (:func:`run`)."""
 PR_SET_PDEATHSIG = 1
+STOP_SECONDS = 10.0
+"""How long a command's end waits for its server to end by itself before killing it."""
 
 _lock = threading.Lock()
 _server: subprocess.Popen | None = None
@@ -125,7 +129,22 @@ def _start() -> subprocess.Popen:
     threading.Thread(target=start_and_watch, name="rlhf-warm-server", daemon=True).start()
     launched.wait()
     _server, _ready = started["process"], False
+    atexit.register(_stop, _server)
     return _server
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """At the command's end: close the server's requests, so that it ends, and wait for it. Its CPU time, and its
+    jobs', then count as the command's (``RUSAGE_CHILDREN``), as a fresh training process's did."""
+    if server.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        server.stdin.close()
+    try:
+        server.wait(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 def _running_server() -> subprocess.Popen:

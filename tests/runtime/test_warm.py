@@ -67,6 +67,15 @@ def die() -> dict[str, float]:
     return {}
 
 
+def burn() -> dict[str, float]:
+    """Spend a second and a half of CPU time; say where it ran (in ``$RLHF_TEST_WARM_PIDS``)."""
+    Path(os.environ["RLHF_TEST_WARM_PIDS"]).write_text(f"{os.getpid()} {os.getppid()}")
+    started = time.process_time()
+    while time.process_time() - started < 1.5:
+        pass
+    return {}
+
+
 def hold() -> dict[str, float]:
     """Say where it runs (in ``$RLHF_TEST_WARM_PIDS``), then wait to be killed."""
     Path(os.environ["RLHF_TEST_WARM_PIDS"]).write_text(f"{os.getpid()} {os.getppid()}")
@@ -142,6 +151,33 @@ def test_issue33_kill_minus_nine_of_the_command_ends_its_server_and_its_job(tmp_
     while (_alive(job) or _alive(server)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(job) and not _alive(server)
+
+
+def test_issue33_a_commands_end_ends_its_server_and_counts_its_jobs_cpu_time_as_its_own(tmp_path: Path):
+    """As a fresh training process's was: a benchmark reads a command's CPU seconds from its children's usage."""
+    pids = tmp_path / "pids"
+    program = (  # its first exit hook runs last: the server must have ended by then
+        "import atexit, resource, sys; from pathlib import Path; from runtime import warm; "
+        "atexit.register(lambda: print('ended', warm._server.poll() is not None)); "
+        "from tests.runtime.test_warm import _job; from runtime.launch import train; "
+        "train(_job(Path(sys.argv[1]), 'burn'), precision='fp32'); "
+        "own = resource.getrusage(resource.RUSAGE_SELF); print(own.ru_utime + own.ru_stime)"
+    )
+    command = subprocess.Popen(
+        [sys.executable, "-c", program, str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "RLHF_TEST_WARM_PIDS": str(pids)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    *_, own, ended = command.stdout.read().strip().splitlines()
+    _, status, usage = os.wait4(command.pid, 0)
+    command.returncode = os.waitstatus_to_exitcode(status)
+    assert command.returncode == 0
+    _, server = map(int, pids.read_text().split())
+    assert ended == "ended True" and not _alive(server)
+    # the job's CPU time, through the server the command waited for, beside the command's own
+    assert usage.ru_utime + usage.ru_stime - float(own) >= 1.5
 
 
 def _alive(pid: int) -> bool:
