@@ -233,7 +233,7 @@ def main() -> None:
         print("On the GPU machine, one call each (carry: [the part]):")
         for part in sorted(PARTS.iterdir()):
             print(f"  python3 -m bench.gpu_overlap unpack {part.relative_to(REPO)}")
-        print("then: PYTHONUNBUFFERED=1 python3 -m bench.gpu_overlap run   (about 10 minutes on an H100)")
+        print("then: PYTHONUNBUFFERED=1 python3 -m bench.gpu_overlap run   (not timed on a GPU yet: allow 10 minutes)")
     elif arguments.command == "unpack":
         unpack(arguments.part, arguments.home)
     else:
