@@ -91,13 +91,17 @@ class Chromium:
         self._send("Page.navigate", session=True, url=url)
 
     def wait_for(self, expression: str, *, timeout: float = 60, what: str = "") -> Any:
-        """Poll a JavaScript expression until it is truthy; its value."""
-        deadline = time.monotonic() + timeout
+        """Poll a JavaScript expression until it is truthy; its value. An expression that throws is not there yet:
+        while a page loads (after a form is sent, say) ``document.body`` is null for a moment."""
+        deadline, error = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
-            if value := self.evaluate(expression):
-                return value
+            try:
+                if value := self.evaluate(expression):
+                    return value
+            except RuntimeError as thrown:
+                error = thrown
             time.sleep(0.25)
-        raise TimeoutError(f"the page never showed {what or expression}")
+        raise TimeoutError(f"the page never showed {what or expression}" + (f" (last: {error})" if error else ""))
 
     def click(self, expression: str) -> None:
         """Press and release the mouse on the element ``expression`` evaluates to (scrolled into view)."""
