@@ -12,7 +12,10 @@ Choices:
    threads and Prefect task runners cannot mix runs up.
 2. The tracking URI is given once, to the constructor; it is also the model registry URI. Creating
    or migrating a fresh SQLite store from several processes at once can fail ("duplicate column"),
-   so the first touch of the store happens under an exclusive ``fcntl`` lock on ``<db>.lock``.
+   so the first touch of the store happens under an exclusive ``fcntl`` lock on ``<db>.lock``. A new SQLite store
+   starts as a copy of an empty one migrated once per MLflow version and kept in :func:`cache_dir`: MLflow's schema
+   migrations take seconds (tens on a busy machine), a copy milliseconds. The copy holds no experiment, so MLflow
+   makes its Default experiment on the first open, where and when a fresh store would have it.
 3. Experiments are created with an explicit artifact location (``artifact_root/<name>``), so
    artifacts do not depend on the working directory; on a tracking server (an ``http(s)://`` URI)
    the server decides (its ``--artifacts-destination``), and an artifact root is refused.
@@ -26,8 +29,9 @@ Choices:
    made from one is linked to it the way MLflow's own ``register_model`` does (the model's ``mlflow.modelVersions``
    tag), so the model's page names its versions.
 
-Environment: nothing here reads or sets environment variables. Set ``MLFLOW_DISABLE_TELEMETRY=true``
-in the environment of offline machines (tests do it in ``tests/conftest.py``).
+Environment: ``RLHF_CACHE_DIR`` moves :func:`cache_dir` (tests point it into their temporary folder); nothing else
+is read or set here. Set ``MLFLOW_DISABLE_TELEMETRY=true`` in the environment of offline machines (tests do it in
+``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
+import shutil
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import mlflow
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 from mlflow.entities import (
@@ -237,6 +245,47 @@ def _sqlite_path(tracking_uri: str) -> Path | None:
     return None if path in ("", ":memory:") else Path(path)
 
 
+def cache_dir() -> Path:
+    """This user's cache of the pipeline (``$RLHF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rlhf-pipeline``, else
+    ``~/.cache/rlhf-pipeline``): what can be made again, kept to be made once."""
+    if explicit := os.environ.get("RLHF_CACHE_DIR"):
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf-pipeline"
+
+
+def _empty_store() -> Path:
+    """An empty SQLite store migrated to this MLflow's schema, without MLflow's Default experiment: made once per MLflow
+    version (in a temporary file, then renamed, so a reader never sees half of one)."""
+    template = cache_dir() / f"mlflow-{mlflow.__version__}-empty.db"
+    if not template.exists():
+        template.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=template.parent) as scratch:
+            database = Path(scratch) / "empty.db"
+            uri = f"sqlite:///{database}"
+            client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            client.search_registered_models(max_results=1)
+            with contextlib.closing(sqlite3.connect(database)) as connection, connection:
+                connection.execute("DELETE FROM experiments")
+            os.replace(database, template)
+    return template
+
+
+def _create_sqlite_store(database: Path) -> None:
+    """``database`` as a copy of :func:`_empty_store` (under a temporary name, then renamed); left to MLflow to make
+    where the cache cannot be written."""
+    try:
+        template = _empty_store()
+    except OSError:
+        return
+    database.parent.mkdir(parents=True, exist_ok=True)
+    partial = database.with_name(f".{database.name}.{os.getpid()}.partial")
+    try:
+        shutil.copyfile(template, partial)
+        os.replace(partial, database)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 class MlflowStore:
     """One MLflow tracking store and its model registry, opened once.
 
@@ -267,8 +316,10 @@ class MlflowStore:
             else contextlib.nullcontext()
         )
         with lock:
-            # Building the client creates (or migrates) a SQLite store; do it while holding the lock,
-            # and touch the registry too, which has its own store object.
+            if database is not None and not database.exists():
+                _create_sqlite_store(database)
+            # Building the client migrates a SQLite store of an older MLflow; do it while holding the lock, and touch
+            # the registry too, which has its own store object.
             self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
             self._client.search_experiments(max_results=1)
             self._client.search_registered_models(max_results=1)

@@ -13,6 +13,9 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_PREFECT_HOME, "results")
 os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///" + os.path.join(_PREFECT_HOME, "mlflow-guard.db")
+# The pipeline's own cache (an empty migrated MLflow store, storage.mlflow_store.cache_dir) in the same temporary
+# folder: made once per test process and shared with the commands the tests start, never the user's.
+os.environ["RLHF_CACHE_DIR"] = os.path.join(_PREFECT_HOME, "rlhf-cache")
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DO_NOT_TRACK"] = "true"
 os.environ["HF_HUB_OFFLINE"] = "1"

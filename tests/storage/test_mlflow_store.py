@@ -216,3 +216,33 @@ def test_metrics_go_with_their_model_and_dataset_once_and_rank_the_models(store:
         store.logged_models(experiment_id, run_id=client(store).get_logged_model(models[1]).source_run_id)[0].model_id
         == models[1]
     )
+
+
+def _rows(database: Path) -> dict[str, list]:
+    """Every table's rows, and the schema, of a SQLite database; creation times left out."""
+    import sqlite3
+
+    with sqlite3.connect(database) as connection:
+        tables = [name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        rows = {"schema": sorted(connection.execute("SELECT type, name, sql FROM sqlite_master").fetchall())}
+        for table in tables:
+            columns = [column[1] for column in connection.execute(f'PRAGMA table_info("{table}")')]
+            kept = [column for column in columns if column not in ("creation_time", "last_update_time")]
+            rows[table] = sorted(connection.execute(f'SELECT {", ".join(kept)} FROM "{table}"').fetchall())
+    return rows
+
+
+def test_a_new_store_is_a_copy_of_an_empty_migrated_one_and_equals_a_freshly_migrated_store(tmp_path: Path) -> None:
+    """MLflow's schema migrations run once per MLflow version (into ``cache_dir()``); a new store copied from that empty
+    one holds what a store MLflow made itself holds: the same schema and rows, the Default experiment where this
+    process puts it, and the next experiment numbered 1."""
+    fresh, seeded = tmp_path / "fresh.db", tmp_path / "seeded.db"
+    for database, make in ((fresh, lambda uri: MlflowClient(uri, uri)), (seeded, MlflowStore)):
+        make(f"sqlite:///{database}")
+        MlflowClient(f"sqlite:///{database}").create_experiment("camp")
+    assert (storage.mlflow_store.cache_dir() / f"mlflow-{__import__('mlflow').__version__}-empty.db").is_file()
+    assert _rows(seeded) == _rows(fresh)
+    assert [(e.experiment_id, e.name) for e in MlflowClient(f"sqlite:///{seeded}").search_experiments()] == [
+        ("1", "camp"),
+        ("0", "Default"),
+    ]
