@@ -1,29 +1,36 @@
 """Issue 14 crash suite: ``kill -9`` of a real ``rlhf run`` at every stage, in three windows, then the same
 command again; the campaign must end exactly as one that never crashed.
 
-Each case runs the command as a user does (its own temporary Prefect server, no ``PREFECT_API_URL``),
-holds it at ``<stage>:<window>`` (``storage/holds.py``: the process writes a file there and waits, so
-the kill lands at a known point, not after a sleep), kills it with SIGKILL and runs it again. Then:
+Each command runs as a user runs it (its own temporary Prefect server, no ``PREFECT_API_URL``), is held at
+``<stage>:<window>`` (``storage/holds.py``: the process writes a file there and waits, so the kill lands at a known
+point, not after a sleep) and killed with SIGKILL. One run root per window is killed at every stage in turn (issue
+41: a chain of kills costs one campaign and a command's start-up per kill, where a run root per kill cost a campaign
+and two start-ups each): the same command again resumes what the kill left and is held at the next stage's point,
+and the last one runs to the end. Right after each kill:
+
+* the killed command and every process it started are gone (its temporary Prefect server included);
+* the iteration run is RUNNING, the stage held while recording has its RUNNING run with its output's digest, and
+  every other stage run is FINISHED (so the command after a kill finished what that kill interrupted);
+* every finished output equals the uncrashed campaign's, the store is consistent so far (each stage run's artifacts
+  exactly its output, one run per output, nothing the uncrashed campaign lacks), and no stage but the held one has a
+  half-written folder; a kill in a training stage's ``computing`` window lands after its first mid-stage checkpoint.
+
+When the last command has ended:
 
 * every stage output file and every manifest digest equals the uncrashed campaign's;
 * the MLflow store is clean: every run FINISHED, one run per stage output and per iteration, as many
   runs and model versions as the uncrashed campaign, each stage run's artifacts exactly its output
   (verified against the manifest), no artifact folder without its run;
-* no process is left: the killed command's temporary Prefect server died with it, and the second
-  command leaves nothing behind either.
-
-Training stages run several epochs with ``checkpoint_seconds=0``, so the ``computing`` window of
-``train_reward_model`` and ``ppo_update`` is after their first mid-stage checkpoint and the second
-command continues from it. Slow (about 25 minutes): ``.ci/run`` runs it as its own step.
+* no process is left and no half-written folder.
 
 Issue 33 adds the overlapped mode (``sampling.staleness=1``: iteration 1's generation stages run in the command's
-process while iteration 0's update trains in a process of its own), killed in both lanes (the update after its first
-checkpoint, iteration 1's rollout computed and not published), in the rollout (published and not yet recorded: its
-iteration records it) and in iteration 1's off-policy update (once it has kept pi_prox and checkpointed an epoch). The
-same checks hold, against an uncrashed overlapped campaign, and the killed command's training process must die with
-it. About 5 minutes more in CI (the fixture and three cases, each a tiny campaign and a half). The update published
-and not recorded while the rollout runs on was cut for time: the flow records it as in the sequential suite's
-``ppo_update:output`` case, and both lanes' case kills that update in flight.
+process while iteration 0's update trains in a process of its own), one run root killed in both lanes (the update
+after its first checkpoint, iteration 1's rollout computed and not published), then in the rollout (published and not
+yet recorded: its iteration records it) while the resumed update is published and not recorded, then in iteration 1's
+off-policy update (once it has kept pi_prox and checkpointed an epoch). The same checks hold, against an uncrashed
+overlapped campaign, and the killed command's training process must die with it.
+
+Slow: ``.ci/run`` runs it as its own step.
 """
 
 from __future__ import annotations
@@ -56,15 +63,21 @@ STAGES = [
     "evaluate",
 ]
 WINDOWS = ["computing", "output", "recording"]
-COMMON = ["sizes.rollout_prompts=32", "ppo.epochs=8", "reward_model.epochs=6", "execution.checkpoint_seconds=0"]
+COMMON = ["ppo.epochs=2", "reward_model.epochs=2", "execution.checkpoint_seconds=0"]
+"""Two epochs of each training stage and a checkpoint after each: a kill in its ``computing`` window (held after the
+first checkpoint) lands mid-stage, with an epoch left for the next command to resume."""
 DEADLINE = 600
 OVERLAPPED = ["sampling.staleness=1"]
-OVERLAP_WINDOWS = {
+OVERLAP_KILLS = {
     "both lanes": "rollout:computing#2,ppo_update:computing#1",
-    "in the rollout": "rollout:output#2",
+    "in the rollout": "rollout:output#1,ppo_update:output#1",
+    "in the off-policy update": "ppo_update:computing#1",
 }
-"""Where the overlapped campaign is killed. ``#2``: the second rollout (iteration 1's, beside iteration 0's update);
-the update's ``computing`` point is held in its own training process, after its first checkpoint."""
+"""Where the overlapped campaign is killed, in turn. The first command reaches iteration 0's rollout itself, so
+``#2`` is iteration 1's, run beside iteration 0's update; the later commands reuse iteration 0's rollout, so
+iteration 1's is their first. The update's ``computing`` point is held in its own training process (a fresh count
+each), after its first checkpoint: the second command finishes iteration 0's update, so the third's training process
+is iteration 1's."""
 
 
 def _command(run_root: Path, world: dict[str, Path], *more: str) -> list[str]:
@@ -207,28 +220,18 @@ def uncrashed_overlapped(checkpoint_world, tmp_path_factory):
     return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-overlapped"), *OVERLAPPED)
 
 
-def _kill_when_held(command: list[str], points: str, tmp_path: Path) -> Path:
-    """Run ``command`` until every one of ``points`` holds, ``kill -9`` it, check nothing outlives it; its log."""
-    held = tmp_path / "held"
+def _kill_when_held(command: list[str], points: str, held: Path, log: Path) -> None:
+    """Run ``command`` until every one of ``points`` holds (each process appends the point it holds at to ``held``),
+    ``kill -9`` it and check that nothing it started outlives it; its output goes to the end of ``log``."""
     expected = {point if "#" in point else f"{point}#1" for point in points.split(",")}
-
-    def reached() -> bool:
-        return held.exists() and {line.split()[0] for line in held.read_text().splitlines()} == expected
-
     environment = _environment(RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
-    return _kill_when(command, reached, points, tmp_path, environment)
-
-
-def _kill_when(command: list[str], reached, what: str, tmp_path: Path, environment: dict[str, str]) -> Path:
-    """Run ``command`` until ``reached()``, ``kill -9`` it, check nothing outlives it; its log."""
-    log = tmp_path / "run.log"
-    with open(log, "wb") as output:
+    with open(log, "ab") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
         deadline = time.monotonic() + DEADLINE
         try:
-            while not reached():
-                assert process.poll() is None, f"`rlhf run` ended before reaching {what}; see {log}"
-                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            while not (held.exists() and {line.split()[0] for line in held.read_text().splitlines()} == expected):
+                assert process.poll() is None, f"`rlhf run` ended before reaching {points}; see {log}"
+                assert time.monotonic() < deadline, f"timed out waiting for {points}"
                 time.sleep(0.02)
             children = _descendants(process.pid)
             assert children, "the command runs its temporary Prefect server as a child"
@@ -237,8 +240,43 @@ def _kill_when(command: list[str], reached, what: str, tmp_path: Path, environme
             process.kill()
             process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
-    assert not _wait_gone(children), f"processes outliving the killed `rlhf run`: {_alive(children)}"
-    return log
+    assert not _wait_gone(children), f"processes outliving the `rlhf run` killed at {points}: {_alive(children)}"
+
+
+def _check_after_kill(run_root: Path, uncrashed: tuple[dict[str, str], dict], points: str, recording: str = "") -> list:
+    """What a kill at ``points`` must leave, checked right after it so that a failure names the kill that broke the
+    campaign; the runs in the store.
+
+    * the iteration run is RUNNING; every stage run is FINISHED but ``recording``'s (the stage held while recording);
+    * every finished output (manifest present) has exactly the uncrashed campaign's files, and the store is consistent
+      so far: each stage run's artifacts are its output's manifest, one run per output, only outputs and model
+      versions the uncrashed campaign has, no model version or artifact folder without its run;
+    * no half-written folder but the held stages' own: an earlier kill's leftovers were cleared by the command that
+      finished its stage.
+    """
+    hashes, store = uncrashed
+    finished = _file_hashes(run_root / "tiny")
+    wrong = sorted(path for path, sha in finished.items() if hashes.get(path) != sha)
+    assert not wrong, f"killed at {points}: finished outputs differ from the uncrashed campaign's: {wrong}"
+    runs = _runs(_client(run_root), "tiny")
+    kinds = {kind: [run for run in runs if run.data.tags.get("rlhf.kind") == kind] for kind in ("iteration", "stage")}
+    assert "RUNNING" in {run.info.status for run in kinds["iteration"]}, f"{points}: the iteration run is RUNNING"
+    unfinished = [r.data.tags["rlhf.stage"] for r in kinds["stage"] if r.info.status != "FINISHED"]
+    assert unfinished == ([recording] if recording else []), f"killed at {points}: stage runs not finished"
+    now = _store(run_root, "tiny")
+    assert now["unique outputs"] and now["versions of known runs"], f"killed at {points}: {now}"
+    assert set(now["outputs"]) <= set(store["outputs"]), f"killed at {points}: outputs the uncrashed run lacks"
+    assert set(now["model versions"]) <= set(store["model versions"]), f"killed at {points}: {now['model versions']}"
+    artifact_root = Path(_client(run_root).get_experiment_by_name("tiny").artifact_location.removeprefix("file://"))
+    assert {path.name for path in artifact_root.iterdir()} <= {run.info.run_id for run in runs}, points
+    held = {point.split(":")[0] for point in points.split(",")}
+    leftovers = [
+        path
+        for path in (run_root / "tiny").glob("*/*")
+        if (path.name.startswith(".") or path.name.endswith(".partial")) and path.parent.name not in held
+    ]
+    assert not leftovers, f"killed at {points}: half-written folders of stages not held: {leftovers}"
+    return runs
 
 
 def _rerun_equals(command: list[str], log: Path, run_root: Path, uncrashed: tuple[dict[str, str], dict]) -> None:
@@ -252,61 +290,65 @@ def _rerun_equals(command: list[str], log: Path, run_root: Path, uncrashed: tupl
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("stage", STAGES)
-def test_issue14_kill_minus_nine_then_rerun_equals_a_run_that_never_crashed(
-    stage, window, uncrashed, checkpoint_world, tmp_path
+def test_issue14_kill_minus_nine_at_each_stage_in_turn_then_rerun_equals_a_run_that_never_crashed(
+    window, uncrashed, checkpoint_world, tmp_path
 ):
-    run_root = tmp_path / "runs"
+    """One run root killed in ``window`` at every stage in turn: the first command at the first stage's point, the
+    same command again (resuming what the kill left) at the next stage's, and so on; the last command runs to the
+    end. Iteration 0's points, each the first arrival of its command (an output finished by an earlier command is
+    reused, not computed again)."""
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
     command = _command(run_root, checkpoint_world)
-    log = _kill_when_held(command, f"{stage}:{window}", tmp_path)
-    before = _runs(_client(run_root), "tiny")
-    assert "RUNNING" in {run.info.status for run in before}, "the kill leaves the iteration run RUNNING"
-    if window == "recording":
-        (recording,) = [run for run in before if run.data.tags.get("rlhf.stage") == stage]
-        assert recording.info.status == "RUNNING" and "rlhf.manifest_digest" in recording.data.tags
-    if window == "computing" and stage in ("train_reward_model", "ppo_update"):
-        assert list((run_root / "tiny" / stage).glob("*.partial/epoch-*")), "killed after a mid-stage checkpoint"
+    for stage in STAGES:
+        point = f"{stage}:{window}"
+        _kill_when_held(command, point, tmp_path / f"held-{stage}", log)
+        runs = _check_after_kill(run_root, uncrashed, point, recording=stage if window == "recording" else "")
+        if window == "recording":
+            (recording,) = [run for run in runs if run.data.tags.get("rlhf.stage") == stage]
+            assert "rlhf.manifest_digest" in recording.data.tags, f"{point}: the stage run has its output's digest"
+        if window == "computing" and stage in ("train_reward_model", "ppo_update"):
+            assert list((run_root / "tiny" / stage).glob("*.partial/epoch-*")), f"{point}: after a checkpoint"
     _rerun_equals(command, log, run_root, uncrashed)
 
 
-@pytest.mark.parametrize("case", OVERLAP_WINDOWS)
-def test_issue33_kill_minus_nine_of_an_overlapped_iteration_then_rerun_equals_a_run_that_never_crashed(
-    case, uncrashed_overlapped, checkpoint_world, tmp_path
-):
-    run_root = tmp_path / "runs"
-    command = _command(run_root, checkpoint_world, *OVERLAPPED)
-    log = _kill_when_held(command, OVERLAP_WINDOWS[case], tmp_path)
-    before = _runs(_client(run_root), "tiny")
-    assert "RUNNING" in {run.info.status for run in before}, "the kill leaves the iteration run RUNNING"
-    assert {run.data.tags.get("rlhf.iteration") for run in before} == {"0"}, "iteration 1 ran ahead, unrecorded"
-    if case == "both lanes":
-        assert list((run_root / "tiny" / "ppo_update").glob("*.partial/epoch-*")), "the update had checkpointed"
-        assert list((run_root / "tiny" / "rollout").glob("*.partial/shards/*")), "the next rollout had its shards"
-    if case == "in the rollout":
-        assert len(list((run_root / "tiny" / "rollout").glob("*/_manifest.json"))) == 2
-    _rerun_equals(command, log, run_root, uncrashed_overlapped)
-
-
-def test_issue33_kill_minus_nine_of_an_off_policy_update_after_a_checkpoint_resumes_with_the_same_pi_prox(
+def test_issue33_kill_minus_nine_of_an_overlapped_campaign_in_turn_then_rerun_equals_a_run_that_never_crashed(
     uncrashed_overlapped, checkpoint_world, tmp_path
 ):
-    """Iteration 1's update trains on rows one version old (decoupled PPO): killed once it has kept pi_prox and
-    checkpointed an epoch, its actor has moved on, and the rerun reads pi_prox back rather than computing it from the
-    checkpoint's actor; the campaign ends as the uncrashed one (its actor included)."""
-    run_root = tmp_path / "runs"
+    """One overlapped run root (``sampling.staleness=1``) killed three times in turn, each command resuming what the
+    previous kill left:
+
+    1. in both lanes: iteration 0's update after its first checkpoint (held in its own training process), iteration
+       1's rollout computed ahead and not published;
+    2. in the rollout: iteration 1's rollout published and not yet recorded (its iteration records it), while
+       iteration 0's update, resumed from its checkpoint, is published and not recorded either;
+    3. in iteration 1's off-policy update, once it has kept pi_prox and checkpointed an epoch: its actor has moved on,
+       and the last command reads pi_prox back rather than computing it from the checkpoint's actor.
+
+    The last command ends the campaign as the uncrashed one (the update's actor included)."""
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
     command = _command(run_root, checkpoint_world, *OVERLAPPED)
-    updates = run_root / "tiny" / "ppo_update"
+    updates, rollouts = run_root / "tiny" / "ppo_update", run_root / "tiny" / "rollout"
 
-    def reached() -> bool:  # iteration 0's update published, iteration 1's mid-stage with its pi_prox kept
-        partial = list(updates.glob("*.partial"))
-        return (
-            len(list(updates.glob("*/_manifest.json"))) == 1
-            and len(partial) == 1
-            and (partial[0] / PROX_FILE).exists()
-            and bool(list(partial[0].glob("epoch-*")))
-        )
+    points = OVERLAP_KILLS["both lanes"]
+    _kill_when_held(command, points, tmp_path / "held-both-lanes", log)
+    runs = _check_after_kill(run_root, uncrashed_overlapped, points)
+    assert {run.data.tags.get("rlhf.iteration") for run in runs} == {"0"}, "iteration 1 ran ahead, unrecorded"
+    assert list(updates.glob("*.partial/epoch-*")), "the update had checkpointed"
+    assert list(rollouts.glob("*.partial/shards/*")), "the next rollout had its shards"
 
-    log = _kill_when(command, reached, "iteration 1's update after a checkpoint", tmp_path, _environment())
+    points = OVERLAP_KILLS["in the rollout"]
+    _kill_when_held(command, points, tmp_path / "held-in-the-rollout", log)
+    runs = _check_after_kill(run_root, uncrashed_overlapped, points)
+    assert {run.data.tags.get("rlhf.iteration") for run in runs} == {"0"}, "iteration 1 ran ahead, unrecorded"
+    assert len(list(rollouts.glob("*/_manifest.json"))) == 2, "iteration 1's rollout published"
+    assert len(list(updates.glob("*/_manifest.json"))) == 1, "iteration 0's update published"
+    assert "ppo_update" not in {run.data.tags.get("rlhf.stage") for run in runs}, "the update not recorded"
+
+    points = OVERLAP_KILLS["in the off-policy update"]
+    _kill_when_held(command, points, tmp_path / "held-in-the-off-policy-update", log)
+    _check_after_kill(run_root, uncrashed_overlapped, points)
+    assert len(list(updates.glob("*/_manifest.json"))) == 1, "iteration 0's update published, iteration 1's not"
     (partial,) = updates.glob("*.partial")
     assert (partial / PROX_FILE).exists() and list(partial.glob("epoch-*")), "killed mid-stage, pi_prox kept"
+
     _rerun_equals(command, log, run_root, uncrashed_overlapped)
