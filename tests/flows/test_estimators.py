@@ -1,5 +1,10 @@
 """Issue 12 end to end: the tiny campaign with a critic-free group estimator and the adaptive KL controller,
-with a reward function instead of a reward model, and replays of one saved experience under every estimator."""
+with a reward function instead of a reward model, and replays of one saved experience under every estimator.
+
+Three campaigns share one run root (one MLflow store): GRPO with a reward model learned from a rubric's labels
+(issue 23), REINFORCE++ with a reward function, and one on groups with a reward function, run under RLOO and then
+recomputed under Dr. GRPO, whose stages before the advantages the second command finds rather than recomputes (the
+estimator is a setting a campaign may change from one command to the next)."""
 
 from __future__ import annotations
 
@@ -40,11 +45,20 @@ def _manifest(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def grouped(prefect_server, checkpoint_world, tmp_path_factory):
-    """GRPO on groups of 2 (8 prompts x 2 = 16 rollouts), learned reward model, adaptive KL, two iterations."""
+def run_root(tmp_path_factory) -> Path:
+    """The run root of every campaign here."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def grouped(prefect_server, checkpoint_world, run_root):
+    """GRPO on groups of 2 (8 prompts x 2 = 16 rollouts), a reward model learned from the pairs a rubric labels
+    (`labeler: function`, the longer response preferred), adaptive KL, two iterations."""
     overrides = [
-        *_world(checkpoint_world, tmp_path_factory.mktemp("grpo-runs")),
+        *_world(checkpoint_world, run_root),
         "campaign=grpo",
+        "labeler=function",
+        "reward.function=tests.flows.rewards:length_score",
         "advantages.estimator=grpo",
         "sizes.samples_per_prompt=2",
         "sizes.rollout_prompts=8",
@@ -137,10 +151,10 @@ def test_a_replay_the_experience_cannot_serve_is_refused_before_anything_runs(gr
 
 
 @pytest.fixture(scope="module")
-def function_reward(prefect_server, checkpoint_world, tmp_path_factory):
+def function_reward(prefect_server, checkpoint_world, run_root):
     """REINFORCE++ with a reward function (one sample per prompt), one iteration."""
     overrides = [
-        *_world(checkpoint_world, tmp_path_factory.mktemp("function-runs")),
+        *_world(checkpoint_world, run_root),
         "campaign=verifiable",
         "iterations=1",
         "reward.source=function",
@@ -188,51 +202,55 @@ def test_issue23_a_reward_function_returning_nan_is_refused_before_anything_runs
     assert not (broken.run_root / "broken").exists()
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [["advantages.estimator=rloo"], ["advantages.estimator=dr_grpo", "ppo.aggregation=token_sum_norm"]],
-    ids=["rloo", "dr_grpo"],
-)
-def test_the_other_group_estimators_run_the_campaign_too(prefect_server, checkpoint_world, tmp_path_factory, overrides):
+GROUP_ESTIMATORS = {
+    "rloo": ["advantages.estimator=rloo"],
+    "dr_grpo": ["advantages.estimator=dr_grpo", "ppo.aggregation=token_sum_norm"],
+}
+
+
+@pytest.fixture(scope="module")
+def group_estimators(prefect_server, checkpoint_world, run_root):
+    """One campaign with a reward function on groups of 2 (8 prompts x 2), one iteration under each estimator of
+    :data:`GROUP_ESTIMATORS` in turn, each after the first recomputing iteration 0: ``{estimator: (config, metrics of
+    its iteration run, its update's output)}``."""
+    ran = {}
+    for estimator, overrides in GROUP_ESTIMATORS.items():
+        config = load_config(
+            TINY,
+            [
+                *_world(checkpoint_world, run_root),
+                "campaign=groups",
+                "iterations=1",
+                "sizes.samples_per_prompt=2",
+                "sizes.rollout_prompts=8",
+                "reward.source=function",
+                "reward.function=tests.flows.rewards:length_score",
+                *overrides,
+            ],
+        )
+        rlhf_campaign(config, from_iteration=0 if ran else None)
+        metrics = tracking_store(config).tracker().run(resolve_run(config, "groups:0")).metrics
+        (update,) = set(_outputs(config, "ppo_update")) - {update for _, _, update in ran.values()}
+        ran[estimator] = config, metrics, update
+    assert len(_outputs(config, "rollout")) == 1, "the estimators' campaigns share their rollout"
+    return ran
+
+
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
+def test_the_other_group_estimators_run_the_campaign_too(group_estimators, estimator):
     """GAE (test_rlhf_pipeline), GRPO and REINFORCE++ (above) run whole campaigns; so do RLOO and Dr. GRPO."""
-    campaign = overrides[0].rpartition("=")[2].replace("_", "-")
-    config = load_config(
-        TINY,
-        [
-            *_world(checkpoint_world, tmp_path_factory.mktemp(f"{campaign}-runs")),
-            f"campaign={campaign}",
-            "iterations=1",
-            "sizes.samples_per_prompt=2",
-            "sizes.rollout_prompts=8",
-            "reward.source=function",
-            "reward.function=tests.flows.rewards:length_score",
-            *overrides,
-        ],
-    )
-    rlhf_campaign(config)
-    metrics = tracking_store(config).tracker().run(resolve_run(config, f"{campaign}:0")).metrics
+    _, metrics, update = group_estimators[estimator]
     assert metrics["ppo_update/optimizer_steps"] == 2 and 0.0 <= metrics["evaluate/gold_win_rate"] <= 1.0
-    assert not (_outputs(config, "ppo_update")[0] / "critic").exists()
+    assert not (update / "critic").exists()
 
 
-def test_issue23_a_rubric_labels_the_pairs_a_reward_model_learns_from(
-    prefect_server, checkpoint_world, tmp_path_factory
-):
+def test_issue23_a_rubric_labels_the_pairs_a_reward_model_learns_from(grouped):
     """`labeler: function`: the rubric (`reward.function`) prefers the longer candidate, and evaluation reports it."""
-    overrides = [
-        *_world(checkpoint_world, tmp_path_factory.mktemp("rubric-runs")),
-        "campaign=rubric",
-        "iterations=1",
-        "labeler=function",
-        "reward.function=tests.flows.rewards:length_score",
-    ]
-    config = load_config(TINY, overrides)
-    rlhf_campaign(config)
-    (preferences,) = _outputs(config, "collect_preferences")
-    pairs = pq.read_table(next(preferences.glob("preferences-*.parquet"))).to_pylist()
-    assert len(pairs) == 16 and {pair["labeler"] for pair in pairs} == {"function"}
-    for pair in pairs:  # the chosen response is never shorter, and the margin is the score gap
-        chosen, rejected = len(pair["chosen"].split()), len(pair["rejected"].split())
-        assert chosen >= rejected and pair["margin"] == pytest.approx(0.1 * (chosen - rejected), abs=1e-6)
-    metrics = tracking_store(config).tracker().run(resolve_run(config, "rubric:0")).metrics
+    for preferences in _outputs(grouped, "collect_preferences"):
+        pairs = pq.read_table(next(preferences.glob("preferences-*.parquet"))).to_pylist()
+        assert len(pairs) == 16 and {pair["labeler"] for pair in pairs} == {"function"}
+        for pair in pairs:  # the chosen response is never shorter, and the margin is the score gap
+            chosen, rejected = len(pair["chosen"].split()), len(pair["rejected"].split())
+            assert chosen >= rejected and pair["margin"] == pytest.approx(0.1 * (chosen - rejected), abs=1e-6)
+    metrics = tracking_store(grouped).tracker().run(resolve_run(grouped, "grpo:0")).metrics
     assert metrics["evaluate/rubric_mean"] >= 0 and metrics["evaluate/reference_rubric_mean"] >= 0
