@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from demo.corpus import generate_prompts
 from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+from tests.flows.campaigns import built_once, one_iteration_campaign, two_iteration_campaign  # noqa: F401 (fixtures)
 
 
 def flow_runs_in_state(state: str, **filters: Any):
@@ -38,6 +39,10 @@ def prefect_server():
         yield
 
 
+def _world_files(root: Path) -> dict[str, Path]:
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}
+
+
 def _write_world(root: Path, model_config: Callable[[int], Any]) -> dict[str, Path]:
     """A checkpoint folder (a random model from ``model_config(vocab_size)`` and the demo's word-level tokenizer),
     training prompts and held-out prompts, as a user would have them."""
@@ -52,15 +57,17 @@ def _write_world(root: Path, model_config: Callable[[int], Any]) -> dict[str, Pa
     tokenizer.save_pretrained(root / "policy")
     for name, prompts in (("prompts.jsonl", train), ("eval_prompts.jsonl", held_out)):
         (root / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return {"policy": root / "policy", "prompts": root / "prompts.jsonl", "eval_prompts": root / "eval_prompts.jsonl"}
+    return _world_files(root)
 
 
 @pytest.fixture(scope="session")
 def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
-    """A tiny random GPT-2 checkpoint folder, training prompts and held-out prompts, as a user would have them."""
-    return _write_world(
-        tmp_path_factory.mktemp("hf-world"),
-        lambda vocab_size: GPT2Config(
+    """A tiny random GPT-2 checkpoint folder, training prompts and held-out prompts, as a user would have them; one
+    for the whole test run (every worker's), as the shared campaigns built on it name its paths (tests.flows.campaigns).
+    """
+
+    def gpt2(vocab_size: int) -> GPT2Config:
+        return GPT2Config(
             vocab_size=vocab_size,
             n_positions=64,
             n_embd=32,
@@ -69,8 +76,9 @@ def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
             pad_token_id=PAD_ID,
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
-        ),
-    )
+        )
+
+    return _world_files(built_once(tmp_path_factory, "hf-world", lambda folder: _write_world(folder, gpt2)))
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ import torch
 from mlflow import MlflowClient
 
 from flows.cli import main
+from tests.flows.campaigns import copy_campaign
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -469,17 +470,15 @@ def test_issue14_refused_before_anything_runs(case: Case, checkpoint_world, tmp_
 
 
 @pytest.fixture(scope="module")
-def finished(prefect_server, checkpoint_world, tmp_path_factory) -> Path:
-    """The run root of a finished one-iteration campaign (copy it before changing anything)."""
-    tmp = tmp_path_factory.mktemp("finished")
-    assert main(_run(tmp, checkpoint_world)) == 0
-    return tmp / "runs"
+def finished(one_iteration_campaign) -> Path:
+    """The run root of the shared finished one-iteration campaign ``tiny``, the one ``_run`` describes: each test
+    changes a copy of it."""
+    return one_iteration_campaign.run_root
 
 
 def _copy_of(finished: Path, tmp_path: Path) -> Path:
-    run_root = tmp_path / "runs"
-    shutil.copytree(finished, run_root, symlinks=True)
-    return run_root
+    """A copy of the finished run root where ``_run(tmp_path, ...)`` runs, as if computed there."""
+    return copy_campaign(finished, tmp_path / "runs")
 
 
 def _output(run_root: Path, stage: str) -> Path:
@@ -529,22 +528,15 @@ def test_issue14_an_edited_output_is_refused_naming_the_file(
 ):
     """A finished iteration is history (``rlhf run`` reads none of its outputs again); recomputing it from its first
     stage reuses each output, and an edited one is refused, naming the file."""
-    run_root = _copy_of(finished, tmp_path)
+    # A copy by hand of a private copy, as this test had it before the campaign was shared: its store still names the
+    # private copy's folders, and the new iteration-0 run that the refused command starts logs its config.json there,
+    # outside the run root checked below (with the store's paths moved too, that file lands under the run root).
+    run_root = tmp_path / "runs"
+    shutil.copytree(copy_campaign(finished, tmp_path / "computed"), run_root, symlinks=True)
     what = change(run_root)
     before = _files(run_root)
     code, stderr = _main([*_run(tmp_path, checkpoint_world), "--from-iteration", "0"], capfd)
     _assert_refused(code, stderr, run_root, (what, named), before)
-
-
-def _computed_in(finished: Path, tmp_path: Path) -> Path:
-    """A copy of the finished run root as if the campaign had been computed there: its stage runs name the copy's
-    folders (a local store records each output by reference, where it is), so nothing outside it has a copy."""
-    run_root = _copy_of(finished, tmp_path)
-    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
-    for run in client.search_runs([client.get_experiment_by_name("tiny").experiment_id]):
-        if (where := run.data.tags.get("rlhf.output_path")) is not None:
-            client.set_tag(run.info.run_id, "rlhf.output_path", str(run_root / Path(where).relative_to(finished)))
-    return run_root
 
 
 def _truncate_shard(run_root: Path) -> str:
@@ -607,7 +599,7 @@ def test_issue32_a_finished_campaign_run_again_refuses_an_edited_or_missing_outp
     """What the README promises: running a finished campaign again checks every stage output against its recorded
     digest. Each change is refused in one line naming the file and what to do (a local store keeps no copy of the
     files to restore), before anything is written."""
-    run_root = _computed_in(finished, tmp_path)
+    run_root = _copy_of(finished, tmp_path)
     what = change(run_root)
     before = _files(run_root)
     code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from campaign.config import load_config
 from campaign.gc import collect_garbage, plan_gc
 from campaign.store import resolve_run
 from flows.cli import main
@@ -17,6 +16,7 @@ from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from tasks.collect_preferences import collect_preferences
 from tasks.sample_candidates import sample_candidates
+from tests.flows.campaigns import copy_campaign, tiny_config
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -27,18 +27,11 @@ def _outputs(config) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def collected(prefect_server, checkpoint_world, tmp_path_factory):
-    """A 3-iteration campaign, a pinned model version, a crashed 4th iteration, then `rlhf gc --keep-last 1`."""
-    config = load_config(
-        TINY,
-        [
-            f"run_root={tmp_path_factory.mktemp('gc')}",
-            f"model.policy={checkpoint_world['policy']}",
-            f"data.prompts={checkpoint_world['prompts']}",
-            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
-            "iterations=3",
-        ],
-    )
+def collected(prefect_server, two_iteration_campaign, checkpoint_world, tmp_path_factory):
+    """A 3-iteration campaign (a copy of the shared two-iteration one, continued), a pinned model version, a crashed
+    4th iteration, then `rlhf gc --keep-last 1`."""
+    run_root = copy_campaign(two_iteration_campaign.run_root, tmp_path_factory.mktemp("gc") / "runs")
+    config = tiny_config(run_root, checkpoint_world, "iterations=3")
     rlhf_campaign(config)
     tracker = tracking_store(config).tracker()
     client = MlflowClient(tracker.tracking_uri)

@@ -3,33 +3,24 @@ logged as a new MLflow run tagged with its source; and a side-by-side table of r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from mlflow import MlflowClient
 
-from campaign.config import ConfigError, PipelineConfig, load_config
+from campaign.config import ConfigError, PipelineConfig
 from campaign.store import resolve_run
 from flows.cli import main
 from flows.iterations import tracking_store
 from flows.replay import replay_config
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
-
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+from tests.flows.campaigns import copy_campaign, tiny_config
 
 
 @pytest.fixture(scope="module")
-def recorded(prefect_server, checkpoint_world, tmp_path_factory):
-    overrides = [
-        f"run_root={tmp_path_factory.mktemp('replay-runs')}",
-        f"model.policy={checkpoint_world['policy']}",
-        f"data.prompts={checkpoint_world['prompts']}",
-        f"data.eval_prompts={checkpoint_world['eval_prompts']}",
-    ]
-    config = load_config(TINY, overrides)
-    rlhf_campaign(config)
-    return config
+def recorded(prefect_server, two_iteration_campaign, checkpoint_world, tmp_path_factory):
+    """A copy of the shared two-iteration campaign: the replays below add runs and outputs to it."""
+    run_root = copy_campaign(two_iteration_campaign.run_root, tmp_path_factory.mktemp("replay") / "runs")
+    return tiny_config(run_root, checkpoint_world)
 
 
 def test_replay_reruns_stages_5_to_7_only_and_is_tagged_with_its_source(recorded):
