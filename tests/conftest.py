@@ -115,3 +115,11 @@ def byte_level_bpe(
     if template is not None:
         tokenizer.chat_template = template
     return tokenizer
+
+
+@pytest.fixture(scope="session")
+def two_processes(tmp_path_factory):
+    """The folder of the test run's one ``accelerate launch`` of 2 processes (:mod:`tests.two_processes`)."""
+    from tests.two_processes import launched_once
+
+    return launched_once(tmp_path_factory)

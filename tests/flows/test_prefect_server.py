@@ -3,24 +3,18 @@ it, and it dies with the command, ``kill -9`` included (issue 14: it used to out
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMAND = """
-import time
-from flows.prefect_server import ensure_prefect_api
-from prefect.settings import get_current_settings
-ensure_prefect_api()
-print(get_current_settings().api.url, flush=True)
-time.sleep(600)
-"""
 
 
 def _children(pid: int) -> set[int]:
@@ -43,85 +37,114 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_issue14_the_temporary_server_dies_with_its_command_even_on_kill_minus_nine():
-    environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
-    process = subprocess.Popen(
-        [sys.executable, "-c", COMMAND], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        url = process.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/api"), url
-        (server,) = _children(process.pid)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _running(server) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _running(server), "the server outlived the command"
-    finally:
-        process.kill()
-        process.wait()
-
-
-HEARTBEAT_IN_A_FLOW = """
+COMMAND = """
+import time
 from prefect import flow
 from prefect.settings import get_current_settings
-from flows.prefect_server import ensure_prefect_api, flow_settings
+import flows.prefect_server as server
 
 @flow
 def heartbeat_frequency():
     return get_current_settings().flows.heartbeat_frequency  # what the flow engine reads for this run
 
-ensure_prefect_api()
-with flow_settings():
-    print(heartbeat_frequency())
-print(heartbeat_frequency())
+server.start_prefect_api()
+server.start_prefect_api()  # launched once
+print(server._launching[0].pid, flush=True)
+server.ensure_prefect_api()
+print(get_current_settings().api.url, flush=True)
+with server.flow_settings():
+    print(heartbeat_frequency(), flush=True)
+print(heartbeat_frequency(), flush=True)
+time.sleep(600)
 """
 
 
-def test_flows_against_the_commands_temporary_server_send_no_heartbeats():
+@pytest.fixture(scope="module")
+def command():
+    """A command's temporary server, launched first and waited for last, and two flow runs against it, the first
+    with the command's flow settings; then the command waits to be killed. What it printed, its children then."""
     environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
-    out = subprocess.run(
-        [sys.executable, "-c", HEARTBEAT_IN_A_FLOW], cwd=ROOT, env=environment, capture_output=True, text=True
+    process = subprocess.Popen(
+        [sys.executable, "-c", COMMAND], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["None", "180"]  # Prefect's default outside the command's flows
+    try:
+        launched, url, in_flow_settings, outside = (process.stdout.readline().strip() for _ in range(4))
+        yield SimpleNamespace(
+            process=process, launched=int(launched), url=url, heartbeats=[in_flow_settings, outside],
+            children=_children(process.pid),
+        )  # fmt: skip
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
+def test_the_server_launched_first_is_the_one_the_command_waits_for(command):
+    assert command.url.startswith("http://127.0.0.1:") and command.url.endswith("/api"), command.url
+    assert command.children == {command.launched}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
+def test_flows_against_the_commands_temporary_server_send_no_heartbeats(command):
+    assert command.heartbeats == ["None", "180"]  # Prefect's default outside the command's flows
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_issue14_the_temporary_server_dies_with_its_command_even_on_kill_minus_nine(command):
+    assert _running(command.launched)
+    os.kill(command.process.pid, signal.SIGKILL)
+    command.process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _running(command.launched) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(command.launched), "the server outlived the command"
 
 
 HEARTBEAT_IN_FLOW_SETTINGS = """
+import json, os, sys
+from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
 from flows.prefect_server import flow_settings
-with flow_settings():
-    print(get_current_settings().flows.heartbeat_frequency)
+base = dict(os.environ)
+for folder in sys.argv[1:]:  # each case's folder: its environment, and its prefect.toml if it has one
+    os.chdir(folder)
+    os.environ.clear()
+    os.environ.update(base, **json.loads(open("environment.json").read()))
+    refresh_global_settings_context()  # Prefect's settings read again, as a fresh process would read them
+    with flow_settings():
+        print(get_current_settings().flows.heartbeat_frequency, flush=True)
 """
+SETTINGS = [
+    ({}, "None"),  # Prefect would start a temporary server of its own
+    ({"PREFECT_API_URL": "http://127.0.0.1:9/api"}, "180"),  # the user's own server may watch for them
+    ({"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60"}, "60"),  # the user's choice
+    ({"prefect.toml": "[flows]\nheartbeat_frequency = 90\n"}, "90"),  # the same, in a settings file
+]
 
 
-@pytest.mark.parametrize(
-    ("setting", "heartbeat"),
-    [
-        ({}, "None"),  # Prefect would start a temporary server of its own
-        ({"PREFECT_API_URL": "http://127.0.0.1:9/api"}, "180"),  # the user's own server may watch for them
-        ({"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60"}, "60"),  # the user's choice
-        ({"prefect.toml": "[flows]\nheartbeat_frequency = 90\n"}, "90"),  # the same, in a settings file
-    ],
-)
-def test_a_users_server_or_heartbeat_setting_keeps_prefects_heartbeats(tmp_path, setting, heartbeat):
+@pytest.fixture(scope="module")
+def heartbeats_under_settings(tmp_path_factory) -> list[str]:
+    """The heartbeat frequency of the command's flow settings under each of :data:`SETTINGS`, in one process that
+    reads Prefect's settings again for each."""
+    folders = []
+    for index, (setting, _) in enumerate(SETTINGS):
+        folder = tmp_path_factory.mktemp(f"setting-{index}")
+        if "prefect.toml" in setting:
+            (folder / "prefect.toml").write_text(setting["prefect.toml"])
+        (folder / "environment.json").write_text(json.dumps({k: v for k, v in setting.items() if k != "prefect.toml"}))
+        folders.append(str(folder))
     environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
     environment["PYTHONPATH"] = str(ROOT)
-    if "prefect.toml" in setting:
-        (tmp_path / "prefect.toml").write_text(setting["prefect.toml"])
-    else:
-        environment.update(setting)
     out = subprocess.run(
-        [sys.executable, "-c", HEARTBEAT_IN_FLOW_SETTINGS],
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", HEARTBEAT_IN_FLOW_SETTINGS, *folders], env=environment, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == [heartbeat]
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize(("setting", "heartbeat"), SETTINGS)
+def test_a_users_server_or_heartbeat_setting_keeps_prefects_heartbeats(heartbeats_under_settings, setting, heartbeat):
+    assert heartbeats_under_settings[SETTINGS.index((setting, heartbeat))] == heartbeat
 
 
 LAUNCH_FIRST = """
@@ -149,18 +172,6 @@ def _launch_first(then: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", LAUNCH_FIRST, then], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True
     )
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
-def test_the_server_launched_first_is_the_one_the_command_waits_for():
-    process = _launch_first("wait")
-    try:
-        launched = int(process.stdout.readline())
-        assert process.stdout.readline().strip().startswith("http://127.0.0.1:")
-        assert _children(process.pid) == {launched}
-    finally:
-        process.kill()
-        process.wait()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")

@@ -1,17 +1,16 @@
-"""The training of tests/rlhf_core/test_distributed.py, run alone (one process) or under ``accelerate launch``.
+"""The training of tests/rlhf_core/test_distributed.py, in the test's own process or in the test run's
+``accelerate launch`` of 2 processes (tests/two_processes_job.py).
 
-``python distributed_job.py OUT [--shard]``: every process builds the same tiny models and data from seeds (no
-dropout: each process would draw its own masks), then trains, its models sharded over the processes (FSDP2) with
-``--shard``; the main process saves the weights and statistics to ``OUT/<case>.pt``.
+:func:`train_all`: every process builds the same tiny models and data from seeds (no dropout: each process would
+draw its own masks), then trains, its models sharded over the processes (FSDP2) with ``shard``; the main process
+saves the weights and statistics to ``OUT/<case>.pt``.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
@@ -21,7 +20,6 @@ from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.ppo import ppo_update
 from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
 from runtime.models import accelerator_for
-from runtime.worker import leave_process_group
 from tests.conftest import EOS, PAD, left_padded, tiny_config
 
 TEMPERATURE = 0.7
@@ -151,15 +149,15 @@ def run_reward_model(
         torch.save({"weights": {"reward_model": weights}, "stats": stats._asdict()}, out / f"{name}.pt")
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    target, shard = Path(sys.argv[1]), "--shard" in sys.argv[2:]
+def train_all(out: Path, *, shard: bool, sharded_cases: bool) -> None:
+    """Every PPO case and the reward model into ``out``; with ``sharded_cases`` (always with ``shard``) the other
+    model families' cases too."""
+    out.mkdir(parents=True, exist_ok=True)
     for case, ppo in PPO_CASES.items():
-        run_ppo(case, ppo, target, shard=shard)
-    run_reward_model(target, shard=shard)
-    if shard or "--sharded-cases" in sys.argv[2:]:
+        run_ppo(case, ppo, out, shard=shard)
+    run_reward_model(out, shard=shard)
+    if shard or sharded_cases:
         first = next(iter(PPO_CASES.values()))
         for case, (arch, lora, checkpointing) in SHARDED_CASES.items():
-            run_ppo(case, first, target, shard=shard, arch=arch, lora=lora, checkpointing=checkpointing)
-        run_reward_model(target, shard=shard, name="reward_model_llama_lora", arch="llama", lora=True)
-    leave_process_group(PartialState())  # or a process may abort at exit, failing a run that succeeded
+            run_ppo(case, first, out, shard=shard, arch=arch, lora=lora, checkpointing=checkpointing)
+        run_reward_model(out, shard=shard, name="reward_model_llama_lora", arch="llama", lora=True)

@@ -1,5 +1,6 @@
-"""N-process training (issue 11): 2 gloo processes under a real ``accelerate launch`` end where one process does,
-with DDP and with the models sharded over the processes (FSDP2, issue 25).
+"""N-process training (issue 11): 2 gloo processes under a real ``accelerate launch`` (the test run's one launch,
+tests/two_processes.py) end where this process does, with DDP and with the models sharded over the processes
+(FSDP2, issue 25).
 
 Same models, data, global minibatches and shuffles; each process trains on its share of every minibatch
 (:mod:`rlhf_core.distributed`). Weights match to float rounding (the shares' forward passes batch differently
@@ -10,19 +11,13 @@ LoRA (PPO and reward model) and with gradient checkpointing (PPO).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf_core.distributed import rank_share
-from tests.rlhf_core.distributed_job import PPO_CASES, SHARDED_CASES
-
-ROOT = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).with_name("distributed_job.py")
+from tests.rlhf_core.distributed_job import PPO_CASES, SHARDED_CASES, train_all
 
 
 def test_rank_share_splits_rows_contiguously_and_gives_a_rank_without_rows_a_weightless_stand_in():
@@ -37,35 +32,25 @@ def test_rank_share_splits_rows_contiguously_and_gives_a_rank_without_rows_a_wei
     assert rows.tolist() == [0] and weight == 0.0
 
 
-def _run(command: list[str], out: Path, *options: str) -> None:
-    out.mkdir()
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([*command, str(out), *options], cwd=ROOT, env=environment, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-LAUNCH += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
 SHARDED_ONLY = [*SHARDED_CASES, "reward_model_llama_lora"]
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory) -> Path:
+    """Every case trained in this process: what the 2 processes must end with."""
     folder = tmp_path_factory.mktemp("distributed") / "one"
-    _run([sys.executable, str(JOB)], folder, "--sharded-cases")
+    train_all(folder, shard=False, sharded_cases=True)
     return folder
 
 
 @pytest.fixture(scope="module")
-def runs(one_process):
-    _run([*LAUNCH, str(JOB)], one_process.parent / "two")
-    return one_process, one_process.parent / "two"
+def runs(one_process, two_processes) -> tuple[Path, Path]:
+    return one_process, two_processes / "ddp"
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(one_process):
-    _run([*LAUNCH, str(JOB)], one_process.parent / "fsdp", "--shard")
-    return one_process, one_process.parent / "fsdp"
+def sharded_runs(one_process, two_processes) -> tuple[Path, Path]:
+    return one_process, two_processes / "fsdp"
 
 
 @pytest.mark.parametrize("case", [*PPO_CASES, "reward_model"])

@@ -1,22 +1,21 @@
 """PPO updates through :class:`runtime.checkpointer.Checkpointer` as the ``ppo_update`` stage drives it, for
-tests/runtime/test_checkpointer.py: in the test's own process (:func:`update`), or under ``accelerate launch`` with
-the models sharded over the processes (FSDP2).
+tests/runtime/test_checkpointer.py: in the test's own process (:func:`update`), or in the test run's
+``accelerate launch`` of 2 processes (tests/two_processes_job.py) with the models sharded over them (FSDP2).
 
-``python checkpointer_job.py WORK CALLS [--shard]``: ``CALLS`` is a JSON list of the keyword arguments of
-:func:`update` (or, with ``"read": true``, of :func:`read_states`), run in order. Every process loads the same policy folder and makes the same experience from it (seeded, no
-dropout); an update stopped after a checkpoint leaves ``WORK/<name>.partial`` as a crashed stage would, and the next
-update of that name resumes from it.
+Every process loads the same policy folder and makes the same experience from it (seeded, no dropout); an update
+stopped after a checkpoint leaves ``WORK/<name>.partial`` as a crashed stage would, and the next update of that name
+resumes from it. The test's work happens in three steps: :func:`before_two_processes` in one process, then
+:func:`on_two_processes` in the 2 processes, then the rest in the test's process.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import shutil
 from functools import partial
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from rlhf_core.config import AdvantageConfig, LoraConfig, PPOConfig, SamplingConfig
@@ -28,10 +27,11 @@ from rlhf_core.ppo import PPOProgress, ppo_update
 from runtime.checkpointer import Checkpointer
 from runtime.context import Execution
 from runtime.models import accelerator_for
-from runtime.worker import leave_process_group
 from tests.conftest import EOS, PAD, left_padded
 from tests.rlhf_core.distributed_job import PROMPTS, TEMPERATURE
 
+BEFORE = Path(__file__).with_name("policy_before_issue32")
+"""A policy output of the previous release: optimizer states written by 1 process (``whole``) and by 2 (``sharded``)."""
 CONFIG = PPOConfig(epochs=4, minibatch_size=3, actor_learning_rate=1e-3, critic_learning_rate=2e-3)
 """8 rollouts in minibatches of 3, 3 and 2 (shares 2/1, 2/1, 1/1 on 2 processes), 3 steps an epoch."""
 
@@ -141,10 +141,27 @@ def _dump(checkpointer: Checkpointer, path: Path) -> None:
         torch.save({role: state["state"] for role, state in states.items()}, path)
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    root, calls = Path(sys.argv[1]), json.loads(sys.argv[2])
-    for call in calls:
-        function = read_states if call.pop("read", False) else update
-        function(root, **call, shard="--shard" in sys.argv[3:])
-    leave_process_group(PartialState())  # or a process may abort at exit, failing a run that succeeded
+def before_two_processes(work: Path) -> None:
+    """What the 2 processes continue, made in this process: the policy every update starts from (the previous
+    release's, without its optimizer states), ``from_one`` stopped after its checkpoint of epoch 2 (of 4), and the
+    uninterrupted update, whose kept optimizer states the 2 processes read."""
+    shutil.copytree(BEFORE / "whole", work / "policy", ignore=shutil.ignore_patterns("*_optimizer"))
+    policy = str(work / "policy")
+    update(work, name="from_one", source=policy, stop_after=2)
+    update(work, name="uninterrupted", source=policy)
+
+
+def on_two_processes(work: Path) -> None:
+    """In every process of 2, sharded: ``from_two`` and ``lora_from_two`` stopped after their checkpoint of epoch 2,
+    ``from_one`` resumed, and the optimizer states the uninterrupted update kept (written by 1 process) and the
+    previous release's (written by 1 process and by 2) read."""
+    policy, uninterrupted = str(work / "policy"), str(work / "uninterrupted")
+    update(work, name="from_two", source=policy, stop_after=2, shard=True)
+    update(work, name="lora_from_two", source=policy, stop_after=2, lora=True, shard=True)
+    update(work, name="from_one", source=policy, shard=True)
+    read_states(work, name="uninterrupted_read_on_two", source=uninterrupted, continues=uninterrupted, shard=True)
+    for kind in ("whole", "sharded"):
+        read_states(
+            work, name=f"before_{kind}_read_on_two", source=str(BEFORE / "whole"), continues=str(BEFORE / kind),
+            shard=True,
+        )  # fmt: skip

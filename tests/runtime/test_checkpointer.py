@@ -1,20 +1,18 @@
 """The training stages' checkpointer (issue 32): models, optimizers and training state through torch distributed
 checkpointing, so an update resumes on another number of processes.
 
-A PPO update sharded over 2 gloo processes (FSDP2, a real ``accelerate launch``), stopped after its checkpoint of
-epoch 2 and resumed in 1 process, and one stopped in 1 process and resumed on 2, end with the weights of an
-uninterrupted update to float rounding (the tolerance of tests/rlhf_core/test_distributed.py), with LoRA too; on as
-many processes a resumed update is the uninterrupted one exactly. The optimizer states an output keeps, written by 1 process or 2,
-are read back exactly by the other, so the next update continues them on any number of processes; so are the
-previous release's (tests/runtime/policy_before_issue32), whichever number of processes wrote them.
+A PPO update sharded over 2 gloo processes (FSDP2, in the test run's one real ``accelerate launch``,
+tests/two_processes.py), stopped after its checkpoint of epoch 2 and resumed in 1 process, and one stopped in 1
+process and resumed on 2, end with the weights of an uninterrupted update to float rounding (the tolerance of
+tests/rlhf_core/test_distributed.py), with LoRA too; on as many processes a resumed update is the uninterrupted one
+exactly. The optimizer states an output keeps, written by 1 process or 2, are read back exactly by the other, so the
+next update continues them on any number of processes; so are the previous release's
+(tests/runtime/policy_before_issue32), whichever number of processes wrote them.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,65 +27,28 @@ from runtime.checkpointer import OPTIMIZERS, Checkpointer
 from runtime.context import Execution
 from runtime.models import accelerator_for
 from storage.checkpoints import CHECKPOINT_METADATA
-from tests.rlhf_core.test_distributed import LAUNCH
-from tests.runtime.checkpointer_job import read_states, update
-
-ROOT = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).with_name("checkpointer_job.py")
-BEFORE = Path(__file__).with_name("policy_before_issue32")
-"""A policy output of the previous release: optimizer states written by 1 process (``whole``) and by 2 (``sharded``)."""
-
-
-def _launch(work: Path, calls: list[dict]) -> None:
-    """Run ``calls`` (of :mod:`tests.runtime.checkpointer_job`) in 2 sharded processes."""
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [*LAUNCH, str(JOB), str(work), json.dumps(calls), "--shard"]
-    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+from tests.runtime.checkpointer_job import BEFORE, read_states, update
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> SimpleNamespace:
-    """The updates and reads of the module docstring, in 2 launches of 2 sharded processes and this process."""
-    work = tmp_path_factory.mktemp("checkpointer")
-    shutil.copytree(BEFORE / "whole", work / "policy", ignore=shutil.ignore_patterns("*_optimizer"))
-    policy, before = str(work / "policy"), {kind: str(BEFORE / kind) for kind in ("whole", "sharded")}
-    # 1. 2 sharded processes: an update stopped after its checkpoint of epoch 2 (of 4)
-    _launch(
-        work,
-        [
-            {"name": "from_two", "source": policy, "stop_after": 2},
-            {"name": "lora_from_two", "source": policy, "stop_after": 2, "lora": True},
-        ],
-    )
+def work(two_processes) -> SimpleNamespace:
+    """The updates and reads of the module docstring: started in the test run's 2 sharded processes
+    (:func:`checkpointer_job.on_two_processes`, after :func:`checkpointer_job.before_two_processes` here) and
+    finished in this process, in the launch's folder (no other module writes there)."""
+    work = two_processes / "checkpointer"
+    policy = str(work / "policy")
+    # what 2 processes wrote, read before this process resumes from it
     written_by_two = sorted(path.name for path in (work / "from_two.partial" / "epoch-00002").iterdir())
     lora_checkpoint = FileSystemReader(work / "lora_from_two.partial" / "epoch-00002").read_metadata()
-    # 2. this process: that update resumed; another stopped after epoch 2; the uninterrupted update, and one stopped
-    #    and resumed here; the previous release's optimizer states read here
+    # the updates stopped on 2 processes resumed here; the uninterrupted LoRA update; one stopped and resumed here
     update(work, name="from_two", source=policy)
     update(work, name="lora_from_two", source=policy, lora=True)
     update(work, name="lora_uninterrupted", source=policy, lora=True)
-    update(work, name="from_one", source=policy, stop_after=2)
-    update(work, name="uninterrupted", source=policy)
     update(work, name="stopped_on_one", source=policy, stop_after=2)
     update(work, name="stopped_on_one", source=policy)
-    for kind, states in before.items():
-        read_states(work, name=f"before_{kind}_read_on_one", source=before["whole"], continues=states)
-    # 3. 2 sharded processes: the update stopped here resumed; the optimizer states the uninterrupted update kept
-    #    (written here) read; the previous release's read
-    uninterrupted = str(work / "uninterrupted")
-    _launch(
-        work,
-        [
-            {"name": "from_one", "source": policy},
-            {"read": True, "name": "uninterrupted_read_on_two", "source": uninterrupted, "continues": uninterrupted},
-            *(
-                {"read": True, "name": f"before_{kind}_read_on_two", "source": before["whole"], "continues": states}
-                for kind, states in before.items()
-            ),
-        ],
-    )
-    # 4. this process: the optimizer states the update resumed on 2 processes kept (written by both) read
+    # the optimizer states read here: the previous release's, and those the update resumed on 2 processes kept
+    for kind in ("whole", "sharded"):
+        read_states(work, name=f"before_{kind}_read_on_one", source=str(BEFORE / "whole"), continues=str(BEFORE / kind))
     read_states(work, name="from_one_read_on_one", source=str(work / "from_one"), continues=str(work / "from_one"))
     return SimpleNamespace(folder=work, written_by_two=written_by_two, lora_checkpoint=lora_checkpoint)
 
