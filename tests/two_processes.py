@@ -9,14 +9,13 @@ pytest-xdist the first worker to need it launches it while holding a lock, and t
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from storage.locks import exclusive_lock
+from tests.once import built_once
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("two_processes_job.py")
@@ -28,21 +27,13 @@ def launched_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The launch's folder: ``ddp/`` and ``fsdp/`` (tests/rlhf_core/distributed_job.py's cases on 2 processes,
     without and with sharding) and ``checkpointer/`` (tests/runtime/checkpointer_job.py's work, made ready in this
     process first). Launched by the first test that asks for it in this test run, on any xdist worker."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder, above each worker's
-    folder = shared / "two-processes"
-    with exclusive_lock(shared / "two-processes.lock"):
-        if not (folder / "done").is_file():
-            shutil.rmtree(folder, ignore_errors=True)  # a launch that failed on another worker
-            _launch(folder)
-            (folder / "done").touch()
-    return folder
+    return built_once(tmp_path_factory, "two-processes", _launch)
 
 
 def _launch(folder: Path) -> None:
     from tests.runtime.checkpointer_job import before_two_processes
 
-    (folder / "checkpointer").mkdir(parents=True)
+    (folder / "checkpointer").mkdir()
     before_two_processes(folder / "checkpointer")
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [*LAUNCH, str(JOB), str(folder)]

@@ -12,40 +12,16 @@ reads those runs the campaign in its own process (tests/flows/test_rlhf_pipeline
 
 from __future__ import annotations
 
-import os
 import shutil
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 from campaign.config import PipelineConfig, load_config
+from tests.once import built_once
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
-FINISHED = ".finished"  # written last in a shared folder: what is there is whole
-
-
-def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test run's folder that every test process sees: the base temporary folder, or under pytest-xdist the
-    folder holding each worker's."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
-    """The shared folder ``name``, filled by ``build(folder)`` in the first process that asks for it; the others wait
-    for it to finish. A build that failed left no ``.finished`` mark: the next process to ask starts it again."""
-    shared = shared_folder(tmp_path_factory)
-    folder = shared / name
-    with FileLock(shared / f"{name}.lock"):
-        if not (folder / FINISHED).exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            build(folder)
-            (folder / FINISHED).touch()
-    return folder
 
 
 def tiny_config(run_root: Path, world: dict[str, Path], *overrides: str) -> PipelineConfig:

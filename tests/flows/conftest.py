@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from demo.corpus import generate_prompts
 from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
-from tests.flows.campaigns import built_once, one_iteration_campaign, two_iteration_campaign  # noqa: F401 (fixtures)
+from tests.flows.campaigns import one_iteration_campaign, two_iteration_campaign  # noqa: F401 (fixtures)
+from tests.once import built_once
 
 
 def flow_runs_in_state(state: str, **filters: Any):
