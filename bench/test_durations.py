@@ -96,7 +96,7 @@ def _load() -> str:
 
 def run(label: str, pytest_args: list[str]) -> None:
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    log_path = SCRATCH / f"durations-{label}.log"
+    log_path = SCRATCH / f"durations-{re.sub(r'[^A-Za-z0-9]+', '-', label).strip('-')}.log"
     command = ["bash", "scripts/test.sh", "--durations=0", "-q", *pytest_args]
     load_before, started = _load(), time.monotonic()
     with log_path.open("w") as log:
