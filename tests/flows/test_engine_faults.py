@@ -17,6 +17,10 @@ run). The embedding adapter is refused by the merge itself, and when the old mer
 evaluate, the first stage that serves an update. Last, the full and LoRA campaigns run iteration 1 with no fault, to
 the end, on proved swaps.
 
+Every command runs in the test's process (``flows.cli.main``, its exit code and standard error as a user sees them),
+on the session's Prefect server: what is tested is the gate, not the process, so the 12 commands pay neither a Python
+start with its imports nor a temporary Prefect server each.
+
 Needs the engine's environment: ``pytest -m vllm tests/flows/test_engine_faults.py`` (about 15 minutes on 2 cores).
 """
 
@@ -24,8 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,10 +37,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from campaign.config import load_config
 from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flows.cli import main
 from runtime.engine import engine_python, ensure_engine, stop_engine
 from runtime.engine_client import ProbeBatch, ServedPolicy, engine_score
 from tests.flows.conftest import _write_world
-from tests.flows.test_crash import _environment, _run_to_end
 
 pytestmark = [
     pytest.mark.vllm,
@@ -103,22 +105,28 @@ def engine(worlds, tmp_path_factory):
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
-def _command(run_root: Path, world: dict[str, Path], url: str, *extra: str) -> list[str]:
+def _argv(run_root: Path, world: dict[str, Path], url: str, *extra: str) -> list[str]:
     sets = [
         f"run_root={run_root}", f"model.policy={world['policy']}", f"data.prompts={world['prompts']}",
         f"data.eval_prompts={world['eval_prompts']}", "sampling.engine=vllm", f"execution.engine_url={url}",
         *SMALL, *extra,
     ]  # fmt: skip
-    return [sys.executable, "-m", "flows", "run", "--config", str(TINY), *(f"--set={item}" for item in sets)]
+    return ["run", "--config", str(TINY), *(f"--set={item}" for item in sets)]
 
 
-def _run(command: list[str], log: Path) -> tuple[int, str]:
-    """Run ``rlhf run``; its exit code and standard error."""
-    with open(log, "ab") as output:
-        process = subprocess.run(command, cwd=ROOT, env=_environment(), stdout=output, stderr=subprocess.PIPE)
-    stderr = process.stderr.decode(errors="replace")
-    log.open("a").write(stderr)
-    return process.returncode, stderr
+def _run(argv: list[str], log: Path, capfd) -> tuple[int, str]:
+    """``rlhf <argv>`` in this process; its exit code and standard error (both outputs also kept in ``log``)."""
+    capfd.readouterr()
+    code = main(argv)
+    out, err = capfd.readouterr()
+    with log.open("a") as kept:
+        kept.write(out + err)
+    return code, err
+
+
+def _run_to_end(argv: list[str], log: Path, capfd) -> None:
+    code, stderr = _run(argv, log, capfd)
+    assert code == 0, f"`rlhf run` failed: {stderr[-3000:]}"
 
 
 def _iterations_written(run_root: Path) -> dict[str, list[int]]:
@@ -155,18 +163,18 @@ class _Campaigns:
         self.worlds, self.url, self.fault, self.roots = worlds, engine[0], engine[1], {}
         self.tmp_path_factory = tmp_path_factory
 
-    def __getitem__(self, name: str) -> Path:
+    def get(self, name: str, capfd) -> Path:
         if name not in self.roots:
             self.roots[name] = root = self.tmp_path_factory.mktemp(f"faults-{name}")
             dtype, extra = CAMPAIGNS[name]
             if name != "embedding":
                 self.fault.write_text("")
-                _run_to_end(_command(root, self.worlds[dtype], self.url, "iterations=1", *extra), root / "run.log")
+                _run_to_end(_argv(root, self.worlds[dtype], self.url, "iterations=1", *extra), root / "run.log", capfd)
         return self.roots[name]
 
 
 @pytest.fixture(scope="module")
-def campaigns(worlds, engine, tmp_path_factory) -> _Campaigns:
+def campaigns(prefect_server, worlds, engine, tmp_path_factory) -> _Campaigns:
     return _Campaigns(worlds, engine, tmp_path_factory)
 
 
@@ -187,23 +195,26 @@ def _caught(stderr: str, code: int, stage: str, iteration: int) -> str:
     return lines[-1]
 
 
-def test_an_adapter_with_embedding_tensors_is_refused_by_the_merge_and_caught_when_dropped(worlds, engine, campaigns):
+def test_an_adapter_with_embedding_tensors_is_refused_by_the_merge_and_caught_when_dropped(
+    worlds, engine, campaigns, capfd
+):
     """The product's merge refuses ``lora_embedding_A``/``B`` by name before the first stage writes anything; the
     merge before issue 36 dropped them without a word, which the gate catches at the first swap to an update that
     moved them: iteration 0's evaluate (a fresh embedding adapter's A is zero, so the stages before it sample the
     base, rightly)."""
     url, fault = engine
-    run_root = campaigns["embedding"]
+    run_root = campaigns.get("embedding", capfd)
     dtype, extra = CAMPAIGNS["embedding"]
     fault.write_text("")
-    code, stderr = _run(_command(run_root, worlds[dtype], url, "iterations=1", *extra), run_root / "run.log")
+    argv = _argv(run_root, worlds[dtype], url, "iterations=1", *extra)
+    code, stderr = _run(argv, run_root / "run.log", capfd)
     lines = stderr.strip().splitlines()
     assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
     assert "lora_embedding_" in lines[-1] and "which a merge does not consume" in lines[-1], lines[-1]
     assert "sample_candidates" not in _iterations_written(run_root)
     fault.write_text("old_merge")
     try:
-        code, stderr = _run(_command(run_root, worlds[dtype], url, "iterations=1", *extra), run_root / "run.log")
+        code, stderr = _run(argv, run_root / "run.log", capfd)
     finally:
         _reset(url, fault, worlds["bf16"]["policy"])
     _caught(stderr, code, "evaluate", 0)
@@ -223,9 +234,11 @@ def test_an_adapter_with_embedding_tensors_is_refused_by_the_merge_and_caught_wh
         ("previous_weights", "full"),
     ],
 )
-def test_every_fault_is_caught_within_its_swap_and_nothing_is_written(worlds, engine, campaigns, fault_name, campaign):
+def test_every_fault_is_caught_within_its_swap_and_nothing_is_written(
+    worlds, engine, campaigns, capfd, fault_name, campaign
+):
     url, fault = engine
-    run_root = campaigns[campaign]  # its iteration 0, clean, first
+    run_root = campaigns.get(campaign, capfd)  # its iteration 0, clean, first
     dtype, extra = CAMPAIGNS[campaign]
     before = _iterations_written(run_root)
     # The engine holds the base, so iteration 1's first stage swaps (iteration 0's evaluate left it on the first
@@ -233,7 +246,7 @@ def test_every_fault_is_caught_within_its_swap_and_nothing_is_written(worlds, en
     _reset(url, fault, worlds["bf16"]["policy"])
     fault.write_text(fault_name)
     try:
-        code, stderr = _run(_command(run_root, worlds[dtype], url, "iterations=2", *extra), run_root / "run.log")
+        code, stderr = _run(_argv(run_root, worlds[dtype], url, "iterations=2", *extra), run_root / "run.log", capfd)
     finally:
         _reset(url, fault, worlds["bf16"]["policy"])
     _caught(stderr, code, "sample_candidates", 1)
@@ -242,13 +255,13 @@ def test_every_fault_is_caught_within_its_swap_and_nothing_is_written(worlds, en
 
 
 @pytest.mark.parametrize("campaign", ["full", "lora"])
-def test_with_no_fault_the_same_campaigns_run_iteration_1_on_proved_swaps(worlds, engine, campaigns, campaign):
+def test_with_no_fault_the_same_campaigns_run_iteration_1_on_proved_swaps(worlds, engine, campaigns, capfd, campaign):
     """A bf16 base under LoRA merged for the fp32 engine samples the trainer's weights (the gate passes at 1e-4)."""
     url, fault = engine
     fault.write_text("")
-    run_root = campaigns[campaign]
+    run_root = campaigns.get(campaign, capfd)
     dtype, extra = CAMPAIGNS[campaign]
-    _run_to_end(_command(run_root, worlds[dtype], url, "iterations=2", *extra), run_root / "run.log")
+    _run_to_end(_argv(run_root, worlds[dtype], url, "iterations=2", *extra), run_root / "run.log", capfd)
     for stage in ("sample_candidates", "rollout", "evaluate"):
         assert sorted(_iterations_written(run_root)[stage]) == [0, 1], stage
     for manifest in (run_root / "tiny").glob("*/*/_manifest.json"):

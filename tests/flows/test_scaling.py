@@ -105,32 +105,6 @@ def test_ray_outputs_are_byte_identical_to_local(local_run, checkpoint_world, tm
     assert json.loads(manifest.read_text())["runtime"]["task_runner"] == "ray"
 
 
-def _safetensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(folder / "model.safetensors")
-
-
-@pytest.mark.slow
-def test_two_training_processes_train_the_policy_of_one(local_run, checkpoint_world, tmp_path):
-    """A verifiable-reward campaign (no reward model, whose dropout would differ per process): the update in 2
-    `accelerate launch` processes (gloo) has the input key of the in-process one and its weights to float rounding."""
-    import torch
-
-    verifiable = ("reward.source=function", "reward.function=demo.gold:gold_score", "ppo.epochs=2")
-    one = tiny_config(checkpoint_world, tmp_path / "one", *verifiable)
-    two = tiny_config(checkpoint_world, tmp_path / "two", *verifiable, "execution.training_processes=2")
-    for config in (one, two):
-        assert rlhf_campaign(config, return_state=True).is_completed()
-    (update_one,) = (one.run_root / "tiny" / "ppo_update").glob("*/_manifest.json")
-    (update_two,) = (two.run_root / "tiny" / "ppo_update").glob("*/_manifest.json")
-    assert update_one.parent.name == update_two.parent.name, "the process count is part of no input key"
-    weights_one, weights_two = _safetensors(update_one.parent / "actor"), _safetensors(update_two.parent / "actor")
-    for name, value in weights_one.items():
-        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    assert weights_one.keys() == weights_two.keys()
-
-
 @pytest.mark.slow
 def test_two_training_processes_resume_after_kill_minus_nine_as_if_never_crashed(
     prefect_server, checkpoint_world, tmp_path

@@ -1,7 +1,7 @@
 """Sharded training stages (issue 25): `execution.accelerate_config` with FSDP2 over 2 gloo processes trains what one
-process trains, writes the same plain `save_pretrained` folders, saves its optimizer states as a distributed
-checkpoint (each process its part, issue 32) and resumes after kill -9 as if it never crashed; the settings it cannot
-run are refused in one line."""
+process trains (as 2 unsharded processes do, issue 11), writes the same plain `save_pretrained` folders, saves its
+optimizer states as a distributed checkpoint (each process its part, issue 32) and resumes after kill -9 as if it never
+crashed; the settings it cannot run are refused in one line."""
 
 from __future__ import annotations
 
@@ -67,22 +67,29 @@ def test_a_sharded_update_trains_the_policy_of_one_process(one_process, checkpoi
     assert metrics["peak_memory_mb"] == max(metrics["peak_memory_mb_rank0"], metrics["peak_memory_mb_rank1"]) > 0
 
 
-@pytest.fixture
-def ray_nodes(request):
-    """A real Ray cluster of ``request.param`` nodes on this machine (127.0.0.1), one CPU each: one training worker
-    fits a node, so 2 workers on 2 nodes are on different machines as far as Ray knows."""
+@pytest.mark.slow
+def test_two_training_processes_train_the_policy_of_one(one_process, checkpoint_world, tmp_path):
+    """Issue 11: the update in 2 `accelerate launch` processes (gloo, unsharded) has the input key of the in-process
+    one and its weights to float rounding (here, beside the sharded cases, to share their one-process campaign)."""
+    config = tiny_config(checkpoint_world, tmp_path, *VERIFIABLE, "execution.training_processes=2")
+    assert rlhf_campaign(config, return_state=True).is_completed()
+    _assert_same_policy(one_process, _manifest(config.run_root, "ppo_update").parent)
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """A real Ray cluster of 2 nodes on this machine (127.0.0.1), one CPU each, for the module: one training worker
+    fits a node, so 2 workers on 2 nodes are on different machines as far as Ray knows, and a third has no node."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(request.param - 1):
-        cluster.add_node(num_cpus=1)
+    cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     yield cluster.address
     cluster.shutdown()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ray_nodes", [2], indirect=True)
 def test_sharded_training_on_two_ray_nodes_trains_the_policy_of_one_process(
     one_process, checkpoint_world, tmp_path, ray_nodes
 ):
@@ -95,18 +102,19 @@ def test_sharded_training_on_two_ray_nodes_trains_the_policy_of_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ray_nodes", [1], indirect=True)
 def test_a_node_that_never_joins_is_a_timeout_in_one_line(prefect_server, checkpoint_world, tmp_path, capfd, ray_nodes):
-    """2 training workers on a Ray cluster with room for 1 (the second node never joins): `rlhf run` waits
+    """3 sharded training workers on the module's Ray cluster, with room for 2 (the third node never joins; the same
+    cluster as the test above, rather than one more cluster started for this one): `rlhf run` waits
     `execution.rendezvous_timeout`, then exits 2 with one line naming the settings, and writes no update."""
     argv = _run(
-        tmp_path, checkpoint_world, *VERIFIABLE, *SHARDED, "execution.training_launcher=ray",
-        f"execution.address={ray_nodes}", "execution.rendezvous_timeout=5",
+        tmp_path, checkpoint_world, *VERIFIABLE, f"execution.accelerate_config={FSDP}",
+        "execution.training_processes=3", "execution.training_launcher=ray", f"execution.address={ray_nodes}",
+        "execution.rendezvous_timeout=5",
     )  # fmt: skip
     code, stderr = _main(argv, capfd)
     lines = stderr.strip().splitlines()
     assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
-    assert lines[-1].startswith("rlhf: `execution.training_processes` 2 Ray Train workers"), stderr[-3000:]
+    assert lines[-1].startswith("rlhf: `execution.training_processes` 3 Ray Train workers"), stderr[-3000:]
     assert "`execution.rendezvous_timeout` 5 s" in lines[-1]
     assert not list((tmp_path / "runs").glob("*/ppo_update/*")), "no update output, partial or whole"
 

@@ -2,14 +2,18 @@
 
 Each campaign runs the ``rlhf`` command as a user does, so the engine is started and stopped by it:
 
-* GAE and GRPO campaigns run end to end, and no process is left after them;
+* a GAE campaign runs end to end, and no process is left after it;
 * the weights sampled at iteration 1 are the PPO update's: the engine's log-probs equal the recomputed
   fp32 forward of the actor the stage was given (< 1e-4), and not the initial policy's;
-* a second run on Dask (its workers reach the engine by URL) writes byte-identical outputs: a rerun is
-  reproducible, and the runner changes nothing;
-* LoRA adapters are served, merged into the base weights or as vLLM LoRA requests over the loaded base;
-* ``kill -9`` during a rollout leaves no engine process, and the next run ends as an uncrashed one;
+* one campaign crashed twice, then finished on Dask (its workers reach the engine by URL), writes the uncrashed
+  campaign's bytes: an engine that dies fails its stage in one line (exit 2), ``kill -9`` during a rollout leaves no
+  engine process, and neither the crashes nor the runner change an output;
+* LoRA adapters are served, merged into the base weights or as vLLM LoRA requests over the loaded base, from an fp32
+  or a bf16 checkpoint, under GRPO too;
 * what the engine cannot do is one line naming ``sampling.engine``, exit 2, before any stage runs.
+
+Every command starts an engine of its own, so a case is a campaign of its own only where its settings need one: 7
+commands run campaigns (the uncrashed one, three for the crashed one, three LoRA campaigns).
 
 Needs the engine's environment (``bash scripts/setup-vllm.sh``): ``pytest -m vllm tests/flows/test_vllm_engine.py``,
 a step of its own in ``.ci/run``.
@@ -118,56 +122,18 @@ def test_the_weights_sampled_after_an_update_are_the_updates(gae_run, llama_worl
     assert float(initial) > 1e-3
 
 
-def test_a_rerun_on_dask_writes_byte_identical_outputs(gae_run, llama_world, tmp_path):
-    run_root = tmp_path / "dask"
-    _run_to_end(_command(run_root, llama_world, "execution.task_runner=dask"), tmp_path / "run.log")
-    assert _file_hashes(run_root / "tiny") == _file_hashes(gae_run / "tiny")
-
-
-def test_a_grpo_campaign_runs_on_the_engine(llama_world, tmp_path):
-    run_root = tmp_path / "grpo"
-    extra = ("advantages.estimator=grpo", "sizes.samples_per_prompt=2", "sizes.rollout_prompts=8")
-    _run_to_end(_command(run_root, llama_world, *extra), tmp_path / "run.log")
-    (_, rollout), *_ = [(i, f) for i, f in _outputs(run_root, "rollout") if i == 1]
-    assert _metrics(rollout)["engine_logprob_max_abs_diff"] < 1e-4
-    assert not (rollout / "critic").exists()
-
-
-@pytest.mark.parametrize("mode", ["merge", "request"])
-def test_lora_adapters_are_served_merged_or_over_the_loaded_base(llama_world, tmp_path, mode):
-    run_root = tmp_path / "lora"
-    sets = ("model.lora.r=8", "ppo.tis_cap=2.0", f"execution.engine_lora={mode}")
-    _run_to_end(_command(run_root, llama_world, *sets), tmp_path / "run.log")
-    (_, update), *_ = [(i, f) for i, f in _outputs(run_root, "ppo_update") if i == 0]
-    assert (update / "actor" / "adapter_config.json").is_file()  # what iteration 1 samples from: an adapter
-    for _, folder in _outputs(run_root, "rollout") + _outputs(run_root, "evaluate"):
-        assert _metrics(folder)["engine_logprob_max_abs_diff"] < 1e-4, folder
-
-
-def test_kill_minus_nine_during_a_rollout_leaves_no_engine_and_resumes_identically(gae_run, llama_world, tmp_path):
-    run_root, held, log = tmp_path / "runs", tmp_path / "held", tmp_path / "run.log"
-    command = _command(run_root, llama_world)
-    with open(log, "wb") as output:
-        environment = _environment(RLHF_HOLD_AT="rollout:computing", RLHF_HOLD_FILE=str(held))
-        process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
-        deadline = time.monotonic() + DEADLINE
-        while not held.exists():
-            assert process.poll() is None, f"`rlhf run` ended before its rollout; see {log}"
-            assert time.monotonic() < deadline, "timed out waiting for the rollout"
-            time.sleep(0.05)
-        children = _descendants(process.pid)
-        assert any("engine_server/server.py" in _command_line(pid) for pid in children), "no engine process to kill"
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert not _wait_gone(children), f"left after kill -9: {[_command_line(pid) for pid in _alive(children)]}"
-    _run_to_end(command, log)
-    assert _file_hashes(run_root / "tiny") == _file_hashes(gae_run / "tiny")
-
-
-def test_an_engine_that_dies_fails_its_stage_in_one_line_and_the_next_run_resumes_identically(
+def test_an_engine_that_dies_then_kill_minus_nine_in_a_rollout_then_a_rerun_on_dask_equals_the_uncrashed_run(
     gae_run, llama_world, tmp_path
 ):
-    run_root, log, errors = tmp_path / "runs", tmp_path / "run.log", tmp_path / "stderr.log"
+    """One campaign crashed twice, then finished (a command per crash rather than a campaign per crash, each command
+    paying an engine's start):
+
+    1. its engine killed once iteration 0's rollout has begun: the stage fails in one line, exit 2;
+    2. run again and killed (``kill -9``) holding in that rollout's ``computing`` window: no engine process, nor any
+       other, outlives it;
+    3. run again on Dask: every output is the uncrashed local campaign's, byte for byte (the runner is part of no
+       input key, its workers reach the engine by URL, and the campaign resumes identically after both crashes)."""
+    run_root, log, errors, held = tmp_path / "runs", tmp_path / "run.log", tmp_path / "stderr.log", tmp_path / "held"
     command = _command(run_root, llama_world)
     with open(log, "wb") as output, open(errors, "wb") as error_output:
         process = subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=output, stderr=error_output)
@@ -185,7 +151,22 @@ def test_an_engine_that_dies_fails_its_stage_in_one_line_and_the_next_run_resume
     lines = stderr.strip().splitlines()
     assert process.returncode == 2, stderr[-3000:]
     assert "Traceback" not in stderr and lines[-1].startswith("rlhf: the generation engine"), lines[-3:]
-    _run_to_end(command, log)
+
+    with open(log, "ab") as output:
+        environment = _environment(RLHF_HOLD_AT="rollout:computing", RLHF_HOLD_FILE=str(held))
+        process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
+        deadline = time.monotonic() + DEADLINE
+        while not held.exists():
+            assert process.poll() is None, f"`rlhf run` ended before its rollout; see {log}"
+            assert time.monotonic() < deadline, "timed out waiting for the rollout"
+            time.sleep(0.05)
+        children = _descendants(process.pid)
+        assert any("engine_server/server.py" in _command_line(pid) for pid in children), "no engine process to kill"
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not _wait_gone(children), f"left after kill -9: {[_command_line(pid) for pid in _alive(children)]}"
+
+    _run_to_end(_command(run_root, llama_world, "execution.task_runner=dask"), log)
     assert _file_hashes(run_root / "tiny") == _file_hashes(gae_run / "tiny")
 
 
@@ -247,22 +228,35 @@ def bf16_llama_world(llama_world, tmp_path_factory) -> dict[str, Path]:
     return {**llama_world, "policy": root / "policy"}
 
 
-@pytest.mark.parametrize(("precision", "served"), [("fp32", "merge"), ("bf16", "request")])
-def test_issue36_a_bf16_base_with_lora_samples_the_trainers_weights(bf16_llama_world, tmp_path, precision, served):
-    """Both choices of `execution.engine_lora: auto` on a bf16 checkpoint: merged (in fp32) into an fp32 engine, or
-    as LoRA requests in a bf16 engine. Every swap passes the probe gate at the precision's tolerance, the update's
-    weights included (iteration 1), and in fp32 the engine's log-probs of its own tokens are the trainer's. (Which
-    mode `auto` serves: tests/flows/test_vllm_launch.py.)"""
+LORA_CAMPAIGNS = {
+    "bf16-base-merged-in-fp32": ("bf16", "precision=fp32", "execution.engine_lora=merge", "ppo.tis_cap=2.0"),
+    "fp32-base-requests-grpo": (
+        "fp32", "precision=fp32", "execution.engine_lora=request", "ppo.tis_cap=2.0", "execution.engine_compile=true",
+        "advantages.estimator=grpo", "sizes.samples_per_prompt=2", "sizes.rollout_prompts=8",
+    ),
+    "bf16-base-requests-in-bf16": ("bf16", "precision=bf16", "execution.engine_lora=auto"),
+}  # fmt: skip
+"""LoRA campaign -> the dtype its initial policy is saved in, and its settings (after rank 8, a learning rate that
+moves the adapters and an eager engine, which they may override). Between them: both ways of serving an adapter in an
+fp32 engine, each exact; a bf16 checkpoint (as most hub checkpoints are) merged in fp32 or served in a bf16 engine
+(``auto``'s choice there); a compiled engine; and GRPO (no critic, 2 samples per prompt) on the engine."""
+
+
+@pytest.mark.parametrize("campaign", LORA_CAMPAIGNS)
+def test_lora_adapters_are_served_merged_or_over_the_loaded_base(llama_world, bf16_llama_world, tmp_path, campaign):
+    """Iteration 1 samples an adapter (iteration 0's update is one), and every swap passes the probe gate at the
+    precision's tolerance; in fp32 the engine's log-probs of its own tokens are the trainer's (issue 36: a bf16 base
+    merged in fp32 included). (Which mode `auto` serves: tests/flows/test_vllm_launch.py.)"""
     from runtime.engine_probe import TOLERANCES
 
+    dtype, *settings = LORA_CAMPAIGNS[campaign]
+    world = bf16_llama_world if dtype == "bf16" else llama_world
+    precision = next(item for item in settings if item.startswith("precision=")).removeprefix("precision=")
     run_root = tmp_path / "lora"
-    sets = (
-        "model.lora.r=8",
-        f"precision={precision}",
-        "ppo.actor_learning_rate=0.01",
-        "execution.engine_compile=false",
-    )
-    _run_to_end(_command(run_root, bf16_llama_world, *sets), tmp_path / "run.log")
+    sets = ("model.lora.r=8", "ppo.actor_learning_rate=0.01", "execution.engine_compile=false", *settings)
+    _run_to_end(_command(run_root, world, *sets), tmp_path / "run.log")
+    (_, update), *_ = [(i, f) for i, f in _outputs(run_root, "ppo_update") if i == 0]
+    assert (update / "actor" / "adapter_config.json").is_file()  # what iteration 1 samples from: an adapter
     for stage in ("sample_candidates", "rollout", "evaluate"):
         outputs = _outputs(run_root, stage)
         assert [iteration for iteration, _ in outputs] == [0, 1], stage
@@ -271,3 +265,6 @@ def test_issue36_a_bf16_base_with_lora_samples_the_trainers_weights(bf16_llama_w
             assert metrics["engine_probe_gap"] <= TOLERANCES[precision], (stage, metrics)
             if precision == "fp32":  # the exact fp32 sum: the engine's own tokens score as the trainer's
                 assert metrics["engine_logprob_max_abs_diff"] < 1e-4, (stage, metrics)
+    if "advantages.estimator=grpo" in settings:
+        (_, rollout), *_ = [(i, f) for i, f in _outputs(run_root, "rollout") if i == 1]
+        assert not (rollout / "critic").exists()
