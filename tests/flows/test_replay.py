@@ -94,8 +94,18 @@ def test_an_iteration_run_whose_stages_were_all_reused_can_be_replayed_and_conti
     assert state.policy.reused
     source = resolve_run(again, f"{again.campaign}:1")
     assert tracking_store(again).tracker().run(source).tags["rlhf.iteration_key"] != ""
+    campaign_dir = again.run_root / again.campaign
+
+    def outputs(stage: str) -> int:
+        return len(list((campaign_dir / stage).glob("*/_manifest.json")))
+
+    before = outputs("compute_advantages"), outputs("ppo_update")
     replay_run = rlhf_replay(replay_config(again, source, ["ppo.epochs=3"]), source)
     assert tracking_store(again).tracker().run(replay_run).tags["rlhf.replay_of"] == source
+    # Two replays that differ only in an update setting: the update's key holds it (two new outputs, where a setting
+    # left out of the key would have the second find the first's), the advantages' does not (found both times).
+    rlhf_replay(replay_config(again, source, ["ppo.epochs=2"]), source)
+    assert (outputs("compute_advantages"), outputs("ppo_update")) == (before[0], before[1] + 2)
     next_iteration, latest = load_latest_state.fn(again, resolve_base.fn(again))
     assert next_iteration == again.iterations and latest.policy.digest == state.policy.digest
 
