@@ -68,6 +68,10 @@ NOT_RUN = {
         "`python -m bench.real_model curve` runs it",
     ),
     ("docs/real-model.md", "a 135 M model's iteration, longer than a documented command may take"),
+    (
+        "docs/testing.md",
+        "the whole default suite, longer than a documented command may take; CI's readme step runs it",
+    ),
 }
 """The blocks that are not run, by page and reason: keep them few."""
 
