@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from campaign.config import load_config
 from campaign.store import resolve_run
 from flows.iterations import finished_state, resolve_base, tracking_store
 from flows.replay import replay_config
@@ -25,25 +24,13 @@ from storage.shards import read_table
 from tasks.rollout import ROLLOUT_PROMPT_OFFSET
 from tasks.staleness import policy_version
 from tasks.text import read_prompts, rotating_subset
+from tests.flows.campaigns import tiny_config
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
 ITERATIONS = 3
 
 
 def _config(run_root: Path, world: dict[str, Path], *more: str):
-    return load_config(
-        TINY,
-        [
-            f"run_root={run_root}",
-            f"model.policy={world['policy']}",
-            f"data.prompts={world['prompts']}",
-            f"data.eval_prompts={world['eval_prompts']}",
-            f"iterations={ITERATIONS}",
-            "sampling.staleness=1",
-            *more,
-        ],
-    )
+    return tiny_config(run_root, world, f"iterations={ITERATIONS}", "sampling.staleness=1", *more)
 
 
 @pytest.fixture(scope="module")
