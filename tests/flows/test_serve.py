@@ -420,7 +420,7 @@ def test_issue27_serve_without_its_prefect_server_says_so_and_exits_within_secon
         _wait(lambda: httpx.get(f"{api}/health").status_code == 200, timeout=180, what="the Prefect server")
         with log.open("w") as output:
             served = subprocess.Popen(serve, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-        _wait(lambda: "serving rlhf-iteration/tiny" in log.read_text(), timeout=300, what="rlhf serve serving")
+        _wait(lambda: "serving rlhf-iteration/tiny" in log.read_text(), timeout=120, what="rlhf serve serving")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
