@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
+from flows.cli import command
 
-from flows.cli import main
-
-sys.exit(main())
+command()

@@ -68,9 +68,16 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     return figure
 
 
-def png_data_uri(figure: Any, *, dpi: int = 80) -> str:
-    """``figure`` as a ``data:image/png;base64,...`` URI: an image a page shows with no server behind it (the Prefect
-    artifact's), about 65 KB for the over-optimisation figure at the default ``dpi``."""
+def png_bytes(figure: Any, *, dpi: int = 80) -> bytes:
+    """``figure`` drawn once as PNG: about 65 KB for the over-optimisation figure at the default ``dpi``. MLflow keeps
+    the file and the Prefect artifact shows the same bytes (:func:`png_data_uri`); drawing it (the constrained
+    layout above all) is most of what closing a small iteration costs."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    return buffer.getvalue()
+
+
+def png_data_uri(png: bytes) -> str:
+    """``png`` as a ``data:image/png;base64,...`` URI: an image a page shows with no server behind it (the Prefect
+    artifact's)."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")

@@ -23,7 +23,7 @@ from campaign.identity import (
     uses_demo_world,
 )
 from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, tracking_uri
-from flows.figures import FIGURE_FILE, overoptimisation_figure, png_data_uri
+from flows.figures import FIGURE_FILE, overoptimisation_figure, png_bytes, png_data_uri
 from flows.inputs import InputError, check_inputs
 from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
 from flows.lineage import artifact_key, create_lineage_artifact
@@ -323,7 +323,7 @@ def close_iteration(
     kind = tags.get(TAG_KIND, KIND_ITERATION)
     was_finished = parent.status == "FINISHED"
     metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
-    figure = _overoptimisation(context, metrics) if kind == KIND_ITERATION else None
+    figure = png_bytes(_overoptimisation(context, metrics)) if kind == KIND_ITERATION else None
     inspection = None
     if not all(result.reused for result in stages) or not was_finished:
         inspected, responses = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
@@ -332,7 +332,7 @@ def close_iteration(
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         if figure is not None:
-            tracker.log_figure(context.parent_run_id, figure, FIGURE_FILE)
+            tracker.log_bytes(context.parent_run_id, figure, FIGURE_FILE)
         tracker.end_run(context.parent_run_id)
     if kind == KIND_ITERATION:
         record = provenance(context.base, context.execution.engine_vllm)

@@ -542,9 +542,14 @@ class MlflowStore:
         logging it again replaces it."""
         self._client.log_table(run_id, dict(columns), artifact_file)
 
-    def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
-        """Log a matplotlib figure as an image artifact (PNG); logging it again replaces it."""
-        self._client.log_figure(run_id, figure, artifact_file)
+    def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        """Log ``data`` as the artifact file ``artifact_file`` (an image the UI shows by its suffix: a PNG figure);
+        logging it again replaces it."""
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / Path(artifact_file).name
+            path.write_bytes(data)
+            folder = str(Path(artifact_file).parent)
+            self._client.log_artifact(run_id, str(path), None if folder == "." else folder)
 
     def log_datasets(self, run_id: str, datasets: list[LocalDataset], *, context: str) -> None:
         """Log tables as MLflow datasets of the run, each tagged with ``context`` (``output``: what the run wrote,
