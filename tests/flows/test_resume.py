@@ -1,8 +1,9 @@
 """Resume after kill -9: a campaign killed in the middle of a training stage, then run again, ends
 with exactly the outputs (checkpoints, shards, samples) of a campaign that never crashed.
 
-The default suite keeps one such campaign, killed twice (the crash suite, tests/flows/test_crash.py, kills every
-stage in every window): once in iteration 1's reward-model training, then, resumed, in iteration 1's update. The
+One such campaign, killed twice: once in iteration 1's reward-model training, then, resumed, in iteration 1's update
+(slow: CI's crash step runs it beside tests/flows/test_crash.py, which kills iteration 0 at every stage in every
+window). The
 campaign that never crashed is also the starting point of the test of inputs edited in place, which edits its own
 copy of the inputs."""
 
@@ -90,6 +91,7 @@ def _kill_when_held(command: list[str], point: str, tmp_path: Path) -> None:
     assert process.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow  # the crash step of .ci/run
 def test_kill_minus_nine_mid_training_twice_then_rerun_equals_a_run_that_never_crashed(
     uninterrupted, checkpoint_world, tmp_path
 ):

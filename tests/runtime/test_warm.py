@@ -129,6 +129,7 @@ def test_issue33_a_failing_job_fails_the_stage_with_its_error_and_the_next_job_r
     assert train(_job(tmp_path, "where_it_runs"), precision="fp32")["parent"] == warm._server.pid
 
 
+@pytest.mark.slow  # the crash step of .ci/run, with the other kill -9 tests
 def test_issue33_kill_minus_nine_of_the_command_ends_its_server_and_its_job(tmp_path: Path):
     """The command's death ends the server (the parent-death signal), and the server's ends the job: nothing is
     left training (and writing) after ``kill -9``."""
