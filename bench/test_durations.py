@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -94,17 +95,25 @@ def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def _children_cpu() -> float:
+    """User and system seconds of every process this one has waited for (the test command and all it started, each
+    counted once its parent waited for it)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(label: str, pytest_args: list[str]) -> None:
     SCRATCH.mkdir(parents=True, exist_ok=True)
     log_path = SCRATCH / f"durations-{re.sub(r'[^A-Za-z0-9]+', '-', label).strip('-')}.log"
     command = ["bash", "scripts/test.sh", "--durations=0", "-q", *pytest_args]
-    load_before, started = _load(), time.monotonic()
+    load_before, started, cpu_before = _load(), time.monotonic(), _children_cpu()
     with log_path.open("w") as log:
         status = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall, load_after = time.monotonic() - started, _load()
+    wall, load_after, cpu = time.monotonic() - started, _load(), _children_cpu() - cpu_before
     header = [
-        f"Command: `{' '.join(command)}` (exit {status}); wall {wall / 60:.1f} min; commit {_commit().strip()}; "
-        f"load average before {load_before}, after {load_after}; {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"Command: `{' '.join(command)}` (exit {status}); wall {wall / 60:.1f} min; CPU {cpu / 60:.1f} min "
+        f"({cpu / wall:.2f} cores busy on average); commit {_commit().strip()}; load average before {load_before}, "
+        f"after {load_after}; {time.strftime('%Y-%m-%d %H:%M')}.",
     ]
     text = section(label, log_path.read_text(), header=header)
     _append(text)
