@@ -148,12 +148,11 @@ def test_a_maths_edit_keeps_the_finished_iterations_the_next_one_uses_it_and_say
 
 
 def test_from_iteration_recomputes_from_there_and_keeps_the_old_runs_superseded(project, capfd):
-    """The refusal runs in a process of its own: exit code 2 and one line on stderr are the process's."""
     _, run_root, _, _ = project
     before = _iteration_runs(run_root)
     assert len(before) == 2, "after the maths edit, two finished iterations"
 
-    refused = _rlhf_in_a_process(project, "run", "--from-iteration", "1", overrides=("iterations=2",))
+    refused = _rlhf(project, capfd, "run", "--from-iteration", "1", overrides=("iterations=2",))
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "rlhf: --from-iteration 1 continues iteration 0, whose optimizer states were pruned (only the newest "

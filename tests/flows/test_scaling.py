@@ -50,6 +50,7 @@ def local_run(prefect_server, checkpoint_world, tmp_path_factory):
     return run_root
 
 
+@pytest.mark.slow  # a Dask cluster of worker processes: the browser step of .ci/run, with Ray's
 def test_dask_outputs_are_byte_identical_to_local(local_run, checkpoint_world, tmp_path):
     config = tiny_config(checkpoint_world, tmp_path, "execution.task_runner=dask", "execution.workers=2")
     state = rlhf_campaign(config, return_state=True)

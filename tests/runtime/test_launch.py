@@ -108,6 +108,7 @@ def _failed_launch_message(tmp_path: Path, which: str) -> str:
     return str(failure.value)
 
 
+@pytest.mark.slow  # another launch of 2 processes each: the sharded step of .ci/run
 def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
     message = _failed_launch_message(tmp_path, "fail_in_the_second_process")
     assert "2 training processes failed" in message
@@ -117,6 +118,7 @@ def test_a_failing_worker_fails_the_stage_with_its_error(tmp_path: Path):
     assert (tmp_path / "output.partial" / "job" / "workers.log").is_file()
 
 
+@pytest.mark.slow  # another launch of 2 processes each: the sharded step of .ci/run
 def test_a_worker_that_dies_without_a_traceback_fails_the_stage_with_its_last_words(tmp_path: Path):
     """The launcher's own traceback says nothing; the worker's output and the launcher's summary do."""
     message = _failed_launch_message(tmp_path, "abort_in_the_second_process")

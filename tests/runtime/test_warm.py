@@ -154,6 +154,7 @@ def test_issue33_kill_minus_nine_of_the_command_ends_its_server_and_its_job(tmp_
     assert not _alive(job) and not _alive(server)
 
 
+@pytest.mark.slow  # a command of its own and its warm server: the crash step of .ci/run, beside the kill -9 above
 def test_issue33_a_commands_end_ends_its_server_and_counts_its_jobs_cpu_time_as_its_own(tmp_path: Path):
     """As a fresh training process's was: a benchmark reads a command's CPU seconds from its children's usage."""
     pids = tmp_path / "pids"
