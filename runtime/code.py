@@ -25,18 +25,26 @@ Choices:
    change every key); that costs at most an unfinished iteration's stages.
 6. Each file is parsed and normalised once per content (:func:`_parsed`): a command fingerprints every stage, and
    most of their closures are shared.
+7. A process computes with the code it imported when it started, and keys read the files when each stage starts:
+   after an edit mid-campaign (a ``git pull``), a stage would be keyed with the new code and computed with the old.
+   So a flow run fingerprints every stage when it starts (:func:`pinned_code`), and a file that reads otherwise
+   later in that run is refused in one line (:class:`CodeChangedError`), before the stage computes anything.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import site
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlhf_core.errors import UserError
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = tuple(
@@ -45,6 +53,46 @@ FIRST_PARTY = tuple(
     )
 )
 """The project's packages: every package of the repository but its tests and benchmarks."""
+
+
+_pinned: dict[Path, bytes] | None = None
+"""While a :func:`pinned_code` lasts: the sha256 of each source file as it first read then."""
+
+
+class CodeChangedError(UserError, RuntimeError):
+    """A source file a stage is keyed by changed on disk after the run started (choice 7)."""
+
+
+@contextlib.contextmanager
+def pinned_code(modules: Iterable[str]) -> Iterator[None]:
+    """Fingerprint ``modules`` now, and until the block ends refuse any source file that reads otherwise than it first
+    did in it (choice 7). Nested blocks share the outer one's record.
+
+    Raises:
+        CodeChangedError: on a later fingerprint, a file of its closure changed since.
+    """
+    global _pinned
+    outer = _pinned
+    _pinned = {} if outer is None else outer
+    try:
+        for module in modules:
+            code_fingerprint(module)
+        yield
+    finally:
+        _pinned = outer
+
+
+def _read(path: Path) -> bytes:
+    """``path``'s bytes, refused if a :func:`pinned_code` block read them otherwise."""
+    data = path.read_bytes()
+    if _pinned is not None:
+        digest = hashlib.sha256(data).digest()
+        if _pinned.setdefault(path, digest) != digest:
+            raise CodeChangedError(
+                f"{path} changed on disk while this run was going on: its stages would be keyed with the new code "
+                "and computed with the code the run imported; run the command again"
+            )
+    return data
 
 
 def _installed_roots() -> tuple[Path, ...]:
@@ -152,7 +200,7 @@ def _closure(module: str) -> dict[str, _Parsed]:
         name = pending.pop()
         if name in parsed:
             continue
-        parsed[name] = _parsed(name, _module_file(name).read_bytes())
+        parsed[name] = _parsed(name, _read(_module_file(name)))
         pending.extend(parsed[name].imports - parsed.keys())
     return parsed
 

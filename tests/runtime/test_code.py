@@ -15,7 +15,7 @@ import pytest
 
 import runtime.code
 from rlhf_core.config import SamplingConfig
-from runtime.code import FIRST_PARTY, code_closure, code_fingerprint, normalised
+from runtime.code import FIRST_PARTY, CodeChangedError, code_closure, code_fingerprint, normalised, pinned_code
 from runtime.context import Execution, InputFile
 from runtime.declaration import StageSettings, setting
 from runtime.job import Job
@@ -186,3 +186,29 @@ def test_a_users_module_is_keyed_with_the_modules_beside_it_it_imports_and_not_w
         code_fingerprint("no_such_module_anywhere")
     with pytest.raises(ValueError, match="cannot find module"):
         code_fingerprint("numpy")  # installed: nothing of our own to fingerprint
+
+
+def test_a_file_edited_while_a_run_goes_on_is_refused_before_its_stage_computes(source_copy: Path, tmp_path: Path):
+    """Issue 42: a run keys every stage with the code it started with. An edit of a module of a stage's closure after
+    that (a ``git pull`` mid-campaign) is refused in one line at the next stage, which writes nothing; outside a run
+    the same edit is simply a new key."""
+    context = stage_context(tmp_path, execution=Execution(device="cpu"))
+    settings = SampledSettings(sampling=SamplingConfig(engine="hf"))
+    seeds = _file(source_copy, "runtime.seeds")
+    text = seeds.read_text()
+    with pinned_code(STAGE_MODULES):
+        first = run_stage(sampled, context, settings)
+        seeds.write_text(text + "\n_EDITED = 1\n")
+        try:
+            with pytest.raises(CodeChangedError, match=r"runtime/seeds\.py changed on disk while this run") as refused:
+                run_stage(sampled, dataclasses.replace(context, iteration=1), settings)
+            assert len(str(refused.value).splitlines()) == 1
+            (written,) = (tmp_path / "camp" / "sampled").iterdir()  # the first stage's output alone
+            assert first.input_key.startswith(written.name)
+        finally:
+            seeds.write_text(text)
+    seeds.write_text(text + "\n_EDITED = 1\n")
+    try:
+        assert run_stage(sampled, dataclasses.replace(context, iteration=1), settings).input_key != first.input_key
+    finally:
+        seeds.write_text(text)
