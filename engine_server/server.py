@@ -11,7 +11,8 @@ It imports only the standard library and vLLM (the project's own packages are no
 environment), and speaks JSON over HTTP (:mod:`runtime.engine_client` is its one client):
 
 * ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model", "dtype",
-  "lora_mode", "eager"}`` (the last three: how it samples, which the stages' keys name);
+  "lora_mode", "eager", "tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs"}`` (from ``dtype`` on: how
+  it samples, which the stages' keys name, :data:`runtime.engine.ENGINE_SETTINGS`);
 * ``POST /generate`` with ``{"weights", "adapter", "prompts", "seeds", "temperature", "top_k", "top_p",
   "max_tokens", "stop_token_id", "probe", "verified"}`` -> ``{"tokens", "logprobs", "swap_seconds", "state",
   "probe"}``; ``probe`` (optional) is ``{"sequences", "prompt_lengths"}``, answered with ``{"logprobs", "seconds"}``
@@ -448,6 +449,9 @@ def handler(state: State) -> type[BaseHTTPRequestHandler]:
                     "dtype": state.arguments.dtype,
                     "lora_mode": state.arguments.lora_mode,
                     "eager": state.arguments.enforce_eager,
+                    "tensor_parallel_size": state.arguments.tensor_parallel_size,
+                    "max_num_batched_tokens": state.arguments.max_num_batched_tokens,
+                    "max_num_seqs": state.arguments.max_num_seqs,
                     "pid": os.getpid(),
                 },
             )

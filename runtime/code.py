@@ -131,9 +131,14 @@ def _users_module_file(module: str) -> Path | None:
 
 
 def _imported_modules(module: str, tree: ast.Module) -> set[str]:
-    """First-party modules named by the import statements of ``tree`` (the source of ``module``)."""
+    """The modules of our own code named by the import statements of ``tree`` (the source of ``module``)."""
     is_package = _module_file(module).name == "__init__.py"
-    package = module if is_package else module.rpartition(".")[0]
+    return _own_imports(module if is_package else module.rpartition(".")[0], tree)
+
+
+def _own_imports(package: str, tree: ast.Module) -> set[str]:
+    """The modules of our own code named by the import statements of ``tree``, whose relative imports are relative to
+    ``package`` ("" for a script)."""
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -226,4 +231,19 @@ def code_fingerprint(module: str) -> str:
     digest = hashlib.sha256()
     for name in sorted(digests):
         digest.update(name.encode() + b"\0" + digests[name])
+    return digest.hexdigest()
+
+
+def script_fingerprint(path: str | Path) -> str:
+    """sha256 over a script run as a file (the generation engine's server, which runs in an environment of its own):
+    its normalised code and the :func:`code_fingerprint` of every module of our own code it imports.
+
+    Raises:
+        OSError: the file cannot be read.
+        SyntaxError: it is not Python.
+    """
+    tree = ast.parse(_read(Path(path).resolve()))
+    digest = hashlib.sha256(_without_docstrings(tree).encode())
+    for name in sorted(_own_imports("", tree)):
+        digest.update(name.encode() + b"\0" + code_fingerprint(name).encode())
     return digest.hexdigest()

@@ -149,7 +149,16 @@ def test_the_engines_identity_keys_exactly_the_stages_that_sample_on_it(tmp_path
         return run_stage(sampled, dataclasses.replace(context, execution=execution), settings).input_key
 
     on_engine = key("vllm")
-    for changed in ({"server": "t" * 64}, {"vllm": "0.33.0"}, {"dtype": "bfloat16"}, {"lora_mode": "merge"}):
+    changes = (
+        {"server": "t" * 64},
+        {"vllm": "0.33.0"},
+        {"dtype": "bfloat16"},
+        {"lora_mode": "merge"},
+        {"tensor_parallel_size": 2},
+        {"max_num_batched_tokens": 4096},
+        {"max_num_seqs": 8},
+    )
+    for changed in changes:
         assert key("vllm", **changed) != on_engine, changed
     assert key("hf", vllm="0.33.0", server="t" * 64) == key("hf")  # hf samples in the stage: no engine in its key
 
