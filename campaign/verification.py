@@ -16,8 +16,11 @@ Choices:
 4. A missing output the campaign still needs is restored from MLflow's copy where the store keeps one (a tracking
    server keeps every output's files; a local store keeps only their manifests, the files where they are), and
    refused in one line where none exists. What the campaign needs is what ``rlhf gc`` always keeps: the outputs
-   of its newest finished iteration and the outputs they were computed from. Any other missing output is taken
-   to be one ``rlhf gc`` removed (MLflow keeps its run and metrics), and is not restored: that would undo it.
+   of its newest finished iteration and the outputs they were computed from. Any other output ``rlhf gc`` removed
+   (its stage run is tagged ``rlhf.removed_by_gc``; MLflow keeps the run and its metrics) is not restored: that
+   would undo it. An output missing without that tag was removed by something else (``rm -r``, a disk lost), and
+   is restored or refused like one the campaign needs; but in a campaign older than the tag (its experiment has
+   no ``rlhf.gc_records``), whose gc recorded nothing, it is taken to be gc's, as it was then.
 5. Superseded iterations and replays are not the campaign's history: they are not checked.
 
 Nothing here imports torch or Prefect: the rerun of a finished campaign stays a few seconds
@@ -37,12 +40,14 @@ from storage.manifest import MANIFEST_FILE, CorruptOutputError, Manifest, Unsupp
 from storage.mlflow_store import RunSummary
 from storage.tracking import (
     KIND_STAGE,
+    TAG_GC_RECORDS,
     TAG_INPUT_KEY,
     TAG_KIND,
     TAG_MANIFEST_DIGEST,
     TAG_OUTPUT_PATH,
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
+    TAG_REMOVED_BY_GC,
     TAG_STAGE,
     MissingOutputError,
     Tracker,
@@ -105,11 +110,14 @@ def check_finished_outputs(
     cache = fingerprint_cache(config)
     restored: list[str] = []
     needed: set[str] = set()  # the digests of the outputs the newest iteration's were computed from
+    gc_records = TAG_GC_RECORDS in tracker.experiment_tags(config.campaign)
     outputs = recorded_outputs(config, tracker, experiment_id, finished)
     for output in sorted(outputs, key=lambda output: newest not in output.iterations):  # the newest iteration's first
         if not output.folder.is_dir():
-            if newest not in output.iterations and output.run.tags.get(TAG_MANIFEST_DIGEST) not in needed:
-                continue  # removed by `rlhf gc`, which keeps what the campaign needs
+            removed_by_gc = TAG_REMOVED_BY_GC in output.run.tags or not gc_records
+            needs = newest in output.iterations or output.run.tags.get(TAG_MANIFEST_DIGEST) in needed
+            if removed_by_gc and not needs:
+                continue  # `rlhf gc` keeps what the campaign needs, and removed this
             restored.append(_restore(output, tracker))
         manifest = _verified(output, cache)
         if newest in output.iterations:
