@@ -639,6 +639,26 @@ def test_issue42_an_old_iterations_output_removed_by_hand_is_refused_unless_the_
     assert code == 0, stderr[-3000:]
 
 
+def test_issue42_rlhf_verify_reads_every_byte_and_names_a_flipped_one_whose_times_were_put_back(
+    finished, tmp_path, capfd
+):
+    run_root = _copy_of(finished, tmp_path)
+    verify = ["verify", "tiny", "--set", f"run_root={run_root}"]
+    code, _ = _main(verify, capfd)
+    assert code == 0
+    weights = _output(run_root, "ppo_update") / "actor" / "model.safetensors"
+    stat = weights.stat()
+    with weights.open("r+b") as file:  # bit rot: one byte, in place, its times put back
+        file.seek(stat.st_size - 10)
+        byte = file.read(1)
+        file.seek(stat.st_size - 10)
+        file.write(bytes([byte[0] ^ 0x01]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    before = _files(run_root)
+    code, stderr = _main(verify, capfd)
+    _assert_refused(code, stderr, run_root, ("actor/model.safetensors has been altered",), before)
+
+
 def test_issue32_an_unchanged_finished_campaign_reads_no_output_twice(
     finished, checkpoint_world, tmp_path, capfd, monkeypatch
 ):
