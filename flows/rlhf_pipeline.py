@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from campaign.config import PipelineConfig
-from campaign.history import check_from_iteration, finished_iterations, what_differs
+from campaign.history import STAGE_MODULES, check_from_iteration, finished_iterations, what_differs
 from flows.concurrency import campaign_slot
 from flows.heap import iteration_starting
 from flows.human_labels import request_human_labels
@@ -39,6 +39,7 @@ from flows.overlap import ahead_of, beside, lanes, runs_ahead
 from flows.replay import check_replay_data, check_replayable
 from rlhf_core.precision import resolve_device
 from runtime.cluster import cluster
+from runtime.code import pinned_code
 from runtime.concurrency import gpu_stages
 from runtime.context import BaseInputs, StageContext
 from runtime.declaration import StageResult
@@ -112,6 +113,7 @@ def rlhf_iteration(
     iteration_starting()  # the second in a process freezes its long-lived objects out of full collections
     layout = campaign_layout(config)
     with (
+        pinned_code(STAGE_MODULES),  # the code this run computes with is the code it keys by (runtime.code)
         exclusive_lock(layout.lock_file()),
         campaign_slot(config.campaign, layout.slot_file()),
         cluster(config.execution),
@@ -234,7 +236,7 @@ def rlhf_campaign(
     Raises:
         ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
     """
-    with cluster(config.execution):  # one local cluster for every iteration
+    with pinned_code(STAGE_MODULES), cluster(config.execution):  # one local cluster for every iteration
         base = base or resolve_base(config)
         finished = finished_iterations(config)
         start = next((n for n in range(config.iterations) if n not in finished), config.iterations)
@@ -271,6 +273,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
     check_replayable(config, source_run_id)
     layout = campaign_layout(config)
     with (
+        pinned_code(STAGE_MODULES),
         exclusive_lock(layout.lock_file()),
         campaign_slot(config.campaign, layout.slot_file()),
         cluster(config.execution),

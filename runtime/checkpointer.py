@@ -82,11 +82,15 @@ class TrainingState(NamedTuple):
             a dict.
         generator: the state of the stage's shuffling generator (``torch.Generator.get_state()`` as ints).
         curve: one row of statistics per optimizer step so far (the output's training curve).
+        scaler: fp16's loss scaler's state (``GradScaler.state_dict()``: its scale and how many steps since it last
+            grew), or None without one (fp32, bf16): restarted at its initial scale, a resumed fp16 stage would skip
+            and scale other steps than the uninterrupted one.
     """
 
     progress: dict[str, Any]
     generator: list[int]
     curve: list[dict[str, float]]
+    scaler: dict[str, Any] | None = None
 
     def write(self, folder: Path) -> None:
         """Write it into the checkpoint ``folder``."""
@@ -171,6 +175,8 @@ class Checkpointer:
             self.resumed = TrainingState.read(folder)
             self.generator.set_state(torch.tensor(self.resumed.generator, dtype=torch.uint8))
             self.curve = list(self.resumed.curve)
+            if self.resumed.scaler is not None and self.accelerator.scaler is not None:
+                self.accelerator.scaler.load_state_dict(self.resumed.scaler)
         elif continues is not None:
             self._continue(Path(continues))
         names = list(self.models)
@@ -213,7 +219,8 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         self._save(staging, weights=True)
         if self.main:
-            state = TrainingState(progress._asdict(), self.generator.get_state().tolist(), self.curve)
+            scaler = None if self.accelerator.scaler is None else self.accelerator.scaler.state_dict()
+            state = TrainingState(progress._asdict(), self.generator.get_state().tolist(), self.curve, scaler)
             save_progress(self.final_dir, progress.epochs_done, state.write, staging=staging)
         self.accelerator.wait_for_everyone()
 

@@ -1,42 +1,50 @@
 """Code fingerprints: a hash of the code that computes a stage's output, part of its input key.
 
 A stage's output depends on its code as much as on its settings: editing the maths of ``rlhf_core/gae.py``, the
-seed derivation or how a model is loaded must re-run the stages of an unfinished iteration that ran it, not reuse
-what the old code wrote. Editing a comment, a docstring or the layout must not. So the fingerprint of a stage
-covers what runs it: its module and every module of the :data:`COMPUTING` packages that module imports, directly or
-through others (found by reading the import statements, without importing anything), each *normalised*: its
-syntax tree without docstrings (comments and layout never reach the tree). A stage that samples on the vLLM engine
-adds the engine's server and identity (:mod:`runtime.engine`).
+seed derivation, how a model is loaded or how a chat prompt is rendered must re-run the stages of an unfinished
+iteration that ran it, not reuse what the old code wrote. Editing a comment, a docstring or the layout must not. So
+the fingerprint of a stage covers what runs it: its module and every module of *our own code* that module imports,
+directly or through others (found by reading the import statements, without importing anything), each *normalised*:
+its syntax tree without docstrings (comments and layout never reach the tree). A stage that samples on the vLLM
+engine adds the engine's server and identity (:mod:`runtime.engine`).
 
 Choices:
-1. What computes is a package's role, said once here, not a list of modules: ``rlhf_core`` (models, maths,
-   generation, training loops), ``runtime`` (how a stage runs: the seed derivation, model loading, fan-out and
-   launch, the engine's client) and ``tasks`` (the stages, what a reward function is called with). Not ``storage``
-   (bytes on disk: its contract is ``SCHEMA_VERSION``, part of every key), ``campaign`` and ``flows`` (they decide
-   which stages run and hand each its settings, which are keyed) nor ``demo`` (an input, keyed by its files'
-   content). So an edit to the stage mechanism itself (its MLflow record, say) re-keys an unfinished iteration's
-   stages: a recomputation, never a stale reuse. A change in an installed library is not seen here: every manifest
-   records the versions of the libraries that computed it (:mod:`runtime.versions`).
-2. Imports inside functions count too: the gold rubric a labeler imports lazily is code it runs.
-3. ``from package import name`` counts the module ``package.name`` when it exists, else the package's
+1. Our own code is every module that is not installed: this project's packages (:data:`FIRST_PARTY`), and the
+   modules of a user's judge or reward function, with the modules beside them that they import (their own
+   package, a helper file in the same folder). What is installed (the standard library, site-packages) is not
+   followed: every manifest records the versions of the libraries that computed it (:mod:`runtime.versions`).
+2. Every first-party module a stage reaches is in its key, whatever its package: ``storage`` renders chat prompts
+   and writes the shards, ``demo`` holds the gold rubric's word lists. There is no exemption for a module that
+   only records (MLflow, progress): an edit there re-keys the stages of an unfinished iteration, a recomputation
+   and never a stale reuse, and a rule with no exceptions cannot be wrong about one. Finished iterations never
+   depend on keys (:mod:`campaign.history`).
+3. Imports inside functions count too: the gold rubric a labeler imports lazily is code it runs.
+4. ``from package import name`` counts the module ``package.name`` when it exists, else the package's
    ``__init__``.
-4. A module outside the project (a user's judge or reward function) is fingerprinted by its own source, normalised
-   the same way.
 5. A normalised tree is ``ast.dump`` text, which depends on the Python version's syntax tree (a new minor Python may
-   change every key); finished iterations never depend on keys (:mod:`campaign.history`), so that costs at most an
-   unfinished iteration's stages.
-6. Each file is parsed and normalised once per content (:func:`_module_code`): a command fingerprints every stage,
-   and most of their closures are shared.
+   change every key); that costs at most an unfinished iteration's stages.
+6. Each file is parsed and normalised once per content (:func:`_parsed`): a command fingerprints every stage, and
+   most of their closures are shared.
+7. A process computes with the code it imported when it started, and keys read the files when each stage starts:
+   after an edit mid-campaign (a ``git pull``), a stage would be keyed with the new code and computed with the old.
+   So a flow run fingerprints every stage when it starts (:func:`pinned_code`), and a file that reads otherwise
+   later in that run is refused in one line (:class:`CodeChangedError`), before the stage computes anything.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib.util
+import site
+import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlhf_core.errors import UserError
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = tuple(
@@ -45,29 +53,92 @@ FIRST_PARTY = tuple(
     )
 )
 """The project's packages: every package of the repository but its tests and benchmarks."""
-COMPUTING = ("rlhf_core", "runtime", "tasks")
-"""The packages whose modules a fingerprint follows into (choice 1)."""
+
+
+_pinned: dict[Path, bytes] | None = None
+"""While a :func:`pinned_code` lasts: the sha256 of each source file as it first read then."""
+
+
+class CodeChangedError(UserError, RuntimeError):
+    """A source file a stage is keyed by changed on disk after the run started (choice 7)."""
+
+
+@contextlib.contextmanager
+def pinned_code(modules: Iterable[str]) -> Iterator[None]:
+    """Fingerprint ``modules`` now, and until the block ends refuse any source file that reads otherwise than it first
+    did in it (choice 7). Nested blocks share the outer one's record.
+
+    Raises:
+        CodeChangedError: on a later fingerprint, a file of its closure changed since.
+    """
+    global _pinned
+    outer = _pinned
+    _pinned = {} if outer is None else outer
+    try:
+        for module in modules:
+            code_fingerprint(module)
+        yield
+    finally:
+        _pinned = outer
+
+
+def _read(path: Path) -> bytes:
+    """``path``'s bytes, refused if a :func:`pinned_code` block read them otherwise."""
+    data = path.read_bytes()
+    if _pinned is not None:
+        digest = hashlib.sha256(data).digest()
+        if _pinned.setdefault(path, digest) != digest:
+            raise CodeChangedError(
+                f"{path} changed on disk while this run was going on: its stages would be keyed with the new code "
+                "and computed with the code the run imported; run the command again"
+            )
+    return data
+
+
+def _installed_roots() -> tuple[Path, ...]:
+    """The folders installed code lives in: the standard library and every site-packages."""
+    paths = sysconfig.get_paths()
+    roots = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib") if name in paths}
+    roots.update(site.getsitepackages())
+    roots.add(site.getusersitepackages())
+    return tuple(Path(root).resolve() for root in roots)
 
 
 def _module_file(module: str) -> Path | None:
-    """The source file of a first-party module, or None for anything else."""
-    if module.split(".")[0] not in FIRST_PARTY:
+    """The source file of a module of our own code (choice 1), or None for anything else: a module that is
+    installed, built in, not Python source, or not found."""
+    if module.split(".")[0] in FIRST_PARTY:
+        base = _SOURCE_ROOT.joinpath(*module.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
         return None
-    base = _SOURCE_ROOT.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
+    return _users_module_file(module)
 
 
-def _computes(module: str) -> bool:
-    return module.split(".")[0] in COMPUTING
+@functools.lru_cache(maxsize=1024)
+def _users_module_file(module: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    origin = Path(spec.origin).resolve()
+    if not origin.is_file() or any(origin.is_relative_to(root) for root in _installed_roots()):
+        return None
+    return origin
 
 
 def _imported_modules(module: str, tree: ast.Module) -> set[str]:
-    """First-party modules named by the import statements of ``tree`` (the source of ``module``)."""
+    """The modules of our own code named by the import statements of ``tree`` (the source of ``module``)."""
     is_package = _module_file(module).name == "__init__.py"
-    package = module if is_package else module.rpartition(".")[0]
+    return _own_imports(module if is_package else module.rpartition(".")[0], tree)
+
+
+def _own_imports(package: str, tree: ast.Module) -> set[str]:
+    """The modules of our own code named by the import statements of ``tree``, whose relative imports are relative to
+    ``package`` ("" for a script)."""
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -124,49 +195,55 @@ def _parsed(module: str, source: bytes) -> _Parsed:
 
 
 def _closure(module: str) -> dict[str, _Parsed]:
-    """:class:`_Parsed` of ``module`` and of every computing module it imports, transitively, as their files read now
-    (choice 6)."""
+    """:class:`_Parsed` of ``module`` and of every module of our own code it imports, transitively, as their files
+    read now (choice 6)."""
     if _module_file(module) is None:
-        raise ValueError(f"{module!r} is not a module of this project ({', '.join(FIRST_PARTY)})")
+        raise ValueError(f"cannot find module {module!r}, or it has no source file of its own to fingerprint")
     parsed: dict[str, _Parsed] = {}
     pending = [module]
     while pending:
         name = pending.pop()
         if name in parsed:
             continue
-        parsed[name] = _parsed(name, _module_file(name).read_bytes())
-        pending.extend(found for found in parsed[name].imports - parsed.keys() if _computes(found))
+        parsed[name] = _parsed(name, _read(_module_file(name)))
+        pending.extend(parsed[name].imports - parsed.keys())
     return parsed
 
 
 def code_closure(module: str) -> dict[str, str]:
-    """The normalised code (:func:`normalised`) of ``module`` and of every computing module it imports,
+    """The normalised code (:func:`normalised`) of ``module`` and of every module of our own code it imports,
     transitively (see the module docstring), by name.
 
     Raises:
-        ValueError: ``module`` is not a first-party module with a source file.
+        ValueError: ``module`` cannot be found, or is installed code.
     """
     return {name: parsed.code for name, parsed in _closure(module).items()}
 
 
 def code_fingerprint(module: str) -> str:
-    """sha256 over the normalised code a module computes with: for a first-party module, its
-    :func:`code_closure`; for any other (a user's judge or reward function), its own source file.
+    """sha256 over the normalised code a module computes with: its :func:`code_closure`, for a module of this project
+    or a user's own (a judge or reward function, with the modules beside it that it imports).
 
     Raises:
-        ValueError: the module cannot be found, or has no source file.
+        ValueError: the module cannot be found, or has no source file of its own (installed code).
     """
-    if _module_file(module) is not None:
-        digests = {name: parsed.digest for name, parsed in _closure(module).items()}
-    else:
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError) as error:
-            raise ValueError(f"cannot find module {module!r}: {error}") from error
-        if spec is None or not spec.origin or not Path(spec.origin).is_file():
-            raise ValueError(f"module {module!r} has no source file to fingerprint")
-        digests = {module: hashlib.sha256(normalised(Path(spec.origin).read_bytes()).encode()).digest()}
+    digests = {name: parsed.digest for name, parsed in _closure(module).items()}
     digest = hashlib.sha256()
     for name in sorted(digests):
         digest.update(name.encode() + b"\0" + digests[name])
+    return digest.hexdigest()
+
+
+def script_fingerprint(path: str | Path) -> str:
+    """sha256 over a script run as a file (the generation engine's server, which runs in an environment of its own):
+    its normalised code and the :func:`code_fingerprint` of every module of our own code it imports.
+
+    Raises:
+        OSError: the file cannot be read.
+        SyntaxError: it is not Python.
+    """
+    tree = ast.parse(_read(Path(path).resolve()))
+    digest = hashlib.sha256(_without_docstrings(tree).encode())
+    for name in sorted(_own_imports("", tree)):
+        digest.update(name.encode() + b"\0" + code_fingerprint(name).encode())
     return digest.hexdigest()

@@ -43,13 +43,15 @@ class InputFile:
 
     Args:
         path: the file or folder the stages read.
-        sha256: its content's fingerprint; for a folder converted from ``source``, the source's.
+        sha256: its content's fingerprint (a folder converted from ``source`` included: the weights the stages read).
         source: the file ``path`` was converted from (a GGUF model, :mod:`campaign.model_sources`), or None.
+        source_sha256: that file's content's fingerprint, or None.
     """
 
     path: str
     sha256: str
     source: str | None = None
+    source_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class BaseInputs:
             ("model.reward_model", self.reward_model),
         )
         return {
-            setting: {"file": part.source, "sha256": part.sha256, "folder": part.path}
+            setting: {"file": part.source, "sha256": part.source_sha256, "folder": part.path}
             for setting, part in named
             if part is not None and part.source is not None
         }

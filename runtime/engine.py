@@ -253,24 +253,40 @@ def ensure_engine(
     return url
 
 
+ENGINE_SETTINGS = (
+    "vllm",
+    "device",
+    "dtype",
+    "lora_mode",
+    "eager",
+    "tensor_parallel_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+)
+"""What an engine's ``/health`` says it samples with, each a part of its identity: the vLLM version, device, dtype,
+LoRA mode, whether it compiles, how many GPUs shard the model (a sum over shards is ordered otherwise) and the
+scheduler's token and sequence budgets (they decide which requests share a batch, and so the kernels' shapes)."""
+
+
 def engine_identity(url: str) -> dict[str, object]:
-    """What the engine at ``url`` samples with, as the keys of the stages that sample on it name it: its server's
-    code (:func:`runtime.code.code_fingerprint` of this project's ``engine_server/server.py``, which the command
-    starts; an engine someone else runs is taken to be this project's server), and from its ``/health``: the vLLM
-    version, device, dtype, LoRA mode and whether it compiles. Each of them changes the sampled tokens.
+    """What the engine at ``url`` samples with, as the keys of the stages that sample on it name it: the code of the
+    server the command runs (:func:`runtime.code.script_fingerprint` of :func:`server_script`: this project's
+    ``engine_server/server.py``, or the script ``RLHF_ENGINE_SERVER`` names; an engine someone else runs is taken to
+    be this project's server), and from its ``/health`` every one of :data:`ENGINE_SETTINGS`. Each of them can
+    change the sampled tokens.
 
     Raises:
         EngineStartError: the engine does not answer.
     """
-    from runtime.code import code_fingerprint
+    from runtime.code import script_fingerprint
     from runtime.engine_client import EngineError, engine_health
 
     try:
         health = engine_health(url)
     except EngineError as error:
         raise EngineStartError(f"`sampling.engine` vllm: {error}") from None
-    identity: dict[str, object] = {name: health.get(name) for name in ("vllm", "device", "dtype", "lora_mode", "eager")}
-    return {"server": code_fingerprint("engine_server.server"), **identity}
+    identity: dict[str, object] = {name: health.get(name) for name in ENGINE_SETTINGS}
+    return {"server": script_fingerprint(server_script()), **identity}
 
 
 def samples_on_engine(settings: StageSettings) -> bool:

@@ -198,7 +198,8 @@ class GatedPolicy:
         """One response per prompt from the engine, after proving any swap it made for them.
 
         Raises:
-            EngineProbeError: the engine's log-probs of the probe are beyond the tolerance from the trainer's.
+            EngineProbeError: the engine's log-probs of the probe are beyond the tolerance from the trainer's, or it
+                answered from a state not proved without scoring the probe.
             runtime.engine_client.EngineError: the engine is gone or failed the request.
         """
         batch = self.probe.batch()
@@ -207,6 +208,12 @@ class GatedPolicy:
         )
         if answer.probe_logprobs is not None:
             self.check(answer.probe_logprobs, state=answer.state, seconds=answer.probe_seconds)
+        elif answer.state != self.verified:
+            raise EngineProbeError(
+                f"iteration {self.iteration}: the generation engine answered from a state it was not proved in "
+                f"({answer.state}; proved: {self.verified}) without scoring the probe batch: an engine that does not "
+                "prove its swaps is not sampled from"
+            )
         return answer.tokens, answer.logprobs
 
     def check(self, engine: list[list[float]], *, state: str, seconds: float) -> None:

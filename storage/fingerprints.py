@@ -3,17 +3,18 @@
 A fingerprint is the sha256 over a file's bytes, or over a folder's relative file names and their
 bytes, so a file edited in place, or a retrained checkpoint of the same size, always gets a new
 one. Hashing a 14 GB model on every run would cost a minute, so each file's sha256 is kept in a
-small cache keyed by its absolute path, size, modification time (ns) and inode: a file is read
-again only when one of those changes.
+small cache keyed by its absolute path, size, modification time (ns), change time (ns) and inode: a
+file is read again only when one of those changes. The change time is the one a user cannot set: a
+byte flipped with the modification time put back (``touch -r``) still changes it.
 
 Choices:
 1. The cache is one JSON file, written to a temporary name and renamed, so a crash never leaves
    it half written; an unreadable cache is ignored (everything is hashed again).
 2. Entries for files that no longer match are replaced, never trusted.
 3. A file modified in the last :data:`SETTLE_SECONDS` is hashed but not remembered: file systems
-   stamp modification times coarsely (a few ms), so a file rewritten again within the same tick,
-   at the same size, would keep its stamp, and a remembered hash would go stale ("racily clean"
-   in git's terms).
+   stamp times coarsely (a few ms), so a file rewritten again within the same tick, at the same
+   size, would keep its stamps, and a remembered hash would go stale ("racily clean" in git's
+   terms). A write moves both stamps together, so the modification time alone says when to trust.
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ from storage.files import file_sha256, write_text_replacing
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 1 had no change time: its entries are hashed again once
 SETTLE_SECONDS = 2.0
 
 
 def _stat_key(path: Path) -> tuple[str, bool]:
-    """``(size:mtime:inode, whether the file has settled)`` (see choice 3)."""
+    """``(size:mtime:ctime:inode, whether the file has settled)`` (see choice 3)."""
     stat = path.stat()
     settled = time.time_ns() - stat.st_mtime_ns > SETTLE_SECONDS * 1e9
-    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}", settled
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}", settled
 
 
 class FingerprintCache:
-    """sha256 of files, remembered by (path, size, mtime, inode) in ``cache_file`` (None: no cache)."""
+    """sha256 of files, remembered by (path, size, mtime, ctime, inode) in ``cache_file`` (None: no cache)."""
 
     def __init__(self, cache_file: Path | None) -> None:
         self.cache_file = cache_file
@@ -60,7 +61,7 @@ class FingerprintCache:
         return raw["files"]
 
     def file_sha256(self, path: Path) -> str:
-        """The sha256 of one file, from the cache when its path, size, mtime and inode match."""
+        """The sha256 of one file, from the cache when its path, size, mtime, ctime and inode match."""
         path = Path(path).resolve()
         key, settled = _stat_key(path)
         entry = self._entries.get(str(path))

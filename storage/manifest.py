@@ -15,7 +15,9 @@ Choices:
    downstream stages put in their ``upstream``, covers only the content's identity (stage, input
    key, schema version, files), so a re-run that produces the same bytes has the same digest and
    everything downstream keeps its input keys: that is what lets a resumed run equal one that
-   never crashed.
+   never crashed. What the digest leaves out (the config, upstream digests and code a manifest records) is bound
+   to it through the input key: a manifest is read only if its input key is the key of the inputs it records, so
+   one signed again with another upstream or config is refused, not taken for what computed the output.
 4. :class:`StageOutput` makes a whole stage output atomic: everything is written into a hidden
    sibling folder that is renamed into place only after the manifest is written, so a folder
    under its real name is always complete. Existing outputs are never replaced.
@@ -115,7 +117,14 @@ def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def compute_input_key(stage: str, settings: Mapping[str, Any], upstream: Mapping[str, str], *, code: str) -> str:
+def compute_input_key(
+    stage: str,
+    settings: Mapping[str, Any],
+    upstream: Mapping[str, str],
+    *,
+    code: str,
+    schema_version: int = SCHEMA_VERSION,
+) -> str:
     """The identity of a stage's inputs: what decides whether an existing output can be reused.
 
     Args:
@@ -124,6 +133,7 @@ def compute_input_key(stage: str, settings: Mapping[str, Any], upstream: Mapping
             (nested dicts, lists, str, numbers, bools, None).
         upstream: upstream stage name -> that output's :attr:`Manifest.digest`.
         code: a fingerprint of the code the stage runs.
+        schema_version: the schema the output is written in (an older one: to check an older output's key).
 
     Returns:
         A 64-character hex sha256.
@@ -133,7 +143,7 @@ def compute_input_key(stage: str, settings: Mapping[str, Any], upstream: Mapping
         "settings": dict(settings),
         "upstream": dict(upstream),
         "code": code,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": schema_version,
     }
     return _sha256_text(canonical_json(body))
 
@@ -279,9 +289,29 @@ def read_manifest(stage_dir: Path, *, verify: bool = True, cache: FingerprintCac
         manifest = Manifest.from_json(text)
     except (ValueError, TypeError) as error:
         raise CorruptOutputError(f"{manifest_path} is corrupt: {error}", path=manifest_path) from error
+    if manifest.input_key != _recorded_inputs_key(manifest):
+        raise CorruptOutputError(
+            f"{manifest_path} is corrupt: the inputs it records (config, upstream outputs, code) are not the ones its "
+            "input key was computed from",
+            path=manifest_path,
+        )
     if verify:
         _verify_files(stage_dir, manifest, cache)
     return manifest
+
+
+def _recorded_inputs_key(manifest: Manifest) -> str | None:
+    """The input key of the inputs ``manifest`` records (choice 3), or None where they cannot be keyed."""
+    try:
+        return compute_input_key(
+            manifest.stage,
+            manifest.config,
+            manifest.upstream,
+            code=manifest.code,
+            schema_version=manifest.schema_version,
+        )
+    except (TypeError, ValueError):
+        return None
 
 
 def _refuse_other_schema(stage_dir: Path, text: str) -> None:
@@ -444,7 +474,7 @@ class StageOutput:
     Args:
         final_dir: where the output will live (``RunLayout.stage_dir(stage, input_key)``).
         stage: the stage name.
-        input_key: :func:`compute_input_key` of the stage's inputs.
+        input_key: :func:`compute_input_key` of the stage's inputs (checked: :class:`ValueError` otherwise).
         config: the stage's settings, recorded in the manifest.
         upstream: upstream stage name -> upstream manifest digest, recorded in the manifest.
         code: the fingerprint of the code that produces the output, recorded in the manifest.
@@ -474,7 +504,9 @@ class StageOutput:
         self.final_dir = Path(self.final_dir).absolute()
         self.config = dict(self.config)
         self.upstream = dict(self.upstream)
-        canonical_json([self.config, self.upstream, self.code])  # refuse unserialisable config now, not after the work
+        key = compute_input_key(self.stage, self.config, self.upstream, code=self.code)  # unserialisable: now
+        if self.input_key != key:
+            raise ValueError(f"input_key {self.input_key} is not the key of this config, upstream and code ({key})")
 
     @property
     def path(self) -> Path:

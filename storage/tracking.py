@@ -112,6 +112,12 @@ TAG_OUTPUT_PREFIX = "rlhf.output."
 which is another iteration's run when the stage was reused."""
 TAG_OUTPUT_PATH = "rlhf.output_path"
 """On a stage run recorded by reference: the folder holding its output."""
+TAG_REMOVED_BY_GC = "rlhf.removed_by_gc"
+"""On a stage run whose output folder ``rlhf gc`` removed: when (UTC, ISO 8601). A recorded output missing without it
+was removed by something else, and is refused or restored (:mod:`campaign.verification`)."""
+TAG_GC_RECORDS = "rlhf.gc_records"
+"""On a campaign's experiment made since ``rlhf gc`` tags what it removes (:data:`TAG_REMOVED_BY_GC`): only there is
+a recorded output missing without the tag refused; an older campaign's gc left no record of what it removed."""
 TAG_PROCESS = "rlhf.process"
 """The process writing a run (``host:pid:start time``), so a later attempt can tell a dead writer's run."""
 TAG_FLOW_RUN_ID = "prefect.flow_run_id"

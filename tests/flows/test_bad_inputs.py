@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ import torch
 from mlflow import MlflowClient
 
 from flows.cli import main
+from flows.iterations import tracking_store
 from tests.flows.campaigns import copy_campaign
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -604,6 +605,58 @@ def test_issue32_a_finished_campaign_run_again_refuses_an_edited_or_missing_outp
     before = _files(run_root)
     code, stderr = _main(_run(tmp_path, checkpoint_world), capfd)
     _assert_refused(code, stderr, run_root, (what, named, "rlhf run --from-iteration 0"), before)
+
+
+def test_issue42_an_old_iterations_output_removed_by_hand_is_refused_unless_the_campaign_predates_gc_records(
+    two_iteration_campaign, checkpoint_world, tmp_path, capfd
+):
+    """``rm -r`` of iteration 0's evaluation in a two-iteration campaign: no iteration reads it, but ``rlhf gc`` did
+    not remove it (its stage run carries no ``rlhf.removed_by_gc``), so the rerun refuses it by name. A campaign
+    made before gc recorded what it removes (no ``rlhf.gc_records`` on its experiment) takes it to be gc's, as it
+    did then."""
+    from campaign.verification import recorded_outputs
+    from storage.tracking import TAG_GC_RECORDS
+
+    run_root = _copy_of(two_iteration_campaign.run_root, tmp_path)
+    config = replace(two_iteration_campaign, run_root=run_root)
+    tracker = tracking_store(config).tracker()
+    experiment_id = tracker.experiment_id(config.campaign)
+    finished = tracker.finished_iterations(experiment_id)
+    (evaluation,) = [
+        output.folder
+        for output in recorded_outputs(config, tracker, experiment_id, finished)
+        if output.folder.parent.name == "evaluate" and output.iterations == (0,)
+    ]
+    shutil.rmtree(evaluation)
+    before = _files(run_root)
+    argv = _run(tmp_path, checkpoint_world, "iterations=2")
+    code, stderr = _main(argv, capfd)
+    missing = f"{evaluation} (the evaluate output of iteration 0) is missing"
+    _assert_refused(code, stderr, run_root, (missing, "rlhf run --from-iteration 0"), before)
+
+    MlflowClient(tracker.tracking_uri).delete_experiment_tag(experiment_id, TAG_GC_RECORDS)
+    code, stderr = _main(argv, capfd)
+    assert code == 0, stderr[-3000:]
+
+
+def test_issue42_rlhf_verify_reads_every_byte_and_names_a_flipped_one_whose_times_were_put_back(
+    finished, tmp_path, capfd
+):
+    run_root = _copy_of(finished, tmp_path)
+    verify = ["verify", "tiny", "--set", f"run_root={run_root}"]
+    code, _ = _main(verify, capfd)
+    assert code == 0
+    weights = _output(run_root, "ppo_update") / "actor" / "model.safetensors"
+    stat = weights.stat()
+    with weights.open("r+b") as file:  # bit rot: one byte, in place, its times put back
+        file.seek(stat.st_size - 10)
+        byte = file.read(1)
+        file.seek(stat.st_size - 10)
+        file.write(bytes([byte[0] ^ 0x01]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    before = _files(run_root)
+    code, stderr = _main(verify, capfd)
+    _assert_refused(code, stderr, run_root, ("actor/model.safetensors has been altered",), before)
 
 
 def test_issue32_an_unchanged_finished_campaign_reads_no_output_twice(

@@ -88,9 +88,11 @@ def test_the_artifact_lists_the_runs_own_assets_by_key(tmp_path):
     ]
 
 
-def test_artifact_keys_are_what_prefect_accepts():
-    assert artifact_key("My_Campaign.v2", "lineage") == "my-campaign-v2-lineage"
+def test_artifact_keys_are_what_prefect_accepts_and_never_shared_by_two_campaigns():
     assert artifact_key("demo", "iteration", 3) == "demo-iteration-3"
+    assert re.fullmatch(r"my-campaign-v2-[0-9a-f]{8}-lineage", artifact_key("My_Campaign.v2", "lineage"))
+    keys = {artifact_key(name, "lineage") for name in ("my-run", "My_Run", "my_run", "MY-RUN", "my.run")}
+    assert len(keys) == 5 and all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
 
 
 def test_a_long_campaign_draws_its_newest_iterations_within_what_mermaid_draws(tmp_path):

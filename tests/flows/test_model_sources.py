@@ -96,28 +96,32 @@ def test_issue27_located_without_a_cache_a_gguf_file_is_found_by_its_content_and
     layout = RunLayout(root=tmp_path / "runs")
     sha256 = FingerprintCache(None).fingerprint(file)
     located = model_input(None, layout, "model.policy", file)
-    assert located == InputFile(path=str(file.resolve()), sha256=sha256, source=str(file.resolve()))
+    assert located == InputFile(
+        path=str(file.resolve()), sha256=sha256, source=str(file.resolve()), source_sha256=sha256
+    )
     assert not layout.root.exists()
     layout.converted_model_dir(conversion_key(sha256)).mkdir(parents=True)  # as a conversion left it
     found = model_input(None, layout, "model.policy", file)
-    assert found.path == str(layout.converted_model_dir(conversion_key(sha256))) and found.sha256 == sha256
+    assert found.path == str(layout.converted_model_dir(conversion_key(sha256)))
+    assert found.sha256 == "" and found.source_sha256 == sha256  # a folder is not read before anything runs
     assert found.source == str(file.resolve()) and not layout.fingerprint_cache().exists()
 
 
-def test_issue32_a_new_converter_converts_again_and_the_file_stays_the_same_input(tmp_path, monkeypatch):
+def test_issue32_a_new_converter_converts_again_and_the_input_is_what_it_wrote(tmp_path, monkeypatch):
     """The converted folder is keyed by the file and what converts it (R4): the folder a previous release left
     (``cache/gguf/<file sha256>``), or one converted with another transformers, gguf or converter code, is not taken
-    for this converter's. The input stays the file's content, which a campaign's records name: a campaign started
-    by the previous release continues."""
+    for this converter's. The input is the converted folder's content (issue 42): a converter that writes the same
+    bytes keeps every stage key, one that de-quantises otherwise changes them."""
     import campaign.model_sources
     import rlhf_core.gguf
 
     converted = []
+    weights = {"value": "{}"}
 
     def convert(file, folder):  # what rlhf_core.gguf.convert_gguf writes, without de-quantising a real model
         converted.append(Path(folder).name)
         Path(folder).mkdir()
-        (Path(folder) / "config.json").write_text("{}")
+        (Path(folder) / "config.json").write_text(weights["value"])
 
     monkeypatch.setattr(rlhf_core.gguf, "convert_gguf", convert)
     file = write_gguf(tmp_path / "model.gguf", arch="llama")
@@ -130,17 +134,20 @@ def test_issue32_a_new_converter_converts_again_and_the_file_stays_the_same_inpu
     assert (
         first.path == str(layout.converted_model_dir(conversion_key(sha256))) != str(layout.converted_model_dir(sha256))
     )
-    assert first.sha256 == sha256 and len(converted) == 1
+    assert first.source_sha256 == sha256 and len(first.sha256) == 64 and first.sha256 != sha256
+    assert len(converted) == 1
     assert model_input(cache, layout, "model.policy", file) == first and len(converted) == 1  # converted once
 
     keys = {conversion_key(sha256)}
-    for library in ("transformers", "gguf"):
+    for library, written in (("transformers", '{"dequantised": "otherwise"}'), ("gguf", "{}")):
+        weights["value"] = written
         with monkeypatch.context() as patched:  # that library upgraded, the other as installed
             upgraded = {name: installed_version(name) for name in ("transformers", "gguf")} | {library: "99.0.0"}
             patched.setattr(campaign.model_sources, "installed_version", upgraded.get)
             again = model_input(cache, layout, "model.policy", file)
             keys.add(conversion_key(sha256))
-        assert again.path != first.path and again.sha256 == sha256
+        assert again.path != first.path and again.source_sha256 == sha256
+        assert (again.sha256 == first.sha256) == (written == "{}"), library  # the same bytes, the same input
     with monkeypatch.context() as patched:  # an edited converter: its normalised code differs
         patched.setattr(campaign.model_sources, "code_fingerprint", lambda module: "e" * 64)
         keys.add(conversion_key(sha256))

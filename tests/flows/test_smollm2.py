@@ -128,7 +128,7 @@ ppo: {{epochs: 1, minibatch_size: 4, actor_learning_rate: 1.0e-4}}
     assert all(sample["prompt"].startswith("<|im_start|>") for sample in samples)
     manifest = json.loads((rollout / "_manifest.json").read_text())
     source = manifest["runtime"]["model_sources"]["model.policy"]
-    assert source["file"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and source["sha256"] == converted.sha256
+    assert source["file"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and source["sha256"] == converted.source_sha256
     assert any(model.get("adapters") for model in manifest["runtime"]["models"])  # LoRA
 
 

@@ -16,6 +16,7 @@ import json
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -165,3 +166,32 @@ def test_the_previous_releases_states_load_as_saved_with_the_learning_rates_of_t
 def test_an_output_without_optimizer_states_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"keeps no optimizer states for the actor \(neither optimizers/"):
         _continued(tmp_path, actor=0.1, critic=0.1)
+
+
+class _Progress(NamedTuple):
+    epochs_done: int
+
+
+def test_issue42_fp16s_loss_scale_is_checkpointed_and_restored_with_the_epoch(tmp_path):
+    """fp16 trains under a loss scaler whose scale moves with every overflow and every run of good steps: a stage
+    resumed from its checkpoint goes on with the scale it had, not the initial one. (fp16 training itself needs CUDA;
+    the scaler here is PyTorch's own, on the CPU.)"""
+    execution = Execution(device="cpu", torch_threads=1, checkpoint_seconds=0)
+
+    def checkpointer(scale: float) -> tuple[Checkpointer, torch.amp.GradScaler]:
+        accelerator = accelerator_for(torch.device("cpu"), "fp32")
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        made = Checkpointer(accelerator, execution, tmp_path / "out", generator=torch.Generator(), epochs=3, name="t")
+        return made, accelerator.scaler
+
+    first, scaler = checkpointer(2.0**16)
+    with first:
+        first.prepare({"actor": torch.nn.Linear(2, 2)}, {"actor": partial(torch.optim.SGD, lr=0.1)})
+        scaler.scale(torch.tensor(1.0))  # a step's loss scaled
+        scaler.update(new_scale=1024.0)  # as after overflows: halved from 2^16 six times
+        first.end_epoch(_Progress(epochs_done=1))
+    resumed, fresh = checkpointer(2.0**16)
+    with resumed:
+        resumed.prepare({"actor": torch.nn.Linear(2, 2)}, {"actor": partial(torch.optim.SGD, lr=0.1)})
+    assert resumed.resume(_Progress) == _Progress(epochs_done=1)
+    assert fresh.get_scale() == 1024.0

@@ -1,7 +1,8 @@
-"""Code keys (issue 32): a stage's key is the code that runs it. Table-driven over every stage: a semantic edit in any
-module of a stage's closure (the seed derivation and model loading included) changes its key; a docstring, comment
-or layout edit anywhere changes none; an edit to a module outside every closure changes none. The engine's server
-and identity enter the keys of the stages that sample on it."""
+"""Code keys (issues 32 and 42): a stage's key is the code that runs it. Table-driven over every stage: a semantic edit
+in any module of a stage's closure (the seed derivation, model loading and prompt rendering included) changes its
+key; a docstring, comment or layout edit anywhere changes none; an edit to a module outside every closure changes
+none. A user's reward module is keyed with the modules beside it that it imports, not with installed ones. The
+engine's server and identity enter the keys of the stages that sample on it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 import runtime.code
 from rlhf_core.config import SamplingConfig
-from runtime.code import COMPUTING, FIRST_PARTY, code_closure, code_fingerprint, normalised
+from runtime.code import FIRST_PARTY, CodeChangedError, code_closure, code_fingerprint, normalised, pinned_code
 from runtime.context import Execution, InputFile
 from runtime.declaration import StageSettings, setting
 from runtime.job import Job
@@ -60,16 +61,17 @@ def test_every_closure_holds_what_runs_the_stage():
     closures = {module: code_closure(module) for module in STAGE_MODULES}
     for module, closure in closures.items():
         assert {"runtime.seeds", "runtime.stage", "runtime.job"} <= closure.keys(), module  # seeds and mechanism
-        assert all(name == module or name.split(".")[0] in COMPUTING for name in closure), module
-        assert not any(
-            name.startswith(("storage.", "campaign.", "flows.", "demo.")) for name in closure if name != module
-        )
+        assert all(name.split(".")[0] in FIRST_PARTY for name in closure), module  # installed code is not followed
+        assert "storage.schemas" in closure, module  # what a shard's columns are
+        if module != "tasks.compute_advantages":  # the one stage that renders no text
+            assert {"tasks.text", "storage.importers"} <= closure.keys(), module  # how a chat prompt is rendered
     for module in TRAINING:
         assert "rlhf_core.loading" in closures[module]  # LoRA creation, dtype rules, head initialisation
     for module in GENERATION:
         assert {"runtime.shards", "tasks.sampler", "runtime.engine_client"} <= closures[module].keys()
     assert "tasks.reward_function" in closures["tasks.rollout"]  # what a reward function is called with
     assert "rlhf_core.ppo" in closures["tasks.ppo_update"] and "rlhf_core.gae" in closures["tasks.compute_advantages"]
+    assert "demo.corpus" in code_closure("demo.gold")  # the gold judge's word lists (a judge's key)
 
 
 def test_a_semantic_edit_changes_exactly_the_keys_whose_closure_holds_the_module(source_copy: Path):
@@ -89,7 +91,7 @@ def test_a_semantic_edit_changes_exactly_the_keys_whose_closure_holds_the_module
         changed = {stage for stage in STAGE_MODULES if after[stage] != before[stage]}
         assert changed == {stage for stage in STAGE_MODULES if module in closures[stage]}, module
         inside, outside = inside + bool(changed), outside + (not changed)
-    assert inside > 50 and outside > 50  # both kinds are exercised: storage, campaign, flows, demo lie outside
+    assert inside > 50 and outside > 20  # both kinds are exercised: most of campaign, flows and demo lie outside
 
 
 def test_docstring_comment_and_layout_edits_anywhere_change_no_key(source_copy: Path):
@@ -147,7 +149,16 @@ def test_the_engines_identity_keys_exactly_the_stages_that_sample_on_it(tmp_path
         return run_stage(sampled, dataclasses.replace(context, execution=execution), settings).input_key
 
     on_engine = key("vllm")
-    for changed in ({"server": "t" * 64}, {"vllm": "0.33.0"}, {"dtype": "bfloat16"}, {"lora_mode": "merge"}):
+    changes = (
+        {"server": "t" * 64},
+        {"vllm": "0.33.0"},
+        {"dtype": "bfloat16"},
+        {"lora_mode": "merge"},
+        {"tensor_parallel_size": 2},
+        {"max_num_batched_tokens": 4096},
+        {"max_num_seqs": 8},
+    )
+    for changed in changes:
         assert key("vllm", **changed) != on_engine, changed
     assert key("hf", vllm="0.33.0", server="t" * 64) == key("hf")  # hf samples in the stage: no engine in its key
 
@@ -159,11 +170,54 @@ def test_normalised_code_ignores_docstrings_comments_and_layout_but_not_constant
     assert normalised(two) != normalised(two.replace("0.99", "0.98"))
 
 
-def test_a_module_outside_the_project_is_fingerprinted_by_its_own_file(tmp_path: Path, monkeypatch):
-    (tmp_path / "my_rubric.py").write_text("def score(prompt, response):\n    return 1.0\n")
+def test_a_users_module_is_keyed_with_the_modules_beside_it_it_imports_and_not_with_installed_ones(
+    tmp_path: Path, monkeypatch
+):
+    """A reward function's module importing a helper beside it (issue 42): an edit to the helper re-keys, as an edit
+    to the module itself does; an installed library it imports (numpy) is not followed (its version is recorded in
+    every manifest instead)."""
+    (tmp_path / "my_helpers.py").write_text("BONUS = 1.0\n")
+    (tmp_path / "my_rubric.py").write_text(
+        "import numpy\nfrom my_helpers import BONUS\n\ndef score(prompt, response):\n    return BONUS\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     first = code_fingerprint("my_rubric")
-    (tmp_path / "my_rubric.py").write_text("def score(prompt, response):\n    return 2.0\n")
+    assert set(code_closure("my_rubric")) == {"my_rubric", "my_helpers"}
+    (tmp_path / "my_helpers.py").write_text("BONUS = 2.0\n")
     assert code_fingerprint("my_rubric") != first
-    with pytest.raises(ValueError, match="cannot find module|no source file"):
+    (tmp_path / "my_helpers.py").write_text("# a comment\nBONUS = 1.0\n")
+    assert code_fingerprint("my_rubric") == first
+    (tmp_path / "my_rubric.py").write_text(
+        "import numpy\nfrom my_helpers import BONUS\n\ndef score(prompt, response):\n    return 2 * BONUS\n"
+    )
+    assert code_fingerprint("my_rubric") != first
+    with pytest.raises(ValueError, match="cannot find module"):
         code_fingerprint("no_such_module_anywhere")
+    with pytest.raises(ValueError, match="cannot find module"):
+        code_fingerprint("numpy")  # installed: nothing of our own to fingerprint
+
+
+def test_a_file_edited_while_a_run_goes_on_is_refused_before_its_stage_computes(source_copy: Path, tmp_path: Path):
+    """Issue 42: a run keys every stage with the code it started with. An edit of a module of a stage's closure after
+    that (a ``git pull`` mid-campaign) is refused in one line at the next stage, which writes nothing; outside a run
+    the same edit is simply a new key."""
+    context = stage_context(tmp_path, execution=Execution(device="cpu"))
+    settings = SampledSettings(sampling=SamplingConfig(engine="hf"))
+    seeds = _file(source_copy, "runtime.seeds")
+    text = seeds.read_text()
+    with pinned_code(STAGE_MODULES):
+        first = run_stage(sampled, context, settings)
+        seeds.write_text(text + "\n_EDITED = 1\n")
+        try:
+            with pytest.raises(CodeChangedError, match=r"runtime/seeds\.py changed on disk while this run") as refused:
+                run_stage(sampled, dataclasses.replace(context, iteration=1), settings)
+            assert len(str(refused.value).splitlines()) == 1
+            (written,) = (tmp_path / "camp" / "sampled").iterdir()  # the first stage's output alone
+            assert first.input_key.startswith(written.name)
+        finally:
+            seeds.write_text(text)
+    seeds.write_text(text + "\n_EDITED = 1\n")
+    try:
+        assert run_stage(sampled, dataclasses.replace(context, iteration=1), settings).input_key != first.input_key
+    finally:
+        seeds.write_text(text)

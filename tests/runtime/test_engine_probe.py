@@ -73,7 +73,7 @@ class _Engine:
     ``truth``) whenever its state is not the verified one; each request may swap (a new state)."""
 
     def __init__(self, truth: list[list[float]]) -> None:
-        self.truth, self.shift, self.state, self.requests = truth, 0.0, 0, []
+        self.truth, self.shift, self.state, self.requests, self.scores = truth, 0.0, 0, [], True
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,7 +84,7 @@ class _Engine:
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 engine.requests.append(request)
                 probe = None
-                if request["probe"] is not None and request["verified"] != str(engine.state):
+                if engine.scores and request["probe"] is not None and request["verified"] != str(engine.state):
                     probe = {"logprobs": [[v + engine.shift for v in row] for row in engine.truth], "seconds": 0.01}
                 body = {"tokens": [[4]], "logprobs": [[-1.0]], "swap_seconds": 0.0, "state": str(engine.state)}
                 data = json.dumps({**body, "probe": probe}).encode()
@@ -136,3 +136,20 @@ def test_a_swap_beyond_tolerance_stops_before_its_tokens_are_used(engine_and_gat
     assert refused.value.exit_code == 2 and "\n" not in message
     assert records[0]["gap"] == pytest.approx(0.02, abs=1e-6)  # recorded before the refusal
     assert gate.verified is None
+
+
+def test_issue42_an_engine_that_swaps_without_scoring_the_probe_is_not_sampled_from(engine_and_gate):
+    """The gate asked for a proof and the engine sent none: a server that ignores the probe (an old one, a proxy that
+    drops the field) fails the stage at its first request, and again after a swap it did not prove."""
+    engine, gate = engine_and_gate
+    config = SamplingConfig(max_new_tokens=4)
+    engine.scores = False
+    with pytest.raises(
+        EngineProbeError, match=r"iteration 3: .* from a state it was not proved in \(0; proved: None\)"
+    ):
+        gate.sample([[1, 2]], [7], config=config, eos_token_id=2)
+    engine.scores = True
+    gate.sample([[1, 2]], [7], config=config, eos_token_id=2)  # proved: state 0
+    engine.scores, engine.state = False, 1
+    with pytest.raises(EngineProbeError, match=r"\(1; proved: 0\)"):
+        gate.sample([[1, 2]], [8], config=config, eos_token_id=2)

@@ -17,7 +17,7 @@ import pytest
 from rlhf_core.config import SamplingConfig
 from runtime.context import Execution, InputFile, StageContext
 from runtime.declaration import StageSettings, setting
-from runtime.engine import engine_identity
+from runtime.engine import ENGINE_SETTINGS, engine_identity
 from runtime.job import Job
 from runtime.stage import Stage, run_stage
 from runtime.versions import library_versions, stage_versions
@@ -34,7 +34,8 @@ def engine_url():
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = json.dumps({"state": "ready", "error": None, "vllm": "0.99.1", "device": "cpu"}).encode()
+            answer = {"state": "ready", "error": None, "vllm": "0.99.1", "device": "cpu", "max_num_seqs": 256}
+            body = json.dumps(answer).encode()
             self.send_response(200 if self.path == "/health" else 404)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
@@ -94,3 +95,16 @@ def test_issue32_a_stage_manifest_records_the_versions_it_ran_with(tmp_path, eng
     context = _context(tmp_path, engine_url=engine_url)
     result = run_stage(sampled, context, SampledSettings(sampling=SamplingConfig(engine="vllm")))
     assert read_manifest(result.directory).runtime["versions"] == {**library_versions(), "vllm": "0.99.1"}
+
+
+def test_issue42_the_engine_is_identified_by_what_it_says_it_samples_with_and_the_script_it_runs(
+    engine_url, monkeypatch
+):
+    """Its ``/health`` settings (the scheduler's sequence budget here) and the server the command runs: the script
+    ``RLHF_ENGINE_SERVER`` names is keyed, not taken for this project's server."""
+    identity = engine_identity(engine_url)
+    assert identity["max_num_seqs"] == 256 and identity["vllm"] == "0.99.1"
+    assert set(identity) == {"server", *ENGINE_SETTINGS}
+    faulty = Path(__file__).resolve().parents[1] / "flows" / "faulty_engine_server.py"
+    monkeypatch.setenv("RLHF_ENGINE_SERVER", str(faulty))
+    assert engine_identity(engine_url)["server"] != identity["server"]

@@ -61,6 +61,27 @@ def test_the_cache_reads_a_file_once_until_it_changes(tmp_path: Path, reads: lis
     assert changed != fingerprint and reads[-1].name == "model.safetensors" and len(reads) == 3
 
 
+def test_issue42_a_byte_flipped_with_its_modification_time_put_back_is_seen_through_the_cache(
+    tmp_path: Path, reads: list[Path]
+):
+    """``touch -r`` puts back the size and modification time of an edited file; the change time it cannot, so the
+    remembered hash is not trusted."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\0" * 1000)
+    _settle(path)
+    cache_file = tmp_path / "fingerprints.json"
+    first = FingerprintCache(cache_file)
+    before = first.fingerprint(path)
+    first.save()
+    stat = path.stat()
+    with path.open("r+b") as weights:  # one byte flipped in place: same size, same inode
+        weights.seek(500)
+        weights.write(b"\1")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # touch -r: the old modification time
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_ino == stat.st_ino
+    assert FingerprintCache(cache_file).fingerprint(path) != before and len(reads) == 2
+
+
 def test_a_folder_fingerprint_covers_names_and_contents(tmp_path: Path):
     one, two = tmp_path / "one", tmp_path / "two"
     for folder in (one, two):

@@ -40,7 +40,12 @@ def _prompts(count: int) -> pa.Table:
     )
 
 
-def _write(final_dir: Path, *, key: str = "ab" * 32, rows: int = 10) -> Manifest:
+def _key(stage: str, config: dict, upstream: dict) -> str:
+    return compute_input_key(stage, config, upstream, code=CODE)
+
+
+def _write(final_dir: Path, *, rows: int = 10) -> Manifest:
+    key = _key("sample", CONFIG, UPSTREAM)
     with StageOutput(final_dir, stage="sample", input_key=key, config=CONFIG, upstream=UPSTREAM, code=CODE) as out:
         out.write_table("prompts", _prompts(rows), schema=PROMPTS, rows_per_shard=4)
         (out.path / "actor").mkdir()
@@ -128,7 +133,9 @@ def test_digest_is_stable_and_content_sensitive(tmp_path: Path) -> None:
 def test_exception_inside_leaves_nothing(tmp_path: Path) -> None:
     final = tmp_path / "sample" / "abababababababab"
     with pytest.raises(RuntimeError, match="boom"):
-        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
+        with StageOutput(
+            final, stage="sample", input_key=_key("sample", {}, {}), config={}, upstream={}, code=CODE
+        ) as out:
             out.write_table("prompts", _prompts(3), schema=PROMPTS)
             raise RuntimeError("boom")
     assert not final.exists()
@@ -148,7 +155,9 @@ def test_existing_output_is_never_overwritten(tmp_path: Path) -> None:
 def test_output_appearing_meanwhile_is_not_overwritten(tmp_path: Path) -> None:
     final = tmp_path / "sample" / "abababababababab"
     with pytest.raises(FileExistsError, match="never overwritten"):
-        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
+        with StageOutput(
+            final, stage="sample", input_key=_key("sample", {}, {}), config={}, upstream={}, code=CODE
+        ) as out:
             out.write_table("prompts", _prompts(3), schema=PROMPTS)
             _write(final)  # another writer finishes first
     assert read_manifest(final).files[-1].rows == 2
@@ -166,7 +175,9 @@ def test_folder_without_manifest_is_refused(tmp_path: Path) -> None:
 def test_manifest_file_name_is_reserved(tmp_path: Path) -> None:
     final = tmp_path / "out"
     with pytest.raises(ValueError, match="reserved"):
-        with StageOutput(final, stage="sample", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
+        with StageOutput(
+            final, stage="sample", input_key=_key("sample", {}, {}), config={}, upstream={}, code=CODE
+        ) as out:
             (out.path / MANIFEST_FILE).write_text("{}")
     assert not final.exists()
 
@@ -194,20 +205,23 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path: Path) -> None:
 
 def test_non_finite_metrics_survive(tmp_path: Path) -> None:
     final = tmp_path / "out"
-    with StageOutput(final, stage="ppo_update", input_key="ab" * 32, config={}, upstream={}, code=CODE) as out:
+    with StageOutput(
+        final, stage="ppo_update", input_key=_key("ppo_update", {}, {}), config={}, upstream={}, code=CODE
+    ) as out:
         out.metrics["loss"] = float("nan")
     assert math.isnan(read_manifest(final).metrics["loss"])
 
 
 def test_find_stage_output(tmp_path: Path) -> None:
-    final = tmp_path / "sample" / "abababababababab"
-    assert find_stage_output(final, "ab" * 32) is None
+    key = _key("sample", CONFIG, UPSTREAM)
+    final = tmp_path / "sample" / key[:16]
+    assert find_stage_output(final, key) is None
     manifest = _write(final)
-    assert find_stage_output(final, "ab" * 32) == manifest
-    assert find_stage_output(final, "ab" * 8 + "cd" * 24) is None  # same folder prefix, another key
+    assert find_stage_output(final, key) == manifest
+    assert find_stage_output(final, key[:16] + "cd" * 24) is None  # same folder prefix, another key
     (final / "prompts-00001.parquet").write_bytes(b"garbage")
     with pytest.raises(CorruptOutputError, match="prompts-00001.parquet"):
-        find_stage_output(final, "ab" * 32)
+        find_stage_output(final, key)
 
 
 # Corruption ------------------------------------------------------------------------------------
@@ -337,6 +351,27 @@ def test_issue32_a_re_signed_manifest_naming_a_file_outside_its_folder_is_refuse
     assert outside.read_text() == "keep me"
 
 
+@pytest.mark.parametrize(
+    "forged",
+    [{"upstream": {"rollout": "e" * 64}}, {"config": {**CONFIG, "lr": 1.0}}, {"code": "f00d" * 16}],
+    ids=["upstream", "config", "code"],
+)
+def test_issue42_a_manifest_signed_again_with_other_inputs_is_refused(tmp_path: Path, forged: dict) -> None:
+    """The digest leaves the recorded inputs out, and anyone can compute the self-checksum again: an upstream, config
+    or code changed in a manifest signed again is refused, since its input key is not theirs."""
+    final = tmp_path / "out"
+    manifest = _write(final)
+    (final / MANIFEST_FILE).write_text(Manifest(**{**manifest.__dict__, **forged}).to_json())
+    with pytest.raises(CorruptOutputError, match="are not the ones its input key was computed from") as caught:
+        read_manifest(final, verify=False)
+    assert caught.value.path == final / MANIFEST_FILE
+
+
+def test_issue42_an_output_is_written_only_under_the_key_of_its_inputs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not the key of this config, upstream and code"):
+        StageOutput(tmp_path / "out", stage="sample", input_key="ab" * 32, config=CONFIG, upstream=UPSTREAM, code=CODE)
+
+
 def test_missing_folder_is_not_corruption(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_manifest(tmp_path / "nowhere")
@@ -353,7 +388,9 @@ def test_digest_ignores_creation_time_and_metrics_but_the_checksum_does_not(tmp_
 
 def test_prunable_files_leave_the_digest_and_may_be_pruned(tmp_path: Path) -> None:
     final = tmp_path / "ppo"
-    with StageOutput(final, stage="ppo_update", input_key="cd" * 32, config={}, upstream={}, code=CODE) as out:
+    with StageOutput(
+        final, stage="ppo_update", input_key=_key("ppo_update", {}, {}), config={}, upstream={}, code=CODE
+    ) as out:
         (out.path / "actor").mkdir()
         (out.path / "actor" / "model.safetensors").write_bytes(b"weights")
         (out.path / "actor_optimizer").mkdir()
@@ -380,9 +417,10 @@ def test_issue33_an_output_of_schema_5_is_still_read(tmp_path: Path) -> None:
     as on-policy rows, tests/storage/test_experience_io.py), so a campaign of schema-5 iterations continues."""
     final = tmp_path / "out"
     manifest = _write(final)
-    older = Manifest(**{**manifest.__dict__, "schema_version": 5})
+    key_then = compute_input_key("sample", CONFIG, UPSTREAM, code=CODE, schema_version=5)  # keyed as schema 5 keyed
+    older = Manifest(**{**manifest.__dict__, "schema_version": 5, "input_key": key_then})
     (final / MANIFEST_FILE).write_text(older.to_json())
     assert read_manifest(final).schema_version == 5
-    (final / MANIFEST_FILE).write_text(Manifest(**{**manifest.__dict__, "schema_version": 4}).to_json())
+    (final / MANIFEST_FILE).write_text(Manifest(**{**older.__dict__, "schema_version": 4}).to_json())
     with pytest.raises(UnsupportedSchemaError, match="this version reads schema 5 and 6 only"):
         read_manifest(final)
