@@ -17,7 +17,6 @@ there), then each reader runs in a fresh process, so its peak resident memory (`
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from campaign.config import load_config  # noqa: E402
 from campaign.store import campaign_layout, store_tracker  # noqa: E402
 from demo.tokenizer import EOS_ID, build_tokenizer  # noqa: E402
-from storage.manifest import StageOutput  # noqa: E402
+from storage.manifest import StageOutput, compute_input_key  # noqa: E402
 from storage.schemas import EXPERIENCE, SAMPLES, SCORED_EXPERIENCE  # noqa: E402
 from storage.tracking import (  # noqa: E402
     KIND_ITERATION,
@@ -110,10 +109,6 @@ def scored_experience(
     )
 
 
-def _key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
 def _write_iteration(
     layout, campaign: str, iteration: int, table: pa.Table, trend: dict[str, float], tokenizer, *, max_new_tokens: int
 ) -> dict[str, str]:
@@ -121,7 +116,8 @@ def _write_iteration(
     keys = {}
 
     def output(stage: str, config: dict, metrics: dict | None = None) -> StageOutput:
-        keys[stage] = key = _key(campaign, stage, iteration)
+        config = {**config, "context": {"campaign": campaign, "iteration": iteration}}
+        keys[stage] = key = compute_input_key(stage, config, {}, code="synthetic")
         out = StageOutput(layout.stage_dir(stage, key), stage=stage, input_key=key, config=config, upstream={},
                           code="synthetic")  # fmt: skip
         out.metrics.update(metrics or {})

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(
             arguments.config, _store_overrides(arguments), store_only=arguments.command in _STORE_COMMANDS
         )
-        return _COMMANDS[arguments.command](config, arguments)
+        with _code_pinned(arguments.command):
+            return _COMMANDS[arguments.command](config, arguments)
     except (Exception, KeyboardInterrupt) as error:
         if not _user_error(error):
             raise
@@ -263,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"rlhf: {_message(error)}", file=sys.stderr)
         return getattr(error, "exit_code", 2)
+
+
+def _code_pinned(command: str) -> contextlib.AbstractContextManager:
+    """For a command that runs stages, its stages' code fingerprinted now, at its start, before any flow's thread:
+    a source file edited while it runs is refused at the next stage (:func:`runtime.code.pinned_code`)."""
+    if command not in ("run", "iterate", "replay"):
+        return contextlib.nullcontext()
+    from campaign.history import STAGE_MODULES
+    from runtime.code import pinned_code
+
+    return pinned_code(STAGE_MODULES)
 
 
 class _RunFailures(logging.Filter):

@@ -40,6 +40,7 @@ import hashlib
 import importlib.util
 import site
 import sysconfig
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,16 +119,30 @@ def _module_file(module: str) -> Path | None:
 
 @functools.lru_cache(maxsize=1024)
 def _users_module_file(module: str) -> Path | None:
+    """A module of a user's own code: its top-level package or module found on the path (``find_spec`` of a top-level
+    name imports nothing), outside the installed folders, and the rest of the name followed as folders, so nothing is
+    imported to find it (a submodule's ``find_spec`` would import its parents: torch, for ``torch.nn``)."""
+    top, *rest = module.split(".")
     try:
-        spec = importlib.util.find_spec(module)
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    if spec is None:
         return None
-    origin = Path(spec.origin).resolve()
-    if not origin.is_file() or any(origin.is_relative_to(root) for root in _installed_roots()):
-        return None
-    return origin
+    if not rest:
+        folders, candidates = [], [spec.origin] if spec.origin else []
+    else:
+        folders = list(spec.submodule_search_locations or [])
+        candidates = []
+        for folder in folders:
+            base = Path(folder).joinpath(*rest)
+            candidates += [str(base.with_suffix(".py")), str(base / "__init__.py")]
+    for candidate in candidates:
+        path = Path(candidate)
+        if path.suffix == ".py" and path.is_file():
+            path = path.resolve()
+            return None if any(path.is_relative_to(root) for root in _installed_roots()) else path
+    return None
 
 
 def _imported_modules(module: str, tree: ast.Module) -> set[str]:
@@ -155,6 +170,25 @@ def _own_imports(package: str, tree: ast.Module) -> set[str]:
     return {name for name in found if _module_file(name) is not None}
 
 
+_PARSING = threading.Lock()
+"""``ast.parse`` one at a time here: CPython 3.11's AST constructor keeps its recursion depth in the interpreter's
+state, not the thread's, and two threads building syntax trees at once fail with ``SystemError: AST constructor
+recursion depth mismatch`` (a flow's stage threads fingerprint their stages in parallel)."""
+
+
+def _parse(source: str | bytes) -> ast.Module:
+    """``ast.parse(source)``, again when another thread's syntax tree (Prefect's, reading a flow's source) was built at
+    the same moment: the check that failed is the constructor's own bookkeeping, and the tree is rebuilt whole."""
+    with _PARSING:
+        for attempt in range(5):
+            try:
+                return ast.parse(source)
+            except SystemError as error:
+                if "recursion depth mismatch" not in str(error) or attempt == 4:
+                    raise
+    raise AssertionError("unreachable")
+
+
 def normalised(source: str | bytes) -> str:
     """The code of ``source`` without what cannot change what it computes: its syntax tree as text, less every
     statement that is a lone string (docstrings of modules, classes, functions and attributes). Comments, blank
@@ -163,7 +197,7 @@ def normalised(source: str | bytes) -> str:
     Raises:
         SyntaxError: ``source`` is not Python.
     """
-    return _without_docstrings(ast.parse(source))
+    return _without_docstrings(_parse(source))
 
 
 class _Docstrings(ast.NodeTransformer):
@@ -188,7 +222,7 @@ class _Parsed:
 @functools.lru_cache(maxsize=1024)
 def _parsed(module: str, source: bytes) -> _Parsed:
     """:class:`_Parsed` of ``module``, whose text is ``source``."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     imports = frozenset(_imported_modules(module, tree))
     code = _without_docstrings(tree)
     return _Parsed(code, hashlib.sha256(code.encode()).digest(), imports)
@@ -242,7 +276,7 @@ def script_fingerprint(path: str | Path) -> str:
         OSError: the file cannot be read.
         SyntaxError: it is not Python.
     """
-    tree = ast.parse(_read(Path(path).resolve()))
+    tree = _parse(_read(Path(path).resolve()))
     digest = hashlib.sha256(_without_docstrings(tree).encode())
     for name in sorted(_own_imports("", tree)):
         digest.update(name.encode() + b"\0" + code_fingerprint(name).encode())

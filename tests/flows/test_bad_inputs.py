@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -618,7 +618,7 @@ def test_issue42_an_old_iterations_output_removed_by_hand_is_refused_unless_the_
     from storage.tracking import TAG_GC_RECORDS
 
     run_root = _copy_of(two_iteration_campaign.run_root, tmp_path)
-    config = replace(two_iteration_campaign, run_root=run_root)
+    config = two_iteration_campaign.model_copy(update={"run_root": run_root})
     tracker = tracking_store(config).tracker()
     experiment_id = tracker.experiment_id(config.campaign)
     finished = tracker.finished_iterations(experiment_id)
