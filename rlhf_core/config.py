@@ -8,7 +8,7 @@ A numeric field's range is declared with the field (:func:`bounded`), the one pl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -179,6 +179,13 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         _check_choice("engine", self.engine, GenerationEngine)
+
+    @property
+    def of_a_given_policy(self) -> SamplingConfig:
+        """These settings for a stage that samples the policy it is given (the reference, the evaluated policy):
+        ``staleness`` chooses which policy a generation stage samples, and changes nothing of how a given one is
+        sampled, so those stages get it at 0 and their keys do not change with it (issue 42)."""
+        return replace(self, staleness=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -191,7 +191,7 @@ class SampleReferenceSettings(StageSettings):
     """Once per campaign: the reference's responses to the held-out prompts, which every evaluation reads back."""
 
     stage = "sample_reference"
-    sampling: SamplingConfig = setting("sampling")
+    sampling: SamplingConfig = setting("sampling.of_a_given_policy")
     precision: Precision = setting("precision")
     prompts: int = setting("sizes.eval_prompts")
     rows_per_shard: int = setting("sizes.rows_per_shard")
@@ -207,7 +207,7 @@ class EvaluateSettings(StageSettings):
     """The reference's responses to the same prompts, with the same seeds (a ``sample_reference`` output)."""
     reward_model: StageResult | None = upstream()
     """The reward model, or None when ``reward_function`` scores instead."""
-    sampling: SamplingConfig = setting("sampling")
+    sampling: SamplingConfig = setting("sampling.of_a_given_policy")
     precision: Precision = setting("precision")
     prompts: int = setting("sizes.eval_prompts")
     """How many held-out prompts to evaluate (the first ones of the file)."""

@@ -15,9 +15,11 @@ from runtime.declaration import setting_values, settings_from
 from tasks.settings import (
     STAGES,
     CollectPreferencesSettings,
+    EvaluateSettings,
     InitializeSettings,
     PPOUpdateSettings,
     RolloutSettings,
+    SampleReferenceSettings,
 )
 
 FILE = InputFile(path="/p", sha256="0" * 64)
@@ -66,6 +68,25 @@ def test_settings_are_read_from_the_config_and_the_base_inputs():
         ).critic
         is False
     )
+
+
+def test_issue42_staleness_keys_the_stages_that_choose_a_policy_to_sample_and_not_those_given_one():
+    """``sampling.staleness`` decides which policy the generation stages sample (the rollout records the version); the
+    reference's samples and the evaluation of a given policy do not change with it, so neither do their keys."""
+
+    inputs = {
+        SampleReferenceSettings: {},
+        EvaluateSettings: {"policy": None, "reference": None, "reward_model": None},
+        RolloutSettings: {"policy": None, "reward_model": None, "critic_start": None},
+    }
+
+    def keyed(settings, staleness: int) -> dict:
+        config = PipelineConfig(demo=True, labeler="gold", sampling={"staleness": staleness})
+        return setting_values(settings_from(settings, config, BASE, inputs[settings]))
+
+    for given in (SampleReferenceSettings, EvaluateSettings):
+        assert keyed(given, 0) == keyed(given, 1), given.stage
+    assert keyed(RolloutSettings, 0) != keyed(RolloutSettings, 1)
 
 
 def test_a_stage_is_given_exactly_its_inputs():
