@@ -299,6 +299,12 @@ class PipelineConfig(_Frozen):
         )
 
     @property
+    def labeling_precision(self) -> Precision | None:
+        """The precision the labeler computes in: the campaign's for labeler ``reward_model`` (it loads the reward model
+        to judge), None for the others, which load no model: their labels do not change with it, nor their keys."""
+        return self.precision if self.labeler == "reward_model" else None
+
+    @property
     def pairs_per_iteration(self) -> int:
         """The most preference pairs an iteration's candidates give under `pairing` (ties drop some but with
         `consecutive`)."""

@@ -87,7 +87,8 @@ class CollectPreferencesSettings(StageSettings):
     judge: JudgeReference | None = setting("base.judge")
     rubric: RewardFunctionReference | None = setting("base.rubric")
     preferences: InputFile | None = setting("base.preferences")
-    precision: Precision = setting("precision")
+    precision: Precision | None = setting("labeling_precision")
+    """The precision the reward model judges in (labeler ``reward_model``); None for a labeler that loads no model."""
     rows_per_shard: int = setting("sizes.rows_per_shard")
 
 

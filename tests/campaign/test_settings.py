@@ -89,6 +89,17 @@ def test_issue42_staleness_keys_the_stages_that_choose_a_policy_to_sample_and_no
     assert keyed(RolloutSettings, 0) != keyed(RolloutSettings, 1)
 
 
+def test_issue42_precision_keys_the_labels_only_of_a_labeler_that_loads_a_model():
+    inputs = {"candidates": None, "reward_model": None, "labels": None}
+
+    def keyed(labeler: str, precision: str) -> dict:
+        config = PipelineConfig(demo=True, labeler=labeler, precision=precision, model={"reward_model": "/rm"})
+        return setting_values(settings_from(CollectPreferencesSettings, config, BASE, inputs))
+
+    assert keyed("gold", "fp32") == keyed("gold", "bf16")  # a rubric: nothing loaded, nothing computed in bf16
+    assert keyed("reward_model", "fp32") != keyed("reward_model", "bf16")
+
+
 def test_a_stage_is_given_exactly_its_inputs():
     config = PipelineConfig(demo=True, labeler="gold")
     with pytest.raises(TypeError, match="rollout needs the inputs reward_model"):
