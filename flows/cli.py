@@ -267,14 +267,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _code_pinned(command: str) -> contextlib.AbstractContextManager:
-    """For a command that runs stages, its stages' code fingerprinted now, at its start, before any flow's thread:
-    a source file edited while it runs is refused at the next stage (:func:`runtime.code.pinned_code`)."""
+    """For a command that runs stages, one record of the code it reads for its whole run: every source file its
+    checks fingerprint (the finished-campaign check reads every stage's, before any flow) and its flows pin
+    (:func:`runtime.code.pinned_code`) must read the same until it ends. Imports nothing heavy: a refusal of the
+    command's inputs still comes before torch, MLflow or Prefect is imported."""
     if command not in ("run", "iterate", "replay"):
         return contextlib.nullcontext()
-    from campaign.history import STAGE_MODULES
     from runtime.code import pinned_code
 
-    return pinned_code(STAGE_MODULES)
+    return pinned_code(())
 
 
 class _RunFailures(logging.Filter):

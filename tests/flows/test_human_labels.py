@@ -116,10 +116,15 @@ def _form_schema(run) -> dict:
 
 
 def _form_input(run, part: str):
-    """What a paused run stored for its form: its ``schema`` or its markdown ``description`` (the UI reads both)."""
+    """What a paused run stored for its form: its ``schema`` or its markdown ``description`` (the UI reads both). A
+    loaded server may show the run paused a moment before the input it stored reads back: asked again then."""
     from prefect.input.actions import read_flow_run_input
 
-    return read_flow_run_input(run.state.state_details.run_input_keyset[part], flow_run_id=run.id)
+    deadline = time.monotonic() + 30
+    while (stored := read_flow_run_input(run.state.state_details.run_input_keyset[part], flow_run_id=run.id)) is None:
+        assert time.monotonic() < deadline, f"the paused run {run.id} stored no form {part} in 30 s"
+        time.sleep(0.2)
+    return stored
 
 
 def _run_answering(config, answers: list[str], *, try_bad_answers: bool = False):
