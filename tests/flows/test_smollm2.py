@@ -61,8 +61,9 @@ def test_issue23_a_gguf_file_is_converted_once_and_found_again_by_its_content(ru
     copy = tmp_path / "elsewhere.gguf"
     shutil.copyfile(found.source, copy)  # the same content at another path: the same folder
     again = model_input(FingerprintCache(None), layout, "model.tokenizer", copy)
-    assert again.path == found.path == str(layout.converted_model_dir(conversion_key(found.sha256)))
-    assert again.sha256 == found.sha256 and again.source == str(copy.resolve())
+    assert again.path == found.path == str(layout.converted_model_dir(conversion_key(found.source_sha256)))
+    assert again.source_sha256 == found.source_sha256 and again.source == str(copy.resolve())
+    assert again.sha256 == found.sha256  # the same weights, whichever file they were converted from
     folder = Path(found.path)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
