@@ -88,7 +88,7 @@ def check_finished_outputs(
     *,
     below: int | None = None,
     every_byte: bool = False,
-    checked: list[RecordedOutput] | None = None,
+    checked: list[tuple[RecordedOutput, Manifest]] | None = None,
 ) -> list[str]:
     """Check every output ``config``'s campaign's ``finished`` iterations recorded, and restore a missing one the
     campaign needs from MLflow's copy (module docstring). Reads no output's bytes that the run root's fingerprint
@@ -99,7 +99,7 @@ def check_finished_outputs(
         below: check only the iterations before this one (``rlhf run --from-iteration N`` recomputes the others).
         every_byte: hash every file, trusting no fingerprint remembered (``rlhf verify``); nothing is restored then,
             a missing output is refused.
-        checked: where to add every output verified.
+        checked: where to add every output verified, with its manifest.
 
     Returns:
         One line per output restored.
@@ -131,7 +131,7 @@ def check_finished_outputs(
             restored.append(_restore(output, tracker))
         manifest = _verified(output, cache)
         if checked is not None:
-            checked.append(output)
+            checked.append((output, manifest))
         if newest in output.iterations:
             needed.update(manifest.upstream.values())
     cache.save()
@@ -219,12 +219,12 @@ def verify_campaign(config: PipelineConfig, finished: dict[int, RunSummary]) -> 
     """
     if not finished:
         raise LookupError(f"campaign {config.campaign!r} has no finished iteration under {config.run_root}")
-    checked: list[RecordedOutput] = []
+    checked: list[tuple[RecordedOutput, Manifest]] = []
     check_finished_outputs(config, finished, every_byte=True, checked=checked)
-    files = [
-        output.folder / entry.path for output in checked for entry in read_manifest(output.folder, verify=False).files
+    files = [  # a prunable file pruned since (an old update's optimizer states) was not read
+        entry for output, manifest in checked for entry in manifest.files if (output.folder / entry.path).is_file()
     ]
-    size = sum(path.stat().st_size for path in files if path.is_file())
+    size = sum(entry.bytes for entry in files)
     return (
         f"campaign {config.campaign}: {len(checked)} outputs of {len(finished)} finished iterations, "
         f"{len(files)} files ({size / 2**20:.1f} MB), every byte as its manifest and MLflow recorded"

@@ -96,6 +96,7 @@ def _read(path: Path) -> bytes:
     return data
 
 
+@functools.cache
 def _installed_roots() -> tuple[Path, ...]:
     """The folders installed code lives in: the standard library and every site-packages."""
     paths = sysconfig.get_paths()
@@ -129,20 +130,15 @@ def _users_module_file(module: str) -> Path | None:
         return None
     if spec is None:
         return None
-    if not rest:
-        folders, candidates = [], [spec.origin] if spec.origin else []
+    if rest:
+        bases = [Path(folder).joinpath(*rest) for folder in spec.submodule_search_locations or []]
+        candidates = [path for base in bases for path in (base.with_suffix(".py"), base / "__init__.py")]
     else:
-        folders = list(spec.submodule_search_locations or [])
-        candidates = []
-        for folder in folders:
-            base = Path(folder).joinpath(*rest)
-            candidates += [str(base.with_suffix(".py")), str(base / "__init__.py")]
-    for candidate in candidates:
-        path = Path(candidate)
-        if path.suffix == ".py" and path.is_file():
-            path = path.resolve()
-            return None if any(path.is_relative_to(root) for root in _installed_roots()) else path
-    return None
+        candidates = [Path(spec.origin)] if spec.origin else []
+    found = next((path.resolve() for path in candidates if path.suffix == ".py" and path.is_file()), None)
+    if found is None or any(found.is_relative_to(root) for root in _installed_roots()):
+        return None
+    return found
 
 
 def _imported_modules(module: str, tree: ast.Module) -> set[str]:
@@ -180,13 +176,13 @@ def _parse(source: str | bytes) -> ast.Module:
     """``ast.parse(source)``, again when another thread's syntax tree (Prefect's, reading a flow's source) was built at
     the same moment: the check that failed is the constructor's own bookkeeping, and the tree is rebuilt whole."""
     with _PARSING:
-        for attempt in range(5):
+        for _ in range(4):
             try:
                 return ast.parse(source)
             except SystemError as error:
-                if "recursion depth mismatch" not in str(error) or attempt == 4:
+                if "recursion depth mismatch" not in str(error):
                     raise
-    raise AssertionError("unreachable")
+        return ast.parse(source)
 
 
 def normalised(source: str | bytes) -> str:

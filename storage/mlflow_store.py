@@ -549,7 +549,7 @@ class MlflowStore:
             path = Path(scratch) / Path(artifact_file).name
             path.write_bytes(data)
             folder = str(Path(artifact_file).parent)
-            self._client.log_artifact(run_id, str(path), None if folder == "." else folder)
+            self.log_artifact(run_id, path, artifact_path=None if folder == "." else folder)
 
     def log_datasets(self, run_id: str, datasets: list[LocalDataset], *, context: str) -> None:
         """Log tables as MLflow datasets of the run, each tagged with ``context`` (``output``: what the run wrote,
