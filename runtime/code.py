@@ -83,11 +83,22 @@ def pinned_code(modules: Iterable[str]) -> Iterator[None]:
         _pinned = outer
 
 
+_contents: dict[Path, tuple[tuple[int, int, int, int], bytes, bytes]] = {}
+"""Each file read so far: its status (inode, size, modification and change times), bytes and sha256; a stage's key
+reads its whole closure, so a command read each file about a hundred times (issue 41)."""
+
+
 def _read(path: Path) -> bytes:
-    """``path``'s bytes, refused if a :func:`pinned_code` block read them otherwise."""
-    data = path.read_bytes()
+    """``path``'s bytes, refused if a :func:`pinned_code` block read them otherwise. Read again only where its
+    status changed since it was last read (any write changes its change time)."""
+    status = path.stat()
+    signature = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+    known = _contents.get(path)
+    if known is None or known[0] != signature:
+        data = path.read_bytes()
+        known = _contents[path] = (signature, data, hashlib.sha256(data).digest())
+    _, data, digest = known
     if _pinned is not None:
-        digest = hashlib.sha256(data).digest()
         if _pinned.setdefault(path, digest) != digest:
             raise CodeChangedError(
                 f"{path} changed on disk while this run was going on: its stages would be keyed with the new code "

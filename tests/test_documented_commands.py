@@ -7,7 +7,10 @@ How a documented command is run (the rule a page's author writes against):
    such block, so a new one fails :func:`test_every_command_block_is_run_or_listed_as_not_run` until it is added.
    Each line is one command (a line ending in ``\\`` continues on the next); comment lines are dropped.
 2. Commands run with bash in a scratch folder: ``.venv`` is this checkout's, the code is this checkout's
-   (``PYTHONPATH``), ``PREFECT_HOME`` is the scratch folder's, and ``configs/`` holds every ``configs/*.yaml``
+   (``PYTHONPATH``), ``PREFECT_HOME`` is the scratch folder's. README.md's commands start their own temporary Prefect
+   server, as a newcomer's do; a docs page's commands talk to the one Prefect server this test starts
+   (``PREFECT_API_URL``; issue 41: a temporary server costs a command about 10 s of CPU), but on a page that starts
+   its own (``prefect server start``). ``configs/`` holds every ``configs/*.yaml``
    **shrunk to the tiny campaign's sizes**: ``configs/tiny.yaml``'s ``sizes``, ``sampling``, ``reward_model`` and
    ``ppo`` settings over each file's own, everything else (campaign, iterations, demo, labeler, reward,
    estimator) kept. So ``rlhf run --config configs/demo.yaml`` runs the demo's 8 iterations at the tiny size.
@@ -277,9 +280,17 @@ class Page:
                     process.wait()
 
 
-def run_page(page: Path, folder: Path) -> None:
+def starts_a_prefect_server(page: Path) -> bool:
+    commands = [command for block in command_blocks(page) if not block.not_run for command in block.commands]
+    return any("prefect server start" in command for command in commands)
+
+
+def run_page(page: Path, folder: Path, prefect_api: str | None = None) -> None:
+    """Run the page's commands in ``folder`` (rules 2-6), against the Prefect server at ``prefect_api`` if given."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(folder / "prefect-home"))
+    if prefect_api is not None:
+        env["PREFECT_API_URL"] = prefect_api
     state = Page(folder, env, ports={documented: _free_port() for documented in PORTS})
     try:
         for block in command_blocks(page):
@@ -290,6 +301,17 @@ def run_page(page: Path, folder: Path) -> None:
                     state.run(prepared)
     finally:
         state.stop_servers()
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """The one Prefect server of the docs pages' commands (rule 2), its database in the test run's PREFECT_HOME."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start(timeout=180)
+    yield server.api_url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -311,8 +333,8 @@ def test_the_readme_commands_run(after_readme):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES[1:], ids=lambda page: page.name)
-def test_the_commands_of_a_docs_page_run(page, after_readme):
+def test_the_commands_of_a_docs_page_run(page, after_readme, prefect_api):
     folder, snapshot = after_readme
     shutil.rmtree(folder)
     shutil.copytree(snapshot, folder, symlinks=True)
-    run_page(page, folder)
+    run_page(page, folder, None if starts_a_prefect_server(page) else prefect_api)

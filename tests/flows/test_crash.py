@@ -1,14 +1,18 @@
 """Issue 14 crash suite: ``kill -9`` of a real ``rlhf run`` at every stage, in three windows, then the same
 command again; the campaign must end exactly as one that never crashed.
 
-Each command runs as a user runs it (its own temporary Prefect server, no ``PREFECT_API_URL``), is held at
+In the ``computing`` window each command runs as a user runs it at a terminal (its own temporary Prefect server, no
+``PREFECT_API_URL``), and its temporary server must die with it; in the other windows and the overlapped campaign
+the commands talk to the test run's one Prefect server, as under ``rlhf serve`` or a team's server (issue 41: a
+temporary server costs each command about 10 s of CPU, and whether it dies with its command is proved by the 8 kills
+of the first window and by tests/runtime/test_warm.py). Each command is held at
 ``<stage>:<window>`` (``storage/holds.py``: the process writes a file there and waits, so the kill lands at a known
 point, not after a sleep) and killed with SIGKILL. One run root per window is killed at every stage in turn (issue
 41: a chain of kills costs one campaign and a command's start-up per kill, where a run root per kill cost a campaign
 and two start-ups each): the same command again resumes what the kill left and is held at the next stage's point,
 and the last one runs to the end. Right after each kill:
 
-* the killed command and every process it started are gone (its temporary Prefect server included);
+* the killed command and every process it started are gone (its temporary Prefect server, where it has one);
 * the iteration run is RUNNING, the stage held while recording has its RUNNING run with its output's digest, and
   every other stage run is FINISHED (so the command after a kill finished what that kill interrupted);
 * every finished output equals the uncrashed campaign's, the store is consistent so far (each stage run's artifacts
@@ -92,10 +96,23 @@ def _command(run_root: Path, world: dict[str, Path], *more: str) -> list[str]:
     return [sys.executable, "-m", "flows", "run", "--config", str(TINY), *(f"--set={o}" for o in overrides)]
 
 
-def _environment(**extra: str) -> dict[str, str]:
-    """The test's environment without a Prefect API, so the command starts its own temporary server."""
+OWN_SERVER_WINDOW = "computing"
+"""The window whose commands start their own temporary Prefect server, as at a user's terminal."""
+
+
+def _environment(api_url: str | None, **extra: str) -> dict[str, str]:
+    """The test's environment, with ``PREFECT_API_URL`` set to ``api_url``, or without one (None), so the command
+    starts its own temporary server."""
     environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
-    return {**environment, **extra}
+    return {**environment, **({"PREFECT_API_URL": api_url} if api_url else {}), **extra}
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_server) -> str:
+    """The test run's one Prefect server."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
 
 
 def _descendants(pid: int) -> set[int]:
@@ -135,10 +152,10 @@ def _wait_gone(pids: set[int], seconds: float = 30) -> set[int]:
     return left
 
 
-def _run_to_end(command: list[str], log: Path) -> None:
+def _run_to_end(command: list[str], log: Path, api_url: str | None) -> None:
     """Run the command to its end; it must succeed and leave no process behind."""
     with open(log, "ab") as output:
-        process = subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=output, stderr=output)
+        process = subprocess.Popen(command, cwd=ROOT, env=_environment(api_url), stdout=output, stderr=output)
         children: set[int] = set()
         while process.poll() is None:
             children |= _descendants(process.pid)
@@ -203,28 +220,29 @@ def _store(run_root: Path, campaign: str) -> dict:
     }
 
 
-def _uncrashed(world: dict[str, Path], run_root: Path, *more: str) -> tuple[dict[str, str], dict]:
-    _run_to_end(_command(run_root, world, *more), run_root / "run.log")
+def _uncrashed(world: dict[str, Path], run_root: Path, api_url: str, *more: str) -> tuple[dict[str, str], dict]:
+    _run_to_end(_command(run_root, world, *more), run_root / "run.log", api_url)
     store = _store(run_root, "tiny")
     assert store["statuses"] == ["FINISHED"] and store["unique outputs"] and store["artifact folders"]
     return _file_hashes(run_root / "tiny"), store
 
 
 @pytest.fixture(scope="module")
-def uncrashed(checkpoint_world, tmp_path_factory):
-    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed"))
+def uncrashed(checkpoint_world, tmp_path_factory, api_url):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed"), api_url)
 
 
 @pytest.fixture(scope="module")
-def uncrashed_overlapped(checkpoint_world, tmp_path_factory):
-    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-overlapped"), *OVERLAPPED)
+def uncrashed_overlapped(checkpoint_world, tmp_path_factory, api_url):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-overlapped"), api_url, *OVERLAPPED)
 
 
-def _kill_when_held(command: list[str], points: str, held: Path, log: Path) -> None:
+def _kill_when_held(command: list[str], points: str, held: Path, log: Path, api_url: str | None) -> None:
     """Run ``command`` until every one of ``points`` holds (each process appends the point it holds at to ``held``),
-    ``kill -9`` it and check that nothing it started outlives it; its output goes to the end of ``log``."""
+    ``kill -9`` it and check that nothing it started outlives it; its output goes to the end of ``log``. Without
+    ``api_url`` the command runs its own temporary Prefect server, which must die with it."""
     expected = {point if "#" in point else f"{point}#1" for point in points.split(",")}
-    environment = _environment(RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
+    environment = _environment(api_url, RLHF_HOLD_AT=points, RLHF_HOLD_FILE=str(held))
     with open(log, "ab") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=output)
         deadline = time.monotonic() + DEADLINE
@@ -234,7 +252,7 @@ def _kill_when_held(command: list[str], points: str, held: Path, log: Path) -> N
                 assert time.monotonic() < deadline, f"timed out waiting for {points}"
                 time.sleep(0.02)
             children = _descendants(process.pid)
-            assert children, "the command runs its temporary Prefect server as a child"
+            assert children or api_url, "the command runs its temporary Prefect server as a child"
             os.kill(process.pid, signal.SIGKILL)
         finally:
             process.kill()
@@ -279,9 +297,11 @@ def _check_after_kill(run_root: Path, uncrashed: tuple[dict[str, str], dict], po
     return runs
 
 
-def _rerun_equals(command: list[str], log: Path, run_root: Path, uncrashed: tuple[dict[str, str], dict]) -> None:
+def _rerun_equals(
+    command: list[str], log: Path, run_root: Path, uncrashed: tuple[dict[str, str], dict], api_url: str | None
+) -> None:
     """The same command again finishes the campaign exactly as the uncrashed one."""
-    _run_to_end(command, log)
+    _run_to_end(command, log, api_url)
     hashes, store = uncrashed
     assert _file_hashes(run_root / "tiny") == hashes
     assert _store(run_root, "tiny") == store
@@ -291,7 +311,7 @@ def _rerun_equals(command: list[str], log: Path, run_root: Path, uncrashed: tupl
 
 @pytest.mark.parametrize("window", WINDOWS)
 def test_issue14_kill_minus_nine_at_each_stage_in_turn_then_rerun_equals_a_run_that_never_crashed(
-    window, uncrashed, checkpoint_world, tmp_path
+    window, uncrashed, checkpoint_world, tmp_path, api_url
 ):
     """One run root killed in ``window`` at every stage in turn: the first command at the first stage's point, the
     same command again (resuming what the kill left) at the next stage's, and so on; the last command runs to the
@@ -299,20 +319,21 @@ def test_issue14_kill_minus_nine_at_each_stage_in_turn_then_rerun_equals_a_run_t
     reused, not computed again)."""
     run_root, log = tmp_path / "runs", tmp_path / "run.log"
     command = _command(run_root, checkpoint_world)
+    api_url = None if window == OWN_SERVER_WINDOW else api_url
     for stage in STAGES:
         point = f"{stage}:{window}"
-        _kill_when_held(command, point, tmp_path / f"held-{stage}", log)
+        _kill_when_held(command, point, tmp_path / f"held-{stage}", log, api_url)
         runs = _check_after_kill(run_root, uncrashed, point, recording=stage if window == "recording" else "")
         if window == "recording":
             (recording,) = [run for run in runs if run.data.tags.get("rlhf.stage") == stage]
             assert "rlhf.manifest_digest" in recording.data.tags, f"{point}: the stage run has its output's digest"
         if window == "computing" and stage in ("train_reward_model", "ppo_update"):
             assert list((run_root / "tiny" / stage).glob("*.partial/epoch-*")), f"{point}: after a checkpoint"
-    _rerun_equals(command, log, run_root, uncrashed)
+    _rerun_equals(command, log, run_root, uncrashed, api_url)
 
 
 def test_issue33_kill_minus_nine_of_an_overlapped_campaign_in_turn_then_rerun_equals_a_run_that_never_crashed(
-    uncrashed_overlapped, checkpoint_world, tmp_path
+    uncrashed_overlapped, checkpoint_world, tmp_path, api_url
 ):
     """One overlapped run root (``sampling.staleness=1``) killed three times in turn, each command resuming what the
     previous kill left:
@@ -330,14 +351,14 @@ def test_issue33_kill_minus_nine_of_an_overlapped_campaign_in_turn_then_rerun_eq
     updates, rollouts = run_root / "tiny" / "ppo_update", run_root / "tiny" / "rollout"
 
     points = OVERLAP_KILLS["both lanes"]
-    _kill_when_held(command, points, tmp_path / "held-both-lanes", log)
+    _kill_when_held(command, points, tmp_path / "held-both-lanes", log, api_url)
     runs = _check_after_kill(run_root, uncrashed_overlapped, points)
     assert {run.data.tags.get("rlhf.iteration") for run in runs} == {"0"}, "iteration 1 ran ahead, unrecorded"
     assert list(updates.glob("*.partial/epoch-*")), "the update had checkpointed"
     assert list(rollouts.glob("*.partial/shards/*")), "the next rollout had its shards"
 
     points = OVERLAP_KILLS["in the rollout"]
-    _kill_when_held(command, points, tmp_path / "held-in-the-rollout", log)
+    _kill_when_held(command, points, tmp_path / "held-in-the-rollout", log, api_url)
     runs = _check_after_kill(run_root, uncrashed_overlapped, points)
     assert {run.data.tags.get("rlhf.iteration") for run in runs} == {"0"}, "iteration 1 ran ahead, unrecorded"
     assert len(list(rollouts.glob("*/_manifest.json"))) == 2, "iteration 1's rollout published"
@@ -345,10 +366,10 @@ def test_issue33_kill_minus_nine_of_an_overlapped_campaign_in_turn_then_rerun_eq
     assert "ppo_update" not in {run.data.tags.get("rlhf.stage") for run in runs}, "the update not recorded"
 
     points = OVERLAP_KILLS["in the off-policy update"]
-    _kill_when_held(command, points, tmp_path / "held-in-the-off-policy-update", log)
+    _kill_when_held(command, points, tmp_path / "held-in-the-off-policy-update", log, api_url)
     _check_after_kill(run_root, uncrashed_overlapped, points)
     assert len(list(updates.glob("*/_manifest.json"))) == 1, "iteration 0's update published, iteration 1's not"
     (partial,) = updates.glob("*.partial")
     assert (partial / PROX_FILE).exists() and list(partial.glob("epoch-*")), "killed mid-stage, pi_prox kept"
 
-    _rerun_equals(command, log, run_root, uncrashed_overlapped)
+    _rerun_equals(command, log, run_root, uncrashed_overlapped, api_url)
