@@ -37,7 +37,10 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     judge = next((judge for judge in JUDGES if all(judge[0] in metrics for _, metrics in rows)), None)
     gold = None if judge is None else [metrics[judge[0]] for _, metrics in rows]
 
-    figure = Figure(figsize=(10, 3.8), layout="constrained")
+    # Fixed margins, room for both twin axes' labels: the constrained layout engine measured every text box, half of
+    # what drawing the figure cost (0.68 s against 0.34 s), once per iteration (issue 41).
+    figure = Figure(figsize=(10, 3.8))
+    figure.subplots_adjust(left=0.065, right=0.935, bottom=0.13, top=0.92, wspace=0.42)
     by_kl, by_iteration = figure.subplots(1, 2)
     by_kl.plot(kl, reward, "o-", color="tab:blue", label="reward (trained on)")
     judge_axis = by_kl
@@ -70,8 +73,8 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
 
 def png_bytes(figure: Any, *, dpi: int = 80) -> bytes:
     """``figure`` drawn once as PNG: about 65 KB for the over-optimisation figure at the default ``dpi``. MLflow keeps
-    the file and the Prefect artifact shows the same bytes (:func:`png_data_uri`); drawing it (the constrained
-    layout above all) is most of what closing a small iteration costs."""
+    the file and the Prefect artifact shows the same bytes (:func:`png_data_uri`); drawing it is a large part of what
+    closing a small iteration costs."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()

@@ -292,6 +292,7 @@ def test_issue27_serve_without_its_prefect_server_says_so_and_exits_within_secon
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api}
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["PREFECT_UI_ENABLED"] = "false"  # what is tested is the API going away; the UI's files cost seconds to copy
     serve = [sys.executable, "-m", "flows", "serve", "--config", str(CONFIGS / "tiny.yaml")]
     for override in overrides:
         serve += ["--set", override]
