@@ -100,7 +100,7 @@ OWN_SERVER_WINDOW = "computing"
 """The window whose commands start their own temporary Prefect server, as at a user's terminal."""
 
 
-def _environment(api_url: str | None, **extra: str) -> dict[str, str]:
+def _environment(api_url: str | None = None, **extra: str) -> dict[str, str]:
     """The test's environment, with ``PREFECT_API_URL`` set to ``api_url``, or without one (None), so the command
     starts its own temporary server."""
     environment = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
@@ -152,7 +152,7 @@ def _wait_gone(pids: set[int], seconds: float = 30) -> set[int]:
     return left
 
 
-def _run_to_end(command: list[str], log: Path, api_url: str | None) -> None:
+def _run_to_end(command: list[str], log: Path, api_url: str | None = None) -> None:
     """Run the command to its end; it must succeed and leave no process behind."""
     with open(log, "ab") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=_environment(api_url), stdout=output, stderr=output)
