@@ -123,3 +123,29 @@ def two_processes(tmp_path_factory):
     from tests.two_processes import launched_once
 
     return launched_once(tmp_path_factory)
+
+
+LONGEST_FIRST = (
+    "tests/flows/test_bad_inputs.py",
+    "tests/flows/test_human_labels.py",
+    "tests/flows/test_overlap.py",
+    "tests/flows/test_prefect_server.py",
+    "tests/flows/test_history.py",
+    "tests/flows/test_rlhf_pipeline.py",
+    "tests/flows/test_inspect.py",
+    "tests/flows/test_estimators.py",
+    "tests/flows/test_hardware.py",
+    "tests/rlhf_core/test_distributed.py",
+    "tests/flows/test_models_users_bring.py",
+    "tests/flows/test_tracking_server.py",
+    "tests/flows/test_resume.py",
+    "tests/flows/test_gc.py",
+)
+"""The test files that take longest (seconds per module in bench/TEST_DURATIONS.md), run first: the README's test
+command hands whole files to its workers in the order collected, and a long file handed out last ran alone while the
+other workers idled (issue 41). Every other file keeps its place after them."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: place for place, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(LONGEST_FIRST)))
