@@ -81,7 +81,8 @@ def record_stage(
     while recording ends the run FAILED (KILLED on Ctrl-C), so it never stays RUNNING.
     """
     run_id = tracker.find_unfinished_stage_run(context.experiment_id, stage, manifest.input_key)
-    if run_id is None:
+    reopened = run_id is not None  # what it holds is not logged twice; a run just started holds nothing to read
+    if not reopened:
         tags = {
             TAG_CAMPAIGN: context.campaign,
             TAG_ITERATION: str(context.iteration),
@@ -100,10 +101,11 @@ def record_stage(
     with tracker.ends_on_error(run_id):
         tracker.log_params(run_id, settings)
         metrics = {f"{stage}/{name}": value for name, value in manifest.metrics.items()}
-        tracker.log_metrics(run_id, metrics, step=context.iteration, skip_logged=True)
+        tracker.log_metrics(run_id, metrics, step=context.iteration, skip_logged=reopened)
         curve = stage_dir / TRAINING_CURVE
         if curve.is_file():
-            tracker.log_metric_steps(run_id, f"{stage}/train", json.loads(curve.read_text()))
+            steps = json.loads(curve.read_text())
+            tracker.log_metric_steps(run_id, f"{stage}/train", steps, skip_logged=reopened)
         samples = stage_dir / SAMPLES
         if samples.is_file():
             rows = [json.loads(line) for line in samples.read_text().splitlines()]

@@ -491,11 +491,13 @@ class MlflowStore:
         for chunk in _chunks(entries, _METRICS_PER_BATCH):
             self._client.log_batch(run_id, metrics=chunk)
 
-    def log_metric_steps(self, run_id: str, prefix: str, rows: list[Mapping[str, float]]) -> None:
+    def log_metric_steps(
+        self, run_id: str, prefix: str, rows: list[Mapping[str, float]], *, skip_logged: bool = True
+    ) -> None:
         """Log per-step curves: each row's values as ``prefix/name`` at the row's ``step``, in as few batches as
-        MLflow takes (1000 values each). A run that already has them (a recording finished by a second attempt)
-        gets none again."""
-        logged = self._client.get_run(run_id).data.metrics
+        MLflow takes (1000 values each). With ``skip_logged``, a run that already has them (a recording finished by a
+        second attempt) gets none again; without, a run just started is not read first."""
+        logged = self._client.get_run(run_id).data.metrics if skip_logged else {}
         if any(key.startswith(prefix + "/") for key in logged):
             return
         timestamp = int(time.time() * 1000)

@@ -65,10 +65,12 @@ def _wait(condition, *, timeout: float, what: str):
     raise TimeoutError(what)
 
 
-@pytest.fixture
-def paused(tmp_path):
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory):
     """A Prefect server with its UI and a flow run paused on a form of 4 pairs: ``(server port, run, page URL,
-    the asking process)``."""
+    the asking process)``. One for the module (issue 41: a server with its UI and a paused run cost 80-150 s): its
+    first test only looks at the form, its second answers it, so the second comes last."""
+    tmp_path = tmp_path_factory.mktemp("paused")
     port, page_port = _free_port(), _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT)}
