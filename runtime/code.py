@@ -24,7 +24,12 @@ Choices:
 5. A normalised tree is ``ast.dump`` text, which depends on the Python version's syntax tree (a new minor Python may
    change every key); that costs at most an unfinished iteration's stages.
 6. Each file is parsed and normalised once per content (:func:`_parsed`): a command fingerprints every stage, and
-   most of their closures are shared.
+   most of their closures are shared. What parsing gives (the normalised code's digest and the names the import
+   statements may mean) is kept on disk too, in the user's cache (:func:`storage.files.cache_dir`), by the sha256 of
+   the module's name, kind (package or not) and bytes, one file per Python build (its syntax trees are its own):
+   parsing every stage's closure took each command about a second (issue 41). Which of those names are modules of
+   our own is decided from the files, once per process, never kept on disk. An unreadable or damaged cache is parsed again; the
+   cache is written once a command has fingerprinted its stages (:func:`pinned_code`).
 7. A process computes with the code it imported when it started, and keys read the files when each stage starts:
    after an edit mid-campaign (a ``git pull``), a stage would be keyed with the new code and computed with the old.
    So a flow run fingerprints every stage when it starts (:func:`pinned_code`), and a file that reads otherwise
@@ -38,7 +43,9 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import json
 import site
+import sys
 import sysconfig
 import threading
 from collections.abc import Iterable, Iterator
@@ -46,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.errors import UserError
+from storage.files import cache_dir, write_text_replacing
 
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = tuple(
@@ -78,6 +86,7 @@ def pinned_code(modules: Iterable[str]) -> Iterator[None]:
     try:
         for module in modules:
             code_fingerprint(module)
+        _save_cache()
         yield
     finally:
         _pinned = outer
@@ -152,29 +161,32 @@ def _users_module_file(module: str) -> Path | None:
     return found
 
 
-def _imported_modules(module: str, tree: ast.Module) -> set[str]:
-    """The modules of our own code named by the import statements of ``tree`` (the source of ``module``)."""
-    is_package = _module_file(module).name == "__init__.py"
-    return _own_imports(module if is_package else module.rpartition(".")[0], tree)
+Imported = tuple[tuple[str, str], ...]
+"""What the import statements of a source name, each as ``(module, otherwise)``: the module ``import module`` or
+``from package import name`` (``package.name``) means where it is one, else ``otherwise`` (``package``)."""
 
 
-def _own_imports(package: str, tree: ast.Module) -> set[str]:
-    """The modules of our own code named by the import statements of ``tree``, whose relative imports are relative to
-    ``package`` ("" for a script)."""
-    found: set[str] = set()
+def _imported_names(package: str, tree: ast.Module) -> Imported:
+    """:data:`Imported` of ``tree``, whose relative imports are relative to ``package`` ("" for a script)."""
+    found: set[tuple[str, str]] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.update((alias.name, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, node.module] if node.module else anchor)
             else:
                 base = node.module or ""
-            for alias in node.names:
-                submodule = f"{base}.{alias.name}"
-                found.add(submodule if _module_file(submodule) else base)
-    return {name for name in found if _module_file(name) is not None}
+            found.update((f"{base}.{alias.name}", base) for alias in node.names)
+    return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_modules(imported: Imported) -> frozenset[str]:
+    """The modules of our own code among ``imported`` (choices 1 and 4), as the files read first in this process."""
+    found = {module if _module_file(module) else otherwise for module, otherwise in imported}
+    return frozenset(name for name in found if _module_file(name) is not None)
 
 
 _PARSING = threading.Lock()
@@ -196,6 +208,7 @@ def _parse(source: str | bytes) -> ast.Module:
         return ast.parse(source)
 
 
+@functools.lru_cache(maxsize=256)
 def normalised(source: str | bytes) -> str:
     """The code of ``source`` without what cannot change what it computes: its syntax tree as text, less every
     statement that is a lone string (docstrings of modules, classes, functions and attributes). Comments, blank
@@ -219,20 +232,88 @@ def _without_docstrings(tree: ast.Module) -> str:
 
 @dataclass(frozen=True)
 class _Parsed:
-    """A module's normalised code, its digest, and the first-party modules it imports."""
+    """What a module's source gives its key: the sha256 of its normalised code, and what its imports name."""
 
-    code: str
     digest: bytes
-    imports: frozenset[str]
+    imported: Imported
+
+
+_CACHE_LOCK = threading.Lock()
+_cached: dict[str, list] | None = None
+"""The parsed modules kept on disk (choice 6), by :func:`_cache_key`: ``[digest hex, imported]``; read once."""
+_used: set[str] = set()
+"""The keys of :data:`_cached` this process looked up."""
+_unsaved = False
+CACHE_ENTRIES = 4000
+"""How many parsed modules the cache keeps at most (about 2 KB each): past that, only what the saving process used
+(an edited module leaves its old versions behind)."""
+
+
+def _cache_file() -> Path:
+    build = hashlib.sha256(f"{sys.implementation.cache_tag} {sys.version}".encode()).hexdigest()[:16]
+    return cache_dir() / "code" / f"parsed-{build}.json"
+
+
+def _cache_key(module: str, is_package: bool, source: bytes) -> str:
+    return hashlib.sha256(f"{module}\0{is_package}\0".encode() + source).hexdigest()
+
+
+def _stored(value: object) -> _Parsed | None:
+    """A cache entry as :class:`_Parsed`, or None where it is not one (a damaged file)."""
+    try:
+        digest, imported = value
+        parsed = _Parsed(bytes.fromhex(digest), tuple((str(a), str(b)) for a, b in imported))
+    except (TypeError, ValueError):
+        return None
+    return parsed if len(parsed.digest) == 32 else None
+
+
+def _load_cache() -> dict[str, list]:
+    try:
+        loaded = json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _save_cache() -> None:
+    """Write what this process parsed into the cache file, beside what other processes wrote there meanwhile (at most
+    :data:`CACHE_ENTRIES`); a cache that cannot be written is left as it is. Called once a command has fingerprinted
+    every stage (:func:`pinned_code`)."""
+    global _unsaved
+    with _CACHE_LOCK:
+        if not _unsaved:
+            return
+        merged = {**_load_cache(), **_cached}
+        if len(merged) > CACHE_ENTRIES:
+            merged = {key: _cached[key] for key in _used}
+        try:
+            _cache_file().parent.mkdir(parents=True, exist_ok=True)
+            write_text_replacing(_cache_file(), json.dumps(merged, sort_keys=True))
+        except OSError:
+            pass
+        _unsaved = False
 
 
 @functools.lru_cache(maxsize=1024)
 def _parsed(module: str, source: bytes) -> _Parsed:
-    """:class:`_Parsed` of ``module``, whose text is ``source``."""
+    """:class:`_Parsed` of ``module``, whose text is ``source``: from the cache on disk, else parsed (choice 6)."""
+    global _cached, _unsaved
+    is_package = _module_file(module).name == "__init__.py"
+    key = _cache_key(module, is_package, source)
+    with _CACHE_LOCK:
+        if _cached is None:
+            _cached = _load_cache()
+        _used.add(key)
+        if (found := _stored(_cached.get(key))) is not None:
+            return found
     tree = _parse(source)
-    imports = frozenset(_imported_modules(module, tree))
-    code = _without_docstrings(tree)
-    return _Parsed(code, hashlib.sha256(code.encode()).digest(), imports)
+    imported = _imported_names(module if is_package else module.rpartition(".")[0], tree)
+    parsed = _Parsed(hashlib.sha256(_without_docstrings(tree).encode()).digest(), imported)
+    with _CACHE_LOCK:
+        _cached[key] = [parsed.digest.hex(), [list(pair) for pair in imported]]
+        _unsaved = True
+    return parsed
 
 
 def _closure(module: str) -> dict[str, _Parsed]:
@@ -247,7 +328,7 @@ def _closure(module: str) -> dict[str, _Parsed]:
         if name in parsed:
             continue
         parsed[name] = _parsed(name, _read(_module_file(name)))
-        pending.extend(parsed[name].imports - parsed.keys())
+        pending.extend(_own_modules(parsed[name].imported) - parsed.keys())
     return parsed
 
 
@@ -258,7 +339,7 @@ def code_closure(module: str) -> dict[str, str]:
     Raises:
         ValueError: ``module`` cannot be found, or is installed code.
     """
-    return {name: parsed.code for name, parsed in _closure(module).items()}
+    return {name: normalised(_read(_module_file(name))) for name in _closure(module)}
 
 
 def code_fingerprint(module: str) -> str:
@@ -285,6 +366,6 @@ def script_fingerprint(path: str | Path) -> str:
     """
     tree = _parse(_read(Path(path).resolve()))
     digest = hashlib.sha256(_without_docstrings(tree).encode())
-    for name in sorted(_own_imports("", tree)):
+    for name in sorted(_own_modules(_imported_names("", tree))):
         digest.update(name.encode() + b"\0" + code_fingerprint(name).encode())
     return digest.hexdigest()

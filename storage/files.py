@@ -20,6 +20,14 @@ _CHUNK = 1 << 20
 _NEARLY_FULL = 1 << 20
 
 
+def cache_dir() -> Path:
+    """This user's cache of the pipeline (``$RLHF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rlhf-pipeline``, else
+    ``~/.cache/rlhf-pipeline``): what can be made again, kept to be made once."""
+    if explicit := os.environ.get("RLHF_CACHE_DIR"):
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf-pipeline"
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a stage output.

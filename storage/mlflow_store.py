@@ -69,6 +69,8 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_MODEL_VERSIONS, MLFLOW_PARENT_RUN_ID
 
+from storage.files import cache_dir
+
 __all__ = [
     "DEFAULT_UI_BASE",
     "TAG_PARENT_RUN_ID",
@@ -243,14 +245,6 @@ def _sqlite_path(tracking_uri: str) -> Path | None:
         return None
     path = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
     return None if path in ("", ":memory:") else Path(path)
-
-
-def cache_dir() -> Path:
-    """This user's cache of the pipeline (``$RLHF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rlhf-pipeline``, else
-    ``~/.cache/rlhf-pipeline``): what can be made again, kept to be made once."""
-    if explicit := os.environ.get("RLHF_CACHE_DIR"):
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf-pipeline"
 
 
 def _empty_store() -> Path:

@@ -7,6 +7,7 @@ engine's server and identity enter the keys of the stages that sample on it."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,3 +222,54 @@ def test_a_file_edited_while_a_run_goes_on_is_refused_before_its_stage_computes(
         assert run_stage(sampled, dataclasses.replace(context, iteration=1), settings).input_key != first.input_key
     finally:
         seeds.write_text(text)
+
+
+def _as_a_new_process() -> None:
+    """Forget what this process parsed and found, as a new command starts: only the cache on disk is left."""
+    runtime.code._parsed.cache_clear()
+    runtime.code._users_module_file.cache_clear()
+    runtime.code._own_modules.cache_clear()
+    runtime.code._cached = None
+    importlib.invalidate_caches()
+
+
+def test_a_new_process_reads_what_parsing_gave_from_the_cache_and_decides_the_closure_from_the_files(
+    tmp_path: Path, monkeypatch
+):
+    """Issue 41: a command parses no file another command parsed (the keys are the same, read from the cache on
+    disk); an edit is parsed again (the cache is by content); which names are our own modules is decided from the
+    files in each process (a helper module written after its importer was cached joins the closure); a damaged cache is
+    parsed again, to the same keys."""
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "my_rubric_c.py").write_text("from my_helpers_c import BONUS\n\ndef score(p, r):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parses = []
+    real_parse = runtime.code._parse
+    monkeypatch.setattr(runtime.code, "_parse", lambda source: parses.append(source) or real_parse(source))
+    _as_a_new_process()
+    with pinned_code([*STAGE_MODULES, "my_rubric_c"]):  # what a command does first; it writes the cache
+        keys = {module: code_fingerprint(module) for module in (*STAGE_MODULES, "my_rubric_c")}
+    assert parses and set(code_closure("my_rubric_c")) == {"my_rubric_c"}
+
+    parses.clear()
+    _as_a_new_process()
+    assert {module: code_fingerprint(module) for module in keys} == keys
+    assert parses == []
+
+    (tmp_path / "my_helpers_c.py").write_text("BONUS = 2.0\n")
+    _as_a_new_process()
+    with pinned_code(["my_rubric_c"]):
+        assert set(code_closure("my_rubric_c")) == {"my_rubric_c", "my_helpers_c"}
+        assert code_fingerprint("my_rubric_c") != keys["my_rubric_c"]
+    (tmp_path / "my_rubric_c.py").write_text("def score(p, r):\n    return 2.0\n")
+    parses.clear()
+    _as_a_new_process()
+    with pinned_code(["my_rubric_c"]):
+        assert code_fingerprint("my_rubric_c") not in (keys["my_rubric_c"], code_fingerprint("my_helpers_c"))
+    assert len(parses) == 1  # the edited file alone
+
+    (cache_file,) = (tmp_path / "cache" / "code").iterdir()
+    for damaged in ("{not json", '{"' + "0" * 64 + '": ["zz", 3]}', "[]"):
+        cache_file.write_text(damaged)
+        _as_a_new_process()
+        assert {module: code_fingerprint(module) for module in STAGE_MODULES} == {m: keys[m] for m in STAGE_MODULES}

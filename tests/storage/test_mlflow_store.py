@@ -9,6 +9,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
 
+import storage.files
 import storage.mlflow_store
 from storage.layout import RunLayout
 from storage.mlflow_store import LocalDataset, MlflowStore, ModelVersionSummary, RunSummary
@@ -246,7 +247,7 @@ def test_a_new_store_is_a_copy_of_an_empty_migrated_one_and_equals_a_freshly_mig
     for database, make in ((fresh, lambda uri: MlflowClient(uri, uri)), (seeded, MlflowStore)):
         make(f"sqlite:///{database}")
         MlflowClient(f"sqlite:///{database}").create_experiment("camp")
-    assert (storage.mlflow_store.cache_dir() / f"mlflow-{__import__('mlflow').__version__}-empty.db").is_file()
+    assert (storage.files.cache_dir() / f"mlflow-{__import__('mlflow').__version__}-empty.db").is_file()
     assert _rows(seeded) == _rows(fresh)
     assert [(e.experiment_id, e.name) for e in MlflowClient(f"sqlite:///{seeded}").search_experiments()] == [
         ("1", "camp"),
