@@ -22,7 +22,7 @@ from campaign.identity import (
     run_key,
     uses_demo_world,
 )
-from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, tracking_uri
+from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, store_layout, tracking_uri
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_bytes, png_data_uri
 from flows.inputs import InputError, check_inputs
 from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
@@ -214,6 +214,7 @@ def context_for(
         parent_run_id=parent_run_id,
         flow_run_id=flow_run_id,
         register_models=register_models,
+        fingerprints=store_layout(config).fingerprint_cache(),
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.references import (
@@ -234,6 +235,9 @@ class StageContext:
     """Record each stage output in MLflow. False for the stages of an iteration computed ahead, while the previous
     iteration's update runs (``sampling.staleness``): its iteration records them when it calls them (and reuses
     them)."""
+    fingerprints: Path | None = None
+    """The run root's fingerprint cache (:mod:`storage.fingerprints`), where each output's files are remembered as
+    their stage writes them; None: not remembered."""
 
     @property
     def tracker(self) -> Tracker:

@@ -54,6 +54,7 @@ from runtime.metering import PEAKS, peak_memory, peak_metrics, release_memory
 from runtime.record import announce, describe_result, record_stage, stage_state
 from runtime.versions import stage_versions
 from storage.files import disk_errors
+from storage.fingerprints import remember_written
 from storage.holds import hold
 from storage.manifest import Manifest, StageOutput, compute_input_key, find_stage_output, read_manifest
 from storage.progress import clear_progress
@@ -175,6 +176,8 @@ def run_stage(stage: Stage[S], context: StageContext, settings: S) -> StageResul
         )
         out = StageOutput(stage_dir, stage=name, input_key=input_key, config=key_settings, upstream=digests, code=code)
         manifest = _produce(stage, Job(stage.module, context, settings, out))
+        if context.fingerprints is not None:
+            remember_written(context.fingerprints, stage_dir, ((entry.path, entry.sha256) for entry in manifest.files))
         hold(name, "output")
     else:
         logger.info("%s: reusing output %s", name, input_key[:16])

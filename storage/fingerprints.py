@@ -15,6 +15,12 @@ Choices:
    stamp times coarsely (a few ms), so a file rewritten again within the same tick, at the same
    size, would keep its stamps, and a remembered hash would go stale ("racily clean" in git's
    terms). A write moves both stamps together, so the modification time alone says when to trust.
+4. A stage output's files are remembered as their stage writes them (:func:`remember_written`): the stage hashed
+   each one from disk as it published it (its manifest's sha256), so the first check of a finished campaign reads
+   none of them again (issue 42: a campaign's checkpoints can be terabytes). Choice 3 still holds when such an entry
+   is read: it is trusted once its file has settled. What it cannot see is another writer rewriting the file to the
+   same size within the same clock tick as its stage's own last write, inside the stage's hidden folder.
+5. A save merges: entries other processes saved meanwhile are kept, this process's win where both hold one.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from storage.files import file_sha256, write_text_replacing
@@ -46,7 +53,7 @@ class FingerprintCache:
     def __init__(self, cache_file: Path | None) -> None:
         self.cache_file = cache_file
         self._entries: dict[str, dict[str, str]] = self._read() if cache_file is not None else {}
-        self._changed = False
+        self._changed: set[str] = set()
 
     def _read(self) -> dict[str, dict[str, str]]:
         try:
@@ -69,9 +76,17 @@ class FingerprintCache:
             return entry["sha256"]
         sha256 = file_sha256(path)
         if settled:
-            self._entries[str(path)] = {"stat": key, "sha256": sha256}
-            self._changed = True
+            self._remember(path, key, sha256)
         return sha256
+
+    def _remember(self, path: Path, key: str, sha256: str) -> None:
+        self._entries[str(path)] = {"stat": key, "sha256": sha256}
+        self._changed.add(str(path))
+
+    def remember(self, path: Path, sha256: str) -> None:
+        """Remember ``sha256`` as the content of ``path`` as it is now, which its writer hashed (choice 4)."""
+        path = Path(path).resolve()
+        self._remember(path, _stat_key(path)[0], sha256)
 
     def fingerprint(self, path: Path) -> str:
         """sha256 of a file's content, or of a folder's relative file names and contents.
@@ -91,11 +106,21 @@ class FingerprintCache:
         return digest.hexdigest()
 
     def save(self) -> None:
-        """Write the cache if anything was hashed anew."""
+        """Write the cache if anything was hashed anew, beside what other processes saved meanwhile (choice 5)."""
         if self.cache_file is None or not self._changed:
             return
+        self._entries = {**self._read(), **{path: self._entries[path] for path in self._changed}}
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
         write_text_replacing(
             self.cache_file, json.dumps({"version": _CACHE_VERSION, "files": self._entries}, sort_keys=True)
         )
-        self._changed = False
+        self._changed = set()
+
+
+def remember_written(cache_file: Path, folder: Path, files: Iterable[tuple[str, str]]) -> None:
+    """Remember in ``cache_file`` the sha256 of each file of ``folder`` its writer just hashed: ``files`` are
+    ``(path relative to folder, sha256)``, as a stage output's manifest lists them (choice 4)."""
+    cache = FingerprintCache(cache_file)
+    for relative, sha256 in files:
+        cache.remember(folder / relative, sha256)
+    cache.save()

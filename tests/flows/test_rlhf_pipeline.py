@@ -399,3 +399,26 @@ def test_other_ppo_settings_keep_the_finished_iterations_and_apply_from_the_next
 
     upstream = read_manifest(final.policy.directory, verify=False).upstream
     assert upstream["policy"] == first.result().policy.digest, "it continues from the last kept iteration"
+
+
+def test_issue42_every_output_file_is_remembered_as_written_so_checking_the_campaign_reads_none(
+    campaign, monkeypatch
+):
+    """An iteration's stages remember their files' sha256 in the run root's fingerprint cache as they publish them
+    (tests/runtime/test_stage.py): checking the finished campaign, as every rerun does, hashes none of them (with a
+    14 GB checkpoint per iteration, minutes of reading)."""
+    import storage.fingerprints
+    from campaign.history import finished_iterations
+    from campaign.verification import check_finished_outputs
+    from flows.iterations import context_for, resolve_base
+
+    config, _ = campaign
+    context = context_for(config, 0, resolve_base.fn(config), experiment_id="0")
+    assert context.fingerprints == config.run_root.resolve() / "cache" / "fingerprints.json"
+    monkeypatch.setattr(storage.fingerprints, "SETTLE_SECONDS", 0.0)  # the newest were written a moment ago
+    reads = []
+    real = storage.fingerprints.file_sha256
+    monkeypatch.setattr(storage.fingerprints, "file_sha256", lambda path, **kw: reads.append(path) or real(path, **kw))
+    assert check_finished_outputs(config, finished_iterations(config)) == []
+    outputs = config.run_root.resolve() / config.campaign
+    assert [path for path in reads if Path(path).resolve().is_relative_to(outputs)] == []

@@ -24,4 +24,5 @@ def stage_context(tmp_path: Path, *, policy: InputFile = FILE, execution: Execut
         seed=0,
         base=BaseInputs(policy=policy, tokenizer=policy, prompts=FILE, eval_prompts=FILE),
         execution=execution or Execution(device="cpu", torch_threads=1),
+        fingerprints=root.fingerprint_cache(),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import weakref
 from pathlib import Path
 
@@ -111,6 +112,23 @@ def test_a_stage_runs_once_per_input_key_and_any_argument_changes_the_key(contex
     # Where it runs is not part of the key.
     elsewhere = dataclasses.replace(context, execution=Execution(device="cpu", torch_threads=2, checkpoint_seconds=1))
     assert _toy(elsewhere, None, rows=3, prompts=FILE).input_key == first.input_key
+
+
+def test_issue42_a_computed_output_is_remembered_as_written_and_a_reused_one_is_read_by_nobody(context, monkeypatch):
+    """The run root's fingerprint cache holds each file of a computed output with its manifest's sha256 (what the
+    first check of the campaign would otherwise hash again); reusing the output reads none of its bytes."""
+    import storage.fingerprints
+
+    result = _toy(context, None, rows=3, prompts=FILE)
+    remembered = json.loads(context.fingerprints.read_text())["files"]
+    files = read_manifest(result.directory).files
+    assert {str((result.directory / f.path).resolve()): f.sha256 for f in files} == {
+        path: entry["sha256"] for path, entry in remembered.items()
+    }
+    monkeypatch.setattr(storage.fingerprints, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(storage.fingerprints, "file_sha256", lambda path, **kw: pytest.fail(f"{path} was read"))
+    cache = storage.fingerprints.FingerprintCache(context.fingerprints)
+    assert read_manifest(result.directory, cache=cache).input_key == result.input_key
 
 
 def test_the_code_is_part_of_the_key(context, monkeypatch):

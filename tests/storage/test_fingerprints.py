@@ -118,3 +118,39 @@ def test_issue14_a_file_still_being_written_is_hashed_but_not_remembered(tmp_pat
     os.utime(path, ns=(stamp, stamp))  # the same tick
     assert FingerprintCache(cache_file).fingerprint(path) != first
     assert len(reads) == 2
+
+
+def test_issue42_files_remembered_as_written_are_not_read_again_and_an_edit_after_is_still_seen(
+    tmp_path: Path, reads: list[Path]
+):
+    """A stage output's files are remembered with the sha256 its writer computed: once settled, the first check
+    reads none of them; a byte flipped afterwards (``touch -r``) is hashed again; a save keeps what another process
+    saved meanwhile."""
+    output = tmp_path / "rollout" / "0123456789abcdef"
+    output.mkdir(parents=True)
+    (output / "experience-00000.parquet").write_bytes(b"\0" * 1000)
+    (output / "actor").mkdir()
+    (output / "actor" / "model.safetensors").write_bytes(b"\2" * 500)
+    written = [(path.relative_to(output).as_posix(), storage.fingerprints.file_sha256(path)) for path in
+               sorted(p for p in output.rglob("*") if p.is_file())]  # fmt: skip
+    reads.clear()
+    _settle(*(output / relative for relative, _ in written))
+    cache_file = tmp_path / "cache" / "fingerprints.json"
+    other = FingerprintCache(cache_file)  # another process, with an input it hashed
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a"}\n')
+    _settle(tmp_path / "prompts.jsonl")
+    other.fingerprint(tmp_path / "prompts.jsonl")
+    storage.fingerprints.remember_written(cache_file, output, written)
+    other.save()  # saved after the stage remembered its files: both are kept
+    reads.clear()
+    cache = FingerprintCache(cache_file)
+    assert [cache.file_sha256(output / relative) for relative, _ in written] == [sha for _, sha in written]
+    cache.file_sha256(tmp_path / "prompts.jsonl")
+    assert reads == []
+    shard = output / "experience-00000.parquet"
+    stat = shard.stat()
+    with shard.open("r+b") as handle:
+        handle.seek(10)
+        handle.write(b"\1")
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert FingerprintCache(cache_file).file_sha256(shard) != written[1][1] and reads == [shard.resolve()]
