@@ -401,9 +401,7 @@ def test_other_ppo_settings_keep_the_finished_iterations_and_apply_from_the_next
     assert upstream["policy"] == first.result().policy.digest, "it continues from the last kept iteration"
 
 
-def test_issue42_every_output_file_is_remembered_as_written_so_checking_the_campaign_reads_none(
-    campaign, monkeypatch
-):
+def test_issue42_every_output_file_is_remembered_as_written_so_checking_the_campaign_reads_none(campaign, monkeypatch):
     """An iteration's stages remember their files' sha256 in the run root's fingerprint cache as they publish them
     (tests/runtime/test_stage.py): checking the finished campaign, as every rerun does, hashes none of them (with a
     14 GB checkpoint per iteration, minutes of reading)."""
