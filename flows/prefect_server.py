@@ -12,9 +12,9 @@ Choices:
    (:func:`start_prefect_api`) and waits for it last (:func:`ensure_prefect_api`), so the server's
    seconds of starting pass while the command imports torch and checks its inputs.
 2. Its concurrency-slot leases are kept on disk, so they outlive it (see :func:`_launch`).
-3. The server is started through a two-line launcher that asks the kernel to send it SIGTERM when
+3. The server is started through a two-line launcher that asks the kernel to send it SIGKILL when
    its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, kept across the ``exec`` into uvicorn), so
-   it ends with the command however the command ends, ``kill -9`` included. The request is tied to
+   it ends with the command however the command ends, ``kill -9`` included, at once. The request is tied to
    the thread that started the child, so it is made from the command's main thread.
 4. It is stopped at exit like Prefect's own, from an ``atexit`` hook registered before any flow runs,
    so Prefect's log and event workers (registered later, run earlier) flush to it first. It runs in
@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,8 +80,11 @@ def _launch(port: int) -> subprocess.Popen:
     # died with the server while the slot stayed taken in the database, and the next run waited forever.
     environment.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
     # In a process group of its own: Ctrl-C in a terminal signals the whole foreground group, and the server
-    # must outlive the command's own handling of it (marking its runs) rather than stop under it.
-    return launch_tied(sys.executable, [sys.executable, "-m", "uvicorn", *uvicorn], env=environment)
+    # must outlive the command's own handling of it (marking its runs) rather than stop under it. Killed outright
+    # when the command dies (runtime.children): nothing is left to serve, and SQLite's journal keeps its database
+    # whole; a command that ends stops it gracefully first (atexit).
+    argv = [sys.executable, "-m", "uvicorn", *uvicorn]
+    return launch_tied(sys.executable, argv, death_signal=signal.SIGKILL, env=environment)
 
 
 def _wait_until_healthy(process: subprocess.Popen, url: str, timeout: float) -> bool:

@@ -91,13 +91,15 @@ def test_flows_against_the_commands_temporary_server_send_no_heartbeats(command)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_issue14_the_temporary_server_dies_with_its_command_even_on_kill_minus_nine(command):
+    """At once (issue 42: tied to SIGTERM, its graceful stop was still running 3 s after the kill in 1 of 24 crash
+    cases; it is tied to SIGKILL now, tests/runtime/test_children.py)."""
     assert _running(command.launched)
     os.kill(command.process.pid, signal.SIGKILL)
     command.process.wait(timeout=30)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 3
     while _running(command.launched) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(command.launched), "the server outlived the command"
+    assert not _running(command.launched), "the server outlived the command by 3 s"
 
 
 HEARTBEAT_IN_FLOW_SETTINGS = """
