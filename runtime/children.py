@@ -12,7 +12,6 @@ and a check 3 s after a ``kill -9`` found it still running in 1 of 24 crash case
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -31,15 +30,6 @@ os.execv(sys.argv[3], sys.argv[3:])
 signal numbered ``SIGNAL`` when the process ``PARENT_PID`` ends."""
 
 
-def end_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
-    """A ``preexec_fn`` asking Linux to stop the child with SIGTERM when the process that started it dies (``kill -9``
-    included): an ``accelerate launch`` then stops its workers."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on now."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
@@ -48,13 +38,20 @@ def free_port() -> int:
 
 
 def launch_tied(
-    python: str, argv: Sequence[str], *, death_signal: signal.Signals = signal.SIGTERM, **popen: Any
+    python: str,
+    argv: Sequence[str],
+    *,
+    death_signal: signal.Signals = signal.SIGTERM,
+    own_group: bool = True,
+    **popen: Any,
 ) -> subprocess.Popen:
-    """Start ``argv`` (its executable first) from ``python`` through :data:`TIED`, in a process group of its own,
-    sent ``death_signal`` when this process ends. The request is the calling thread's: call it from a thread that
-    lasts as long as the process (Linux sends the signal when the thread that started the child ends)."""
+    """Start ``argv`` (its executable first) from ``python`` through :data:`TIED`, sent ``death_signal`` when this
+    process ends; in a process group of its own unless not ``own_group`` (a training process, which Ctrl-C at the
+    terminal stops with its command). The request is made in the child before it runs anything (no ``preexec_fn``,
+    which is not safe in a process with threads), and is the calling thread's: call it from a thread that lasts as
+    long as the child must (Linux sends the signal when the thread that started the child ends)."""
     tied = [python, "-c", TIED, str(int(death_signal)), str(os.getpid()), *argv]
-    return subprocess.Popen(tied, process_group=0, **popen)
+    return subprocess.Popen(tied, process_group=0 if own_group else None, **popen)
 
 
 def stop(process: subprocess.Popen, *, timeout: float) -> None:

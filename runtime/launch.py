@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from rlhf_core.precision import Precision, accelerate_mixed_precision
 from runtime import warm
 from runtime.bars import BAR_FILE_VARIABLE, relay_bar
-from runtime.children import end_with_parent, free_port
+from runtime.children import free_port, launch_tied
 from runtime.job import ERROR_PREFIX, RESULT_FILE, SPEC_FILE, Job, encode_job
 from storage.files import write_text_replacing
 from storage.progress import partial_dir
@@ -99,9 +99,9 @@ def train(job: Job, *, precision: Precision) -> dict[str, float]:
         else:
             command = [sys.executable, "-m", "accelerate.commands.launch", *launch_options(execution, precision)]
             command += ["-m", "runtime.worker", str(spec)]
-            with open(log, "wb") as output:
-                process = subprocess.Popen(
-                    command, stdout=output, stderr=subprocess.STDOUT, env=environment, preexec_fn=end_with_parent
+            with open(log, "wb") as output:  # the launcher stops its workers when this process ends (SIGTERM)
+                process = launch_tied(
+                    sys.executable, command, own_group=False, stdout=output, stderr=subprocess.STDOUT, env=environment
                 )
                 status = _wait_showing(process, relay_bar(bar))
     if status != 0 or not result.is_file():

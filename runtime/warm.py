@@ -19,6 +19,13 @@ Choices:
    server's pid after it was asked for). A ``kill -9`` of the command ends the job, as it ended the fresh process.
 3. One job at a time per command (the overlapped update is one stage); a second requester waits. A server that
    died is started again for the next job; its job's exit status is its signal's, as a fresh process's would be.
+4. A fork copies only the thread that forks: a lock another thread held at that moment stays held in the child for
+   ever. So the server forks only while it is its process's one thread and no CUDA context exists
+   (:func:`_unforkable`); otherwise its job is a fresh ``python -m runtime.worker``, as without the server, and the
+   server says why once. That is why :data:`PRELOAD` stops short of MLflow, polars and pyarrow: importing them
+   starts threads (jemalloc's background threads, polars' out-of-core cleaner), so a job imports them itself (about
+   2 s of the 9 s a fresh process spends importing, issue 42). The server itself is started without a
+   ``preexec_fn`` (not safe in the command, which has threads): through :func:`runtime.children.launch_tied`.
 """
 
 from __future__ import annotations
@@ -37,20 +44,16 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
-from runtime.children import end_with_parent
+from runtime.children import launch_tied
 
-PRELOAD = (
-    "runtime.worker",
-    "runtime.stage",
-    "tasks.ppo_update",
-    "tasks.train_reward_model",
-    "rlhf_core.loading",
-    "transformers",
-    "peft",
-)
-"""What the server imports once: the worker, the training stages and the libraries their models need."""
+PRELOAD = ("runtime.worker", "rlhf_core.loading", "rlhf_core.models", "transformers", "peft", "prefect")
+"""What the server imports once: the worker, and the libraries the training stages' models need, none of which starts
+a thread (choice 4); the stages' own modules, MLflow, polars and pyarrow are the job's to import."""
+SERVER = [sys.executable, "-m", "runtime.warm"]
+"""The server's command line."""
 READY = "ready"
 POLL_SECONDS = 0.5
 """How often the requester looks for the job's end, showing the job's bar between (:func:`run`)."""
@@ -114,13 +117,14 @@ def _start() -> subprocess.Popen:
     launched = threading.Event()
 
     def start_and_watch() -> None:  # choice 2: this thread lives as long as the server
-        process = subprocess.Popen(
-            [sys.executable, "-m", "runtime.warm"],
+        process = launch_tied(
+            sys.executable,
+            SERVER,
+            own_group=False,  # Ctrl-C at the terminal reaches the server and its job, as a fresh process
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
-            preexec_fn=end_with_parent,
         )
         started["process"] = process
         launched.set()
@@ -165,14 +169,60 @@ def serve() -> None:
     for module in PRELOAD:
         importlib.import_module(module)
     _reply(READY)
+    said = False
     for line in sys.stdin:
         request = json.loads(line)
-        server = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            _job(request, server)
-        _, status = os.waitpid(pid, 0)
-        _reply(json.dumps({"status": os.waitstatus_to_exitcode(status)}))
+        if (reason := _unforkable()) is None:
+            status = _forked(request)
+        else:
+            if not said:
+                sys.stderr.write(f"runtime.warm: {reason}: each job starts as a fresh process\n")
+                sys.stderr.flush()
+                said = True
+            status = _spawned(request)
+        _reply(json.dumps({"status": status}))
+
+
+def _unforkable() -> str | None:
+    """Why a fork of this process now would not be safe (choice 4), or None: another thread, or a CUDA context."""
+    tasks = Path("/proc/self/task")
+    if tasks.is_dir():
+        names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    else:  # no /proc: the threads Python knows of
+        names = [thread.name for thread in threading.enumerate()]
+    if len(names) > 1:
+        return f"the warm server has {len(names)} threads ({', '.join(sorted(names))})"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "the warm server has a CUDA context"
+    return None
+
+
+def _forked(request: dict) -> int:
+    """Run the request's job in a fork of this server; its exit status."""
+    server = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _job(request, server)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _spawned(request: dict) -> int:
+    """Run the request's job as a fresh ``python -m runtime.worker``, ended with this server; its exit status."""
+    with open(request["log"], "wb") as log:
+        worker = launch_tied(
+            sys.executable,
+            [sys.executable, "-m", "runtime.worker", request["spec"]],
+            death_signal=signal.SIGKILL,
+            own_group=False,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=request["environment"],
+            cwd=request["cwd"],
+        )
+        return worker.wait()
 
 
 def _reply(text: str) -> None:
@@ -186,7 +236,7 @@ def _job(request: dict, server: int) -> None:  # pragma: no cover - runs in the 
     try:
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # not Linux: as runtime.children.end_with_parent, no such signal
+        except (OSError, AttributeError):  # not Linux: no such signal
             pass
         if os.getppid() != server:  # the server ended before the request took effect
             os._exit(1)

@@ -52,6 +52,7 @@ def where_it_runs() -> dict[str, float]:
     return {
         "pid": os.getpid(),
         "parent": os.getppid(),
+        "forked": float(Path(sys.argv[0]).name == "warm.py"),  # a fork of the server, not a fresh runtime.worker
         "threads": torch.get_num_threads(),
         "variable": float(os.environ.get(VARIABLE, "-1")),
         "in_repo": float(Path.cwd() == REPO),
@@ -111,6 +112,7 @@ def test_issue33_each_job_is_a_fork_of_one_server_and_sees_what_a_fresh_process_
     monkeypatch.setenv(VARIABLE, "2")  # after the server started: the job takes the requester's environment now
     second = train(_job(tmp_path / "b", "where_it_runs", threads=1), precision="fp32")
     assert first["parent"] == second["parent"] == warm._server.pid  # one server, forked twice
+    assert first["forked"] == second["forked"] == 1.0
     assert len({first["pid"], second["pid"], os.getpid()}) == 3
     assert (first["threads"], second["threads"]) == (2, 1)
     assert (first["variable"], second["variable"]) == (1.0, 2.0)
@@ -127,6 +129,32 @@ def test_issue33_a_failing_job_fails_the_stage_with_its_error_and_the_next_job_r
     with pytest.raises(TrainingWorkerError, match="exit status -9"):  # killed: the signal, as Popen says it
         train(_job(tmp_path, "die"), precision="fp32")
     assert train(_job(tmp_path, "where_it_runs"), precision="fp32")["parent"] == warm._server.pid
+
+
+THREADED_SERVER = (
+    "import threading, time; threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); "
+    "from runtime.warm import serve; serve()"
+)
+"""The warm server with one more thread alive, as a library that started one at import would leave it."""
+
+
+def test_issue42_a_server_with_another_thread_or_cuda_runs_its_job_as_a_fresh_process_not_a_fork(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A fork copies one thread: a lock another one held stays held in the child. The server forks only while it
+    is its process's one thread (and has no CUDA context); else its job is a fresh worker, which sees the same."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv(VARIABLE, "3")
+    if warm._server is not None:
+        warm._stop(warm._server)
+    monkeypatch.setattr(warm, "SERVER", [sys.executable, "-c", THREADED_SERVER])
+    try:
+        spawned = train(_job(tmp_path, "where_it_runs", threads=2), precision="fp32")
+        assert spawned["parent"] == warm._server.pid and spawned["forked"] == 0.0
+        assert (spawned["threads"], spawned["variable"], spawned["in_repo"]) == (2, 3.0, 1.0)
+    finally:
+        warm._stop(warm._server)
+    assert warm._unforkable() is not None  # this test's own process: threads of its own (pytest's, Prefect's)
 
 
 @pytest.mark.slow  # the crash step of .ci/run, with the other kill -9 tests
