@@ -61,6 +61,7 @@ from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from rlhf_core.config import field_bounds
 from runtime.concurrency import ensure_gpu_limit
 from runtime.events import POLICY_REGISTERED, campaign_resource
+from runtime.prefect_internals import parameter_schema, set_parameter_schema
 
 logger = get_logger("rlhf.serve")  # under prefect's logger, so it shows at INFO in the console
 
@@ -190,9 +191,8 @@ def build_deployments(
         ),
     ]
     for deployment in deployments:
-        schema = deployment._parameter_openapi_schema  # no public setter in prefect 3.8.8
-        bounded = with_bounds(schema.model_dump(), hidden=HIDDEN_PARAMETERS.get(deployment.flow_name, ()))
-        deployment._parameter_openapi_schema = type(schema).model_validate(bounded)
+        hidden = HIDDEN_PARAMETERS.get(deployment.flow_name, ())
+        set_parameter_schema(deployment, with_bounds(parameter_schema(deployment), hidden=hidden))
     return deployments
 
 

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
+from runtime.prefect_internals import acquire_slot_lease, release_slot_lease, renewing_lease, without_tags
 from storage.files import temporary_sibling
 from storage.tracking import process_token, writer_alive
 
@@ -87,25 +88,19 @@ def held_slot(
     releases the lease a holder that died without releasing it left there (:func:`release_dead_holder`); ``locked``:
     the caller holds a lock every holder of the slot takes first, so the recorded holder is gone, on any machine.
     """
-    from prefect.concurrency._sync import (
-        acquire_concurrency_slots_with_lease,
-        maintain_concurrency_lease,
-        release_concurrency_slots_with_lease,
-    )
-
     if record is not None:
         release_dead_holder(record, gone=locked)
     if waiting is not None:
         announce_wait(name, waiting)
-    lease = acquire_concurrency_slots_with_lease([name], 1, lease_duration=LEASE_SECONDS, strict=True).lease_id
+    lease = acquire_slot_lease(name, lease_seconds=LEASE_SECONDS)
     if record is not None:
         _write_record(record, str(lease))
     try:
-        with maintain_concurrency_lease(lease, LEASE_SECONDS, raise_on_lease_renewal_failure=False):
+        with renewing_lease(lease, lease_seconds=LEASE_SECONDS):
             yield str(lease)
     finally:
         try:
-            release_concurrency_slots_with_lease(lease)
+            release_slot_lease(lease)
         except Exception as error:  # the server is gone (Ctrl-C at exit), or did not answer in time
             # The record stays: the next holder releases the lease (a server that expires none would keep it).
             logger.warning("could not release the slot lease %s of %s (%s)", lease, name, error)
@@ -119,8 +114,6 @@ def release_dead_holder(record: Path, *, gone: bool = False) -> None:
     to be ``gone``: a server whose lease repossessor does not run (a temporary server, Prefect's test harness) never
     expires it, and the next taker would wait forever. A record naming no process (by an earlier release) counts
     as gone."""
-    from prefect.concurrency._sync import release_concurrency_slots_with_lease
-
     recorded = _recorded(record)
     if recorded is None:
         return
@@ -128,7 +121,7 @@ def release_dead_holder(record: Path, *, gone: bool = False) -> None:
     if not gone and holder is not None and writer_alive(holder):
         return
     with contextlib.suppress(Exception):  # already released, or expired and revoked by the server
-        release_concurrency_slots_with_lease(UUID(lease))
+        release_slot_lease(UUID(lease))
         logger.info("released the slot %s of a process that stopped without releasing it", record.stem)
     record.unlink(missing_ok=True)
 
@@ -228,7 +221,5 @@ def sharing_the_gpu() -> Iterator[None]:
     """Run the block's stages without the :data:`GPU_TAG` of :func:`gpu_stages`: they share the GPU whose slot a
     stage of the same campaign running meanwhile holds (an overlapped iteration's generation stages beside its
     update, :mod:`flows.overlap`). With the tag they would wait for that stage's end, and overlap nothing."""
-    from prefect.context import TagsContext
-
-    with TagsContext(current_tags=TagsContext.get().current_tags - {GPU_TAG}):
+    with without_tags(GPU_TAG):
         yield
