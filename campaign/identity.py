@@ -175,9 +175,10 @@ def _leaf(tree: dict, path: str) -> object:
 
 def run_key(config: PipelineConfig, base: BaseInputs, *parts: object) -> str:
     """An iteration (or replay) run's identity: its config without execution and location settings,
-    its base inputs and ``parts`` (the policy it continues and its number, or the run it replays)."""
+    every base input by content (:attr:`runtime.context.BaseInputs.contents`) and ``parts`` (the policy it continues
+    and its number, or the run it replays)."""
     fields = fields_without(config, EXECUTION + LOCATION)
-    return hashlib.sha256(json.dumps([fields, base.fingerprint, *parts], sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([fields, base.contents, *parts], sort_keys=True).encode()).hexdigest()
 
 
 CAMPAIGN_FREE = (

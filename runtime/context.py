@@ -127,8 +127,11 @@ class BaseInputs:
 
     @property
     def fingerprint(self) -> str:
-        """One hash of the base files' contents: part of every input key."""
-        parts = (self.policy, self.tokenizer, self.prompts, self.eval_prompts, self.reward_model)
+        """One hash of the contents of the base files stages compute from, part of every input key: all but the
+        held-out prompts, which only the stages that read them (the reference's samples and the evaluation) declare
+        as a setting (``base.eval_prompts``), so another file re-keys those two alone (issue 42); and the imported
+        preferences, a setting of the stage that reads them."""
+        parts = (self.policy, self.tokenizer, self.prompts, self.reward_model)
         return hashlib.sha256("/".join(part.sha256 if part else "-" for part in parts).encode()).hexdigest()
 
 

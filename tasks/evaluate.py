@@ -76,7 +76,7 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
             reward_tokenizer_dir=context.base.reward_tokenizer,
         )
     function = None if reward_function is None else reward_function.load()
-    held_out = read_prompts(context.base.eval_prompts.path)[: settings.prompts]
+    held_out = read_prompts(settings.eval_prompts.path)[: settings.prompts]
     texts = [prompt_text(tokenizer, prompt) for prompt in held_out]
     reference = read_table(settings.reference.directory, "reference_responses")
     reference_ids, reference_texts = reference.column(RESPONSE_IDS).to_pylist(), reference.column(RESPONSE).to_pylist()
@@ -162,7 +162,7 @@ def gather(job: Job[EvaluateSettings], table: pa.Table) -> dict[str, float]:
     if settings.judge is not None:
         metrics.update(_gold_metrics(records, settings.judge))
     if settings.rubric is not None:
-        held_out = read_prompts(job.context.base.eval_prompts.path)[: settings.prompts]
+        held_out = read_prompts(settings.eval_prompts.path)[: settings.prompts]
         metrics.update(_rubric_metrics(records, held_out, settings.rubric))
     (job.out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
     return metrics

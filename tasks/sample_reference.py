@@ -68,7 +68,7 @@ def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     reference = models.reference()
     sampler = policy_sampler(models, context, context.base.policy.path, reference, sampling)
-    held_out = read_prompts(context.base.eval_prompts.path)[: settings.prompts]
+    held_out = read_prompts(settings.eval_prompts.path)[: settings.prompts]
     for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in REFERENCE_RESPONSES.names}
         seeds = row_seeds(sampling, shard, shard.start, shard.stop - shard.start)

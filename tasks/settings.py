@@ -194,6 +194,8 @@ class SampleReferenceSettings(StageSettings):
     stage = "sample_reference"
     sampling: SamplingConfig = setting("sampling.of_a_given_policy")
     precision: Precision = setting("precision")
+    eval_prompts: InputFile = setting("base.eval_prompts")
+    """The held-out prompts file (by content: no other stage's key holds it)."""
     prompts: int = setting("sizes.eval_prompts")
     rows_per_shard: int = setting("sizes.rows_per_shard")
 
@@ -210,6 +212,8 @@ class EvaluateSettings(StageSettings):
     """The reward model, or None when ``reward_function`` scores instead."""
     sampling: SamplingConfig = setting("sampling.of_a_given_policy")
     precision: Precision = setting("precision")
+    eval_prompts: InputFile = setting("base.eval_prompts")
+    """The held-out prompts file (by content: no other stage's key holds it)."""
     prompts: int = setting("sizes.eval_prompts")
     """How many held-out prompts to evaluate (the first ones of the file)."""
     judge: JudgeReference | None = setting("base.judge")

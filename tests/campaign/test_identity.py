@@ -36,7 +36,9 @@ TINY = HERE.parents[1] / "configs" / "tiny.yaml"
 RECORDED = (HERE / "config_recorded_before_issue26.json").read_text()
 
 FINGERPRINT = "0121c676d26d71b1c44c687ed59e09907027c1acf68715ccfe978442555688ea"
-ITERATION_KEY = "99883634608aa61806c0c8a30f2ff3fd44db1b72cfedcf24a9093118d0fef228"
+ITERATION_KEY = "950990a07fc80d34bc03b8b66f5fe6656274b8404129c5163ea9c43d82b90d0f"
+"""The iteration run key of ``RECORDED`` on ``BASE``; since issue 42 over every base input by content (it was
+99883634... over the stages' base fingerprint, which no longer holds the held-out prompts)."""
 CAMPAIGN_CONFIG = {  # the experiment tag `rlhf.campaign_config` that version wrote
     "campaign": "tiny",
     "data": {"eval_prompts": None, "preferences": None, "prompts": None},
@@ -164,6 +166,8 @@ def test_issue35_fields_added_since_keep_every_identity_at_their_old_value_and_a
     )
     assert config_fingerprint(running) == FINGERPRINT  # a replayable setting: no part of the campaign's identity
     assert run_key(running, BASE, "", 0) != ITERATION_KEY
+    held_out = dataclasses.replace(BASE, eval_prompts=InputFile(path="/inputs/eval_prompts.jsonl", sha256="3" * 64))
+    assert run_key(recorded, held_out, "", 0) != ITERATION_KEY  # every base input's content, the held-out prompts too
 
 
 def test_issue35_a_pairing_that_compares_every_pair_needs_a_labeler_that_scores_each_candidate():

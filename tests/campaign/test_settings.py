@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 from campaign.config import PipelineConfig
 from campaign.settings import STAGE_SETTINGS, covers, replayable_fields
 from runtime.context import BaseInputs, InputFile
-from runtime.declaration import setting_values, settings_from
+from runtime.declaration import input_names, setting_values, settings_from
 from tasks.settings import (
     STAGES,
     CollectPreferencesSettings,
@@ -125,3 +126,20 @@ def test_a_replay_may_change_what_only_the_replayed_stages_read():
     assert not covers(replayable_fields(), "sizes.samples_per_prompt")
     assert covers(replayable_fields(), "ppo.clip_eps") and not covers(replayable_fields(), "sampling.temperature")
     assert not covers(("ppo",), "ppo_extra")
+
+
+def test_issue42_the_held_out_prompts_key_the_references_samples_and_the_evaluation_alone():
+    """Another held-out prompts file re-keys the two stages that read it, through their ``base.eval_prompts``
+    setting, and no other: the base fingerprint in every key leaves it out."""
+    other = dataclasses.replace(BASE, eval_prompts=InputFile(path="/p", sha256="1" * 64))
+    assert other.fingerprint == BASE.fingerprint
+    assert dataclasses.replace(BASE, prompts=other.eval_prompts).fingerprint != BASE.fingerprint
+    config = PipelineConfig(demo=True, labeler="gold")
+    rekeyed = set()
+    for settings in STAGES:
+        inputs = {name: None for name in input_names(settings)}
+        if setting_values(settings_from(settings, config, BASE, inputs)) != setting_values(
+            settings_from(settings, config, other, inputs)
+        ):
+            rekeyed.add(settings.stage)
+    assert rekeyed == {"sample_reference", "evaluate"}
