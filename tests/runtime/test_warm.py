@@ -133,9 +133,10 @@ def test_issue33_a_failing_job_fails_the_stage_with_its_error_and_the_next_job_r
 
 THREADED_SERVER = (
     "import threading, time; threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); "
-    "from runtime.warm import serve; serve()"
+    "import runtime.warm as warm; warm.PRELOAD = (); warm.serve()"
 )
-"""The warm server with one more thread alive, as a library that started one at import would leave it."""
+"""The warm server with one more thread alive, as a library that started one at import would leave it (and nothing
+preloaded: its job is a fresh process, which imports what it needs)."""
 
 
 def test_issue42_a_server_with_another_thread_or_cuda_runs_its_job_as_a_fresh_process_not_a_fork(
