@@ -12,8 +12,10 @@ Choices:
    content, and MLflow says which evaluations belong to the campaign's finished iterations.
 2. It holds the evaluations of every finished iteration (and the outputs of the run it is drawn for) and everything
    they were made from; outputs of abandoned attempts and superseded iterations are left out.
-3. Each node is named by its asset key (:func:`runtime.assets.manifest_asset`) in a comment beside it, so the
-   diagram and the events name the same assets; node ids are short (``n3``), and the diagram draws the newest
+3. Each node is one output, named in a comment beside it by its stage's asset key
+   (:func:`runtime.assets.manifest_asset`) and its version (the first 16 hex digits of its digest, as the
+   materialisation's payload has it), so the diagram and the events name the same things; a base input is one node
+   per content. Node ids are short (``n3``), and the diagram draws the newest
    :data:`DRAWN_ITERATIONS` iterations only: Mermaid draws no diagram of more than 50,000 characters, and an
    iteration takes about 1,000 (the tiny campaign: 1,616 characters for one iteration, 3,643 for three). The
    run's own outputs are marked written or reused, and each evaluation shows its headline figure.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.assets import base_dependencies, manifest_asset, manifest_iteration
+from runtime.assets import base_asset, base_contents, manifest_asset, manifest_iteration
 from storage.manifest import Manifest, read_manifest
 from storage.tracking import TAG_MANIFEST_DIGEST, TAG_OUTPUT_PREFIX
 
@@ -123,7 +125,7 @@ def drawn(lineage: Lineage) -> tuple[Manifest, ...]:
 def mermaid(campaign: str, lineage: Lineage) -> str:
     """The lineage as a Mermaid flowchart, top to bottom: the base inputs, then each output below what it was made
     from (no box per iteration: Mermaid lays boxes side by side, which the artifact's column shrinks unreadably).
-    Nodes have short ids, each named by its asset key in a comment line (see the module docstring)."""
+    Nodes have short ids, each named by its asset key and version in a comment line (see the module docstring)."""
     lines = [
         "flowchart TB",
         "  classDef base fill:#e8eef8,stroke:#5b7bb0,color:#1d2b44",
@@ -133,22 +135,21 @@ def mermaid(campaign: str, lineage: Lineage) -> str:
     ]
     outputs = drawn(lineage)
     node = {manifest.digest: f"n{index}" for index, manifest in enumerate(outputs)}
-    bases: dict[str, str] = {}
+    bases: dict[tuple[str, str], str] = {}
     edges: list[tuple[str, str]] = []
     for manifest in outputs:
         child = node[manifest.digest]
         edges += [(node[parent], child) for parent in sorted(manifest.upstream.values()) if parent in node]
-        for key in base_dependencies(campaign, manifest):
-            bases.setdefault(key, f"b{len(bases)}")
-            edges.append((bases[key], child))
-    for key, base in bases.items():
-        name, sha = key.rsplit("/", 2)[-2:]
-        lines += [f"  %% {base}: {key}", f'  {base}[("{name}<br/>{sha[:8]}")]:::base']
+        for content in base_contents(manifest).items():
+            bases.setdefault(content, f"b{len(bases)}")
+            edges.append((bases[content], child))
+    for (name, sha), base in bases.items():
+        lines += [f"  %% {base}: {base_asset(campaign, name)} {sha[:16]}", f'  {base}[("{name}<br/>{sha[:8]}")]:::base']
     for manifest in outputs:
         status = "wrote" if manifest.digest in lineage.wrote else "reused" if manifest.digest in lineage.reused else ""
         style = status or ("evaluated" if manifest.stage == EVALUATION_STAGE else "")
         lines += [
-            f"  %% {node[manifest.digest]}: {manifest_asset(campaign, manifest)}",
+            f"  %% {node[manifest.digest]}: {manifest_asset(campaign, manifest)} {manifest.digest[:16]}",
             f'  {node[manifest.digest]}["{_label(manifest, status=status)}"]' + (f":::{style}" if style else ""),
         ]
     lines += [f"  {parent} --> {child}" for parent, child in dict.fromkeys(edges)]
@@ -156,20 +157,20 @@ def mermaid(campaign: str, lineage: Lineage) -> str:
 
 
 def lineage_markdown(campaign: str, lineage: Lineage, *, title: str) -> str:
-    """The artifact: the graph, then a row per output the run wrote or reused with its asset key."""
+    """The artifact: the graph, then a row per output the run wrote or reused with its asset key and version."""
     lines = [
         f"# {title}",
         "",
-        "Every stage output is a Prefect asset; an arrow goes from what it was made from. Green: written by this run; "
-        "dashed: reused by it; gold: an evaluated policy.",
+        "Every stage output is a version of its stage's Prefect asset; an arrow goes from what it was made from. "
+        "Green: written by this run; dashed: reused by it; gold: an evaluated policy.",
         "",
         "```mermaid",
         mermaid(campaign, lineage),
         "```",
         "",
         *_left_out(lineage),
-        "| stage | iteration | asset | this run | rows | MB |",
-        "| --- | ---: | --- | --- | ---: | ---: |",
+        "| stage | iteration | asset | version | this run | rows | MB |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: |",
     ]
     for manifest in lineage.outputs:
         if manifest.digest not in lineage.wrote | lineage.reused:
@@ -178,8 +179,8 @@ def lineage_markdown(campaign: str, lineage: Lineage, *, title: str) -> str:
         size = sum(entry.bytes for entry in manifest.files) / 2**20
         did = "wrote" if manifest.digest in lineage.wrote else "reused"
         lines.append(
-            f"| {manifest.stage} | {manifest_iteration(manifest)} | `{manifest_asset(campaign, manifest)}` | {did} "
-            f"| {rows or ''} | {size:.2f} |"
+            f"| {manifest.stage} | {manifest_iteration(manifest)} | `{manifest_asset(campaign, manifest)}` "
+            f"| `{manifest.digest[:16]}` | {did} | {rows or ''} | {size:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -7,9 +7,14 @@ flows draw (:mod:`flows.lineage`).
 
 Choices:
 
-1. An output's key is ``rlhf://<campaign>/iteration-<n>/<stage>/<digest>`` (:func:`output_asset`), the digest cut to
-   16 hex digits as in every message: the content's identity, so the same output is one asset whichever run wrote
-   or reused it. A base input's is ``rlhf://<campaign>/base/<name>/<sha256>`` (:func:`base_asset`), by content too.
+1. Keys are stable, as Prefect's asset model has them: an asset is a thing made again and again, each
+   materialisation a version (issue 42: content-addressed keys made every output an asset of its own, materialised
+   once, about 9 more assets a campaign iteration, and showed no freshness). A stage's outputs are the asset
+   ``rlhf://<campaign>/<stage>`` (:func:`output_asset`); each materialisation's payload says which output it is (its
+   digest, input key and iteration, the MLflow run, and whether an iteration or a replay made it). A base input is
+   ``rlhf://<campaign>/base/<name>`` (:func:`base_asset`), its sha256 in the payload of what was made from it. The
+   graph of the stage assets holds the loop itself (the rollout made from the update, the update from the
+   advantages made from the rollout); the lineage artifact (:mod:`flows.lineage`) draws every output.
 2. The events are Prefect's own asset grammar, what ``@materialize`` emits: ``prefect.asset.materialization.succeeded``
    for the output with its upstream assets as related resources and its metadata as payload, and
    ``prefect.asset.referenced`` for each upstream. They are emitted here rather than by ``@materialize`` because an
@@ -60,14 +65,14 @@ have (no imported preferences, no pretrained reward model) is left out. The base
 reference, but an edge from it to each of those would say nothing the graph does not already show."""
 
 
-def output_asset(campaign: str, stage: str, iteration: int, digest: str) -> str:
-    """The asset key of a stage output (see the module docstring)."""
-    return f"{SCHEME}://{campaign}/iteration-{iteration}/{stage}/{digest[:SHORT_DIGEST]}"
+def output_asset(campaign: str, stage: str) -> str:
+    """The asset key of a stage's outputs in a campaign (see the module docstring)."""
+    return f"{SCHEME}://{campaign}/{stage}"
 
 
-def base_asset(campaign: str, name: str, sha256: str) -> str:
-    """The asset key of a base input (``policy``, ``prompts``, ...) by its content."""
-    return f"{SCHEME}://{campaign}/base/{name}/{sha256[:SHORT_DIGEST]}"
+def base_asset(campaign: str, name: str) -> str:
+    """The asset key of a base input (``policy``, ``prompts``, ...)."""
+    return f"{SCHEME}://{campaign}/base/{name}"
 
 
 def campaign_assets(campaign: str) -> str:
@@ -82,26 +87,35 @@ def manifest_iteration(manifest: Manifest) -> int:
 
 def manifest_asset(campaign: str, manifest: Manifest) -> str:
     """:func:`output_asset` of the output ``manifest`` describes."""
-    return output_asset(campaign, manifest.stage, manifest_iteration(manifest), manifest.digest)
+    return output_asset(campaign, manifest.stage)
+
+
+def base_contents(manifest: Manifest) -> dict[str, str]:
+    """``name -> sha256`` of each base input the output was made from (:data:`BASE_INPUTS`), as its manifest records
+    them."""
+    contents = manifest.runtime.get("inputs", {})
+    return {name: contents[name] for name in BASE_INPUTS.get(manifest.stage, ()) if name in contents}
 
 
 def base_dependencies(campaign: str, manifest: Manifest) -> list[str]:
-    """The base inputs the output was made from (:data:`BASE_INPUTS`), by the contents its manifest records."""
-    contents = manifest.runtime.get("inputs", {})
-    names = [name for name in BASE_INPUTS.get(manifest.stage, ()) if name in contents]
-    return [base_asset(campaign, name, contents[name]) for name in names]
+    """The asset keys of the base inputs the output was made from (:func:`base_contents`)."""
+    return [base_asset(campaign, name) for name in base_contents(manifest)]
 
 
-def output_metadata(manifest: Manifest, *, campaign: str, run_id: str | None) -> dict[str, Any]:
-    """What a materialisation says of its output: where it belongs, rows, bytes and the stage's metrics."""
+def output_metadata(manifest: Manifest, *, campaign: str, run_id: str | None, kind: str) -> dict[str, Any]:
+    """What a materialisation says of its output: which output it is (its digest: the asset's version), where it
+    belongs, what made it (an ``iteration`` or a ``replay``) and from what (upstream digests, base inputs' sha256),
+    rows, bytes and the stage's metrics."""
     rows = [entry.rows for entry in manifest.files if entry.rows is not None]
     return {
         "campaign": campaign,
         "iteration": manifest_iteration(manifest),
+        "kind": kind,
         "stage": manifest.stage,
         "digest": manifest.digest,
         "input_key": manifest.input_key,
         "upstream": dict(manifest.upstream),
+        "base_inputs": base_contents(manifest),
         "mlflow_run_id": run_id,
         "files": len(manifest.files),
         "rows": sum(rows) if rows else None,
@@ -131,7 +145,14 @@ class AssetEvent:
 
 
 def output_events(
-    campaign: str, manifest: Manifest, parents: list[str], *, reused: bool, run_id: str | None, path: str
+    campaign: str,
+    manifest: Manifest,
+    parents: list[str],
+    *,
+    reused: bool,
+    run_id: str | None,
+    path: str,
+    kind: str = "iteration",
 ) -> list[AssetEvent]:
     """The events that tell Prefect about one output (see the module docstring).
 
@@ -142,22 +163,29 @@ def output_events(
         reused: the run reused it rather than wrote it.
         run_id: the MLflow run recording it.
         path: its folder.
+        kind: what recorded it: an ``iteration`` or a ``replay``.
     """
     resource = {
         "prefect.resource.id": manifest_asset(campaign, manifest),
-        "prefect.resource.name": f"{manifest.stage}, iteration {manifest_iteration(manifest)}",
-        "prefect.asset.description": f"{manifest.stage} output {manifest.digest[:SHORT_DIGEST]} in {path}",
+        "prefect.resource.name": f"{manifest.stage} of campaign {campaign}",
+        "prefect.asset.description": (
+            f"{manifest.stage} output {manifest.digest[:SHORT_DIGEST]} of iteration {manifest_iteration(manifest)} "
+            f"in {path}"
+        ),
     }
     if reused:
         return [AssetEvent(REFERENCED, resource)]
-    parents = [*parents, *base_dependencies(campaign, manifest)]
+    # each upstream asset once (a reward model trained on several iterations' preferences names that stage's asset
+    # once), and not the output's own: an update made from the previous update is the same asset's new version
+    own = resource["prefect.resource.id"]
+    parents = [key for key in dict.fromkeys([*parents, *base_dependencies(campaign, manifest)]) if key != own]
     return [
         *(AssetEvent(REFERENCED, {"prefect.resource.id": parent}) for parent in parents),
         AssetEvent(
             MATERIALIZED,
             resource,
             related=tuple({"prefect.resource.id": parent, "prefect.resource.role": "asset"} for parent in parents),
-            payload=output_metadata(manifest, campaign=campaign, run_id=run_id),
+            payload=output_metadata(manifest, campaign=campaign, run_id=run_id, kind=kind),
         ),
     ]
 
@@ -184,6 +212,7 @@ def publish_output(context: StageContext, result: StageResult, upstream: Any, *,
         reused=result.reused if reused is None else reused,
         run_id=result.run_id,
         path=result.path,
+        kind="iteration" if context.register_models else "replay",  # replays register no versions
     )
     for event in events:
         send(event.event, event.resource, related=event.related, payload=event.payload)

@@ -53,15 +53,15 @@ def test_the_mermaid_graph_draws_every_asset_and_edge_and_marks_what_the_run_did
     last_update, last_evaluation = outputs[-2], outputs[-1]
     lineage = Lineage(tuple(outputs), wrote=frozenset({last_evaluation.digest}), reused=frozenset({last_update.digest}))
     text = mermaid("demo", lineage)
-    named = dict(re.findall(r"^  %% (\w+): (\S+)$", text, flags=re.MULTILINE))  # node id -> asset key
-    node = {key: node for node, key in named.items()}
+    named = re.findall(r"^  %% (\w+): (\S+) (\w+)$", text, flags=re.MULTILINE)  # node id, asset key, version
+    node = {(key, version): node for node, key, version in named}
     edges = re.findall(r"^  (\w+) --> (\w+)$", text, flags=re.MULTILINE)
-    node |= {manifest.digest: node[manifest_asset("demo", manifest)] for manifest in outputs}
+    node |= {manifest.digest: node[manifest_asset("demo", manifest), manifest.digest[:16]] for manifest in outputs}
     for manifest in outputs:
         assert {(node[parent], node[manifest.digest]) for parent in manifest.upstream.values()} <= set(edges)
     prompts, policy = (
-        node[base_asset("demo", "prompts", SHA["prompts"])],
-        node[base_asset("demo", "policy", SHA["policy"])],
+        node[base_asset("demo", "prompts"), SHA["prompts"][:16]],
+        node[base_asset("demo", "policy"), SHA["policy"][:16]],
     )
     assert (prompts, node[outputs[1].digest]) in edges and (policy, node[outputs[0].digest]) in edges
     assert (
@@ -81,10 +81,10 @@ def test_the_artifact_lists_the_runs_own_assets_by_key(tmp_path):
     lineage = Lineage(tuple(outputs), wrote=frozenset({outputs[-1].digest}), reused=frozenset({outputs[-2].digest}))
     markdown = lineage_markdown("demo", lineage, title="Lineage")
     assert "```mermaid\nflowchart TB" in markdown
-    rows = re.findall(r"^\| (\w+) \| (\d+) \| `(\S+)` \| (wrote|reused) \|", markdown, flags=re.MULTILINE)
+    rows = re.findall(r"^\| (\w+) \| (\d+) \| `(\S+)` \| `(\w+)` \| (wrote|reused) \|", markdown, flags=re.M)
     assert rows == [
-        ("ppo_update", "1", manifest_asset("demo", outputs[-2]), "reused"),
-        ("evaluate", "1", manifest_asset("demo", outputs[-1]), "wrote"),
+        ("ppo_update", "1", manifest_asset("demo", outputs[-2]), outputs[-2].digest[:16], "reused"),
+        ("evaluate", "1", manifest_asset("demo", outputs[-1]), outputs[-1].digest[:16], "wrote"),
     ]
 
 

@@ -148,15 +148,16 @@ def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upst
     ]
     prefix = f"rlhf://{config.campaign}/"
     events = prefect_events(MATERIALIZED, resource_prefix=prefix, expect=len(manifests))
-    keys = [event.resource.id for event in events]
-    assert sorted(keys) == sorted(manifest_asset(config.campaign, manifest) for manifest in manifests)  # once each
+    assert sorted(event.payload["digest"] for event in events) == sorted(m.digest for m in manifests)  # once each
     by_digest = {manifest.digest: manifest for manifest in manifests}
     for event in events:
         manifest = by_digest[event.payload["digest"]]
+        assert event.resource.id == manifest_asset(config.campaign, manifest) == f"{prefix}{manifest.stage}"
         assert event.payload["campaign"] == config.campaign and event.payload["stage"] == manifest.stage
         assert event.payload["bytes"] > 0 and event.payload["metrics"] == manifest.metrics
+        assert event.payload["kind"] == "iteration"
         parents = [by_digest[digest] for digest in manifest.upstream.values() if digest in by_digest]  # not optimizers
-        upstream = {manifest_asset(config.campaign, parent) for parent in parents}
+        upstream = {manifest_asset(config.campaign, parent) for parent in parents} - {event.resource.id}
         related = {resource.id for resource in event.related if resource.role == "asset"}
         assert related == upstream | set(base_dependencies(config.campaign, manifest))
         assert {"flow-run", "task-run"} <= {resource.role for resource in event.related}  # who materialised it
@@ -169,7 +170,7 @@ def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upst
     evaluations = [manifest for manifest in manifests if manifest.stage == "evaluate"]
     assert "```mermaid" in artifact.data and len(evaluations) == config.iterations
     for manifest in evaluations:
-        assert f": {manifest_asset(config.campaign, manifest)}\n" in artifact.data  # named in the diagram
+        assert f": {manifest_asset(config.campaign, manifest)} {manifest.digest[:16]}\n" in artifact.data  # drawn
 
 
 def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_they_were_computed_on(campaign):

@@ -39,35 +39,48 @@ def write_output(root: Path, stage: str, iteration: int, *, upstream: dict[str, 
     return out.manifest
 
 
-def test_keys_name_the_campaign_iteration_stage_and_digest_and_are_valid_prefect_assets():
-    key = output_asset("demo", "ppo_update", 3, "0123456789abcdef" * 4)
-    assert key == "rlhf://demo/iteration-3/ppo_update/0123456789abcdef"
-    assert base_asset("demo", "prompts", "b2" * 32) == "rlhf://demo/base/prompts/b2b2b2b2b2b2b2b2"
+def test_keys_are_stable_names_of_the_campaigns_stages_and_base_inputs_and_valid_prefect_assets():
+    """Issue 42: Prefect's assets are things made again, each materialisation a version: no digest in a key."""
+    key = output_asset("demo", "ppo_update")
+    assert key == "rlhf://demo/ppo_update"
+    assert base_asset("demo", "prompts") == "rlhf://demo/base/prompts"
     assert Asset(key=key).key == key  # Prefect's own validation of an asset key
 
 
-def test_a_written_output_is_materialised_with_its_upstream_and_base_inputs_and_its_figures(tmp_path):
+def test_a_written_output_is_materialised_with_its_upstream_and_base_inputs_and_its_version_in_the_payload(tmp_path):
     parent = write_output(tmp_path, "initialize", 0, upstream={})
     child = write_output(tmp_path, "rollout", 1, upstream={"policy": parent.digest})
     parents = [manifest_asset("demo", parent)]
     events = output_events("demo", child, parents, reused=False, run_id="r1", path="/x")
     *references, materialised = events
     assert materialised.event == MATERIALIZED
-    assert materialised.resource["prefect.resource.id"] == f"rlhf://demo/iteration-1/rollout/{child.digest[:16]}"
+    assert materialised.resource["prefect.resource.id"] == "rlhf://demo/rollout"
     related = [item["prefect.resource.id"] for item in materialised.related]
-    assert related == [
-        f"rlhf://demo/iteration-0/initialize/{parent.digest[:16]}",
-        base_asset("demo", "prompts", SHA["prompts"]),
-    ]
+    assert related == ["rlhf://demo/initialize", "rlhf://demo/base/prompts"]
     assert {item["prefect.resource.role"] for item in materialised.related} == {"asset"}
     assert [event.event for event in references] == [REFERENCED, REFERENCED]
     assert [event.resource["prefect.resource.id"] for event in references] == related
     payload = materialised.payload
     assert payload["campaign"] == "demo" and payload["iteration"] == 1 and payload["stage"] == "rollout"
-    assert payload["digest"] == child.digest and payload["input_key"] == child.input_key
+    assert payload["digest"] == child.digest and payload["input_key"] == child.input_key  # which version
+    assert payload["kind"] == "iteration" and payload["base_inputs"] == {"prompts": SHA["prompts"]}
     assert payload["upstream"] == {"policy": parent.digest} and payload["mlflow_run_id"] == "r1"
     assert payload["rows"] == 3 and payload["bytes"] == sum(entry.bytes for entry in child.files) > 0
     assert payload["metrics"] == {"seconds": 1.5, "gold_win_rate": 0.625}
+
+
+def test_an_update_made_from_the_last_one_and_from_several_outputs_of_a_stage_names_each_upstream_asset_once(tmp_path):
+    """The update continues the previous update's policy (the same asset, a new version: no edge to itself); a reward
+    model trained on two iterations' preferences names that stage's asset once."""
+    first = write_output(tmp_path, "collect_preferences", 0, upstream={})
+    second = write_output(tmp_path, "collect_preferences", 1, upstream={"previous": first.digest})
+    model = write_output(tmp_path, "train_reward_model", 1, upstream={"a": first.digest, "b": second.digest})
+    parents = [manifest_asset("demo", first), manifest_asset("demo", second)]
+    *_, materialised = output_events("demo", model, parents, reused=False, run_id="r", path="/x", kind="replay")
+    assert [item["prefect.resource.id"] for item in materialised.related] == ["rlhf://demo/collect_preferences"]
+    assert materialised.payload["kind"] == "replay"
+    *_, again = output_events("demo", second, [manifest_asset("demo", first)], reused=False, run_id="r", path="/x")
+    assert again.related == ()
 
 
 def test_a_reused_output_is_referenced_not_materialised_again(tmp_path):
