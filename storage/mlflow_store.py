@@ -24,10 +24,15 @@ Choices:
 5. MLflow's own rules live here and nowhere else: the length limits of params and dataset digests,
    the reserved ``latest`` alias, the experiment type its UI reads, and its UI's addresses.
 6. Searches match exact tag values; a value holding a quote or a backslash is refused, not escaped.
-7. A logged model (MLflow 3's ``LoggedModel``, what its UI's *Models* tab lists) is made READY at once and holds no
-   artifacts of its own: its weights stay where its run recorded them, which its tags say. A registered version
-   made from one is linked to it the way MLflow's own ``register_model`` does (the model's ``mlflow.modelVersions``
-   tag), so the model's page names its versions.
+7. A logged model (MLflow 3's ``LoggedModel``, what its UI's *Models* tab lists) is an *external* model, MLflow's
+   documented way for weights stored elsewhere (``mlflow.create_external_model``): tagged ``mlflow.model.isExternal``,
+   holding only the ``MLmodel`` file MLflow writes for one, and READY at once. Its weights stay where its run
+   recorded them (once, not a second 14 GB copy per checkpoint), which its tags say; ``models:/<model_id>`` resolves
+   and registers with MLflow's own ``register_model`` (issue 42: it held no artifacts and did neither). A version
+   the pipeline registers keeps the weights as its source, so ``models:/<name>/<version>`` downloads them, and is
+   linked to its logged model the way ``register_model`` links them (the model's ``mlflow.modelVersions`` tag), so
+   the model's page names its versions. (A version keeps a ``model_id`` of its own only when its source is
+   ``models:/<model_id>``, which here would download an ``MLmodel`` file and no weights.)
 
 Environment: ``RLHF_CACHE_DIR`` moves :func:`cache_dir` (tests point it into their temporary folder); nothing else
 is read or set here. Set ``MLFLOW_DISABLE_TELEMETRY=true`` in the environment of offline machines (tests do it in
@@ -67,7 +72,12 @@ from mlflow.entities import (
 from mlflow.exceptions import MlflowException
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_MODEL_VERSIONS, MLFLOW_PARENT_RUN_ID
+from mlflow.utils.mlflow_tags import (
+    MLFLOW_DATASET_CONTEXT,
+    MLFLOW_MODEL_IS_EXTERNAL,
+    MLFLOW_MODEL_VERSIONS,
+    MLFLOW_PARENT_RUN_ID,
+)
 
 from storage.files import cache_dir
 
@@ -641,7 +651,8 @@ class MlflowStore:
         params: Mapping[str, object],
         model_type: str,
     ) -> str:
-        """A new READY logged model made by ``run_id`` (an output of the run, so its page lists it); its id.
+        """A new READY external logged model made by ``run_id`` (an output of the run, so its page lists it; choice
+        7); its id.
 
         Args:
             experiment_id: the experiment it belongs to.
@@ -651,14 +662,20 @@ class MlflowStore:
             params: param name -> value (stringified, flattened like :meth:`log_params`).
             model_type: what kind of model it is, shown in the UI.
         """
+        from mlflow.models.model import MLMODEL_FILE_NAME
+        from mlflow.models.utils import get_external_mlflow_model_spec
+
         model = self._client.create_logged_model(
             experiment_id,
             name=name,
             source_run_id=run_id,
-            tags={key: str(value) for key, value in tags.items()},
+            tags={**{key: str(value) for key, value in tags.items()}, MLFLOW_MODEL_IS_EXTERNAL: "true"},
             params=dict(_flatten(params)),
             model_type=model_type,
         )
+        with tempfile.TemporaryDirectory() as folder:  # what MLflow's create_external_model logs (choice 7)
+            get_external_mlflow_model_spec(model).save(os.path.join(folder, MLMODEL_FILE_NAME))
+            self._client.log_model_artifacts(model.model_id, folder)
         self._client.finalize_logged_model(model.model_id, "READY")
         self._client.log_outputs(run_id, models=[LoggedModelOutput(model.model_id, 0)])
         return model.model_id

@@ -173,7 +173,9 @@ def test_issue34_every_output_is_a_prefect_asset_materialised_once_from_its_upst
         assert f": {manifest_asset(config.campaign, manifest)} {manifest.digest[:16]}\n" in artifact.data  # drawn
 
 
-def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_they_were_computed_on(campaign):
+def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_they_were_computed_on(
+    campaign, monkeypatch
+):
     """MLflow's models view: a logged model per actor, critic and reward model, linked to its run, folder, lineage and
     registered version; evaluation and reward-model figures logged with the model and the data's digest; `best`
     on the registered actor with the highest gold win rate; and the Prefect events that said so."""
@@ -243,6 +245,26 @@ def test_issue34_each_checkpoint_is_a_logged_model_with_its_metrics_on_the_data_
     )
     best_version = client.get_model_version_by_alias(f"{config.campaign}-actor", "best")
     assert best_version.run_id == best.source_run_id
+
+    # Issue 42: MLflow's own API opens the registered policy, and registers the logged model it was made from.
+    import mlflow
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{config.run_root / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", f"sqlite:///{config.run_root / 'mlflow.db'}")
+    opened = AutoModelForCausalLM.from_pretrained(
+        mlflow.artifacts.download_artifacts(f"models:/{config.campaign}-actor@best")
+    )
+    written = load_file(Path(best.tags["rlhf.source"].removeprefix("file://")) / "model.safetensors")
+    for name, value in opened.state_dict().items():
+        if name in written:
+            torch.testing.assert_close(value, written[name], rtol=0, atol=0, msg=name)
+    assert best.tags["mlflow.model.isExternal"] == "true"
+    assert mlflow.register_model(f"models:/{best.model_id}", f"{config.campaign}-best-copy").source == (
+        f"models:/{best.model_id}"
+    )
 
     registered = prefect_events("rlhf.policy.registered", resource_prefix=f"rlhf.campaign.{config.campaign}", expect=2)
     assert sorted(event.payload["model_id"] for event in registered) == sorted(m.model_id for m in named["actor"])

@@ -172,9 +172,12 @@ def test_a_tracking_server_keeps_its_own_artifact_root(tmp_path: Path) -> None:
         MlflowStore("http://127.0.0.1:1", artifact_root=tmp_path)
 
 
-def test_a_logged_model_is_ready_an_output_of_its_run_and_linked_to_its_version(store: MlflowStore) -> None:
-    """Issue 34: MLflow 3's logged model, with no artifacts of its own, named on its registered version's side and
-    its own (what MLflow's register_model does), once."""
+def test_a_logged_model_is_ready_an_output_of_its_run_and_linked_to_its_version(
+    store: MlflowStore, monkeypatch
+) -> None:
+    """Issue 34: MLflow 3's logged model, named on its registered version's side and its own (what MLflow's
+    register_model does), once. Issue 42: an external model (its weights where its run keeps them), which MLflow's
+    own API resolves and registers."""
     experiment_id = store.ensure_experiment("camp")
     run_id = store.create_run(experiment_id, name="ppo_update", tags={})
     model_id = store.create_logged_model(
@@ -187,6 +190,14 @@ def test_a_logged_model_is_ready_an_output_of_its_run_and_linked_to_its_version(
     version = store.register_version("camp-actor", "file:///models/actor", run_id=run_id, model_id=model_id)
     assert store.register_version("camp-actor", "file:///models/actor", run_id=run_id, model_id=model_id) == version
     assert store.logged_model(model_id).versions == (("camp-actor", version),)  # linked once
+    assert store.logged_model(model_id).tags["mlflow.model.isExternal"] == "true"
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.tracking_uri)  # MLflow's own fluent API, on this store
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", store.tracking_uri)
+    copy = mlflow.register_model(f"models:/{model_id}", "camp-actor-copy")
+    assert copy.source == f"models:/{model_id}"
+    assert (Path(mlflow.artifacts.download_artifacts(f"models:/{model_id}")) / "MLmodel").is_file()
 
 
 def test_metrics_go_with_their_model_and_dataset_once_and_rank_the_models(store: MlflowStore) -> None:
