@@ -215,9 +215,24 @@ def _store(run_root: Path, campaign: str) -> dict:
         "iteration keys": sorted(run.data.tags["rlhf.iteration_key"] for run in iteration_runs),
         "model versions": sorted((name, version) for name, version, _ in versions),
         "versions of known runs": all(run_id in {run.info.run_id for run in runs} for *_, run_id in versions),
-        "artifact folders": sorted(path.name for path in artifact_root.iterdir())
-        == sorted(r.info.run_id for r in runs),
+        "artifact folders": _artifact_folders(artifact_root) == sorted(r.info.run_id for r in runs)
+        and _model_folders(artifact_root)
+        == sorted(model.model_id for model in client.search_logged_models([experiment.experiment_id])),
     }
+
+
+def _artifact_folders(artifact_root: Path) -> list[str]:
+    """The runs' artifact folders (one per run, by id) of an experiment's artifact root."""
+    return sorted(path.name for path in artifact_root.iterdir() if path.name != "models")
+
+
+def _model_folders(artifact_root: Path) -> list[str]:
+    """The logged models' artifact folders (``models/<model_id>``: an external model's ``MLmodel`` file)."""
+    return (
+        sorted(path.name for path in (artifact_root / "models").iterdir())
+        if (artifact_root / "models").is_dir()
+        else []
+    )
 
 
 def _uncrashed(world: dict[str, Path], run_root: Path, api_url: str, *more: str) -> tuple[dict[str, str], dict]:
@@ -286,7 +301,10 @@ def _check_after_kill(run_root: Path, uncrashed: tuple[dict[str, str], dict], po
     assert set(now["outputs"]) <= set(store["outputs"]), f"killed at {points}: outputs the uncrashed run lacks"
     assert set(now["model versions"]) <= set(store["model versions"]), f"killed at {points}: {now['model versions']}"
     artifact_root = Path(_client(run_root).get_experiment_by_name("tiny").artifact_location.removeprefix("file://"))
-    assert {path.name for path in artifact_root.iterdir()} <= {run.info.run_id for run in runs}, points
+    assert set(_artifact_folders(artifact_root)) <= {run.info.run_id for run in runs}, points
+    experiment = _client(run_root).get_experiment_by_name("tiny")
+    models = {model.model_id for model in _client(run_root).search_logged_models([experiment.experiment_id])}
+    assert set(_model_folders(artifact_root)) <= models, points
     held = {point.split(":")[0] for point in points.split(",")}
     leftovers = [
         path

@@ -95,8 +95,8 @@ def test_each_output_exists_once_and_only_the_newest_policy_keeps_optimizer_stat
     # MLflow holds each stage's manifest, never a second copy of its files.
     artifacts = [path for path in (config.run_root / "mlartifacts").rglob("*") if path.is_file()]
     # Besides: the views the UI shows (the evaluation samples and the top responses as tables, the
-    # over-optimisation figure).
-    views = {"samples.json", "top_responses.json", "overoptimisation.png"}
+    # over-optimisation figure), and each logged model's MLmodel file (an external model's description, no weights).
+    views = {"samples.json", "top_responses.json", "overoptimisation.png", "MLmodel"}
     assert artifacts and {path.name for path in artifacts} == {"_manifest.json", "config.json", *views}
     with_states = [
         folder.name
