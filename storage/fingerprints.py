@@ -52,8 +52,13 @@ class FingerprintCache:
 
     def __init__(self, cache_file: Path | None) -> None:
         self.cache_file = cache_file
-        self._entries: dict[str, dict[str, str]] = self._read() if cache_file is not None else {}
-        self._changed: set[str] = set()
+        self._entries: dict[str, dict[str, str]] | None = None  # read at the first lookup: a writer needs none
+        self._changed: dict[str, dict[str, str]] = {}  # hashed or remembered here since the last save
+
+    def _known(self) -> dict[str, dict[str, str]]:
+        if self._entries is None:
+            self._entries = self._read() if self.cache_file is not None else {}
+        return self._entries
 
     def _read(self) -> dict[str, dict[str, str]]:
         try:
@@ -71,7 +76,7 @@ class FingerprintCache:
         """The sha256 of one file, from the cache when its path, size, mtime, ctime and inode match."""
         path = Path(path).resolve()
         key, settled = _stat_key(path)
-        entry = self._entries.get(str(path))
+        entry = self._changed.get(str(path)) or self._known().get(str(path))
         if entry is not None and entry.get("stat") == key and settled:
             return entry["sha256"]
         sha256 = file_sha256(path)
@@ -80,8 +85,7 @@ class FingerprintCache:
         return sha256
 
     def _remember(self, path: Path, key: str, sha256: str) -> None:
-        self._entries[str(path)] = {"stat": key, "sha256": sha256}
-        self._changed.add(str(path))
+        self._changed[str(path)] = {"stat": key, "sha256": sha256}
 
     def remember(self, path: Path, sha256: str) -> None:
         """Remember ``sha256`` as the content of ``path`` as it is now, which its writer hashed (choice 4)."""
@@ -109,17 +113,18 @@ class FingerprintCache:
         """Write the cache if anything was hashed anew, beside what other processes saved meanwhile (choice 5)."""
         if self.cache_file is None or not self._changed:
             return
-        self._entries = {**self._read(), **{path: self._entries[path] for path in self._changed}}
+        self._entries = {**self._read(), **self._changed}
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
         write_text_replacing(
             self.cache_file, json.dumps({"version": _CACHE_VERSION, "files": self._entries}, sort_keys=True)
         )
-        self._changed = set()
+        self._changed = {}
 
 
 def remember_written(cache_file: Path, folder: Path, files: Iterable[tuple[str, str]]) -> None:
     """Remember in ``cache_file`` the sha256 of each file of ``folder`` its writer just hashed: ``files`` are
-    ``(path relative to folder, sha256)``, as a stage output's manifest lists them (choice 4)."""
+    ``(path relative to folder, sha256)``, as a stage output's manifest lists them (choice 4). One read of the cache
+    file and one write."""
     cache = FingerprintCache(cache_file)
     for relative, sha256 in files:
         cache.remember(folder / relative, sha256)

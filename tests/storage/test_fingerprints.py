@@ -102,7 +102,7 @@ def test_an_unreadable_cache_is_ignored(tmp_path: Path):
     cache = FingerprintCache(cache_file)
     assert cache.fingerprint(tmp_path / "f") == FingerprintCache(None).fingerprint(tmp_path / "f")
     cache.save()
-    assert FingerprintCache(cache_file)._entries  # rewritten whole
+    assert FingerprintCache(cache_file)._known()  # rewritten whole
 
 
 def test_issue14_a_file_still_being_written_is_hashed_but_not_remembered(tmp_path: Path, reads: list[Path]):
