@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig, SamplingConfig
 from rlhf_core.divergence import DivergenceError, check_finite, check_weights
 from rlhf_core.generation import generate
 from rlhf_core.models import RewardModel
 from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
+from runtime.models import accelerator_for
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm
 
 
@@ -63,7 +63,7 @@ def test_reward_model_training_stops_at_the_first_non_finite_loss_before_steppin
         chosen_ids=ids, chosen_mask=mask, rejected_ids=ids, rejected_mask=mask, margin=torch.zeros(4)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     with pytest.raises(DivergenceError, match=r"reward_model's loss is not finite at optimizer step 1 \(learning rate"):
         fit_reward_model(model, optimizer, pairs, pairs, RewardModelConfig(batch_size=4), accelerator=accelerator)
     for name, parameter in model.named_parameters():

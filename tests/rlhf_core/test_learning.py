@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from accelerate import Accelerator
 
 from rlhf_core.config import AdvantageConfig, PPOConfig, RewardModelConfig, SamplingConfig
 from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.ppo import ppo_update
 from rlhf_core.reward_training import PreferenceBatch, fit_reward_model
+from runtime.models import accelerator_for
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
 TARGET_TOKEN = 7
@@ -22,7 +22,7 @@ def target_token_share(sequences: torch.Tensor, attention_mask: torch.Tensor) ->
 
 
 def test_ppo_lifts_programmatic_reward_far_above_random_init():
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     actor = tiny_causal_lm("gpt2", seed=0)
     reference = freeze(tiny_causal_lm("gpt2", seed=0))
     torch.manual_seed(1)
@@ -67,7 +67,7 @@ def test_ppo_lifts_programmatic_reward_far_above_random_init():
 
 def test_reward_model_reaches_high_held_out_accuracy_on_synthetic_pairs():
     """Hidden rule: a response with more copies of token 7 is preferred."""
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     generator = torch.Generator().manual_seed(0)
 
     def random_pairs(count: int) -> PreferenceBatch:

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from accelerate import Accelerator
 from torch import nn
 
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.models import RewardModel
 from rlhf_core.reward_training import PreferenceBatch, evaluate_reward_model, fit_reward_model
+from runtime.models import accelerator_for
 from tests.conftest import tiny_config
 
 
@@ -68,7 +68,7 @@ def make_model_and_pairs(seed: int = 0):
 
 @pytest.mark.parametrize("use_margin", [True, False])
 def test_fit_moves_every_parameter_and_counts_steps(use_margin):
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     model, train = make_model_and_pairs()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -86,7 +86,7 @@ def test_fit_moves_every_parameter_and_counts_steps(use_margin):
 
 
 def test_fit_needs_training_and_held_out_pairs():
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     model, train = make_model_and_pairs()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     empty = train.select(torch.tensor([], dtype=torch.long))
@@ -96,7 +96,7 @@ def test_fit_needs_training_and_held_out_pairs():
 
 def test_resuming_after_an_epoch_gives_exactly_the_uninterrupted_training():
     """With dropout on, so the global RNG matters as much as the shuffling stream."""
-    accelerator = Accelerator(cpu=True)
+    accelerator = accelerator_for(torch.device("cpu"), "fp32")
     config = RewardModelConfig(epochs=3, batch_size=3)
 
     def fresh(seed: int = 0):
