@@ -267,6 +267,12 @@ class PipelineConfig(_Frozen):
                 "`model.critic_init` reward_model needs a reward model to start from: `model.reward_model`, or one the "
                 "campaign trains (`reward.source` reward_model)"
             )
+        if self.critic_from_trained_reward_model and not self.advantages.normalize_scores:
+            raise ValueError(
+                "`model.critic_init` reward_model starts the critic on the scale of the normalised scores (the reward "
+                "model's held-out statistics folded into its head), so it needs `advantages.normalize_scores` true; "
+                "or use critic_init policy"
+            )
         scores_each = self.labeler in SCORING_LABELERS or self.labeler == "import"  # import labels no candidates
         if self.pairing != "consecutive" and self.learns_from_labels and not scores_each:
             raise ValueError(

@@ -46,6 +46,7 @@ from runtime.declaration import StageResult
 from runtime.engine import engine_identity
 from runtime.events import ITERATION_EVENT, STAGE_EVENT, announces_failure
 from runtime.launch import warm_up
+from runtime.records import upstream_result
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
@@ -157,7 +158,8 @@ def _iteration(
     staleness = config.sampling.staleness
     sampling, training = lanes(context, config)
     warm_up(training.execution)  # an update of its own process imports its code while the generation stages run
-    front = _front(config, sampling, state.sampler(staleness), state.reward_model, state.preferences)
+    origin = _critic_origin(config, context, state)
+    front = _front(config, sampling, state.sampler(staleness), state.reward_model, state.preferences, origin)
     scored = compute_advantages(
         training, config, experience=front.experience, reward_model=front.reward_model, previous=state.advantages
     )
@@ -169,7 +171,10 @@ def _iteration(
     }
     if ahead and runs_ahead(config):  # the next iteration's generation beside this update (flows.overlap)
         next_sampler = state.sampler(staleness - 1)
-        next_front = partial(_front, config, ahead_of(sampling), next_sampler, front.reward_model, front.preferences)
+        next_origin = update["critic_start"] or origin
+        next_front = partial(
+            _front, config, ahead_of(sampling), next_sampler, front.reward_model, front.preferences, next_origin
+        )
         policy = beside(ppo_update.submit(training, config, **update), next_front)
     else:
         policy = ppo_update(training, config, **update)
@@ -188,22 +193,37 @@ def _critic_start(config: PipelineConfig, policy: StageResult, reward_model: Sta
     return reward_model if config.critic_from_trained_reward_model and policy.stage == "initialize" else None
 
 
+def _critic_origin(config: PipelineConfig, context: StageContext, state: IterationState) -> StageResult | None:
+    """The reward model the campaign's critic started from, once iteration 0's update has started it; None before,
+    and for a critic that does not start from a trained reward model."""
+    chain = (*state.earlier, state.policy)
+    if not config.critic_from_trained_reward_model or len(chain) < 2 or chain[0].stage != "initialize":
+        return None
+    return upstream_result(context, chain[1], "critic_start")  # chain[1]: iteration 0's update
+
+
 def _front(
     config: PipelineConfig,
     context: StageContext,
     sampler: StageResult,
     reward_model: StageResult | None,
     preferences: tuple[StageResult, ...],
+    critic_origin: StageResult | None = None,
 ) -> Front:
     """Stages 1-4, the generation side: candidates and their labels from the ``sampler`` policy, the reward model
-    trained on every pair so far (continuing ``reward_model``), and the rollout of ``sampler``."""
+    trained on every pair so far (continuing ``reward_model``), and the rollout of ``sampler``.
+
+    A rollout of the campaign's initial policy takes its values from a critic started from ``critic_origin``, the
+    reward model iteration 0's update started its critic from (:func:`_critic_origin`), or in iteration 0 from the
+    reward model trained here: with ``sampling.staleness`` >= 1 a later iteration still samples the initial policy,
+    and its values come from the critic the update trains, not from one started from a newer reward model."""
     learned: list[StageResult] = []
     if config.reward.source == "reward_model":
         collected = _collect(config, context, sampler, reward_model) if config.reward_model.train else ()
         preferences = (*preferences, *collected[-1:])
         reward_model = train_reward_model(context, config, preferences=preferences, previous=reward_model)
         learned = [*collected, reward_model]
-    critic_start = _critic_start(config, sampler, reward_model)
+    critic_start = _critic_start(config, sampler, critic_origin or reward_model)
     experience = rollout(context, config, policy=sampler, reward_model=reward_model, critic_start=critic_start)
     return Front((*learned, experience), reward_model, preferences, experience)
 

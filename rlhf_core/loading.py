@@ -69,6 +69,7 @@ from transformers import (
 from rlhf_core.config import LoraConfig
 from rlhf_core.models import Critic, RewardModel, freeze, hidden_size
 from rlhf_core.precision import Precision, autocast, check_precision, compute_dtype
+from rlhf_core.rewards import fold_normalisation
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,14 @@ class ModelLoader:
 
     # Loading ----------------------------------------------------------------------------------------
 
-    def load(self, role: ModelRole, source: str | Path, *, trainable: bool = False) -> nn.Module:
+    def load(
+        self,
+        role: ModelRole,
+        source: str | Path,
+        *,
+        trainable: bool = False,
+        score_statistics: tuple[float, float] | None = None,
+    ) -> nn.Module:
         """Load the model of ``role`` from the folder ``source``.
 
         Args:
@@ -230,6 +238,9 @@ class ModelLoader:
                 critic or reward model, a folder without their head gives a freshly initialised head,
                 which only a trained model may have (the caller seeds the initialisation).
             trainable: gradients on (for the adapters and head only, under LoRA); otherwise frozen.
+            score_statistics: for a critic started from a reward model, the mean and std its scores are normalised
+                by: folded into the value head, so that the critic starts predicting normalised scores
+                (:func:`rlhf_core.rewards.fold_normalisation`).
 
         Returns:
             A causal LM (``actor``, ``reference``), a :class:`Critic` or a :class:`RewardModel`.
@@ -244,6 +255,8 @@ class ModelLoader:
         starts_critic = role == "critic" and meta is not None and meta.kind == "reward_model"
         if meta is not None and meta.kind != _KIND_OF_ROLE[role] and not starts_critic:
             raise ValueError(f"{source} holds a {meta.kind}, not the {role} asked for")
+        if score_statistics is not None and not starts_critic:
+            raise ValueError(f"score statistics are folded into a critic started from a reward model, not {source}")
         base_name = meta.base if meta is not None and meta.base else self._base_name(source)
         weights = self._base_folder(meta.base) if meta is not None and meta.base else source
         with_adapter = meta is not None and meta.adapter
@@ -254,7 +267,7 @@ class ModelLoader:
             dtype = torch.float32
         else:
             dtype = compute_dtype(self.precision)
-        key = None if trainable else self._frozen_key(role, dtype, source, weights)
+        key = None if trainable else self._frozen_key(role, dtype, source, weights, score_statistics)
         if key is not None and (kept := self.frozen_models.get(key)) is not None:
             self._set_trainable(kept, False)  # eval mode again, whatever the last stage left
             self._record(role, kept, trainable, kept_in_memory=True)
@@ -279,6 +292,8 @@ class ModelLoader:
                     f"{source / (_HEADED[role].head_name + '.safetensors')} is missing: {source} is not a saved "
                     f"{_HEADED[role].__name__}"
                 )
+            if score_statistics is not None:  # folded in float32, whatever the head is then cast to
+                fold_normalisation(model.head.float(), mean=score_statistics[0], std=score_statistics[1])
             model.head.to(dtype=torch.float32 if trainable or with_adapter or new_adapter else dtype)
         model.to(device=self.device)
         if not (with_adapter or new_adapter):
@@ -320,13 +335,15 @@ class ModelLoader:
             return _peft().get_peft_model(model, config)
         return model
 
-    def _frozen_key(self, role: str, dtype: torch.dtype, source: Path, weights: Path) -> Hashable | None:
-        """What a frozen model is kept under: role, device, dtype and its files; None where none is kept
-        (no cache, a source that is not a folder, or files that cannot be described)."""
+    def _frozen_key(
+        self, role: str, dtype: torch.dtype, source: Path, weights: Path, folded: tuple[float, float] | None
+    ) -> Hashable | None:
+        """What a frozen model is kept under: role, device, dtype, its files and the statistics folded into its head;
+        None where none is kept (no cache, a source that is not a folder, or files that cannot be described)."""
         if self.frozen_models is None or not (source.is_dir() and weights.is_dir()):
             return None
         identity = _files_identity(source, weights)
-        return None if identity is None else (role, str(self.device), str(dtype), identity)
+        return None if identity is None else (role, str(self.device), str(dtype), identity, folded)
 
     def _set_trainable(self, model: nn.Module, trainable: bool) -> None:
         if not trainable:

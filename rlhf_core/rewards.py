@@ -9,6 +9,9 @@ Choices:
    on the last token. Outside the action window it is 0, whatever (even inf or nan) sits there.
 4. Scores may be normalised by the reward model's held-out statistics or by running ones over every rollout so
    far (:func:`update_moments`), kept as count, mean and M2 so that merging is exact.
+5. A critic started from a reward model predicts the normalised score, not the raw one: the normalisation is folded
+   into its head (:func:`fold_normalisation`). OpenRLHF normalises the critic's outputs by the reward model's mean and
+   std at every forward; folded, the critic stays an ordinary linear head that training moves freely.
 """
 
 from __future__ import annotations
@@ -128,6 +131,21 @@ def normalize_scores(scores: torch.Tensor, *, mean: float, std: float, eps: floa
         scores: (B,); returns (B,).
     """
     return (scores - mean) / (std + eps)
+
+
+@torch.no_grad()
+def fold_normalisation(head: torch.nn.Linear, *, mean: float, std: float, eps: float = 1e-8) -> None:
+    """Make the score head ``w . h + b`` output :func:`normalize_scores` of its score, ``(w . h + b - mean) / (std +
+    eps)``, in place: weight ``w / (std + eps)``, bias ``(b - mean) / (std + eps)`` (choice 5).
+
+    Shapes:
+        head: a Linear of H inputs and 1 output, with a bias.
+    """
+    if head.bias is None or head.out_features != 1:
+        raise ValueError(f"a score head is a Linear with one output and a bias, got {head}")
+    scale = std + eps
+    head.weight.div_(scale)
+    head.bias.sub_(mean).div_(scale)
 
 
 class ScoreMoments(NamedTuple):

@@ -40,7 +40,7 @@ from storage.experience_io import table_to_experience
 from storage.manifest import prunable_digest, prunable_present, prune_files, read_manifest
 from storage.progress import latest_progress
 from storage.shards import read_table
-from tasks.settings import OptimizerState, PPOUpdateSettings, critic_folder
+from tasks.settings import OptimizerState, PPOUpdateSettings, critic_folder, critic_score_statistics
 from tasks.staleness import with_proximal_logprobs
 from tasks.text import load_tokenizer
 
@@ -94,7 +94,13 @@ def work(job: Job[PPOUpdateSettings]) -> dict[str, float]:
     loaded = {"actor": models.load("actor", policy.directory / "actor", trainable=True)}
     factories = {"actor": partial(torch.optim.AdamW, lr=ppo.actor_learning_rate)}
     if critic:
-        loaded["critic"] = models.load("critic", critic_folder(policy.directory, settings.critic_start), trainable=True)
+        statistics = critic_score_statistics(policy.directory, settings.critic_start)
+        loaded["critic"] = models.load(
+            "critic",
+            critic_folder(policy.directory, settings.critic_start),
+            trainable=True,
+            score_statistics=statistics,
+        )
         factories["critic"] = partial(torch.optim.AdamW, lr=ppo.critic_learning_rate)
     # A policy continuing critic-free from a GAE one leaves the critic's optimizer state unread.
     states = Path(optimizer.path) if optimizer is not None else None

@@ -29,7 +29,7 @@ from storage.experience_io import experience_to_table
 from storage.schemas import EXPERIENCE
 from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
-from tasks.settings import RolloutSettings, critic_folder
+from tasks.settings import RolloutSettings, critic_folder, critic_score_statistics
 from tasks.staleness import policy_version
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
@@ -94,7 +94,8 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
     actor = models.load("actor", policy / "actor")
     sampler = policy_sampler(models, context, policy / "actor", actor, sampling)
     critic_dir = critic_folder(policy, settings.critic_start)  # none for a critic-free policy
-    critic = models.load("critic", critic_dir) if critic_dir.is_dir() else None
+    statistics = critic_score_statistics(policy, settings.critic_start)
+    critic = models.load("critic", critic_dir, score_statistics=statistics) if critic_dir.is_dir() else None
     scorer = None
     if settings.reward_model is not None:
         scorer = reward_scorer(

@@ -115,7 +115,8 @@ class RolloutSettings(StageSettings):
     """The reward model, or None when ``reward_function`` scores instead."""
     critic_start: StageResult | None = upstream()
     """Where the critic starts when the policy has none yet: the first trained reward model (``model.critic_init``
-    reward_model without a pretrained one; :mod:`tasks.initialize`), in iteration 0; None otherwise."""
+    reward_model without a pretrained one; :mod:`tasks.initialize`), while the policy sampled is the campaign's
+    initial one; None otherwise."""
     sampling: SamplingConfig = setting("sampling")
     precision: Precision = setting("precision")
     prompts: int = setting("sizes.rollout_prompts")
@@ -161,6 +162,19 @@ def critic_folder(policy: Path, critic_start: StageResult | None) -> Path:
     if (policy / "critic").is_dir() or critic_start is None:
         return policy / "critic"
     return critic_start.directory / "reward_model"
+
+
+def critic_score_statistics(policy: Path, critic_start: StageResult | None) -> tuple[float, float] | None:
+    """The mean and std folded into the head of a critic that starts from the reward model ``critic_start`` (where
+    :func:`critic_folder` is that reward model): its held-out score statistics, which normalise the scores whose
+    returns the critic learns (:func:`rlhf_core.rewards.fold_normalisation`; such a campaign normalises its scores:
+    :class:`campaign.config.PipelineConfig` refuses one that does not); None for a policy's own critic. With
+    ``advantages.score_statistics`` running they stand in for the running moments, which the rollout does not know
+    yet."""
+    if critic_folder(policy, critic_start) == policy / "critic":
+        return None
+    assert critic_start is not None  # critic_folder is the reward model's
+    return critic_start.metrics["score_mean"], critic_start.metrics["score_std"]
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,11 @@ CONFIG_CASES = [
     Case("set-import-without-file", lambda t, w: _run(t, w, "labeler=import"), ("data.preferences",)),
     Case("set-bad-campaign-name", lambda t, w: _run(t, w, "campaign=has space"), ("`campaign`",)),
     Case(
+        "critic-from-the-reward-model-on-raw-scores",
+        lambda t, w: _run(t, w, "model.critic_init=reward_model", "advantages.normalize_scores=false"),
+        ("`model.critic_init` reward_model", "`advantages.normalize_scores` true"),
+    ),
+    Case(
         "serve-bad-cron",
         lambda t, w: ["serve", "--config", str(TINY), "--cron", "not a cron"],
         ("--cron", "not a cron"),

@@ -20,6 +20,7 @@ from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
 from runtime.declaration import StageResult
 from storage.manifest import read_manifest
+from storage.schemas import SCORES
 from storage.shards import read_table
 from tasks.rollout import ROLLOUT_PROMPT_OFFSET
 from tasks.staleness import policy_version
@@ -29,8 +30,13 @@ from tests.flows.campaigns import tiny_config
 ITERATIONS = 3
 
 
+OVERLAPPED = ("sampling.staleness=1", "model.critic_init=reward_model", "advantages.score_statistics=running")
+"""Issue 43: the critic starts from the first reward model, and the scores are normalised by running moments, the two
+settings whose state crosses iterations."""
+
+
 def _config(run_root: Path, world: dict[str, Path], *more: str):
-    return tiny_config(run_root, world, f"iterations={ITERATIONS}", "sampling.staleness=1", *more)
+    return tiny_config(run_root, world, f"iterations={ITERATIONS}", *OVERLAPPED, *more)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +86,31 @@ def test_issue33_each_rollout_samples_the_policy_one_version_behind_its_update_a
         if iteration:
             assert update.metrics["behaviour_weight_mean"] != 1.0
             assert 0 < update.metrics["behaviour_weight_mean"] <= 2.0
+
+
+def test_issue43_the_initial_policys_rollouts_take_their_values_from_the_critic_the_first_update_trains(overlapped):
+    """Iteration 1 still samples the initial policy, beside iteration 0's update: its values come from the critic
+    that update trains (started from iteration 0's reward model), not from one started from iteration 1's reward
+    model that no update trains; once a rollout samples a trained policy, it uses that policy's critic."""
+    config, _ = overlapped
+    outputs = _outputs(config)
+    first = outputs["train_reward_model/0"].digest
+    for name in ("rollout/0", "ppo_update/0", "rollout/1"):
+        assert read_manifest(outputs[name].directory).upstream["critic_start"] == first, name
+    for name in ("ppo_update/1", "rollout/2", "ppo_update/2"):
+        assert "critic_start" not in read_manifest(outputs[name].directory).upstream, name
+
+
+def test_issue43_running_score_moments_start_again_with_each_retrained_reward_model(overlapped):
+    """Each iteration retrains the reward model, whose scores have a scale of their own: the running moments of an
+    iteration are those of its own rollout's scores, not pooled with an earlier reward model's."""
+    config, _ = overlapped
+    outputs = _outputs(config)
+    for iteration in range(ITERATIONS):
+        scores = read_table(outputs[f"rollout/{iteration}"].directory, "experience").column(SCORES).to_pylist()
+        metrics = outputs[f"compute_advantages/{iteration}"].metrics
+        assert metrics["score_count"] == len(scores)
+        assert metrics["score_running_mean"] == pytest.approx(sum(scores) / len(scores))
 
 
 def test_issue33_no_prompt_is_skipped_or_sampled_twice(overlapped):

@@ -233,6 +233,26 @@ def test_issue35_a_critic_starts_from_a_trained_reward_models_folder_with_its_ba
         ModelLoader(device=CPU, precision="fp32", bases=bases).load("actor", tmp_path / "reward_model")
 
 
+def test_issue43_a_critic_started_from_a_reward_model_predicts_its_normalised_score(folders, tmp_path):
+    """With the reward model's score statistics folded into its head, the critic's value at a sequence's last token
+    is the normalised score the returns are made of; a frozen critic is kept apart for each statistics."""
+    loader = ModelLoader(device=CPU, precision="fp32", frozen_models=FrozenModels(max_bytes=2**30))
+    source = tmp_path / "reward_model"
+    save_model_folder(loader.load("reward_model", folders["reward_model"]), source)  # as the pipeline saves one
+    reward_model = loader.load("reward_model", source)
+    ids, mask = left_padded([[3, 4, 5], [6, 7]])  # left padded: the last position is each row's last token
+    with torch.no_grad():
+        scores = reward_model(ids, mask)  # (B,)
+        for trainable in (False, True):
+            critic = loader.load("critic", source, trainable=trainable, score_statistics=(0.25, 0.5))
+            torch.testing.assert_close(critic(ids, mask)[:, -1], (scores - 0.25) / 0.5)
+    frozen = loader.load("critic", source, score_statistics=(0.25, 0.5))
+    assert loader.load("critic", source, score_statistics=(0.25, 0.5)) is frozen  # kept
+    assert loader.load("critic", source, score_statistics=(0.0, 1.0)) is not frozen  # not with other statistics
+    with pytest.raises(ValueError, match="folded into a critic started from a reward model"):
+        loader.load("critic", folders["critic"], score_statistics=(0.0, 1.0))
+
+
 def test_a_base_reference_folder_is_the_base(folders, tmp_path):
     bases = {"policy": folders["policy"]}
     loader = ModelLoader(device=CPU, precision="fp32", bases=bases)

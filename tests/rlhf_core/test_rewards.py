@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rlhf_core.rewards import (
     ScoreMoments,
+    fold_normalisation,
     kl_estimate,
     last_action_index,
     normalize_scores,
@@ -239,6 +240,24 @@ def test_normalize_scores_by_hand():
     torch.testing.assert_close(
         normalize_scores(torch.tensor([3.0, -1.0, 1.0]), mean=1.0, std=2.0, eps=0.0), torch.tensor([1.0, -1.0, 0.0])
     )
+
+
+def test_issue43_the_normalisation_folded_into_a_score_head_by_hand():
+    # Head 2 h1 - 4 h2 + 1, mean 3, std 2: weight (1, -2), bias (1 - 3) / 2 = -1. At h = (1, 1) the head scored -1,
+    # normalised (-1 - 3) / 2 = -2, and the folded head gives 1 - 2 - 1 = -2; at h = (0.5, -3) it scored
+    # 1 + 12 + 1 = 14, normalised (14 - 3) / 2 = 5.5, folded 0.5 + 6 - 1 = 5.5.
+    head = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[2.0, -4.0]]))
+        head.bias.fill_(1.0)
+    raw = head(torch.tensor([[1.0, 1.0], [0.5, -3.0]])).squeeze(-1).detach()
+    fold_normalisation(head, mean=3.0, std=2.0, eps=0.0)
+    assert head.weight.tolist() == [[1.0, -2.0]] and head.bias.tolist() == [-1.0]
+    folded = head(torch.tensor([[1.0, 1.0], [0.5, -3.0]])).squeeze(-1).detach()
+    torch.testing.assert_close(folded, normalize_scores(raw, mean=3.0, std=2.0, eps=0.0))
+    assert folded.tolist() == [-2.0, 5.5]
+    with pytest.raises(ValueError, match="one output and a bias"):
+        fold_normalisation(torch.nn.Linear(2, 1, bias=False), mean=0.0, std=1.0)
 
 
 def test_issue35_running_score_moments_by_hand():
