@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from typing import Any, Literal, get_args
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -33,26 +34,35 @@ SCORING_LABELERS: tuple[LabelerName, ...] = ("gold", "function")
 """Labelers that score each candidate alone, so comparing every pair of a prompt's candidates is cheap and
 consistent: the only ones a pairing other than ``consecutive`` may use."""
 MIN_PREFERENCE_PAIRS = 4
-"""The fewest preference pairs a reward model trains on: at least one held out and three to learn from."""
-MIN_EVAL_PAIRS = 4
-"""The fewest held-out pairs a reward model's accuracy may rest on: on fewer, one pair moves it by over 25 points
-(an "accuracy 0" from a single pair said nothing)."""
+"""The fewest preference pairs a campaign's iteration is configured to collect (fewer may be decisive)."""
 
 
 def held_out_pairs(pairs: int, eval_fraction: float) -> int:
-    """How many of ``pairs`` preference pairs are held out for the reward model's accuracy."""
-    return int(pairs * eval_fraction)
+    """How many of the first ``pairs`` preference pairs are held out for the reward model's accuracy:
+    ``ceil(pairs * eval_fraction)``, on the fraction as written (0.1 is 1/10, not the float nearest it), so one is
+    held out as soon as there is a pair."""
+    return math.ceil(pairs * Fraction(str(eval_fraction)))
+
+
+def held_out_positions(pairs: int, eval_fraction: float) -> list[bool]:
+    """Which of ``pairs`` pairs, in the order they arrived, are held out: position g is when one more pair raises
+    :func:`held_out_pairs` (with 0.25: the 1st, 5th, 9th, ...). The first N positions are the same whatever follows
+    them, so as iterations add pairs the held-out set only grows: a pair once held out is never trained on by a
+    later reward model that continues the earlier one, and the held-out accuracy accumulates (issue 43)."""
+    return [held_out_pairs(g + 1, eval_fraction) > held_out_pairs(g, eval_fraction) for g in range(pairs)]
 
 
 def eval_split_error(pairs: int, eval_fraction: float) -> str | None:
-    """Why ``pairs`` pairs split by ``eval_fraction`` cannot train a reward model, or None when they can."""
+    """Why ``pairs`` pairs split by ``eval_fraction`` cannot train a reward model (none held out, or none left to
+    train on), or None when they can. Few held-out pairs are not refused: the accuracy rests on ``eval_pairs`` of
+    them, said beside it, and grows firmer as later iterations add theirs."""
     held_out = held_out_pairs(pairs, eval_fraction)
-    if held_out >= MIN_EVAL_PAIRS:  # eval_fraction < 1 leaves at least one pair to train on
+    if held_out >= 1 and pairs - held_out >= 1:
         return None
     return (
-        f"`reward_model.eval_fraction` {eval_fraction} of {pairs} preference pairs holds out {held_out}: the reward "
-        f"model's accuracy needs at least {MIN_EVAL_PAIRS} held-out pairs; raise "
-        "`reward_model.eval_fraction` or the number of pairs"
+        f"`reward_model.eval_fraction` {eval_fraction} of {pairs} preference pairs holds out {held_out} and leaves "
+        f"{pairs - held_out} to train on: the reward model needs at least one of each; raise the number of pairs, "
+        "or lower `reward_model.eval_fraction`"
     )
 
 

@@ -14,14 +14,14 @@ Choices:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
 
-from rlhf_core.config import RewardModelConfig
+from rlhf_core.config import RewardModelConfig, held_out_positions
 from rlhf_core.distributed import global_sum, rank_share
 from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
 from rlhf_core.losses import pairwise_reward_loss
@@ -69,6 +69,28 @@ class PreferenceBatch:
                 for tensor in (self.chosen_ids, self.chosen_mask, self.rejected_ids, self.rejected_mask, self.margin)
             )
         )
+
+
+def arrival_split(
+    sizes: Sequence[int], seeds: Sequence[int], eval_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training and held-out rows of preference tables of ``sizes`` rows each, concatenated in this order (the
+    order they arrived in, one table an iteration): each table's rows in an order drawn from its own seed (from
+    the table, never from the iteration reading it), then held out by :func:`rlhf_core.config.held_out_positions`
+    over all of them. A table's rows are split alike by every later iteration, so a reward model that continues
+    the previous one never trains on a pair that model was measured on.
+
+    Shapes:
+        returns two (N,) int64 index tensors into the concatenation, together a permutation of ``range(sum(sizes))``.
+    """
+    offsets = [sum(sizes[:index]) for index in range(len(sizes))]
+    orders = [
+        offset + torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+        for offset, size, seed in zip(offsets, sizes, seeds, strict=True)
+    ]
+    order = torch.cat(orders) if orders else torch.zeros(0, dtype=torch.long)
+    held = torch.tensor(held_out_positions(len(order), eval_fraction), dtype=torch.bool)
+    return order[~held], order[held]
 
 
 class RewardModelStats(NamedTuple):

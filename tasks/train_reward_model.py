@@ -6,6 +6,8 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 (nothing is copied) and carries no held-out statistics.
 
 Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_id_lists`).
+The pairs held out for its accuracy and score statistics are split off each iteration's table alike in every
+iteration (:func:`rlhf_core.reward_training.arrival_split`): they accumulate, and none is ever trained on.
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
@@ -21,10 +23,11 @@ from functools import partial
 import pyarrow as pa
 import torch
 
-from rlhf_core.config import eval_split_error, held_out_pairs
+from rlhf_core.config import eval_split_error
 from rlhf_core.errors import UserError
-from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, fit_reward_model
+from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, arrival_split, fit_reward_model
 from runtime.checkpointer import Checkpointer
+from runtime.declaration import StageResult
 from runtime.job import Job, Training
 from runtime.models import accelerator_for
 from runtime.stage import Stage
@@ -48,6 +51,12 @@ def preference_batch(table: pa.Table, tokenizer) -> PreferenceBatch:
     ids, mask = pad_token_lists(rows, pad_token_id=tokenizer.pad_token_id)  # (2B, T)
     margin = torch.tensor(table.column("margin").to_pylist(), dtype=torch.float32)
     return PreferenceBatch(ids[: len(prompts)], mask[: len(prompts)], ids[len(prompts) :], mask[len(prompts) :], margin)
+
+
+def table_seed(preferences: StageResult) -> int:
+    """The seed a preference table's rows are ordered by for the held-out split: from its digest, so the same table
+    splits alike in every iteration that trains on it (:func:`rlhf_core.reward_training.arrival_split`)."""
+    return int(preferences.digest[:16], 16)
 
 
 def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
@@ -82,11 +91,13 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
     tokenizer = load_tokenizer(context.base.reward_tokenizer)
     pretrained = context.base.reward_model.path if context.base.reward_model else None
     accelerator = accelerator_for(models.device, models.precision)
-    table = pa.concat_tables([read_table(result.directory, "preferences") for result in settings.preferences])
+    tables = [read_table(result.directory, "preferences") for result in settings.preferences]
     generator = job.generator()
-    pairs = preference_batch(table, tokenizer)
-    order = torch.randperm(len(pairs), generator=generator)
-    held_out = held_out_pairs(len(pairs), config.eval_fraction)
+    pairs = preference_batch(pa.concat_tables(tables), tokenizer)
+    train, held_out = arrival_split(
+        [table.num_rows for table in tables], [table_seed(result) for result in settings.preferences],
+        config.eval_fraction,
+    )  # fmt: skip
     torch.manual_seed(job.seed())  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpointer = Checkpointer(
@@ -100,8 +111,8 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
         stats = fit_reward_model(
             trained["reward_model"],
             optimizers["reward_model"],
-            pairs.select(order[held_out:]),
-            pairs.select(order[:held_out]),
+            pairs.select(train),
+            pairs.select(held_out),
             config,
             accelerator=accelerator,
             generator=generator,
@@ -111,9 +122,10 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
             dropout_seed=job.seed(),
         )
     checkpointer.save_output(out.path, tokenizer=tokenizer)
-    # eval_accuracy rests on eval_pairs pairs: with few, it moves in large steps (1 pair: 0 or 1).
+    # eval_accuracy rests on eval_pairs pairs: with few (a sparse first iteration), it moves in large steps until
+    # later iterations add theirs.
     metrics = {k: float(v) for k, v in stats._asdict().items()}
-    return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(held_out)}
+    return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(len(held_out))}
 
 
 def refer_to_pretrained(job: Job[TrainRewardModelSettings]) -> dict[str, float]:

@@ -165,9 +165,10 @@ def test_issue15_a_finished_stage_is_one_summary_line():
     assert line == "  train_reward_model     2.0 s  RM accuracy 0.88, 51 held-out pairs"
 
 
-def test_a_reward_model_eval_split_below_four_pairs_is_refused_before_anything_runs():
-    with pytest.raises(ConfigError, match=r"reward_model.eval_fraction` 0.1 of 16 preference pairs holds out 1"):
-        load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])
+def test_a_reward_model_eval_split_that_leaves_nothing_to_train_on_is_refused_before_anything_runs():
+    load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])  # 2 of 16 held out: few, and run (issue 43)
+    with pytest.raises(ConfigError, match=r"eval_fraction` 0.99 of 16 preference pairs holds out 16 and leaves 0"):
+        load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.99"])
 
 
 def test_an_fsdp2_accelerate_config_is_read_and_a_data_parallel_one_accepted_issue_25(tmp_path):

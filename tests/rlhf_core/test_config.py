@@ -7,6 +7,8 @@ import dataclasses
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rlhf_core.config import (
     AdvantageConfig,
@@ -139,12 +141,25 @@ def test_exact_div():
             exact_div(8, denominator, what="rows")
 
 
-def test_eval_split_below_the_minimum_of_held_out_pairs_is_refused_naming_the_setting():
-    from rlhf_core.config import MIN_EVAL_PAIRS, eval_split_error
+def test_issue43_held_out_pairs_by_hand_one_as_soon_as_there_is_a_pair_and_a_pair_to_train_on_needed():
+    from rlhf_core.config import eval_split_error, held_out_pairs, held_out_positions
 
-    assert MIN_EVAL_PAIRS == 4
-    assert eval_split_error(16, 0.25) is None  # int(16 x 0.25) = 4 held out, 12 to train on
-    assert "holds out 3" in eval_split_error(16, 0.2)  # int(3.2) = 3
-    assert "holds out 1" in eval_split_error(16, 0.1)  # the old default's "accuracy" from one pair
-    assert "reward_model.eval_fraction" in eval_split_error(4, 0.9)  # int(3.6) = 3
-    assert eval_split_error(5, 0.9) is None  # int(4.5) = 4 held out, 1 to train on
+    assert held_out_pairs(16, 0.25) == 4 and held_out_pairs(16, 0.2) == 4  # ceil(3.2)
+    assert held_out_pairs(10, 0.1) == 1 and held_out_pairs(30, 0.1) == 3  # 1/10 exactly: the float 0.1 is above it
+    assert held_out_pairs(1, 0.25) == 1 and held_out_pairs(0, 0.25) == 0
+    # Position g is held out when one more pair raises ceil(n / 4): the 1st, 5th, 9th, ...
+    assert held_out_positions(9, 0.25) == [True, False, False, False, True, False, False, False, True]
+    assert eval_split_error(4, 0.25) is None  # 1 held out, 3 to train on: the sparse first iteration runs
+    assert eval_split_error(2, 0.25) is None  # 1 and 1
+    assert "holds out 1 and leaves 0 to train on" in eval_split_error(1, 0.25)
+    assert "holds out 0 and leaves 0" in eval_split_error(0, 0.25)
+    assert "lower `reward_model.eval_fraction`" in eval_split_error(4, 0.9)  # ceil(3.6) = 4: none left
+
+
+@given(st.integers(0, 40), st.integers(0, 40), st.sampled_from([0.1, 0.2, 0.25, 0.3, 1 / 3, 0.5, 0.7]))
+def test_issue43_the_held_out_positions_of_the_first_pairs_never_change_as_pairs_are_added(first, more, fraction):
+    from rlhf_core.config import held_out_pairs, held_out_positions
+
+    positions = held_out_positions(first + more, fraction)
+    assert positions[:first] == held_out_positions(first, fraction)
+    assert sum(positions) == held_out_pairs(first + more, fraction)

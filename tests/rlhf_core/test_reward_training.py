@@ -11,7 +11,7 @@ from torch import nn
 
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.models import RewardModel
-from rlhf_core.reward_training import PreferenceBatch, evaluate_reward_model, fit_reward_model
+from rlhf_core.reward_training import PreferenceBatch, arrival_split, evaluate_reward_model, fit_reward_model
 from runtime.models import accelerator_for
 from tests.conftest import tiny_config
 
@@ -83,6 +83,19 @@ def test_fit_moves_every_parameter_and_counts_steps(use_margin):
     assert all(math.isfinite(value) for value in stats[:-1])
     # A margin of 3 at near-equal initial scores costs about -log sigmoid(-3) = 3.05 per pair, far above log 2.
     assert (stats.train_loss > 2.5) == use_margin
+
+
+def test_issue43_a_tables_pairs_are_split_alike_by_every_later_iteration_and_none_held_out_is_trained_on():
+    # Iteration 0's table of 4 pairs, then iteration 1's of 6: with 0.25, 1 of the first 4 is held out, then
+    # ceil(10 / 4) = 3 of all 10; iteration 0's held-out pair is still held out, its training pairs still train.
+    first_train, first_held = arrival_split([4], [11], 0.25)
+    train, held = arrival_split([4, 6], [11, 22], 0.25)
+    assert len(first_held) == 1 and len(held) == 3 and len(train) == 7
+    assert set(first_held.tolist()) <= set(held.tolist())
+    assert set(first_train.tolist()) <= set(train.tolist())
+    assert sorted(train.tolist() + held.tolist()) == list(range(10))
+    assert arrival_split([4, 6], [11, 22], 0.25)[1].tolist() == held.tolist()  # the seeds decide, nothing else
+    assert [len(part) for part in arrival_split([], [], 0.25)] == [0, 0]
 
 
 def test_fit_needs_training_and_held_out_pairs():
