@@ -21,6 +21,8 @@ Conventions:
 * A sequence is ``[left-padded prompt | right-padded response]``, shape ``(B, T)``. Response
   token ``t`` sits at column ``P + t`` for every row.
 * ``action_mask: bool (B, R)`` is True for each generated token up to and including EOS.
+  An episode's ``model_mask`` is True at the model's tokens of every turn, with gaps at the
+  environment's tokens (:mod:`rlhf_core.episodes`).
 * Index ``t`` of any ``(B, R)`` tensor means response token ``t``. The logits/token off-by-one
   (logits at position ``i`` score token ``i + 1``) is handled only in
   :func:`rlhf_core.sequences.response_logprobs` and :func:`rlhf_core.sequences.response_slice`.
@@ -34,6 +36,7 @@ __all__ = [
     "config",
     "distributed",
     "divergence",
+    "episodes",
     "errors",
     "evaluation",
     "experience",

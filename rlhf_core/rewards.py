@@ -60,12 +60,19 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator
 
 
 def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last True in each row of a prefix mask; rows with no action give 0.
+    """Index of the last True in each row; rows with no action give 0.
+
+    Any mask, not only a prefix one: an episode's mask has gaps at the environment's tokens
+    (:mod:`rlhf_core.episodes`), and its last action is then not at ``sum - 1``. On a prefix mask the
+    two agree.
+
+    Naive equivalent: ``max(t for t in range(R) if action_mask[b, t])`` (0 for an empty row).
 
     Shapes:
         action_mask: (B, R); returns (B,) long.
     """
-    return (action_mask.long().sum(dim=1) - 1).clamp(min=0)
+    positions = torch.arange(action_mask.shape[1], device=action_mask.device)  # (R,)
+    return torch.where(action_mask.bool(), positions, -1).amax(dim=1).clamp(min=0)  # (B,)
 
 
 class ShapedRewards(NamedTuple):

@@ -286,3 +286,12 @@ def test_issue35_running_moments_equal_those_of_every_score_at_once(batches):
 def test_last_action_index_by_hand():
     mask = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
     torch.testing.assert_close(last_action_index(mask), torch.tensor([2, 0, 0]), **EXACT)
+
+
+def test_last_action_index_of_a_mask_with_gaps_is_its_last_true():
+    # An episode: model tokens at 0, 1 and 4 (2 and 3 are the environment's, 5 is padding). The last
+    # action is token 4, not sum - 1 = 2 (an environment token): the score must never land there.
+    mask = torch.tensor([[True, True, False, False, True, False], [False, True, False, True, False, False]])
+    torch.testing.assert_close(last_action_index(mask), torch.tensor([4, 3]), **EXACT)
+    rewards, _ = shaped_rewards(torch.tensor([1.0, 2.0]), torch.zeros(2, 6), torch.zeros(2, 6), mask, kl_coef=0.1)
+    assert torch.equal(rewards, torch.tensor([[0.0, 0, 0, 0, 1, 0], [0, 0, 0, 2, 0, 0]]))
