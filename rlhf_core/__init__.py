@@ -52,6 +52,7 @@ __all__ = [
     "off_policy",
     "ppo",
     "precision",
+    "preference_losses",
     "reward_training",
     "rewards",
     "sequences",

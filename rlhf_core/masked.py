@@ -17,15 +17,21 @@ def _valid_count(mask: torch.Tensor, dim: int | None) -> torch.Tensor:
     return mask.sum() if dim is None else mask.sum(dim=dim)
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` over the positions where ``mask`` is True (0 when it selects none).
 
-    Naive equivalent: ``values[mask].sum()``.
+    Naive equivalent: ``values[mask].sum()`` (for ``dim=None``).
+
+    Args:
+        values: any float tensor.
+        mask: bool (or 0/1) tensor of the same shape.
+        dim: reduce along this dimension only; ``None`` reduces everything.
 
     Shapes:
-        values, mask: (...); returns ().
+        values, mask: (...); returns () or (...) without ``dim``.
     """
-    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum()
+    valid = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return valid.sum() if dim is None else valid.sum(dim=dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.masked import masked_mean, masked_var, masked_whiten
+from rlhf_core.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 EXACT = dict(rtol=0.0, atol=0.0)
 # Derandomised so that the suite gives the same verdict on every run.
@@ -35,6 +35,15 @@ def test_masked_mean_along_a_dimension_by_hand():
     torch.testing.assert_close(masked_mean(VALUES, MASK, dim=1), torch.tensor([1.5, 4.0], dtype=torch.float64))
     # columns: (1 + 4) / 2 = 2.5; 2 / 1 = 2; no valid element gives 0 (not NaN).
     torch.testing.assert_close(masked_mean(VALUES, MASK, dim=0), torch.tensor([2.5, 2.0, 0.0], dtype=torch.float64))
+
+
+def test_masked_sum_by_hand():
+    # everything: 1 + 2 + 4 = 7; rows: 1 + 2 = 3 and 4; columns: 1 + 4 = 5, 2, and 0 where none is valid.
+    torch.testing.assert_close(masked_sum(VALUES, MASK), torch.tensor(7.0, dtype=torch.float64), **EXACT)
+    torch.testing.assert_close(masked_sum(VALUES, MASK, dim=1), torch.tensor([3.0, 4.0], dtype=torch.float64), **EXACT)
+    torch.testing.assert_close(
+        masked_sum(VALUES, MASK, dim=0), torch.tensor([5.0, 2.0, 0.0], dtype=torch.float64), **EXACT
+    )
 
 
 def test_masked_var_by_hand():
@@ -129,6 +138,7 @@ def test_values_at_masked_positions_never_matter(data):
     values, other, mask = data
     torch.testing.assert_close(masked_mean(values, mask), masked_mean(other, mask), **EXACT)
     torch.testing.assert_close(masked_mean(values, mask, dim=1), masked_mean(other, mask, dim=1), **EXACT)
+    torch.testing.assert_close(masked_sum(values, mask, dim=1), masked_sum(other, mask, dim=1), **EXACT)
     torch.testing.assert_close(masked_var(values, mask), masked_var(other, mask), **EXACT)
     torch.testing.assert_close(masked_whiten(values, mask), masked_whiten(other, mask), **EXACT)
 
@@ -140,6 +150,7 @@ def test_non_finite_values_at_masked_positions_never_leak(data, poison):
     assume(not bool(mask.all()))
     poisoned = values.masked_fill(~mask, poison)
     torch.testing.assert_close(masked_mean(values, mask), masked_mean(poisoned, mask), **EXACT)
+    torch.testing.assert_close(masked_sum(values, mask, dim=1), masked_sum(poisoned, mask, dim=1), **EXACT)
     torch.testing.assert_close(masked_var(values, mask), masked_var(poisoned, mask), **EXACT)
     torch.testing.assert_close(masked_whiten(values, mask), masked_whiten(poisoned, mask), **EXACT)
 
