@@ -7,7 +7,7 @@ updated from the KL it measured here, as ``next_kl_coef``. The previous iteratio
 upstream of this one, so resuming, continuing and replaying all start from the coefficient the
 data carries, never from a value kept in memory. With ``advantages.score_statistics`` ``running`` the running
 moments of the reward model's scores are carried the same way (:data:`RUNNING_MOMENTS`), while the reward model
-stays the same.
+stays the same (a pretrained one used as it is).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from runtime.declaration import StageResult
 from runtime.job import Job
 from runtime.stage import Stage
 from storage.experience_io import experience_to_table, table_to_experience
-from storage.manifest import read_manifest
 from storage.schemas import SCORED_EXPERIENCE
 from storage.shards import read_table
 from tasks.settings import ComputeAdvantagesSettings
@@ -42,13 +41,12 @@ def starting_kl_coef(advantages: AdvantageConfig, previous: StageResult | None) 
     return advantages.kl_coef
 
 
-def previous_moments(previous: StageResult | None, reward_model: StageResult) -> ScoreMoments | None:
-    """The running moments of the scores the previous iteration's stage 5 handed on, or None: none yet, or they are
-    the scores of another reward model than ``reward_model`` (a retrained one scores on a scale of its own, so its
-    moments start again; TRL's score scaling likewise assumes one reward model)."""
-    if previous is None or RUNNING_MOMENTS[0] not in previous.metrics:
-        return None
-    if read_manifest(previous.directory, verify=False).upstream.get("reward_model") != reward_model.digest:
+def previous_moments(previous: StageResult | None, *, reward_model_retrained: bool) -> ScoreMoments | None:
+    """The running moments of the scores the previous iteration's stage 5 handed on, or None: none yet, or the
+    reward model is retrained every iteration (``reward_model.train``), so the previous moments are another
+    model's scores, on a scale of their own (TRL's score scaling likewise assumes one reward model). Only a
+    pretrained reward model used as it is carries its moments from iteration to iteration."""
+    if previous is None or RUNNING_MOMENTS[0] not in previous.metrics or reward_model_retrained:
         return None
     count, mean, m2 = (previous.metrics[name] for name in RUNNING_MOMENTS)
     return ScoreMoments(int(count), mean, m2)
@@ -68,7 +66,8 @@ def work(job: Job[ComputeAdvantagesSettings]) -> dict[str, float]:
         advantages = dataclasses.replace(advantages, normalize_scores=False)
         score_mean, score_std = 0.0, 1.0
     elif advantages.score_statistics == "running":
-        moments = update_moments(previous_moments(settings.previous, reward_model), rollouts.scores)
+        before = previous_moments(settings.previous, reward_model_retrained=settings.reward_model_retrained)
+        moments = update_moments(before, rollouts.scores)
         score_mean, score_std = moments.mean, moments.std
         carried = dict(zip(RUNNING_MOMENTS, map(float, moments), strict=True))
     elif "score_mean" in reward_model.metrics:  # the reward model's held-out statistics

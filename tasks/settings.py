@@ -138,6 +138,8 @@ class ComputeAdvantagesSettings(StageSettings):
     """The previous iteration's output of this stage (None in the first): where the adaptive KL coefficient and the
     running score moments come from."""
     advantages: AdvantageConfig = setting("advantages")
+    reward_model_retrained: bool = setting("reward_model.train")
+    """Whether each iteration retrains the reward model (running score moments then start again with each)."""
     rows_per_shard: int = setting("sizes.rows_per_shard")
 
 

@@ -71,11 +71,14 @@ def test_the_pretrained_reward_model_with_its_own_tokenizer_is_fine_tuned(fine_t
 def test_a_pretrained_reward_model_used_as_it_is_collects_no_pairs_copies_nothing_and_starts_the_critic(
     prefect_server, chat_world, tmp_path
 ):
+    """Two iterations on one reward model: its running score moments carry from the first to the second."""
     config = _config(
         chat_world,
         tmp_path,
         "reward_model.train=false",
         "model.critic_init=reward_model",
+        "iterations=2",
+        "advantages.score_statistics=running",
         reward_model="reward_model_policy_tokens",
     )
     assert rlhf_campaign(config, return_state=True).is_completed()
@@ -84,12 +87,13 @@ def test_a_pretrained_reward_model_used_as_it_is_collects_no_pairs_copies_nothin
     meta = json.loads((initialize_dir / "critic" / "rlhf_model.json").read_text())
     assert meta == {"adapter": False, "base": "reward_model", "kind": "critic"}  # its backbone, not copied
     assert not (campaign / "sample_candidates").exists() and not (campaign / "collect_preferences").exists()
-    (rm_dir,) = (campaign / "train_reward_model").iterdir()
-    assert not list((rm_dir / "reward_model").glob("model*.safetensors"))
-    assert json.loads((rm_dir / "reward_model" / "rlhf_model.json").read_text())["base"] == "reward_model"
-    (scored_dir,) = (campaign / "compute_advantages").iterdir()
-    reward_mean = json.loads((scored_dir / "_manifest.json").read_text())["metrics"]["reward_mean"]
-    assert reward_mean == reward_mean  # finite: normalised by the rollout's own scores (no held-out statistics)
+    for rm_dir in (campaign / "train_reward_model").iterdir():
+        assert not list((rm_dir / "reward_model").glob("model*.safetensors"))
+        assert json.loads((rm_dir / "reward_model" / "rlhf_model.json").read_text())["base"] == "reward_model"
+    scored = [json.loads(path.read_text())["metrics"] for path in campaign.glob("compute_advantages/*/_manifest.json")]
+    assert all(metrics["reward_mean"] == metrics["reward_mean"] for metrics in scored)  # finite
+    rows = config.sizes.rollout_prompts * config.sizes.samples_per_prompt
+    assert sorted(metrics["score_count"] for metrics in scored) == [rows, 2 * rows]  # carried (issue 43)
 
 
 def test_a_critic_cannot_start_from_a_reward_model_with_another_tokenizer(prefect_server, chat_world, tmp_path):

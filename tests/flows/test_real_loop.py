@@ -70,10 +70,11 @@ def test_issue35_the_critic_starts_from_the_first_reward_model_the_campaign_trai
         assert _manifest(update)["metrics"]["explained_variance"] == _manifest(update)["metrics"]["explained_variance"]
 
 
-def test_issue35_running_score_moments_carry_from_iteration_to_iteration(loop):
+def test_issue43_running_score_moments_start_again_with_each_retrained_reward_model(loop):
     tracker = tracking_store(loop).tracker()
     first, second = (tracker.run(resolve_run(loop, f"loop:{i}")).metrics for i in range(2))
-    assert first["compute_advantages/score_count"] == 16 and second["compute_advantages/score_count"] == 32
+    # Each iteration's 16 scores alone: iteration 1's reward model is not iteration 0's (issue 43; carried, 32).
+    assert first["compute_advantages/score_count"] == 16 and second["compute_advantages/score_count"] == 16
     for metrics in (first, second):
         assert -1.0 <= metrics["rollout/score_length_correlation"] <= 1.0
         assert "collect_preferences/decisive_fraction" in metrics
