@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,39 @@ def launch_tied(
     long as the child must (Linux sends the signal when the thread that started the child ends)."""
     tied = [python, "-c", TIED, str(int(death_signal)), str(os.getpid()), *argv]
     return subprocess.Popen(tied, process_group=0 if own_group else None, **popen)
+
+
+def launch_tied_in_thread(
+    python: str,
+    argv: Sequence[str],
+    *,
+    name: str,
+    death_signal: signal.Signals = signal.SIGTERM,
+    own_group: bool = True,
+    **popen: Any,
+) -> subprocess.Popen:
+    """:func:`launch_tied` from a daemon thread named ``name`` that lives as long as the child (it waits for it), so
+    the child ends with this process and not with the thread that asked for it (Linux sends the parent-death signal
+    when the *thread* that started the child ends: a task runner's worker thread may end before the child should)."""
+    started: dict[str, Any] = {}
+    launched = threading.Event()
+
+    def start_and_wait() -> None:
+        try:
+            process = launch_tied(python, argv, death_signal=death_signal, own_group=own_group, **popen)
+        except BaseException as error:  # raised in the caller's thread below
+            started["error"] = error
+            launched.set()
+            return
+        started["process"] = process
+        launched.set()
+        process.wait()
+
+    threading.Thread(target=start_and_wait, name=name, daemon=True).start()
+    launched.wait()
+    if "error" in started:
+        raise started["error"]
+    return started["process"]
 
 
 def stop(process: subprocess.Popen, *, timeout: float) -> None:

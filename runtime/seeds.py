@@ -27,3 +27,13 @@ def row_seed(shard_seed: int, row: int) -> int:
     """The seed of one output row (``row``: its number in the stage's output) sampled by the engine, from its shard's
     seed: a row's tokens depend on no other row, nor on how rows are batched or where they run."""
     return stage_seed(shard_seed, "row", row)
+
+
+def episode_seed(seed: int, iteration: int, prompt_id: int, sample: int) -> int:
+    """The seed an episode's environment is reset with (:mod:`runtime.environments`): ``(seed, episode, iteration,
+    prompt-P, sample-S)``, ``sample`` being the episode's number among its prompt's samples.
+
+    Neither the stage nor the shard is a coordinate: an episode meets the same environment however the rows are
+    sharded, and whichever stage of the iteration plays it (two policies' episodes of one prompt's sample S, given the
+    same iteration, compare pairwise). The policy's tokens are seeded apart (:func:`row_seed`)."""
+    return stage_seed(seed, "episode", iteration, f"prompt-{prompt_id}", f"sample-{sample}")

@@ -23,6 +23,7 @@ from rlhf_core.errors import UserError
         "storage.locks:UnsafeLockFile",
         "tasks.train_reward_model:TooFewPairs",
         "tasks.reward_function:RewardFunctionError",
+        "runtime.references:EnvironmentClassError",
         "campaign.model_sources:ModelSourceError",
         "flows.inspection:InspectError",
     ],

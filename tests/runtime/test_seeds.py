@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from runtime.seeds import row_seed, shard_seed, stage_seed
+from runtime.seeds import episode_seed, row_seed, shard_seed, stage_seed
 from runtime.shards import plan_shards
 
 
@@ -18,6 +18,12 @@ def test_a_stage_seed_a_shard_seed_and_a_row_seed_are_one_derivation_of_their_co
     assert shard_seed(7, "rollout", 3, 2) == _pinned("7/rollout/3/shard-2") == stage_seed(7, "rollout", 3, "shard-2")
     assert row_seed(11, 5) == _pinned("11/row/5")
     assert len({stage_seed(7, "rollout", i) for i in range(100)}) == 100
+
+
+def test_an_episodes_seed_is_a_derivation_of_the_campaigns_seed_iteration_prompt_and_sample():
+    assert episode_seed(7, 3, 12, 1) == _pinned("7/episode/3/prompt-12/sample-1")
+    assert len({episode_seed(7, 3, prompt, sample) for prompt in range(10) for sample in range(10)}) == 100
+    assert episode_seed(7, 3, 12, 1) not in {episode_seed(8, 3, 12, 1), episode_seed(7, 4, 12, 1)}
 
 
 def test_shards_hold_whole_items_and_seed_their_rows_by_number():
