@@ -11,7 +11,7 @@ Modules:
 * :mod:`storage.tokenizers`: saved tokenizers, loaded as the class they were saved as (no torch for the generic one).
 * :mod:`storage.mlflow_store`: ``MlflowStore``, MLflow behind a small adapter: the only code that imports mlflow.
 * :mod:`storage.tracking`: ``Tracker``, the pipeline's records in MLflow (campaigns, stage records), on that adapter.
-* :mod:`storage.importers`: prompts and preference pairs from JSONL, Parquet and CSV.
+* :mod:`storage.importers`: prompts, preference pairs and SFT examples from JSONL, Parquet and CSV.
 * :mod:`storage.recorded`: the folder of a stage output a run recorded in MLflow.
 * :mod:`storage.diagnostics`: what ``rlhf inspect`` computes from the shards, as polars expressions, and drift flags.
 
@@ -50,6 +50,7 @@ _EXPORTS = {
     "ImportFormatError": "importers",
     "import_preferences": "importers",
     "import_prompts": "importers",
+    "import_sft_examples": "importers",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""Import prompts and preference pairs from the files people already have.
+"""Import prompts, preference pairs and supervised fine-tuning examples from the files people already have.
 
 Supported inputs (a file, or a folder a Hugging Face ``datasets.Dataset`` was saved to with
 ``save_to_disk``, read like a Parquet file):
@@ -16,6 +16,11 @@ Supported inputs (a file, or a folder a Hugging Face ``datasets.Dataset`` was sa
     ``prompt_id``, ``messages`` and ``score_*`` columns are left alone;
   - ``chosen`` / ``rejected`` only, as message lists (TRL implicit prompt) or as Anthropic HH
     transcripts (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``), read as chat turns.
+* Supervised fine-tuning examples (:func:`import_sft_examples`), JSONL or Parquet, one example per row, in TRL's two
+  SFT formats: a ``messages`` conversation (system, user and assistant turns, at least one assistant turn, none
+  empty; TRL "conversational language modeling") or ``prompt`` / ``completion`` strings (TRL "standard
+  prompt-completion"). A ``prompt`` column beside ``messages`` with no ``completion`` is a dataset's own and left
+  alone (HuggingFaceH4/ultrachat_200k has one).
 
 Chat prompts keep their turns (the ``messages`` column): the models see them through their own
 tokenizer's chat template (:mod:`tasks.text`). The ``prompt`` column then holds a readable
@@ -51,6 +56,8 @@ from rlhf_core.errors import UserError
 from storage.schemas import (
     CHAT_MESSAGES,
     CHOSEN,
+    COMPLETION,
+    EXAMPLE_ID,
     LABELER,
     MARGIN,
     MESSAGES,
@@ -60,6 +67,7 @@ from storage.schemas import (
     PROMPT_ID,
     PROMPTS,
     REJECTED,
+    SFT_EXAMPLES,
 )
 
 MAX_ROW_BYTES = 4 << 20
@@ -477,4 +485,84 @@ def import_preferences(path: Path) -> pa.Table:
             LABELER: pa.array([f"import:{path.name}"] * count, pa.string()),
         },
         schema=PREFERENCES,
+    )
+
+
+# Supervised fine-tuning examples -------------------------------------------------------------------
+
+
+SftExample = tuple[list[Message], str, str]
+"""``(messages, prompt, completion)``: a conversation has empty ``prompt`` and ``completion``, a prompt/completion
+pair no messages."""
+
+
+def _conversation(path: Path, row: int, value: Any) -> list[Message]:
+    """The turns of an SFT conversation: each non-empty, the first not the assistant's, at least one the assistant's."""
+    messages = _messages(path, row, value, MESSAGES)
+    for index, message in enumerate(messages):
+        if not message["content"].strip():
+            raise ImportFormatError(path, row, f"{MESSAGES}[{index}].content", "empty")
+    if messages[0]["role"] == "assistant":
+        raise ImportFormatError(path, row, MESSAGES, "starts with an assistant turn: answer a system or user turn")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise ImportFormatError(path, row, MESSAGES, "has no assistant turn: there is nothing to learn")
+    return messages
+
+
+def _sft_example(path: Path, row: int, record: dict[str, Any]) -> SftExample:
+    if record.get(MESSAGES) is not None:
+        if record.get(COMPLETION) is not None:
+            raise ImportFormatError(path, row, COMPLETION, f"given beside {MESSAGES!r}: give one or the other")
+        return _conversation(path, row, record[MESSAGES]), "", ""
+    if record.get(PROMPT) is None and record.get(COMPLETION) is None:
+        found = ", ".join(repr(name) for name in record) or "none"
+        raise ImportFormatError(
+            path, row, None, f"neither {MESSAGES!r} nor {PROMPT!r}/{COMPLETION!r} is set (the row's fields: {found})"
+        )
+    for field in (PROMPT, COMPLETION):
+        if isinstance(record.get(field), list):
+            raise ImportFormatError(path, row, field, f"expected a string; chat turns go in a {MESSAGES!r} column")
+    prompt = _string(path, row, record, PROMPT, allow_empty=False)
+    return [], prompt, _string(path, row, record, COMPLETION, allow_empty=False)
+
+
+def sft_example_rows(path: Path) -> Iterator[tuple[int, SftExample]]:
+    """``(row, (messages, prompt, completion))`` of each example in an SFT file or folder, checked, in file order
+    (see :func:`import_sft_examples`).
+
+    Raises:
+        ImportFormatError: a malformed row or file (the message names file, row and field).
+    """
+    path = Path(path)
+    for row, record in _rows(path, {".jsonl": _read_jsonl, ".parquet": _read_parquet}):
+        _misspelt_columns(path, row, record, (MESSAGES, PROMPT, COMPLETION, PROMPT_ID))
+        yield row, _sft_example(path, row, record)
+
+
+def import_sft_examples(path: Path) -> pa.Table:
+    """Read supervised fine-tuning examples from a ``.jsonl`` or ``.parquet`` file or a ``datasets`` folder (formats
+    in the module docstring).
+
+    Args:
+        path: the file or folder.
+
+    Returns:
+        A table with the ``SFT_EXAMPLES`` schema, ``example_id`` numbered from 0 in file order.
+
+    Raises:
+        ImportFormatError: a malformed row, or a file with no example (the message names file, row and field).
+    """
+    path = Path(path)
+    examples = [example for _, example in sft_example_rows(path)]
+    if not examples:
+        raise ImportFormatError(path, None, None, "holds no example")
+    messages, prompts, completions = zip(*examples, strict=True)
+    return pa.table(
+        {
+            EXAMPLE_ID: pa.array(range(len(examples)), pa.int64()),
+            MESSAGES: pa.array(messages, CHAT_MESSAGES),
+            PROMPT: pa.array(prompts, pa.string()),
+            COMPLETION: pa.array(completions, pa.string()),
+        },
+        schema=SFT_EXAMPLES,
     )

@@ -46,6 +46,8 @@ PAIR_ID = "pair_id"
 CHOSEN = "chosen"
 REJECTED = "rejected"
 MARGIN = "margin"
+EXAMPLE_ID = "example_id"
+COMPLETION = "completion"
 LABELER = "labeler"
 CHOICE = "choice"
 ROW = "row"
@@ -104,6 +106,14 @@ PREFERENCES = _schema(
     (REJECTED, pa.string()),
     (MARGIN, pa.float32()),
     (LABELER, pa.string()),
+)
+
+#: Supervised fine-tuning examples (the SFT stage's input, :func:`storage.importers.import_sft_examples`). A row is
+#: a conversation (``messages`` with at least one assistant turn; ``prompt`` and ``completion`` empty) or a plain
+#: prompt and its completion (``messages`` empty). Empty strings, not nulls (convention 2): no real example has an
+#: empty prompt or completion, the importer refuses one.
+SFT_EXAMPLES = _schema(
+    (EXAMPLE_ID, pa.int64()), (MESSAGES, CHAT_MESSAGES), (PROMPT, pa.string()), (COMPLETION, pa.string())
 )
 
 #: A person's answers on the labelling forms (labeler ``human``): ``pair_id`` is the pair's index in
@@ -172,6 +182,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "candidates": CANDIDATES,
     "preferences": PREFERENCES,
+    "sft_examples": SFT_EXAMPLES,
     "human_labels": HUMAN_LABELS,
     "experience": EXPERIENCE,
     "scored_experience": SCORED_EXPERIENCE,

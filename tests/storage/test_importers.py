@@ -1,4 +1,4 @@
-"""Importers: prompts and preference pairs from JSONL, Parquet and CSV; bad rows named precisely."""
+"""Importers: prompts, preference pairs and SFT examples from JSONL, Parquet and CSV; bad rows named precisely."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage.importers import MAX_ROW_BYTES, ImportFormatError, import_preferences, import_prompts, render_chat
-from storage.schemas import PREFERENCES, PROMPTS
+from storage.importers import (
+    MAX_ROW_BYTES,
+    ImportFormatError,
+    import_preferences,
+    import_prompts,
+    import_sft_examples,
+    render_chat,
+)
+from storage.schemas import PREFERENCES, PROMPTS, SFT_EXAMPLES
 
 HH_CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell a joke\n\nAssistant: Why did the chicken..."
 HH_REJECTED = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell a joke\n\nAssistant: No."
@@ -322,3 +329,73 @@ def test_datasets_folders_are_read_like_parquet(tmp_path: Path) -> None:
     datasets.DatasetDict({"train": datasets.Dataset.from_list(PROMPT_ROWS)}).save_to_disk(str(tmp_path / "splits"))
     with pytest.raises(ImportFormatError, match="holds the splits \\['train'\\]: point at one split"):
         import_prompts(tmp_path / "splits")
+
+
+# Supervised fine-tuning examples -------------------------------------------------------------------
+
+SFT_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    _user("Hi"),
+    _assistant("Hello!"),
+    _user("Joke?"),
+    _assistant("No."),
+]
+SFT_PLAIN = {"prompt": "2 + 2 =", "completion": " 4"}
+
+
+@pytest.mark.parametrize("writer", [_jsonl, _parquet])
+def test_sft_examples_are_conversations_or_prompt_completion_pairs(tmp_path: Path, writer) -> None:
+    """Both TRL SFT formats, in one file; a dataset's own ``prompt`` beside ``messages`` (ultrachat) is left alone."""
+    rows = [
+        {"messages": SFT_CHAT, "prompt": "Hi", "completion": None, "prompt_id": "a1"},
+        {"messages": None, **SFT_PLAIN, "prompt_id": "a2"},
+    ]
+    suffix = ".jsonl" if writer is _jsonl else ".parquet"
+    table = import_sft_examples(writer(tmp_path / f"sft{suffix}", rows))
+    assert table.schema == SFT_EXAMPLES
+    assert table.to_pylist() == [
+        {"example_id": 0, "messages": SFT_CHAT, "prompt": "", "completion": ""},
+        {"example_id": 1, "messages": [], "prompt": "2 + 2 =", "completion": " 4"},  # the completion as written
+    ]
+
+
+def test_sft_examples_from_a_datasets_folder(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([{"messages": SFT_CHAT}]).save_to_disk(str(tmp_path / "sft"))
+    assert import_sft_examples(tmp_path / "sft").column("messages").to_pylist() == [SFT_CHAT]
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "problem"),
+    [
+        ({"messages": [_user("Hi"), _user("Anyone?")]}, "messages", "has no assistant turn"),
+        ({"messages": [_assistant("Hello!"), _user("Hi")]}, "messages", "starts with an assistant turn"),
+        ({"messages": [_user("Hi"), {"role": "tool", "content": "x"}]}, "messages[1].role", "expected one of"),
+        ({"messages": [_user("Hi"), _assistant(" ")]}, "messages[1].content", "empty"),
+        ({"messages": [_user("Hi"), {"role": "assistant"}]}, "messages[1].content", "expected a string"),
+        ({"messages": []}, "messages", "non-empty list"),
+        ({"text": "Hi there"}, None, "neither 'messages' nor 'prompt'/'completion' is set.*fields: 'text'"),
+        ({"prompt": "Hi"}, "completion", "missing"),
+        ({"prompt": "Hi", "completion": ""}, "completion", "empty"),
+        ({"prompt": " ", "completion": "Hello"}, "prompt", "empty"),
+        ({"prompt": [_user("Hi")], "completion": [_assistant("Hello")]}, "prompt", "chat turns go in a 'messages'"),
+        ({"messages": SFT_CHAT, "completion": "x"}, "completion", "give one or the other"),
+        ({"messages": SFT_CHAT, "completions": "x"}, "completions", "did you mean 'completion'"),
+    ],
+)
+def test_bad_sft_rows_are_refused_in_one_line_naming_file_row_and_field(
+    tmp_path: Path, row: dict, field: str | None, problem: str
+) -> None:
+    path = _jsonl(tmp_path / "sft.jsonl", [SFT_PLAIN, {"messages": SFT_CHAT}, row, SFT_PLAIN])
+    with pytest.raises(ImportFormatError, match=problem) as caught:
+        import_sft_examples(path)
+    assert (caught.value.path, caught.value.row, caught.value.field) == (path, 3, field)
+    where = f"{path}, row 3" + ("" if field is None else f", field {field!r}")
+    assert str(caught.value).startswith(where + ": ") and "\n" not in str(caught.value)
+
+
+def test_an_sft_file_with_no_example_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "none.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ImportFormatError, match=r"none.jsonl: holds no example"):
+        import_sft_examples(path)

@@ -24,7 +24,7 @@ def _rows(schema: pa.Schema, count: int) -> pa.Table:
     """``count`` rows of ``schema`` with ragged lists: row ``i`` has ``i % 4`` response tokens (0 = empty)."""
     columns = {}
     for field in schema:
-        if field.name in ("row", "prompt_id", "pair_id", "candidate_index", "policy_version"):
+        if pa.types.is_integer(field.type):  # row, prompt_id, pair_id, example_id, candidate_index, policy_version
             columns[field.name] = list(range(count))
         elif field.name == "prompt_ids":
             columns[field.name] = [list(range(1, 2 + i % 3)) for i in range(count)]
