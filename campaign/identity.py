@@ -140,10 +140,11 @@ ADDED_FIELDS: dict[str, object] = {
     "sampling.staleness": 0,
     "ppo.off_policy": "decoupled",
     "ppo.behaviour_weight_cap": 2.0,
+    "reward_model.replay_ratio": None,
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
-row is on-policy, and the correction is none). At that value a field is left out of every identity (the campaign's
+row is on-policy, and the correction is none; the reward model trained on every pair so far). At that value a field is left out of every identity (the campaign's
 fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:
 :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's

@@ -219,6 +219,11 @@ class RewardModelConfig:
     train: bool = True
     """Train the reward model on the collected pairs. False uses a pretrained one as it is (no pairs are
     collected): only with a pretrained reward model."""
+    replay_ratio: float | None = bounded(None, ge=0)
+    """What each iteration's reward model, continuing the previous one, trains on: None (the default) every
+    training pair so far; a ratio r, the iteration's new training pairs and r times as many older ones drawn
+    again (a replay, as continual learning keeps old data in view), so its cost stays that of an iteration's
+    pairs (issue 43; :func:`rlhf_core.reward_training.replayed_rows`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -93,6 +93,21 @@ def arrival_split(
     return order[~held], order[held]
 
 
+def replayed_rows(train: torch.Tensor, *, new_from: int, ratio: float, generator: torch.Generator) -> torch.Tensor:
+    """The training rows of a reward model that continues the previous one with a replay: every row of ``train``
+    at or after ``new_from`` (this iteration's table), and ``round(ratio * new)`` of the older ones (all of them
+    when there are fewer), drawn without replacement from ``generator``; new rows first, then the drawn ones in
+    the order drawn (training shuffles them anyway).
+
+    Shapes:
+        train: (N,) int64 row indices (:func:`arrival_split`); returns (M,) int64, M <= N.
+    """
+    new, older = train[train >= new_from], train[train < new_from]
+    count = min(len(older), round(ratio * len(new)))
+    drawn = older[torch.randperm(len(older), generator=generator)[:count]]
+    return torch.cat([new, drawn])
+
+
 class RewardModelStats(NamedTuple):
     """Training and held-out figures (Python floats), plus the step count."""
 

@@ -25,7 +25,13 @@ import torch
 
 from rlhf_core.config import eval_split_error
 from rlhf_core.errors import UserError
-from rlhf_core.reward_training import PreferenceBatch, RewardTrainingProgress, arrival_split, fit_reward_model
+from rlhf_core.reward_training import (
+    PreferenceBatch,
+    RewardTrainingProgress,
+    arrival_split,
+    fit_reward_model,
+    replayed_rows,
+)
 from runtime.checkpointer import Checkpointer
 from runtime.declaration import StageResult
 from runtime.job import Job, Training
@@ -94,10 +100,12 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
     tables = [read_table(result.directory, "preferences") for result in settings.preferences]
     generator = job.generator()
     pairs = preference_batch(pa.concat_tables(tables), tokenizer)
+    sizes = [table.num_rows for table in tables]
     train, held_out = arrival_split(
-        [table.num_rows for table in tables], [table_seed(result) for result in settings.preferences],
-        config.eval_fraction,
-    )  # fmt: skip
+        sizes, [table_seed(result) for result in settings.preferences], config.eval_fraction
+    )
+    if config.replay_ratio is not None and previous is not None:  # continues: new pairs, and a replay of older ones
+        train = replayed_rows(train, new_from=sum(sizes[:-1]), ratio=config.replay_ratio, generator=generator)
     torch.manual_seed(job.seed())  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpointer = Checkpointer(
@@ -125,7 +133,7 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
     # eval_accuracy rests on eval_pairs pairs: with few (a sparse first iteration), it moves in large steps until
     # later iterations add theirs.
     metrics = {k: float(v) for k, v in stats._asdict().items()}
-    return {**metrics, "pairs": float(len(pairs)), "eval_pairs": float(len(held_out))}
+    return {**metrics, "pairs": float(len(pairs)), "train_pairs": float(len(train)), "eval_pairs": float(len(held_out))}
 
 
 def refer_to_pretrained(job: Job[TrainRewardModelSettings]) -> dict[str, float]:

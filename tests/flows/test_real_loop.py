@@ -1,7 +1,7 @@
-"""Issue 35 end to end on the tiny campaign: what the learned-reward loop needs on a real model. Every decisive pair of
-four candidates, the critic started from the first reward model the campaign trains, scores normalised by their
-running moments, the reward model's score against response length; and the saved experience replayed under the
-other normalisation."""
+"""Issues 35 and 43 end to end on the tiny campaign: what the learned-reward loop needs on a real model. Every decisive
+pair of four candidates, the critic started from the first reward model the campaign trains, scores normalised by
+their running moments, the reward model's score against response length, the reward model continued on the new pairs
+with a replay of older ones; and the saved experience replayed under the other normalisation."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def loop(prefect_server, checkpoint_world, tmp_path_factory):
         "pairing=all_decisive",
         "model.critic_init=reward_model",
         "advantages.score_statistics=running",
+        "reward_model.replay_ratio=0.5",
     ]
     config = load_config(TINY, overrides)
     rlhf_campaign(config)
@@ -78,6 +79,16 @@ def test_issue43_running_score_moments_start_again_with_each_retrained_reward_mo
     for metrics in (first, second):
         assert -1.0 <= metrics["rollout/score_length_correlation"] <= 1.0
         assert "collect_preferences/decisive_fraction" in metrics
+
+
+def test_issue43_the_continued_reward_model_trains_on_the_new_pairs_and_half_as_many_older_ones(loop):
+    first, second = (_manifest(folder)["metrics"] for folder in _outputs(loop, "train_reward_model"))
+    if first["pairs"] > second["pairs"]:
+        first, second = second, first
+    assert first["train_pairs"] == first["pairs"] - first["eval_pairs"]  # iteration 0: every pair it holds
+    older = first["train_pairs"]  # the held-out split of iteration 0's pairs is kept: its training pairs too
+    new = (second["pairs"] - first["pairs"]) - (second["eval_pairs"] - first["eval_pairs"])
+    assert second["train_pairs"] == new + min(older, round(0.5 * new)) < second["pairs"] - second["eval_pairs"]
 
 
 def test_issue35_the_saved_experience_replays_with_the_reward_models_held_out_statistics(loop):

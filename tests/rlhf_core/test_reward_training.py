@@ -11,7 +11,13 @@ from torch import nn
 
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.models import RewardModel
-from rlhf_core.reward_training import PreferenceBatch, arrival_split, evaluate_reward_model, fit_reward_model
+from rlhf_core.reward_training import (
+    PreferenceBatch,
+    arrival_split,
+    evaluate_reward_model,
+    fit_reward_model,
+    replayed_rows,
+)
 from runtime.models import accelerator_for
 from tests.conftest import tiny_config
 
@@ -96,6 +102,19 @@ def test_issue43_a_tables_pairs_are_split_alike_by_every_later_iteration_and_non
     assert sorted(train.tolist() + held.tolist()) == list(range(10))
     assert arrival_split([4, 6], [11, 22], 0.25)[1].tolist() == held.tolist()  # the seeds decide, nothing else
     assert [len(part) for part in arrival_split([], [], 0.25)] == [0, 0]
+
+
+def test_issue43_a_continuing_reward_model_trains_on_the_new_pairs_and_a_replay_of_older_ones():
+    # Rows 0-9 from earlier iterations, 10-13 new: ratio 0.5 replays round(0.5 x 4) = 2 older rows, ratio 10 all 10.
+    train = torch.tensor([0, 2, 3, 5, 6, 7, 8, 9, 11, 1, 4, 10, 12, 13])
+    rows = replayed_rows(train, new_from=10, ratio=0.5, generator=torch.Generator().manual_seed(0))
+    assert rows[:4].tolist() == [11, 10, 12, 13] and len(rows) == 6
+    assert set(rows[4:].tolist()) <= set(range(10)) and len(set(rows.tolist())) == 6  # drawn without replacement
+    everything = replayed_rows(train, new_from=10, ratio=10.0, generator=torch.Generator().manual_seed(0))
+    assert sorted(everything.tolist()) == sorted(train.tolist())
+    assert replayed_rows(train, new_from=10, ratio=0.0, generator=torch.Generator()).tolist() == [11, 10, 12, 13]
+    again = replayed_rows(train, new_from=10, ratio=0.5, generator=torch.Generator().manual_seed(0))
+    assert again.tolist() == rows.tolist()  # the stage's generator decides, nothing else
 
 
 def test_fit_needs_training_and_held_out_pairs():
