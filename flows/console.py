@@ -59,6 +59,28 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
 """Per stage, the metrics its summary line shows, and how."""
 
 
+JUDGES = (("gold_mean", "reference_gold_mean", "gold score"), ("rubric_mean", "reference_rubric_mean", "rubric"))
+"""The held-out scores a learned reward stands for (a hidden gold judge, or the rubric that labelled the pairs), the
+first the evaluation has: (policy's metric, initial policy's, name)."""
+
+
+def overoptimisation_notice(metrics: dict[str, float]) -> str | None:
+    """What an evaluation's metrics say when the policy is exploiting its reward (Gao et al. 2022): the reward it is
+    trained on rates it above the initial policy, the judge that reward stands for (:data:`JUDGES`) below it; None
+    otherwise, or where the evaluation has no judge."""
+    judge = next((judge for judge in JUDGES if judge[0] in metrics and judge[1] in metrics), None)
+    if judge is None or "reward_mean" not in metrics or "reference_reward_mean" not in metrics:
+        return None
+    policy, initial, name = judge
+    if metrics["reward_mean"] > metrics["reference_reward_mean"] and metrics[policy] < metrics[initial]:
+        return (
+            f"over-optimising: the reward rates the policy above the initial policy ({metrics['reward_mean']:.3g} > "
+            f"{metrics['reference_reward_mean']:.3g}), the {name} below it ({metrics[policy]:.3g} < "
+            f"{metrics[initial]:.3g}); see the campaign's over-optimisation figure"
+        )
+    return None
+
+
 def summary_line(stage: str, metrics: dict[str, float], *, width: int = 20) -> str:
     """``"  rollout              4.1 s  256 rollouts, score 0.31"``: a finished stage's seconds and headline metrics."""
     shown = [form.format(metrics[name]) for name, form in HEADLINES.get(stage, ()) if name in metrics]
@@ -94,6 +116,8 @@ class StageConsole(logging.Handler):
                 ahead = self.iteration is not None and iteration is not None and iteration > self.iteration
                 line = summary_line(result.stage, result.metrics)
                 self._write(f"{line}  (iteration {iteration}, beside the update)" if ahead else line)
+                if result.stage == "evaluate" and (notice := overoptimisation_notice(result.metrics)):
+                    self._write(f"  {notice}")
                 self.shown.add(result.input_key)
             elif result.input_key not in self.shown:  # not the output of a stage run ahead by this command
                 self.reused += 1

@@ -57,6 +57,11 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     by_iteration.plot(iterations, reward, "o-", color="tab:blue", label="reward")
     if gold is not None:
         by_iteration.plot(iterations, gold, "s-", color="tab:orange", label=judge[1].partition(" (")[0])
+        initial = f"evaluate/reference_{judge[0].removeprefix('evaluate/')}"
+        if (
+            rows and initial in rows[0][1]
+        ):  # the initial policy's score: a campaign should never end below it (issue 43)
+            by_iteration.axhline(rows[0][1][initial], color="tab:orange", linestyle=":", label="initial policy")
     by_iteration.set(xlabel="iteration", ylabel="mean score", title=f"campaign {campaign}")
     kl_axis = by_iteration.twinx()
     kl_axis.plot(iterations, kl, "^--", color="tab:gray", label="KL to ref")

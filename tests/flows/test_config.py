@@ -165,6 +165,20 @@ def test_issue15_a_finished_stage_is_one_summary_line():
     assert line == "  train_reward_model     2.0 s  RM accuracy 0.88, 51 held-out pairs"
 
 
+def test_issue43_an_evaluation_whose_reward_rises_while_its_judge_falls_below_the_start_is_said():
+    from flows.console import overoptimisation_notice
+
+    exploited = {"reward_mean": 0.8, "reference_reward_mean": 0.2, "rubric_mean": 0.1, "reference_rubric_mean": 0.25}
+    assert overoptimisation_notice(exploited) == (
+        "over-optimising: the reward rates the policy above the initial policy (0.8 > 0.2), the rubric below it "
+        "(0.1 < 0.25); see the campaign's over-optimisation figure"
+    )
+    learning = {**exploited, "rubric_mean": 0.3}
+    gold_first = {**exploited, "gold_mean": 0.6, "reference_gold_mean": 0.5}  # the hidden judge, when there is one
+    assert overoptimisation_notice(learning) is None and overoptimisation_notice(gold_first) is None
+    assert overoptimisation_notice({"reward_mean": 0.8, "reference_reward_mean": 0.2}) is None  # no judge: no claim
+
+
 def test_a_reward_model_eval_split_that_leaves_nothing_to_train_on_is_refused_before_anything_runs():
     load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])  # 2 of 16 held out: few, and run (issue 43)
     with pytest.raises(ConfigError, match=r"eval_fraction` 0.99 of 16 preference pairs holds out 16 and leaves 0"):
