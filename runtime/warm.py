@@ -47,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from runtime.children import launch_tied
+from runtime.children import launch_tied, launch_tied_in_thread
 
 PRELOAD = ("runtime.worker", "rlhf_core.loading", "rlhf_core.models", "transformers", "peft", "prefect")
 """What the server imports once: the worker, and the libraries the training stages' models need, none of which starts
@@ -113,26 +113,17 @@ def _start() -> subprocess.Popen:
     global _server, _ready
     if _server is not None and _server.poll() is None:
         return _server
-    started: dict[str, subprocess.Popen] = {}
-    launched = threading.Event()
-
-    def start_and_watch() -> None:  # choice 2: this thread lives as long as the server
-        process = launch_tied(
-            sys.executable,
-            SERVER,
-            own_group=False,  # Ctrl-C at the terminal reaches the server and its job, as a fresh process
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        started["process"] = process
-        launched.set()
-        process.wait()
-
-    threading.Thread(target=start_and_watch, name="rlhf-warm-server", daemon=True).start()
-    launched.wait()
-    _server, _ready = started["process"], False
+    server = launch_tied_in_thread(  # choice 2: started from a thread that lives as long as the server
+        sys.executable,
+        SERVER,
+        name="rlhf-warm-server",
+        own_group=False,  # Ctrl-C at the terminal reaches the server and its job, as a fresh process
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    _server, _ready = server, False
     atexit.register(_stop, _server)
     return _server
 
