@@ -51,6 +51,7 @@ from mlflow import MlflowClient
 
 from storage.manifest import read_manifest
 from tasks.staleness import PROX_FILE
+from tests.processes import running
 
 pytestmark = pytest.mark.slow
 
@@ -134,15 +135,7 @@ def _descendants(pid: int) -> set[int]:
 
 def _alive(pids: set[int]) -> set[int]:
     """The processes of ``pids`` that still run (zombies count as gone)."""
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
+    return {pid for pid in pids if running(pid)}
 
 
 def _wait_gone(pids: set[int], seconds: float = 30) -> set[int]:

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.processes import running
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,13 +30,6 @@ def _children(pid: int) -> set[int]:
             if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
                 children.add(int(entry.name))
     return children
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 COMMAND = """
@@ -93,13 +88,13 @@ def test_flows_against_the_commands_temporary_server_send_no_heartbeats(command)
 def test_issue14_the_temporary_server_dies_with_its_command_even_on_kill_minus_nine(command):
     """At once (issue 42: tied to SIGTERM, its graceful stop was still running 3 s after the kill in 1 of 24 crash
     cases; it is tied to SIGKILL now, tests/runtime/test_children.py)."""
-    assert _running(command.launched)
+    assert running(command.launched)
     os.kill(command.process.pid, signal.SIGKILL)
     command.process.wait(timeout=30)
     deadline = time.monotonic() + 3
-    while _running(command.launched) and time.monotonic() < deadline:
+    while running(command.launched) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(command.launched), "the server outlived the command by 3 s"
+    assert not running(command.launched), "the server outlived the command by 3 s"
 
 
 HEARTBEAT_IN_FLOW_SETTINGS = """
@@ -182,9 +177,9 @@ def test_a_command_that_fails_before_waiting_for_the_server_stops_it():
     launched = int(process.stdout.readline())
     assert process.wait(timeout=60) == 2
     deadline = time.monotonic() + 30
-    while _running(launched) and time.monotonic() < deadline:
+    while running(launched) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(launched), "the server outlived the command"
+    assert not running(launched), "the server outlived the command"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the temporary server is Linux's")
@@ -193,7 +188,7 @@ def test_a_server_launched_before_an_api_url_was_configured_is_stopped_and_the_u
     try:
         launched = int(process.stdout.readline())
         assert process.stdout.readline().strip() == "http://127.0.0.1:9/api"
-        assert not _running(launched) and not _children(process.pid)
+        assert not running(launched) and not _children(process.pid)
     finally:
         process.kill()
         process.wait()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import running
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = """
 import signal, sys, time
@@ -25,14 +27,6 @@ time.sleep(600)
 argument, prints the server's pid and waits to be killed."""
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _server_after_kill_minus_nine_of_its_command(death_signal: str) -> tuple[int, bool]:
     command = subprocess.Popen(
         [sys.executable, "-c", COMMAND, death_signal], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -40,14 +34,14 @@ def _server_after_kill_minus_nine_of_its_command(death_signal: str) -> tuple[int
     )  # fmt: skip
     server = int(command.stdout.readline())
     deadline = time.monotonic() + 60
-    while not _running(server) or "python" not in Path(f"/proc/{server}/cmdline").read_text():
+    while not running(server) or "python" not in Path(f"/proc/{server}/cmdline").read_text():
         assert time.monotonic() < deadline, "the server never started"
         time.sleep(0.05)
     time.sleep(1.0)  # past the exec: the signal request is the launcher's, kept across it
     os.kill(command.pid, signal.SIGKILL)
     command.wait(timeout=30)
     time.sleep(1.0)
-    return server, _running(server)
+    return server, running(server)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")

@@ -21,6 +21,7 @@ import pytest
 from runtime.environments import DONE, TIMEOUT, EnvironmentReply, EnvironmentRunner
 from runtime.references import EnvironmentClassError, EnvironmentReference, load_environment
 from tests.environments import Guess
+from tests.processes import running
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT_S = 1.0
@@ -31,14 +32,6 @@ ROW = {"prompt": "Let's play."}
 def runner():
     with EnvironmentRunner(EnvironmentReference.of("tests.environments:Faulty"), step_timeout_s=STEP_TIMEOUT_S) as one:
         yield one
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _play(runner: EnvironmentRunner, episode_id: object, seed: int, actions: list[str]) -> list[EnvironmentReply]:
@@ -130,7 +123,7 @@ def test_a_step_past_the_timeout_is_killed_and_replaced_and_the_other_live_episo
     start = time.monotonic()
     assert _play(runner, "hangs", 1, ["hang"])[-1] == EnvironmentReply(None, 0.0, True, TIMEOUT)
     assert time.monotonic() - start < STEP_TIMEOUT_S + 1.0
-    assert not _running(hung) and runner.pid != hung and runner.replacements >= 1
+    assert not running(hung) and runner.pid != hung and runner.replacements >= 1
     assert runner.step("live", "4").stop_reason == DONE  # its environment was reset and given "1" again
 
 
@@ -168,7 +161,7 @@ def test_a_runner_started_by_a_thread_that_ends_keeps_its_process():
     thread.join()
     with started[0] as runner:
         time.sleep(0.2)
-        assert _running(runner.pid) and _play(runner, "after", 2, ["1"])[-1].stop_reason == DONE
+        assert running(runner.pid) and _play(runner, "after", 2, ["1"])[-1].stop_reason == DONE
 
 
 COMMAND = """
@@ -188,10 +181,10 @@ def test_the_environments_process_ends_with_its_parents_kill_minus_nine():
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     child = int(parent.stdout.readline())
-    assert _running(child)
+    assert running(child)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(timeout=30)
     deadline = time.monotonic() + 1.0
-    while _running(child) and time.monotonic() < deadline:
+    while running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(child), "the environments' process outlived its parent"
+    assert not running(child), "the environments' process outlived its parent"

@@ -25,6 +25,7 @@ from runtime.job import Job, JobOutput
 from runtime.launch import TrainingWorkerError, train
 from runtime.stage import Stage
 from storage.layout import RunLayout
+from tests.processes import running
 
 REPO = Path(__file__).resolve().parents[2]
 FILE = InputFile(path="/p", sha256="0" * 64)
@@ -178,9 +179,9 @@ def test_issue33_kill_minus_nine_of_the_command_ends_its_server_and_its_job(tmp_
     command.kill()
     command.wait()
     deadline = time.monotonic() + 20
-    while (_alive(job) or _alive(server)) and time.monotonic() < deadline:
+    while (running(job) or running(server)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(job) and not _alive(server)
+    assert not running(job) and not running(server)
 
 
 @pytest.mark.slow  # a command of its own and its warm server: the crash step of .ci/run, beside the kill -9 above
@@ -206,15 +207,6 @@ def test_issue33_a_commands_end_ends_its_server_and_counts_its_jobs_cpu_time_as_
     command.returncode = os.waitstatus_to_exitcode(status)
     assert command.returncode == 0
     _, server = map(int, pids.read_text().split())
-    assert ended == "ended True" and not _alive(server)
+    assert ended == "ended True" and not running(server)
     # the job's CPU time, through the server the command waited for, beside the command's own
     assert usage.ru_utime + usage.ru_stime - float(own) >= 1.5
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not reaped by its parent, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
