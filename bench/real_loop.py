@@ -6,6 +6,8 @@
 ``.venv/bin/python -m bench.real_loop lora``    (a PPO update of actor and critic: LoRA against full fine-tuning)
 ``.venv/bin/python -m bench.real_loop loop``    (the curve: ``rlhf run --config configs/smollm2-rm.yaml``)
 ``.venv/bin/python -m bench.real_loop choices`` (the tables of ``pairs``, ``critic`` and ``lora``, from their files)
+``.venv/bin/python -m bench.real_loop decisive`` (issue 43: on a sparse binary task, more candidates for the prompts
+whose candidates all tied, or fresh prompts: which finds more decisive pairs per sampled token)
 
 ``pairs``, ``critic`` and ``lora`` are plain loops of the stages' own functions (sampling, the rubric labeler and
 :mod:`tasks.pairing`, :func:`rlhf_core.reward_training.fit_reward_model`, the model seam, the value loss, the PPO
@@ -209,6 +211,66 @@ def pairs_part(out: Path) -> dict:
         "sets": results,
         "best": best,
     }
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _decisive(scores: list[list[float]]) -> dict[str, int]:
+    """Per prompt's candidate scores: the prompts with a winner, and the pairs ``best_vs_worse`` (one a prompt with a
+    winner) and ``all_decisive`` (every pair of unequal scores) make of them."""
+    decisive = [group for group in scores if len(set(group)) > 1]
+    pairs = sum(sum(a != b for i, a in enumerate(group) for b in group[i + 1 :]) for group in decisive)
+    return {"decisive_prompts": len(decisive), "best_vs_worse": len(decisive), "all_decisive": pairs}
+
+
+def decisive_part(out: Path, *, prompts: int = 64, per_prompt: int = 4) -> dict:
+    """Issue 43: ``per_prompt`` candidates of ``prompts`` training prompts, scored by the sparse binary rubric
+    (``smollm2_task:exactly_one_word``); then, from the same budget (``per_prompt`` more candidates for each prompt
+    whose candidates all tied), either more candidates of those prompts (``top_up``) or ``per_prompt`` candidates of
+    as many fresh prompts (``fresh``): the decisive pairs each adds per 1000 sampled response tokens."""
+    import torch
+    from smollm2_task import exactly_one_word
+
+    from rlhf_core.loading import ModelLoader
+
+    folder, tokenizer, train, _ = _setup()
+    started_load = load()
+    actor = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": folder}).load("actor", folder)
+
+    def scored(table) -> dict[int, list[float]]:
+        groups: dict[int, list[float]] = {}
+        for row in table.to_pylist():
+            groups.setdefault(row["prompt_id"], []).append(exactly_one_word(row["prompt"], row["response"]))
+        return groups
+
+    def tokens(table) -> int:
+        return sum(len(ids) for ids in table.column("response_ids").to_pylist())
+
+    first, _ = sample_candidates(actor, tokenizer, train[:prompts], per_prompt=per_prompt, seed=1)
+    first_scores = scored(first)
+    tied = sorted(prompt for prompt, group in first_scores.items() if len(set(group)) == 1)
+    top_up, _ = sample_candidates(actor, tokenizer, [train[i] for i in tied], per_prompt=per_prompt, seed=2)
+    more = scored(top_up)  # prompt ids count from 0 over the tied prompts
+    joined = [first_scores[prompt] + more[index] for index, prompt in enumerate(tied)]
+    fresh, _ = sample_candidates(actor, tokenizer, train[prompts : prompts + len(tied)], per_prompt=per_prompt, seed=2)
+    result = {
+        "machine": machine(),
+        "load_average_start": started_load,
+        "prompts": prompts,
+        "candidates_per_prompt": per_prompt,
+        "base_rate": sum(map(sum, first_scores.values())) / first.num_rows,
+        "first_round": {**_decisive(list(first_scores.values())), "tokens": tokens(first)},
+        "tied_prompts": len(tied),
+        "tied_all_failed": sum(1 for prompt in tied if first_scores[prompt][0] == 0.0),
+        "top_up": {**_decisive(joined), "tokens": tokens(top_up)},
+        "fresh": {**_decisive(list(scored(fresh).values())), "tokens": tokens(fresh)},
+        "load_average_end": load(),
+    }
+    for way in ("first_round", "top_up", "fresh"):
+        part = result[way]
+        part["all_decisive_per_1000_tokens"] = 1000 * part["all_decisive"] / max(part["tokens"], 1)
+        part["best_vs_worse_per_1000_tokens"] = 1000 * part["best_vs_worse"] / max(part["tokens"], 1)
+    print(json.dumps(result, indent=2), flush=True)
     out.write_text(json.dumps(result, indent=2))
     return result
 
@@ -578,7 +640,9 @@ def choices_section(pairs: dict | None, critic: dict | None, lora: dict | None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices"])
+    parser.add_argument(
+        "part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices", "decisive"]
+    )
     parser.add_argument("--prompts", type=int, default=96, help="pairs-file: training prompts, 4 candidates each")
     parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
     parser.add_argument("--iterations", type=int, help="loop: override the config's iterations")
@@ -597,6 +661,8 @@ def main() -> None:
         pairs_part(out)
     elif args.part == "pairs-file":
         pairs_file_part(args.prompts)
+    elif args.part == "decisive":
+        decisive_part(out)
     elif args.part == "critic":
         critic_part(out)
     elif args.part == "lora":

@@ -32,6 +32,12 @@ def one_word(prompt: object, response: str, **_: object) -> float:
     return 1.0 / words if words else 0.0
 
 
+def exactly_one_word(prompt: object, response: str, **_: object) -> float:
+    """1 for an answer of exactly one word, else 0: the sparse binary task of issue 43 (a rubric the initial policy
+    passes on fewer than one answer in ten; bench/real_loop.py ``decisive`` measures its base rate)."""
+    return 1.0 if len(WORD.findall(response)) == 1 else 0.0
+
+
 QUESTIONS = (
     "Name a {}.",
     "What is your favourite {}?",
