@@ -20,7 +20,7 @@ from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
 from runtime.context import BaseInputs, InputFile
-from runtime.references import JudgeReference, RewardFunctionReference
+from runtime.references import EnvironmentReference, JudgeReference, RewardFunctionReference
 from storage.fingerprints import FingerprintCache
 
 if TYPE_CHECKING:  # MLflow only where a store is read: locating the inputs (base_inputs) needs none
@@ -106,6 +106,7 @@ def base_inputs(
         rubric=RewardFunctionReference.of(config.reward.function)
         if config.labeler == "function" and config.reward.function
         else None,
+        environment=EnvironmentReference.of(config.environment.class_) if config.environment.class_ else None,
     )
 
 
@@ -140,6 +141,7 @@ ADDED_FIELDS: dict[str, object] = {
     "sampling.staleness": 0,
     "ppo.off_policy": "decoupled",
     "ppo.behaviour_weight_cap": 2.0,
+    "environment": {"class": None, "max_turns": 3, "max_tokens_per_turn": 32, "step_timeout_s": 30.0},
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
