@@ -79,6 +79,7 @@ TURN_REWARD = "turn_reward"
 DONE = "done"
 STOP_REASON = "stop_reason"
 ENVIRONMENT_SEED = "environment_seed"
+DRIFTS = "drifts"
 
 TOKEN_IDS = pa.list_(pa.int32())
 CHAT_MESSAGES = pa.list_(
@@ -219,9 +220,12 @@ TURNS_TABLE = _schema(
 )
 
 #: A shard's piece of a rollout of episodes: its experience rows, each with its segments (the :data:`TURNS_TABLE`
-#: columns that are not the row's own), split into the two tables when the stage writes them.
+#: columns that are not the row's own) and whether a full re-render of its conversation tokenizes otherwise
+#: (``drifts``, counted in a metric), split into the two tables when the stage writes them.
 SEGMENT = pa.struct([pa.field(field.name, field.type, nullable=field.nullable) for field in TURNS_TABLE][2:-1])
-EPISODES = pa.schema([*EXPERIENCE, pa.field(TURNS, pa.list_(SEGMENT), nullable=False)])
+EPISODES = pa.schema(
+    [*EXPERIENCE, pa.field(TURNS, pa.list_(SEGMENT), nullable=False), pa.field(DRIFTS, pa.bool_(), nullable=False)]
+)
 
 #: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).
 SCORED_EXPERIENCE = pa.schema(
