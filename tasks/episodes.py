@@ -107,7 +107,9 @@ class Episode:
         self.logprobs += list(logprobs) if role == ASSISTANT else [0.0] * len(ids)
         self.segments.append(
             {
-                TURN: len(self.turn_rewards) - (role == USER),  # an environment reply is numbered by its model turn
+                TURN: max(
+                    len(self.turn_rewards) - (role == USER), 0
+                ),  # a reply is numbered by the model turn it answers
                 ROLE: role,
                 TOKEN_START: start,
                 TOKEN_STOP: len(self.response),
@@ -119,9 +121,11 @@ class Episode:
         )
 
     def end(self, reason: str) -> None:
+        """End the episode: its last segment says why (a reset that failed: an empty one of the environment's)."""
         self.stop_reason = reason
-        if self.segments:
-            self.segments[-1].update({DONE_COLUMN: True, STOP_REASON: reason})
+        if not self.segments:
+            self.append([], role=USER)
+        self.segments[-1].update({DONE_COLUMN: True, STOP_REASON: reason})
 
 
 def play_episodes(
@@ -176,7 +180,7 @@ def play_episodes(
                 _answer(
                     runner, tokenizer, episode, runner.step(episode.key, text), ended=ended, last=turn == max_turns - 1
                 )
-    for episode in filter(lambda episode: episode.segments, episodes):  # 3. The drift check: a metric (choice 1).
+    for episode in filter(lambda episode: episode.response, episodes):  # 3. The drift check: a metric (choice 1).
         last = max(i for i, message in enumerate(episode.messages) if message["role"] == ASSISTANT)
         stop = max(segment[TOKEN_STOP] for segment in episode.segments if segment[ROLE] == ASSISTANT)
         episode.drifts = rendering_drifts(

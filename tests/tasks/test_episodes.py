@@ -77,7 +77,8 @@ def test_episodes_keep_the_sampled_ids_and_append_the_template_delta_and_failure
         generator=torch.Generator().manual_seed(0),
     )
     assert [episode.stop_reason.split(":")[0] for episode in episodes[2:]] == ["error", "error"]
-    assert episodes[3].segments == [] and episodes[3].response == []  # its reset failed: no turn at all
+    assert episodes[3].response == []  # its reset failed: no turn at all, one empty segment saying why
+    assert [(s["role"], s["token_stop"], s["done"]) for s in episodes[3].segments] == [("user", 0, True)]
     first = episodes[0]
     assert len(first.segments) == 5 and first.stop_reason == "max_turns"  # a random model does not guess
     for segment in first.segments:
@@ -106,6 +107,6 @@ def test_episodes_keep_the_sampled_ids_and_append_the_template_delta_and_failure
     assert experience.scores.tolist() == [sum(episode.turn_rewards) for episode in episodes]
     turns = turns_table(table)
     assert turns.num_rows == sum(len(episode.segments) for episode in episodes)
-    assert set(turns.column("row").to_pylist()) == {10, 11, 12} and set(turns.column("policy_version").to_pylist()) == {
-        3
-    }
+    assert set(turns.column("row").to_pylist()) == {10, 11, 12, 13} and set(
+        turns.column("policy_version").to_pylist()
+    ) == {3}
