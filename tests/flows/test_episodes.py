@@ -12,10 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from campaign.config import ConfigError, load_config
+from campaign.identity import base_inputs
 from campaign.store import resolve_run
 from flows.iterations import tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
+from runtime.references import EnvironmentClassError
 from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.sft_text import turn_delta
@@ -214,3 +216,5 @@ def test_episodes_are_refused_in_one_line_where_they_do_not_apply(world, tmp_pat
         _config(world, run_root, "environment.class=tests.environments:Guess", "labeler=gold", "demo=true")
     with pytest.raises(ConfigError, match="hf engine only"):
         _config(world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
+    with pytest.raises(EnvironmentClassError, match=r"^`environment.class` 'tests.environments:NoStep' has no method"):
+        base_inputs(_config(world, run_root, "environment.class=tests.environments:NoStep"), None, None)
