@@ -100,6 +100,8 @@ def scored_experience(
             "engine_logprobs": pa.nulls(rollouts, pa.list_(f32)),  # sampled by hf: no engine log-probs
             "scores": pa.array(scores, type=f32),
             "policy_version": pa.array(np.zeros(rollouts, dtype=np.int64)),
+            "action_mask": pa.nulls(rollouts, pa.list_(pa.bool_())),  # single-turn rows
+            "turn_rewards": pa.nulls(rollouts, pa.list_(f32)),
             "rewards": _lists(lengths, rewards, f32),
             "kl": _lists(lengths, d, f32),
             "advantages": _lists(lengths, rng.normal(0.0, 1.0, tokens), f32),

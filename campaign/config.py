@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -122,15 +123,33 @@ class HumanLabelConfig(_Frozen):
 
 
 class RewardSource(_Frozen):
-    """What scores the rollouts: a reward model learned from preferences, or a reward function."""
+    """What scores the rollouts: a reward model learned from preferences, a reward function, or an environment."""
 
-    source: Literal["reward_model", "function"] = "reward_model"
+    source: Literal["reward_model", "function", "environment"] = "reward_model"
     """`reward_model`: learned each iteration from labelled candidate pairs (stages 1-3). `function`: the callable
-    `reward.function` scores each response; no candidates are sampled, labelled or learned from."""
+    `reward.function` scores each response; no candidates are sampled, labelled or learned from. `environment`: the
+    episode's reward is the sum of the turn rewards `environment.class` gives (docs/environments.md)."""
     function: str | None = None
     """With `source: function`, a `module:callable` called as `function(prompt, response, **columns)` (the prompt as
     written: text or chat messages; the prompt row's other columns as keyword arguments; docs/models.md) and
     returning a float, e.g. `demo.gold:gold_score`; looked up beside the config file too. Unused with `reward_model`."""
+
+
+class EnvironmentSource(_Frozen):
+    """The other side of multi-turn episodes (docs/environments.md): a class that answers the model's replies. Without
+    one (`class` null) a rollout is one prompt and one response, as always."""
+
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    class_: str | None = Field(None, alias="class")
+    """A `module:Class` constructed for each episode, with `reset(*, seed, row) -> str` (the first user message) and
+    `step(action) -> (message | None, reward, done)`; looked up beside the config file too. Null: no episodes."""
+    max_turns: int = Field(3, gt=0)
+    """The most model turns of an episode; an episode still going then ends with stop reason `max_turns`."""
+    max_tokens_per_turn: int = Field(32, gt=0)
+    """The most tokens the model samples in one turn (a turn cut there is closed by the template's end of turn)."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """How long one `reset` or `step` may take; past it the episode ends with stop reason `timeout`."""
 
 
 class PipelineConfig(_Frozen):
@@ -182,6 +201,7 @@ class PipelineConfig(_Frozen):
     sizes: IterationSizes = IterationSizes()
     human: HumanLabelConfig = HumanLabelConfig()
     reward: RewardSource = RewardSource()
+    environment: EnvironmentSource = EnvironmentSource()
     sampling: SamplingConfig = SamplingConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
     advantages: AdvantageConfig = AdvantageConfig()
@@ -361,6 +381,34 @@ class PipelineConfig(_Frozen):
     def _reward_function_is_named(self) -> PipelineConfig:
         if self.reward.source == "function" and not self.reward.function:
             raise ValueError("`reward.source` function needs `reward.function`: a `module:callable`")
+        return self
+
+    @property
+    def episodes(self) -> bool:
+        """Whether rollouts are multi-turn episodes with `environment.class`."""
+        return self.environment.class_ is not None
+
+    @model_validator(mode="after")
+    def _episodes_are_scored_by_their_environment(self) -> PipelineConfig:
+        if self.reward.source == "environment" and not self.episodes:
+            raise ValueError(
+                "`reward.source` environment needs `environment.class`: a `module:Class` (docs/environments.md)"
+            )
+        if self.episodes and self.reward.source != "environment":
+            raise ValueError(
+                f"`environment.class` with `reward.source` {self.reward.source}: a learned or function reward of "
+                "episodes is out of scope in this version; set `reward.source` environment (docs/environments.md)"
+            )
+        if self.episodes and self.sampling.engine != "hf":
+            raise ValueError(
+                f"`environment.class` with `sampling.engine` {self.sampling.engine}: episodes are sampled by the hf "
+                "engine only in this version; set `sampling.engine` hf (docs/environments.md)"
+            )
+        if self.episodes and self.labeler is not None:
+            raise ValueError(
+                f"`labeler` {self.labeler} with `environment.class`: labelling episodes for a reward model is out of "
+                "scope in this version; drop `labeler` and use `reward.source` environment (docs/environments.md)"
+            )
         return self
 
 

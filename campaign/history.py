@@ -40,8 +40,9 @@ STAGE_MODULES = tuple(sorted(settings.module for settings in STAGES))
 def code_in_use(base: BaseInputs) -> str:
     """The fingerprint of the code an iteration with ``base`` computes with: every stage's
     (:func:`runtime.code.code_fingerprint`, comments and docstrings left out) and the judge's and reward
-    function's, which the stages load by name."""
-    named = [reference.code for reference in (base.judge, base.reward_function) if reference is not None]
+    function's and environment's, which the stages load by name."""
+    references = (base.judge, base.reward_function, base.environment)
+    named = [reference.code for reference in references if reference is not None]
     stages = [code_fingerprint(module) for module in STAGE_MODULES]
     return hashlib.sha256(json.dumps([*stages, *named]).encode()).hexdigest()
 

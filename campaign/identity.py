@@ -20,7 +20,7 @@ from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
 from runtime.context import BaseInputs, InputFile
-from runtime.references import JudgeReference, RewardFunctionReference
+from runtime.references import EnvironmentReference, JudgeReference, RewardFunctionReference
 from storage.fingerprints import FingerprintCache
 
 if TYPE_CHECKING:  # MLflow only where a store is read: locating the inputs (base_inputs) needs none
@@ -106,6 +106,7 @@ def base_inputs(
         rubric=RewardFunctionReference.of(config.reward.function)
         if config.labeler == "function" and config.reward.function
         else None,
+        environment=EnvironmentReference.of(config.environment.class_) if config.environment.class_ else None,
     )
 
 
@@ -141,11 +142,12 @@ ADDED_FIELDS: dict[str, object] = {
     "ppo.off_policy": "decoupled",
     "ppo.behaviour_weight_cap": 2.0,
     "reward_model.replay_ratio": None,
+    "environment": {"class": None, "max_turns": 3, "max_tokens_per_turn": 32, "step_timeout_s": 30.0},
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
-row is on-policy, and the correction is none; the reward model trained on every pair so far). At that value a field is left out of every identity (the campaign's
-fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
+row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment). At that
+value a field is left out of every identity (the campaign's fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:
 :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's
 config passes where this one leaves them there. An entry here also keeps run keys, hence finished iterations, as

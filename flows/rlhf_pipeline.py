@@ -178,13 +178,22 @@ def _iteration(
         policy = beside(ppo_update.submit(training, config, **update), next_front)
     else:
         policy = ppo_update(training, config, **update)
-    reference = sample_reference(replace(context, iteration=0), config)  # once per campaign
-    evaluation = evaluate(context, config, policy=policy, reward_model=front.reward_model, reference=reference)
-    stages = [*front.stages, scored, policy, reference, evaluation]
+    stages = [*front.stages, scored, policy, *_evaluation(config, context, policy, front.reward_model)]
     new_state = state.after(
         policy, staleness=staleness, reward_model=front.reward_model, preferences=front.preferences, advantages=scored
     )
     return close_iteration(context, stages, new_state)
+
+
+def _evaluation(
+    config: PipelineConfig, context: StageContext, policy: StageResult, reward_model: StageResult | None
+) -> list[StageResult]:
+    """The reference's samples (once per campaign) and stage 7, the evaluation of ``policy``; none for episodes, whose
+    evaluation is not there yet (docs/environments.md)."""
+    if config.episodes:
+        return []
+    reference = sample_reference(replace(context, iteration=0), config)
+    return [reference, evaluate(context, config, policy=policy, reward_model=reward_model, reference=reference)]
 
 
 def _critic_start(config: PipelineConfig, policy: StageResult, reward_model: StageResult | None) -> StageResult | None:
@@ -320,8 +329,7 @@ def _replay(config: PipelineConfig, context: StageContext, inputs: ReplayInputs)
     new_policy = ppo_update(
         training, config, policy=inputs.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
     )
-    reference = sample_reference(replace(context, iteration=0), config)
-    evaluation = evaluate(context, config, policy=new_policy, reward_model=inputs.reward_model, reference=reference)
+    evaluation = _evaluation(config, context, new_policy, inputs.reward_model)
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
-    close_iteration(context, [scored, new_policy, reference, evaluation], state, experience=inputs.experience)
+    close_iteration(context, [scored, new_policy, *evaluation], state, experience=inputs.experience)
     return context.parent_run_id

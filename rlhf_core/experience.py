@@ -10,6 +10,10 @@ being trained (``old_logprobs``, ``old_values``), against the current ones the u
 (the number of updates behind it), so how stale a row is to an update is a query (:mod:`rlhf_core.off_policy`);
 ``prox_logprobs`` is the update's own: the log-probs of the policy it starts from, for decoupled PPO.
 
+A multi-turn episode (:mod:`rlhf_core.episodes`) is one row too: its response window holds the model's turns and the
+environment's replies between them (the response half of ``attention_mask`` covers both), ``action_mask`` is True at
+the model's tokens only (gaps at the environment's), and ``turn_rewards`` holds each model turn's reward.
+
 An Experience is immutable: :meth:`Experience.to`, :meth:`Experience.select` and
 :meth:`Experience.replace` return new ones.
 """
@@ -37,7 +41,8 @@ class Experience:
     Shapes (legend in :mod:`rlhf_core`):
         sequences: (B, T) long, ``[left-padded prompt | right-padded response]``.
         attention_mask: (B, T) long, 1 for real prompt tokens and actions.
-        action_mask: (B, R) bool, True for generated tokens up to and including EOS.
+        action_mask: (B, R) bool, True for generated tokens up to and including EOS: the model's tokens, the loss
+            mask (an episode's has a gap at each environment reply; all False for an episode kept out of the loss).
         old_logprobs: (B, R) float, log-probs of the actions under the rollout policy.
         ref_logprobs: (B, R) float, log-probs under the frozen reference policy.
         old_values: (B, R) float or None, critic values of the state before each action, at rollout
@@ -55,6 +60,8 @@ class Experience:
         prox_logprobs: (B, R) float or None, the log-probs of the actions under the policy a PPO update starts from
             (decoupled PPO's pi_prox, :mod:`rlhf_core.off_policy`); None: the update's ratio starts from
             ``old_logprobs``.
+        turn_rewards: (B, N) float or None, the reward of each model turn of an episode, zero-padded to the most
+            turns N; ``scores`` is their sum. None for single-turn rollouts.
     """
 
     sequences: torch.Tensor
@@ -72,6 +79,7 @@ class Experience:
     engine_logprobs: torch.Tensor | None = None
     policy_versions: torch.Tensor | None = None
     prox_logprobs: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,6 +128,9 @@ class Experience:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"`{name}` must have shape {shape}, got {tuple(value.shape)}")
+        turns = self.turn_rewards
+        if turns is not None and (turns.dim() != 2 or turns.shape[0] != batch):
+            raise ValueError(f"`turn_rewards` must have shape ({batch}, N), got {tuple(turns.shape)}")
         if self.action_mask.dtype != torch.bool:
             raise ValueError(f"`action_mask` must be bool, got {self.action_mask.dtype}")
         for name in ("group_ids", "policy_versions"):

@@ -17,6 +17,10 @@ Choices:
    log-probs come from other kernels, so ``old_logprobs`` are then always recomputed by the actor (as TRL does with
    vLLM). The sampler's own log-probs are kept as ``engine_logprobs`` whichever samples, so the mismatch can be
    measured and corrected (:mod:`rlhf_core.mismatch`).
+7. An episode (:mod:`rlhf_core.episodes`) is sampled turn by turn by the caller, which plays the environment; its
+   rollout quantities take one forward pass per model over the whole episode (:func:`episode_experience`), and
+   stage 5 scores it over the model's tokens only (:func:`score_experience`: the turn rewards at each turn's last
+   model token, the episode reward, their sum, against its group).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ from transformers import PreTrainedModel
 
 from rlhf_core.advantages import broadcast_over_tokens, group_advantages, reinforce_pp_advantages, reward_to_go
 from rlhf_core.config import AdvantageConfig, SamplingConfig
+from rlhf_core.episodes import (
+    episode_gae,
+    episode_group_advantages,
+    episode_reinforce_pp_advantages,
+    episode_shaped_rewards,
+)
 from rlhf_core.experience import Experience
 from rlhf_core.gae import Advantages, compute_gae
 from rlhf_core.generation import ExternalSampler, generate
@@ -80,6 +90,8 @@ def score_experience(
     Raises:
         ValueError: GAE on a rollout without values, or a group estimator without ``group_ids``.
     """
+    if experience.turn_rewards is not None:
+        return _score_episodes(experience, config, kl_coef=kl_coef)
     scores = experience.scores  # (B,)
     if config.normalize_scores:
         scores = normalize_scores(scores, mean=score_mean, std=score_std)
@@ -103,6 +115,93 @@ def score_experience(
         advantages = broadcast_over_tokens(outcome, mask) + reward_to_go(-coef * kl, mask)  # (B, R)
         result = Advantages(advantages=advantages, returns=reward_to_go(rewards, mask))
     return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
+
+
+def _score_episodes(experience: Experience, config: AdvantageConfig, *, kl_coef: float | None) -> Experience:
+    """:func:`score_experience` of episodes (choice 7): :mod:`rlhf_core.episodes` over ``action_mask``, the model's
+    tokens. The turn rewards are the environment's own, so never normalised; ``config.score_clip`` clips each."""
+    turn_rewards = experience.turn_rewards  # (B, N)
+    assert turn_rewards is not None
+    if config.score_clip is not None:
+        turn_rewards = turn_rewards.clamp(-config.score_clip, config.score_clip)
+    coef = (config.kl_coef if kl_coef is None else kl_coef) if config.kl_in == "reward" else 0.0
+    mask = experience.action_mask
+    rewards, kl = episode_shaped_rewards(
+        turn_rewards,
+        experience.old_logprobs,
+        experience.ref_logprobs,
+        mask,
+        kl_coef=coef,
+        estimator=config.kl_estimator,
+    )
+    if config.estimator == "gae":
+        if experience.old_values is None:
+            raise ValueError("estimator `gae` needs the critic's values, but this rollout was made without a critic")
+        result = episode_gae(rewards, experience.old_values, mask, gamma=config.gamma, gae_lambda=config.gae_lambda)
+    elif config.estimator == "reinforce_pp":
+        result = episode_reinforce_pp_advantages(rewards, mask, gamma=config.gamma)
+    else:
+        if experience.group_ids is None:
+            raise ValueError(f"estimator `{config.estimator}` needs `group_ids`: the prompt of each rollout")
+        result = episode_group_advantages(
+            turn_rewards, rewards, kl, mask, experience.group_ids, estimator=config.estimator, kl_coef=coef
+        )
+    return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
+
+
+@torch.no_grad()
+def episode_experience(
+    actor: PreTrainedModel,
+    critic: Critic | None,
+    reference: PreTrainedModel,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    turn_rewards: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    group_ids: torch.Tensor,
+    temperature: float,
+    precision: Precision = "fp32",
+) -> Experience:
+    """The rollout quantities of sampled episodes (choice 7): the actor's and the reference's log-probs and the
+    critic's values, one forward pass each over every whole episode, the environment's tokens as context.
+
+    Args:
+        sequences, attention_mask: ``[left-padded prompt | right-padded response window]``, the window holding the
+            model's turns and the environment's replies (all attended to).
+        action_mask: True at the model's tokens (all False for an episode kept out of the loss).
+        turn_rewards: each model turn's reward, zero-padded; ``scores`` is their sum, the episode's reward.
+        engine_logprobs: the sampler's log-probs of the model's tokens (0 elsewhere).
+        group_ids: the prompt of each episode.
+        temperature: the sampling temperature (log-probs use it).
+        precision: the forward passes' precision.
+
+    Shapes:
+        sequences, attention_mask: (B, T); action_mask, engine_logprobs: (B, R); turn_rewards: (B, N);
+        group_ids: (B,); returns Experience with T = P + R.
+    """
+    prompt_length = sequences.shape[1] - action_mask.shape[1]
+    device = sequences.device
+    models = (actor, critic, reference)
+    with autocast(device, precision), evaluating(*models), fused_activations(*models):
+        old_logprobs = sequence_logprobs(actor, sequences, attention_mask, prompt_length, temperature=temperature)
+        ref_logprobs = sequence_logprobs(reference, sequences, attention_mask, prompt_length, temperature=temperature)
+        old_values = None
+        if critic is not None:
+            old_values = response_slice(critic(sequences, attention_mask), prompt_length).float()  # (B, R)
+    return Experience(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        old_logprobs=torch.where(action_mask, old_logprobs, 0.0),
+        ref_logprobs=torch.where(action_mask, ref_logprobs, 0.0),
+        old_values=None if old_values is None else torch.where(action_mask, old_values, 0.0),
+        scores=turn_rewards.sum(dim=1).float(),  # (B,)
+        group_ids=group_ids,
+        engine_logprobs=torch.where(action_mask, engine_logprobs.float(), 0.0),
+        turn_rewards=turn_rewards.float(),
+    )
 
 
 class ExperienceMaker:

@@ -274,6 +274,13 @@ def ppo_update(
         raise ValueError("pass `critic` and `critic_optimizer` together, or neither (a critic-free update)")
     if critic is not None and experience.old_values is None:
         raise ValueError("the experience has no critic values (a rollout without a critic): it cannot train one")
+    trained = experience.action_mask.any(dim=1)  # (B,)
+    if not bool(trained.all()):
+        # A row with no action (an episode kept out of the loss: rlhf_core.episodes) trains nothing, and a minibatch
+        # of such rows alone would have no token to average over: the update leaves them out.
+        if not bool(trained.any()):
+            raise ValueError("no row of `experience` has an action token: there is nothing to train on")
+        experience = experience.select(trained.nonzero().squeeze(1))
     experience = experience.to(accelerator.device)
     variance_explained = None
     if critic is not None:

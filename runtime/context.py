@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.references import (
+    EnvironmentReference,
     JudgeReference,  # at run time: a flow validates the base inputs it is given
     RewardFunctionReference,
 )
@@ -73,6 +74,8 @@ class BaseInputs:
             or None when a reward model does. A setting of the stages that score, like ``judge``.
         rubric: the reward function that labels candidate pairs (labeler ``function``) and scores
             evaluation's responses beside the reward model, or None.
+        environment: the environment class of multi-turn episodes (``environment.class``), or None: a setting of
+            the rollout, keyed by its module's code like ``reward_function``.
     """
 
     policy: InputFile
@@ -84,6 +87,7 @@ class BaseInputs:
     reward_model: InputFile | None = None
     reward_function: RewardFunctionReference | None = None
     rubric: RewardFunctionReference | None = None
+    environment: EnvironmentReference | None = None
 
     @property
     def bases(self) -> dict[str, str]:

@@ -18,6 +18,11 @@ Choices:
    ``engine_logprobs`` None is a null in every row of its column, and only all or none may be null.
 6. ``Experience.policy_versions`` is the ``policy_version`` column; None is a null in every row. Experience of
    schema 5 has no such column and reads as None (it was all sampled on-policy).
+7. A multi-turn episode (``Experience.turn_rewards`` set) stores its whole response window: ``response_ids`` are the
+   tokens of the response half of ``attention_mask`` (the model's and the environment's, one right-padded run),
+   ``action_mask`` the model's among them, ``turn_rewards`` each row's turn rewards as the batch held them
+   (zero-padded to its most turns). Single-turn experience stores both as nulls, and experience of schema 5 and 6
+   has neither column: both read as single-turn rows (``action_mask`` the response, ``turn_rewards`` None).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from rlhf_core.experience import Experience
 from storage.schemas import (
+    ACTION_MASK,
     EXPERIENCE,
     EXPERIENCE_TOKEN_COLUMNS,
     NULLABLE_TOKEN_COLUMNS,
@@ -41,6 +47,7 @@ from storage.schemas import (
     SCORED_TOKEN_COLUMNS,
     SCORES,
     TOKEN_FLOATS,
+    TURN_REWARDS,
     conform,
 )
 
@@ -106,17 +113,21 @@ def experience_to_table(experience: Experience, *, first_row: int = 0) -> pa.Tab
     if bool(((attention != 0) & (attention != 1)).any()):
         raise ValueError("`attention_mask` must hold only 0 and 1")
     prompt_mask = attention[:, :prompt_length].bool()  # (B, P)
-    if not torch.equal(attention[:, prompt_length:].bool(), action_mask):
+    response_mask = attention[:, prompt_length:].bool()  # (B, R): the response window (choice 7)
+    episodes = experience.turn_rewards is not None
+    if not episodes and not torch.equal(response_mask, action_mask):
         raise ValueError("the response half of `attention_mask` must equal `action_mask`")
+    if bool((action_mask & ~response_mask).any()):
+        raise ValueError("`action_mask` is True outside the response half of `attention_mask`")
     _check_runs(prompt_mask, ones_first=False, name="attention_mask")
-    _check_runs(action_mask, ones_first=True, name="action_mask")
+    _check_runs(response_mask, ones_first=True, name="action_mask" if not episodes else "attention_mask")
     prompt_tokens = sequences[:, :prompt_length][prompt_mask]  # (sum of prompt lengths,)
-    response_tokens = sequences[:, prompt_length:][action_mask]  # (sum of response lengths,)
+    response_tokens = sequences[:, prompt_length:][response_mask]  # (sum of response lengths,)
     for tokens in (prompt_tokens, response_tokens):
         if tokens.numel() and (int(tokens.min()) < _INT32.min or int(tokens.max()) > _INT32.max):
             raise ValueError("token ids must fit int32")
     prompt_lengths = prompt_mask.sum(dim=1)  # (B,)
-    response_lengths = action_mask.sum(dim=1)  # (B,)
+    response_lengths = response_mask.sum(dim=1)  # (B,)
     columns: dict[str, pa.Array] = {
         ROW: pa.array(np.arange(first_row, first_row + batch, dtype=np.int64)),
         PROMPT_ID: pa.array(row_prompt_ids.numpy()),
@@ -128,7 +139,7 @@ def experience_to_table(experience: Experience, *, first_row: int = 0) -> pa.Tab
         if getattr(experience, name) is None:
             columns[name] = pa.nulls(batch, type=TOKEN_FLOATS)
             continue
-        columns[name] = _list_array(_float_values(experience, name, action_mask), response_lengths, pa.float32())
+        columns[name] = _list_array(_float_values(experience, name, response_mask), response_lengths, pa.float32())
     scores = experience.scores.detach().cpu()
     if scores.dtype not in _EXACT_FLOATS:
         raise ValueError(f"`scores` is {scores.dtype}; it is stored as float32, so convert it explicitly first")
@@ -137,6 +148,14 @@ def experience_to_table(experience: Experience, *, first_row: int = 0) -> pa.Tab
     columns[POLICY_VERSION] = (
         pa.nulls(batch, type=pa.int64()) if versions is None else pa.array(versions.detach().cpu().long().numpy())
     )
+    if episodes:
+        assert experience.turn_rewards is not None
+        turns = experience.turn_rewards.detach().cpu().float()  # (B, N)
+        columns[ACTION_MASK] = _list_array(action_mask[response_mask], response_lengths, pa.bool_())
+        columns[TURN_REWARDS] = _list_array(turns.flatten(), torch.full((batch,), turns.shape[1]), pa.float32())
+    else:
+        columns[ACTION_MASK] = pa.nulls(batch, type=pa.list_(pa.bool_()))
+        columns[TURN_REWARDS] = pa.nulls(batch, type=TOKEN_FLOATS)
     schema = SCORED_EXPERIENCE if experience.is_scored else EXPERIENCE
     return pa.Table.from_arrays([columns[field.name] for field in schema], schema=schema)
 
@@ -171,8 +190,9 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
     """
     scored = all(name in table.column_names for name in SCORED_TOKEN_COLUMNS)
     schema = SCORED_EXPERIENCE if scored else EXPERIENCE
-    if POLICY_VERSION not in table.column_names:  # schema 5 (choice 6)
-        table = table.append_column(pa.field(POLICY_VERSION, pa.int64()), pa.nulls(table.num_rows, type=pa.int64()))
+    for name, kind in ((POLICY_VERSION, pa.int64()), (ACTION_MASK, pa.list_(pa.bool_())), (TURN_REWARDS, TOKEN_FLOATS)):
+        if name not in table.column_names:  # schema 5 has none of them, 6 not the last two (choices 6 and 7)
+            table = table.append_column(pa.field(name, kind), pa.nulls(table.num_rows, type=kind))
     table = conform(table, schema)
     batch = table.num_rows
     if batch == 0:
@@ -184,17 +204,18 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
         raise ValueError("every prompt in the table is empty; an Experience needs at least one prompt token")
     # Left padding: prompt token j of a row of length n sits at column P - n + j.
     prompt_mask = torch.arange(prompt_length) >= torch.from_numpy(prompt_length - prompt_lengths)[:, None]  # (B, P)
-    action_mask = torch.arange(response_length) < torch.from_numpy(response_lengths)[:, None]  # (B, R)
+    response_mask = torch.arange(response_length) < torch.from_numpy(response_lengths)[:, None]  # (B, R)
     prompt = torch.full((batch, prompt_length), pad_token_id, dtype=torch.long)  # (B, P)
     prompt[prompt_mask] = torch.from_numpy(prompt_values.astype(np.int64))
     response = torch.full((batch, response_length), pad_token_id, dtype=torch.long)  # (B, R)
-    response[action_mask] = torch.from_numpy(response_values.astype(np.int64))
+    response[response_mask] = torch.from_numpy(response_values.astype(np.int64))
     fields: dict[str, torch.Tensor | None] = {
         "sequences": torch.cat([prompt, response], dim=1),  # (B, T)
-        "attention_mask": torch.cat([prompt_mask, action_mask], dim=1).long(),  # (B, T)
-        "action_mask": action_mask,
+        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1).long(),  # (B, T)
+        "action_mask": response_mask,
         "group_ids": torch.from_numpy(table.column(PROMPT_ID).to_numpy().astype(np.int64, copy=True)),  # (B,)
     }
+    fields.update(_episode_fields(table, response_mask, response_lengths))
     for name in EXPERIENCE_TOKEN_COLUMNS + (SCORED_TOKEN_COLUMNS if scored else ()):
         nulls = table.column(name).null_count
         if name in NULLABLE_TOKEN_COLUMNS and nulls == batch:
@@ -209,7 +230,7 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
                 f"column `{name}` row {row} has {lengths[row]} values but `{RESPONSE_IDS}` has {response_lengths[row]}"
             )
         padded = torch.zeros((batch, response_length), dtype=torch.float32)  # (B, R)
-        padded[action_mask] = torch.from_numpy(values.astype(np.float32))
+        padded[response_mask] = torch.from_numpy(values.astype(np.float32))
         fields[name] = padded
     fields["scores"] = torch.from_numpy(table.column(SCORES).to_numpy().astype(np.float32, copy=True))  # (B,)
     versions = table.column(POLICY_VERSION)
@@ -221,3 +242,36 @@ def table_to_experience(table: pa.Table, *, pad_token_id: int) -> Experience:
         None if versions.null_count else torch.from_numpy(versions.to_numpy().astype(np.int64, copy=True))  # (B,)
     )
     return Experience(**fields)
+
+
+def _episode_fields(
+    table: pa.Table, response_mask: torch.Tensor, response_lengths: np.ndarray
+) -> dict[str, torch.Tensor | None]:
+    """``action_mask`` and ``turn_rewards`` of episode rows (choice 7); nothing for single-turn rows.
+
+    Shapes:
+        response_mask: (B, R); returns action_mask (B, R) and turn_rewards (B, N).
+    """
+    masks, turns = table.column(ACTION_MASK), table.column(TURN_REWARDS)
+    batch = table.num_rows
+    for column, name in ((masks, ACTION_MASK), (turns, TURN_REWARDS)):
+        if column.null_count not in (0, batch):
+            raise ValueError(f"column `{name}` is null in {column.null_count} of {batch} rows: all or none may be")
+    if masks.null_count != turns.null_count:
+        raise ValueError(f"columns `{ACTION_MASK}` and `{TURN_REWARDS}` must be null together")
+    if masks.null_count:
+        return {}
+    values, lengths = _flat(masks)
+    if not np.array_equal(lengths, response_lengths):
+        row = int(np.nonzero(lengths != response_lengths)[0][0])
+        raise ValueError(
+            f"column `{ACTION_MASK}` row {row} has {lengths[row]} values but `{RESPONSE_IDS}` has {response_lengths[row]}"
+        )
+    action_mask = torch.zeros_like(response_mask)  # (B, R)
+    action_mask[response_mask] = torch.from_numpy(values.astype(bool))
+    rewards, counts = _flat(turns)
+    turn_rewards = torch.zeros((batch, int(counts.max(initial=0))), dtype=torch.float32)  # (B, N)
+    turn_rewards[torch.arange(turn_rewards.shape[1]) < torch.from_numpy(counts)[:, None]] = torch.from_numpy(
+        rewards.astype(np.float32)
+    )
+    return {"action_mask": action_mask, "turn_rewards": turn_rewards}

@@ -326,7 +326,8 @@ def _refuse_other_schema(stage_dir: Path, text: str) -> None:
         return  # not JSON at all: reported as corrupt by the parser
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if isinstance(version, int) and version not in READABLE_SCHEMA_VERSIONS:
-        readable = " and ".join(map(str, READABLE_SCHEMA_VERSIONS))
+        *earlier, last = map(str, READABLE_SCHEMA_VERSIONS)
+        readable = f"{', '.join(earlier)} and {last}" if earlier else last
         raise UnsupportedSchemaError(
             f"{stage_dir} was written with schema version {version} (rlhf-pipeline "
             f"{raw.get('package_version', 'unknown')}); this version reads schema {readable} only: run the "

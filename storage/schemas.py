@@ -16,7 +16,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """2: experience columns renamed to the names of the maths (``old_logprobs``, ``ref_logprobs``,
 ``old_values``, ``rewards``) and manifests record the code fingerprint and the runtime.
 3: prompts, candidates and preferences keep chat prompts as ``messages``; manifests mark prunable files.
@@ -27,12 +27,18 @@ SCHEMA_VERSION = 6
 trainer's ``old_logprobs`` there. Migration: as for every bump, an unfinished iteration's outputs of schema 4
 are recomputed; finished iterations are kept as they are (a campaign is history).
 6: experience keeps the version of the policy that sampled each row (``policy_version``, ``sampling.staleness``).
-Experience of schema 5 is still read (replayed): it has no such column, and its rows are on-policy."""
+Experience of schema 5 is still read (replayed): it has no such column, and its rows are on-policy.
+7: experience may hold multi-turn episodes (``environment.class``): ``response_ids`` is the whole response window, the
+model's and the environment's tokens, ``action_mask`` is True at the model's tokens (null: every response token is
+the model's, a single-turn row) and ``turn_rewards`` the reward of each model turn (null for a single-turn row); the
+rollout of episodes writes a second table, ``turns`` (:data:`TURNS`). Experience of schema 5 and 6 is still read: it
+has neither column, and reads as single-turn rows."""
 
-READABLE_SCHEMA_VERSIONS = (5, SCHEMA_VERSION)
-"""The schema versions this version reads: its own, and 5, whose tables differ only by experience's
-``policy_version`` column (read as on-policy rows: :mod:`storage.experience_io`), so a campaign of schema-5 iterations
-continues and replays them."""
+READABLE_SCHEMA_VERSIONS = (5, 6, SCHEMA_VERSION)
+"""The schema versions this version reads: its own, and 5 and 6, whose tables differ only by experience's
+``policy_version`` column (5: read as on-policy rows) and its episode columns (``action_mask`` and ``turn_rewards``:
+read as single-turn rows; :mod:`storage.experience_io`), so a campaign of older iterations continues and replays
+them."""
 
 # Column names: one name per concept, identical to the Experience field it stores where one exists.
 PROMPT_ID = "prompt_id"
@@ -62,6 +68,18 @@ POLICY_KL = "policy_kl"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 POLICY_VERSION = "policy_version"
+ACTION_MASK = "action_mask"
+TURN_REWARDS = "turn_rewards"
+TURNS = "turns"
+TURN = "turn"
+ROLE = "role"
+TOKEN_START = "token_start"
+TOKEN_STOP = "token_stop"
+TURN_REWARD = "turn_reward"
+DONE = "done"
+STOP_REASON = "stop_reason"
+ENVIRONMENT_SEED = "environment_seed"
+DRIFTS = "drifts"
 
 TOKEN_IDS = pa.list_(pa.int32())
 CHAT_MESSAGES = pa.list_(
@@ -169,7 +187,44 @@ EXPERIENCE = _schema(
     *((name, TOKEN_FLOATS) for name in EXPERIENCE_TOKEN_COLUMNS),
     (SCORES, pa.float32()),
     (POLICY_VERSION, pa.int64()),
-    nullable=(*NULLABLE_TOKEN_COLUMNS, POLICY_VERSION),
+    (ACTION_MASK, pa.list_(pa.bool_())),
+    (TURN_REWARDS, TOKEN_FLOATS),
+    nullable=(*NULLABLE_TOKEN_COLUMNS, POLICY_VERSION, ACTION_MASK, TURN_REWARDS),
+)
+"""Of a multi-turn episode (schema 7), ``response_ids`` is the whole response window, the model's turns and the
+environment's replies between them, every per-token list as long; ``action_mask`` is True at the model's tokens (the
+loss mask: all False for an episode whose environment failed, which stays out of the loss), ``turn_rewards`` the reward
+of each of its model turns, and ``scores`` their sum. Both are null in single-turn experience (every response token an
+action; no turns)."""
+
+#: The turns of a rollout of episodes (its second table, beside ``experience``): one row per segment of each episode's
+#: response window, in order: a model turn (``role`` assistant) or the environment's reply after it (``role`` user),
+#: both numbered ``turn`` by the model turn. ``token_start``/``token_stop`` are the segment's range in the response
+#: window (``response_ids[start:stop]``); the segments of an episode cover it exactly. ``turn_reward`` is the model
+#: turn's reward (null on the environment's rows); ``done`` whether the episode ended with that segment;
+#: ``stop_reason`` why, on its last segment (``done``, ``max_turns``, ``timeout``, ``error: <Type>: <message>``; null
+#: elsewhere); ``environment_seed`` the seed its environment was reset with; ``row`` the episode's experience row.
+TURNS_TABLE = _schema(
+    (ROW, pa.int64()),
+    (PROMPT_ID, pa.int64()),
+    (TURN, pa.int32()),
+    (ROLE, pa.string()),
+    (TOKEN_START, pa.int32()),
+    (TOKEN_STOP, pa.int32()),
+    (TURN_REWARD, pa.float32()),
+    (DONE, pa.bool_()),
+    (STOP_REASON, pa.string()),
+    (ENVIRONMENT_SEED, pa.int64()),
+    (POLICY_VERSION, pa.int64()),
+    nullable=(TURN_REWARD, STOP_REASON),
+)
+
+#: A shard's piece of a rollout of episodes: its experience rows, each with its segments (the :data:`TURNS_TABLE`
+#: columns that are not the row's own) and whether a full re-render of its conversation tokenizes otherwise
+#: (``drifts``, counted in a metric), split into the two tables when the stage writes them.
+SEGMENT = pa.struct([pa.field(field.name, field.type, nullable=field.nullable) for field in TURNS_TABLE][2:-1])
+EPISODES = pa.schema(
+    [*EXPERIENCE, pa.field(TURNS, pa.list_(SEGMENT), nullable=False), pa.field(DRIFTS, pa.bool_(), nullable=False)]
 )
 
 #: Experience plus shaped rewards, KL, advantages and returns (stage 5 output).
@@ -186,6 +241,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "human_labels": HUMAN_LABELS,
     "experience": EXPERIENCE,
     "scored_experience": SCORED_EXPERIENCE,
+    "turns": TURNS_TABLE,
     "reference_responses": REFERENCE_RESPONSES,
 }
 
@@ -264,6 +320,7 @@ TABLES = {
     "candidates": CANDIDATES,
     "preferences": PREFERENCES,
     "experience": EXPERIENCE,
+    "episodes": EPISODES,
     "evaluation": EVALUATION,
     "reference_responses": REFERENCE_RESPONSES,
 }

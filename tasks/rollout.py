@@ -27,9 +27,11 @@ from runtime.references import RewardFunctionReference
 from runtime.stage import Shards, Stage
 from storage.experience_io import experience_to_table
 from storage.schemas import EXPERIENCE
+from tasks import episodes
 from tasks.reward_function import score_texts
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import RolloutSettings, critic_folder, critic_score_statistics
+from tasks.sft_text import ChatTemplateError
 from tasks.staleness import policy_version
 from tasks.tensors import RewardScorer, encode_prompts, response_token_lists, reward_scorer
 from tasks.text import Prompt, decode, load_tokenizer, prompt_text, read_prompts, rotating_subset
@@ -74,19 +76,39 @@ def function_scorer(
 
 
 def plan(job: Job[RolloutSettings]) -> Shards:
-    """The iteration's rollout prompts in shards, a prompt's group in one."""
+    """The iteration's rollout prompts in shards, a prompt's group in one; episodes with an environment."""
     settings = job.settings
-    if (settings.reward_model is None) == (settings.reward_function is None):
-        raise ValueError("rollout needs exactly one reward: a reward model or a reward function")
+    rewards = [settings.reward_model, settings.reward_function, settings.environment]
+    if sum(reward is not None for reward in rewards) != 1:
+        raise ValueError("rollout needs exactly one reward: a reward model, a reward function or an environment")
+    if settings.environment is not None and not load_tokenizer(job.context.base.tokenizer.path).chat_template:
+        raise ChatTemplateError(
+            "`environment.class`: the tokenizer has no chat template, and episodes are rendered turn by turn through "
+            "one (docs/environments.md)"
+        )
     shards = job.plan_shards(
         settings.prompts, rows_per_item=settings.samples_per_prompt, rows_per_shard=settings.rows_per_shard
     )
-    return Shards(shards, table="experience")
+    return Shards(shards, table="experience" if settings.environment is None else "episodes")
+
+
+def rollout_prompts(job: Job[RolloutSettings]) -> list[tuple[int, Prompt]]:
+    """The iteration's rollout prompts, ``(prompt_id, prompt)``."""
+    return rotating_subset(
+        read_prompts(job.context.base.prompts.path),
+        count=job.settings.prompts,
+        iteration=job.context.iteration,
+        offset=ROLLOUT_PROMPT_OFFSET,
+    )
 
 
 def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
-    """The ``experience`` rows of each shard of the iteration's rollout prompts."""
+    """The ``experience`` rows of each shard of the iteration's rollout prompts (or its episodes', with an
+    environment: :mod:`tasks.episodes`)."""
     settings, context = job.settings, job.context
+    if settings.environment is not None:
+        yield from episodes.work(job, rollout_prompts(job))
+        return
     sampling, samples_per_prompt = settings.sampling, settings.samples_per_prompt
     models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
@@ -105,12 +127,7 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
         )
     reference = models.reference(actor)
     version = policy_version(settings.policy)
-    chosen = rotating_subset(
-        read_prompts(context.base.prompts.path),
-        count=settings.prompts,
-        iteration=context.iteration,
-        offset=ROLLOUT_PROMPT_OFFSET,
-    )
+    chosen = rollout_prompts(job)
     batches = sum(len(range(shard.start, shard.stop, sampling.batch_size)) for shard in job.shards)
     with stage_bar(total=batches, desc=job.stage, unit="batch") as bar:  # closed on an error too: its line ends
         for shard in job.shards:
@@ -158,7 +175,10 @@ def work(job: Job[RolloutSettings]) -> Iterator[pa.Table]:
 
 
 def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
-    """Write the ``experience`` table: ``samples_per_prompt`` scored rollouts for each of ``prompts`` prompts."""
+    """Write the ``experience`` table: ``samples_per_prompt`` scored rollouts for each of ``prompts`` prompts (and
+    with an environment, the ``turns`` table: :func:`tasks.episodes.gather`)."""
+    if job.settings.environment is not None:
+        return episodes.gather(job, table)
     job.out.write_table("experience", table, schema=EXPERIENCE, rows_per_shard=job.settings.rows_per_shard)
     scores = table.column("scores").to_pylist()
     lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]

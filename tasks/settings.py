@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rlhf_core.precision import Precision
     from runtime.context import InputFile
     from runtime.declaration import StageResult
-    from runtime.references import JudgeReference, RewardFunctionReference
+    from runtime.references import EnvironmentReference, JudgeReference, RewardFunctionReference
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,12 @@ class RolloutSettings(StageSettings):
     samples_per_prompt: int = setting("sizes.samples_per_prompt")
     rows_per_shard: int = setting("sizes.rows_per_shard")
     reward_function: RewardFunctionReference | None = setting("base.reward_function")
+    environment: EnvironmentReference | None = setting("base.environment")
+    """The environment of multi-turn episodes, or None: one response per prompt (:mod:`tasks.episodes`)."""
+    max_turns: int = setting("environment.max_turns")
+    """The most model turns of an episode (the episodes' limits: :class:`campaign.config.EnvironmentSource`)."""
+    max_tokens_per_turn: int = setting("environment.max_tokens_per_turn")
+    step_timeout_s: float = setting("environment.step_timeout_s")
 
 
 @dataclass(frozen=True)

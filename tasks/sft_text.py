@@ -135,6 +135,44 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence
     return SftTokens(ids, mask)
 
 
+def turn_delta(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], *, ended: bool) -> list[int]:
+    """The ids the chat template writes after the model's last sampled token of the conversation's last assistant turn,
+    through the generation prompt of the next one: the rest of that turn (its end-of-turn token too when the model
+    did not sample it, ``ended`` False), the messages after it (an environment's reply), and the next assistant
+    header. What a multi-turn rollout appends to the model's own ids (:mod:`tasks.episodes`), never re-tokenizing them.
+
+    The per-message delta of :func:`tokenize_conversation` (choices 2 and 3): the turn's mask ends at its end-of-turn
+    token; what follows is the template's. For SmolLM2's ChatML, with an environment reply: ``"\n<|im_start|>user\n"
+    ... "<|im_end|>\n<|im_start|>assistant\n"`` (the ``"\n"`` after ``<|im_end|>`` is the token verl #6501 drops).
+
+    Args:
+        messages: the conversation, an assistant turn (the model's text) and any messages after it last.
+        ended: whether the model sampled the turn's end-of-turn token (else its turn was cut at its token budget).
+
+    Raises:
+        ChatTemplateError: as :func:`tokenize_conversation`, or no assistant turn.
+    """
+    messages = [dict(message) for message in messages]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    if not any(mask):
+        raise ChatTemplateError("a turn delta follows an assistant turn: the conversation has none")
+    end = max(index for index, bit in enumerate(mask) if bit)  # the last assistant turn's end-of-turn token
+    following = _render(tokenizer, messages, add_generation_prompt=True)
+    _check_prefix(ids, following, "the chat template's generation prompt is not how it continues the conversation")
+    return following[end + 1 if ended else end :]
+
+
+def rendering_drifts(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], ids: list[int]) -> bool:
+    """Whether ``ids`` (a conversation's ids as sampled and appended, ending with its last assistant turn) are not a
+    prefix of the chat template's rendering of the whole conversation's text: the drift a re-tokenizing trainer would
+    train on (verl's ``tokenization_sanity_check_mode``)."""
+    try:
+        whole = tokenize_conversation(tokenizer, messages).input_ids
+    except ChatTemplateError:
+        return True
+    return whole[: len(ids)] != ids
+
+
 def tokenize_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str) -> SftTokens:
     """The ids of a plain prompt, its completion and EOS, masked on the completion and EOS (choice 4).
 

@@ -33,17 +33,20 @@ class Guess:
 
 class Faulty(Guess):
     """:class:`Guess`, misbehaving on request: the action ``raise``, ``hang``, ``exit``, ``print`` or ``shape``; the row
-    ``{"reset": "number"}`` (reset returns a number) or ``{"drift": True}`` (replies that change from one process to
-    the next, though the class says it is deterministic)."""
+    ``{"reset": "number"}`` (reset returns a number), ``{"drift": True}`` (replies that change from one process to
+    the next, though the class says it is deterministic) or ``{"raise_at": N}`` (step N, from 1, raises whatever the
+    action)."""
 
     def reset(self, *, seed: int, row: dict) -> str:
         if row.get("reset") == "number":
             return 3  # type: ignore[return-value]
         self.drift = f" ({os.getpid()})" if row.get("drift") else ""
+        self.raise_at, self.steps = row.get("raise_at"), 0
         return super().reset(seed=seed, row=row) + self.drift
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
-        if action == "raise":
+        self.steps += 1
+        if action == "raise" or self.steps == self.raise_at:
             raise ValueError("the environment broke\nwith a second line")
         if action == "hang":
             time.sleep(600)

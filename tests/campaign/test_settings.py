@@ -49,6 +49,10 @@ def test_settings_are_read_from_the_config_and_the_base_inputs():
         "samples_per_prompt": 1,
         "rows_per_shard": 4096,
         "reward_function": None,
+        "environment": None,
+        "max_turns": 3,
+        "max_tokens_per_turn": 32,
+        "step_timeout_s": 30.0,
     }
     inputs = {"candidates": None, "reward_model": None, "labels": None}
     assert settings_from(CollectPreferencesSettings, config, BASE, inputs).preferences is FILE

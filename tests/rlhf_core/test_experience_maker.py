@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlhf_core.config import AdvantageConfig, SamplingConfig
+from rlhf_core.episodes import episode_gae, episode_shaped_rewards
 from rlhf_core.experience import Experience
-from rlhf_core.experience_maker import ExperienceMaker, score_experience
+from rlhf_core.experience_maker import ExperienceMaker, episode_experience, score_experience
 from rlhf_core.gae import compute_gae
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.rewards import last_action_index, shaped_rewards
@@ -275,3 +276,51 @@ def test_gae_needs_values_and_group_estimators_need_groups():
         score_experience(hand_experience(), AdvantageConfig())
     with pytest.raises(ValueError, match="`grpo` needs `group_ids`"):
         score_experience(hand_experience().replace(group_ids=None), AdvantageConfig(estimator="grpo"))
+
+
+# ----------------------------------------------------------------------------- episodes (issue 44)
+
+
+def episode_batch(parts) -> Experience:
+    """Two episodes of one prompt: row 0 [model 13, 14 | environment 20, 21 | model 15, EOS], reward 0.5 then 1;
+    row 1 [model 16 | environment 22 | model 17 | padding], its environment failed after turn 2 (reward -1 then 0):
+    kept, with no model token (out of the loss)."""
+    actor, reference, critic = parts
+    prompt, prompt_mask = left_padded([[3, 4, 5], [3, 4, 5]])
+    response = torch.tensor([[13, 14, 20, 21, 15, EOS], [16, 22, 17, PAD, PAD, PAD]])
+    window = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    actions = torch.tensor([[1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    return episode_experience(
+        actor,
+        critic,
+        reference,
+        torch.cat([prompt, response], dim=1),
+        torch.cat([prompt_mask, window], dim=1),
+        actions,
+        turn_rewards=torch.tensor([[0.5, 1.0], [-1.0, 0.0]]),
+        engine_logprobs=torch.zeros(2, 6),
+        group_ids=torch.tensor([7, 7]),
+        temperature=TEMPERATURE,
+    )
+
+
+def test_an_episode_takes_one_forward_pass_over_its_whole_window_and_scores_its_turns(parts):
+    actor, reference, critic = parts
+    experience = episode_batch(parts)
+    assert torch.equal(experience.scores, torch.tensor([1.5, -1.0]))  # the sum of its turn rewards
+    whole = sequence_logprobs(actor, experience.sequences, experience.attention_mask, 3, temperature=TEMPERATURE)
+    torch.testing.assert_close(experience.old_logprobs, torch.where(experience.action_mask, whole, 0.0), **CLOSE)
+    config = AdvantageConfig(estimator="gae", kl_coef=0.1)
+    scored = score_experience(experience, config)
+    rewards, kl = episode_shaped_rewards(
+        experience.turn_rewards, experience.old_logprobs, experience.ref_logprobs, experience.action_mask, kl_coef=0.1
+    )
+    expected = episode_gae(rewards, experience.old_values, experience.action_mask, gamma=1.0, gae_lambda=0.95)
+    torch.testing.assert_close(scored.advantages, expected.advantages, rtol=0.0, atol=0.0)
+    for name in ("advantages", "returns", "rewards", "kl"):  # nothing at the environment's tokens, nor the failed row
+        assert bool((getattr(scored, name)[~experience.action_mask] == 0).all()), name
+    # The turn rewards land on each turn's last model token (columns 1 and 5), with the KL penalty on every one.
+    torch.testing.assert_close(scored.rewards[0, [1, 5]] + 0.1 * kl[0, [1, 5]], torch.tensor([0.5, 1.0]), **CLOSE)
+    # GRPO: the failed episode stays in its group with its reward (-1 against 1.5), and takes no advantage itself.
+    grpo = score_experience(experience, AdvantageConfig(estimator="grpo", kl_coef=0.0))
+    assert bool((grpo.advantages[0, experience.action_mask[0]] > 0).all()) and not grpo.advantages[1].any()

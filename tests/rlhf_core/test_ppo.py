@@ -311,3 +311,31 @@ def test_a_critic_cannot_train_on_a_rollout_without_values():
             actor, critic, actor_optimizer, None, experience,
             PPOConfig(epochs=1, minibatch_size=8), accelerator=accelerator, temperature=TEMPERATURE,
         )  # fmt: skip
+
+
+def test_issue44_environment_tokens_and_failed_episodes_never_reach_the_update():
+    """The losses' mask is the model mask: an environment token (a gap in a row's mask) with anything at all in its
+    per-token fields changes nothing, and a row with no model token (a failed episode) is left out, even where a
+    minibatch would hold only such rows."""
+
+    def trained(edit) -> dict[str, torch.Tensor]:
+        accelerator, actor, actor_optimizer, experience = critic_free(setup(), AdvantageConfig(estimator="rloo"))
+        update_actor(accelerator, actor, actor_optimizer, edit(experience), PPOConfig(epochs=1, minibatch_size=2))
+        return {name: value.detach().clone() for name, value in actor.named_parameters()}
+
+    def episodes(experience, *, garbage: float):
+        mask = experience.action_mask.clone()
+        mask[:2] = False  # two failed episodes
+        mask[2, 1] = False  # an environment token between two model tokens
+        poisoned = {
+            name: torch.where(mask, getattr(experience, name), garbage)
+            for name in ("old_logprobs", "ref_logprobs", "advantages", "returns", "engine_logprobs")
+        }
+        return experience.replace(action_mask=mask, **poisoned)
+
+    clean = trained(lambda experience: episodes(experience, garbage=0.0))
+    assert all(
+        torch.equal(clean[name], value) for name, value in trained(lambda e: episodes(e, garbage=float("nan"))).items()
+    )
+    dropped = trained(lambda experience: episodes(experience, garbage=0.0).select(torch.arange(2, 8)))
+    assert all(torch.equal(clean[name], value) for name, value in dropped.items())

@@ -56,6 +56,8 @@ def scored_table(rollouts: list[dict]) -> pa.Table:
             "engine_logprobs": [None for _ in rollouts],  # sampled by hf: no engine log-probs
             "scores": [r["score"] for r in rollouts],
             "policy_version": [0 for _ in rollouts],
+            "action_mask": [None for _ in rollouts],  # single-turn rows
+            "turn_rewards": [None for _ in rollouts],
             "rewards": [r["rewards"] for r in rollouts],
             "kl": zeros,
             "advantages": [r["advantages"] for r in rollouts],

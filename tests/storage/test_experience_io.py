@@ -259,3 +259,27 @@ def test_issue33_each_row_keeps_the_version_of_the_policy_that_sampled_it_and_sc
             ),
             pad_token_id=PAD,
         )
+
+
+def test_issue44_an_episode_keeps_its_whole_response_window_its_model_mask_and_turn_rewards() -> None:
+    experience = _experience(RAGGED_PROMPTS, RAGGED_RESPONSES, scored=True)
+    # Row 3's response [16, 17, 18, 19, 20]: model 16, 17; the environment's 18; model 19, 20. Row 0 failed: kept,
+    # with no model token (out of the loss).
+    actions = experience.attention_mask[:, -5:].bool().clone()  # (B, R)
+    actions[3, 2] = False
+    actions[0] = False
+    turns = torch.tensor([[0.5, 0.0], [0.0, 0.0], [1.0, 0.0], [-0.5, 1.0]])
+    episodes = experience.replace(action_mask=actions, turn_rewards=turns)
+    table = experience_to_table(episodes)
+    assert table.column("response_ids").to_pylist()[3] == [16, 17, 18, 19, 20]
+    assert table.column("action_mask").to_pylist()[3] == [True, True, False, True, True]
+    assert table.column("action_mask").to_pylist()[0] == [False] * 3
+    back = table_to_experience(table, pad_token_id=PAD)
+    assert torch.equal(back.action_mask, actions) and torch.equal(back.turn_rewards, turns)
+    assert torch.equal(back.attention_mask, experience.attention_mask)
+    # Single-turn rows keep both columns null, and experience of schema 6 (neither column) reads as single-turn rows.
+    single = experience_to_table(experience)
+    assert single.column("action_mask").null_count == single.column("turn_rewards").null_count == 4
+    for written in (single, single.drop_columns(["action_mask", "turn_rewards"])):
+        read = table_to_experience(written, pad_token_id=PAD)
+        assert read.turn_rewards is None and torch.equal(read.action_mask, experience.action_mask)

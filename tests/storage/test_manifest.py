@@ -422,5 +422,5 @@ def test_issue33_an_output_of_schema_5_is_still_read(tmp_path: Path) -> None:
     (final / MANIFEST_FILE).write_text(older.to_json())
     assert read_manifest(final).schema_version == 5
     (final / MANIFEST_FILE).write_text(Manifest(**{**older.__dict__, "schema_version": 4}).to_json())
-    with pytest.raises(UnsupportedSchemaError, match="this version reads schema 5 and 6 only"):
+    with pytest.raises(UnsupportedSchemaError, match="this version reads schema 5, 6 and 7 only"):
         read_manifest(final)

@@ -32,6 +32,10 @@ def _rows(schema: pa.Schema, count: int) -> pa.Table:
             columns[field.name] = [[7 + i] * (i % 4) for i in range(count)]
         elif field.name == "messages":  # a chat prompt every other row
             columns[field.name] = [[{"role": "user", "content": f"turn {i}"}] * (i % 2) for i in range(count)]
+        elif field.name == "action_mask":  # an episode's model mask: as long as the response
+            columns[field.name] = [[k % 3 != 1 for k in range(i % 4)] for i in range(count)]
+        elif pa.types.is_boolean(field.type):  # done
+            columns[field.name] = [i % 2 == 0 for i in range(count)]
         elif pa.types.is_list(field.type):  # per-token floats: as long as the response
             columns[field.name] = [[0.5 * i - 1.25 + k / 3 for k in range(i % 4)] for i in range(count)]
         elif pa.types.is_floating(field.type):

@@ -14,9 +14,11 @@ from tasks.sft_text import (
     ChatTemplateError,
     SftTokens,
     has_generation_markers,
+    rendering_drifts,
     tokenize_completion,
     tokenize_conversation,
     tokenize_examples,
+    turn_delta,
 )
 from tasks.text import Prompt, prompt_ids
 from tests.conftest import byte_level_bpe as bpe
@@ -141,3 +143,34 @@ def test_a_refusal_in_a_table_names_the_example(tmp_path: Path):
         tokenize_examples(bpe(template=None), import_sft_examples(path))
     with pytest.raises(ChatTemplateError, match="starts with a system or user turn"):
         tokenize_conversation(bpe(), JOKE[1:])
+
+
+GUESS = [
+    {"role": "user", "content": "tell me a joke"},
+    {"role": "assistant", "content": "why did the chicken"},
+    {"role": "user", "content": "the cat is happy ."},
+]
+
+
+def test_issue44_an_environment_reply_appends_the_template_delta_after_the_models_end_of_turn():
+    """Token in, token out: what follows the model's sampled `<|im_end|>` is the `\\n` the template writes after it
+    (the token verl #6501 drops), the reply's turn, and the next assistant header; a turn cut at its budget is closed
+    with the template's `<|im_end|>` first."""
+    tokenizer = bpe()
+    delta = turn_delta(tokenizer, GUESS, ended=True)
+    tokens = tokenizer.convert_ids_to_tokens(delta)
+    assert tokens[:2] == ["Ċ", "<|im_start|>"] and tokens[-1] == "Ċ"  # the newline after `<|im_end|>`: its own token
+    assert tokenizer.decode(delta) == "\n<|im_start|>user\nthe cat is happy .<|im_end|>\n<|im_start|>assistant\n"
+    cut = turn_delta(tokenizer, GUESS, ended=False)
+    assert cut == [tokenizer.convert_tokens_to_ids("<|im_end|>"), *delta]
+    # The model's ids, then the deltas: the whole conversation's rendering, turn by turn, with no re-tokenization.
+    model = tokenizer("why did the chicken", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = prompt_ids(tokenizer, Prompt("", (GUESS[0],))) + model + delta
+    follow_up = [*GUESS, {"role": "assistant", "content": "cross the road"}]
+    assert ids == tokenize_conversation(tokenizer, follow_up).input_ids[: len(ids)]
+    assert not rendering_drifts(tokenizer, GUESS[:2], ids[: -len(delta)])
+    odd = ids[: -len(delta)]  # the same text, other ids: as a trainer that re-tokenizes would see a drift
+    odd[-3:-1] = tokenizer("chick", add_special_tokens=False)["input_ids"][:1] * 2
+    assert rendering_drifts(tokenizer, GUESS[:2], odd)
+    # No message from the environment: the model answers again after the template's delta alone.
+    assert tokenizer.decode(turn_delta(tokenizer, GUESS[:2], ended=True)) == "\n<|im_start|>assistant\n"

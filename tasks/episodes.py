@@ -1,0 +1,374 @@
+"""The rollout of multi-turn episodes (``environment.class``): the model answers, the environment replies, until
+it is done or the model has had ``environment.max_turns`` turns (docs/environments.md).
+
+Choices:
+1. Token in, token out. Each turn samples from the episode's ids so far (:func:`rlhf_core.generation.generate`, the
+   ``hf`` engine), and the sampled ids are kept as sampled; the model's text is decoded only for the environment.
+   Between two model turns only the chat template's delta is appended (:func:`tasks.sft_text.turn_delta`): the rest
+   of the model's turn after its end-of-turn token, the environment's message, the next assistant header. A turn
+   cut at ``max_tokens_per_turn`` is closed by the template's end-of-turn token, appended as the environment's (the
+   model did not sample it). Nothing is re-tokenized, so nothing drifts; :func:`tasks.sft_text.rendering_drifts`
+   still counts the episodes a full re-render would tokenize otherwise (``retokenization_drift``, a metric only).
+2. The first user message is the environment's (``reset``), rendered as a one-message chat prompt; the prompt row's
+   own text and columns are the ``row`` it is given.
+3. The live episodes of a batch sample each turn together, from the shard's generator: the same shard samples the
+   same episodes wherever it runs. Environments are played by one :class:`runtime.environments.EnvironmentRunner`
+   per shard, out of this process, each reset with :func:`runtime.seeds.episode_seed`.
+4. Failures are rows: an environment that raises or times out ends its episode with its stop reason; the episode is
+   kept with the turn rewards it had (the failed call's is 0.0), and its ``action_mask`` is all False, so none of
+   its tokens reaches a loss. It stays in its group with that reward (docs/environments.md, "Failures").
+5. The turns of each episode (model turns and environment replies, with their token ranges in the response
+   window) travel with its experience row (:data:`storage.schemas.EPISODES`) and become the ``turns`` table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.config import SamplingConfig
+from rlhf_core.experience_maker import episode_experience
+from rlhf_core.generation import generate
+from runtime.bars import stage_bar
+from runtime.environments import DONE, EnvironmentReply, EnvironmentRunner
+from runtime.job import Job
+from runtime.seeds import episode_seed
+from storage.experience_io import experience_to_table
+from storage.schemas import (
+    DONE as DONE_COLUMN,
+)
+from storage.schemas import (
+    DRIFTS,
+    ENVIRONMENT_SEED,
+    EXPERIENCE,
+    POLICY_VERSION,
+    PROMPT_ID,
+    ROLE,
+    ROW,
+    SCORES,
+    SEGMENT,
+    STOP_REASON,
+    TOKEN_START,
+    TOKEN_STOP,
+    TURN,
+    TURN_REWARD,
+    TURNS,
+    TURNS_TABLE,
+)
+from tasks.sampler import mismatch_metrics
+from tasks.settings import RolloutSettings, critic_folder, critic_score_statistics
+from tasks.sft_text import rendering_drifts, turn_delta
+from tasks.staleness import policy_version
+from tasks.tensors import pad_token_lists
+from tasks.text import Prompt, load_tokenizer, prompt_ids
+
+MAX_TURNS = "max_turns"
+"""The stop reason of an episode still going after its last allowed model turn."""
+ASSISTANT, USER = "assistant", "user"
+
+
+@dataclass
+class Episode:
+    """One episode as it is played: its ids, which of them are the model's, and its turns."""
+
+    key: tuple[int, int]
+    """``(prompt_id, sample)``: its id among the runner's live episodes."""
+    seed: int
+    prompt: list[int]
+    messages: list[dict[str, str]]
+    response: list[int] = field(default_factory=list)
+    actions: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """The sampler's log-prob of each model token, 0.0 at the environment's."""
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+    drifts: bool = False
+    """Whether a full re-render of its conversation tokenizes otherwise than its ids (choice 1)."""
+
+    @property
+    def failed(self) -> bool:
+        """Whether its environment failed (an error or a timeout): it is kept out of the loss (choice 4)."""
+        return self.stop_reason is not None and self.stop_reason not in (DONE, MAX_TURNS)
+
+    def append(self, ids: Sequence[int], *, role: str, logprobs: Sequence[float] = ()) -> None:
+        """Append a segment: the model's turn (with its log-probs) or the environment's delta after it."""
+        start = len(self.response)
+        self.response += ids
+        self.actions += [role == ASSISTANT] * len(ids)
+        self.logprobs += list(logprobs) if role == ASSISTANT else [0.0] * len(ids)
+        self.segments.append(
+            {
+                TURN: max(
+                    len(self.turn_rewards) - (role == USER), 0
+                ),  # a reply is numbered by the model turn it answers
+                ROLE: role,
+                TOKEN_START: start,
+                TOKEN_STOP: len(self.response),
+                TURN_REWARD: None,
+                DONE_COLUMN: False,
+                STOP_REASON: None,
+                ENVIRONMENT_SEED: self.seed,
+            }
+        )
+
+    def end(self, reason: str) -> None:
+        """End the episode: its last segment says why (a reset that failed: an empty one of the environment's)."""
+        self.stop_reason = reason
+        if not self.segments:
+            self.append([], role=USER)
+        self.segments[-1].update({DONE_COLUMN: True, STOP_REASON: reason})
+
+
+def play_episodes(
+    runner: EnvironmentRunner,
+    actor: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[tuple[int, int, Prompt]],
+    *,
+    seed: int,
+    iteration: int,
+    sampling: SamplingConfig,
+    max_turns: int,
+    max_tokens_per_turn: int,
+    generator: torch.Generator,
+) -> list[Episode]:
+    """Play one episode per ``(prompt_id, sample, prompt)``, the live ones sampling together turn by turn.
+
+    Returns:
+        The episodes, in the order of ``prompts``, each ended with its stop reason.
+    """
+    episodes = [_reset(runner, tokenizer, *item, seed=seed, iteration=iteration) for item in prompts]
+    config = dataclasses.replace(sampling, max_new_tokens=max_tokens_per_turn)
+    device = next(actor.parameters()).device
+    for turn in range(max_turns):
+        live = [episode for episode in episodes if episode.stop_reason is None]
+        for start in range(0, len(live), sampling.batch_size):
+            batch = live[start : start + sampling.batch_size]
+            # 1. The model's turn from the episode's ids so far (token in, token out: choice 1).
+            ids, mask = pad_token_lists(
+                [episode.prompt + episode.response for episode in batch],
+                pad_token_id=tokenizer.pad_token_id,
+                side="left",
+            )  # (b, L) each
+            generation = generate(
+                actor,
+                ids.to(device),
+                mask.to(device),
+                config=config,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                generator=generator,
+            )
+            sampled = generation.sequences[:, ids.shape[1] :].cpu()  # (b, r)
+            taken, logprobs = generation.action_mask.cpu(), generation.logprobs.float().cpu()  # (b, r) each
+            for row, episode in enumerate(batch):
+                tokens = sampled[row][taken[row]].tolist()
+                episode.append(tokens, role=ASSISTANT, logprobs=logprobs[row][taken[row]].tolist())
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                episode.messages.append({"role": ASSISTANT, "content": text})
+                # 2. The environment's reply, and the template's delta for it.
+                ended = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
+                _answer(
+                    runner, tokenizer, episode, runner.step(episode.key, text), ended=ended, last=turn == max_turns - 1
+                )
+    for episode in filter(lambda episode: episode.response, episodes):  # 3. The drift check: a metric (choice 1).
+        last = max(i for i, message in enumerate(episode.messages) if message["role"] == ASSISTANT)
+        stop = max(segment[TOKEN_STOP] for segment in episode.segments if segment[ROLE] == ASSISTANT)
+        episode.drifts = rendering_drifts(
+            tokenizer, episode.messages[: last + 1], episode.prompt + episode.response[:stop]
+        )
+    return episodes
+
+
+def _reset(
+    runner: EnvironmentRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_id: int,
+    sample: int,
+    prompt: Prompt,
+    *,
+    seed: int,
+    iteration: int,
+) -> Episode:
+    """A new episode, its environment reset (choice 2); one whose reset failed is ended already, with no turn."""
+    reset_seed = episode_seed(seed, iteration, prompt_id, sample)
+    row = {**prompt.columns, "prompt": prompt.text, "messages": list(prompt.messages)}
+    reply = runner.reset((prompt_id, sample), seed=reset_seed, row=row)
+    first = {"role": USER, "content": reply.observation if reply.observation is not None else prompt.text}
+    episode = Episode(
+        (prompt_id, sample), reset_seed, prompt_ids(tokenizer, Prompt(first["content"], (first,))), [first]
+    )
+    if reply.done:
+        episode.end(reply.stop_reason or DONE)
+    return episode
+
+
+def _answer(
+    runner: EnvironmentRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    episode: Episode,
+    reply: EnvironmentReply,
+    *,
+    ended: bool,
+    last: bool,
+) -> None:
+    """The environment's reply to the model's turn: its reward, then the end of the episode or the delta to append.
+    With no message (None) the model answers again after the template's delta alone."""
+    episode.turn_rewards.append(reply.reward)
+    episode.segments[-1][TURN_REWARD] = reply.reward
+    if reply.done:
+        episode.end(reply.stop_reason or DONE)
+    elif last:
+        runner.end(episode.key)
+        episode.end(MAX_TURNS)
+    else:
+        if reply.observation is not None:
+            episode.messages.append({"role": USER, "content": reply.observation})
+        episode.append(turn_delta(tokenizer, episode.messages, ended=ended), role=USER)
+
+
+def episode_table(
+    episodes: Sequence[Episode],
+    actor: PreTrainedModel,
+    critic: Any,
+    reference: PreTrainedModel,
+    *,
+    pad_token_id: int,
+    temperature: float,
+    precision: Any,
+    first_row: int,
+    policy_version: int,
+) -> pa.Table:
+    """The :data:`storage.schemas.EPISODES` rows of ``episodes``: each episode's experience (one forward pass per
+    model over the whole episode, :func:`rlhf_core.experience_maker.episode_experience`), its turns and its drift."""
+    prompt_ids_, prompt_mask = pad_token_lists([e.prompt for e in episodes], pad_token_id=pad_token_id, side="left")
+    response, response_mask = pad_token_lists([e.response for e in episodes], pad_token_id=pad_token_id)  # (B, R)
+    width = response.shape[1]
+    actions = torch.tensor(
+        [
+            (e.actions if not e.failed else [False] * len(e.actions)) + [False] * (width - len(e.actions))
+            for e in episodes
+        ],
+        dtype=torch.bool,
+    ).reshape(len(episodes), width)  # (B, R): the loss mask, none of a failed episode's (choice 4)
+    logprobs = torch.tensor([e.logprobs + [0.0] * (width - len(e.logprobs)) for e in episodes]).reshape(
+        len(episodes), width
+    )  # (B, R)
+    most = max(len(e.turn_rewards) for e in episodes)
+    turn_rewards = torch.tensor([e.turn_rewards + [0.0] * (most - len(e.turn_rewards)) for e in episodes]).reshape(
+        len(episodes), most
+    )  # (B, N)
+    device = next(actor.parameters()).device
+    experience = episode_experience(
+        actor,
+        critic,
+        reference,
+        torch.cat([prompt_ids_, response], dim=1).to(device),  # (B, T)
+        torch.cat([prompt_mask, response_mask], dim=1).to(device),  # (B, T)
+        actions.to(device),
+        turn_rewards=turn_rewards.to(device),
+        engine_logprobs=logprobs.to(device),
+        group_ids=torch.tensor([e.key[0] for e in episodes], device=device),
+        temperature=temperature,
+        precision=precision,
+    )
+    experience = experience.replace(policy_versions=torch.full((len(episodes),), policy_version, device=device))
+    table = experience_to_table(experience, first_row=first_row)
+    segments = pa.array([e.segments for e in episodes], type=pa.list_(SEGMENT))
+    return table.append_column(pa.field(TURNS, segments.type, nullable=False), segments).append_column(
+        pa.field(DRIFTS, pa.bool_(), nullable=False), pa.array([e.drifts for e in episodes])
+    )
+
+
+def turns_table(episodes: pa.Table) -> pa.Table:
+    """The ``turns`` table (:data:`storage.schemas.TURNS_TABLE`) of the :data:`storage.schemas.EPISODES` rows."""
+    counts = pc.list_value_length(episodes.column(TURNS)).to_numpy()
+    segments = pc.list_flatten(episodes.column(TURNS)).combine_chunks()  # type: ignore[attr-defined]
+    columns = {name: segments.field(name) for name in SEGMENT.names}
+    for name in (ROW, PROMPT_ID, POLICY_VERSION):
+        columns[name] = pa.array(np.repeat(episodes.column(name).to_numpy(), counts))
+    return pa.Table.from_arrays([columns[f.name] for f in TURNS_TABLE], schema=TURNS_TABLE)
+
+
+def work(job: Job[RolloutSettings], chosen: Sequence[tuple[int, Prompt]]) -> Iterator[pa.Table]:
+    """The :data:`storage.schemas.EPISODES` rows of each shard of the ``chosen`` prompts (``(prompt_id, prompt)``):
+    ``samples_per_prompt`` episodes per prompt."""
+    settings, context = job.settings, job.context
+    assert settings.environment is not None
+    models = job.models(settings.precision)
+    tokenizer = load_tokenizer(context.base.tokenizer.path)
+    policy = settings.policy.directory
+    actor = models.load("actor", policy / "actor")
+    critic_dir = critic_folder(policy, settings.critic_start)  # none for a critic-free policy
+    statistics = critic_score_statistics(policy, settings.critic_start)
+    critic = models.load("critic", critic_dir, score_statistics=statistics) if critic_dir.is_dir() else None
+    reference = models.reference(actor)
+    version = policy_version(settings.policy)
+    group = settings.samples_per_prompt
+    with (
+        EnvironmentRunner(settings.environment, step_timeout_s=settings.step_timeout_s) as runner,
+        stage_bar(total=len(job.shards), desc=job.stage, unit="shard") as bar,
+    ):
+        for shard in job.shards:
+            prompts = [
+                (index, sample, prompt) for index, prompt in chosen[shard.start : shard.stop] for sample in range(group)
+            ]
+            with models.autocast():
+                episodes = play_episodes(
+                    runner,
+                    actor,
+                    tokenizer,
+                    prompts,
+                    seed=context.seed,
+                    iteration=context.iteration,
+                    sampling=settings.sampling,
+                    max_turns=settings.max_turns,
+                    max_tokens_per_turn=settings.max_tokens_per_turn,
+                    generator=shard.generator(),
+                )
+            tables = [
+                episode_table(
+                    episodes[start : start + settings.sampling.batch_size],
+                    actor,
+                    critic,
+                    reference,
+                    pad_token_id=tokenizer.pad_token_id,
+                    temperature=settings.sampling.temperature,
+                    precision=models.precision,
+                    first_row=shard.start * group + start,
+                    policy_version=version,
+                )
+                for start in range(0, len(episodes), settings.sampling.batch_size)
+            ]
+            bar.update(1)
+            yield pa.concat_tables(tables)
+
+
+def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
+    """Write the ``experience`` and ``turns`` tables of the episodes; the rollout's metrics, episodes' included."""
+    experience = table.drop_columns([TURNS, DRIFTS])
+    turns = turns_table(table)
+    rows_per_shard = job.settings.rows_per_shard
+    job.out.write_table("experience", experience, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
+    job.out.write_table(TURNS, turns, schema=TURNS_TABLE, rows_per_shard=rows_per_shard)
+    scores = experience.column(SCORES).to_pylist()
+    reasons = [reason for reason in turns.column(STOP_REASON).to_pylist() if reason is not None]
+    model_turns = sum(role == ASSISTANT for role in turns.column(ROLE).to_pylist())
+    return {
+        "score_mean": sum(scores) / len(scores),
+        "rollouts": float(len(scores)),
+        "turns_mean": model_turns / len(scores),
+        "episode_errors": float(sum(reason not in (DONE, MAX_TURNS) for reason in reasons)),
+        "retokenization_drift": float(sum(table.column(DRIFTS).to_pylist())),
+        "policy_version": float(min(experience.column(POLICY_VERSION).to_pylist())),
+        **mismatch_metrics(experience),
+    }

@@ -1,0 +1,220 @@
+"""Episodes through the pipeline (issue 44): tiny campaigns whose rollouts play the scripted environments of
+tests/environments.py, turn by turn, on a tiny chat policy (ChatML, hf engine); what they store, how stage 5 scores
+it, failures as rows, and a replay under another estimator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from campaign.config import ConfigError, load_config
+from campaign.identity import base_inputs
+from campaign.store import resolve_run
+from flows.iterations import tracking_store
+from flows.replay import replay_config
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
+from runtime.references import EnvironmentClassError
+from storage.manifest import read_manifest
+from storage.shards import read_table
+from tasks.sft_text import turn_delta
+from tasks.text import load_tokenizer
+from tests.conftest import byte_level_bpe, tiny_config
+from tests.environments import Guess
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+PROMPTS = [
+    {"prompt": "Guess my number.", "high": 4},
+    {"prompt": "Find it.", "high": 4},
+    {"prompt": "Guess again.", "high": 4, "raise_at": 2},  # Faulty: its second step raises
+    {"prompt": "Start.", "high": 4, "reset": "number"},  # Faulty: its reset breaks the contract
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen2 chat policy (byte-level BPE, ChatML) and prompts with the environment's columns."""
+    root = tmp_path_factory.mktemp("episode-world")
+    corpus = [p["prompt"] for p in PROMPTS] + ["I am thinking of a number from 1 to 4. Higher. Lower. 1 2 3 4"]
+    tokenizer = byte_level_bpe(vocab_size=400, corpus=corpus * 20)
+    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    config.max_position_embeddings = 512
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl"}
+
+
+def _config(world: dict[str, Path], run_root: Path, *overrides: str):
+    return load_config(
+        TINY,
+        [
+            f"run_root={run_root}",
+            "demo=false",
+            "labeler=null",
+            f"model.policy={world['policy']}",
+            f"data.prompts={world['prompts']}",
+            f"data.eval_prompts={world['prompts']}",
+            "reward.source=environment",
+            "environment.max_turns=3",
+            "environment.max_tokens_per_turn=6",
+            "environment.step_timeout_s=20",
+            "sizes.rollout_prompts=4",
+            "sizes.samples_per_prompt=2",
+            "sizes.eval_prompts=4",
+            "sampling.batch_size=8",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def grpo(prefect_server, world, tmp_path_factory):
+    """Two iterations of GRPO on :class:`tests.environments.Guess`."""
+    config = _config(
+        world,
+        tmp_path_factory.mktemp("episodes-grpo"),
+        "campaign=episodes-grpo",
+        "iterations=2",
+        "environment.class=tests.environments:Guess",
+        "advantages.estimator=grpo",
+    )
+    rlhf_campaign(config)
+    return config
+
+
+@pytest.fixture(scope="module")
+def gae(prefect_server, world, tmp_path_factory):
+    """One iteration of GAE (a critic) on :class:`tests.environments.Faulty`, two of whose prompts fail."""
+    config = _config(
+        world,
+        tmp_path_factory.mktemp("episodes-gae"),
+        "campaign=episodes-gae",
+        "iterations=1",
+        "environment.class=tests.environments:Faulty",
+        "advantages.estimator=gae",
+    )
+    rlhf_campaign(config)
+    return config
+
+
+def _outputs(config, stage: str) -> list[Path]:
+    return sorted((config.run_root / config.campaign / stage).iterdir())
+
+
+def _rows(config, stage: str, table: str, index: int = 0) -> list[dict]:
+    return read_table(_outputs(config, stage)[index], table).to_pylist()
+
+
+def _episodes(config, index: int = 0) -> list[tuple[dict, list[dict]]]:
+    """Each experience row of a rollout output with its turns, in order."""
+    turns = _rows(config, "rollout", "turns", index)
+    return [
+        (row, [turn for turn in turns if turn["row"] == row["row"]])
+        for row in _rows(config, "rollout", "experience", index)
+    ]
+
+
+@pytest.mark.parametrize("campaign", ["grpo", "gae"])
+def test_the_model_mask_has_gaps_exactly_at_the_environments_tokens_and_the_turns_cover_the_window(campaign, request):
+    config = request.getfixturevalue(campaign)
+    gaps = 0
+    for row, turns in _episodes(config):
+        covered = [(turn["token_start"], turn["token_stop"]) for turn in turns]
+        assert [start for start, _ in covered] == [0, *(stop for _, stop in covered)][: len(covered)]  # contiguous
+        assert (covered[-1][1] if covered else 0) == len(row["response_ids"])
+        failed = turns and turns[-1]["stop_reason"] not in ("done", "max_turns")
+        expected = [turn["role"] == "assistant" and not failed for turn in turns for _ in range(*_span(turn))]
+        assert row["action_mask"] == expected
+        gaps += sum(turn["role"] == "user" for turn in turns)
+        assert sum(row["turn_rewards"]) == pytest.approx(row["scores"])
+        assert sum(turn["turn_reward"] or 0.0 for turn in turns) == pytest.approx(row["scores"])
+        assert all(turn["turn_reward"] is None for turn in turns if turn["role"] == "user")
+    assert gaps > 0  # some episode had more than one turn
+
+
+def _span(turn: dict) -> tuple[int, int]:
+    return turn["token_start"], turn["token_stop"]
+
+
+def test_the_environments_tokens_are_the_template_delta_of_its_replies(grpo, world):
+    """Replay each episode against a fresh Guess (deterministic, from the stored seed): every environment segment's
+    ids are the chat template's delta for its reply, the newline after `<|im_end|>` included."""
+    tokenizer = load_tokenizer(str(world["policy"]))
+    rows = {
+        index: row for index, row in enumerate(json.loads(line) for line in world["prompts"].read_text().splitlines())
+    }
+    checked = 0
+    for row, turns in _episodes(grpo):
+        environment = Guess()
+        prompt = rows[row["prompt_id"]]
+        messages = [{"role": "user", "content": environment.reset(seed=turns[0]["environment_seed"], row=prompt)}]
+        for turn in turns:
+            ids = row["response_ids"][slice(*_span(turn))]
+            if turn["role"] == "assistant":
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                ended = bool(ids) and ids[-1] == tokenizer.eos_token_id
+                messages.append({"role": "assistant", "content": text})
+                observation, reward, done = environment.step(text)
+                assert reward == pytest.approx(turn["turn_reward"]) and done == (turn["stop_reason"] == "done")
+                continue
+            messages.append({"role": "user", "content": observation})
+            assert ids == turn_delta(tokenizer, messages, ended=ended)
+            bridge = "\n<|im_start|>user\n" if ended else "<|im_end|>\n<|im_start|>user\n"
+            assert tokenizer.decode(ids).startswith(bridge) and tokenizer.decode(ids).endswith(
+                "<|im_start|>assistant\n"
+            )
+            checked += 1
+    assert checked > 0
+
+
+def test_advantages_are_zero_at_the_environments_tokens(grpo, gae):
+    for config in (grpo, gae):
+        for row in _rows(config, "compute_advantages", "scored_experience"):
+            for name in ("advantages", "returns", "kl", "rewards"):
+                assert all(v == 0.0 for v, action in zip(row[name], row["action_mask"], strict=True) if not action)
+    values = [v for row in _rows(gae, "compute_advantages", "scored_experience") for v in row["advantages"]]
+    assert any(v != 0.0 for v in values)  # GAE with a critic: the model's tokens carry advantages
+
+
+def test_a_failing_environment_gives_error_rows_counted_and_the_stage_finishes(gae):
+    episodes = _episodes(gae)
+    failed = [(row, turns) for row, turns in episodes if turns and turns[-1]["stop_reason"].startswith("error")]
+    # Its reset broke the contract: no turn at all, its one segment the environment's, empty, with the stop reason.
+    reset_failures = [row for row, turns in failed if turns[0]["token_stop"] == 0]
+    assert len(reset_failures) == 2 and all(row["response_ids"] == [] for row in reset_failures)
+    assert len(failed) >= 3 and all(not any(row["action_mask"]) for row, _ in failed)
+    manifest = read_manifest(_outputs(gae, "rollout")[0])
+    assert manifest.metrics["episode_errors"] == len(failed)
+    assert "retokenization_drift" in manifest.metrics
+    tracker = tracking_store(gae).tracker()
+    run = resolve_run(gae, f"{gae.campaign}:0")
+    assert tracker.run(run).metrics["rollout/episode_errors"] == len(failed)
+    assert _outputs(gae, "ppo_update")  # the update ran on the rest
+
+
+def test_a_replay_under_another_estimator_samples_nothing(grpo):
+    source = resolve_run(grpo, f"{grpo.campaign}:0")
+    rollouts_before = _outputs(grpo, "rollout")
+    replay = replay_config(grpo, source, ["advantages.estimator=rloo"])
+    replay_run = rlhf_replay(replay, source)
+    assert _outputs(grpo, "rollout") == rollouts_before
+    metrics = tracking_store(grpo).tracker().run(replay_run).metrics
+    assert "compute_advantages/advantage_mean" in metrics and "ppo_update/optimizer_steps" in metrics
+
+
+def test_episodes_are_refused_in_one_line_where_they_do_not_apply(world, tmp_path):
+    run_root = tmp_path / "runs"
+    with pytest.raises(ConfigError, match="`reward.source` environment needs `environment.class`"):
+        _config(world, run_root)
+    with pytest.raises(ConfigError, match="labelling episodes for a reward model is out of scope"):
+        _config(world, run_root, "environment.class=tests.environments:Guess", "labeler=gold", "demo=true")
+    with pytest.raises(ConfigError, match="hf engine only"):
+        _config(world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
+    with pytest.raises(EnvironmentClassError, match=r"^`environment.class` 'tests.environments:NoStep' has no method"):
+        base_inputs(_config(world, run_root, "environment.class=tests.environments:NoStep"), None, None)

@@ -1,0 +1,112 @@
+"""Issue 44: episodes played turn by turn (tasks/episodes.py), with the environment in this process (a stand-in for
+:class:`runtime.environments.EnvironmentRunner`, whose own tests are tests/runtime/test_environments.py); the
+campaign through the flows is tests/flows/test_episodes.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_core.config import SamplingConfig
+from runtime.environments import DONE, EnvironmentReply, error_reason
+from storage.experience_io import table_to_experience
+from storage.schemas import EPISODES, TURNS, conform
+from tasks.episodes import episode_table, play_episodes, turns_table
+from tasks.sft_text import turn_delta
+from tasks.text import Prompt
+from tests.conftest import byte_level_bpe, tiny_config
+from tests.environments import Faulty
+
+
+class InProcess:
+    """The runner's interface, the environments in this process; failures become stop reasons as the runner's do."""
+
+    def __init__(self, environment: type) -> None:
+        self.environment, self.live = environment, {}
+
+    def reset(self, key, *, seed: int, row: dict) -> EnvironmentReply:
+        self.live[key] = self.environment()
+        try:
+            observation = self.live[key].reset(seed=seed, row=row)
+            if not isinstance(observation, str):
+                raise TypeError(f"reset returned {observation!r}")
+            return EnvironmentReply(observation, 0.0, False, None)
+        except Exception as error:  # noqa: BLE001 - as the runner's process
+            return EnvironmentReply(None, 0.0, True, error_reason(type(error).__name__, str(error)))
+
+    def step(self, key, action: str) -> EnvironmentReply:
+        try:
+            observation, reward, done = self.live[key].step(action)
+        except Exception as error:  # noqa: BLE001
+            return EnvironmentReply(None, 0.0, True, error_reason(type(error).__name__, str(error)))
+        return EnvironmentReply(observation, reward, done, DONE if done else None)
+
+    def end(self, key) -> None:
+        self.live.pop(key, None)
+
+
+@pytest.fixture(scope="module")
+def chat_policy():
+    tokenizer = byte_level_bpe(vocab_size=400, corpus=["I am thinking of a number from 1 to 4. Higher. Lower."] * 20)
+    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    config.max_position_embeddings = 512
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config), tokenizer
+
+
+def test_episodes_keep_the_sampled_ids_and_append_the_template_delta_and_failures_are_rows(chat_policy):
+    actor, tokenizer = chat_policy
+    prompts = [
+        (0, 0, Prompt("Guess.", columns={"high": 4})),
+        (0, 1, Prompt("Guess.", columns={"high": 4})),
+        (1, 0, Prompt("Again.", columns={"high": 4, "raise_at": 2})),
+        (2, 0, Prompt("Start.", columns={"reset": "number"})),
+    ]
+    episodes = play_episodes(
+        InProcess(Faulty),
+        actor,
+        tokenizer,
+        prompts,
+        seed=0,
+        iteration=0,
+        sampling=SamplingConfig(max_new_tokens=8, batch_size=3),
+        max_turns=3,
+        max_tokens_per_turn=5,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert [episode.stop_reason.split(":")[0] for episode in episodes[2:]] == ["error", "error"]
+    assert episodes[3].response == []  # its reset failed: no turn at all, one empty segment saying why
+    assert [(s["role"], s["token_stop"], s["done"]) for s in episodes[3].segments] == [("user", 0, True)]
+    first = episodes[0]
+    assert len(first.segments) == 5 and first.stop_reason == "max_turns"  # a random model does not guess
+    for segment in first.segments:
+        ids = first.response[segment["token_start"] : segment["token_stop"]]
+        assert first.actions[segment["token_start"] : segment["token_stop"]] == [segment["role"] == "assistant"] * len(
+            ids
+        )
+    turn = first.segments[0]
+    sampled = first.response[turn["token_start"] : turn["token_stop"]]
+    reply = first.segments[1]
+    conversation = first.messages[:3]  # the first message, the model's, the environment's reply
+    ended = sampled[-1] == tokenizer.eos_token_id
+    assert first.response[reply["token_start"] : reply["token_stop"]] == turn_delta(
+        tokenizer, conversation, ended=ended
+    )
+
+    table = conform(
+        episode_table(
+            episodes, actor, None, actor, pad_token_id=tokenizer.pad_token_id, temperature=1.0, precision="fp32",
+            first_row=10, policy_version=3,
+        ),
+        EPISODES,
+    )  # fmt: skip
+    experience = table_to_experience(table.drop_columns([TURNS, "drifts"]), pad_token_id=tokenizer.pad_token_id)
+    assert experience.action_mask[0].sum() == sum(first.actions) and not experience.action_mask[2:].any()
+    assert experience.scores.tolist() == [sum(episode.turn_rewards) for episode in episodes]
+    turns = turns_table(table)
+    assert turns.num_rows == sum(len(episode.segments) for episode in episodes)
+    assert set(turns.column("row").to_pylist()) == {10, 11, 12, 13} and set(
+        turns.column("policy_version").to_pylist()
+    ) == {3}
