@@ -18,6 +18,7 @@ from runtime.declaration import StageSettings, setting, upstream
 if TYPE_CHECKING:
     from rlhf_core.config import (
         AdvantageConfig,
+        DPOConfig,
         LabelerName,
         LoraConfig,
         Pairing,
@@ -204,6 +205,32 @@ class PPOUpdateSettings(StageSettings):
 
 
 @dataclass(frozen=True)
+class ReferenceLogprobsSettings(StageSettings):
+    """Stage 3 of a DPO iteration: the reference's log-probs of the iteration's decisive pairs, in the policy's
+    tokens, which the DPO update and every replay of it read back instead of running the reference."""
+
+    stage = "reference_logprobs"
+    preferences: tuple[StageResult, ...] = upstream()
+    """The preference tables whose pairs the update trains on (the iteration's)."""
+    precision: Precision = setting("precision")
+    batch_size: int = setting("sampling.batch_size")
+    """Pairs per forward pass of the reference (keyed: a batch's padded width can move the last bits of a sum)."""
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
+class DPOUpdateSettings(StageSettings):
+    """Stage 4 of a DPO iteration: the new actor, trained on the pairs against the reference's stored log-probs."""
+
+    stage = "dpo_update"
+    policy: StageResult = upstream()
+    pairs: StageResult = upstream()
+    """The pairs and their reference log-probs (a ``reference_logprobs`` output)."""
+    dpo: DPOConfig = setting("dpo")
+    precision: Precision = setting("precision")
+
+
+@dataclass(frozen=True)
 class SampleReferenceSettings(StageSettings):
     """Once per campaign: the reference's responses to the held-out prompts, which every evaluation reads back."""
 
@@ -250,6 +277,8 @@ STAGES: tuple[type[StageSettings], ...] = (
     RolloutSettings,
     ComputeAdvantagesSettings,
     PPOUpdateSettings,
+    ReferenceLogprobsSettings,
+    DPOUpdateSettings,
     SampleReferenceSettings,
     EvaluateSettings,
 )
