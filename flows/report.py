@@ -23,6 +23,7 @@ HEADLINE_METRICS = {
     "evaluate/reward_mean": "reward",
     "train_reward_model/eval_accuracy": "RM accuracy",
     "ppo_update/approx_kl": "PPO approx KL",
+    "dpo_update/rewards/accuracies": "DPO accuracy",
 }
 
 
