@@ -331,6 +331,12 @@ class PipelineConfig(_Frozen):
         return self
 
     @property
+    def has_critic(self) -> bool:
+        """Whether the campaign's policy has a critic: PPO updates with an estimator that uses one (GAE); a DPO
+        update trains none."""
+        return self.update == "ppo" and self.advantages.uses_critic
+
+    @property
     def critic_from_trained_reward_model(self) -> bool:
         """Whether the critic starts from the first reward model the campaign trains (`model.critic_init`
         reward_model without a pretrained one): the campaign's start then has no critic."""

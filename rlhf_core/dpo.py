@@ -137,7 +137,9 @@ def reference_logprobs(
     sides: list[list[SequenceLogprob]] = [[], []]
     with evaluating(reference), fused_activations(reference):
         for start in range(0, len(pairs), batch_size):
-            batch = pairs.select(torch.arange(start, min(start + batch_size, len(pairs))))
+            batch = pairs.select(
+                torch.arange(start, min(start + batch_size, len(pairs)), device=pairs.chosen_ids.device)
+            )
             for side, logprob in zip(sides, pair_logprobs(reference, batch), strict=True):
                 side.append(logprob)
     chosen, rejected = (SequenceLogprob(*(torch.cat(parts) for parts in zip(*side, strict=True))) for side in sides)

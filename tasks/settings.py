@@ -37,8 +37,8 @@ class InitializeSettings(StageSettings):
     """Stage 0: the campaign's starting actor (and critic)."""
 
     stage = "initialize"
-    critic: bool = setting("advantages.uses_critic")
-    """Make a critic (an estimator that uses one: GAE)."""
+    critic: bool = setting("has_critic")
+    """Make a critic (an estimator that uses one: GAE; never for a DPO update)."""
     lora: LoraConfig | None = setting("model.lora")
     critic_init: str = setting("model.critic_init")
     """``policy`` or ``reward_model``: the base the critic starts from."""
