@@ -11,7 +11,7 @@ import torch
 from mlflow import MlflowClient
 from transformers import AutoModelForCausalLM
 
-from campaign.store import resolve_run, stage_run
+from campaign.store import campaign_layout, resolve_run, stage_run
 from flows.export import export_model
 from flows.iterations import tracking_store
 from flows.replay import replay_config
@@ -58,7 +58,7 @@ def _output(config, parent: str, stage: str):
     """The output folder of ``stage`` that the run ``parent`` used (its own or a reused one)."""
     tracker = tracking_store(config).tracker()
     run_id = stage_run(tracker, tracker.experiment_id(config.campaign), parent, stage)
-    return config.run_root / config.campaign / stage / tracker.run(run_id).tags[TAG_INPUT_KEY]
+    return campaign_layout(config).stage_dir(stage, tracker.run(run_id).tags[TAG_INPUT_KEY])
 
 
 def test_an_iteration_is_candidates_labels_reference_logprobs_and_a_dpo_update(campaign):
