@@ -33,6 +33,7 @@ from rlhf_core.config import (
     MIN_PREFERENCE_PAIRS,
     SCORING_LABELERS,
     AdvantageConfig,
+    DPOConfig,
     LabelerName,
     LoraConfig,
     Pairing,
@@ -41,6 +42,7 @@ from rlhf_core.config import (
     RewardModelConfig,
     SamplingConfig,
     SettingError,
+    UpdateName,
     eval_split_error,
 )
 from rlhf_core.errors import UserError
@@ -196,6 +198,11 @@ class PipelineConfig(_Frozen):
     one per prompt); or `all_decisive`, every pair with a winner. The last two compare every pair of a prompt's
     candidates, so they need a labeler that scores each candidate: `function` or `gold` (`import` samples no
     candidates: the setting is unused)."""
+    update: UpdateName = "ppo"
+    """What each iteration's update learns from: `ppo`, rollouts scored by a reward (the reward model learned from the
+    labels, or `reward.function`; any `advantages.estimator`); or `dpo`, the iteration's labelled pairs themselves (a
+    direct preference update, `dpo`: candidates sampled and labelled, the reference's log-probs of the pairs, the
+    update; no reward model, rollout or advantages). docs/recipes.md."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -206,6 +213,8 @@ class PipelineConfig(_Frozen):
     reward_model: RewardModelConfig = RewardModelConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     ppo: PPOConfig = PPOConfig()
+    dpo: DPOConfig = DPOConfig()
+    """The direct preference update (`update: dpo` only)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -263,6 +272,34 @@ class PipelineConfig(_Frozen):
         return self.reward.source == "reward_model" and self.reward_model.train
 
     @model_validator(mode="after")
+    def _update_has_what_it_reads(self, info: ValidationInfo) -> PipelineConfig:
+        """`update: dpo` learns from labelled pairs and nothing else: refuse a campaign without a labeler, and the
+        settings of what only a PPO iteration has (a reward, a critic, a rollout ahead), which would do nothing."""
+        if self.update == "ppo":
+            if self.dpo != DPOConfig():
+                raise ValueError("`dpo` settings are read by `update` dpo only: set `update` dpo, or drop them")
+            return self
+        if self.labeler is None and not _store_only(info):
+            raise ValueError(
+                "`update` dpo learns from labelled pairs: set `labeler` (gold with `demo`, human, function with "
+                "`reward.function`, reward_model with `model.reward_model`, or import with `data.preferences`)"
+            )
+        refused = {  # a setting of what a DPO iteration does not have -> what it does in a PPO one
+            "reward.source": (self.reward.source != "reward_model", "a reward function scores the rollouts; to label "
+                              "pairs with it, set `labeler` function"),
+            "reward_model.train": (not self.reward_model.train, "a pretrained reward model scores the rollouts"),
+            "model.critic_init": (self.model.critic_init != "policy", "where the critic starts"),
+            "sampling.staleness": (self.sampling.staleness != 0, "rollouts sampled by older policies"),
+        }  # fmt: skip
+        for name, (given, does) in refused.items():
+            if given:
+                raise ValueError(
+                    f"`{name}` is a setting of PPO iterations ({does}); `update` dpo trains on the labelled pairs "
+                    "alone, with no reward, critic or rollout: leave it at its default"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _labeler_has_its_data(self, info: ValidationInfo) -> PipelineConfig:
         if self.learns_from_labels and self.labeler is None and not _store_only(info):
             raise ValueError(
@@ -307,11 +344,17 @@ class PipelineConfig(_Frozen):
                 f"{self.sizes.candidates_per_prompt} and `pairing` {self.pairing} gives at most {pairs} preference "
                 f"pairs per iteration; the reward model needs at least {MIN_PREFERENCE_PAIRS}"
             )
-        if self.learns_from_labels and self.labeler != "import":
+        if self.learns_from_labels and self.labeler != "import" and self.update == "ppo":
             # The first iteration's pairs: later iterations train on these and their own.
             if (error := eval_split_error(pairs, self.reward_model.eval_fraction)) is not None:
                 raise ValueError(f"{error} (`sizes.preference_prompts`, `sizes.candidates_per_prompt`, `pairing`)")
         return self
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the campaign's policy has a critic: PPO updates with an estimator that uses one (GAE); a DPO
+        update trains none."""
+        return self.update == "ppo" and self.advantages.uses_critic
 
     @property
     def critic_from_trained_reward_model(self) -> bool:

@@ -9,6 +9,7 @@ use the inputs (:func:`flows.inputs.check_inputs`) and building the demo world a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -19,6 +20,7 @@ from campaign.model_sources import PACKAGE_PREFIX, is_gguf, model_input
 from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
+from rlhf_core.config import DPOConfig
 from runtime.context import BaseInputs, InputFile
 from runtime.references import EnvironmentReference, JudgeReference, RewardFunctionReference
 from storage.fingerprints import FingerprintCache
@@ -143,11 +145,14 @@ ADDED_FIELDS: dict[str, object] = {
     "ppo.behaviour_weight_cap": 2.0,
     "reward_model.replay_ratio": None,
     "environment": {"class": None, "max_turns": 3, "max_tokens_per_turn": 32, "step_timeout_s": 30.0},
+    "update": "ppo",
+    "dpo": dataclasses.asdict(DPOConfig()),
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
-row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment). At that
-value a field is left out of every identity (the campaign's fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
+row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment; a PPO
+update, whose campaigns read no `dpo` setting). At that value a field is left out of every identity (the campaign's
+fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:
 :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's
 config passes where this one leaves them there. An entry here also keeps run keys, hence finished iterations, as

@@ -18,9 +18,10 @@ from tasks.settings import STAGES
 STAGE_SETTINGS: dict[str, dict[str, str]] = {settings.stage: setting_paths(settings) for settings in STAGES}
 """stage -> {setting: config path (a field, or a property such as ``advantages.uses_critic``) or ``base.<field>``}."""
 
-REPLAYED_STAGES = ("compute_advantages", "ppo_update", "sample_reference", "evaluate")
+REPLAYED_STAGES = ("compute_advantages", "ppo_update", "dpo_update", "sample_reference", "evaluate")
 """The stages a replay runs again (the reference's samples are the campaign's, reused unless a replay's evaluation
-settings ask for others); every other stage's output is reused from the source iteration."""
+settings ask for others; a DPO iteration has no advantages, and its update reads the reference's stored log-probs);
+every other stage's output is reused from the source iteration."""
 CAMPAIGN_START = ("initialize",)
 """Stages that run once per campaign, before its first iteration. What they received shaped the policy a replay
 starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""

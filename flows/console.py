@@ -49,6 +49,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
     "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL (k1) {:.3g}")),
     "ppo_update": (("approx_kl", "approx KL {:.3g}"), ("clip_fraction", "clipped {:.0%}")),
+    "reference_logprobs": (("pairs", "{:.0f} decisive pairs"), ("ties_dropped", "{:.0f} ties dropped")),
+    "dpo_update": (("rewards/accuracies", "accuracy {:.2f}"), ("rewards/margins", "margin {:.3g}")),
     "sample_reference": (("responses", "{:.0f} reference responses, once per campaign"),),
     "evaluate": (
         ("gold_win_rate", "gold win rate {:.2f}"),

@@ -47,7 +47,8 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
     base = resolve_base.fn(recorded)
     tracker = tracking_store(recorded).tracker()
     context = context_for(recorded, 0, base, tracker.experiment_id(recorded.campaign))
-    output = recorded_result(context, stage_run(context.tracker, context.experiment_id, run_id, _STAGE_OF[model]))
+    stage = "dpo_update" if model == "actor" and recorded.update == "dpo" else _STAGE_OF[model]
+    output = recorded_result(context, stage_run(context.tracker, context.experiment_id, run_id, stage))
     folder = output.directory / model
     if not folder.is_dir():
         raise LookupError(f"{source} has no {model}: it was trained by a critic-free estimator")

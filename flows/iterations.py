@@ -94,7 +94,8 @@ class ReplayInputs:
     """What a replay reuses from its source iteration: the experience, the policy its update started from (the one
     that sampled the experience, or with ``sampling.staleness`` a newer one), the reward model that scored it (None
     for a reward function), and the previous iteration's scored experience (None in iteration 0), whose adaptive KL
-    coefficient the source started from."""
+    coefficient the source started from. A DPO iteration's experience is its pairs with the reference's log-probs
+    (a ``reference_logprobs`` output), and it has no reward model or scored experience."""
 
     experience: StageResult
     policy: StageResult
@@ -327,9 +328,11 @@ def close_iteration(
     figure = png_bytes(_overoptimisation(context, metrics)) if kind == KIND_ITERATION else None
     inspection = None
     if not all(result.reused for result in stages) or not was_finished:
-        inspected, responses = _log_inspection(context, [*filter(None, [experience]), *stages], kind=kind)
-        inspection = _inspection_summary(context, inspected, responses, kind=kind)
-        metrics |= inspected
+        outputs = [*filter(None, [experience]), *stages]
+        if any(result.stage == "rollout" for result in outputs):  # a DPO iteration has no rollout to inspect
+            inspected, responses = _log_inspection(context, outputs, kind=kind)
+            inspection = _inspection_summary(context, inspected, responses, kind=kind)
+            metrics |= inspected
         tracker.log_metrics(context.parent_run_id, metrics, step=context.iteration, skip_logged=True)
         tracker.set_tags(context.parent_run_id, {f"{TAG_OUTPUT_PREFIX}{r.stage}": r.run_id for r in stages})
         if figure is not None:
@@ -435,7 +438,9 @@ def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *,
     else:
         tracker = context.tracker
         newest = list(tracker.finished_iterations(context.experiment_id).values())[-1]
-        run_id = stage_run(context.tracker, context.experiment_id, newest.run_id, "ppo_update")
+        run_id = stage_run(context.tracker, context.experiment_id, newest.run_id, "ppo_update", required=False)
+        if run_id is None:  # a DPO iteration keeps no optimizer states
+            return
         folders = context.layout.stage_outputs("ppo_update")
         keep = context.layout.stage_dir("ppo_update", tracker.run(run_id).tags[TAG_INPUT_KEY])
     freed = prune_optimizer_states(folders, keep=keep)
@@ -486,6 +491,14 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
     tracker = tracking_store(config).tracker()
     iteration = int(tracker.run(source_run_id).tags[TAG_ITERATION])
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
+    if config.update == "dpo":  # the pairs with the reference's log-probs stand where a rollout's experience would
+        pairs = recorded_result(
+            context, stage_run(context.tracker, context.experiment_id, source_run_id, "reference_logprobs")
+        )
+        update = recorded_result(
+            context, stage_run(context.tracker, context.experiment_id, source_run_id, "dpo_update")
+        )
+        return ReplayInputs(pairs, upstream_result(context, update, "policy"), reward_model=None, previous=None)
     experience = recorded_result(context, stage_run(context.tracker, context.experiment_id, source_run_id, "rollout"))
     scored = recorded_result(
         context, stage_run(context.tracker, context.experiment_id, source_run_id, "compute_advantages")
@@ -528,10 +541,10 @@ def _state_after(config: PipelineConfig, base: BaseInputs, iteration: int, paren
     update's input policy, back to the campaign's initial one)."""
     tracker = tracking_store(config).tracker()
     context = context_for(config, iteration, base, tracker.experiment_id(config.campaign))
-    policy = recorded_result(context, stage_run(context.tracker, context.experiment_id, parent, "ppo_update"))
-    advantages = recorded_result(
-        context, stage_run(context.tracker, context.experiment_id, parent, "compute_advantages")
-    )
+    update = "dpo_update" if config.update == "dpo" else "ppo_update"
+    policy = recorded_result(context, stage_run(context.tracker, context.experiment_id, parent, update))
+    advantages_run = stage_run(context.tracker, context.experiment_id, parent, "compute_advantages", required=False)
+    advantages = None if advantages_run is None else recorded_result(context, advantages_run)  # none with DPO
     reward_model_run = stage_run(context.tracker, context.experiment_id, parent, "train_reward_model", required=False)
     reward_model, preferences = None, ()
     if reward_model_run is not None:

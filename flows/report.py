@@ -23,6 +23,7 @@ HEADLINE_METRICS = {
     "evaluate/reward_mean": "reward",
     "train_reward_model/eval_accuracy": "RM accuracy",
     "ppo_update/approx_kl": "PPO approx KL",
+    "dpo_update/rewards/accuracies": "DPO accuracy",
 }
 
 
@@ -94,7 +95,8 @@ def compare_report(config: PipelineConfig, run_ids: Sequence[str], *, metrics: S
     return "\n\n".join(filter(None, [text_table(rows), models_report(tracker, run_ids, metrics=names)]))
 
 
-POLICY_STAGE = "ppo_update"
+POLICY_STAGES = ("ppo_update", "dpo_update")
+"""The stages that train a policy: the update of an RL or of a DPO iteration (``update``)."""
 
 
 def models_report(tracker: Tracker, run_ids: Sequence[str], *, metrics: Sequence[str]) -> str:
@@ -105,9 +107,12 @@ def models_report(tracker: Tracker, run_ids: Sequence[str], *, metrics: Sequence
     for run_id in run_ids:
         run = tracker.run(run_id)
         experiment_id = tracker.experiment_id(run.tags[TAG_CAMPAIGN]) if TAG_CAMPAIGN in run.tags else None
-        stage = (
-            None if experiment_id is None else stage_run(tracker, experiment_id, run_id, POLICY_STAGE, required=False)
+        stages = (
+            []
+            if experiment_id is None
+            else [stage_run(tracker, experiment_id, run_id, name, required=False) for name in POLICY_STAGES]
         )
+        stage = next(filter(None, stages), None)
         found = [] if stage is None else tracker.logged_models(experiment_id, tags={TAG_MODEL: "actor"}, run_id=stage)
         models.append(found[0] if found else None)
     if not any(models):

@@ -1,6 +1,7 @@
 """The RLHF flows: one iteration is seven stages (four with a reward function, which needs no candidates,
-labels or reward model); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded
-iteration from its saved experience with new settings.
+labels or reward model; with `update: dpo`, candidates, labels, the reference's log-probs of the pairs and a DPO update,
+then evaluation); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded iteration from its saved
+experience (a DPO iteration's update and evaluation, from its stored pairs) with new settings.
 
 A campaign's finished iterations are history (:mod:`campaign.history`): running it again continues from its first
 unfinished iteration, whatever code or inputs changed. Within an iteration, every stage is reused when its output
@@ -50,9 +51,11 @@ from runtime.records import upstream_result
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
+from tasks.dpo_update import dpo_update
 from tasks.evaluate import evaluate
 from tasks.initialize import initialize
 from tasks.ppo_update import optimizer_state, ppo_update
+from tasks.reference_logprobs import reference_logprobs
 from tasks.rollout import rollout
 from tasks.sample_candidates import sample_candidates
 from tasks.sample_reference import sample_reference
@@ -155,6 +158,17 @@ def _iteration(
     config: PipelineConfig, context: StageContext, state: IterationState | None, *, ahead: bool
 ) -> IterationState:
     state = state or IterationState(policy=initialize(context, config))  # iteration 0 starts the campaign
+    learn = _dpo_steps if config.update == "dpo" else _ppo_steps  # a DPO update: no reward model, rollout, advantages
+    stages, new_state = learn(config, context, state, ahead=ahead)
+    evaluation = _evaluation(config, context, new_state.policy, new_state.reward_model)
+    return close_iteration(context, [*stages, *evaluation], new_state)
+
+
+def _ppo_steps(
+    config: PipelineConfig, context: StageContext, state: IterationState, *, ahead: bool
+) -> tuple[list[StageResult], IterationState]:
+    """Stages 1-6 of an RL iteration: candidates, labels and the reward model, the rollout, advantages and the PPO
+    update; with ``ahead``, the next iteration's generation stages beside the update (:mod:`flows.overlap`)."""
     staleness = config.sampling.staleness
     sampling, training = lanes(context, config)
     warm_up(training.execution)  # an update of its own process imports its code while the generation stages run
@@ -178,11 +192,21 @@ def _iteration(
         policy = beside(ppo_update.submit(training, config, **update), next_front)
     else:
         policy = ppo_update(training, config, **update)
-    stages = [*front.stages, scored, policy, *_evaluation(config, context, policy, front.reward_model)]
     new_state = state.after(
         policy, staleness=staleness, reward_model=front.reward_model, preferences=front.preferences, advantages=scored
     )
-    return close_iteration(context, stages, new_state)
+    return [*front.stages, scored, policy], new_state
+
+
+def _dpo_steps(
+    config: PipelineConfig, context: StageContext, state: IterationState, *, ahead: bool
+) -> tuple[list[StageResult], IterationState]:
+    """The steps of a DPO iteration (``update: dpo``): candidates and their labels, the reference's log-probs of the
+    pairs, and the DPO update on them. Nothing runs ahead (a DPO campaign has no staleness)."""
+    collected = _collect(config, context, state.policy, None)
+    pairs = reference_logprobs(context, config, preferences=collected[-1:])
+    policy = dpo_update(context, config, policy=state.policy, pairs=pairs)
+    return [*collected, pairs, policy], state.after(policy, staleness=0)
 
 
 def _evaluation(
@@ -293,7 +317,8 @@ def _continuable(state: IterationState | None) -> bool:
 
 @flow(name="rlhf-replay", flow_run_name=_replay_run_name)
 def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | None = None) -> str:
-    """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation.
+    """Re-run rewards/KL/GAE, the PPO update and evaluation of a recorded iteration; no generation. A DPO iteration's
+    replay re-runs its DPO update and evaluation, on the pairs and the reference's log-probs it stored.
 
     ``base``: the base inputs the command resolved already, or None to resolve them. Returns the replay's MLflow
     run id (tagged ``rlhf.replay_of`` = ``source_run_id``). It writes into the
@@ -309,7 +334,8 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
     ):
         base = base or resolve_base(config)
         inputs = load_replay_inputs(config, source_run_id, base)
-        check_replay_data(config, inputs.experience)
+        if config.update == "ppo":
+            check_replay_data(config, inputs.experience)
         context = open_replay(config, source_run_id, base)
         with (
             context.tracker.ends_on_error(context.parent_run_id),
@@ -321,15 +347,19 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
 
 def _replay(config: PipelineConfig, context: StageContext, inputs: ReplayInputs) -> str:
     _, training = lanes(context, config)  # the threads and process its source's update had
-    scored = compute_advantages(
-        training, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
-    )
-    optimizer = optimizer_state(inputs.policy, present_only=True)
-    critic_start = _critic_start(config, inputs.policy, inputs.reward_model)
-    new_policy = ppo_update(
-        training, config, policy=inputs.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
-    )
+    if config.update == "dpo":  # the pairs and the reference's stored log-probs: no reference forward
+        scored, new_policy = None, dpo_update(training, config, policy=inputs.policy, pairs=inputs.experience)
+    else:
+        scored = compute_advantages(
+            training, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
+        )
+        optimizer = optimizer_state(inputs.policy, present_only=True)
+        critic_start = _critic_start(config, inputs.policy, inputs.reward_model)
+        new_policy = ppo_update(
+            training, config, policy=inputs.policy, optimizer=optimizer, scored=scored, critic_start=critic_start
+        )
     evaluation = _evaluation(config, context, new_policy, inputs.reward_model)
     state = IterationState(new_policy, inputs.reward_model, advantages=scored)
-    close_iteration(context, [scored, new_policy, *evaluation], state, experience=inputs.experience)
+    stages = [*filter(None, [scored]), new_policy, *evaluation]
+    close_iteration(context, stages, state, experience=inputs.experience)
     return context.parent_run_id

@@ -36,6 +36,7 @@ __all__ = [
     "config",
     "distributed",
     "divergence",
+    "dpo",
     "episodes",
     "errors",
     "evaluation",

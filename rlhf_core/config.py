@@ -24,6 +24,12 @@ OffPolicyCorrection = Literal["decoupled", "behaviour"]
 """How the PPO update corrects for rows sampled by an older policy (``sampling.staleness``; :mod:`rlhf_core.off_policy`)."""
 GenerationEngine = Literal["hf", "vllm"]
 """What samples responses (:func:`rlhf_core.generation.generate`): our KV-cache loop, or a vLLM engine."""
+UpdateName = Literal["ppo", "dpo"]
+"""What an iteration's update learns from: rollouts scored by a reward (``ppo``, every advantage estimator), or the
+iteration's labelled pairs directly (``dpo``: a direct preference update, no reward model, rollout or advantages)."""
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
+"""The direct preference losses (:func:`rlhf_core.preference_losses.preference_loss`): DPO's sigmoid (with cDPO label
+smoothing), IPO, SimPO."""
 LabelerName = Literal["gold", "import", "reward_model", "human", "function"]
 """Who labels candidate pairs (``tasks.labelers``): a gold judge, an imported file, the current reward model, or a
 person."""
@@ -339,6 +345,42 @@ class PPOConfig:
         check_fields(self)
         _check_choice("aggregation", self.aggregation, LossAggregation)
         _check_choice("off_policy", self.off_policy, OffPolicyCorrection)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DPOConfig:
+    """The direct preference update of the actor on the iteration's pairs (stage: dpo update; ``update: dpo``).
+
+    Defaults are TRL's ``DPOConfig`` (``beta``, ``loss_type``, ``label_smoothing``, ``learning_rate``; ``epochs``,
+    ``batch_size`` and ``max_grad_norm`` from the ``TrainingArguments`` it extends) and TRL's ``CPOConfig`` for
+    ``simpo_gamma``.
+    """
+
+    beta: float = bounded(0.1, gt=0)
+    """The strength of the KL regularisation to the reference (DPO's beta; IPO's tau; SimPO's reward scale)."""
+    loss: PreferenceLoss = "sigmoid"
+    """`sigmoid` (DPO, Rafailov et al. 2023), `ipo` (Azar et al. 2023) or `simpo` (Meng et al. 2024; reference-free)."""
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
+    """cDPO's assumed probability that a label is flipped; the `sigmoid` loss only (0: plain DPO)."""
+    simpo_gamma: float = bounded(0.5, ge=0)
+    """SimPO's target reward margin, read by loss `simpo` only (TRL `CPOConfig.simpo_gamma` 0.5)."""
+    epochs: int = bounded(3, gt=0)
+    """Passes over the iteration's pairs (TRL `num_train_epochs` 3)."""
+    batch_size: int = bounded(8, gt=0)
+    """Pairs per optimizer step (TRL `per_device_train_batch_size` 8)."""
+    learning_rate: float = bounded(1e-6, gt=0)
+    """Actor AdamW learning rate (TRL `DPOConfig.learning_rate` 1e-6)."""
+    max_grad_norm: float = bounded(1.0, gt=0)
+    """Gradient-norm clip (TRL 1.0)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        _check_choice("loss", self.loss, PreferenceLoss)
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise SettingError(
+                "label_smoothing",
+                f"is the sigmoid loss's (cDPO) only, got {self.label_smoothing} with loss {self.loss}",
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

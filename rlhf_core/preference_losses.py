@@ -39,15 +39,13 @@ Choices:
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.config import PreferenceLoss
 from rlhf_core.masked import masked_mean, masked_sum
-
-PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
-"""The preference losses of :func:`preference_loss`: DPO's sigmoid (with cDPO label smoothing), IPO, SimPO."""
 
 
 class SequenceLogprob(NamedTuple):

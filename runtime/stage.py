@@ -244,6 +244,8 @@ LEARNING_RATES = {
     "reward_model": "reward_model.learning_rate",
 }
 """The setting that sets how fast each trained model moves: what to lower when it diverges."""
+STAGE_LEARNING_RATES = {("dpo_update", "actor"): "dpo.learning_rate"}
+"""``(stage, model) -> setting`` where a stage trains a model at a rate of its own (:data:`LEARNING_RATES` elsewhere)."""
 
 
 class Diverged(UserError, ValueError):
@@ -257,7 +259,7 @@ def _divergence_named(stage: str, iteration: int) -> Iterator[None]:
     try:
         yield
     except DivergenceError as error:
-        setting = LEARNING_RATES[error.model]
+        setting = STAGE_LEARNING_RATES.get((stage, error.model), LEARNING_RATES[error.model])
         when = "" if error.step is not None else " in an earlier update"
         raise Diverged(
             f"{stage}, iteration {iteration}: {error}{when}; lower `{setting}` (--set {setting}=...) and run again"

@@ -51,6 +51,8 @@ RESPONSE_IDS = "response_ids"
 PAIR_ID = "pair_id"
 CHOSEN = "chosen"
 REJECTED = "rejected"
+CHOSEN_IDS = "chosen_ids"
+REJECTED_IDS = "rejected_ids"
 MARGIN = "margin"
 EXAMPLE_ID = "example_id"
 COMPLETION = "completion"
@@ -145,16 +147,30 @@ EVALUATION = _schema(
     (POLICY_KL, pa.float64()),
     (OLD_LOGPROBS, TOKEN_FLOATS),
     (ENGINE_LOGPROBS, TOKEN_FLOATS),
-    nullable=(OLD_LOGPROBS, ENGINE_LOGPROBS),
+    nullable=("policy_reward", "reference_reward", OLD_LOGPROBS, ENGINE_LOGPROBS),
 )
-"""One row per held-out prompt: both sides' responses and rewards, and the policy's KL to the reference
-(summed over its response), and, when vLLM sampled, the policy's log-probs by the actor's forward and by the engine
+"""One row per held-out prompt: both sides' responses and rewards (null in every row of a campaign without a reward:
+a DPO update's), and the policy's KL to the reference (summed over its response), and, when vLLM sampled, the policy's log-probs by the actor's forward and by the engine
 (null otherwise; :data:`LOGPROB_COLUMNS`). The pieces evaluation's shards write (its output is ``samples.jsonl``,
 without the log-probs)."""
 
 #: The reference's response to each held-out prompt (``row``: the prompt's line in the file), sampled once per
 #: campaign and read back by every iteration's evaluation (:mod:`tasks.sample_reference`).
 REFERENCE_RESPONSES = _schema((ROW, pa.int64()), (RESPONSE, pa.string()), (RESPONSE_IDS, TOKEN_IDS))
+
+#: The reference's log-probs of each preference pair a DPO update trains on (:mod:`tasks.reference_logprobs`), beside
+#: the pair's tokens in the policy's ids, so the update and every replay of it read them back instead of running the
+#: reference: ``prompt_ids`` unpadded, ``chosen_ids`` / ``rejected_ids`` each response's action tokens (through its
+#: end of turn); per response the summed log-prob, its token count and the mean per token (what IPO and SimPO read).
+REFERENCE_LOGPROBS = _schema(
+    (PAIR_ID, pa.int64()),
+    (PROMPT_IDS, TOKEN_IDS),
+    (CHOSEN_IDS, TOKEN_IDS),
+    (REJECTED_IDS, TOKEN_IDS),
+    *((f"{REF_LOGPROBS}_{side}", pa.float32()) for side in (CHOSEN, REJECTED)),
+    *((f"{REF_LOGPROBS}_{side}_mean", pa.float32()) for side in (CHOSEN, REJECTED)),
+    *((f"{side}_tokens", pa.int32()) for side in (CHOSEN, REJECTED)),
+)
 
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
@@ -243,6 +259,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "scored_experience": SCORED_EXPERIENCE,
     "turns": TURNS_TABLE,
     "reference_responses": REFERENCE_RESPONSES,
+    "reference_logprobs": REFERENCE_LOGPROBS,
 }
 
 

@@ -1,6 +1,7 @@
 """Stage 7, evaluate: the policy against the frozen initial policy (the reference) on held-out prompts.
 
-Reports the reward's score of both (the reward model's, or the reward function's), the KL to the reference (mean over responses of the
+Reports the reward's score of both (the reward model's, or the reward function's; none in a campaign without a reward, a
+DPO update's), the KL to the reference (mean over responses of the
 summed per-token k1 estimate; :func:`rlhf_core.evaluation.response_kl`) and, where a gold judge
 applies, the gold score of both and the policy's gold win rate against the reference (ties count
 half; :func:`rlhf_core.evaluation.win_rate`). The reference's side was sampled once for the campaign
@@ -50,8 +51,8 @@ SIDES = ("policy", "reference")
 def plan(job: Job[EvaluateSettings]) -> Shards:
     """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.sample_reference.held_out_shards`)."""
     settings = job.settings
-    if (settings.reward_model is None) == (settings.reward_function is None):
-        raise ValueError("evaluate needs exactly one reward: a reward model or a reward function")
+    if settings.reward_model is not None and settings.reward_function is not None:
+        raise ValueError("evaluate takes one reward at most: a reward model or a reward function")
     return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), "evaluation")
 
 
@@ -83,15 +84,19 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
 
     def score(
         part: slice, sequences: torch.Tensor, attention_mask: torch.Tensor, responses: list[str], prompt_length: int
-    ) -> torch.Tensor:
-        """The reward of each of ``responses`` to the prompts ``part`` (their tokens from ``prompt_length`` on).
+    ) -> list[float | None]:
+        """The reward of each of ``responses`` to the prompts ``part`` (their tokens from ``prompt_length`` on); None
+        for each without a reward (a DPO update's campaign).
 
-        Shapes: sequences, attention_mask: (b, P + R), ``[left-padded prompt | right-padded response]``; returns (b,).
+        Shapes: sequences, attention_mask: (b, P + R), ``[left-padded prompt | right-padded response]``.
         """
+        if scorer is None and function is None:
+            return [None] * len(responses)
         if scorer is not None:
-            return scorer.score(held_out[part], sequences, attention_mask, prompt_length=prompt_length)
+            return scorer.score(held_out[part], sequences, attention_mask, prompt_length=prompt_length).cpu().tolist()
         ids = range(part.start, part.stop)  # held-out prompts are named by their line in the file
-        return score_texts(function, reward_function.name, held_out[part], responses, ids, prompt_texts=texts[part])
+        scores = score_texts(function, reward_function.name, held_out[part], responses, ids, prompt_texts=texts[part])
+        return scores.cpu().tolist()
 
     for shard in job.shards:
         rows: dict[str, list] = {name: [] for name in EVALUATION.names}
@@ -138,9 +143,9 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
             kl = response_kl(policy_logprobs, logprobs["reference"], generation.action_mask)
             rows[PROMPT].extend(texts[part])  # as the model saw it: a chat prompt through its template
             rows["policy_response"].extend(responses)
-            rows["policy_reward"].extend(scores.cpu().tolist())
+            rows["policy_reward"].extend(scores)
             rows["reference_response"].extend(reference_texts[part])
-            rows["reference_reward"].extend(reference_scores.cpu().tolist())
+            rows["reference_reward"].extend(reference_scores)
             rows[POLICY_KL].extend(kl.cpu().tolist())
             mask = generation.action_mask.cpu()
             for name, values in ((OLD_LOGPROBS, policy_logprobs), (ENGINE_LOGPROBS, generation.logprobs)):
@@ -152,12 +157,12 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
 def gather(job: Job[EvaluateSettings], table: pa.Table) -> dict[str, float]:
     """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics."""
     settings = job.settings
-    metrics = {
-        "reward_mean": _mean(table, "policy_reward"),
-        "reference_reward_mean": _mean(table, "reference_reward"),
-        "kl_to_reference": _mean(table, POLICY_KL),
-        **mismatch_metrics(table),
-    }
+    metrics = {"kl_to_reference": _mean(table, POLICY_KL), **mismatch_metrics(table)}
+    if not table.column("policy_reward").null_count:  # a campaign without a reward (a DPO update's) has none
+        metrics |= {
+            "reward_mean": _mean(table, "policy_reward"),
+            "reference_reward_mean": _mean(table, "reference_reward"),
+        }
     records = table.drop_columns(list(LOGPROB_COLUMNS)).to_pylist()
     if settings.judge is not None:
         metrics.update(_gold_metrics(records, settings.judge))

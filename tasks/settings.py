@@ -18,6 +18,7 @@ from runtime.declaration import StageSettings, setting, upstream
 if TYPE_CHECKING:
     from rlhf_core.config import (
         AdvantageConfig,
+        DPOConfig,
         LabelerName,
         LoraConfig,
         Pairing,
@@ -36,8 +37,8 @@ class InitializeSettings(StageSettings):
     """Stage 0: the campaign's starting actor (and critic)."""
 
     stage = "initialize"
-    critic: bool = setting("advantages.uses_critic")
-    """Make a critic (an estimator that uses one: GAE)."""
+    critic: bool = setting("has_critic")
+    """Make a critic (an estimator that uses one: GAE; never for a DPO update)."""
     lora: LoraConfig | None = setting("model.lora")
     critic_init: str = setting("model.critic_init")
     """``policy`` or ``reward_model``: the base the critic starts from."""
@@ -210,6 +211,32 @@ class PPOUpdateSettings(StageSettings):
 
 
 @dataclass(frozen=True)
+class ReferenceLogprobsSettings(StageSettings):
+    """Stage 3 of a DPO iteration: the reference's log-probs of the iteration's decisive pairs, in the policy's
+    tokens, which the DPO update and every replay of it read back instead of running the reference."""
+
+    stage = "reference_logprobs"
+    preferences: tuple[StageResult, ...] = upstream()
+    """The preference tables whose pairs the update trains on (the iteration's)."""
+    precision: Precision = setting("precision")
+    batch_size: int = setting("sampling.batch_size")
+    """Pairs per forward pass of the reference (keyed: a batch's padded width can move the last bits of a sum)."""
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
+class DPOUpdateSettings(StageSettings):
+    """Stage 4 of a DPO iteration: the new actor, trained on the pairs against the reference's stored log-probs."""
+
+    stage = "dpo_update"
+    policy: StageResult = upstream()
+    pairs: StageResult = upstream()
+    """The pairs and their reference log-probs (a ``reference_logprobs`` output)."""
+    dpo: DPOConfig = setting("dpo")
+    precision: Precision = setting("precision")
+
+
+@dataclass(frozen=True)
 class SampleReferenceSettings(StageSettings):
     """Once per campaign: the reference's responses to the held-out prompts, which every evaluation reads back."""
 
@@ -256,6 +283,8 @@ STAGES: tuple[type[StageSettings], ...] = (
     RolloutSettings,
     ComputeAdvantagesSettings,
     PPOUpdateSettings,
+    ReferenceLogprobsSettings,
+    DPOUpdateSettings,
     SampleReferenceSettings,
     EvaluateSettings,
 )

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_core.dpo import PreferencePairs
 from tasks.text import Prompt, conversation_id_lists, decode, load_tokenizer, prompt_ids, same_tokenizer
 
 
@@ -57,6 +58,24 @@ def pad_token_lists(
             ids[index, columns] = torch.tensor(list(row), dtype=torch.long)
             mask[index, columns] = 1
     return ids, mask
+
+
+def preference_pairs(
+    prompt_lists: Sequence[Sequence[int]],
+    chosen_lists: Sequence[Sequence[int]],
+    rejected_lists: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+) -> PreferencePairs:
+    """Pairs as a DPO update reads them: prompts left-padded, both responses right-padded to one width R.
+
+    Shapes:
+        returns :class:`rlhf_core.dpo.PreferencePairs` of B pairs, prompts (B, P), responses (B, R).
+    """
+    prompt_ids, prompt_mask = pad_token_lists(prompt_lists, pad_token_id=pad_token_id, side="left")  # (B, P)
+    responses, masks = pad_token_lists([*chosen_lists, *rejected_lists], pad_token_id=pad_token_id)  # (2B, R)
+    pairs = len(prompt_lists)
+    return PreferencePairs(prompt_ids, prompt_mask, responses[:pairs], masks[:pairs], responses[pairs:], masks[pairs:])
 
 
 class RewardScorer:

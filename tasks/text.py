@@ -143,6 +143,39 @@ def conversation_id_lists(
     return rows
 
 
+def response_id_lists(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[str]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The ids of each ``prompts[i]`` as the policy is given it (:func:`prompt_ids`) and of ``responses[i]`` after it,
+    rendered as :func:`conversation_id_lists` renders the pair for a reward model (module docstring, 2): the
+    response's tokens run through its end of turn (EOS for a plain prompt; the template's end-of-turn token, its last
+    added token, without the whitespace a template writes after it, as :mod:`tasks.sft_text` masks an assistant turn).
+
+    Raises:
+        ValueError: a conversation whose rendering does not start with its prompt's ids (a chat template that renders
+            the turns before the answer otherwise once it follows), or a response with no token.
+    """
+    added = set(tokenizer.get_added_vocab().values())
+    prompt_lists, response_lists = [], []
+    for index, (prompt, whole) in enumerate(
+        zip(prompts, conversation_id_lists(tokenizer, prompts, responses), strict=True)
+    ):
+        start = prompt_ids(tokenizer, prompt)
+        if whole[: len(start)] != start:
+            raise ValueError(
+                f"pair {index}: the prompt's ids are no prefix of the conversation's (the chat template renders the "
+                "turns before the answer otherwise once it follows): its response's tokens cannot be told apart"
+            )
+        response = whole[len(start) :]
+        if _templated(tokenizer, prompt) and (ends := [k for k, token in enumerate(response) if token in added]):
+            response = response[: ends[-1] + 1]
+        if not response:
+            raise ValueError(f"pair {index}: the response has no token (the tokenizer has no EOS token to end it)")
+        prompt_lists.append(start)
+        response_lists.append(response)
+    return prompt_lists, response_lists
+
+
 def _token_lists(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special_tokens: bool) -> list[list[int]]:
     """The ids of each text, in one tokenizer call."""
     if not texts:

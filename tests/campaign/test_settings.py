@@ -124,8 +124,9 @@ def test_a_replay_may_change_what_only_the_replayed_stages_read():
     # `sampling` is read by the rollout, so `sampling.temperature` (also the update's) stays fixed.
     # `sizes.samples_per_prompt` is the rollout's, so a replay cannot change the groups. The estimator
     # is replayable although initialize reads `advantages.uses_critic`: initialize made the campaign's
-    # start, not part of the iteration a replay reuses.
-    assert replayable_fields() == ("advantages", "ppo", "sizes.eval_prompts")
+    # start, not part of the iteration a replay reuses. `dpo` is the DPO update's alone: the reference's log-probs of
+    # the pairs, which a replay reuses, read none of it (issue 45).
+    assert replayable_fields() == ("advantages", "dpo", "ppo", "sizes.eval_prompts")
     assert covers(replayable_fields(), "advantages.estimator")
     assert not covers(replayable_fields(), "sizes.samples_per_prompt")
     assert covers(replayable_fields(), "ppo.clip_eps") and not covers(replayable_fields(), "sampling.temperature")

@@ -148,6 +148,30 @@ CONFIG_CASES = [
         ("interval", "positive"),
     ),
     Case("fp16-on-cpu", lambda t, w: _run(t, w, "precision=fp16", "execution.device=cpu"), ("`precision` fp16",)),
+    Case(
+        "issue45-dpo-without-a-preference-source",
+        lambda t, w: _run(t, w, "update=dpo", "labeler=null"),
+        ("`update` dpo learns from labelled pairs", "`labeler`"),
+    ),
+    Case(
+        "issue45-dpo-with-a-reward-function",
+        lambda t, w: _run(
+            t, w, "update=dpo", "reward.source=function", "reward.function=tests.flows.rewards:length_score"
+        ),
+        ("`reward.source`", "`update` dpo", "`labeler` function"),
+    ),
+    Case(
+        "issue45-dpo-with-staleness",
+        lambda t, w: _run(t, w, "update=dpo", "sampling.staleness=1"),
+        ("`sampling.staleness`", "`update` dpo"),
+    ),
+    Case("issue45-dpo-settings-under-ppo", lambda t, w: _run(t, w, "dpo.beta=0.5"), ("`dpo` settings", "`update` dpo")),
+    Case(
+        "issue45-label-smoothing-off-the-sigmoid-loss",
+        lambda t, w: _run(t, w, "update=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"),
+        ("`dpo.label_smoothing`", "sigmoid"),
+    ),
+    Case("issue45-unknown-dpo-loss", lambda t, w: _run(t, w, "update=dpo", "dpo.loss=kto"), ("`dpo.loss`", "kto")),
 ]
 
 FILE_CASES = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage.importers import render_chat
-from tasks.text import Prompt, conversation_id_lists, prompt_ids, same_tokenizer
+from tasks.text import Prompt, conversation_id_lists, prompt_ids, response_id_lists, same_tokenizer
 from tests.conftest import byte_level_bpe as bpe
 
 CHAT = Prompt("\n\nHuman: tell me a joke\n\nAssistant:", ({"role": "user", "content": "tell me a joke"},))
@@ -61,6 +61,17 @@ def test_conversations_tokenised_in_batches_are_those_tokenised_one_at_a_time():
                 alone.append(prompt_ids(tokenizer, prompt) + said + [tokenizer.eos_token_id])
         assert conversation_id_lists(tokenizer, prompts, responses) == alone
     assert conversation_id_lists(bpe(), [], []) == []
+
+
+def test_issue45_a_pairs_response_is_the_conversation_after_the_prompts_ids_through_its_end_of_turn():
+    """A DPO pair's response tokens: the reward model's rendering of the conversation in the policy's tokenizer, less
+    the prompt the policy is given; a chat turn ends at its ``<|im_end|>``, not the template's newline after it."""
+    tokenizer = bpe()
+    prompts, responses = response_id_lists(tokenizer, [CHAT, PLAIN], ["why did the chicken", "happy ."])
+    assert prompts == [prompt_ids(tokenizer, CHAT), prompt_ids(tokenizer, PLAIN)]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert responses[0] == tokenizer("why did the chicken", add_special_tokens=False)["input_ids"] + [end]
+    assert responses[1] == tokenizer(" happy .")["input_ids"] + [tokenizer.eos_token_id]
 
 
 def test_same_tokenizer_compares_vocabulary_and_special_tokens():

@@ -1,0 +1,118 @@
+"""Issue 45, iterative ("online") DPO end to end: a tiny campaign with ``update: dpo`` (candidates, gold labels, the
+reference's log-probs of the pairs, a DPO update, evaluation; no reward model, rollout or advantages), run in this
+process, and a replay of its update with another beta that reads the stored reference log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from transformers import AutoModelForCausalLM
+
+from campaign.store import campaign_layout, resolve_run, stage_run
+from flows.export import export_model
+from flows.iterations import tracking_store
+from flows.replay import replay_config
+from flows.report import compare_report
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
+from storage.manifest import read_manifest
+from storage.tracking import TAG_INPUT_KEY, TAG_STAGE
+from tests.flows.campaigns import tiny_config
+
+DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "loss",
+)
+"""TRL DPOTrainer's names."""
+PPO_STAGES = {"train_reward_model", "rollout", "compute_advantages", "ppo_update"}
+
+
+@pytest.fixture(scope="module")
+def campaign(prefect_server, checkpoint_world, tmp_path_factory):
+    """Two DPO iterations of configs/tiny.yaml on the test's random GPT-2, with a learning rate that moves it."""
+    run_root = tmp_path_factory.mktemp("dpo") / "runs"
+    overrides = ("campaign=dpo-e2e", "update=dpo", "iterations=2", "dpo.learning_rate=1e-3", "dpo.epochs=4")
+    config = tiny_config(run_root, checkpoint_world, *overrides)
+    rlhf_campaign(config)
+    return config
+
+
+def _children(config, parent: str) -> dict[str, str]:
+    """``stage -> run id`` of the stage runs recorded under the iteration (or replay) run ``parent``."""
+    tracker = tracking_store(config).tracker()
+    client = MlflowClient(tracker.tracking_uri)
+    runs = client.search_runs(
+        [tracker.experiment_id(config.campaign)], f"tags.`mlflow.parentRunId` = '{parent}'", max_results=100
+    )
+    return {run.data.tags[TAG_STAGE]: run.info.run_id for run in runs}
+
+
+def _output(config, parent: str, stage: str):
+    """The output folder of ``stage`` that the run ``parent`` used (its own or a reused one)."""
+    tracker = tracking_store(config).tracker()
+    run_id = stage_run(tracker, tracker.experiment_id(config.campaign), parent, stage)
+    return campaign_layout(config).stage_dir(stage, tracker.run(run_id).tags[TAG_INPUT_KEY])
+
+
+def test_an_iteration_is_candidates_labels_reference_logprobs_and_a_dpo_update(campaign):
+    for iteration in (0, 1):
+        parent = resolve_run(campaign, f"{campaign.campaign}:{iteration}")
+        ran = set(_children(campaign, parent))
+        assert {"sample_candidates", "collect_preferences", "reference_logprobs", "dpo_update", "evaluate"} <= ran
+        assert not ran & PPO_STAGES
+        policy = _output(campaign, parent, "dpo_update")
+        assert sorted(p.name for p in policy.iterdir() if p.is_dir()) == ["actor"]  # no critic, no optimizer states
+    start = _output(campaign, resolve_run(campaign, f"{campaign.campaign}:0"), "initialize")
+    assert not (start / "critic").exists()  # a DPO campaign makes none, whatever the (unused) estimator
+
+
+def test_the_policy_moved_and_its_metrics_are_trls_and_finite(campaign, checkpoint_world):
+    tracker = tracking_store(campaign).tracker()
+    parent = resolve_run(campaign, f"{campaign.campaign}:1")
+    metrics = tracker.run(parent).metrics
+    for name in DPO_METRICS:
+        assert math.isfinite(metrics[f"dpo_update/{name}"]), name
+    assert math.isfinite(metrics["evaluate/kl_to_reference"]) and "evaluate/gold_win_rate" in metrics
+    assert "evaluate/reward_mean" not in metrics  # no reward in a DPO campaign
+    for iteration in (0, 1):
+        run = tracker.run(resolve_run(campaign, f"{campaign.campaign}:{iteration}"))
+        assert run.metrics["dpo_update/rewards/accuracies"] > 0.5, iteration  # on its training pairs, after it
+    initial = AutoModelForCausalLM.from_pretrained(checkpoint_world["policy"]).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(_output(campaign, parent, "dpo_update") / "actor").state_dict()
+    assert any(not torch.equal(initial[name], trained[name]) for name in initial)
+
+
+def test_a_replay_with_another_beta_reruns_the_update_and_evaluation_on_the_stored_reference_logprobs(campaign):
+    source = resolve_run(campaign, f"{campaign.campaign}:1")
+    replay = replay_config(campaign, source, ["dpo.beta=0.5", "dpo.loss=ipo"])
+    assert replay.dpo.beta == 0.5 and replay.sampling == campaign.sampling
+    campaign_dir = campaign.run_root / campaign.campaign
+    stored = sorted(p.name for p in (campaign_dir / "reference_logprobs").iterdir())
+
+    replay_run = rlhf_replay(replay, source)
+
+    assert sorted(_children(campaign, replay_run)) == ["dpo_update", "evaluate"]
+    assert sorted(p.name for p in (campaign_dir / "reference_logprobs").iterdir()) == stored  # none computed again
+    pairs = read_manifest(_output(campaign, source, "reference_logprobs"))
+    update = read_manifest(_output(campaign, replay_run, "dpo_update"))
+    assert update.upstream["pairs"] == pairs.digest  # the source's stored log-probs ...
+    assert [model["role"] for model in update.runtime["models"]] == ["actor"]  # ... and no reference loaded
+    tracker = tracking_store(campaign).tracker()
+    before, after = tracker.run(source).metrics, tracker.run(replay_run).metrics
+    assert after["dpo_update/rewards/margins"] != before["dpo_update/rewards/margins"]
+    assert math.isfinite(after["evaluate/kl_to_reference"])
+
+    table = compare_report(campaign, [source, replay_run], metrics=["dpo_update/rewards/margins"])
+    assert "dpo_update/rewards/margins" in table and "registered" in table  # the policies as logged models
+
+
+def test_the_dpo_policy_exports_as_a_plain_folder(campaign, tmp_path):
+    folder = export_model(campaign, f"{campaign.campaign}:1", tmp_path / "exported")
+    assert (folder / "config.json").is_file()
