@@ -91,13 +91,15 @@ def test_schema_bounds_state_the_stage_config_checks(tiny):
     validate({"config": config.model_dump(mode="json")}, schema, raise_on_error=True)
     # The built-in defaults (which alone name no model, so PipelineConfig() itself is refused) are in bounds.
     validate({"config": PipelineConfig.model_construct().model_dump(mode="json")}, schema, raise_on_error=True)
-    section_of = {type(getattr(config, name)): name for name in ("sampling", "reward_model", "advantages", "ppo")}
+    sections = ("sampling", "reward_model", "advantages", "ppo", "dpo")
+    section_of = {type(getattr(config, name)): name for name in sections}
     bounds_of = schema_bounds()
     assert {cls.__name__ for cls in bounds_of} == {
         "SamplingConfig",
         "RewardModelConfig",
         "AdvantageConfig",
         "PPOConfig",
+        "DPOConfig",
     }
     assert bounds_of[type(config.ppo)]["clip_eps"] == {"exclusiveMinimum": 0}
     for config_class, fields in bounds_of.items():

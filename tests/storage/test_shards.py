@@ -30,6 +30,8 @@ def _rows(schema: pa.Schema, count: int) -> pa.Table:
             columns[field.name] = [list(range(1, 2 + i % 3)) for i in range(count)]
         elif field.name == "response_ids":
             columns[field.name] = [[7 + i] * (i % 4) for i in range(count)]
+        elif pa.types.is_list(field.type) and pa.types.is_integer(field.type.value_type):  # chosen_ids, ...
+            columns[field.name] = [[11 + i] * (i % 3) for i in range(count)]
         elif field.name == "messages":  # a chat prompt every other row
             columns[field.name] = [[{"role": "user", "content": f"turn {i}"}] * (i % 2) for i in range(count)]
         elif field.name == "action_mask":  # an episode's model mask: as long as the response
