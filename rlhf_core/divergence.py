@@ -14,6 +14,8 @@ skips the step and halves its scale (PyTorch's ``GradScaler``, what Accelerate d
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -90,3 +92,38 @@ def check_weights(module: nn.Module, *, model: str, learning_rate: float | None 
     for parameter in module.parameters():
         if parameter.requires_grad:
             check_finite(parameter, model=model, quantity="weights", learning_rate=learning_rate)
+
+
+def guarded_step(
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    loss: torch.Tensor,
+    *,
+    scale: float,
+    max_grad_norm: float,
+    scaled: bool,
+    in_a_row: int,
+    limit: int,
+    diverged: dict[str, Any],
+) -> int:
+    """One optimizer step of ``model`` on ``loss``, guarded: a non-finite loss stops training before the step
+    (:func:`check_finite`), the gradient (of ``loss * scale``: a process's share of the minibatch, scaled so that
+    DDP's average of the processes' gradients is the minibatch's) is clipped to ``max_grad_norm``, and a non-finite
+    norm is a divergence, or under fp16's loss scaler (``scaled``) a step the scaler skips (:func:`skipped_steps`).
+    The one home of the step every training loop takes (PPO's actor and critic, the reward model, DPO).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model`` and ``optimizer``.
+        diverged: what a :class:`DivergenceError` names (``model``, ``step``, ``learning_rate``).
+
+    Returns:
+        The steps skipped in a row after this one.
+    """
+    check_finite(loss.detach(), quantity="loss", **diverged)
+    optimizer.zero_grad(set_to_none=True)
+    accelerator.backward(loss * scale)
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    in_a_row = skipped_steps(torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=limit, **diverged)
+    optimizer.step()
+    return in_a_row

@@ -32,7 +32,7 @@ from accelerate import Accelerator
 
 from rlhf_core.config import DPOConfig
 from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, guarded_step
 from rlhf_core.models import dropout_disabled, evaluating, fused_activations
 from rlhf_core.preference_losses import SequenceLogprob, preference_loss, preference_metrics, reduce_logprobs
 from rlhf_core.sequences import logprobs_from_logits, response_logits
@@ -263,16 +263,12 @@ def dpo_update(
                 # 2. DDP averages the processes' gradients: each backpropagates N times its share (a non-finite loss
                 #    or gradient norm stops the update before its step; under fp16's loss scaler a non-finite norm is a
                 #    skipped step, and only max_skipped_steps in a row are)
-                diverged = {"model": "actor", "step": steps + 1, "learning_rate": config.learning_rate}
-                check_finite(loss.detach(), quantity="loss", **diverged)
-                optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss * (world * weight))
-                norm = accelerator.clip_grad_norm_(actor.parameters(), config.max_grad_norm)
-                in_a_row = skipped_steps(
-                    torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps, **diverged
-                )
+                in_a_row = guarded_step(
+                    accelerator, optimizer, actor, loss, scale=world * weight, max_grad_norm=config.max_grad_norm,
+                    scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps,
+                    diverged={"model": "actor", "step": steps + 1, "learning_rate": config.learning_rate},
+                )  # fmt: skip
                 skipped += in_a_row > 0
-                optimizer.step()
                 # 3. the whole minibatch's loss (the sum of the shares')
                 step_loss = global_sum(accelerator, loss.detach() * weight).item()
                 loss_sum += step_loss

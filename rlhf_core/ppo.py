@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, guarded_step
 from rlhf_core.experience import Experience
 from rlhf_core.losses import entropy_from_logits, loss_denominator, policy_loss, reference_kl_loss, value_loss
 from rlhf_core.masked import masked_sum, masked_var, masked_whiten
@@ -323,17 +323,12 @@ def ppo_update(
                         ("critic", losses.critic_loss, critic, critic_optimizer, config.critic_learning_rate)
                     )
                 for name, loss, model, optimizer, learning_rate in steps_to_take:
-                    diverged = {"model": name, "step": steps + 1, "learning_rate": learning_rate}
-                    check_finite(loss.detach(), quantity="loss", **diverged)
-                    optimizer.zero_grad(set_to_none=True)
-                    accelerator.backward(loss * (world * weight))
-                    norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                    in_a_row[name] = skipped_steps(
-                        torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row[name],
-                        limit=max_skipped_steps, **diverged,
+                    in_a_row[name] = guarded_step(
+                        accelerator, optimizer, model, loss, scale=world * weight, max_grad_norm=config.max_grad_norm,
+                        scaled=scaled, in_a_row=in_a_row[name], limit=max_skipped_steps,
+                        diverged={"model": name, "step": steps + 1, "learning_rate": learning_rate},
                     )  # fmt: skip
                     skipped += in_a_row[name] > 0
-                    optimizer.step()
                 # 4. bookkeeping (the value statistics only with a critic)
                 step_stats = {name: value for name, value in stats._asdict().items() if value is not None}
                 totals = step_stats if totals is None else {name: totals[name] + step_stats[name] for name in totals}

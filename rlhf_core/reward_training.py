@@ -23,7 +23,7 @@ from accelerate import Accelerator
 
 from rlhf_core.config import RewardModelConfig, held_out_positions
 from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_finite, check_weights, skipped_steps
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, guarded_step
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models import RewardModel, evaluating, fused_activations
 
@@ -232,16 +232,12 @@ def fit_reward_model(
                 # 2. DDP averages the processes' gradients: each backpropagates N times its share
                 #    (a non-finite loss or gradient norm stops training before its step: it diverged; under fp16's
                 #    loss scaler a non-finite norm is a skipped step, and only max_skipped_steps in a row are)
-                diverged = {"model": "reward_model", "step": steps + 1, "learning_rate": config.learning_rate}
-                check_finite(loss.detach(), quantity="loss", **diverged)
-                optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss * (world * weight))
-                norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                in_a_row = skipped_steps(
-                    torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps, **diverged
-                )
+                in_a_row = guarded_step(
+                    accelerator, optimizer, model, loss, scale=world * weight, max_grad_norm=config.max_grad_norm,
+                    scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps,
+                    diverged={"model": "reward_model", "step": steps + 1, "learning_rate": config.learning_rate},
+                )  # fmt: skip
                 skipped += in_a_row > 0
-                optimizer.step()
                 # 3. the whole minibatch's loss and accuracy (the shares' sum, and their pair-weighted mean)
                 if world == 1:
                     step_loss, step_accuracy = loss.item(), stats.accuracy.item()
