@@ -24,6 +24,7 @@ Choices:
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import SamplingConfig
+from rlhf_core.errors import UserError
 from rlhf_core.experience_maker import episode_experience
 from rlhf_core.generation import generate
 from runtime.bars import stage_bar
@@ -353,10 +355,29 @@ def work(job: Job[RolloutSettings], chosen: Sequence[tuple[int, Prompt]]) -> Ite
             yield pa.concat_tables(tables)
 
 
+class EveryEpisodeFailed(UserError, RuntimeError):
+    """Every episode of a rollout ended in an error or a timeout: there is nothing to train on."""
+
+
+def check_some_episode_ended(reasons: Sequence[str], episodes: int) -> None:
+    """Refuse a rollout whose ``episodes`` all failed (``reasons``: each episode's stop reason), in one line naming
+    the most frequent failure; before anything of it is written (a failed episode alone is a row: issue 44)."""
+    failed = [reason for reason in reasons if reason not in (DONE, MAX_TURNS)]
+    if episodes and len(failed) >= episodes:
+        (reason, count), *_ = Counter(failed).most_common(1)
+        raise EveryEpisodeFailed(
+            f"rollout: every one of the {episodes} episodes ended in an error or a timeout (`{reason}` {count} "
+            "times): there is nothing to train on; the environment's tracebacks are in the stage's log (--verbose)"
+        )
+
+
 def gather(job: Job[RolloutSettings], table: pa.Table) -> dict[str, float]:
-    """Write the ``experience`` and ``turns`` tables of the episodes; the rollout's metrics, episodes' included."""
+    """Write the ``experience`` and ``turns`` tables of the episodes; the rollout's metrics, episodes' included.
+    A rollout whose episodes all failed is refused before anything is written (:func:`check_some_episode_ended`)."""
     experience = table.drop_columns([TURNS, DRIFTS])
     turns = turns_table(table)
+    finals = [reason for reason in turns.column(STOP_REASON).to_pylist() if reason is not None]
+    check_some_episode_ended(finals, experience.num_rows)
     rows_per_shard = job.settings.rows_per_shard
     job.out.write_table("experience", experience, schema=EXPERIENCE, rows_per_shard=rows_per_shard)
     job.out.write_table(TURNS, turns, schema=TURNS_TABLE, rows_per_shard=rows_per_shard)

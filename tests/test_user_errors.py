@@ -24,6 +24,7 @@ from rlhf_core.errors import UserError
         "tasks.train_reward_model:TooFewPairs",
         "tasks.reward_function:RewardFunctionError",
         "runtime.references:EnvironmentClassError",
+        "tasks.episodes:EveryEpisodeFailed",
         "campaign.model_sources:ModelSourceError",
         "flows.inspection:InspectError",
     ],

@@ -110,3 +110,12 @@ def test_episodes_keep_the_sampled_ids_and_append_the_template_delta_and_failure
     assert set(turns.column("row").to_pylist()) == {10, 11, 12, 13} and set(
         turns.column("policy_version").to_pylist()
     ) == {3}
+
+
+def test_issue44_a_rollout_whose_episodes_all_failed_is_refused_in_one_line_naming_the_failure():
+    from tasks.episodes import EveryEpisodeFailed, check_some_episode_ended
+
+    check_some_episode_ended(["done", "error: ValueError: bad", "max_turns"], 3)  # one failure: a row, not a refusal
+    with pytest.raises(EveryEpisodeFailed, match=r"every one of the 3 episodes .* \(`timeout` 2 times\)") as refused:
+        check_some_episode_ended(["timeout", "error: ValueError: bad", "timeout"], 3)
+    assert "\n" not in str(refused.value)
