@@ -149,6 +149,8 @@ def play_episodes(
         The episodes, in the order of ``prompts``, each ended with its stop reason.
     """
     episodes = [_reset(runner, tokenizer, *item, seed=seed, iteration=iteration) for item in prompts]
+    reset = [episode.stop_reason for episode in episodes if episode.stop_reason is not None]
+    check_some_episode_ended(reset, len(episodes), when=" at its reset, before any sampling")
     config = dataclasses.replace(sampling, max_new_tokens=max_tokens_per_turn)
     device = next(actor.parameters()).device
     for turn in range(max_turns):
@@ -359,15 +361,17 @@ class EveryEpisodeFailed(UserError, RuntimeError):
     """Every episode of a rollout ended in an error or a timeout: there is nothing to train on."""
 
 
-def check_some_episode_ended(reasons: Sequence[str], episodes: int) -> None:
+def check_some_episode_ended(reasons: Sequence[str], episodes: int, *, when: str = "") -> None:
     """Refuse a rollout whose ``episodes`` all failed (``reasons``: each episode's stop reason), in one line naming
-    the most frequent failure; before anything of it is written (a failed episode alone is a row: issue 44)."""
+    the most frequent failure; before anything of it is written (a failed episode alone is a row: issue 44), and
+    where every reset failed, before any sampling (``when`` says so)."""
     failed = [reason for reason in reasons if reason not in (DONE, MAX_TURNS)]
     if episodes and len(failed) >= episodes:
         (reason, count), *_ = Counter(failed).most_common(1)
         raise EveryEpisodeFailed(
-            f"rollout: every one of the {episodes} episodes ended in an error or a timeout (`{reason}` {count} "
-            "times): there is nothing to train on; the environment's tracebacks are in the stage's log (--verbose)"
+            f"rollout: every one of the {episodes} episodes ended in an error or a timeout{when} (`{reason}` "
+            f"{count} times): there is nothing to train on; the environment's tracebacks are in the stage's log "
+            "(--verbose)"
         )
 
 

@@ -119,3 +119,26 @@ def test_issue44_a_rollout_whose_episodes_all_failed_is_refused_in_one_line_nami
     with pytest.raises(EveryEpisodeFailed, match=r"every one of the 3 episodes .* \(`timeout` 2 times\)") as refused:
         check_some_episode_ended(["timeout", "error: ValueError: bad", "timeout"], 3)
     assert "\n" not in str(refused.value)
+    with pytest.raises(EveryEpisodeFailed, match="at its reset, before any sampling"):
+        check_some_episode_ended(["timeout"], 1, when=" at its reset, before any sampling")
+
+
+def test_issue44_episodes_whose_every_reset_fails_are_refused_before_any_sampling(chat_policy):
+    from tasks.episodes import EveryEpisodeFailed
+
+    actor, tokenizer = chat_policy
+    sampled = []
+    hook = actor.register_forward_hook(lambda *_: sampled.append(1))  # the model never runs
+    try:
+        with pytest.raises(
+            EveryEpisodeFailed, match="every one of the 2 episodes .* at its reset, before any sampling"
+        ):
+            play_episodes(
+                InProcess(Faulty), actor, tokenizer,
+                [(0, 0, Prompt("Start.", columns={"reset": "number"})), (1, 0, Prompt("Go.", columns={"reset": "number"}))],
+                seed=0, iteration=0, sampling=SamplingConfig(max_new_tokens=8, batch_size=3), max_turns=3,
+                max_tokens_per_turn=5, generator=torch.Generator().manual_seed(0),
+            )  # fmt: skip
+    finally:
+        hook.remove()
+    assert not sampled
