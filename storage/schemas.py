@@ -81,6 +81,7 @@ TURN_REWARD = "turn_reward"
 DONE = "done"
 STOP_REASON = "stop_reason"
 ENVIRONMENT_SEED = "environment_seed"
+OBSERVATION_SHA256 = "observation_sha256"
 DRIFTS = "drifts"
 
 TOKEN_IDS = pa.list_(pa.int32())
@@ -219,7 +220,9 @@ action; no turns)."""
 #: window (``response_ids[start:stop]``); the segments of an episode cover it exactly. ``turn_reward`` is the model
 #: turn's reward (null on the environment's rows); ``done`` whether the episode ended with that segment;
 #: ``stop_reason`` why, on its last segment (``done``, ``max_turns``, ``timeout``, ``error: <Type>: <message>``; null
-#: elsewhere); ``environment_seed`` the seed its environment was reset with; ``row`` the episode's experience row.
+#: elsewhere); ``environment_seed`` the seed its environment was reset with; ``observation_sha256`` the sha256 of the
+#: environment's message on its rows (null on the model's, and where the environment answered with none), so a replay
+#: or a resumed rollout can tell the same reply from another; ``row`` the episode's experience row.
 TURNS_TABLE = _schema(
     (ROW, pa.int64()),
     (PROMPT_ID, pa.int64()),
@@ -231,8 +234,9 @@ TURNS_TABLE = _schema(
     (DONE, pa.bool_()),
     (STOP_REASON, pa.string()),
     (ENVIRONMENT_SEED, pa.int64()),
+    (OBSERVATION_SHA256, pa.string()),
     (POLICY_VERSION, pa.int64()),
-    nullable=(TURN_REWARD, STOP_REASON),
+    nullable=(TURN_REWARD, STOP_REASON, OBSERVATION_SHA256),
 )
 
 #: A shard's piece of a rollout of episodes: its experience rows, each with its segments (the :data:`TURNS_TABLE`

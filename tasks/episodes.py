@@ -27,6 +27,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from hashlib import sha256
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ from storage.schemas import (
     DRIFTS,
     ENVIRONMENT_SEED,
     EXPERIENCE,
+    OBSERVATION_SHA256,
     POLICY_VERSION,
     PROMPT_ID,
     ROLE,
@@ -101,8 +103,11 @@ class Episode:
         """Whether its environment failed (an error or a timeout): it is kept out of the loss (choice 4)."""
         return self.stop_reason is not None and self.stop_reason not in (DONE, MAX_TURNS)
 
-    def append(self, ids: Sequence[int], *, role: str, logprobs: Sequence[float] = ()) -> None:
-        """Append a segment: the model's turn (with its log-probs) or the environment's delta after it."""
+    def append(
+        self, ids: Sequence[int], *, role: str, logprobs: Sequence[float] = (), observation: str | None = None
+    ) -> None:
+        """Append a segment: the model's turn (with its log-probs) or the environment's delta after it (with the
+        message it renders, whose digest the turns table keeps)."""
         start = len(self.response)
         self.response += ids
         self.actions += [role == ASSISTANT] * len(ids)
@@ -119,6 +124,7 @@ class Episode:
                 DONE_COLUMN: False,
                 STOP_REASON: None,
                 ENVIRONMENT_SEED: self.seed,
+                OBSERVATION_SHA256: None if observation is None else sha256(observation.encode()).hexdigest(),
             }
         )
 
@@ -237,7 +243,8 @@ def _answer(
     else:
         if reply.observation is not None:
             episode.messages.append({"role": USER, "content": reply.observation})
-        episode.append(turn_delta(tokenizer, episode.messages, ended=ended), role=USER)
+        delta = turn_delta(tokenizer, episode.messages, ended=ended)
+        episode.append(delta, role=USER, observation=reply.observation)
 
 
 def episode_table(

@@ -4,6 +4,8 @@ campaign through the flows is tests/flows/test_episodes.py."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -94,6 +96,8 @@ def test_episodes_keep_the_sampled_ids_and_append_the_template_delta_and_failure
     assert first.response[reply["token_start"] : reply["token_stop"]] == turn_delta(
         tokenizer, conversation, ended=ended
     )
+    assert reply["observation_sha256"] == hashlib.sha256(conversation[2]["content"].encode()).hexdigest()
+    assert turn["observation_sha256"] is None  # the model's turn: no observation
 
     table = conform(
         episode_table(
