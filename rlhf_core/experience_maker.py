@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from rlhf_core.advantages import broadcast_over_tokens, group_advantages, reinforce_pp_advantages, reward_to_go
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.episodes import (
     episode_gae,
@@ -39,11 +38,10 @@ from rlhf_core.episodes import (
     episode_shaped_rewards,
 )
 from rlhf_core.experience import Experience
-from rlhf_core.gae import Advantages, compute_gae
 from rlhf_core.generation import ExternalSampler, generate
 from rlhf_core.models import Critic, evaluating, fused_activations
 from rlhf_core.precision import Precision, autocast, check_precision
-from rlhf_core.rewards import normalize_scores, shaped_rewards
+from rlhf_core.rewards import normalize_scores
 from rlhf_core.sequences import response_slice, sequence_logprobs
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,7 +59,11 @@ def score_experience(
 ) -> Experience:
     """Fill rewards, KL, advantages and returns from a rollout (pure; the replayable stage).
 
-    1. Scores are normalised (``config.normalize_scores``) and clipped (``config.score_clip``).
+    Every row is scored as an episode (:mod:`rlhf_core.episodes`, choice 7): a single-turn row is the episode of one
+    turn, for which the episode functions are the single-turn ones bit for bit.
+
+    1. Scores are normalised (``config.normalize_scores``) and clipped (``config.score_clip``); an episode's turn
+       rewards are the environment's own, clipped, never normalised.
     2. Per-token rewards: the KL penalty (``kl_coef`` when ``config.kl_in`` is ``reward``, else 0)
        plus the score on the last action token (:func:`rlhf_core.rewards.shaped_rewards`).
     3. Advantages by ``config.estimator``:
@@ -90,38 +92,13 @@ def score_experience(
     Raises:
         ValueError: GAE on a rollout without values, or a group estimator without ``group_ids``.
     """
-    if experience.turn_rewards is not None:
-        return _score_episodes(experience, config, kl_coef=kl_coef)
-    scores = experience.scores  # (B,)
-    if config.normalize_scores:
-        scores = normalize_scores(scores, mean=score_mean, std=score_std)
-    if config.score_clip is not None:
-        scores = scores.clamp(-config.score_clip, config.score_clip)
-    coef = (config.kl_coef if kl_coef is None else kl_coef) if config.kl_in == "reward" else 0.0
-    mask = experience.action_mask
-    rewards, kl = shaped_rewards(
-        scores, experience.old_logprobs, experience.ref_logprobs, mask, kl_coef=coef, estimator=config.kl_estimator
-    )
-    if config.estimator == "gae":
-        if experience.old_values is None:
-            raise ValueError("estimator `gae` needs the critic's values, but this rollout was made without a critic")
-        result = compute_gae(rewards, experience.old_values, mask, gamma=config.gamma, gae_lambda=config.gae_lambda)
-    elif config.estimator == "reinforce_pp":
-        result = reinforce_pp_advantages(rewards, mask, gamma=config.gamma)
-    else:  # a group estimator (AdvantageConfig admits no other)
-        if experience.group_ids is None:
-            raise ValueError(f"estimator `{config.estimator}` needs `group_ids`: the prompt of each rollout")
-        outcome = group_advantages(scores, experience.group_ids, config.estimator)  # (B,)
-        advantages = broadcast_over_tokens(outcome, mask) + reward_to_go(-coef * kl, mask)  # (B, R)
-        result = Advantages(advantages=advantages, returns=reward_to_go(rewards, mask))
-    return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
-
-
-def _score_episodes(experience: Experience, config: AdvantageConfig, *, kl_coef: float | None) -> Experience:
-    """:func:`score_experience` of episodes (choice 7): :mod:`rlhf_core.episodes` over ``action_mask``, the model's
-    tokens. The turn rewards are the environment's own, so never normalised; ``config.score_clip`` clips each."""
-    turn_rewards = experience.turn_rewards  # (B, N)
-    assert turn_rewards is not None
+    if experience.turn_rewards is not None:  # an episode's turn rewards are the environment's own: never normalised
+        turn_rewards = experience.turn_rewards  # (B, N)
+    else:  # a single-turn row is the episode of one turn (rlhf_core.episodes: bit for bit the single-turn maths)
+        scores = experience.scores  # (B,)
+        if config.normalize_scores:
+            scores = normalize_scores(scores, mean=score_mean, std=score_std)
+        turn_rewards = scores[:, None]  # (B, 1)
     if config.score_clip is not None:
         turn_rewards = turn_rewards.clamp(-config.score_clip, config.score_clip)
     coef = (config.kl_coef if kl_coef is None else kl_coef) if config.kl_in == "reward" else 0.0
