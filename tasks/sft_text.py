@@ -50,7 +50,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.errors import UserError
 from storage.schemas import COMPLETION, EXAMPLE_ID, MESSAGES, PROMPT
-from tasks.text import Prompt, prompt_ids
+from tasks.text import Prompt, prompt_ids, turn_end
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 """``{% generation %}`` and its whitespace-trimming forms (TRL ``has_generation_markers``)."""
@@ -115,7 +115,6 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence
         raise ChatTemplateError("a conversation starts with a system or user turn, not an assistant turn")
     if has_generation_markers(tokenizer):
         return _marked(tokenizer, messages)
-    added = set(tokenizer.get_added_vocab().values())
     ids: list[int] = []
     mask: list[bool] = []
     for k, message in enumerate(messages):
@@ -128,7 +127,7 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence
             _check_prefix(ids, start, problem)
             _check_prefix(start, whole, problem)
             mask += [False] * (len(start) - len(ids))
-            mask += _assistant_turn(whole[len(start) :], added, name)
+            mask += _assistant_turn(tokenizer, whole[len(start) :], name)
         else:
             mask += [False] * (len(whole) - len(ids))
         ids = whole
@@ -237,14 +236,13 @@ def _check_prefix(shorter: list[int], longer: list[int], problem: str) -> None:
         )
 
 
-def _assistant_turn(turn: list[int], added: set[int], name: str) -> list[bool]:
-    """The mask of an assistant turn's delta: through its last added token, the end of turn (choice 3)."""
-    ends = [index for index, token in enumerate(turn) if token in added]
-    if not ends:
+def _assistant_turn(tokenizer: PreTrainedTokenizerBase, turn: list[int], name: str) -> list[bool]:
+    """The mask of an assistant turn's delta: through its end of turn (:func:`tasks.text.turn_end`; choice 3)."""
+    if (end := turn_end(tokenizer, turn)) is None:
         raise ChatTemplateError(
             f"the chat template ends {name} with no special token: the model would never learn to stop"
         )
-    return [index <= ends[-1] for index in range(len(turn))]
+    return [index < end for index in range(len(turn))]
 
 
 def _marked(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> SftTokens:

@@ -143,6 +143,15 @@ def conversation_id_lists(
     return rows
 
 
+def turn_end(tokenizer: PreTrainedTokenizerBase, turn: Sequence[int]) -> int | None:
+    """Where an assistant turn's ids end: one past its last token of the tokenizer's added vocabulary (the end of
+    turn, ``<|im_end|>``), leaving out the whitespace a template writes after it; None where it has none. The one rule
+    for what the model emits of a turn (:mod:`tasks.sft_text` masks it, :func:`response_id_lists` cuts it)."""
+    added = set(tokenizer.get_added_vocab().values())
+    ends = [index for index, token in enumerate(turn) if token in added]
+    return ends[-1] + 1 if ends else None
+
+
 def response_id_lists(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], responses: Sequence[str]
 ) -> tuple[list[list[int]], list[list[int]]]:
@@ -155,7 +164,6 @@ def response_id_lists(
         ValueError: a conversation whose rendering does not start with its prompt's ids (a chat template that renders
             the turns before the answer otherwise once it follows), or a response with no token.
     """
-    added = set(tokenizer.get_added_vocab().values())
     prompt_lists, response_lists = [], []
     for index, (prompt, whole) in enumerate(
         zip(prompts, conversation_id_lists(tokenizer, prompts, responses), strict=True)
@@ -167,8 +175,8 @@ def response_id_lists(
                 "turns before the answer otherwise once it follows): its response's tokens cannot be told apart"
             )
         response = whole[len(start) :]
-        if _templated(tokenizer, prompt) and (ends := [k for k, token in enumerate(response) if token in added]):
-            response = response[: ends[-1] + 1]
+        if _templated(tokenizer, prompt) and (end := turn_end(tokenizer, response)) is not None:
+            response = response[:end]
         if not response:
             raise ValueError(f"pair {index}: the response has no token (the tokenizer has no EOS token to end it)")
         prompt_lists.append(start)
