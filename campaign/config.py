@@ -351,6 +351,12 @@ class PipelineConfig(_Frozen):
         return self
 
     @property
+    def rewarded(self) -> bool:
+        """Whether the campaign has a reward to score its policies with (a reward model or a reward function); a DPO
+        update's has none."""
+        return self.update == "ppo"
+
+    @property
     def has_critic(self) -> bool:
         """Whether the campaign's policy has a critic: PPO updates with an estimator that uses one (GAE); a DPO
         update trains none."""

@@ -36,8 +36,9 @@ LOCATION = ("run_root", "tracking_uri", "tracking_ui_url")
 def replayable_fields() -> tuple[str, ...]:
     """Config paths a replay may change: read by a replayed stage and by no stage of the iteration it reuses.
 
-    A base input is never among them (it is part of every input key), nor is anything a reused
-    stage read: the rollout's ``sampling`` must stay what generated the experience. A path inside
+    A base input is never among them (it is part of every input key), nor a setting derived from the config's fields
+    (a property of it, such as ``rewarded``: what it derives from is what a replay would have to change), nor is
+    anything a reused stage read: the rollout's ``sampling`` must stay what generated the experience. A path inside
     another replayable one (``advantages.uses_critic`` in ``advantages``) is not listed twice.
     """
     replayed = {path for stage in REPLAYED_STAGES for path in STAGE_SETTINGS[stage].values()}
@@ -50,7 +51,9 @@ def replayable_fields() -> tuple[str, ...]:
     allowed = {
         path
         for path in replayed
-        if not path.startswith(BASE) and not any(covers((other,), path) or covers((path,), other) for other in reused)
+        if not path.startswith(BASE)
+        and not _derived(path)
+        and not any(covers((other,), path) or covers((path,), other) for other in reused)
     }
     return tuple(sorted(path for path in allowed if not covers(tuple(allowed - {path}), path)))
 
@@ -64,3 +67,10 @@ def changeable_fields() -> tuple[str, ...]:
 def covers(paths: tuple[str, ...], field: str) -> bool:
     """Whether ``field`` (a dotted path) is one of ``paths`` or lies inside one of them."""
     return any(field == path or field.startswith(path + ".") for path in paths)
+
+
+def _derived(path: str) -> bool:
+    """Whether ``path`` names a property of the campaign's config (a setting derived from its fields), not a field."""
+    from campaign.config import PipelineConfig
+
+    return isinstance(getattr(PipelineConfig, path.split(".")[0], None), property)

@@ -51,8 +51,12 @@ SIDES = ("policy", "reference")
 def plan(job: Job[EvaluateSettings]) -> Shards:
     """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.sample_reference.held_out_shards`)."""
     settings = job.settings
-    if settings.reward_model is not None and settings.reward_function is not None:
-        raise ValueError("evaluate takes one reward at most: a reward model or a reward function")
+    rewards = (settings.reward_model is not None) + (settings.reward_function is not None)
+    if rewards != int(settings.rewarded):
+        raise ValueError(
+            "evaluate needs exactly one reward, a reward model or a reward function, and none in a campaign without "
+            "a reward (a DPO update's)"
+        )
     return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), "evaluation")
 
 

@@ -271,6 +271,8 @@ class EvaluateSettings(StageSettings):
     """The rubric that labels pairs (labeler ``function``): its mean score of both sides is reported beside the
     reward's; None for none."""
     reward_function: RewardFunctionReference | None = setting("base.reward_function")
+    rewarded: bool = setting("rewarded")
+    """Whether the campaign has a reward (``reward_model`` or ``reward_function``): a DPO update's has none."""
     rows_per_shard: int = setting("sizes.rows_per_shard")
 
 
