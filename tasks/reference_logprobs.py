@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlhf_core.dpo import reference_logprobs as score_pairs
+from rlhf_core.errors import UserError
 from runtime.job import Job
 from runtime.stage import Stage
 from storage.schemas import (
@@ -38,6 +39,11 @@ from tasks.settings import ReferenceLogprobsSettings
 from tasks.tensors import preference_pairs
 from tasks.text import load_tokenizer, prompts_of, response_id_lists
 
+
+class NoDecisivePair(UserError, ValueError):
+    """An iteration's pairs are all ties: a DPO update has nothing to learn from (one line, exit code 2)."""
+
+
 TYING_LABELERS = ("gold", "function", "reward_model")
 """Labelers whose margin 0 is a tie (choice 1)."""
 
@@ -56,7 +62,10 @@ def work(job: Job[ReferenceLogprobsSettings]) -> dict[str, float]:
     every = pa.concat_tables([read_table(result.directory, "preferences") for result in settings.preferences])
     table = decisive(every)
     if table.num_rows == 0:
-        raise ValueError(f"reference_logprobs: none of the {every.num_rows} pairs is decisive (every one a tie)")
+        raise NoDecisivePair(
+            f"reference_logprobs: none of the {every.num_rows} pairs is decisive (every one a tie), so the DPO update "
+            "has nothing to learn from; raise `sizes.preference_prompts` or `sizes.candidates_per_prompt`"
+        )
     prompts = prompts_of(table)
     prompt_lists, chosen_lists = response_id_lists(tokenizer, prompts, table.column(CHOSEN).to_pylist())
     _, rejected_lists = response_id_lists(tokenizer, prompts, table.column(REJECTED).to_pylist())

@@ -25,6 +25,7 @@ from rlhf_core.errors import UserError
         "tasks.reward_function:RewardFunctionError",
         "runtime.references:EnvironmentClassError",
         "tasks.episodes:EveryEpisodeFailed",
+        "tasks.reference_logprobs:NoDecisivePair",
         "campaign.model_sources:ModelSourceError",
         "flows.inspection:InspectError",
     ],
