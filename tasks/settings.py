@@ -241,7 +241,7 @@ class SampleReferenceSettings(StageSettings):
     """Once per campaign: the reference's responses to the held-out prompts, which every evaluation reads back."""
 
     stage = "sample_reference"
-    sampling: SamplingConfig = setting("sampling.of_a_given_policy")
+    sampling: SamplingConfig = setting("sampling.of_a_given_policy.kept_as_sampled")
     precision: Precision = setting("precision")
     eval_prompts: InputFile = setting("base.eval_prompts")
     """The held-out prompts file (by content: no other stage's key holds it)."""
