@@ -34,16 +34,18 @@ Choices:
 6. Every proved swap is recorded (:func:`recording`, opened around a process's shards by :mod:`runtime.fanout`):
    the manifest's runtime lists each (``engine_probe``) and the stage's metric ``engine_probe_gap`` is the largest
    gap, so a slow drift shows before it trips. The ``hf`` sampler needs no gate: it is the trainer's model.
-7. Nearer its own weights than any other (issue 42): in bf16 the tolerance sits above what one update at a realistic
-   learning rate moves these log-probs (hundredths of a nat), so the previous weights, a stale adapter or the
-   reference would pass it. So each gate also keeps the trainer's log-probs of the weights it serves
-   (:meth:`storage.layout.RunLayout.engine_probe_weights_dir`, one file per weights and precision, the first
-   writer wins), and the engine's must be nearer (in squared distance over the probe's tokens) the weights the
-   stage serves than every other weights a gate of the campaign served before: the previous policies and the
-   reference. Nearer means :func:`relative_position` under 1/2. Weights whose log-probs differ from these by
-   less than :data:`SEPARATION` times the noise (the engine's own scatter around the trainer's, measured in the
-   same answer) cannot be told apart by this probe and are not judged (recorded, not refused): a coin toss is no
-   proof either way. The rule is the same in every precision; in fp32 the tolerance decides first.
+7. Near its own weights, not on the way to any other (issue 42): in bf16 the tolerance sits above what one update
+   at a realistic learning rate moves these log-probs (hundredths of a nat), so the previous weights, a stale
+   adapter, a half-applied swap or the reference would pass it. So each gate also keeps the trainer's log-probs of
+   the weights it serves (:meth:`storage.layout.RunLayout.engine_probe_weights_dir`, one file per weights and
+   precision, the first writer wins), and for every other weights a gate of the campaign served before (the
+   previous policies, the reference) the engine's log-probs must lie less than :data:`NEARNESS` of the way from
+   the trainer's to theirs (:func:`relative_position`): an engine serving the other weights sits at 1, one that
+   applied half a swap near 1/2 (measured: 0.497 for a swap that loaded the first layer only), a correct one at 0
+   give or take one over the two weights' separation in widths of the engine's noise (its scatter off the line,
+   measured in the same answer). So weights fewer than 3 / :data:`NEARNESS` noise widths apart are not judged
+   (recorded, not refused): this probe cannot tell them apart, and a coin toss is no proof either way. The rule is
+   the same in every precision; in fp32 the tolerance decides first.
 """
 
 from __future__ import annotations
@@ -71,17 +73,18 @@ if TYPE_CHECKING:  # transformers only where a gate is made: runtime.fanout impo
 PROBE_SIZES: dict[str, tuple[int, int]] = {"fp32": (4, 16), "bf16": (16, 32), "fp16": (16, 32)}
 """Prompts in the probe batch and the longest response of each, in tokens, per precision (choice 1). In fp32 the
 tolerance decides, and the engine's noise (1e-6 nats) separates any two weights on 64 tokens. In bf16 it is the
-relative rule (choice 7): with SmolLM2's noise (a mean gap of 0.042 nats a token, bench/RESULTS.md) an update that
-moves each log-prob by 0.015 nats is six noise widths from its previous weights on about 500 tokens: 16 x 32."""
+relative rule (choice 7), which judges two weights 12 noise widths apart: with SmolLM2's noise (a mean gap of 0.042
+nats a token, bench/RESULTS.md; about 0.053 root mean square) 512 tokens tell apart log-probs 0.03 nats apart."""
 TOLERANCES: dict[str, float] = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
 """The largest gap (nats) a swap may show, per precision (choice 3)."""
 PROBE_RECORDS = "engine_probe"
 """Where a stage's manifest runtime lists its proved swaps."""
 GAP_METRIC = "engine_probe_gap"
 """The stage metric: the largest gap of its swaps."""
-SEPARATION = 6.0
-"""How many noise widths apart two weights' log-probs must be for the gate to judge which the engine serves (choice
-7): the position of an engine serving either is then 0 or 1 within 1/6, so 1/2 is three widths from both."""
+NEARNESS = 0.25
+"""How far, at most, the engine's log-probs may lie on the way from the trainer's to those of other weights the
+campaign served (choice 7); judged where the two weights are at least ``3 / NEARNESS`` noise widths apart, so that a
+correct engine's position (0, with a standard error of one over the separation) is three errors below it."""
 
 
 class EngineProbeError(UserError, RuntimeError):
@@ -330,10 +333,11 @@ class GatedPolicy:
                 f"(tolerance {self.tolerance:g})"
             )
         for other, position, separation in positions:
-            if separation >= SEPARATION and position >= 0.5:
+            if separation >= 3 / NEARNESS and position >= NEARNESS:
                 raise EngineProbeError(
-                    f"{refused}its log-probs of the probe batch are nearer those of {other.name()} ({position:.2f} of "
-                    f"the way to them, {separation:.3g} noise widths apart; gap {gap:.3g}, tolerance {self.tolerance:g})"
+                    f"{refused}its log-probs of the probe batch lie {position:.2f} of the way from the trainer's to "
+                    f"those of {other.name()} (at most {NEARNESS:g}; the two {separation:.3g} noise widths apart; "
+                    f"gap {gap:.3g}, tolerance {self.tolerance:g})"
                 )
         self.verified, self.trainer_seconds = state, 0.0
 

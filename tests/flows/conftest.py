@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from demo.corpus import generate_prompts
 from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
@@ -174,3 +174,25 @@ def prefect_events(*names: str, resource_prefix: str = "", expect: int = 1, time
         if len(events) >= expect or time.monotonic() > deadline:
             return sorted(events, key=lambda event: event.occurred)
         time.sleep(0.5)
+
+
+def _tied_llama(vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """The engine fault tests' worlds (tests/flows/test_engine_faults*.py): the same tied Llama (the demo's word-level tokenizer, its prompts), saved in bf16 (as most hub checkpoints)
+    and in fp32."""
+    found = {}
+    for dtype in ("bf16", "fp32"):
+        world = _write_world(tmp_path_factory.mktemp(f"tied-{dtype}"), _tied_llama)
+        if dtype == "bf16":
+            model = AutoModelForCausalLM.from_pretrained(world["policy"], dtype=torch.float32)
+            model.to(torch.bfloat16).save_pretrained(world["policy"])
+        found[dtype] = world
+    return found

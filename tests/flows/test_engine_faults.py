@@ -31,16 +31,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from mlflow import MlflowClient
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from campaign.config import load_config
-from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flows.cli import main
 from runtime.engine import engine_python, ensure_engine, stop_engine
 from runtime.engine_client import ProbeBatch, ServedPolicy, engine_score
-from tests.flows.conftest import _write_world
 
 pytestmark = [
     pytest.mark.vllm,
@@ -62,28 +58,6 @@ CAMPAIGNS = {
     "embedding": ("fp32", ("model.lora.r=8", "model.lora.target_modules=[embed_tokens,q_proj,v_proj]")),
 }
 """Campaign -> the dtype its initial policy is saved in, and its settings."""
-
-
-def _tied_llama(vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """The same tied Llama (the demo's word-level tokenizer, its prompts), saved in bf16 (as most hub checkpoints)
-    and in fp32."""
-    found = {}
-    for dtype in ("bf16", "fp32"):
-        world = _write_world(tmp_path_factory.mktemp(f"tied-{dtype}"), _tied_llama)
-        if dtype == "bf16":
-            model = AutoModelForCausalLM.from_pretrained(world["policy"], dtype=torch.float32)
-            model.to(torch.bfloat16).save_pretrained(world["policy"])
-        found[dtype] = world
-    return found
 
 
 @pytest.fixture(scope="module")

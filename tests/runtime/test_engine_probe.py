@@ -17,6 +17,7 @@ from rlhf_core.sequences import sequence_logprobs
 from runtime.engine_client import ServedPolicy
 from runtime.engine_probe import (
     GAP_METRIC,
+    NEARNESS,
     TOLERANCES,
     EngineProbeError,
     Probe,
@@ -176,13 +177,14 @@ def _wide_probe(vocab_size: int) -> Probe:
     return Probe(prompts=tuple(tuple(row[:4]) for row in ids), responses=tuple(tuple(row[4:]) for row in ids))
 
 
-def test_issue42_within_the_bf16_tolerance_an_engine_nearer_other_served_weights_is_refused(tmp_path):
+def test_issue42_within_the_bf16_tolerance_an_engine_on_the_way_to_other_served_weights_is_refused(tmp_path):
     """The previous policy and the one an update made from it (every weight moved by 1e-3: their log-probs 0.009 nats
     apart a token, far inside bf16's tolerance of 0.5). The campaign's gate of the previous policy keeps its
     log-probs; the next gate, of the new policy, refuses an engine that still serves the previous one (its answer the
-    previous log-probs with noise of 0.01 nats a token: position 1.06, 10.7 noise widths apart), passes one that
-    serves the new one with the same noise and records its position (0.06), and does not judge the two weights when
-    the engine's noise is twelve times as loud (0.9 widths apart: a coin toss proves nothing)."""
+    previous log-probs with noise of 0.005 nats a token: position 1.035, the two weights 22.5 noise widths apart) and
+    one that applied half the swap (0.535), passes one that serves the new one with the same noise (0.035) and
+    records its position, and does not judge the two weights when the engine's noise is twelve times as loud (1.9
+    widths apart, under 3 / 0.25: this probe cannot tell them apart)."""
     previous = tiny_causal_lm("llama").eval()
     current = tiny_causal_lm("llama").eval()
     with torch.no_grad():
@@ -197,20 +199,20 @@ def test_issue42_within_the_bf16_tolerance_an_engine_nearer_other_served_weights
         ServedPolicy("", "/runs/ppo_update/b/actor"), current, probe, models=loader, iteration=1, served=tmp_path
     )
     assert first.others == () and [other.weights for other in gate.others] == ["/runs/initialize/a/actor"]
-    noise = torch.randn(len(probe.prompts), 16, generator=torch.Generator().manual_seed(2)) * 0.01  # (8, 16)
-
-    def engine(logprobs: list[list[float]], loudness: float = 1.0) -> list[list[float]]:
-        return (torch.tensor(logprobs, dtype=torch.float64) + loudness * noise).tolist()
-
-    assert probe_gap(engine(first.expected), gate.expected) < TOLERANCES["bf16"]
-    with recording() as records, pytest.raises(EngineProbeError) as refused:
-        gate.check(engine(first.expected), state="1", seconds=0.0)
-    assert "nearer those of /runs/initialize/a/actor" in str(refused.value) and gate.verified is None
-    assert records[0]["others"][0]["position"] == pytest.approx(1.06, abs=0.01)
+    stale, new = (torch.tensor(side.expected, dtype=torch.float64) for side in (first, gate))  # (8, 16) each
+    noise = torch.randn(stale.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.005
+    for answer, position, shown in ((stale + noise, 1.035, "1.04"), ((stale + new) / 2 + noise, 0.535, "0.54")):
+        assert probe_gap(answer.tolist(), gate.expected) < TOLERANCES["bf16"]
+        with recording() as records, pytest.raises(EngineProbeError) as refused:
+            gate.check(answer.tolist(), state="1", seconds=0.0)
+        message = str(refused.value)
+        assert f"lie {shown} of the way from the trainer's to those of /runs/initialize/a/actor" in message
+        assert "(at most 0.25; the two 22.5 noise widths apart" in message and gate.verified is None
+        assert records[0]["others"][0]["position"] == pytest.approx(position, abs=0.001)
     with recording() as records:
-        gate.check(engine(gate.expected), state="1", seconds=0.0)
-    assert gate.verified == "1" and records[0]["others"][0]["position"] == pytest.approx(0.06, abs=0.01)
-    assert records[0]["others"][0]["separation"] == pytest.approx(10.7, abs=0.1)
+        gate.check((new + noise).tolist(), state="1", seconds=0.0)
+    assert gate.verified == "1" and records[0]["others"][0]["position"] == pytest.approx(0.035, abs=0.001)
+    assert records[0]["others"][0]["separation"] == pytest.approx(22.5, abs=0.1)
     with recording() as records:
-        gate.check(engine(first.expected, loudness=12), state="2", seconds=0.0)
-    assert gate.verified == "2" and records[0]["others"][0]["separation"] < 1
+        gate.check((stale + 12 * noise).tolist(), state="2", seconds=0.0)
+    assert gate.verified == "2" and records[0]["others"][0]["separation"] < 3 / NEARNESS
