@@ -26,8 +26,10 @@ Needs the engine's environment: ``pytest -m vllm tests/flows/test_engine_faults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,23 +62,30 @@ CAMPAIGNS = {
 """Campaign -> the dtype its initial policy is saved in, and its settings."""
 
 
-@pytest.fixture(scope="module")
-def engine(worlds, tmp_path_factory):
-    """The broken engine (no fault in force yet), its URL and the file that names the fault."""
-    fault = tmp_path_factory.mktemp("fault") / "fault"
+@contextlib.contextmanager
+def broken_engine(world: dict[str, Path], fault: Path, *, precision: str, lora: bool) -> Iterator[str]:
+    """The broken engine over ``world``'s policy, started by the product's launcher in ``precision`` (LoRA merged into
+    its weights where ``lora``), the fault in force named in ``fault``; its URL. Stopped at the end."""
     saved = {name: os.environ.get(name) for name in ("RLHF_ENGINE_SERVER", "RLHF_ENGINE_FAULT_FILE")}
     os.environ.update(RLHF_ENGINE_SERVER=str(FAULTY_SERVER), RLHF_ENGINE_FAULT_FILE=str(fault))
-    world = worlds["bf16"]
-    config = load_config(
-        TINY, [f"model.policy={world['policy']}", "model.lora.r=8", "execution.engine_lora=merge", *SMALL[-1:]]
-    )
+    adapter = ["model.lora.r=8", "execution.engine_lora=merge"] if lora else []
+    config = load_config(TINY, [f"model.policy={world['policy']}", *adapter, *SMALL[-1:]])
     try:
-        url = ensure_engine(config.execution, precision="fp32", lora_rank=8, policy=str(world["policy"]))
-        yield url, fault
+        yield ensure_engine(
+            config.execution, precision=precision, lora_rank=8 if lora else None, policy=str(world["policy"])
+        )
     finally:
         stop_engine()
         for name, value in saved.items():
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+@pytest.fixture(scope="module")
+def engine(worlds, tmp_path_factory):
+    """The broken engine (no fault in force yet), its URL and the file that names the fault."""
+    fault = tmp_path_factory.mktemp("fault") / "fault"
+    with broken_engine(worlds["bf16"], fault, precision="fp32", lora=True) as url:
+        yield url, fault
 
 
 def _argv(run_root: Path, world: dict[str, Path], url: str, *extra: str) -> list[str]:

@@ -19,23 +19,19 @@ Needs the engine's environment: ``pytest -m vllm tests/flows/test_engine_faults_
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
 
-from campaign.config import load_config
-from runtime.engine import engine_python, ensure_engine, stop_engine
+from runtime.engine import engine_python
 from tests.flows.test_engine_faults import (
-    FAULTY_SERVER,
     GATE,
-    SMALL,
-    TINY,
     _finished_stage_runs,
     _iterations_written,
     _reset,
     _run,
     _run_to_end,
+    broken_engine,
 )
 from tests.flows.test_engine_faults import _argv as _fp32_argv
 
@@ -52,16 +48,8 @@ SETTINGS = ("precision=bf16", "ppo.actor_learning_rate=2.0e-4")
 def engine(worlds, tmp_path_factory):
     """The broken engine in bf16 (no fault in force yet), its URL and the file that names the fault."""
     fault = tmp_path_factory.mktemp("fault") / "fault"
-    saved = {name: os.environ.get(name) for name in ("RLHF_ENGINE_SERVER", "RLHF_ENGINE_FAULT_FILE")}
-    os.environ.update(RLHF_ENGINE_SERVER=str(FAULTY_SERVER), RLHF_ENGINE_FAULT_FILE=str(fault))
-    world = worlds["bf16"]
-    config = load_config(TINY, [f"model.policy={world['policy']}", *SMALL[-1:]])
-    try:
-        yield ensure_engine(config.execution, precision="bf16", lora_rank=None, policy=str(world["policy"])), fault
-    finally:
-        stop_engine()
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    with broken_engine(worlds["bf16"], fault, precision="bf16", lora=False) as url:
+        yield url, fault
 
 
 @pytest.fixture(scope="module")
