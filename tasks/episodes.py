@@ -247,6 +247,24 @@ def _answer(
         episode.append(delta, role=USER, observation=reply.observation)
 
 
+def episode_tensors(
+    episodes: Sequence[Episode], *, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The episodes as one batch: ``[left-padded prompt | right-padded response window]`` ids and their attention
+    mask, and the model's tokens of the window (True where the model sampled a token, whether or not it failed).
+
+    Shapes:
+        returns (B, T), (B, T) and (B, R); the window starts at ``T - R``.
+    """
+    prompts, prompt_mask = pad_token_lists([e.prompt for e in episodes], pad_token_id=pad_token_id, side="left")
+    response, response_mask = pad_token_lists([e.response for e in episodes], pad_token_id=pad_token_id)  # (B, R)
+    width = response.shape[1]
+    actions = torch.tensor(
+        [e.actions + [False] * (width - len(e.actions)) for e in episodes], dtype=torch.bool
+    ).reshape(len(episodes), width)  # (B, R)
+    return torch.cat([prompts, response], dim=1), torch.cat([prompt_mask, response_mask], dim=1), actions
+
+
 def episode_table(
     episodes: Sequence[Episode],
     actor: PreTrainedModel,
@@ -261,16 +279,10 @@ def episode_table(
 ) -> pa.Table:
     """The :data:`storage.schemas.EPISODES` rows of ``episodes``: each episode's experience (one forward pass per
     model over the whole episode, :func:`rlhf_core.experience_maker.episode_experience`), its turns and its drift."""
-    prompt_ids_, prompt_mask = pad_token_lists([e.prompt for e in episodes], pad_token_id=pad_token_id, side="left")
-    response, response_mask = pad_token_lists([e.response for e in episodes], pad_token_id=pad_token_id)  # (B, R)
-    width = response.shape[1]
-    actions = torch.tensor(
-        [
-            (e.actions if not e.failed else [False] * len(e.actions)) + [False] * (width - len(e.actions))
-            for e in episodes
-        ],
-        dtype=torch.bool,
-    ).reshape(len(episodes), width)  # (B, R): the loss mask, none of a failed episode's (choice 4)
+    sequences, attention_mask, actions = episode_tensors(episodes, pad_token_id=pad_token_id)
+    width = actions.shape[1]
+    failed = torch.tensor([e.failed for e in episodes], dtype=torch.bool)  # (B,)
+    actions = actions & ~failed[:, None]  # (B, R): the loss mask, none of a failed episode's (choice 4)
     logprobs = torch.tensor([e.logprobs + [0.0] * (width - len(e.logprobs)) for e in episodes]).reshape(
         len(episodes), width
     )  # (B, R)
@@ -283,8 +295,8 @@ def episode_table(
         actor,
         critic,
         reference,
-        torch.cat([prompt_ids_, response], dim=1).to(device),  # (B, T)
-        torch.cat([prompt_mask, response_mask], dim=1).to(device),  # (B, T)
+        sequences.to(device),
+        attention_mask.to(device),
         actions.to(device),
         turn_rewards=turn_rewards.to(device),
         engine_logprobs=logprobs.to(device),

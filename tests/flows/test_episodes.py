@@ -218,3 +218,53 @@ def test_episodes_are_refused_in_one_line_where_they_do_not_apply(world, tmp_pat
         _config(world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
     with pytest.raises(EnvironmentClassError, match=r"^`environment.class` 'tests.environments:NoStep' has no method"):
         base_inputs(_config(world, run_root, "environment.class=tests.environments:NoStep"), None, None)
+
+
+def _success_by_turn(turn_rewards: list[list[float]], turns: int) -> list[float]:
+    """Share of episodes that had a turn with a reward > 0 among their first 1, 2, ... ``turns`` turns."""
+    return [sum(any(r > 0 for r in rewards[:n]) for rewards in turn_rewards) / len(turn_rewards) for n in range(1, turns + 1)]  # fmt: skip
+
+
+def test_held_out_episodes_of_the_policy_and_of_the_reference_played_once_are_evaluated(grpo, gae):
+    """Every iteration evaluates the policy's held-out episodes against the reference's, played once per campaign from
+    the same environment seeds: rewards, success by turn, recovery, turns and stop reasons, in MLflow and in the
+    iteration's Prefect artifact, each figure what the samples it wrote say."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    for config, iterations in ((grpo, 2), (gae, 1)):
+        (reference,) = _outputs(config, "sample_reference")  # one for the campaign, read by each evaluation
+        played = read_table(reference, "reference_episodes").to_pylist()
+        assert [row["row"] for row in played] == list(range(4))
+        tracker = tracking_store(config).tracker()
+        for iteration in range(iterations):
+            run = tracker.run(resolve_run(config, f"{config.campaign}:{iteration}"))
+            metrics = run.metrics
+            folder = Path(tracker.run(run.tags["rlhf.output.evaluate"]).tags["rlhf.output_path"])
+            samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+            assert [s["reference_turn_rewards"] for s in samples] == [row["turn_rewards"] for row in played]
+            assert [s["reference_stop_reason"] for s in samples] == [row["stop_reason"] for row in played]
+            for side, prefix in (("policy", ""), ("reference", "reference_")):
+                rewards = [s[f"{side}_turn_rewards"] for s in samples]
+                assert all(s[f"{side}_reward"] == pytest.approx(sum(s[f"{side}_turn_rewards"])) for s in samples)
+                assert metrics[f"evaluate/{prefix}reward_mean"] == pytest.approx(sum(map(sum, rewards)) / 4)
+                by_turn = [metrics[f"evaluate/{prefix}success_by_turn_{n}"] for n in (1, 2, 3)]
+                assert by_turn == pytest.approx(_success_by_turn(rewards, 3))
+                assert metrics[f"evaluate/{prefix}success"] == by_turn[-1]
+                assert metrics[f"evaluate/{prefix}turns_mean"] == pytest.approx(sum(map(len, rewards)) / 4)
+                failed_first = [r for r in rewards if r and r[0] <= 0]
+                if failed_first:
+                    recovered = sum(any(v > 0 for v in r[1:]) for r in failed_first) / len(failed_first)
+                    assert metrics[f"evaluate/{prefix}recovery"] == pytest.approx(recovered)
+                stops = [metrics[f"evaluate/{prefix}stop_{reason}"] for reason in ("done", "max_turns", "error")]
+                assert sum(stops) == pytest.approx(1.0) and metrics[f"evaluate/{prefix}stop_timeout"] == 0.0
+            assert metrics["evaluate/kl_to_reference"] == pytest.approx(sum(s["policy_kl"] for s in samples) / 4)
+    # Faulty (the last campaign): the prompt whose reset breaks the contract fails on both sides, with no turn.
+    assert samples[3]["policy_turn_rewards"] == samples[3]["reference_turn_rewards"] == []
+    assert samples[3]["policy_kl"] == 0.0 and samples[3]["reference_stop_reason"].startswith("error: TypeError")
+    with get_client(sync_client=True) as client:
+        key = f"{grpo.campaign}-iteration-1"
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), limit=1)
+    assert (
+        "| evaluate/reference_success_by_turn_2 |" in artifact.data and "| evaluate/stop_max_turns |" in artifact.data
+    )
