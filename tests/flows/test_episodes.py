@@ -8,12 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from campaign.config import ConfigError, load_config
 from campaign.identity import base_inputs
 from campaign.store import resolve_run
+from flows.inspection import inspect_campaign, render_table
 from flows.iterations import tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
@@ -22,62 +21,21 @@ from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.sft_text import turn_delta
 from tasks.text import load_tokenizer
-from tests.conftest import byte_level_bpe, tiny_config
 from tests.environments import Guess
+from tests.flows.conftest import episode_overrides
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
-PROMPTS = [
-    {"prompt": "Guess my number.", "high": 4},
-    {"prompt": "Find it.", "high": 4},
-    {"prompt": "Guess again.", "high": 4, "raise_at": 2},  # Faulty: its second step raises
-    {"prompt": "Start.", "high": 4, "reset": "number"},  # Faulty: its reset breaks the contract
-]
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict[str, Path]:
-    """A tiny Qwen2 chat policy (byte-level BPE, ChatML) and prompts with the environment's columns."""
-    root = tmp_path_factory.mktemp("episode-world")
-    corpus = [p["prompt"] for p in PROMPTS] + ["I am thinking of a number from 1 to 4. Higher. Lower. 1 2 3 4"]
-    tokenizer = byte_level_bpe(vocab_size=400, corpus=corpus * 20)
-    config = tiny_config("qwen2", vocab_size=len(tokenizer))
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
-    config.max_position_embeddings = 512
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
-    (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    return {"policy": root / "policy", "prompts": root / "prompts.jsonl"}
 
 
 def _config(world: dict[str, Path], run_root: Path, *overrides: str):
-    return load_config(
-        TINY,
-        [
-            f"run_root={run_root}",
-            "demo=false",
-            "labeler=null",
-            f"model.policy={world['policy']}",
-            f"data.prompts={world['prompts']}",
-            f"data.eval_prompts={world['prompts']}",
-            "reward.source=environment",
-            "environment.max_turns=3",
-            "environment.max_tokens_per_turn=6",
-            "environment.step_timeout_s=20",
-            "sizes.rollout_prompts=4",
-            "sizes.samples_per_prompt=2",
-            "sizes.eval_prompts=4",
-            "sampling.batch_size=8",
-            *overrides,
-        ],
-    )
+    return load_config(TINY, episode_overrides(world, run_root, *overrides))
 
 
 @pytest.fixture(scope="module")
-def grpo(prefect_server, world, tmp_path_factory):
+def grpo(prefect_server, episode_world, tmp_path_factory):
     """Two iterations of GRPO on :class:`tests.environments.Guess`."""
     config = _config(
-        world,
+        episode_world,
         tmp_path_factory.mktemp("episodes-grpo"),
         "campaign=episodes-grpo",
         "iterations=2",
@@ -89,10 +47,10 @@ def grpo(prefect_server, world, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gae(prefect_server, world, tmp_path_factory):
+def gae(prefect_server, episode_world, tmp_path_factory):
     """One iteration of GAE (a critic) on :class:`tests.environments.Faulty`, two of whose prompts fail."""
     config = _config(
-        world,
+        episode_world,
         tmp_path_factory.mktemp("episodes-gae"),
         "campaign=episodes-gae",
         "iterations=1",
@@ -142,12 +100,13 @@ def _span(turn: dict) -> tuple[int, int]:
     return turn["token_start"], turn["token_stop"]
 
 
-def test_the_environments_tokens_are_the_template_delta_of_its_replies(grpo, world):
+def test_the_environments_tokens_are_the_template_delta_of_its_replies(grpo, episode_world):
     """Replay each episode against a fresh Guess (deterministic, from the stored seed): every environment segment's
     ids are the chat template's delta for its reply, the newline after `<|im_end|>` included."""
-    tokenizer = load_tokenizer(str(world["policy"]))
+    tokenizer = load_tokenizer(str(episode_world["policy"]))
     rows = {
-        index: row for index, row in enumerate(json.loads(line) for line in world["prompts"].read_text().splitlines())
+        index: row
+        for index, row in enumerate(json.loads(line) for line in episode_world["prompts"].read_text().splitlines())
     }
     checked = 0
     for row, turns in _episodes(grpo):
@@ -208,16 +167,16 @@ def test_a_replay_under_another_estimator_samples_nothing(grpo):
     assert "compute_advantages/advantage_mean" in metrics and "ppo_update/optimizer_steps" in metrics
 
 
-def test_episodes_are_refused_in_one_line_where_they_do_not_apply(world, tmp_path):
+def test_episodes_are_refused_in_one_line_where_they_do_not_apply(episode_world, tmp_path):
     run_root = tmp_path / "runs"
     with pytest.raises(ConfigError, match="`reward.source` environment needs `environment.class`"):
-        _config(world, run_root)
+        _config(episode_world, run_root)
     with pytest.raises(ConfigError, match="labelling episodes for a reward model is out of scope"):
-        _config(world, run_root, "environment.class=tests.environments:Guess", "labeler=gold", "demo=true")
+        _config(episode_world, run_root, "environment.class=tests.environments:Guess", "labeler=gold", "demo=true")
     with pytest.raises(ConfigError, match="hf engine only"):
-        _config(world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
+        _config(episode_world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
     with pytest.raises(EnvironmentClassError, match=r"^`environment.class` 'tests.environments:NoStep' has no method"):
-        base_inputs(_config(world, run_root, "environment.class=tests.environments:NoStep"), None, None)
+        base_inputs(_config(episode_world, run_root, "environment.class=tests.environments:NoStep"), None, None)
 
 
 def _success_by_turn(turn_rewards: list[list[float]], turns: int) -> list[float]:
@@ -268,3 +227,29 @@ def test_held_out_episodes_of_the_policy_and_of_the_reference_played_once_are_ev
     assert (
         "| evaluate/reference_success_by_turn_2 |" in artifact.data and "| evaluate/stop_max_turns |" in artifact.data
     )
+
+
+def test_inspect_counts_the_models_tokens_and_shows_an_episode_turn_by_turn(grpo, episode_world):
+    inspection = inspect_campaign(grpo, f"{grpo.campaign}:0", top=16)  # and its replay's, when it ran
+    masks = {row["row"]: row["action_mask"] for row, _ in _episodes(grpo)}
+    shown = [row for row in inspection.responses.iter_rows(named=True) if row["run"] == "iteration"]
+    assert {row["row"]: row["length"] for row in shown} == {
+        row: sum(mask) for row, mask in masks.items()
+    }  # the model's tokens, never the environment's
+    assert inspection.summary["length_mean"][0] == pytest.approx(sum(map(sum, masks.values())) / len(masks))
+    text = render_table(inspection)
+    tokenizer = load_tokenizer(str(episode_world["policy"]))
+    for row, turns in _episodes(grpo):
+        block = text.split(f"iteration 0, row {row['row']}, ")[1].split("\n\niteration ")[0].rstrip()
+        expected = [
+            f"turn {turn['turn'] + 1}, model (reward {turn['turn_reward']:.4g}): "
+            if turn["role"] == "assistant"
+            else f"turn {turn['turn'] + 1}, environment: "
+            + json.dumps(tokenizer.decode(row["response_ids"][slice(*_span(turn))]), ensure_ascii=False)
+            for turn in turns
+            if turn["role"] == "assistant" or turn["token_stop"] > turn["token_start"]
+        ]
+        shown = [line.strip() for line in block.splitlines() if line.strip().startswith("turn ")]
+        assert [line[: len(start)] for line, start in zip(shown, expected, strict=True)] == expected
+        assert block.splitlines()[-1].strip() == f"stopped: {turns[-1]['stop_reason']}"
+    assert "<|im_end|>\\n<|im_start|>user\\n" in text  # the template's delta as it was trained on
