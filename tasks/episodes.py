@@ -43,6 +43,7 @@ from rlhf_core.generation import generate
 from runtime.bars import stage_bar
 from runtime.environments import DONE, EnvironmentReply, EnvironmentRunner
 from runtime.job import Job
+from runtime.references import EnvironmentReference
 from runtime.seeds import episode_seed
 from storage.experience_io import experience_to_table
 from storage.schemas import (
@@ -374,6 +375,18 @@ def work(job: Job[RolloutSettings], chosen: Sequence[tuple[int, Prompt]]) -> Ite
             ]
             bar.update(1)
             yield pa.concat_tables(tables)
+
+
+def not_resumable(environment: EnvironmentReference | None) -> str | None:
+    """Why the episodes a crashed stage played with ``environment`` are sampled again rather than reused
+    (:attr:`runtime.job.Shards.not_resumable`): its class declares itself non-deterministic, so a run after the crash
+    would not play them alike; None for a deterministic one (the default), and without an environment."""
+    if environment is None or getattr(environment.load(), "deterministic", True):
+        return None
+    return (
+        f"`environment.class` {environment.name} declares itself non-deterministic (`deterministic = False`): the "
+        "episodes a crashed run played are sampled again"
+    )
 
 
 class EveryEpisodeFailed(UserError, RuntimeError):

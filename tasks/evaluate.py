@@ -39,6 +39,7 @@ from storage.schemas import (
 )
 from storage.shards import read_table
 from tasks import episode_evaluation
+from tasks.episodes import not_resumable
 from tasks.reward_function import score_texts
 from tasks.sample_reference import batch_generator, held_out_shards
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
@@ -61,7 +62,8 @@ def plan(job: Job[EvaluateSettings]) -> Shards:
             "campaign without a reward (a DPO update's)"
         )
     table = "evaluation" if settings.environment is None else "episode_evaluation"
-    return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), table)
+    shards = held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard)
+    return Shards(shards, table, not_resumable=not_resumable(settings.environment))
 
 
 def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:

@@ -26,6 +26,7 @@ from runtime.shards import Shard, plan_shards
 from runtime.stage import Shards, Stage
 from storage.schemas import REFERENCE_RESPONSES, RESPONSE, RESPONSE_IDS, ROW
 from tasks import episode_evaluation
+from tasks.episodes import not_resumable
 from tasks.sampler import policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import SampleReferenceSettings
 from tasks.tensors import encode_prompts, response_token_lists
@@ -59,7 +60,8 @@ def plan(job: Job[SampleReferenceSettings]) -> Shards:
     """The held-out prompts in evaluation's shards (the reference's episodes with an environment)."""
     settings = job.settings
     table = "reference_responses" if settings.environment is None else episode_evaluation.TABLE
-    return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), table)
+    shards = held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard)
+    return Shards(shards, table, not_resumable=not_resumable(settings.environment))
 
 
 def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
