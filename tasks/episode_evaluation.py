@@ -13,7 +13,8 @@ Choices:
    ``recovery`` (a failed first turn that succeeded later; left out when no first turn failed), ``turns_mean`` and the
    share of each stop reason (``stop_<reason>``, every error one ``stop_error``); the reference's are prefixed
    ``reference_``. The policy's KL to the reference is summed over its model tokens.
-4. Failures are rows, as in the rollout: an episode whose environment failed is evaluated with the reward it had.
+4. Failures are rows, as in the rollout: an episode whose environment failed is evaluated with the reward it had,
+   and a shard of held-out prompts whose every reset failed is evaluated too (the rollout refuses one).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def play_held_out(
             max_turns=settings.max_turns,
             max_tokens_per_turn=settings.max_tokens_per_turn,
             generator=shard.generator(),
+            refuse_failed_resets=False,  # choice 4
         )
 
 

@@ -149,15 +149,22 @@ def play_episodes(
     max_turns: int,
     max_tokens_per_turn: int,
     generator: torch.Generator,
+    refuse_failed_resets: bool = True,
 ) -> list[Episode]:
     """Play one episode per ``(prompt_id, sample, prompt)``, the live ones sampling together turn by turn.
+
+    Args:
+        refuse_failed_resets: refuse ``prompts`` whose every reset failed, before any sampling
+            (:func:`check_some_episode_ended`: a rollout's); False plays on, every episode a failure (an evaluation's,
+            which reports them).
 
     Returns:
         The episodes, in the order of ``prompts``, each ended with its stop reason.
     """
     episodes = [_reset(runner, tokenizer, *item, seed=seed, iteration=iteration) for item in prompts]
     reset = [episode.stop_reason for episode in episodes if episode.stop_reason is not None]
-    check_some_episode_ended(reset, len(episodes), when=" at its reset, before any sampling")
+    if refuse_failed_resets:
+        check_some_episode_ended(reset, len(episodes), when=" at its reset, before any sampling")
     config = dataclasses.replace(sampling, max_new_tokens=max_tokens_per_turn)
     device = next(actor.parameters()).device
     for turn in range(max_turns):
