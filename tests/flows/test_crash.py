@@ -416,7 +416,7 @@ def test_issue44_kill_minus_nine_during_an_episode_rollout_then_rerun_equals_a_r
     uncrashed_root, log, point = tmp_path / "uncrashed", tmp_path / "run.log", "rollout:shard"
     _run_to_end(_episode_command(uncrashed_root, episode_world, "Guess"), log, api_url)
     uncrashed = (_file_hashes(uncrashed_root / "tiny"), _store(uncrashed_root, "tiny"))
-    assert uncrashed[1]["statuses"] == ["FINISHED"] and any("/evaluate/" in path for path in uncrashed[0])
+    assert uncrashed[1]["statuses"] == ["FINISHED"] and any(path.startswith("evaluate/") for path in uncrashed[0])
 
     run_root = tmp_path / "crashed"
     command = _episode_command(run_root, episode_world, "Guess")
