@@ -69,13 +69,21 @@ def _rows(config, stage: str, table: str, index: int = 0) -> list[dict]:
     return read_table(_outputs(config, stage)[index], table).to_pylist()
 
 
-def _episodes(config, index: int = 0) -> list[tuple[dict, list[dict]]]:
-    """Each experience row of a rollout output with its turns, in order."""
-    turns = _rows(config, "rollout", "turns", index)
+def _episodes(config, index: int = 0, *, folder: Path | None = None) -> list[tuple[dict, list[dict]]]:
+    """Each experience row of a rollout output (``folder``, or the ``index``-th) with its turns, in order."""
+    folder = folder or _outputs(config, "rollout")[index]
+    turns = read_table(folder, "turns").to_pylist()
     return [
         (row, [turn for turn in turns if turn["row"] == row["row"]])
-        for row in _rows(config, "rollout", "experience", index)
+        for row in read_table(folder, "experience").to_pylist()
     ]
+
+
+def _output_of(config, iteration: int, stage: str) -> Path:
+    """The output of ``stage`` that the campaign's iteration ``iteration`` recorded."""
+    tracker = tracking_store(config).tracker()
+    run = tracker.run(resolve_run(config, f"{config.campaign}:{iteration}"))
+    return Path(tracker.run(run.tags[f"rlhf.output.{stage}"]).tags["rlhf.output_path"])
 
 
 @pytest.mark.parametrize("campaign", ["grpo", "gae"])
@@ -197,10 +205,9 @@ def test_held_out_episodes_of_the_policy_and_of_the_reference_played_once_are_ev
         assert [row["row"] for row in played] == list(range(4))
         tracker = tracking_store(config).tracker()
         for iteration in range(iterations):
-            run = tracker.run(resolve_run(config, f"{config.campaign}:{iteration}"))
-            metrics = run.metrics
-            folder = Path(tracker.run(run.tags["rlhf.output.evaluate"]).tags["rlhf.output_path"])
-            samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+            metrics = tracker.run(resolve_run(config, f"{config.campaign}:{iteration}")).metrics
+            evaluation = _output_of(config, iteration, "evaluate") / "samples.jsonl"
+            samples = [json.loads(line) for line in evaluation.read_text().splitlines()]
             assert [s["reference_turn_rewards"] for s in samples] == [row["turn_rewards"] for row in played]
             assert [s["reference_stop_reason"] for s in samples] == [row["stop_reason"] for row in played]
             for side, prefix in (("policy", ""), ("reference", "reference_")):
@@ -231,7 +238,8 @@ def test_held_out_episodes_of_the_policy_and_of_the_reference_played_once_are_ev
 
 def test_inspect_counts_the_models_tokens_and_shows_an_episode_turn_by_turn(grpo, episode_world):
     inspection = inspect_campaign(grpo, f"{grpo.campaign}:0", top=16)  # and its replay's, when it ran
-    masks = {row["row"]: row["action_mask"] for row, _ in _episodes(grpo)}
+    episodes = _episodes(grpo, folder=_output_of(grpo, 0, "rollout"))
+    masks = {row["row"]: row["action_mask"] for row, _ in episodes}
     shown = [row for row in inspection.responses.iter_rows(named=True) if row["run"] == "iteration"]
     assert {row["row"]: row["length"] for row in shown} == {
         row: sum(mask) for row, mask in masks.items()
@@ -239,7 +247,7 @@ def test_inspect_counts_the_models_tokens_and_shows_an_episode_turn_by_turn(grpo
     assert inspection.summary["length_mean"][0] == pytest.approx(sum(map(sum, masks.values())) / len(masks))
     text = render_table(inspection)
     tokenizer = load_tokenizer(str(episode_world["policy"]))
-    for row, turns in _episodes(grpo):
+    for row, turns in episodes:
         block = text.split(f"iteration 0, row {row['row']}, ")[1].split("\n\niteration ")[0].rstrip()
         expected = [
             f"turn {turn['turn'] + 1}, model (reward {turn['turn_reward']:.4g}): "
