@@ -531,7 +531,10 @@ def render_csv(inspection: Inspection) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(frame.columns)
-    writer.writerows(["" if value is None else value for value in row] for row in frame.iter_rows())
+    writer.writerows(
+        ["" if value is None else json.dumps(value) if isinstance(value, list) else value for value in row]
+        for row in frame.iter_rows()
+    )  # an episode's turns as JSON
     return buffer.getvalue()
 
 
