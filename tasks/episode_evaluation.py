@@ -85,6 +85,7 @@ def conversation(episode: Episode) -> str:
 
 
 def runner_of(settings: SampleReferenceSettings | EvaluateSettings) -> EnvironmentRunner:
+    """The runner of the stage's environments, one process for all its shards (:mod:`runtime.environments`)."""
     assert settings.environment is not None
     return EnvironmentRunner(settings.environment, step_timeout_s=settings.step_timeout_s)
 
