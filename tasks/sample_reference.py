@@ -25,6 +25,8 @@ from runtime.job import Job
 from runtime.shards import Shard, plan_shards
 from runtime.stage import Shards, Stage
 from storage.schemas import REFERENCE_RESPONSES, RESPONSE, RESPONSE_IDS, ROW
+from tasks import episode_evaluation
+from tasks.episodes import not_resumable
 from tasks.sampler import policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import SampleReferenceSettings
 from tasks.tensors import encode_prompts, response_token_lists
@@ -55,14 +57,20 @@ def batch_generator(shard: Shard, part: slice) -> torch.Generator:
 
 
 def plan(job: Job[SampleReferenceSettings]) -> Shards:
-    """The held-out prompts in evaluation's shards."""
+    """The held-out prompts in evaluation's shards (the reference's episodes with an environment)."""
     settings = job.settings
-    return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), "reference_responses")
+    table = "reference_responses" if settings.environment is None else episode_evaluation.TABLE
+    shards = held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard)
+    return Shards(shards, table, not_resumable=not_resumable(settings.environment))
 
 
 def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
-    """The :data:`storage.schemas.REFERENCE_RESPONSES` rows of each shard: the reference's response to each prompt."""
+    """The :data:`storage.schemas.REFERENCE_RESPONSES` rows of each shard: the reference's response to each prompt (or
+    its episode's, with an environment: :mod:`tasks.episode_evaluation`)."""
     settings, context = job.settings, job.context
+    if settings.environment is not None:
+        yield from episode_evaluation.reference_work(job)
+        return
     sampling = settings.sampling
     models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
@@ -94,7 +102,9 @@ def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
 
 
 def gather(job: Job[SampleReferenceSettings], table: pa.Table) -> dict[str, float]:
-    """Write the ``reference_responses`` table."""
+    """Write the ``reference_responses`` table (``reference_episodes``, with an environment)."""
+    if job.settings.environment is not None:
+        return episode_evaluation.reference_gather(job, table)
     rows_per_shard = job.settings.rows_per_shard
     job.out.write_table("reference_responses", table, schema=REFERENCE_RESPONSES, rows_per_shard=rows_per_shard)
     lengths = [len(ids) for ids in table.column(RESPONSE_IDS).to_pylist()]

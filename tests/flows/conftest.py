@@ -82,6 +82,55 @@ def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
     return _world_files(built_once(tmp_path_factory, "hf-world", lambda folder: _write_world(folder, gpt2)))
 
 
+EPISODE_PROMPTS = [
+    {"prompt": "Guess my number.", "high": 4},
+    {"prompt": "Find it.", "high": 4},
+    {"prompt": "Guess again.", "high": 4, "raise_at": 2},  # Faulty: its second step raises
+    {"prompt": "Start.", "high": 4, "reset": "number"},  # Faulty: its reset breaks the contract
+]
+"""The prompts of episode campaigns (tests/environments.py's scripted environments read their columns)."""
+
+
+@pytest.fixture(scope="session")
+def episode_world(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen2 chat policy (byte-level BPE, ChatML) and prompts with the environment's columns."""
+    from tests.conftest import byte_level_bpe, tiny_config
+
+    root = tmp_path_factory.mktemp("episode-world")
+    corpus = [p["prompt"] for p in EPISODE_PROMPTS] + ["I am thinking of a number from 1 to 4. Higher. Lower. 1 2 3 4"]
+    tokenizer = byte_level_bpe(vocab_size=400, corpus=corpus * 20)
+    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    config.max_position_embeddings = 512
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in EPISODE_PROMPTS))
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl"}
+
+
+def episode_overrides(world: dict[str, Path], run_root: Path, *more: str) -> list[str]:
+    """The settings of a tiny episode campaign on ``world`` (:func:`episode_world`), then ``more``: 4 prompts of 2
+    episodes of up to 3 turns of 6 tokens, scored by the environment; `environment.class` is the caller's."""
+    return [
+        f"run_root={run_root}",
+        "demo=false",
+        "labeler=null",
+        f"model.policy={world['policy']}",
+        f"data.prompts={world['prompts']}",
+        f"data.eval_prompts={world['prompts']}",
+        "reward.source=environment",
+        "environment.max_turns=3",
+        "environment.max_tokens_per_turn=6",
+        "environment.step_timeout_s=20",
+        "sizes.rollout_prompts=4",
+        "sizes.samples_per_prompt=2",
+        "sizes.eval_prompts=4",
+        "sampling.batch_size=8",
+        *more,
+    ]
+
+
 @pytest.fixture(scope="session")
 def chat_world(tmp_path_factory) -> dict[str, Path]:
     """A Qwen2 chat policy with a byte-level BPE and a ChatML template, chat prompts, and a pretrained
