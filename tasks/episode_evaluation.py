@@ -4,7 +4,7 @@ by the rollout's episode player (:func:`tasks.episodes.play_episodes`).
 
 Choices:
 1. Paired as single-turn evaluation is: held-out prompt i is played as episode ``(i, 0)`` of evaluation's iteration
-   (:data:`tasks.sample_reference.SEED_ITERATION`), so its environment is reset with the same seed on both sides and
+   (:data:`tasks.held_out.SEED_ITERATION`), so its environment is reset with the same seed on both sides and
    in every iteration, and each shard's turns sample from the shard's generator on both sides.
 2. An episode's reward is its environment's (the sum of its turn rewards), which no iteration changes: the reference's
    episodes are scored when they are played, and read back with their rewards.
@@ -43,8 +43,8 @@ from storage.schemas import (
     TURN_REWARDS,
 )
 from storage.shards import read_table
-from tasks import sample_reference  # a module, read at call time: it dispatches its episodes here
 from tasks.episodes import MAX_TURNS, Episode, episode_tensors, play_episodes
+from tasks.held_out import SEED_ITERATION
 from tasks.settings import EvaluateSettings, SampleReferenceSettings
 from tasks.text import load_tokenizer, read_prompts
 
@@ -70,7 +70,7 @@ def play_held_out(
             tokenizer,
             [(index, 0, held_out[index]) for index in range(shard.start, shard.stop)],
             seed=job.context.seed,
-            iteration=sample_reference.SEED_ITERATION,
+            iteration=SEED_ITERATION,
             sampling=settings.sampling,
             max_turns=settings.max_turns,
             max_tokens_per_turn=settings.max_tokens_per_turn,

@@ -40,8 +40,8 @@ from storage.schemas import (
 from storage.shards import read_table
 from tasks import episode_evaluation
 from tasks.episodes import not_resumable
+from tasks.held_out import batch_generator, held_out_shards
 from tasks.reward_function import score_texts
-from tasks.sample_reference import batch_generator, held_out_shards
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import EvaluateSettings
 from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists, reward_scorer
@@ -51,7 +51,7 @@ SIDES = ("policy", "reference")
 
 
 def plan(job: Job[EvaluateSettings]) -> Shards:
-    """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.sample_reference.held_out_shards`)."""
+    """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.held_out.held_out_shards`)."""
     settings = job.settings
     rewards = sum(
         reward is not None for reward in (settings.reward_model, settings.reward_function, settings.environment)
