@@ -28,7 +28,7 @@ from flows.inputs import InputError, check_inputs
 from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
 from flows.lineage import artifact_key, create_lineage_artifact
 from runtime.cluster import cluster_address
-from runtime.context import BaseInputs, Execution, StageContext, TrackingStore
+from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
 from runtime.declaration import StageResult
 from runtime.engine import engine_identity, ensure_engine
 from runtime.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
@@ -183,6 +183,19 @@ def resolve_base(config: PipelineConfig, *, checked: bool = False) -> BaseInputs
         )
     cache.save()  # only for inputs that pass: a refused command writes nothing
     return base
+
+
+def supervised_base(config: PipelineConfig, base: BaseInputs) -> BaseInputs:
+    """``base`` with the output of the SFT stage (``sft.data``; run, or reused when its inputs and code are unchanged)
+    as the campaign's initial policy and reference (:meth:`runtime.context.BaseInputs.supervised`); ``base`` itself
+    without SFT data, or once it is the SFT output. Before an iteration opens its run, whose key names the policy."""
+    if not base.awaits_sft:
+        return base
+    from tasks.sft import sft
+
+    tracker = tracking_store(config).tracker()
+    tuned = sft(context_for(config, 0, base, tracker.experiment_id(config.campaign)), config)
+    return base.supervised(InputFile(path=str(tuned.directory / "actor"), sha256=tuned.digest))
 
 
 def _flow_run_id() -> str | None:
