@@ -148,7 +148,7 @@ def epoch_order(examples: int, *, seed: int, epoch: int) -> torch.Tensor:
     Shapes:
         returns (examples,).
     """
-    return torch.randperm(examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return torch.randperm(examples, generator=torch.Generator().manual_seed((seed + epoch) % 2**63))
 
 
 def sft_update(
