@@ -165,6 +165,7 @@ CONFIG_CASES = [
         lambda t, w: _run(t, w, "update=dpo", "sampling.staleness=1"),
         ("`sampling.staleness`", "`update` dpo"),
     ),
+    Case("issue45-sft-settings-without-data", lambda t, w: _run(t, w, "sft.epochs=2"), ("`sft` settings", "`sft.data`")),
     Case("issue45-dpo-settings-under-ppo", lambda t, w: _run(t, w, "dpo.beta=0.5"), ("`dpo` settings", "`update` dpo")),
     Case(
         "issue45-label-smoothing-off-the-sigmoid-loss",
@@ -299,6 +300,22 @@ FILE_CASES = [
             _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 16 + [{**PAIR, "chosen": LONG}])),
         ),
         ("`data.preferences`", "row 17", "field 'chosen'", "context length 64"),
+    ),
+    Case(
+        "issue45-sft-data-without-an-assistant-turn",
+        lambda t, w: _run(
+            t, w, _with(t, "sft.data", "sft.jsonl", _jsonl([{"prompt": "the dog", "completion": " ran ."},
+                                                            {"messages": [{"role": "user", "content": "the dog"}]}]))
+        ),  # fmt: skip
+        ("`sft.data`", "row 2", "field 'messages'", "no assistant turn"),
+    ),
+    Case(
+        "issue45-sft-example-longer-than-the-context",
+        lambda t, w: _run(
+            t, w, _with(t, "sft.data", "sft.jsonl", _jsonl([{"prompt": "the dog", "completion": " ran ."},
+                                                            {"prompt": "the dog", "completion": LONG}]))
+        ),  # fmt: skip
+        ("`sft.data`", "row 2", "context length 64"),
     ),
 ]
 
