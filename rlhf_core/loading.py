@@ -41,6 +41,8 @@ Choices:
 12. A critic may be loaded from a reward model's folder (the campaign's first trained one, or a pretrained one):
    its backbone (or its LoRA adapter over its base) and its score head as the value head, as OpenRLHF and
    ColossalChat start the critic. Saved again, it is a critic.
+13. A causal LM folder holding all its weights (an SFT output, the campaign's initial policy then) starts a critic or
+   reward model as any Hugging Face causal LM folder does: its backbone, with a fresh head.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class FolderMeta:
             return None
         raw = json.loads(path.read_text())
         return cls(kind=raw["kind"], base=raw["base"], adapter=bool(raw["adapter"]))
+
+    @property
+    def whole_causal_lm(self) -> bool:
+        """A causal LM with all its weights (no base, no adapter): a Hugging Face folder like any other."""
+        return self.kind == "causal_lm" and not self.base and not self.adapter
 
     def write(self, folder: Path) -> None:
         (Path(folder) / MODEL_META_FILE).write_text(json.dumps(asdict(self), sort_keys=True) + "\n")
@@ -251,6 +258,8 @@ class ModelLoader:
             raise ValueError("the reference policy is frozen; it cannot be loaded trainable")
         source = Path(source)
         meta = FolderMeta.read(source)
+        if meta is not None and meta.whole_causal_lm and role in ("critic", "reward_model"):
+            meta = None  # a backbone as any Hugging Face causal LM folder is (choice 13)
         # a critic may start from a reward model (its backbone, and its score head as the value head: choice 12)
         starts_critic = role == "critic" and meta is not None and meta.kind == "reward_model"
         if meta is not None and meta.kind != _KIND_OF_ROLE[role] and not starts_critic:
