@@ -33,8 +33,8 @@ import torch
 from accelerate import Accelerator
 
 from rlhf_core.config import SFTConfig
-from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, guarded_step
+from rlhf_core.distributed import rank_share
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, share_step
 from rlhf_core.models import dropout_disabled, fused_activations
 from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask
 
@@ -189,7 +189,7 @@ def sft_update(
     steps_per_epoch = math.ceil(len(examples) / config.batch_size)
     steps, loss_sum = (resume.steps_done, resume.loss_sum) if resume else (0, 0.0)
     world, rank = accelerator.num_processes, accelerator.process_index
-    scaled, in_a_row, skipped = accelerator.scaler is not None, 0, 0  # fp16: see rlhf_core.divergence
+    in_a_row, skipped = 0, 0  # fp16's skipped steps: see rlhf_core.divergence
     order, order_epoch = None, -1
     with dropout_disabled(model), fused_activations(model):
         for step in range(steps, config.epochs * steps_per_epoch):
@@ -200,17 +200,15 @@ def sft_update(
             assert order is not None
             minibatch = order[index * config.batch_size : (index + 1) * config.batch_size]
             tokens = int(examples.loss_mask[minibatch.to(accelerator.device), 1:].sum())
-            # 2. this process's share, divided by the whole minibatch's assistant tokens (choice 5)
+            # 2. this process's share, divided by the whole minibatch's assistant tokens (choice 5), and its step
             share, weight = rank_share(len(minibatch), rank=rank, world=world)
             loss = example_loss(model, examples.select(minibatch[share].to(accelerator.device)), tokens=tokens)
-            in_a_row = guarded_step(
-                accelerator, optimizer, model, loss, scale=world * weight, max_grad_norm=config.max_grad_norm,
-                scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps,
+            in_a_row, step_loss = share_step(
+                accelerator, optimizer, model, loss, weight=weight, max_grad_norm=config.max_grad_norm,
+                in_a_row=in_a_row, limit=max_skipped_steps,
                 diverged={"model": "actor", "step": step + 1, "learning_rate": config.learning_rate},
             )  # fmt: skip
             skipped += in_a_row > 0
-            # 3. the whole minibatch's loss (the sum of the shares')
-            step_loss = global_sum(accelerator, loss.detach() * weight).item()
             loss_sum += step_loss
             if on_step is not None:
                 on_step(step + 1, {"loss": step_loss})
