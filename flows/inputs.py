@@ -195,7 +195,9 @@ def _check_sft_examples(path: Path, tokenizer, *, context: int | None) -> None:
         if not any(example.loss_mask[1:]):
             raise InputError(f"`sft.data` {path}, row {row}: no token for the model to learn")
         tokens = len(example.input_ids)
-        _fits("sft.data", path, row, "example", tokens, context=context, what=f"{tokens} tokens as the SFT stage reads it")
+        _fits(
+            "sft.data", path, row, "example", tokens, context=context, what=f"{tokens} tokens as the SFT stage reads it"
+        )
 
 
 def _enough_prompts(setting: str, path: Path, rows: int, *, at_least: int) -> None:

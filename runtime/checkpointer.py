@@ -239,9 +239,7 @@ class Checkpointer:
             save_progress(self.final_dir, done, state.write, staging=staging)
         self.accelerator.wait_for_everyone()
 
-    def save_output(
-        self, folder: Path, *, tokenizer: Any, keep_optimizers: bool = False, whole: bool = False
-    ) -> None:
+    def save_output(self, folder: Path, *, tokenizer: Any, keep_optimizers: bool = False, whole: bool = False) -> None:
         """Write the stage output into ``folder``: each model as ``folder/<name>`` (``save_pretrained``, with
         ``tokenizer``, by the main process; gathered from every process where sharded), the training curve, and with
         ``keep_optimizers`` the optimizer states (``folder/optimizers``, each process its part) for the next

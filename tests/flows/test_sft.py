@@ -12,6 +12,7 @@ import torch
 from mlflow import MlflowClient
 from transformers import AutoModelForCausalLM
 
+from campaign.gc import plan_gc
 from campaign.store import campaign_layout, resolve_run, stage_run
 from flows.iterations import tracking_store
 from flows.rlhf_pipeline import rlhf_campaign
@@ -72,7 +73,9 @@ def test_sft_trains_the_initial_policy_and_reference_of_iteration_0(campaign, ch
     # The reference is the SFT model: its stored log-probs of the iteration's pairs are the SFT model's, not the
     # pretrained one's.
     folder = _output(campaign, parent, "reference_logprobs")
-    pairs = stored_pairs(read_table(folder, "reference_logprobs"), pad_token_id=load_tokenizer(str(sft / "actor")).pad_token_id)
+    pairs = stored_pairs(
+        read_table(folder, "reference_logprobs"), pad_token_id=load_tokenizer(str(sft / "actor")).pad_token_id
+    )
     chosen, _ = reference_logprobs(tuned, pairs, batch_size=16)
     torch.testing.assert_close(chosen.total, pairs.ref_chosen.total, rtol=1e-4, atol=1e-4)
     pretrained_chosen, _ = reference_logprobs(pretrained, pairs, batch_size=16)
@@ -91,3 +94,7 @@ def test_the_sft_stage_is_recorded_once_and_reused_when_the_campaign_continues(c
     second = resolve_run(campaign, f"{campaign.campaign}:1")
     update = read_manifest(_output(campaign, second, "dpo_update"))
     assert update.runtime["inputs"]["sft"] == before[0]
+    # rlhf gc keeping only iteration 1 keeps the SFT output, the base its policies and reference are read from.
+    plan = plan_gc(campaign, keep_last=1)
+    removed = {folder for folder, _ in plan.remove}
+    assert _sft_outputs(campaign)[0] not in removed and any(folder.parent.name == "initialize" for folder in removed)
