@@ -322,6 +322,11 @@ class PipelineConfig(_Frozen):
     def _sft_has_its_data(self) -> PipelineConfig:
         if self.sft.data is None and self.sft.training != SFTConfig():
             raise ValueError("`sft` settings are read by the SFT stage, which `sft.data` adds: set it, or drop them")
+        if self.sft.data is not None and self.sampling.engine != "hf":
+            raise ValueError(
+                f"`sft.data` with `sampling.engine` {self.sampling.engine}: the engine serves the pretrained policy as "
+                "the base of what it samples, not the SFT model, in this version; set `sampling.engine` hf"
+            )
         if self.sft.data is not None and self.model.lora is not None and self.execution.sharding is not None:
             raise ValueError(
                 "`sft.data` with `model.lora` and a sharded `execution.accelerate_config`: the SFT output merges its "

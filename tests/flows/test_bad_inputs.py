@@ -173,6 +173,11 @@ CONFIG_CASES = [
     Case(
         "issue45-sft-settings-without-data", lambda t, w: _run(t, w, "sft.epochs=2"), ("`sft` settings", "`sft.data`")
     ),
+    Case(
+        "issue45-sft-on-the-vllm-engine",
+        lambda t, w: _run(t, w, "sft.data=x.jsonl", "sampling.engine=vllm"),
+        ("`sft.data`", "`sampling.engine` vllm"),
+    ),
     Case("issue45-dpo-settings-under-ppo", lambda t, w: _run(t, w, "dpo.beta=0.5"), ("`dpo` settings", "`update` dpo")),
     Case(
         "issue45-label-smoothing-off-the-sigmoid-loss",
