@@ -44,7 +44,7 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
     recorded = source_config(config, run_id).model_copy(
         update={"run_root": config.run_root, "tracking_uri": config.tracking_uri}
     )
-    base = supervised_base(recorded, resolve_base.fn(recorded))  # an SFT campaign's adapters are over its SFT model
+    base = supervised_base(recorded, resolve_base.fn(recorded), in_flow=False)  # adapters over an SFT model
     tracker = tracking_store(recorded).tracker()
     context = context_for(recorded, 0, base, tracker.experiment_id(recorded.campaign))
     stage = "dpo_update" if model == "actor" and recorded.update == "dpo" else _STAGE_OF[model]

@@ -185,16 +185,19 @@ def resolve_base(config: PipelineConfig, *, checked: bool = False) -> BaseInputs
     return base
 
 
-def supervised_base(config: PipelineConfig, base: BaseInputs) -> BaseInputs:
+def supervised_base(config: PipelineConfig, base: BaseInputs, *, in_flow: bool = True) -> BaseInputs:
     """``base`` with the output of the SFT stage (``sft.data``; run, or reused when its inputs and code are unchanged)
     as the campaign's initial policy and reference (:meth:`runtime.context.BaseInputs.supervised`); ``base`` itself
-    without SFT data, or once it is the SFT output. Before an iteration opens its run, whose key names the policy."""
+    without SFT data, or once it is the SFT output. Before an iteration opens its run, whose key names the policy.
+    ``in_flow``: the stage runs as a task of the calling flow; False: in this process with no task run (a command
+    outside a flow, ``rlhf export``)."""
     if not base.awaits_sft:
         return base
     from tasks.sft import sft
 
     tracker = tracking_store(config).tracker()
-    tuned = sft(context_for(config, 0, base, tracker.experiment_id(config.campaign)), config)
+    context = context_for(config, 0, base, tracker.experiment_id(config.campaign))
+    tuned = sft(context, config) if in_flow else sft.run(context, config)
     return base.supervised(InputFile(path=str(tuned.directory / "actor"), sha256=tuned.digest))
 
 

@@ -14,8 +14,11 @@ from transformers import AutoModelForCausalLM
 
 from campaign.gc import plan_gc
 from campaign.store import campaign_layout, resolve_run, stage_run
+from flows.export import export_model
 from flows.iterations import tracking_store
-from flows.rlhf_pipeline import rlhf_campaign
+from flows.lineage import ancestry, campaign_manifests
+from flows.replay import replay_config
+from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
 from rlhf_core.dpo import reference_logprobs
 from storage.manifest import read_manifest
 from storage.schemas import SFT_EXAMPLES
@@ -80,6 +83,21 @@ def test_sft_trains_the_initial_policy_and_reference_of_iteration_0(campaign, ch
     torch.testing.assert_close(chosen.total, pairs.ref_chosen.total, rtol=1e-4, atol=1e-4)
     pretrained_chosen, _ = reference_logprobs(pretrained, pairs, batch_size=16)
     assert not torch.allclose(pretrained_chosen.total, pairs.ref_chosen.total, atol=1e-2)
+
+
+def test_the_lineage_shows_the_sft_output_under_the_policy_and_a_replay_and_export_read_its_base(campaign, tmp_path):
+    [sft] = _sft_outputs(campaign)
+    digest = read_manifest(sft).digest
+    parent = resolve_run(campaign, f"{campaign.campaign}:0")
+    evaluation = read_manifest(_output(campaign, parent, "evaluate"))
+    manifests = campaign_manifests(campaign_layout(campaign).outputs())
+    lineage = [manifest.stage for manifest in ancestry(manifests, [evaluation.digest])]
+    assert lineage.index("sft") < lineage.index("initialize") < lineage.index("dpo_update")
+    # A replay of iteration 0's update starts from its initial policy, whose weights are the SFT model's.
+    replay_run = rlhf_replay(replay_config(campaign, parent, ["dpo.beta=0.5"]), parent)
+    assert read_manifest(_output(campaign, replay_run, "dpo_update")).runtime["inputs"]["sft"] == digest
+    exported = export_model(campaign, f"{campaign.campaign}:0", tmp_path / "exported")
+    assert (exported / "config.json").is_file()
 
 
 def test_the_sft_stage_is_recorded_once_and_reused_when_the_campaign_continues(campaign):
