@@ -185,15 +185,15 @@ def _template_refusal(setting: str, path: Path, row: int, field: str, error: Exc
 def _check_sft_examples(path: Path, tokenizer, *, context: int | None) -> None:
     """Every SFT example tokenises as the SFT stage tokenises it (:func:`tasks.sft_text.tokenize_examples`: a
     conversation through the chat template, its assistant turns masked), has a token to learn and fits the context."""
-    from tasks.sft_text import ChatTemplateError, tokenize_examples
+    from tasks.sft_text import ChatTemplateError, nothing_to_learn, tokenize_examples
 
     try:
         examples = tokenize_examples(tokenizer, import_sft_examples(path))
     except (ImportFormatError, ChatTemplateError) as error:
         raise InputError(f"`sft.data` {path}: {_first_line(error)}") from error
+    if (empty := nothing_to_learn(examples)) is not None:
+        raise InputError(f"`sft.data` {path}, row {empty + 1}: no token for the model to learn")
     for row, example in enumerate(examples, start=1):
-        if not any(example.loss_mask[1:]):
-            raise InputError(f"`sft.data` {path}, row {row}: no token for the model to learn")
         tokens = len(example.input_ids)
         _fits(
             "sft.data", path, row, "example", tokens, context=context, what=f"{tokens} tokens as the SFT stage reads it"

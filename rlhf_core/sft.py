@@ -142,6 +142,11 @@ class SFTStats(NamedTuple):
     skipped_steps: int = 0
 
 
+def optimizer_steps(examples: int, config: SFTConfig) -> int:
+    """The optimizer steps of :func:`sft_update` on ``examples`` examples: ``epochs`` x ceil(examples / batch_size)."""
+    return config.epochs * math.ceil(examples / config.batch_size)
+
+
 def epoch_order(examples: int, *, seed: int, epoch: int) -> torch.Tensor:
     """The order of the examples in ``epoch`` (choice 3): a permutation drawn from ``(seed, epoch)`` alone.
 
@@ -192,7 +197,7 @@ def sft_update(
     in_a_row, skipped = 0, 0  # fp16's skipped steps: see rlhf_core.divergence
     order, order_epoch = None, -1
     with dropout_disabled(model), fused_activations(model):
-        for step in range(steps, config.epochs * steps_per_epoch):
+        for step in range(steps, optimizer_steps(len(examples), config)):
             # 1. this step's minibatch: its place in its epoch's order (choice 3)
             epoch, index = divmod(step, steps_per_epoch)
             if epoch != order_epoch:
@@ -215,5 +220,5 @@ def sft_update(
             if on_step_end is not None:
                 on_step_end(SFTProgress(step + 1, loss_sum))
     check_weights(model, model="actor", learning_rate=config.learning_rate)
-    total = config.epochs * steps_per_epoch
+    total = optimizer_steps(len(examples), config)
     return SFTStats(train_loss=loss_sum / total, optimizer_steps=total, skipped_steps=skipped)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.errors import UserError
-from rlhf_core.sft import SFTExamples, SFTProgress, sft_update
+from rlhf_core.sft import SFTExamples, SFTProgress, optimizer_steps, sft_update
 from runtime.checkpointer import Checkpointer
 from runtime.job import Job, Training
 from runtime.models import accelerator_for
@@ -28,7 +28,7 @@ from storage.importers import import_sft_examples
 from storage.schemas import SFT_EXAMPLES
 from storage.shards import write_shards
 from tasks.settings import SFTSettings
-from tasks.sft_text import tokenize_examples
+from tasks.sft_text import nothing_to_learn, tokenize_examples
 from tasks.text import load_tokenizer
 
 TABLE = "sft_examples"
@@ -52,13 +52,12 @@ def work(job: Job[SFTSettings]) -> dict[str, float]:
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     table = import_sft_examples(Path(settings.data.path))
     rows = tokenize_examples(tokenizer, table)
-    if (empty := next((row for row, tokens in enumerate(rows) if not any(tokens.loss_mask[1:])), None)) is not None:
-        raise NothingToLearn(f"`sft.data` {settings.data.path}, example {empty}: no token for the model to learn")
+    if (empty := nothing_to_learn(rows)) is not None:
+        raise NothingToLearn(f"`sft.data` {settings.data.path}, row {empty + 1}: no token for the model to learn")
     examples = SFTExamples.of(rows, pad_token_id=tokenizer.pad_token_id)
-    steps = config.epochs * -(-len(examples) // config.batch_size)
     checkpointer = Checkpointer(
-        accelerator, context.execution, out.final_dir, generator=job.generator(), epochs=steps, name=job.stage,
-        unit="step",
+        accelerator, context.execution, out.final_dir, generator=job.generator(),
+        epochs=optimizer_steps(len(examples), config), name=job.stage, unit="step",
     )  # fmt: skip
     torch.manual_seed(job.seed())  # fresh adapters
     trained, optimizers = checkpointer.prepare(
