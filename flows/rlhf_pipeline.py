@@ -35,6 +35,7 @@ from flows.iterations import (
     open_iteration,
     open_replay,
     resolve_base,
+    sft_output,
     supervised_base,
 )
 from flows.overlap import ahead_of, beside, lanes, runs_ahead
@@ -60,7 +61,6 @@ from tasks.reference_logprobs import reference_logprobs
 from tasks.rollout import rollout
 from tasks.sample_candidates import sample_candidates
 from tasks.sample_reference import sample_reference
-from tasks.sft import sft
 from tasks.train_reward_model import train_reward_model
 
 
@@ -169,8 +169,7 @@ def _iteration(
 def _start(config: PipelineConfig, context: StageContext) -> StageResult:
     """The campaign's initial policy: the pretrained one, or with ``sft.data`` the SFT output (which ran, or was
     reused, before the iteration opened: :func:`flows.iterations.supervised_base`), named as the actor's upstream."""
-    tuned = sft(replace(context, base=context.base.pretraining), config) if context.base.pretrained else None
-    return initialize(context, config, sft=tuned)
+    return initialize(context, config, sft=sft_output(context))
 
 
 def _ppo_steps(

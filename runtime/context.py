@@ -108,11 +108,6 @@ class BaseInputs:
         return replace(self, policy=policy, pretrained=self.policy)
 
     @property
-    def pretraining(self) -> BaseInputs:
-        """These inputs as the SFT stage reads them: the pretrained policy, before :meth:`supervised`."""
-        return self if self.pretrained is None else replace(self, policy=self.pretrained, pretrained=None)
-
-    @property
     def bases(self) -> dict[str, str]:
         """Base-model name -> folder, for :class:`rlhf_core.loading.ModelLoader`."""
         return {"policy": self.policy.path, **({"reward_model": self.reward_model.path} if self.reward_model else {})}

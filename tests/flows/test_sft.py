@@ -5,6 +5,7 @@ stage reused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from campaign.gc import plan_gc
 from campaign.store import campaign_layout, resolve_run, stage_run
 from flows.export import export_model
-from flows.iterations import tracking_store
+from flows.iterations import resolve_base, supervised_base, tracking_store
 from flows.lineage import ancestry, campaign_manifests
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
@@ -109,6 +110,11 @@ def test_the_sft_stage_is_recorded_once_and_reused_when_the_campaign_continues(c
         [tracker.experiment_id(campaign.campaign)], f"tags.`{TAG_STAGE}` = 'sft'"
     )
     assert len(runs) == 1 and runs[0].data.metrics["sft/train_loss"] > 0
+    # A campaign is history: once an iteration finished, another SFT key (other code would give one; here another
+    # setting) computes no other SFT, and the campaign goes on from the one it started from.
+    other = campaign.model_copy(update={"sft": dataclasses.replace(campaign.sft, epochs=2)})
+    assert supervised_base(other, resolve_base.fn(other)).policy.sha256 == before[0]
+    assert [read_manifest(folder).digest for folder in _sft_outputs(campaign)] == before
     second = resolve_run(campaign, f"{campaign.campaign}:1")
     update = read_manifest(_output(campaign, second, "dpo_update"))
     assert update.runtime["inputs"]["sft"] == before[0]
