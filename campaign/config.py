@@ -42,6 +42,7 @@ from rlhf_core.config import (
     RewardModelConfig,
     SamplingConfig,
     SettingError,
+    SFTConfig,
     UpdateName,
     eval_split_error,
 )
@@ -84,6 +85,22 @@ class DataSource(_Frozen):
     """Held-out prompts for evaluation, in the same forms. Needed unless `demo` is true, where None uses the demo's."""
     preferences: Path | None = None
     """Preference pairs to import (labeler `import`): prompt/chosen/rejected rows or Anthropic HH transcripts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTSection(SFTConfig):
+    """Supervised fine-tuning before iteration 0 (the `sft` stage, docs/recipes.md): with `data`, the initial policy is
+    `model.policy` trained on those demonstrations, and the campaign's reference is that policy too. The training
+    settings are TRL's `SFTConfig` defaults; LoRA or full and the processes follow `model.lora` and `execution`."""
+
+    data: Path | None = None
+    """Demonstrations (JSONL or Parquet, or a datasets folder): `messages` conversations (the loss on the assistant's
+    turns) or `prompt`/`completion` rows (the loss on the completion and EOS). None: no SFT stage."""
+
+    @property
+    def training(self) -> SFTConfig:
+        """The training settings alone (what the stage's key holds: the data is keyed by its content)."""
+        return SFTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SFTConfig)})
 
 
 class IterationSizes(_Frozen):
@@ -215,6 +232,8 @@ class PipelineConfig(_Frozen):
     ppo: PPOConfig = PPOConfig()
     dpo: DPOConfig = DPOConfig()
     """The direct preference update (`update: dpo` only)."""
+    sft: SFTSection = SFTSection()
+    """Supervised fine-tuning of the initial policy before iteration 0 (with `sft.data` only)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -297,6 +316,22 @@ class PipelineConfig(_Frozen):
                     f"`{name}` is a setting of PPO iterations ({does}); `update` dpo trains on the labelled pairs "
                     "alone, with no reward, critic or rollout: leave it at its default"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _sft_has_its_data(self) -> PipelineConfig:
+        if self.sft.data is None and self.sft.training != SFTConfig():
+            raise ValueError("`sft` settings are read by the SFT stage, which `sft.data` adds: set it, or drop them")
+        if self.sft.data is not None and self.sampling.engine != "hf":
+            raise ValueError(
+                f"`sft.data` with `sampling.engine` {self.sampling.engine}: the engine serves the pretrained policy as "
+                "the base of what it samples, not the SFT model, in this version; set `sampling.engine` hf"
+            )
+        if self.sft.data is not None and self.model.lora is not None and self.execution.sharding is not None:
+            raise ValueError(
+                "`sft.data` with `model.lora` and a sharded `execution.accelerate_config`: the SFT output merges its "
+                "adapters into a whole model, which one process does; train it unsharded or without LoRA"
+            )
         return self
 
     @model_validator(mode="after")
@@ -542,7 +577,14 @@ def _tell_moved(old: str, origin: str) -> None:
     )
 
 
-PATH_SETTINGS = ("run_root", "data.prompts", "data.eval_prompts", "data.preferences", "execution.accelerate_config")
+PATH_SETTINGS = (
+    "run_root",
+    "data.prompts",
+    "data.eval_prompts",
+    "data.preferences",
+    "sft.data",
+    "execution.accelerate_config",
+)
 """Settings that are paths: relative ones in a config file are relative to its folder, given with ``--set`` to the
 working directory (:func:`absolute_path`)."""
 MODEL_SETTINGS = ("model.policy", "model.tokenizer", "model.reward_model")

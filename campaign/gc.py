@@ -13,7 +13,9 @@ What is kept:
    the other versions are deleted from the registry, since their folders go;
 4. outputs no MLflow run records (a crash between writing and recording leaves one; the resume
    records it);
-5. optimizer states only in the newest iteration's PPO output (as after every iteration).
+5. optimizer states only in the newest iteration's PPO output (as after every iteration);
+6. every output of a stage that makes the campaign's base (:data:`BASE_STAGES`: the SFT model is the initial policy
+   and reference whose weights every later policy's adapters and every reference forward read).
 
 Everything else under the campaign folder is removed. MLflow keeps every run with its metrics;
 a stage run whose output was removed can no longer be reused (the stage is computed again if
@@ -91,6 +93,10 @@ def _stage_runs_of(tracker: Tracker, experiment_id: str, run: RunSummary) -> lis
     return own + [tracker.run(run_id) for run_id in named]
 
 
+BASE_STAGES = ("sft",)
+"""Stages whose output is a base of the campaign's models (rule 6), kept whatever iterations are."""
+
+
 def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:
     """Decide what ``rlhf gc`` removes (see the module docstring); changes nothing.
 
@@ -141,6 +147,7 @@ def plan_gc(config: PipelineConfig, *, keep_last: int) -> GcPlan:
             else:
                 plan.versions.append((name, version.version))
 
+    keep |= {folder for folder, manifest in outputs.items() if manifest.stage in BASE_STAGES}
     recording = [run for run in tracker.runs(experiment_id, tags={TAG_KIND: KIND_STAGE}) if TAG_INPUT_KEY in run.tags]
     recorded = {folder_of(run) for run in recording}
     keep |= {folder for folder in outputs if folder not in recorded}

@@ -20,7 +20,7 @@ from campaign.model_sources import PACKAGE_PREFIX, is_gguf, model_input
 from campaign.settings import EXECUTION, LOCATION, replayable_fields
 from campaign.store import store_layout
 from demo.world import DemoWorld
-from rlhf_core.config import DPOConfig
+from rlhf_core.config import DPOConfig, SFTConfig
 from runtime.context import BaseInputs, InputFile
 from runtime.references import EnvironmentReference, JudgeReference, RewardFunctionReference
 from storage.fingerprints import FingerprintCache
@@ -35,6 +35,8 @@ INPUT_SETTINGS = {
     "eval_prompts": "data.eval_prompts",
     "preferences": "data.preferences",
     "reward_model": "model.reward_model",
+    "sft_data": "sft.data",
+    "sft": "sft",
 }
 """The input files of :class:`runtime.context.BaseInputs`, by field: the setting naming each."""
 
@@ -109,6 +111,7 @@ def base_inputs(
         if config.labeler == "function" and config.reward.function
         else None,
         environment=EnvironmentReference.of(config.environment.class_) if config.environment.class_ else None,
+        sft_data=_input_file(cache, "sft.data", config.sft.data) if config.sft.data else None,
     )
 
 
@@ -147,11 +150,12 @@ ADDED_FIELDS: dict[str, object] = {
     "environment": {"class": None, "max_turns": 3, "max_tokens_per_turn": 32, "step_timeout_s": 30.0},
     "update": "ppo",
     "dpo": dataclasses.asdict(DPOConfig()),
+    "sft": {**dataclasses.asdict(SFTConfig()), "data": None},
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
 row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment; a PPO
-update, whose campaigns read no `dpo` setting). At that value a field is left out of every identity (the campaign's
+update, whose campaigns read no `dpo` setting; no SFT stage). At that value a field is left out of every identity (the campaign's
 fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:
 :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's

@@ -22,7 +22,7 @@ REPLAYED_STAGES = ("compute_advantages", "ppo_update", "dpo_update", "sample_ref
 """The stages a replay runs again (the reference's samples are the campaign's, reused unless a replay's evaluation
 settings ask for others; a DPO iteration has no advantages, and its update reads the reference's stored log-probs);
 every other stage's output is reused from the source iteration."""
-CAMPAIGN_START = ("initialize",)
+CAMPAIGN_START = ("sft", "initialize")
 """Stages that run once per campaign, before its first iteration. What they received shaped the policy a replay
 starts from, as an earlier iteration's settings did, but no stage of the replayed iteration reads it again."""
 

@@ -19,7 +19,7 @@ import torch
 
 from campaign.config import PipelineConfig
 from campaign.store import resolve_run, source_config, stage_run
-from flows.iterations import context_for, resolve_base, tracking_store
+from flows.iterations import context_for, resolve_base, supervised_base, tracking_store
 from rlhf_core.loading import ModelLoader, merged
 from runtime.records import recorded_result
 from storage.files import temporary_sibling
@@ -44,7 +44,7 @@ def export_model(config: PipelineConfig, source: str, out_dir: Path, *, model: E
     recorded = source_config(config, run_id).model_copy(
         update={"run_root": config.run_root, "tracking_uri": config.tracking_uri}
     )
-    base = resolve_base.fn(recorded)
+    base = supervised_base(recorded, resolve_base.fn(recorded), in_flow=False)  # adapters over an SFT model
     tracker = tracking_store(recorded).tracker()
     context = context_for(recorded, 0, base, tracker.experiment_id(recorded.campaign))
     stage = "dpo_update" if model == "actor" and recorded.update == "dpo" else _STAGE_OF[model]

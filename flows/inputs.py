@@ -47,7 +47,13 @@ from campaign.config import PipelineConfig
 from campaign.model_sources import gguf_config, gguf_tokenizer, is_gguf
 from rlhf_core.config import MIN_PREFERENCE_PAIRS, eval_split_error
 from rlhf_core.errors import UserError
-from storage.importers import ImportFormatError, preference_rows, prompt_rows
+from storage.importers import (
+    ImportFormatError,
+    import_sft_examples,
+    preference_rows,
+    prompt_rows,
+    sft_example_rows,
+)
 
 if TYPE_CHECKING:  # check_files imports neither torch, transformers nor MLflow
     from runtime.context import BaseInputs
@@ -176,6 +182,24 @@ def _template_refusal(setting: str, path: Path, row: int, field: str, error: Exc
     )
 
 
+def _check_sft_examples(path: Path, tokenizer, *, context: int | None) -> None:
+    """Every SFT example tokenises as the SFT stage tokenises it (:func:`tasks.sft_text.tokenize_examples`: a
+    conversation through the chat template, its assistant turns masked), has a token to learn and fits the context."""
+    from tasks.sft_text import ChatTemplateError, nothing_to_learn, tokenize_examples
+
+    try:
+        examples = tokenize_examples(tokenizer, import_sft_examples(path))
+    except (ImportFormatError, ChatTemplateError) as error:
+        raise InputError(f"`sft.data` {path}: {_first_line(error)}") from error
+    if (empty := nothing_to_learn(examples)) is not None:
+        raise InputError(f"`sft.data` {path}, row {empty + 1}: no token for the model to learn")
+    for row, example in enumerate(examples, start=1):
+        tokens = len(example.input_ids)
+        _fits(
+            "sft.data", path, row, "example", tokens, context=context, what=f"{tokens} tokens as the SFT stage reads it"
+        )
+
+
 def _enough_prompts(setting: str, path: Path, rows: int, *, at_least: int) -> None:
     if rows < at_least:
         wanted = "" if at_least == 1 else f"; `sizes.eval_prompts` asks for {at_least}"
@@ -267,6 +291,7 @@ def check_files(config: PipelineConfig) -> None:
     files = {"data.prompts": config.data.prompts, "data.eval_prompts": config.data.eval_prompts}
     if config.labeler == "import":
         files["data.preferences"] = config.data.preferences
+    files["sft.data"] = config.sft.data
     for setting, model in models.items():
         if model is not None and not _found_later(model) and not Path(model).exists():
             raise FileNotFoundError(f"`{setting}` folder {model} does not exist")
@@ -285,7 +310,9 @@ def check_files(config: PipelineConfig) -> None:
         for setting, path in files.items():
             if path is None:
                 continue
-            if setting == "data.preferences":
+            if setting == "sft.data":
+                sum(1 for _ in sft_example_rows(path))  # every row parses (an assistant turn in each conversation)
+            elif setting == "data.preferences":
                 train = config.reward_model.train
                 _enough_pairs(
                     setting, path, sum(1 for _ in preference_rows(path)),
@@ -351,6 +378,8 @@ def check_tokens(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip
+    if base.sft_data is not None:
+        _check_sft_examples(Path(base.sft_data.path), tokenizer, context=context)
     if base.preferences is not None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:

@@ -28,7 +28,7 @@ from flows.inputs import InputError, check_inputs
 from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
 from flows.lineage import artifact_key, create_lineage_artifact
 from runtime.cluster import cluster_address
-from runtime.context import BaseInputs, Execution, StageContext, TrackingStore
+from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
 from runtime.declaration import StageResult
 from runtime.engine import engine_identity, ensure_engine
 from runtime.records import optional_upstream_result, recorded_result, upstream_names, upstream_result
@@ -38,12 +38,14 @@ from storage.mlflow_store import RunSummary
 from storage.tracking import (
     KIND_ITERATION,
     KIND_REPLAY,
+    KIND_STAGE,
     TAG_CAMPAIGN,
     TAG_FLOW_RUN_ID,
     TAG_INPUT_KEY,
     TAG_ITERATION,
     TAG_ITERATION_KEY,
     TAG_KIND,
+    TAG_MANIFEST_DIGEST,
     TAG_OUTPUT_PREFIX,
     TAG_REPLAY_OF,
     TAG_SUPERSEDED_BY,
@@ -183,6 +185,48 @@ def resolve_base(config: PipelineConfig, *, checked: bool = False) -> BaseInputs
         )
     cache.save()  # only for inputs that pass: a refused command writes nothing
     return base
+
+
+def supervised_base(config: PipelineConfig, base: BaseInputs, *, in_flow: bool = True) -> BaseInputs:
+    """``base`` with the output of the SFT stage (``sft.data``; run, or reused when its inputs and code are unchanged)
+    as the campaign's initial policy and reference (:meth:`runtime.context.BaseInputs.supervised`); ``base`` itself
+    without SFT data, or once it is the SFT output. Before an iteration opens its run, whose key names the policy.
+    ``in_flow``: the stage runs as a task of the calling flow; False: in this process with no task run (a command
+    outside a flow, ``rlhf export``)."""
+    if not base.awaits_sft:
+        return base
+    from tasks.sft import sft
+
+    tracker = tracking_store(config).tracker()
+    context = context_for(config, 0, base, tracker.experiment_id(config.campaign))
+    tuned = _recorded_sft(context) or (sft(context, config) if in_flow else sft.run(context, config))
+    return base.supervised(InputFile(path=str(tuned.directory / "actor"), sha256=tuned.digest))
+
+
+def _recorded_sft(context: StageContext) -> StageResult | None:
+    """The SFT output a campaign with a finished iteration started from (iteration 0's ``initialize`` names it), kept
+    as it is whatever code computes an SFT now, as the finished iterations made from it are (a campaign is history);
+    None before any iteration finished."""
+    finished = context.tracker.finished_iterations(context.experiment_id)
+    if not finished:
+        return None
+    first = finished[min(finished)].run_id
+    start = recorded_result(context, stage_run(context.tracker, context.experiment_id, first, "initialize"))
+    return optional_upstream_result(context, start, "sft")
+
+
+def sft_output(context: StageContext) -> StageResult | None:
+    """The SFT output that ``context``'s initial policy is (:func:`supervised_base`), found by its digest; None for a
+    campaign without SFT."""
+    if context.base.pretrained is None:
+        return None
+    digest = context.base.policy.sha256
+    run_id = context.tracker.find_run(
+        context.experiment_id, tags={TAG_MANIFEST_DIGEST: digest, TAG_KIND: KIND_STAGE}, status="FINISHED"
+    )
+    if run_id is None:
+        raise LookupError(f"no finished sft run in MLflow holds the output {digest[:16]}")
+    return recorded_result(context, run_id)
 
 
 def _flow_run_id() -> str | None:

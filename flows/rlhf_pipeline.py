@@ -35,6 +35,8 @@ from flows.iterations import (
     open_iteration,
     open_replay,
     resolve_base,
+    sft_output,
+    supervised_base,
 )
 from flows.overlap import ahead_of, beside, lanes, runs_ahead
 from flows.replay import check_replay_data, check_replayable
@@ -122,7 +124,7 @@ def rlhf_iteration(
         campaign_slot(config.campaign, layout.slot_file()),
         cluster(config.execution),
     ):
-        base = base or resolve_base(config)
+        base = supervised_base(config, base or resolve_base(config))
         if iteration is None:
             iteration, state = load_latest_state(config, base)
             _name_iteration_run(config.campaign, iteration)
@@ -157,11 +159,17 @@ def _failure_payload(context: StageContext, kind: str, policy: StageResult | Non
 def _iteration(
     config: PipelineConfig, context: StageContext, state: IterationState | None, *, ahead: bool
 ) -> IterationState:
-    state = state or IterationState(policy=initialize(context, config))  # iteration 0 starts the campaign
+    state = state or IterationState(policy=_start(config, context))  # iteration 0 starts the campaign
     learn = _dpo_steps if config.update == "dpo" else _ppo_steps  # a DPO update: no reward model, rollout, advantages
     stages, new_state = learn(config, context, state, ahead=ahead)
     evaluation = _evaluation(config, context, new_state.policy, new_state.reward_model)
     return close_iteration(context, [*stages, *evaluation], new_state)
+
+
+def _start(config: PipelineConfig, context: StageContext) -> StageResult:
+    """The campaign's initial policy: the pretrained one, or with ``sft.data`` the SFT output (which ran, or was
+    reused, before the iteration opened: :func:`flows.iterations.supervised_base`), named as the actor's upstream."""
+    return initialize(context, config, sft=sft_output(context))
 
 
 def _ppo_steps(
@@ -288,7 +296,7 @@ def rlhf_campaign(
         ConfigError: ``from_iteration`` cannot be recomputed (:func:`campaign.history.check_from_iteration`).
     """
     with pinned_code(STAGE_MODULES), cluster(config.execution):  # one local cluster for every iteration
-        base = base or resolve_base(config)
+        base = supervised_base(config, base or resolve_base(config))
         finished = finished_iterations(config)
         start = next((n for n in range(config.iterations) if n not in finished), config.iterations)
         if from_iteration is not None:
@@ -330,7 +338,7 @@ def rlhf_replay(config: PipelineConfig, source_run_id: str, base: BaseInputs | N
         campaign_slot(config.campaign, layout.slot_file()),
         cluster(config.execution),
     ):
-        base = base or resolve_base(config)
+        base = supervised_base(config, base or resolve_base(config))
         inputs = load_replay_inputs(config, source_run_id, base)
         if config.update == "ppo":
             check_replay_data(config, inputs.experience)

@@ -55,6 +55,7 @@ __all__ = [
     "precision",
     "preference_losses",
     "reward_training",
+    "sft",
     "rewards",
     "sequences",
 ]

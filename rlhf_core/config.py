@@ -396,6 +396,28 @@ class DPOConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SFTConfig:
+    """Supervised fine-tuning of the initial policy on demonstrations (stage: sft; ``sft.data``).
+
+    Defaults are TRL's ``SFTConfig`` (``learning_rate`` 2e-5; ``epochs``, ``batch_size`` and ``max_grad_norm`` from
+    the ``TrainingArguments`` it extends; AdamW without weight decay, as ``TrainingArguments.weight_decay`` 0).
+    """
+
+    epochs: int = bounded(3, gt=0)
+    """Passes over the examples (TRL `num_train_epochs` 3)."""
+    batch_size: int = bounded(8, gt=0)
+    """Examples per optimizer step (TRL `per_device_train_batch_size` 8); the loss is the mean over the assistant
+    tokens of the whole batch."""
+    learning_rate: float = bounded(2e-5, gt=0)
+    """AdamW learning rate (TRL `SFTConfig.learning_rate` 2e-5)."""
+    max_grad_norm: float = bounded(1.0, gt=0)
+    """Gradient-norm clip (TRL 1.0)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoraConfig:
     """Low-rank adapters (Hu et al. 2021) on every trained model, through peft (stages: initialize, train reward model).
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_core.distributed import global_sum
+
 
 class DivergenceError(ValueError):
     """A model's ``quantity`` (loss, gradient norm, weights, logits) is not finite.
@@ -111,7 +113,7 @@ def guarded_step(
     (:func:`check_finite`), the gradient (of ``loss * scale``: a process's share of the minibatch, scaled so that
     DDP's average of the processes' gradients is the minibatch's) is clipped to ``max_grad_norm``, and a non-finite
     norm is a divergence, or under fp16's loss scaler (``scaled``) a step the scaler skips (:func:`skipped_steps`).
-    The one home of the step every training loop takes (PPO's actor and critic, the reward model, DPO).
+    The one home of the step every training loop takes (PPO's actor and critic, the reward model, DPO, SFT).
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model`` and ``optimizer``.
@@ -127,3 +129,30 @@ def guarded_step(
     in_a_row = skipped_steps(torch.as_tensor(norm), scaled=scaled, in_a_row=in_a_row, limit=limit, **diverged)
     optimizer.step()
     return in_a_row
+
+
+def share_step(
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    loss: torch.Tensor,
+    *,
+    weight: float,
+    max_grad_norm: float,
+    in_a_row: int,
+    limit: int,
+    diverged: dict[str, Any],
+) -> tuple[int, float]:
+    """:func:`guarded_step` on this process's share of a minibatch, whose ``loss`` is already divided by the whole
+    minibatch's count (``weight`` 0 for a share with no real rows, :func:`rlhf_core.distributed.rank_share`): each
+    process backpropagates N times its share, so DDP's average of the gradients is the minibatch's. The step of the
+    loops that split minibatches by rows (DPO, SFT).
+
+    Returns:
+        The steps skipped in a row after this one, and the whole minibatch's loss (the sum of the shares').
+    """
+    in_a_row = guarded_step(
+        accelerator, optimizer, model, loss, scale=accelerator.num_processes * weight, max_grad_norm=max_grad_norm,
+        scaled=accelerator.scaler is not None, in_a_row=in_a_row, limit=limit, diverged=diverged,
+    )  # fmt: skip
+    return in_a_row, global_sum(accelerator, loss.detach() * weight).item()

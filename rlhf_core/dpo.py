@@ -31,8 +31,8 @@ import torch
 from accelerate import Accelerator
 
 from rlhf_core.config import DPOConfig
-from rlhf_core.distributed import global_sum, rank_share
-from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, guarded_step
+from rlhf_core.distributed import rank_share
+from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, share_step
 from rlhf_core.models import dropout_disabled, evaluating, fused_activations
 from rlhf_core.preference_losses import SequenceLogprob, preference_loss, preference_metrics, reduce_logprobs
 from rlhf_core.sequences import logprobs_from_logits, response_logits
@@ -250,7 +250,7 @@ def dpo_update(
     pairs = pairs.to(accelerator.device)
     loss_sum, steps = (resume.loss_sum, resume.optimizer_steps) if resume else (0.0, 0)
     world, rank = accelerator.num_processes, accelerator.process_index
-    scaled, in_a_row, skipped = accelerator.scaler is not None, 0, 0  # fp16: see rlhf_core.divergence
+    in_a_row, skipped = 0, 0  # fp16's skipped steps: see rlhf_core.divergence
     with dropout_disabled(actor), fused_activations(actor):
         for epoch in range(resume.epochs_done if resume else 0, config.epochs):
             order = torch.randperm(len(pairs), generator=generator)
@@ -262,15 +262,13 @@ def dpo_update(
                 loss = losses.sum() / len(minibatch)
                 # 2. DDP averages the processes' gradients: each backpropagates N times its share (a non-finite loss
                 #    or gradient norm stops the update before its step; under fp16's loss scaler a non-finite norm is a
-                #    skipped step, and only max_skipped_steps in a row are)
-                in_a_row = guarded_step(
-                    accelerator, optimizer, actor, loss, scale=world * weight, max_grad_norm=config.max_grad_norm,
-                    scaled=scaled, in_a_row=in_a_row, limit=max_skipped_steps,
+                #    skipped step, and only max_skipped_steps in a row are); the whole minibatch's loss
+                in_a_row, step_loss = share_step(
+                    accelerator, optimizer, actor, loss, weight=weight, max_grad_norm=config.max_grad_norm,
+                    in_a_row=in_a_row, limit=max_skipped_steps,
                     diverged={"model": "actor", "step": steps + 1, "learning_rate": config.learning_rate},
                 )  # fmt: skip
                 skipped += in_a_row > 0
-                # 3. the whole minibatch's loss (the sum of the shares')
-                step_loss = global_sum(accelerator, loss.detach() * weight).item()
                 loss_sum += step_loss
                 steps += 1
                 if on_step is not None:

@@ -41,6 +41,8 @@ Choices:
 12. A critic may be loaded from a reward model's folder (the campaign's first trained one, or a pretrained one):
    its backbone (or its LoRA adapter over its base) and its score head as the value head, as OpenRLHF and
    ColossalChat start the critic. Saved again, it is a critic.
+13. A causal LM folder holding all its weights (an SFT output, the campaign's initial policy then) starts a critic or
+   reward model as any Hugging Face causal LM folder does: its backbone, with a fresh head.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ class FolderMeta:
         raw = json.loads(path.read_text())
         return cls(kind=raw["kind"], base=raw["base"], adapter=bool(raw["adapter"]))
 
+    @property
+    def whole_causal_lm(self) -> bool:
+        """A causal LM with all its weights (no base, no adapter): a Hugging Face folder like any other."""
+        return self.kind == "causal_lm" and not self.base and not self.adapter
+
     def write(self, folder: Path) -> None:
         (Path(folder) / MODEL_META_FILE).write_text(json.dumps(asdict(self), sort_keys=True) + "\n")
 
@@ -120,7 +127,7 @@ def _peft():
     return peft
 
 
-def _is_adapted(model: nn.Module) -> bool:
+def is_adapted(model: nn.Module) -> bool:
     """Whether ``model`` (or a critic's / reward model's backbone) carries LoRA adapters."""
     backbone = model.model if isinstance(model, Critic | RewardModel) else model
     return type(backbone).__module__.startswith("peft.")
@@ -251,6 +258,8 @@ class ModelLoader:
             raise ValueError("the reference policy is frozen; it cannot be loaded trainable")
         source = Path(source)
         meta = FolderMeta.read(source)
+        if meta is not None and meta.whole_causal_lm and role in ("critic", "reward_model"):
+            meta = None  # a backbone as any Hugging Face causal LM folder is (choice 13)
         # a critic may start from a reward model (its backbone, and its score head as the value head: choice 12)
         starts_critic = role == "critic" and meta is not None and meta.kind == "reward_model"
         if meta is not None and meta.kind != _KIND_OF_ROLE[role] and not starts_critic:
@@ -308,7 +317,7 @@ class ModelLoader:
 
     def reference(self, actor: nn.Module | None = None) -> nn.Module:
         """The frozen initial policy: ``actor`` with its adapters off under LoRA, else the base loaded frozen."""
-        if actor is not None and _is_adapted(actor):
+        if actor is not None and is_adapted(actor):
             view = AdapterDisabled(actor)
             self._record("reference", view, False, shares_weights_with="actor")
             return view
@@ -349,7 +358,7 @@ class ModelLoader:
         if not trainable:
             freeze(model)
             return
-        if _is_adapted(model):  # peft already froze the base and left the adapters trainable
+        if is_adapted(model):  # peft already froze the base and left the adapters trainable
             if isinstance(model, Critic | RewardModel):
                 model.head.requires_grad_(True)
         else:
@@ -360,7 +369,7 @@ class ModelLoader:
     def _record(self, role: str, model: nn.Module, trainable: bool, **extra: str | bool) -> None:
         device, dtype = _describe(model)
         record = {"role": role, "device": device, "dtype": dtype, "trainable": trainable, **extra}
-        if _is_adapted(model) and "shares_weights_with" not in extra:
+        if is_adapted(model) and "shares_weights_with" not in extra:
             record["adapters"] = "float32"  # over a frozen base in `dtype`
         self.loaded.append(record)
 
@@ -437,7 +446,7 @@ def count_parameters(folder: str | Path) -> int:
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:
     backbone = model.model if isinstance(model, Critic | RewardModel) else model
-    if _is_adapted(model):
+    if is_adapted(model):
         backbone = backbone.get_base_model()
     if not isinstance(backbone, PreTrainedModel) or not backbone.supports_gradient_checkpointing:
         raise ValueError(f"{type(backbone).__name__} does not support gradient checkpointing")
@@ -488,7 +497,7 @@ def save_model_folder(
     backbone = headed.model if headed is not None else model
     kind: ModelKind = "causal_lm" if headed is None else ("critic" if isinstance(headed, Critic) else "reward_model")
     base = getattr(model, "rlhf_base", None)
-    adapted = _is_adapted(model)
+    adapted = is_adapted(model)
     if adapted or not weights:
         if base is None:
             raise ValueError("this model was not loaded from a named base, so its backbone's weights must be saved")
@@ -524,7 +533,7 @@ def _split_state(
 
 def merged(model: nn.Module) -> nn.Module:
     """The model with its LoRA adapters merged into the base weights (unchanged without adapters)."""
-    if not _is_adapted(model):
+    if not is_adapted(model):
         return model
     if isinstance(model, Critic | RewardModel):
         return type(model).wrap(model.model.merge_and_unload(), model.head)

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlhf_core.distributed import full_state_dict, is_sharded, prepare, shard_model
+from rlhf_core.loading import is_adapted, merged
 from runtime.bars import stage_bar
 from runtime.context import Execution
 from runtime.metering import Throttle
@@ -113,8 +114,10 @@ class Checkpointer:
         execution: how the stage runs (``sharding``, ``checkpoint_seconds``).
         final_dir: the stage output's final folder; its mid-stage checkpoints live beside it.
         generator: the stage's shuffling generator, saved and restored with the checkpoint.
-        epochs: the epochs the stage trains (none is checkpointed after the last: the output follows).
+        epochs: the epochs the stage trains (none is checkpointed after the last: the output follows); for a stage
+            that checkpoints after optimizer steps (:meth:`end_step`), the steps it takes.
         name: the stage's name, for the progress bar.
+        unit: what ``epochs`` counts, for the progress bar: ``epoch``, or ``step`` for :meth:`end_step`.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class Checkpointer:
         generator: torch.Generator,
         epochs: int,
         name: str,
+        unit: str = "epoch",
     ) -> None:
         self.accelerator = accelerator
         self.execution = execution
@@ -133,6 +137,7 @@ class Checkpointer:
         self.generator = generator
         self.epochs = epochs
         self.name = name
+        self.unit = unit
         self.checkpoint = latest_progress(self.final_dir)
         """``(epochs_done, folder)`` of a crashed attempt's newest checkpoint, which :meth:`prepare` restores."""
         self.curve: list[dict[str, float]] = []
@@ -191,7 +196,7 @@ class Checkpointer:
 
     def __enter__(self) -> Checkpointer:
         done = self.checkpoint[0] if self.checkpoint else 0
-        self.bar = stage_bar(total=self.epochs, initial=done, desc=self.name, unit="epoch", disable=not self.main)
+        self.bar = stage_bar(total=self.epochs, initial=done, desc=self.name, unit=self.unit, disable=not self.main)
         return self
 
     def __exit__(self, *error: object) -> None:
@@ -206,13 +211,23 @@ class Checkpointer:
     def end_epoch(self, progress: NamedTuple) -> None:
         """After each whole epoch (the training loop's ``on_epoch_end``, with its progress): show it, and take a
         checkpoint when it is due (choice 5)."""
+        self._passed(progress.epochs_done, progress)
+
+    def end_step(self, progress: NamedTuple) -> None:
+        """After each optimizer step of a stage that continues mid-epoch (its loop's ``on_step_end``, with a progress
+        that counts ``steps_done``; the checkpointer made with ``epochs`` its steps, ``unit`` step): as
+        :meth:`end_epoch`, a step for an epoch."""
+        self._passed(progress.steps_done, progress)
+
+    def _passed(self, done: int, progress: NamedTuple) -> None:
+        """``done`` units of ``epochs`` are behind: show it, and checkpoint ``progress`` when it is due (choice 5)."""
         self.bar.update(1)
-        due = self.main and progress.epochs_done < self.epochs and self.throttle.due()
+        due = self.main and done < self.epochs and self.throttle.due()
         if self.accelerator.num_processes > 1:
             due = broadcast(torch.tensor([float(due)], device=self.accelerator.device), from_process=0).item() != 0
         if not due:
             return
-        staging = shared_staging(self.final_dir, progress.epochs_done)
+        staging = shared_staging(self.final_dir, done)
         if self.main:
             shutil.rmtree(staging, ignore_errors=True)  # a crashed attempt's leftover
             staging.mkdir(parents=True)
@@ -221,20 +236,28 @@ class Checkpointer:
         if self.main:
             scaler = None if self.accelerator.scaler is None else self.accelerator.scaler.state_dict()
             state = TrainingState(progress._asdict(), self.generator.get_state().tolist(), self.curve, scaler)
-            save_progress(self.final_dir, progress.epochs_done, state.write, staging=staging)
+            save_progress(self.final_dir, done, state.write, staging=staging)
         self.accelerator.wait_for_everyone()
 
-    def save_output(self, folder: Path, *, tokenizer: Any, keep_optimizers: bool = False) -> None:
+    def save_output(self, folder: Path, *, tokenizer: Any, keep_optimizers: bool = False, whole: bool = False) -> None:
         """Write the stage output into ``folder``: each model as ``folder/<name>`` (``save_pretrained``, with
         ``tokenizer``, by the main process; gathered from every process where sharded), the training curve, and with
         ``keep_optimizers`` the optimizer states (``folder/optimizers``, each process its part) for the next
-        iteration to continue."""
+        iteration to continue. With ``whole``, a LoRA model's adapters are merged into its weights
+        (:func:`rlhf_core.loading.merged`): a whole model that needs no base, such as a campaign's initial policy.
+
+        Raises:
+            ValueError: ``whole`` for a LoRA model sharded over the processes (its adapters are merged in one).
+        """
         gathered = {name: full_state_dict(model) if is_sharded(model) else None for name, model in self.models.items()}
         if keep_optimizers:
             self._save(Path(folder) / OPTIMIZERS, weights=False)
+        if whole and any(is_adapted(model) and is_sharded(model) for model in self.models.values()):
+            raise ValueError("a sharded LoRA model cannot be merged into a whole one: train it on one process")
         if self.main:
             for name, model in self.models.items():
-                save_model(Path(folder) / name, model, tokenizer, state_dict=gathered[name])
+                saved = merged(model) if whole else model
+                save_model(Path(folder) / name, saved, tokenizer, state_dict=gathered[name])
             write_training_curve(Path(folder), self.curve)
         self.accelerator.wait_for_everyone()  # every part is written before the main process publishes the folder
 

@@ -16,7 +16,7 @@ A task receives the context plus exactly the settings and upstream outputs it us
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,12 @@ class BaseInputs:
             evaluation's responses beside the reward model, or None.
         environment: the environment class of multi-turn episodes (``environment.class``), or None: a setting of
             the rollout, keyed by its module's code like ``reward_function``.
+        sft_data: the demonstrations the initial policy is fine-tuned on (``sft.data``), or None. Only the SFT stage
+            reads it (a setting of its own, like ``preferences``, not in :attr:`fingerprint`).
+        pretrained: the policy SFT started from (``model.policy``) once :attr:`policy` is the SFT output
+            (:meth:`supervised`), or None. :attr:`contents` records it as the ``policy``, beside the ``sft_data``
+            (and the SFT output as ``sft``): the files a campaign starts from read the same before its SFT stage ran
+            in a command and after.
     """
 
     policy: InputFile
@@ -88,6 +94,18 @@ class BaseInputs:
     reward_function: RewardFunctionReference | None = None
     rubric: RewardFunctionReference | None = None
     environment: EnvironmentReference | None = None
+    sft_data: InputFile | None = None
+    pretrained: InputFile | None = None
+
+    @property
+    def awaits_sft(self) -> bool:
+        """Whether the initial policy is still to be fine-tuned on :attr:`sft_data` (:meth:`supervised`)."""
+        return self.sft_data is not None and self.pretrained is None
+
+    def supervised(self, policy: InputFile) -> BaseInputs:
+        """These inputs with ``policy`` (the SFT stage's output) as the initial policy, and so the reference, of every
+        stage; the pretrained one kept as :attr:`pretrained`."""
+        return replace(self, policy=policy, pretrained=self.policy)
 
     @property
     def bases(self) -> dict[str, str]:
@@ -103,13 +121,16 @@ class BaseInputs:
     def contents(self) -> dict[str, str]:
         """``{field: sha256}`` of every input file (``policy``, ``prompts``, ...; the tokenizer only when it is
         not the policy's own): what a manifest and an iteration run record of the inputs that produced them."""
+        policy = self.pretrained or self.policy
         files = {
-            "policy": self.policy,
-            "tokenizer": None if self.tokenizer == self.policy else self.tokenizer,
+            "policy": policy,
+            "tokenizer": None if self.tokenizer == policy else self.tokenizer,
             "prompts": self.prompts,
             "eval_prompts": self.eval_prompts,
             "preferences": self.preferences,
             "reward_model": self.reward_model,
+            "sft_data": self.sft_data,
+            "sft": None if self.pretrained is None else self.policy,
         }
         return {name: file.sha256 for name, file in files.items() if file is not None}
 
@@ -117,9 +138,10 @@ class BaseInputs:
     def sources(self) -> dict[str, dict[str, str]]:
         """Setting -> ``{"file", "sha256", "folder"}`` of each model converted from another file (a GGUF file),
         for stage manifests to record; empty when none was."""
-        tokenizer = None if self.tokenizer is self.policy else self.tokenizer  # the policy's own, said once
+        policy = self.pretrained or self.policy
+        tokenizer = None if self.tokenizer is policy else self.tokenizer  # the policy's own, said once
         named = (
-            ("model.policy", self.policy),
+            ("model.policy", policy),
             ("model.tokenizer", tokenizer),
             ("model.reward_model", self.reward_model),
         )

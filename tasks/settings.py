@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         PPOConfig,
         RewardModelConfig,
         SamplingConfig,
+        SFTConfig,
     )
     from rlhf_core.precision import Precision
     from runtime.context import InputFile
@@ -33,10 +34,28 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class SFTSettings(StageSettings):
+    """Before iteration 0 (``sft.data``): the pretrained policy fine-tuned on demonstrations, the campaign's initial
+    policy and reference."""
+
+    stage = "sft"
+    sft: SFTConfig = setting("sft.training")
+    data: InputFile = setting("base.sft_data")
+    """The demonstrations (by content)."""
+    precision: Precision = setting("precision")
+    lora: LoraConfig | None = setting("model.lora")
+    """Train adapters (merged into the output's weights) or, None, every weight."""
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
 class InitializeSettings(StageSettings):
     """Stage 0: the campaign's starting actor (and critic)."""
 
     stage = "initialize"
+    sft: StageResult | None = upstream()
+    """The SFT output the actor is (the base policy then: :meth:`runtime.context.BaseInputs.supervised`), or None;
+    named here so that the lineage shows it under every policy."""
     critic: bool = setting("has_critic")
     """Make a critic (an estimator that uses one: GAE; never for a DPO update)."""
     lora: LoraConfig | None = setting("model.lora")
@@ -290,6 +309,7 @@ class EvaluateSettings(StageSettings):
 
 
 STAGES: tuple[type[StageSettings], ...] = (
+    SFTSettings,
     InitializeSettings,
     SampleCandidatesSettings,
     HumanLabelsSettings,

@@ -218,6 +218,12 @@ def tokenize_examples(tokenizer: PreTrainedTokenizerBase, table: pa.Table) -> li
     return tokens
 
 
+def nothing_to_learn(examples: Sequence[SftTokens]) -> int | None:
+    """The index of the first example with no token to learn, or None: a mask True at the example's first token alone
+    trains nothing (no logits score a sequence's first token)."""
+    return next((index for index, example in enumerate(examples) if not any(example.loss_mask[1:])), None)
+
+
 def _render(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, add_generation_prompt: bool
 ) -> list[int]:

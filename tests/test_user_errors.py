@@ -26,6 +26,8 @@ from rlhf_core.errors import UserError
         "runtime.references:EnvironmentClassError",
         "tasks.episodes:EveryEpisodeFailed",
         "tasks.reference_logprobs:NoDecisivePair",
+        "tasks.sft:NothingToLearn",
+        "tasks.sft_text:ChatTemplateError",
         "campaign.model_sources:ModelSourceError",
         "flows.inspection:InspectError",
     ],

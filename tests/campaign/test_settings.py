@@ -63,7 +63,7 @@ def test_settings_are_read_from_the_config_and_the_base_inputs():
     assert update.temperature == config.sampling.temperature
     # A derived property is a setting too: the update and initialize read whether the estimator uses a critic.
     grpo = PipelineConfig(demo=True, labeler="gold", advantages={"estimator": "grpo"}, sizes={"samples_per_prompt": 4})
-    assert setting_values(settings_from(InitializeSettings, config, BASE, {})) == {
+    assert setting_values(settings_from(InitializeSettings, config, BASE, {"sft": None})) == {
         "critic": True,
         "lora": None,
         "critic_init": "policy",

@@ -81,6 +81,11 @@ def _jsonl(rows: list[object]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
+def _sft_data(tmp: Path, second: dict) -> str:
+    """The override pointing ``sft.data`` at a file of a good example, then ``second``."""
+    return _with(tmp, "sft.data", "sft.jsonl", _jsonl([{"prompt": "the dog", "completion": " ran ."}, second]))
+
+
 def _policy(tmp: Path, world: dict[str, Path], change: Callable[[Path], None]) -> str:
     """A copy of the test's policy folder with ``change`` applied."""
     copy = tmp / "policy"
@@ -164,6 +169,14 @@ CONFIG_CASES = [
         "issue45-dpo-with-staleness",
         lambda t, w: _run(t, w, "update=dpo", "sampling.staleness=1"),
         ("`sampling.staleness`", "`update` dpo"),
+    ),
+    Case(
+        "issue45-sft-settings-without-data", lambda t, w: _run(t, w, "sft.epochs=2"), ("`sft` settings", "`sft.data`")
+    ),
+    Case(
+        "issue45-sft-on-the-vllm-engine",
+        lambda t, w: _run(t, w, "sft.data=x.jsonl", "sampling.engine=vllm"),
+        ("`sft.data`", "`sampling.engine` vllm"),
     ),
     Case("issue45-dpo-settings-under-ppo", lambda t, w: _run(t, w, "dpo.beta=0.5"), ("`dpo` settings", "`update` dpo")),
     Case(
@@ -299,6 +312,16 @@ FILE_CASES = [
             _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 16 + [{**PAIR, "chosen": LONG}])),
         ),
         ("`data.preferences`", "row 17", "field 'chosen'", "context length 64"),
+    ),
+    Case(
+        "issue45-sft-data-without-an-assistant-turn",
+        lambda t, w: _run(t, w, _sft_data(t, {"messages": [{"role": "user", "content": "the dog"}]})),
+        ("`sft.data`", "row 2", "field 'messages'", "no assistant turn"),
+    ),
+    Case(
+        "issue45-sft-example-longer-than-the-context",
+        lambda t, w: _run(t, w, _sft_data(t, {"prompt": "the dog", "completion": LONG})),
+        ("`sft.data`", "row 2", "context length 64"),
     ),
 ]
 

@@ -43,6 +43,7 @@ Slow: ``.ci/run`` runs it as its own step.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -434,3 +435,26 @@ def test_issue44_kill_minus_nine_during_an_episode_rollout_then_rerun_equals_a_r
     assert sampled_again["shards"] == 1 and "declares itself non-deterministic" in sampled_again["why"]
     coin, guess = (read_table(_rollout(root), "experience") for root in (coin_root, uncrashed_root))
     assert coin.equals(guess)  # Coin plays Guess's game: sampled again, its episodes are the same
+
+
+def test_issue45_kill_minus_nine_mid_sft_then_rerun_equals_a_run_that_never_crashed(
+    checkpoint_world, tmp_path, api_url
+):
+    """SFT before iteration 0 (two epochs of 3 steps, a checkpoint after every step), killed right after its first
+    checkpoint, in the middle of its first epoch: the same command again continues from that step and ends the campaign
+    (SFT, then one iteration) as one that never crashed, to the byte."""
+    prompts = [json.loads(line)["prompt"] for line in checkpoint_world["prompts"].read_text().splitlines()]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": " happy ."}) + "\n" for p in prompts))
+    more = ("iterations=1", f"sft.data={data}", "sft.epochs=2", "sft.batch_size=16", "sft.learning_rate=1e-2")
+    (tmp_path / "uncrashed").mkdir()
+    uncrashed = _uncrashed(checkpoint_world, tmp_path / "uncrashed", api_url, *more)
+    assert any(path.startswith("sft/") and path.endswith("actor/model.safetensors") for path in uncrashed[0])
+
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
+    command = _command(run_root, checkpoint_world, *more)
+    _kill_when_held(command, "sft:computing", tmp_path / "held-sft", log, api_url)
+    [partial] = (run_root / "tiny" / "sft").glob("*.partial")
+    assert [path.name for path in partial.glob("epoch-*")] == ["epoch-00001"], "one step of six done: mid-epoch"
+    assert not list((run_root / "tiny").glob("*/*/_manifest.json")), "nothing finished before the SFT stage"
+    _rerun_equals(command, log, run_root, uncrashed, api_url)

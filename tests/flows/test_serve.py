@@ -91,7 +91,7 @@ def test_schema_bounds_state_the_stage_config_checks(tiny):
     validate({"config": config.model_dump(mode="json")}, schema, raise_on_error=True)
     # The built-in defaults (which alone name no model, so PipelineConfig() itself is refused) are in bounds.
     validate({"config": PipelineConfig.model_construct().model_dump(mode="json")}, schema, raise_on_error=True)
-    sections = ("sampling", "reward_model", "advantages", "ppo", "dpo")
+    sections = ("sampling", "reward_model", "advantages", "ppo", "dpo", "sft")
     section_of = {type(getattr(config, name)): name for name in sections}
     bounds_of = schema_bounds()
     assert {cls.__name__ for cls in bounds_of} == {
@@ -100,6 +100,7 @@ def test_schema_bounds_state_the_stage_config_checks(tiny):
         "AdvantageConfig",
         "PPOConfig",
         "DPOConfig",
+        "SFTSection",
     }
     assert bounds_of[type(config.ppo)]["clip_eps"] == {"exclusiveMinimum": 0}
     for config_class, fields in bounds_of.items():

@@ -266,18 +266,39 @@ def test_a_base_reference_folder_is_the_base(folders, tmp_path):
         save_model_folder(stray, tmp_path / "stray", weights=False)
 
 
-def test_merging_adapters_keeps_the_function(folders):
+def _moved_lora_actor(folders) -> torch.nn.Module:
+    """A LoRA actor over the test's policy whose adapters change its function (``lora_B`` drawn, not zero)."""
     loader = ModelLoader(device=CPU, precision="fp32", bases={"policy": folders["policy"]}, lora=LORA)
     actor = loader.load("actor", folders["policy"], trainable=True)
     with torch.no_grad():
         for name, parameter in actor.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(std=0.5)
+    return actor
+
+
+def test_merging_adapters_keeps_the_function(folders):
+    actor = _moved_lora_actor(folders)
     ids, mask = left_padded([[3, 4, 5], [6]])
     expected = _logits(actor, ids, mask)
     plain = merged(actor)
     assert type(plain).__name__ == "GPT2LMHeadModel"
     torch.testing.assert_close(_logits(plain, ids, mask), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_issue45_a_merged_lora_actor_is_a_whole_base_that_starts_a_critic_and_a_reference(folders, tmp_path):
+    """An SFT output: a LoRA actor merged and saved whole, then the base of a campaign (its initial policy and
+    reference), whose critic starts from its backbone like any causal LM folder's."""
+    actor = _moved_lora_actor(folders)
+    ids, mask = left_padded([[3, 4, 5], [6]])
+    expected = _logits(actor, ids, mask)
+    meta = save_model_folder(merged(actor), tmp_path / "sft")
+    assert meta == FolderMeta(kind="causal_lm", base=None, adapter=False) and meta.whole_causal_lm
+    campaign = ModelLoader(device=CPU, precision="fp32", bases={"policy": tmp_path / "sft"}, lora=LORA)
+    torch.testing.assert_close(_logits(campaign.reference(), ids, mask), expected, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(0)
+    critic = campaign.load("critic", tmp_path / "sft", trainable=True)
+    assert isinstance(critic, Critic) and critic(ids, attention_mask=mask).shape == ids.shape
 
 
 def test_a_sequence_classification_checkpoint_is_a_reward_model_with_the_same_scores(tmp_path):

@@ -14,6 +14,7 @@ from tasks.sft_text import (
     ChatTemplateError,
     SftTokens,
     has_generation_markers,
+    nothing_to_learn,
     rendering_drifts,
     tokenize_completion,
     tokenize_conversation,
@@ -174,3 +175,10 @@ def test_issue44_an_environment_reply_appends_the_template_delta_after_the_model
     assert rendering_drifts(tokenizer, GUESS[:2], odd)
     # No message from the environment: the model answers again after the template's delta alone.
     assert tokenizer.decode(turn_delta(tokenizer, GUESS[:2], ended=True)) == "\n<|im_start|>assistant\n"
+
+
+def test_an_example_whose_only_learned_token_is_its_first_has_nothing_to_learn():
+    """No logits score a sequence's first token, so a mask True there alone trains nothing."""
+    learns = SftTokens([4, 5], [False, True])
+    assert nothing_to_learn([learns, learns]) is None
+    assert nothing_to_learn([learns, SftTokens([4, 5], [True, False]), SftTokens([6], [False])]) == 1
