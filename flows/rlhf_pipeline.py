@@ -1,7 +1,8 @@
 """The RLHF flows: one iteration is seven stages (four with a reward function, which needs no candidates,
-labels or reward model; one more where an overlapped rollout's values came from an older policy's critic; with `update: dpo`, candidates, labels, the reference's log-probs of the pairs and a DPO update,
-then evaluation); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded iteration from its saved
-experience (a DPO iteration's update and evaluation, from its stored pairs) with new settings.
+labels or reward model; eight where an overlapped rollout's values came from an older policy's critic, which the
+update's starting critic values again; with `update: dpo`, candidates, labels, the reference's log-probs of the pairs
+and a DPO update, then evaluation); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded iteration
+from its saved experience (a DPO iteration's update and evaluation, from its stored pairs) with new settings.
 
 A campaign's finished iterations are history (:mod:`campaign.history`): running it again continues from its first
 unfinished iteration, whatever code or inputs changed. Within an iteration, every stage is reused when its output
