@@ -47,6 +47,7 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "collect_preferences": (("pairs", "{:.0f} pairs"), ("tie_fraction", "{:.0%} ties")),
     "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "{:.0f} held-out pairs")),
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
+    "critic_values": (("value_shift_mean", "the rollout's critic was off by {:.3g} a token"),),
     "compute_advantages": (("reward_mean", "reward {:.3g}"), ("kl_mean", "KL (k1) {:.3g}")),
     "ppo_update": (("approx_kl", "approx KL {:.3g}"), ("clip_fraction", "clipped {:.0%}")),
     "reference_logprobs": (("pairs", "{:.0f} decisive pairs"), ("ties_dropped", "{:.0f} ties dropped")),

@@ -96,13 +96,16 @@ class ReplayInputs:
     """What a replay reuses from its source iteration: the experience, the policy its update started from (the one
     that sampled the experience, or with ``sampling.staleness`` a newer one), the reward model that scored it (None
     for a reward function), and the previous iteration's scored experience (None in iteration 0), whose adaptive KL
-    coefficient the source started from. A DPO iteration's experience is its pairs with the reference's log-probs
-    (a ``reference_logprobs`` output), and it has no reward model or scored experience."""
+    coefficient the source started from, and the values its starting critic gave the experience where the rollout's
+    came from an older policy's critic (a ``critic_values`` output; None elsewhere), which its stage 5 read. A DPO
+    iteration's experience is its pairs with the reference's log-probs (a ``reference_logprobs`` output), and it has
+    no reward model or scored experience."""
 
     experience: StageResult
     policy: StageResult
     reward_model: StageResult | None
     previous: StageResult | None
+    critic_values: StageResult | None = None
 
 
 def tracking_store(config: PipelineConfig) -> TrackingStore:
@@ -553,6 +556,7 @@ def load_replay_inputs(config: PipelineConfig, source_run_id: str, base: BaseInp
         policy=upstream_result(context, update, "policy"),
         reward_model=optional_upstream_result(context, experience, "reward_model"),
         previous=optional_upstream_result(context, scored, "previous"),
+        critic_values=optional_upstream_result(context, scored, "critic_values"),
     )
 
 

@@ -1,7 +1,8 @@
 """The RLHF flows: one iteration is seven stages (four with a reward function, which needs no candidates,
-labels or reward model; with `update: dpo`, candidates, labels, the reference's log-probs of the pairs and a DPO update,
-then evaluation); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded iteration from its saved
-experience (a DPO iteration's update and evaluation, from its stored pairs) with new settings.
+labels or reward model; eight where an overlapped rollout's values came from an older policy's critic, which the
+update's starting critic values again; with `update: dpo`, candidates, labels, the reference's log-probs of the pairs
+and a DPO update, then evaluation); a campaign is N iterations; a replay re-runs stages 5-7 of a recorded iteration
+from its saved experience (a DPO iteration's update and evaluation, from its stored pairs) with new settings.
 
 A campaign's finished iterations are history (:mod:`campaign.history`): running it again continues from its first
 unfinished iteration, whatever code or inputs changed. Within an iteration, every stage is reused when its output
@@ -53,6 +54,7 @@ from runtime.records import upstream_result
 from storage.locks import exclusive_lock
 from tasks.collect_preferences import collect_preferences
 from tasks.compute_advantages import compute_advantages
+from tasks.critic_values import critic_values
 from tasks.dpo_update import dpo_update
 from tasks.evaluate import evaluate
 from tasks.initialize import initialize
@@ -175,21 +177,29 @@ def _start(config: PipelineConfig, context: StageContext) -> StageResult:
 def _ppo_steps(
     config: PipelineConfig, context: StageContext, state: IterationState, *, ahead: bool
 ) -> tuple[list[StageResult], IterationState]:
-    """Stages 1-6 of an RL iteration: candidates, labels and the reward model, the rollout, advantages and the PPO
-    update; with ``ahead``, the next iteration's generation stages beside the update (:mod:`flows.overlap`)."""
+    """Stages 1-6 of an RL iteration: candidates, labels and the reward model, the rollout, (where it sampled an older
+    policy than the update starts from, the update's critic's values of its rows,) advantages and the PPO update; with
+    ``ahead``, the next iteration's generation stages beside the update (:mod:`flows.overlap`)."""
     staleness = config.sampling.staleness
     sampling, training = lanes(context, config)
     warm_up(training.execution)  # an update of its own process imports its code while the generation stages run
     origin = _critic_origin(config, context, state)
     front = _front(config, sampling, state.sampler(staleness), state.reward_model, state.preferences, origin)
+    critic_start = _critic_start(config, state.policy, front.reward_model)
+    values = _critic_values(config, training, state, front.experience, critic_start)
     scored = compute_advantages(
-        training, config, experience=front.experience, reward_model=front.reward_model, previous=state.advantages
+        training,
+        config,
+        experience=front.experience,
+        critic_values=values,
+        reward_model=front.reward_model,
+        previous=state.advantages,
     )
     update = {
         "policy": state.policy,
         "optimizer": optimizer_state(state.policy),
         "scored": scored,
-        "critic_start": _critic_start(config, state.policy, front.reward_model),
+        "critic_start": critic_start,
     }
     if ahead and runs_ahead(config):  # the next iteration's generation beside this update (flows.overlap)
         next_sampler = state.sampler(staleness - 1)
@@ -203,7 +213,7 @@ def _ppo_steps(
     new_state = state.after(
         policy, staleness=staleness, reward_model=front.reward_model, preferences=front.preferences, advantages=scored
     )
-    return [*front.stages, scored, policy], new_state
+    return [*front.stages, *filter(None, [values]), scored, policy], new_state
 
 
 def _dpo_steps(
@@ -230,6 +240,24 @@ def _critic_start(config: PipelineConfig, policy: StageResult, reward_model: Sta
     """The reward model the critic starts from while ``policy`` is the campaign's start, which has none
     (``PipelineConfig.critic_from_trained_reward_model``); None once a PPO update has made the critic."""
     return reward_model if config.critic_from_trained_reward_model and policy.stage == "initialize" else None
+
+
+def _critic_values(
+    config: PipelineConfig,
+    context: StageContext,
+    state: IterationState,
+    experience: StageResult,
+    critic_start: StageResult | None,
+) -> StageResult | None:
+    """The values of the critic the update starts from (``state.policy``'s, or ``critic_start``) for the rows of the
+    rollout ``experience``, where the rollout took its values from another critic: with ``sampling.staleness`` >= 1
+    after iteration 0 it sampled an older policy and scored with that policy's critic (:mod:`tasks.critic_values`).
+    None where it sampled the policy the update starts from (its critic is the update's) or the estimator uses no
+    critic."""
+    sampler = state.sampler(config.sampling.staleness)
+    if not config.advantages.uses_critic or sampler.digest == state.policy.digest:
+        return None
+    return critic_values(context, config, experience=experience, policy=state.policy, critic_start=critic_start)
 
 
 def _critic_origin(config: PipelineConfig, context: StageContext, state: IterationState) -> StageResult | None:
@@ -356,8 +384,14 @@ def _replay(config: PipelineConfig, context: StageContext, inputs: ReplayInputs)
     if config.update == "dpo":  # the pairs and the reference's stored log-probs: no reference forward
         scored, new_policy = None, dpo_update(training, config, policy=inputs.policy, pairs=inputs.experience)
     else:
+        values = inputs.critic_values if config.advantages.uses_critic else None  # read back: no critic runs
         scored = compute_advantages(
-            training, config, experience=inputs.experience, reward_model=inputs.reward_model, previous=inputs.previous
+            training,
+            config,
+            experience=inputs.experience,
+            critic_values=values,
+            reward_model=inputs.reward_model,
+            previous=inputs.previous,
         )
         optimizer = optimizer_state(inputs.policy, present_only=True)
         critic_start = _critic_start(config, inputs.policy, inputs.reward_model)

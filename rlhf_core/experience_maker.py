@@ -10,7 +10,9 @@ Choices:
 2. Reference log-probs, values and scores each take one forward pass over ``(B, T)``.
 3. The reward is any callable ``(sequences, attention_mask) -> (B,)``: a :class:`RewardModel`,
    or a programmatic score (a verifiable reward, a test's rubric).
-4. Without a critic (critic-free estimators) no values are computed: ``old_values`` is None.
+4. Without a critic (critic-free estimators) no values are computed: ``old_values`` is None. The values are
+   :func:`response_values`, here and wherever a critic's values of stored rows are computed again
+   (:func:`compute_values`: an overlapped update's starting critic, :mod:`tasks.critic_values`).
 5. :func:`score_experience` (stage 5) dispatches on the estimator: GAE over the KL-shaped rewards
    and the rollout values, or a critic-free estimator of :mod:`rlhf_core.advantages`.
 6. The sampler may be the vLLM engine serving the actor (an :class:`rlhf_core.generation.ExternalSampler`): its
@@ -126,6 +128,42 @@ def score_experience(
     return experience.replace(rewards=rewards, kl=kl, advantages=result.advantages, returns=result.returns)
 
 
+def response_values(
+    critic: Critic, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+) -> torch.Tensor:
+    """The critic's value of each response token's state: its output at the position just before the token (the
+    convention of :func:`rlhf_core.sequences.response_slice`), in float32. The one place a critic's values of sampled
+    rows are computed; the caller chooses the precision, the mode and the padding's value.
+
+    Shapes:
+        sequences, attention_mask: (B, T) with the prompt in the first ``prompt_length`` columns; returns (B, R),
+        R = T - prompt_length.
+    """
+    return response_slice(critic(sequences, attention_mask), prompt_length).float()  # (B, R)
+
+
+@torch.no_grad()
+def compute_values(
+    critic: Critic, experience: Experience, *, batch_size: int, precision: Precision = "fp32"
+) -> torch.Tensor:
+    """The values ``critic`` gives the rows of ``experience``, computed as the rollout computes its own
+    (:func:`response_values` in eval mode with the same fused activations, in ``precision``), ``batch_size`` rows per
+    forward pass, 0 at padding: what a rollout by ``critic`` would have stored as ``old_values`` for these rows (verl's
+    ``compute_values`` of the critic an update starts from).
+
+    Shapes:
+        returns (B, R) float32 on ``experience.device``.
+    """
+    prompt_length, parts = experience.prompt_length, []
+    with autocast(experience.device, precision), evaluating(critic), fused_activations(critic):
+        for start in range(0, experience.batch_size, batch_size):
+            rows = slice(start, start + batch_size)
+            parts.append(
+                response_values(critic, experience.sequences[rows], experience.attention_mask[rows], prompt_length)
+            )
+    return torch.where(experience.action_mask, torch.cat(parts), 0.0)  # (B, R)
+
+
 @torch.no_grad()
 def episode_experience(
     actor: PreTrainedModel,
@@ -166,7 +204,7 @@ def episode_experience(
         ref_logprobs = sequence_logprobs(reference, sequences, attention_mask, prompt_length, temperature=temperature)
         old_values = None
         if critic is not None:
-            old_values = response_slice(critic(sequences, attention_mask), prompt_length).float()  # (B, R)
+            old_values = response_values(critic, sequences, attention_mask, prompt_length)  # (B, R)
     return Experience(
         sequences=sequences,
         attention_mask=attention_mask,
@@ -273,7 +311,7 @@ class ExperienceMaker:
                 )
                 old_values = None
                 if self.critic is not None:
-                    old_values = response_slice(self.critic(sequences, full_mask), prompt_length)  # (B, R)
+                    old_values = response_values(self.critic, sequences, full_mask, prompt_length)  # (B, R)
                 scores = self.reward_model(sequences, full_mask).float()  # (B,)
         action_mask = generation.action_mask  # (B, R)
         return Experience(
@@ -282,7 +320,7 @@ class ExperienceMaker:
             action_mask=action_mask,
             old_logprobs=torch.where(action_mask, old_logprobs, 0.0),
             ref_logprobs=torch.where(action_mask, ref_logprobs, 0.0),
-            old_values=None if old_values is None else torch.where(action_mask, old_values.float(), 0.0),
+            old_values=None if old_values is None else torch.where(action_mask, old_values, 0.0),
             scores=scores.to(device),
             group_ids=None if group_ids is None else group_ids.to(device),
             engine_logprobs=torch.where(action_mask, engine_logprobs.float(), 0.0),

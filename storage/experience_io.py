@@ -23,6 +23,9 @@ Choices:
    ``action_mask`` the model's among them, ``turn_rewards`` each row's turn rewards as the batch held them
    (zero-padded to its most turns). Single-turn experience stores both as nulls, and experience of schema 5 and 6
    has neither column: both read as single-turn rows (``action_mask`` the response, ``turn_rewards`` None).
+8. Another critic's values of stored rows (:data:`storage.schemas.CRITIC_VALUES`) take the place of the
+   ``old_values`` column before the rows are read (:func:`with_values`), so they are padded and checked as the
+   experience's own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from storage.schemas import (
     EXPERIENCE,
     EXPERIENCE_TOKEN_COLUMNS,
     NULLABLE_TOKEN_COLUMNS,
+    OLD_VALUES,
     POLICY_VERSION,
     PROMPT_ID,
     PROMPT_IDS,
@@ -275,3 +279,16 @@ def _episode_fields(
         rewards.astype(np.float32)
     )
     return {"action_mask": action_mask, "turn_rewards": turn_rewards}
+
+
+def with_values(table: pa.Table, values: pa.Table) -> pa.Table:
+    """The experience ``table`` with the ``old_values`` of ``values`` (a :data:`storage.schemas.CRITIC_VALUES` table
+    of the same rows: another critic's values of them) in place of its own (choice 8).
+
+    Raises:
+        ValueError: ``values`` holds other rows than ``table``, or in another order.
+    """
+    if not table.column(ROW).equals(values.column(ROW)):
+        raise ValueError("the critic values hold other rows than the experience, or in another order")
+    index = table.schema.get_field_index(OLD_VALUES)
+    return table.set_column(index, table.schema.field(index), values.column(OLD_VALUES))

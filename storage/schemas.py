@@ -198,6 +198,12 @@ REFERENCE_LOGPROBS = _schema(
     *((f"{side}_tokens", pa.int32()) for side in (CHOSEN, REJECTED)),
 )
 
+#: The values of the critic a PPO update starts from for a rollout's rows, where an older policy's critic scored them
+#: (``sampling.staleness``; :mod:`tasks.critic_values`): ``row`` the experience's row, ``old_values`` laid out as the
+#: experience's (one value per ``response_ids`` token, 0 at an episode's environment tokens); stage 5 reads them in
+#: place of the experience's (:func:`storage.experience_io.with_values`).
+CRITIC_VALUES = _schema((ROW, pa.int64()), (OLD_VALUES, TOKEN_FLOATS))
+
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
@@ -290,6 +296,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "reference_responses": REFERENCE_RESPONSES,
     "reference_episodes": REFERENCE_EPISODES,
     "reference_logprobs": REFERENCE_LOGPROBS,
+    "critic_values": CRITIC_VALUES,
 }
 
 

@@ -7,7 +7,10 @@ updated from the KL it measured here, as ``next_kl_coef``. The previous iteratio
 upstream of this one, so resuming, continuing and replaying all start from the coefficient the
 data carries, never from a value kept in memory. With ``advantages.score_statistics`` ``running`` the running
 moments of the reward model's scores are carried the same way (:data:`RUNNING_MOMENTS`), while the reward model
-stays the same (a pretrained one used as it is).
+stays the same (a pretrained one used as it is). In an overlapped iteration whose rollout took its values from an
+older policy's critic, the values are those of the critic the update starts from (``critic_values``, an output of
+:mod:`tasks.critic_values`), read in place of the experience's: the scored experience carries them, so the update's
+value clip is around them too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from rlhf_core.rewards import ScoreMoments, update_moments
 from runtime.declaration import StageResult
 from runtime.job import Job
 from runtime.stage import Stage
-from storage.experience_io import experience_to_table, table_to_experience
+from storage.experience_io import experience_to_table, table_to_experience, with_values
 from storage.schemas import SCORED_EXPERIENCE
 from storage.shards import read_table
 from tasks.settings import ComputeAdvantagesSettings
@@ -56,6 +59,8 @@ def work(job: Job[ComputeAdvantagesSettings]) -> dict[str, float]:
     """Write the ``scored_experience`` table: per-token rewards, KL, advantages and returns."""
     settings = job.settings
     table = read_table(settings.experience.directory, "experience")
+    if settings.critic_values is not None:  # the update's starting critic's values of an overlapped rollout's rows
+        table = with_values(table, read_table(settings.critic_values.directory, "critic_values"))
     # Only masks and per-token floats are read here and padding is stripped again on write,
     # so the id used to pad token columns cannot change the output.
     rollouts = table_to_experience(table, pad_token_id=0)

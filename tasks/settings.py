@@ -152,11 +152,32 @@ class RolloutSettings(StageSettings):
 
 
 @dataclass(frozen=True)
+class CriticValuesSettings(StageSettings):
+    """Before stage 5 of an overlapped iteration (``sampling.staleness``), where the rollout's values came from an older
+    policy's critic: the values of the critic the update starts from, for the rollout's rows."""
+
+    stage = "critic_values"
+    experience: StageResult = upstream()
+    """The rollout whose rows are valued."""
+    policy: StageResult = upstream()
+    """The policy the update starts from: its critic values the rows."""
+    critic_start: StageResult | None = upstream()
+    """Where that critic starts when the policy has none yet (as :attr:`PPOUpdateSettings.critic_start`)."""
+    precision: Precision = setting("precision")
+    batch_size: int = setting("sampling.batch_size")
+    """Rows per forward pass of the critic (keyed: a batch's padded width can move the last bits of a value)."""
+    rows_per_shard: int = setting("sizes.rows_per_shard")
+
+
+@dataclass(frozen=True)
 class ComputeAdvantagesSettings(StageSettings):
     """Stage 5: per-token rewards, KL, advantages and returns (pure)."""
 
     stage = "compute_advantages"
     experience: StageResult = upstream()
+    critic_values: StageResult | None = upstream()
+    """The values of the critic the update starts from, where the rollout's came from another (a ``critic_values``
+    output: an overlapped iteration's), which stand in for the experience's; None: the experience's own."""
     reward_model: StageResult | None = upstream()
     """The reward model whose held-out score statistics normalise the scores, or None for a reward function's
     scores (used as they are)."""
@@ -316,6 +337,7 @@ STAGES: tuple[type[StageSettings], ...] = (
     CollectPreferencesSettings,
     TrainRewardModelSettings,
     RolloutSettings,
+    CriticValuesSettings,
     ComputeAdvantagesSettings,
     PPOUpdateSettings,
     ReferenceLogprobsSettings,

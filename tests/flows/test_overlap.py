@@ -9,16 +9,22 @@ updates correct for it, MLflow shows the lineage, and a replay works on the over
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from campaign.store import resolve_run
 from flows.iterations import finished_state, resolve_base, tracking_store
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_iteration, rlhf_replay
+from rlhf_core.episodes import episode_gae
+from rlhf_core.models import Critic
+from rlhf_core.sequences import response_slice
 from runtime.declaration import StageResult
+from storage.experience_io import table_to_experience, with_values
 from storage.manifest import read_manifest
 from storage.schemas import SCORES
 from storage.shards import read_table
@@ -101,6 +107,50 @@ def test_issue43_the_initial_policys_rollouts_take_their_values_from_the_critic_
         assert "critic_start" not in read_manifest(outputs[name].directory).upstream, name
 
 
+def _experience(directory: Path, table: str = "experience", values: Path | None = None):
+    rows = read_table(directory, table)
+    return table_to_experience(
+        rows if values is None else with_values(rows, read_table(values, "critic_values")), pad_token_id=0
+    )
+
+
+def test_issue42_an_overlapped_update_computes_its_advantages_with_the_values_of_the_critic_it_starts_from(
+    overlapped, two_iteration_campaign
+):
+    """From iteration 1 on the rollout scored its rows with the older sampled policy's critic: the ``critic_values``
+    stage values them with the critic the update starts from (its output is that critic's forward of the rows), stage
+    5 computes GAE with those values and hands them to the update's value clip, and records how far the rollout's
+    critic was. Iteration 0 (the rollout's critic is the update's) and a sequential campaign have no such stage."""
+    config, _ = overlapped
+    outputs = _outputs(config)
+    assert "critic_values/0" not in outputs
+    assert "critic_values" not in read_manifest(outputs["compute_advantages/0"].directory).upstream
+    for iteration in range(1, ITERATIONS):
+        values, rollout = outputs[f"critic_values/{iteration}"], outputs[f"rollout/{iteration}"]
+        starting, scored = outputs[f"ppo_update/{iteration - 1}"], outputs[f"compute_advantages/{iteration}"]
+        upstream = read_manifest(values.directory).upstream
+        assert (upstream["experience"], upstream["policy"]) == (rollout.digest, starting.digest)
+        assert read_manifest(scored.directory).upstream["critic_values"] == values.digest
+        # The starting critic's forward of the rollout's rows: its output just before each action token.
+        experience = _experience(rollout.directory)
+        critic = Critic.from_pretrained(starting.directory / "critic", require_head=True).eval()
+        with torch.no_grad():
+            direct = response_slice(critic(experience.sequences, experience.attention_mask), experience.prompt_length)
+        recomputed = _experience(rollout.directory, values=values.directory).old_values
+        mask = experience.action_mask
+        torch.testing.assert_close(recomputed, torch.where(mask, direct, 0.0), rtol=0.0, atol=1e-5)
+        # Stage 5's advantages are GAE over its rewards and those values, which its output carries to the update.
+        graded = _experience(scored.directory, "scored_experience")
+        assert torch.equal(graded.old_values, recomputed) and not torch.equal(recomputed, experience.old_values)
+        advantages = config.advantages
+        gae = episode_gae(graded.rewards, recomputed, mask, gamma=advantages.gamma, gae_lambda=advantages.gae_lambda)
+        torch.testing.assert_close(graded.advantages, gae.advantages, rtol=0.0, atol=1e-6)
+        shift = (recomputed - experience.old_values).abs()[mask].mean().item()
+        assert values.metrics["value_shift_mean"] == pytest.approx(shift, rel=1e-5) and shift > 0
+    sequential = _outputs(two_iteration_campaign)
+    assert "compute_advantages/1" in sequential and not any(name.startswith("critic_values") for name in sequential)
+
+
 def test_issue43_running_score_moments_start_again_with_each_retrained_reward_model(overlapped):
     """Each iteration retrains the reward model, whose scores have a scale of their own: the running moments of an
     iteration are those of its own rollout's scores, not pooled with an earlier reward model's."""
@@ -176,17 +226,35 @@ def test_issue33_a_campaign_continued_from_mlflow_samples_from_the_same_policy(o
     assert rebuilt.sampler(1).digest == final.sampler(1).digest != final.policy.digest
 
 
+def _replayed_output(tracker, campaign: str, replay_run: str, stage: str) -> Path:
+    """The output folder of the replay ``replay_run``'s ``stage``."""
+    (run,) = [
+        run for run in tracker.runs(tracker.experiment_id(campaign), tags={"rlhf.stage": stage})
+        if run.tags.get("mlflow.parentRunId") == replay_run
+    ]  # fmt: skip
+    return Path(run.tags["rlhf.output_path"])
+
+
 def test_issue33_a_replay_of_an_overlapped_iteration_can_take_either_correction(overlapped):
+    """Either correction; and (issue 42) a replay's stage 5 reads the starting critic's values back: it runs no
+    critic, even where it computes the advantages again with another ``gae_lambda``."""
     config, _ = overlapped
     source = resolve_run(config, f"{config.campaign}:2")
     tracker = tracking_store(config).tracker()
-    for setting, weighed in (("ppo.off_policy=behaviour", False), ("ppo.behaviour_weight_cap=1.5", True)):
-        replay_run = rlhf_replay(replay_config(config, source, [setting]), source)
+    values = _outputs(config)["critic_values/2"]
+    replays = (
+        (["ppo.off_policy=behaviour"], False),
+        (["ppo.behaviour_weight_cap=1.5", "advantages.gae_lambda=0.9"], True),
+    )
+    for settings, weighed in replays:
+        replay_run = rlhf_replay(replay_config(config, source, settings), source)
         assert tracker.run(replay_run).tags["rlhf.replay_of"] == source
-        (update,) = [
-            run for run in tracker.runs(tracker.experiment_id(config.campaign), tags={"rlhf.stage": "ppo_update"})
-            if run.tags.get("mlflow.parentRunId") == replay_run
-        ]  # fmt: skip
-        metrics = json.loads((Path(update.tags["rlhf.output_path"]) / "_manifest.json").read_text())["metrics"]
+        output = partial(_replayed_output, tracker, config.campaign, replay_run)
+        metrics = json.loads((output("ppo_update") / "_manifest.json").read_text())["metrics"]
         assert metrics["staleness_max"] == 1.0
         assert (metrics["behaviour_weight_mean"] != 1.0) == weighed
+    scored = output(
+        "compute_advantages"
+    )  # the second replay's, with another gae_lambda (the first reused the source's)
+    assert read_manifest(scored).upstream["critic_values"] == values.digest
+    assert len(list((config.run_root / config.campaign / "critic_values").glob("*/_manifest.json"))) == ITERATIONS - 1

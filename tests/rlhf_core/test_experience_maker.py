@@ -8,7 +8,7 @@ import torch
 from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.episodes import episode_gae, episode_shaped_rewards
 from rlhf_core.experience import Experience
-from rlhf_core.experience_maker import ExperienceMaker, episode_experience, score_experience
+from rlhf_core.experience_maker import ExperienceMaker, compute_values, episode_experience, score_experience
 from rlhf_core.gae import compute_gae
 from rlhf_core.models import Critic, RewardModel, freeze
 from rlhf_core.rewards import last_action_index, shaped_rewards
@@ -91,6 +91,26 @@ def test_fields_equal_their_definitions(parts):
     )
     assert (experience.ref_logprobs - experience.old_logprobs)[action_mask].abs().max() > 1e-3
     torch.testing.assert_close(experience.scores, count_score(sequences, attention_mask), rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_issue42_another_critics_values_of_the_rows_are_what_a_rollout_with_that_critic_stores(parts, precision):
+    """An overlapped update's starting critic values the rows its rollout sampled with another critic: the values equal
+    the ones a rollout by that critic stores for the same rows (one computation, in the rollout's precision), whatever
+    the rows per forward pass, and 0 at padding."""
+    actor, reference, critic = parts
+    experience = make(parts, precision=precision)
+    for batch_size in (1, 3, 4):  # one row at a time, a batch that splits the rows, all of them
+        values = compute_values(critic, experience, batch_size=batch_size, precision=precision)
+        torch.testing.assert_close(values, experience.old_values, rtol=0.0, atol=1e-6)
+    torch.manual_seed(2)
+    newer = Critic(config=tiny_config("gpt2"))
+    recomputed = compute_values(newer, experience, batch_size=3, precision=precision)
+    with_newer = make((actor, reference, newer), precision=precision)  # the same seed samples the same rows
+    assert torch.equal(with_newer.sequences, experience.sequences)
+    torch.testing.assert_close(recomputed, with_newer.old_values, rtol=0.0, atol=1e-6)
+    assert (recomputed - experience.old_values)[experience.action_mask].abs().min() > 0  # another critic's values
+    assert bool((recomputed[~experience.action_mask] == 0).all()) and newer.training  # its mode is put back
 
 
 def test_a_reward_model_reads_the_last_action_token(parts):

@@ -64,7 +64,7 @@ def test_every_closure_holds_what_runs_the_stage():
         assert {"runtime.seeds", "runtime.stage", "runtime.job"} <= closure.keys(), module  # seeds and mechanism
         assert all(name.split(".")[0] in FIRST_PARTY for name in closure), module  # installed code is not followed
         assert "storage.schemas" in closure, module  # what a shard's columns are
-        if module != "tasks.compute_advantages":  # the one stage that renders no text
+        if module not in ("tasks.compute_advantages", "tasks.critic_values"):  # the stages that render no text
             assert {"tasks.text", "storage.importers"} <= closure.keys(), module  # how a chat prompt is rendered
     for module in TRAINING:
         assert "rlhf_core.loading" in closures[module]  # LoRA creation, dtype rules, head initialisation
@@ -72,6 +72,9 @@ def test_every_closure_holds_what_runs_the_stage():
         assert {"runtime.shards", "tasks.sampler", "runtime.engine_client"} <= closures[module].keys()
     assert "tasks.reward_function" in closures["tasks.rollout"]  # what a reward function is called with
     assert "rlhf_core.ppo" in closures["tasks.ppo_update"] and "rlhf_core.gae" in closures["tasks.compute_advantages"]
+    assert {"rlhf_core.loading", "rlhf_core.experience_maker"} <= closures[
+        "tasks.critic_values"
+    ].keys()  # the rollout's values
     assert "demo.corpus" in code_closure("demo.gold")  # the gold judge's word lists (a judge's key)
 
 

@@ -12,8 +12,8 @@ from rlhf_core.config import AdvantageConfig, SamplingConfig
 from rlhf_core.experience import Experience
 from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.models import Critic
-from storage.experience_io import experience_to_table, table_to_experience
-from storage.schemas import EXPERIENCE, SCORED_EXPERIENCE
+from storage.experience_io import experience_to_table, table_to_experience, with_values
+from storage.schemas import CRITIC_VALUES, EXPERIENCE, SCORED_EXPERIENCE
 from storage.shards import read_table, write_shards
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
 
@@ -203,6 +203,16 @@ def test_values_null_in_some_rows_only_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="column `old_values` is null in 1 of 2 rows"):
         table_to_experience(broken, pad_token_id=PAD)
+
+
+def test_issue42_another_critics_values_read_in_place_of_the_experiences_and_only_for_the_same_rows() -> None:
+    table = experience_to_table(_experience([[3], [4, 5]], [[5, 6], [6, 7, 8]], scored=False), first_row=10)
+    values = pa.table({"row": [10, 11], "old_values": [[0.5, -1.0], [2.0, 0.0, 0.25]]}, schema=CRITIC_VALUES)
+    back = table_to_experience(with_values(table, values), pad_token_id=PAD)
+    assert back.old_values.tolist() == [[0.5, -1.0, 0.0], [2.0, 0.0, 0.25]]  # padded as the experience's own
+    _assert_identical(table_to_experience(table, pad_token_id=PAD).replace(old_values=back.old_values), back)
+    with pytest.raises(ValueError, match="other rows than the experience"):
+        with_values(table, values.set_column(0, "row", pa.array([11, 10])))
 
 
 def test_mismatched_list_lengths_name_the_column_and_row() -> None:
