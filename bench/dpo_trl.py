@@ -41,7 +41,7 @@ from bench.common import PROJECT_PYTHON, REPO, SCRATCH, Clock, machine, median, 
 
 FOLDER = SCRATCH / "dpo-trl"
 RESULTS = REPO / "bench" / "RESULTS.md"
-HEADING = "## DPO update against TRL `DPOTrainer` at equal work (issue 45)"
+HEADING = "## 10. DPO update against TRL `DPOTrainer` at equal work (issue 45)"
 SIDES = ("ours", "trl", "trl-precomputed")
 
 
@@ -244,19 +244,42 @@ def section(result: dict, *, command: str, facts: dict[str, str]) -> list[str]:
         f"{max(r['peak_rss_mib'] for r in ours):.0f} MiB, TRL {max(r['peak_rss_mib'] for r in trl):.0f} MiB "
         f"(precomputed {max(r['peak_rss_mib'] for r in pre):.0f} MiB).",
         "",
+        "Ours is `rlhf_core.dpo.reference_logprobs` then `dpo_update` in one process, as the two stages call them: "
+        "the Prefect flow, MLflow and Parquet around them are not included (section 3 measures that tax for the PPO "
+        "iteration). Our `update` includes the pass over every pair after training that measures TRL's metrics; "
+        "`training loop only` stops at the last optimizer step on both sides. CPU seconds are the steady figure on "
+        f"this shared machine: a side's runs differed by at most {spread(runs, 1):.0%} in CPU seconds, "
+        f"{spread(runs, 0):.0%} in wall seconds. Not profiled; one difference in the work of a step: TRL's forward "
+        f"computes the LM head and log-softmax at all {work.prompt_words + work.response_words + 2} positions of a "
+        f"sequence, ours at its {work.response_words + 1} response positions only (`logits_to_keep`).",
+        "",
     ]
     return lines
 
 
+def spread(runs: dict[str, list[dict]], column: int) -> float:
+    """The largest (max - min) / median of one phase's seconds (``column`` 0 wall, 1 CPU) over a side's runs."""
+    widths = []
+    for results in runs.values():
+        for phase in results[0]["phases"]:
+            values = [run["phases"][phase][0][column] for run in results]
+            widths.append((max(values) - min(values)) / median(values))
+    return max(widths)
+
+
 def write_section(lines: list[str], path: Path = RESULTS) -> None:
-    """Replace this comparison's section of ``path`` (up to the next ``## `` heading), or append it."""
+    """Replace this comparison's section of ``path`` (up to the next ``## `` heading), or put it after the last
+    numbered one: a numbered section is one that ``bench.run`` keeps when it writes the file again."""
     text = path.read_text().rstrip("\n").split("\n")
     if HEADING in text:
         start = text.index(HEADING)
         end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ")), len(text))
         text[start:end] = lines
     else:
-        text += ["", *lines]
+        numbered = [i for i, line in enumerate(text) if line.startswith("## ") and line[3:4].isdigit()]
+        after = numbered[-1] if numbered else len(text)
+        end = next((i for i in range(after + 1, len(text)) if text[i].startswith("## ")), len(text))
+        text[end:end] = [*lines, ""]
     path.write_text("\n".join(text).rstrip("\n") + "\n")
 
 
