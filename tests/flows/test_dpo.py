@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -18,6 +20,7 @@ from flows.replay import replay_config
 from flows.report import compare_report
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
 from storage.manifest import read_manifest
+from storage.shards import read_table
 from storage.tracking import TAG_INPUT_KEY, TAG_STAGE
 from tests.flows.campaigns import tiny_config
 
@@ -31,6 +34,7 @@ DPO_METRICS = (
     "loss",
 )
 """TRL DPOTrainer's names."""
+DPO_OVERRIDES = ("update=dpo", "iterations=2", "dpo.learning_rate=1e-3", "dpo.epochs=4")
 PPO_STAGES = {"train_reward_model", "rollout", "compute_advantages", "ppo_update"}
 
 
@@ -38,10 +42,27 @@ PPO_STAGES = {"train_reward_model", "rollout", "compute_advantages", "ppo_update
 def campaign(prefect_server, checkpoint_world, tmp_path_factory):
     """Two DPO iterations of configs/tiny.yaml on the test's random GPT-2, with a learning rate that moves it."""
     run_root = tmp_path_factory.mktemp("dpo") / "runs"
-    overrides = ("campaign=dpo-e2e", "update=dpo", "iterations=2", "dpo.learning_rate=1e-3", "dpo.epochs=4")
-    config = tiny_config(run_root, checkpoint_world, *overrides)
+    config = tiny_config(run_root, checkpoint_world, *DPO_OVERRIDES, "campaign=dpo-e2e")
     rlhf_campaign(config)
     return config
+
+
+@pytest.fixture(scope="module")
+def offline(campaign, checkpoint_world, tmp_path_factory):
+    """Offline DPO (labeler import) for two iterations on the decisive pairs the online campaign's iteration 0
+    labelled, written as a Hugging Face preference set (prompt/chosen/rejected Parquet)."""
+    folder = tmp_path_factory.mktemp("dpo-offline")
+    labelled = read_table(_output(campaign, _run(campaign, 0), "collect_preferences"), "preferences")
+    decisive = labelled.filter(pa.compute.greater(labelled.column("margin"), 0.0))
+    pq.write_table(decisive.select(["prompt", "chosen", "rejected"]), folder / "pairs.parquet")
+    imported = ("campaign=dpo-offline", "labeler=import", f"data.preferences={folder / 'pairs.parquet'}")
+    config = tiny_config(folder / "runs", checkpoint_world, *DPO_OVERRIDES, *imported)
+    rlhf_campaign(config)
+    return config, decisive.num_rows
+
+
+def _run(config, iteration: int) -> str:
+    return resolve_run(config, f"{config.campaign}:{iteration}")
 
 
 def _children(config, parent: str) -> dict[str, str]:
@@ -116,3 +137,26 @@ def test_a_replay_with_another_beta_reruns_the_update_and_evaluation_on_the_stor
 def test_the_dpo_policy_exports_as_a_plain_folder(campaign, tmp_path):
     folder = export_model(campaign, f"{campaign.campaign}:1", tmp_path / "exported")
     assert (folder / "config.json").is_file()
+
+
+def test_offline_dpo_trains_every_iteration_on_the_imported_pairs_scored_once_by_the_reference(offline):
+    config, pairs = offline
+    first, second = _run(config, 0), _run(config, 1)
+    for parent in (first, second):
+        ran = set(_children(config, parent))
+        assert "sample_candidates" not in ran and {"dpo_update", "evaluate"} <= ran
+        for stage in ("collect_preferences", "reference_logprobs"):  # iteration 0's, once per campaign
+            assert _output(config, parent, stage) == _output(config, first, stage), stage
+    assert len(list((config.run_root / config.campaign / "reference_logprobs").iterdir())) == 1
+    tracker = tracking_store(config).tracker()
+    assert tracker.run(second).metrics["dpo_update/pairs"] == pairs  # all of the file's pairs, in each iteration
+    updates = [read_manifest(_output(config, parent, "dpo_update")) for parent in (first, second)]
+    assert updates[1].upstream["policy"] == updates[0].digest  # iteration 1 continues iteration 0's policy
+
+
+def test_offline_dpo_on_an_online_iterations_pairs_trains_its_policy_bit_for_bit(campaign, offline):
+    """The same pairs, seed and iteration: the update cannot tell an imported set from pairs it sampled."""
+    config, _ = offline
+    online = _output(campaign, _run(campaign, 0), "dpo_update") / "actor" / "model.safetensors"
+    imported = _output(config, _run(config, 0), "dpo_update") / "actor" / "model.safetensors"
+    assert online.read_bytes() == imported.read_bytes()
