@@ -254,6 +254,32 @@ def preference_loss(
 
 
 @torch.no_grad()
+def implicit_rewards(
+    chosen_logprobs: torch.Tensor,
+    rejected_logprobs: torch.Tensor,
+    ref_chosen_logprobs: torch.Tensor | None,
+    ref_rejected_logprobs: torch.Tensor | None,
+    *,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO's implicit reward of each response of each pair: ``beta * (pi - ref)``, or ``beta * pi`` without a
+    reference (SimPO's, on per-token means); the per-pair values behind :func:`preference_metrics`.
+
+    Shapes:
+        each argument: (B,); returns (chosen, rejected), (B,) each.
+    """
+    if (ref_chosen_logprobs is None) != (ref_rejected_logprobs is None):
+        raise ValueError("pass the reference's log-probs of both responses, or of neither")
+    if ref_chosen_logprobs is None or ref_rejected_logprobs is None:
+        _check_pairs(chosen=chosen_logprobs, rejected=rejected_logprobs)
+        return beta * chosen_logprobs, beta * rejected_logprobs  # (B,) each
+    _check_pairs(
+        chosen=chosen_logprobs, rejected=rejected_logprobs, ref_c=ref_chosen_logprobs, ref_r=ref_rejected_logprobs
+    )
+    return beta * (chosen_logprobs - ref_chosen_logprobs), beta * (rejected_logprobs - ref_rejected_logprobs)
+
+
+@torch.no_grad()
 def preference_metrics(
     chosen_logprobs: torch.Tensor,
     rejected_logprobs: torch.Tensor,
@@ -283,18 +309,9 @@ def preference_metrics(
     References:
         TRL ``DPOTrainer._compute_loss`` at f2cd57710ae345ea6428ae95363267fcf38a3dc8 (its logged metrics).
     """
-    if (ref_chosen_logprobs is None) != (ref_rejected_logprobs is None):
-        raise ValueError("pass the reference's log-probs of both responses, or of neither")
-    if ref_chosen_logprobs is None or ref_rejected_logprobs is None:
-        _check_pairs(chosen=chosen_logprobs, rejected=rejected_logprobs)
-        chosen_rewards = beta * chosen_logprobs  # (B,)
-        rejected_rewards = beta * rejected_logprobs  # (B,)
-    else:
-        _check_pairs(
-            chosen=chosen_logprobs, rejected=rejected_logprobs, ref_c=ref_chosen_logprobs, ref_r=ref_rejected_logprobs
-        )
-        chosen_rewards = beta * (chosen_logprobs - ref_chosen_logprobs)  # (B,)
-        rejected_rewards = beta * (rejected_logprobs - ref_rejected_logprobs)  # (B,)
+    chosen_rewards, rejected_rewards = implicit_rewards(
+        chosen_logprobs, rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs, beta=beta
+    )  # (B,) each
     return {
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),

@@ -173,6 +173,14 @@ REFERENCE_LOGPROBS = _schema(
     *((f"{side}_tokens", pa.int32()) for side in (CHOSEN, REJECTED)),
 )
 
+PAIR_MEASURES = _schema(
+    (PAIR_ID, pa.int64()),
+    *((f"logps_{side}", pa.float32()) for side in (CHOSEN, REJECTED)),
+    *((f"rewards_{side}", pa.float32()) for side in (CHOSEN, REJECTED)),
+)
+"""A DPO update's pairs as its policy sees them after it (:class:`rlhf_core.dpo.PairMeasures`): the log-prob (sum) of
+each response, and its implicit reward; by ``pair_id``, beside the ``reference_logprobs`` rows it trained on."""
+
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
@@ -264,6 +272,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "turns": TURNS_TABLE,
     "reference_responses": REFERENCE_RESPONSES,
     "reference_logprobs": REFERENCE_LOGPROBS,
+    "pair_measures": PAIR_MEASURES,
 }
 
 
