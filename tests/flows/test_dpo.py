@@ -4,6 +4,7 @@ process, and a replay of its update with another beta that reads the stored refe
 
 from __future__ import annotations
 
+import json
 import math
 
 import pyarrow as pa
@@ -14,7 +15,10 @@ from mlflow import MlflowClient
 from transformers import AutoModelForCausalLM
 
 from campaign.store import campaign_layout, resolve_run, stage_run
+from flows.cli import main
 from flows.export import export_model
+from flows.figures import KL, overoptimisation_figure
+from flows.inspection import TOP_PAIRS, inspect_campaign, render_table
 from flows.iterations import tracking_store
 from flows.replay import replay_config
 from flows.report import compare_report
@@ -160,3 +164,43 @@ def test_offline_dpo_on_an_online_iterations_pairs_trains_its_policy_bit_for_bit
     online = _output(campaign, _run(campaign, 0), "dpo_update") / "actor" / "model.safetensors"
     imported = _output(config, _run(config, 0), "dpo_update") / "actor" / "model.safetensors"
     assert online.read_bytes() == imported.read_bytes()
+
+
+def test_inspect_shows_a_dpo_iteration_by_its_pairs_as_its_stages_measured_them(campaign, capsys):
+    """The summary's DPO columns are the update's own TRL metrics and the reference stage's, recomputed per pair."""
+    inspection = inspect_campaign(campaign, f"{campaign.campaign}:1", top=3)
+    tracker = tracking_store(campaign).tracker()
+    source = _run(campaign, 1)
+    row = inspection.summary.filter(run="iteration").row(0, named=True)
+    metrics = tracker.run(source).metrics
+    assert row["estimator"] == "dpo sigmoid" and row["rollouts"] is None
+    assert row["reward_accuracy"] == pytest.approx(metrics["dpo_update/rewards/accuracies"], abs=1e-6)
+    assert row["reward_margin"] == pytest.approx(metrics["dpo_update/rewards/margins"], rel=1e-4)
+    assert row["logps_chosen"] == pytest.approx(metrics["dpo_update/logps/chosen"], rel=1e-4)
+    assert row["ref_logps_rejected"] == pytest.approx(metrics["reference_logprobs/logps/rejected"], rel=1e-4)
+    assert inspection.summary.filter(run="iteration").height == 1  # (and the replay of it, where it ran first)
+    pairs = inspection.responses
+    assert pairs.height == 3 and pairs["reward_margin"].is_sorted(descending=True)
+    labelled = read_table(_output(campaign, source, "collect_preferences"), "preferences").to_pylist()
+    texts = {pair["pair_id"]: (pair["prompt"], pair["chosen"], pair["rejected"]) for pair in labelled}
+    for pair in pairs.iter_rows(named=True):
+        assert (pair["prompt"], pair["chosen"], pair["rejected"]) == texts[pair["pair_id"]]
+        assert pair["reward_margin"] == pytest.approx(pair["rewards_chosen"] - pair["rewards_rejected"])
+    printed = render_table(inspection)
+    assert "DPO pairs" in printed and "scores and KL" not in printed and "implicit reward" in printed
+
+    assert main(["inspect", campaign.campaign, "--top", "1", "--by", "score", f"--set=run_root={campaign.run_root}"])
+    assert "is not a column of dpo-e2e's pairs" in capsys.readouterr().err
+
+
+def test_each_dpo_iteration_run_carries_its_inspection_and_a_point_of_the_figure(campaign):
+    tracker = tracking_store(campaign).tracker()
+    for iteration in (0, 1):
+        run = _run(campaign, iteration)
+        assert "inspect/reward_accuracy" in tracker.run(run).metrics
+        top = json.loads(tracker.load_text(run, TOP_PAIRS))
+        assert {"chosen", "rejected", "rewards_chosen", "ref_logps_chosen"} <= set(top["columns"])
+    rows = tracker.iteration_metrics(tracker.experiment_id(campaign.campaign))
+    figure = overoptimisation_figure(rows, campaign=campaign.campaign)
+    gold = figure.axes[0].get_lines()[0].get_xydata().tolist()  # the gold score against the KL, one point each
+    assert gold == [[metrics[KL], metrics["evaluate/gold_mean"]] for _, metrics in rows] and len(gold) == 2
