@@ -323,6 +323,23 @@ def summarize_runs(runs: list[RunOutputs], *, eos: int | None) -> pl.DataFrame:
     return pl.concat([run_summary(outputs, eos=eos).collect(engine="streaming") for outputs in runs])
 
 
+def _top(frame: pl.LazyFrame, *, where: str | None, by: str, count: int) -> pl.DataFrame:
+    """The rows of ``frame`` (rollouts, or DPO pairs) matching ``where``, the ``count`` highest by ``by``.
+
+    Raises:
+        InspectError: ``where`` or ``by`` is not usable.
+    """
+    try:
+        return top_rollouts(filter_rollouts(frame, where), by=by, count=count).collect(engine="streaming")
+    except ValueError as error:
+        raise InspectError(str(error)) from error
+    except pl.exceptions.PolarsError as error:
+        if where is None:
+            raise
+        # a condition that parses but cannot run, e.g. text compared with a number
+        raise InspectError(f"`--where` {where!r} cannot be evaluated: {str(error).splitlines()[0]}") from error
+
+
 def select_responses(
     runs: list[RunOutputs], *, eos: int | None, where: str | None, by: str, count: int
 ) -> pl.DataFrame:
@@ -334,15 +351,7 @@ def select_responses(
         InspectError: ``where`` or ``by`` is not usable.
     """
     rollouts = pl.concat([rollouts_of(outputs, eos=eos).select(ROLLOUT_COLUMNS) for outputs in runs])
-    try:
-        chosen = top_rollouts(filter_rollouts(rollouts, where), by=by, count=count).collect(engine="streaming")
-    except ValueError as error:
-        raise InspectError(str(error)) from error
-    except pl.exceptions.PolarsError as error:
-        if where is None:
-            raise
-        # a condition that parses but cannot run, e.g. text compared with a number
-        raise InspectError(f"`--where` {where!r} cannot be evaluated: {str(error).splitlines()[0]}") from error
+    chosen = _top(rollouts, where=where, by=by, count=count)
     tokens = []
     for outputs in runs:
         rows = chosen.filter(pl.col("run") == outputs.run, pl.col("iteration") == outputs.iteration)[ROW]
@@ -365,15 +374,9 @@ def select_pairs(runs: list[RunOutputs], *, where: str | None, by: str, count: i
     Raises:
         InspectError: ``where`` or ``by`` is not usable.
     """
-    pairs = pl.concat([pairs_of(outputs).select(PAIR_SHOWN) for outputs in runs])
-    try:
-        chosen = top_rollouts(filter_rollouts(pairs, where), by=by, count=count).collect()
-    except ValueError as error:
-        raise InspectError(str(error)) from error
-    except pl.exceptions.PolarsError as error:
-        if where is None:
-            raise
-        raise InspectError(f"`--where` {where!r} cannot be evaluated: {str(error).splitlines()[0]}") from error
+    chosen = _top(
+        pl.concat([pairs_of(outputs).select(PAIR_SHOWN) for outputs in runs]), where=where, by=by, count=count
+    )
     texts = pl.concat(
         [
             scan_table(folder, "preferences").select(PAIR_ID, PROMPT, CHOSEN, REJECTED)

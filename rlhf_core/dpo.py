@@ -225,12 +225,12 @@ def measure_pairs(
         SequenceLogprob(*(torch.cat(parts) for parts in zip(*policy[side], strict=True))) for side in policy
     )
     if config.loss == "simpo":
-        sides = (chosen.mean, rejected.mean, None, None)
+        sides, reference = (chosen.mean, rejected.mean), None
     else:
         assert pairs.ref_chosen is not None and pairs.ref_rejected is not None
-        sides = (chosen.total, rejected.total, pairs.ref_chosen.total, pairs.ref_rejected.total)
-    metrics = preference_metrics(*sides, beta=config.beta)
-    rewards = implicit_rewards(*sides, beta=config.beta)  # (B,) each
+        sides, reference = (chosen.total, rejected.total), (pairs.ref_chosen.total, pairs.ref_rejected.total)
+    metrics = preference_metrics(*sides, *(reference or (None, None)), beta=config.beta)
+    rewards = implicit_rewards(*sides, reference, beta=config.beta)  # (B,) each
     measures = PairMeasures(*(value.float().cpu() for value in (chosen.total, rejected.total, *rewards)))
     loss = torch.cat(losses).mean().item()
     return {"loss": loss, **{name: value.item() for name, value in metrics.items()}}, measures
