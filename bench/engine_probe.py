@@ -85,7 +85,7 @@ def measure(policy: Path, precision: str) -> dict:
     from rlhf_core.loading import ModelLoader
     from runtime.engine import EngineStartError, ensure_engine, stop_engine
     from runtime.engine_client import ServedPolicy, engine_score
-    from runtime.engine_probe import PROBE_PROMPTS, PROBE_RESPONSE_TOKENS, gated_policy, probe_gap
+    from runtime.engine_probe import PROBE_SIZES, gated_policy, probe_gap
     from tasks.text import load_tokenizer, read_prompts
 
     torch.set_num_threads(THREADS)
@@ -107,7 +107,8 @@ def measure(policy: Path, precision: str) -> dict:
     actor = loader.load("actor", policy)
     served = ServedPolicy(url, str(policy))
     # 1. the gate's own probe: the trainer's side once, the engine's at each swap
-    probe = probe_of(actor, tokenizer, prompts[:PROBE_PROMPTS], tokens=PROBE_RESPONSE_TOKENS, loader=loader)
+    probe_prompts, probe_tokens = PROBE_SIZES[precision]
+    probe = probe_of(actor, tokenizer, prompts[:probe_prompts], tokens=probe_tokens, loader=loader)
     gate = gated_policy(served, actor, probe, models=loader, iteration=0)
     engine_score(served, probe.batch())  # the first request warms the engine's kernels up
     scores = [engine_score(served, probe.batch()) for _ in range(5)]

@@ -358,8 +358,8 @@ class PipelineConfig(_Frozen):
 
     @property
     def rewarded(self) -> bool:
-        """Whether the campaign has a reward to score its policies with (a reward model or a reward function); a DPO
-        update's has none."""
+        """Whether the campaign has a reward to score its policies with (a reward model, a reward function or an
+        environment); a DPO update's has none."""
         return self.update == "ppo"
 
     @property

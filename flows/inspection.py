@@ -9,9 +9,13 @@
    several estimators compares row by row.
 3. Responses (``--where``, ``--top``) are chosen on the per-rollout figures first; only the chosen rows' token
    ids are then read back and decoded with the campaign's tokenizer (the one saved beside the policy).
-4. :func:`log_inspection` puts one run's summary on its MLflow run (``inspect/<column>`` metrics) with its top
+4. An episode (a rollout with an environment, docs/environments.md) is shown turn by turn: the chosen rows' segments
+   are read from the rollout's ``turns`` table, and each is decoded from its token range, special tokens kept, so
+   what the model sampled and the template's delta the environment's reply became both show as they were trained on.
+   Its length, KL and advantage count the model's tokens only (:func:`storage.diagnostics.rollout_frame`).
+5. :func:`log_inspection` puts one run's summary on its MLflow run (``inspect/<column>`` metrics) with its top
    responses as a table artifact, so the MLflow UI and the Prefect iteration artifact show them without the CLI.
-5. A DPO iteration has no rollout: its experience is the pairs its update trained on, each with the reference's
+6. A DPO iteration has no rollout: its experience is the pairs its update trained on, each with the reference's
    log-probs (the ``reference_logprobs`` output), the updated policy's and the implicit rewards (the update's
    ``pair_measures``), :func:`storage.diagnostics.pair_frame`. Its summary has the DPO columns where a PPO one has the
    rollout's, and ``--where`` / ``--top`` choose pairs, printed with their texts (the ``preferences`` they came from).
@@ -51,7 +55,23 @@ from storage.diagnostics import (
 from storage.layout import RunLayout
 from storage.manifest import Manifest, read_manifest
 from storage.recorded import recorded_output
-from storage.schemas import CHOSEN, PAIR_ID, PROMPT, PROMPT_IDS, REJECTED, RESPONSE_IDS, ROW, SAMPLES
+from storage.schemas import (
+    CHOSEN,
+    PAIR_ID,
+    PROMPT,
+    PROMPT_IDS,
+    REJECTED,
+    RESPONSE_IDS,
+    ROLE,
+    ROW,
+    SAMPLES,
+    STOP_REASON,
+    TOKEN_START,
+    TOKEN_STOP,
+    TURN,
+    TURN_REWARD,
+    TURNS,
+)
 from storage.shards import scan_table
 from storage.tracking import (
     KIND_ITERATION,
@@ -357,14 +377,28 @@ def select_responses(
         rows = chosen.filter(pl.col("run") == outputs.run, pl.col("iteration") == outputs.iteration)[ROW]
         if len(rows):
             scan = scan_table(outputs.scored, "scored_experience").filter(pl.col(ROW).is_in(rows.implode()))
-            tokens.append(
+            found = (
                 scan.select(ROW, PROMPT_IDS, RESPONSE_IDS)
                 .with_columns(iteration=pl.lit(outputs.iteration, pl.Int64), run=pl.lit(outputs.run))
                 .collect()
             )
+            if _rows(_manifest(outputs.rollout), TURNS):  # episodes: each row's turns (choice 4)
+                found = found.join(_turns(outputs.rollout, rows), on=ROW, how="left")
+            tokens.append(found)
     if not tokens:
         return chosen.with_columns(prompt_ids=pl.lit(None), response_ids=pl.lit(None)).clear()
-    return chosen.join(pl.concat(tokens), on=["iteration", "run", ROW], how="left", maintain_order="left")
+    found = pl.concat(tokens, how="diagonal")  # an episode's rows have their turns
+    return chosen.join(found, on=["iteration", "run", ROW], how="left", maintain_order="left")
+
+
+def _turns(rollout: Path, rows: pl.Series) -> pl.DataFrame:
+    """``row`` and ``turns``, the list of each row's segments in order (:data:`storage.schemas.TURNS_TABLE`)."""
+    segments = scan_table(rollout, TURNS).filter(pl.col(ROW).is_in(rows.implode())).sort(ROW, TOKEN_START)
+    return (
+        segments.group_by(ROW, maintain_order=True)
+        .agg(pl.struct(TURN, ROLE, TOKEN_START, TOKEN_STOP, TURN_REWARD, STOP_REASON).alias(TURNS))
+        .collect()
+    )
 
 
 def select_pairs(runs: list[RunOutputs], *, where: str | None, by: str, count: int) -> pl.DataFrame:
@@ -390,7 +424,8 @@ def select_pairs(runs: list[RunOutputs], *, where: str | None, by: str, count: i
 
 
 def decode_responses(responses: pl.DataFrame, directory: Path) -> pl.DataFrame:
-    """``responses`` with ``prompt`` and ``response`` texts in place of their token ids (special tokens dropped)."""
+    """``responses`` with ``prompt`` and ``response`` texts in place of their token ids (special tokens dropped); an
+    episode's ``turns`` each with its ``text``, decoded from its token range with its special tokens (choice 4)."""
     from storage.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(directory)
@@ -398,9 +433,16 @@ def decode_responses(responses: pl.DataFrame, directory: Path) -> pl.DataFrame:
         name: tokenizer.batch_decode(responses[column].to_list(), skip_special_tokens=True)
         for name, column in (("prompt", PROMPT_IDS), ("response", RESPONSE_IDS))
     }
-    return responses.drop(PROMPT_IDS, RESPONSE_IDS).with_columns(
+    decoded = responses.with_columns(
         pl.Series("prompt", texts["prompt"], dtype=pl.String), pl.Series("response", texts["response"], dtype=pl.String)
     )
+    if TURNS in responses.columns:
+        turns = [
+            [{**segment, "text": tokenizer.decode(ids[segment[TOKEN_START] : segment[TOKEN_STOP]])} for segment in row]
+            for ids, row in zip(responses[RESPONSE_IDS].to_list(), responses[TURNS].to_list(), strict=True)
+        ]
+        decoded = decoded.with_columns(pl.Series(TURNS, turns))
+    return decoded.drop(PROMPT_IDS, RESPONSE_IDS)
 
 
 # On the MLflow run ------------------------------------------------------------------------------------------------
@@ -525,7 +567,7 @@ def render_table(inspection: Inspection) -> str:
     lines = [f"campaign `{inspection.campaign}`: {summary.filter(pl.col('run') == ITERATION_RUN).height} iteration(s)"]
     for title, columns in _BLOCKS:
         if summary.select(columns).null_count().sum_horizontal().item() == summary.height * len(columns):
-            continue  # nothing of this kind of experience (module docstring, choice 5)
+            continue  # nothing of this kind of experience (module docstring, choice 6)
         rows = [["iteration", "run", *columns]]
         rows += [[_cell(row[name]) for name in rows[0]] for row in summary.iter_rows(named=True)]
         lines += ["", f"{title}:", text_table(rows)]
@@ -549,8 +591,8 @@ def render_table(inspection: Inspection) -> str:
                 f"  reward {_cell(row['reward'])}  kl {_cell(row['kl'])}  advantage {_cell(row['advantage'])}"
                 f"  length {row['length']}{truncated}",
                 f"  prompt:   {row['prompt']}",
-                f"  response: {row['response']}",
             ]
+            lines += _turn_lines(row[TURNS]) if row.get(TURNS) else [f"  response: {row['response']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -567,6 +609,20 @@ def _pair_lines(row: dict, run: str) -> list[str]:
         f"  prompt:   {row[PROMPT]}",
         *sides,
     ]
+
+
+def _turn_lines(turns: list[dict]) -> list[str]:
+    """An episode turn by turn (choice 4): the model's turns with their rewards, the environment's replies as the
+    template's delta, each text on one line (newlines escaped), then how it ended."""
+    lines = []
+    for segment in turns:
+        text = json.dumps(segment["text"], ensure_ascii=False)
+        if segment[ROLE] == "assistant":
+            lines.append(f"  turn {segment[TURN] + 1}, model (reward {_cell(segment[TURN_REWARD])}): {text}")
+        elif segment[TOKEN_STOP] > segment[TOKEN_START]:
+            lines.append(f"  turn {segment[TURN] + 1}, environment: {text}")
+    reasons = [segment[STOP_REASON] for segment in turns if segment[STOP_REASON] is not None]
+    return [*lines, f"  stopped: {reasons[-1] if reasons else '-'}"]
 
 
 def _plain(value: object) -> object:
@@ -595,7 +651,10 @@ def render_csv(inspection: Inspection) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(frame.columns)
-    writer.writerows(["" if value is None else value for value in row] for row in frame.iter_rows())
+    writer.writerows(
+        ["" if value is None else json.dumps(value) if isinstance(value, list) else value for value in row]
+        for row in frame.iter_rows()
+    )  # an episode's turns as JSON
     return buffer.getvalue()
 
 

@@ -217,10 +217,8 @@ def _dpo_steps(
 def _evaluation(
     config: PipelineConfig, context: StageContext, policy: StageResult, reward_model: StageResult | None
 ) -> list[StageResult]:
-    """The reference's samples (once per campaign) and stage 7, the evaluation of ``policy``; none for episodes, whose
-    evaluation is not there yet (docs/environments.md)."""
-    if config.episodes:
-        return []
+    """The reference's samples (once per campaign) and stage 7, the evaluation of ``policy`` (on held-out episodes
+    with an environment: docs/environments.md)."""
     reference = sample_reference(replace(context, iteration=0), config)
     return [reference, evaluate(context, config, policy=policy, reward_model=reward_model, reference=reference)]
 

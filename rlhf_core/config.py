@@ -203,6 +203,18 @@ class SamplingConfig:
         sampled, so those stages get it at 0 and their keys do not change with it (issue 42)."""
         return replace(self, staleness=0)
 
+    @property
+    def kept_as_sampled(self) -> SamplingConfig:
+        """These settings for a stage that keeps the sampled tokens and computes nothing of them (the reference's
+        samples): on the engine a stage asks for a whole shard in one request (:class:`tasks.sampler.WholeShards`),
+        so ``batch_size`` only chooses how it reads the answers back and is left at its default, out of the key
+        (issue 42); the ``hf`` sampler samples batch by batch, so there it stays. Every other sampling stage also
+        runs the trainer's model over its rows in batches of ``batch_size`` (the candidates' and the rollout's
+        log-probs, evaluation's scores), whose padded width can move the last bits of a sum: keyed there."""
+        if self.engine == "hf":
+            return self
+        return replace(self, batch_size=SamplingConfig.__dataclass_fields__["batch_size"].default)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RewardModelConfig:

@@ -12,11 +12,14 @@ Choices:
    name, so nothing here depends on a particular judge.
 4. A learned reward drifts to the length of responses first (Singhal et al. 2023, "A long way to go"): the
    Pearson correlation of scores with response lengths (:func:`correlation`) is reported every iteration.
+5. An episode's turn **succeeds** when its reward is > 0 (:func:`episode_success`): the environment's own
+   judgement, whatever else it scores (a penalty, a partial 0). Success by turn n is having succeeded at one of
+   the first n turns; recovery, succeeding later after a first turn that did not.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -87,3 +90,30 @@ def correlation(values: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
     x, y = values.double() - values.double().mean(), others.double() - others.double().mean()  # (B,), (B,)
     scale = (x.square().sum() * y.square().sum()).sqrt()
     return torch.where(scale > 0, (x * y).sum() / scale.clamp_min(1e-300), torch.zeros((), dtype=torch.float64))
+
+
+class EpisodeSuccess(NamedTuple):
+    """How episodes succeeded turn by turn (choice 5)."""
+
+    by_turn: torch.Tensor
+    """(N,): the share of episodes that succeeded at one of their first n + 1 turns (the last: at any turn)."""
+    recovered: torch.Tensor
+    """(): of the episodes whose first turn was played and did not succeed, the share that succeeded at a later one;
+    NaN when there is none."""
+
+
+@torch.no_grad()
+def episode_success(turn_rewards: torch.Tensor, turns: torch.Tensor) -> EpisodeSuccess:
+    """Success by turn and recovery of B episodes (choice 5); the values past an episode's ``turns`` are ignored.
+
+    Naive equivalent: ``by_turn[n] = mean([any(r > 0 for r in rewards[b][: min(n + 1, turns[b])]) for b])``;
+    ``recovered = mean([any(r > 0 for r in rewards[b][1 : turns[b]]) for b if turns[b] > 0 and rewards[b][0] <= 0])``.
+
+    Shapes:
+        turn_rewards: (B, N), each episode's reward of each model turn; turns: (B,), how many it played (0 to N).
+    """
+    played = torch.arange(turn_rewards.shape[1], device=turn_rewards.device) < turns[:, None]  # (B, N)
+    succeeded = (turn_rewards > 0) & played  # (B, N)
+    so_far = succeeded.cumsum(dim=1) > 0  # (B, N): succeeded at one of the first n + 1 turns
+    failed_first = played[:, 0] & ~succeeded[:, 0]  # (B,)
+    return EpisodeSuccess(so_far.double().mean(dim=0), so_far[failed_first, -1].double().mean())

@@ -7,8 +7,8 @@ checked: the engine scores a fixed probe batch right after every swap, and the s
 the ones the stage's own model (the trainer's numerics) gives the same tokens.
 
 Choices:
-1. The probe: :data:`PROBE_PROMPTS` of the campaign's training prompts, each with a response of up to
-   :data:`PROBE_RESPONSE_TOKENS` tokens sampled once by the project's own sampler from the policy the campaign's
+1. The probe: the first of the campaign's training prompts, each with a response of up to a number of tokens
+   (both by the campaign's precision, :data:`PROBE_SIZES`) sampled once by the project's own sampler from the policy the campaign's
    first gate serves (temperature 1, seeded from the campaign's seed), stored as token ids in the run root
    (:meth:`storage.layout.RunLayout.engine_probe_file`; the first writer wins) and used by every later gate of the
    campaign. Tokens a policy of the campaign emits, in its chat template: what its updates move; fixed, so the gaps
@@ -34,16 +34,29 @@ Choices:
 6. Every proved swap is recorded (:func:`recording`, opened around a process's shards by :mod:`runtime.fanout`):
    the manifest's runtime lists each (``engine_probe``) and the stage's metric ``engine_probe_gap`` is the largest
    gap, so a slow drift shows before it trips. The ``hf`` sampler needs no gate: it is the trainer's model.
+7. Near its own weights, not on the way to any other (issue 42): in bf16 the tolerance sits above what one update
+   at a realistic learning rate moves these log-probs (hundredths of a nat), so the previous weights, a stale
+   adapter, a half-applied swap or the reference would pass it. So each gate also keeps the trainer's log-probs of
+   the weights it serves (:meth:`storage.layout.RunLayout.engine_probe_weights_dir`, one file per weights and
+   precision, the first writer wins), and for every other weights a gate of the campaign served before (the
+   previous policies, the reference) the engine's log-probs must lie less than :data:`NEARNESS` of the way from
+   the trainer's to theirs (:func:`relative_position`): an engine serving the other weights sits at 1, one that
+   applied half a swap near 1/2 (measured: 0.497 for a swap that loaded the first layer only), a correct one at 0
+   give or take one over the two weights' separation in widths of the engine's noise (its scatter off the line,
+   measured in the same answer). So weights fewer than 3 / :data:`NEARNESS` noise widths apart are not judged
+   (recorded, not refused): this probe cannot tell them apart, and a coin toss is no proof either way. The rule is
+   the same in every precision; in fp32 the tolerance decides first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,16 +70,21 @@ if TYPE_CHECKING:  # transformers only where a gate is made: runtime.fanout impo
     from rlhf_core.config import SamplingConfig
     from rlhf_core.loading import ModelLoader
 
-PROBE_PROMPTS = 4
-"""Prompts in the probe batch (choice 1)."""
-PROBE_RESPONSE_TOKENS = 16
-"""The longest response of the probe batch, in tokens (choice 1)."""
+PROBE_SIZES: dict[str, tuple[int, int]] = {"fp32": (4, 16), "bf16": (16, 32), "fp16": (16, 32)}
+"""Prompts in the probe batch and the longest response of each, in tokens, per precision (choice 1). In fp32 the
+tolerance decides, and the engine's noise (1e-6 nats) separates any two weights on 64 tokens. In bf16 it is the
+relative rule (choice 7), which judges two weights 12 noise widths apart: with SmolLM2's noise (a mean gap of 0.042
+nats a token, bench/RESULTS.md; about 0.053 root mean square) 512 tokens tell apart log-probs 0.03 nats apart."""
 TOLERANCES: dict[str, float] = {"fp32": 1e-4, "bf16": 0.5, "fp16": 0.5}
 """The largest gap (nats) a swap may show, per precision (choice 3)."""
 PROBE_RECORDS = "engine_probe"
 """Where a stage's manifest runtime lists its proved swaps."""
 GAP_METRIC = "engine_probe_gap"
 """The stage metric: the largest gap of its swaps."""
+NEARNESS = 0.25
+"""How far, at most, the engine's log-probs may lie on the way from the trainer's to those of other weights the
+campaign served (choice 7); judged where the two weights are at least ``3 / NEARNESS`` noise widths apart, so that a
+correct engine's position (0, with a standard error of one over the separation) is three errors below it."""
 
 
 class EngineProbeError(UserError, RuntimeError):
@@ -142,6 +160,71 @@ def probe_gap(engine: list[list[float]], trainer: list[list[float]]) -> float:
     return float("inf") if any(d != d for d in differences) else max(differences, default=0.0)  # NaN fails
 
 
+def relative_position(
+    engine: list[list[float]], own: list[list[float]], other: list[list[float]]
+) -> tuple[float, float]:
+    """Where the engine's log-probs of the probe sit between the trainer's of the stage's own weights (0) and of
+    ``other`` weights (1), and how far apart the two are in widths of the engine's noise (choice 7).
+
+    With the rows flattened into vectors e, c (own) and o (other), d = o - c and r = e - c: the position is
+    a = (r . d) / |d|^2, the projection of the engine's offset onto the line from c to o; the engine is nearer c than o
+    in squared distance exactly when a < 1/2. The noise is what remains of r off that line,
+    s^2 = (|r|^2 - a^2 |d|^2) / (N - 1), and the separation |d| / s (a's standard error is 1 / separation).
+    Identical log-probs (d = 0) give position 0 and separation 0; no noise with d != 0, an infinite separation.
+
+    Naive equivalent: ``a = sum((e - c) * (o - c)) / sum((o - c) ** 2)`` over all tokens.
+    """
+    e, c, o = (
+        torch.tensor([value for row in rows for value in row], dtype=torch.float64) for rows in (engine, own, other)
+    )
+    d, r = o - c, e - c
+    length2 = float(d @ d)
+    if length2 == 0.0:
+        return 0.0, 0.0
+    position = float(r @ d) / length2
+    noise2 = max(float(r @ r) - position**2 * length2, 0.0) / max(len(r) - 1, 1)
+    return position, (float("inf") if noise2 == 0.0 else (length2 / noise2) ** 0.5)
+
+
+@dataclass(frozen=True)
+class OtherWeights:
+    """Weights a gate of the campaign served before, and the trainer's log-probs of the probe under them."""
+
+    weights: str
+    adapter: str | None
+    logprobs: list[list[float]]
+
+    def name(self) -> str:
+        return self.weights + ("" if self.adapter is None else f" with the adapter {self.adapter}")
+
+
+def weights_file(directory: Path, policy: ServedPolicy, precision: str) -> Path:
+    """Where the trainer's log-probs of the probe under ``policy``'s weights in ``precision`` are kept."""
+    identity = json.dumps([policy.weights, policy.adapter, precision])
+    return directory / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+
+def keep_and_read_others(
+    directory: Path, policy: ServedPolicy, precision: str, logprobs: list[list[float]]
+) -> tuple[OtherWeights, ...]:
+    """Keep the trainer's ``logprobs`` of ``policy`` (the first writer wins) and read those of every other weights
+    kept in ``precision`` (choice 7), in name order; a file of a probe that does not line up is passed over."""
+    own = weights_file(directory, policy, precision)
+    if not own.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = temporary_sibling(own)
+        temporary.write_text(json.dumps({**asdict(policy), "precision": precision, "logprobs": logprobs}) + "\n")
+        with contextlib.suppress(FileExistsError):
+            publish_file(temporary, own)
+    others = []
+    for path in sorted(directory.glob("*.json")):
+        kept = json.loads(path.read_text())
+        same_shape = [len(row) for row in kept["logprobs"]] == [len(row) for row in logprobs]
+        if path != own and kept["precision"] == precision and same_shape:
+            others.append(OtherWeights(kept["weights"], kept["adapter"], kept["logprobs"]))
+    return tuple(others)
+
+
 _records: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("engine_probe_records", default=None)
 
 
@@ -182,6 +265,7 @@ class GatedPolicy:
         tolerance: the largest gap allowed (:data:`TOLERANCES` of the stage's precision).
         iteration: the stage's iteration, for the failure's line.
         trainer_seconds: what the trainer's side of the probe took (recorded with the first swap).
+        others: every other weights the campaign's gates served, which the engine must be farther from (choice 7).
     """
 
     policy: ServedPolicy
@@ -190,6 +274,7 @@ class GatedPolicy:
     tolerance: float
     iteration: int
     trainer_seconds: float = 0.0
+    others: tuple[OtherWeights, ...] = ()
     verified: str | None = field(default=None, init=False)
 
     def sample(
@@ -219,9 +304,10 @@ class GatedPolicy:
     def check(self, engine: list[list[float]], *, state: str, seconds: float) -> None:
         """Compare the engine's log-probs of the probe with the trainer's; record the swap, or refuse it."""
         gap = probe_gap(engine, self.expected)
-        weights = self.policy.weights + (
-            "" if self.policy.adapter is None else f" with the adapter {self.policy.adapter}"
-        )
+        weights = OtherWeights(self.policy.weights, self.policy.adapter, self.expected).name()
+        positions = [] if gap == float("inf") else [
+            (other, *relative_position(engine, self.expected, other.logprobs)) for other in self.others
+        ]  # fmt: skip
         record = {
             "weights": self.policy.weights,
             "adapter": self.policy.adapter,
@@ -230,26 +316,49 @@ class GatedPolicy:
             "tolerance": self.tolerance,
             "engine_seconds": seconds,
             "trainer_seconds": self.trainer_seconds,
+            "others": [
+                {"weights": other.name(), "position": position, "separation": separation}
+                for other, position, separation in positions
+            ],
         }
         records = _records.get()
         if records is not None:
             records.append(record)
+        refused = (
+            f"iteration {self.iteration}: the generation engine does not sample the trainer's weights ({weights}): "
+        )
         if not gap <= self.tolerance:
             raise EngineProbeError(
-                f"iteration {self.iteration}: the generation engine does not sample the trainer's weights ({weights}): "
-                f"its log-probs of the probe batch are {gap:.3g} from the trainer's forward (tolerance {self.tolerance:g})"
+                f"{refused}its log-probs of the probe batch are {gap:.3g} from the trainer's forward "
+                f"(tolerance {self.tolerance:g})"
             )
+        for other, position, separation in positions:
+            if separation >= 3 / NEARNESS and position >= NEARNESS:
+                raise EngineProbeError(
+                    f"{refused}its log-probs of the probe batch lie {position:.2f} of the way from the trainer's to "
+                    f"those of {other.name()} (at most {NEARNESS:g}; the two {separation:.3g} noise widths apart; "
+                    f"gap {gap:.3g}, tolerance {self.tolerance:g})"
+                )
         self.verified, self.trainer_seconds = state, 0.0
 
 
 def gated_policy(
-    policy: ServedPolicy, model: torch.nn.Module, probe: Probe, *, models: ModelLoader, iteration: int
+    policy: ServedPolicy,
+    model: torch.nn.Module,
+    probe: Probe,
+    *,
+    models: ModelLoader,
+    iteration: int,
+    served: Path | None = None,
 ) -> GatedPolicy:
     """``policy`` behind the probe gate, its expected log-probs from ``model`` (the same weights in the trainer, run
-    under the stage's autocast; the tolerance is that of the stage's precision)."""
+    under the stage's autocast; the tolerance is that of the stage's precision), kept in ``served`` (the campaign's
+    :meth:`storage.layout.RunLayout.engine_probe_weights_dir`) beside those of every other weights it served, which the
+    engine must be farther from (choice 7; none without ``served``)."""
     start = time.perf_counter()
     with models.autocast():
         expected = trainer_logprobs(model, probe)
+    others = () if served is None else keep_and_read_others(served, policy, models.precision, expected)
     return GatedPolicy(
         policy=policy,
         probe=probe,
@@ -257,4 +366,5 @@ def gated_policy(
         tolerance=TOLERANCES[models.precision],
         iteration=iteration,
         trainer_seconds=time.perf_counter() - start,
+        others=others,
     )

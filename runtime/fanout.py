@@ -11,7 +11,9 @@
    published); the stage then reads the pieces in shard order and writes its output and manifest as any
    stage does, atomically. So ``local``, ``dask`` and ``ray`` give byte-identical outputs, the runner is
    part of no input key, and a crashed stage resumes at its first unfinished shard (the pieces stay until
-   the output is in place).
+   the output is in place), unless its plan says why it cannot (``Shards.not_resumable``: an environment that
+   declares itself non-deterministic, whose episodes a run after a crash would not play alike): then the pieces are
+   computed again, and the manifest's runtime says how many and why (``sampled_again``).
 3. ``local`` runs the shards in the stage's own process, one after another, loading the models once.
    ``dask`` and ``ray`` submit one Prefect task per shard to ``execution.address`` (a Dask scheduler or a Ray
    cluster; the flow starts a local one when none is given, see :mod:`runtime.cluster`), given the stage's job in
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +43,7 @@ from prefect.futures import wait
 from runtime.engine_probe import PROBE_RECORDS, probe_failures_named, record_metrics, recording
 from runtime.job import Job, Shards, decode_job, encode_job
 from runtime.shards import Shard
+from storage.holds import hold
 from storage.progress import partial_dir
 from storage.schemas import TABLES
 from storage.shards import read_piece, write_piece
@@ -60,6 +64,15 @@ def run_shards(job: Job, plan: Shards) -> pa.Table:
         The shards' rows, concatenated in shard order.
     """
     folder = partial_dir(job.out.final_dir) / SHARDS_FOLDER
+    if plan.not_resumable is not None and (
+        written := [p for p in map(partial(piece_path, folder), plan.shards) if p.exists()]
+    ):
+        logger.info(
+            "%s: %d shards of an earlier run are computed again: %s", job.stage, len(written), plan.not_resumable
+        )
+        for piece in written:
+            piece.unlink()
+        job.out.runtime["sampled_again"] = {"shards": len(written), "why": plan.not_resumable}
     todo = tuple(shard for shard in plan.shards if not piece_path(folder, shard).exists())
     if len(todo) < len(plan.shards):
         done = len(plan.shards) - len(todo)
@@ -104,6 +117,7 @@ def write_pieces(job: Job, table: str) -> list[dict]:
     with recording() as probes:
         for shard, rows in zip(job.shards, job.declaration().work(job), strict=True):
             write_piece(piece_path(folder, shard), rows, schema=TABLES[table])
+            hold(job.stage, "shard")  # a test may kill the stage here, a shard written and the next to come
     return probes
 
 

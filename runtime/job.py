@@ -48,6 +48,9 @@ class Shards:
 
     shards: tuple[Shard, ...]
     table: str
+    not_resumable: str | None = None
+    """Why the shards a crashed run of the stage wrote must be computed again rather than reused (they are, and the
+    manifest's runtime says so: ``sampled_again``); None: they are reused (:mod:`runtime.fanout`, choice 2)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ Choices:
 2. Means and sample standard deviations (ddof 1) are over rollouts; the length quantiles interpolate linearly
    (numpy's default). Advantage mean and std are over tokens, from per-rollout sums in float64.
 3. A response is truncated when it holds ``max_new_tokens`` tokens and its last is not EOS.
+6. A multi-turn episode's row (``action_mask`` not null, docs/environments.md) counts the model's tokens only: its
+   length, KL and advantage are over the tokens its ``action_mask`` marks, never the environment's replies between
+   them (an episode kept out of the loss has none). It is never truncated: its turns and stop reason say how it
+   ended (``rlhf inspect`` shows them, turn by turn).
 4. A group is the rollouts of one prompt (``prompt_id``). Its spread is max - min of ``scores``: a group whose
    samples all scored the same gives every one of them advantage 0 under GRPO, Dr. GRPO and RLOO, so
    ``zero_spread_share`` is the share of the rollout the group estimators learn nothing from. It is null when no
@@ -29,6 +33,7 @@ from dataclasses import dataclass, fields
 import polars as pl
 
 from storage.schemas import (
+    ACTION_MASK,
     ADVANTAGES,
     OLD_LOGPROBS,
     PAIR_ID,
@@ -92,25 +97,31 @@ def rollout_frame(scored: pl.LazyFrame, *, max_new_tokens: int, eos_token_id: in
 
     Returns:
         Columns ``row``, ``prompt_id``, ``length``, ``truncated``, ``score``, ``reward``, ``kl``,
-        ``negative_kl_tokens``, ``advantage`` (the rollout's mean over its tokens) and the float64 sums
-        ``advantage_sum``, ``advantage_square_sum``.
+        ``negative_kl_tokens``, ``advantage`` (the rollout's mean over its model tokens) and the float64 sums
+        ``advantage_sum``, ``advantage_square_sum`` (choice 6: an episode's model tokens only).
     """
-    length = pl.col(RESPONSE_IDS).list.len()
+    every_token = pl.col(RESPONSE_IDS).list.eval(pl.element().is_not_null())  # a single-turn row's mask
+    if ACTION_MASK in scored.collect_schema().names():  # schema 7: an episode's row has one
+        episode, model = pl.col(ACTION_MASK).is_not_null(), pl.coalesce(pl.col(ACTION_MASK), every_token)
+    else:
+        episode, model = pl.lit(False), every_token
+    weight = model.cast(_F64)  # 1.0 at the model's tokens, 0.0 at the environment's
+    length = model.list.sum()
     ends_without_eos = (
         pl.lit(True) if eos_token_id is None else pl.col(RESPONSE_IDS).list.last().ne_missing(eos_token_id)
     )
-    k1 = pl.col(OLD_LOGPROBS).cast(_F64) - pl.col(REF_LOGPROBS).cast(_F64)
-    advantages = pl.col(ADVANTAGES).cast(_F64)
+    k1 = (pl.col(OLD_LOGPROBS).cast(_F64) - pl.col(REF_LOGPROBS).cast(_F64)) * weight
+    advantages = pl.col(ADVANTAGES).cast(_F64) * weight
     return scored.select(
         pl.col(ROW),
         pl.col(PROMPT_ID),
         length.cast(pl.Int64).alias("length"),
-        ((length == max_new_tokens) & ends_without_eos).alias("truncated"),
+        (~episode & (length == max_new_tokens) & ends_without_eos).alias("truncated"),
         pl.col(SCORES).cast(pl.Float64).alias("score"),
         pl.col(REWARDS).cast(_F64).list.sum().alias("reward"),
         k1.list.sum().alias("kl"),
         k1.list.eval(pl.element() < 0).list.sum().cast(pl.Int64).alias("negative_kl_tokens"),
-        (advantages.list.sum() / length).alias("advantage"),
+        pl.when(length > 0).then(advantages.list.sum() / length).alias("advantage"),
         advantages.list.sum().alias("advantage_sum"),
         (advantages * advantages).list.sum().alias("advantage_square_sum"),
     )

@@ -1,6 +1,8 @@
 """Named points where a process can be held, so that a crash test kills it at an exact moment, not after a sleep.
 
-A point is ``<stage>:<window>``, one of three windows in the life of a stage output:
+A point is ``<stage>:<window>``, one of four windows in the life of a stage output:
+
+* ``shard``: a fan-out stage has just written one shard's piece (:mod:`runtime.fanout`), its next shards to come;
 
 * ``computing``: the stage's work is done (or a training stage has saved its first mid-stage
   checkpoint) but nothing is published under the output's real name;
@@ -25,7 +27,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-WINDOWS = ("computing", "output", "recording")
+WINDOWS = ("shard", "computing", "output", "recording")
 
 _armed: tuple[frozenset[str], Path] | None = None
 _reached: Counter[str] = Counter()

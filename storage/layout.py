@@ -10,6 +10,7 @@ SQLite store and its artifacts live beside the stage folders, so moving ``root``
         cache/                  # scratch space: downloads for resume and replay, input fingerprints,
                                 #   GGUF files converted to Hugging Face folders (cache/gguf/<conversion key>)
         engine_probe.json       # the probe batch every weight swap of the generation engine is proved on
+        engine_probe_weights/   # the trainer's log-probs of the probe under each weights the gates served
         torch_threads.json      # the torch threads `execution.torch_threads: auto` chose, per machine
         <stage>/<key16>/        # one stage output: shards, checkpoints, _manifest.json
 """
@@ -82,6 +83,11 @@ class RunLayout:
     def engine_probe_file(self) -> Path:
         """The campaign's probe batch for the generation engine's weight swaps (:mod:`runtime.engine_probe`)."""
         return self.root / "engine_probe.json"
+
+    def engine_probe_weights_dir(self) -> Path:
+        """The trainer's log-probs of the probe for every weights the campaign's gates served, a file each: what
+        each later gate checks the engine is farther from than from its own weights (:mod:`runtime.engine_probe`)."""
+        return self.root / "engine_probe_weights"
 
     def threads_file(self) -> Path:
         """The torch thread count ``execution.torch_threads: auto`` chose for the campaign, per machine

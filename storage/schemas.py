@@ -159,6 +159,31 @@ without the log-probs)."""
 #: campaign and read back by every iteration's evaluation (:mod:`tasks.sample_reference`).
 REFERENCE_RESPONSES = _schema((ROW, pa.int64()), (RESPONSE, pa.string()), (RESPONSE_IDS, TOKEN_IDS))
 
+#: The reference's episode from each held-out prompt (``row``: the prompt's line in the file) with an environment,
+#: played once per campaign and read back by every iteration's evaluation (:mod:`tasks.episode_evaluation`): the
+#: environment's first message (``prompt``), the rest of the conversation as ``role: text`` lines (``response``), the
+#: reward of each model turn (``turn_rewards``; the episode's reward is their sum) and its ``stop_reason``.
+REFERENCE_EPISODES = _schema(
+    (ROW, pa.int64()),
+    (PROMPT, pa.string()),
+    (RESPONSE, pa.string()),
+    (TURN_REWARDS, TOKEN_FLOATS),
+    (STOP_REASON, pa.string()),
+)
+
+EPISODE_EVALUATION = _schema(
+    (PROMPT, pa.string()),
+    *((f"{side}_response", pa.string()) for side in ("policy", "reference")),
+    *((f"{side}_reward", pa.float64()) for side in ("policy", "reference")),
+    *((f"{side}_{TURN_REWARDS}", TOKEN_FLOATS) for side in ("policy", "reference")),
+    *((f"{side}_{STOP_REASON}", pa.string()) for side in ("policy", "reference")),
+    (POLICY_KL, pa.float64()),
+)
+"""One row per held-out episode with an environment: each side's conversation after the environment's first message
+(``prompt``, the policy's; the reference's is played from the same seed), its reward (the sum of its turn rewards),
+the reward of each of its model turns and its stop reason, and the policy's KL to the reference (summed over its model
+tokens). The pieces evaluation's shards write (its output is ``samples.jsonl``)."""
+
 #: The reference's log-probs of each preference pair a DPO update trains on (:mod:`tasks.reference_logprobs`), beside
 #: the pair's tokens in the policy's ids, so the update and every replay of it read them back instead of running the
 #: reference: ``prompt_ids`` unpadded, ``chosen_ids`` / ``rejected_ids`` each response's action tokens (through its
@@ -271,6 +296,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "scored_experience": SCORED_EXPERIENCE,
     "turns": TURNS_TABLE,
     "reference_responses": REFERENCE_RESPONSES,
+    "reference_episodes": REFERENCE_EPISODES,
     "reference_logprobs": REFERENCE_LOGPROBS,
     "pair_measures": PAIR_MEASURES,
 }
@@ -352,6 +378,8 @@ TABLES = {
     "experience": EXPERIENCE,
     "episodes": EPISODES,
     "evaluation": EVALUATION,
+    "episode_evaluation": EPISODE_EVALUATION,
     "reference_responses": REFERENCE_RESPONSES,
+    "reference_episodes": REFERENCE_EPISODES,
 }
 """The tables a fan-out stage's shards write, by name (a shard's rows travel to the stage as a named table)."""

@@ -43,6 +43,7 @@ from rlhf_core.generation import generate
 from runtime.bars import stage_bar
 from runtime.environments import DONE, EnvironmentReply, EnvironmentRunner
 from runtime.job import Job
+from runtime.references import EnvironmentReference
 from runtime.seeds import episode_seed
 from storage.experience_io import experience_to_table
 from storage.schemas import (
@@ -148,15 +149,22 @@ def play_episodes(
     max_turns: int,
     max_tokens_per_turn: int,
     generator: torch.Generator,
+    refuse_failed_resets: bool = True,
 ) -> list[Episode]:
     """Play one episode per ``(prompt_id, sample, prompt)``, the live ones sampling together turn by turn.
+
+    Args:
+        refuse_failed_resets: refuse ``prompts`` whose every reset failed, before any sampling
+            (:func:`check_some_episode_ended`: a rollout's); False plays on, every episode a failure (an evaluation's,
+            which reports them).
 
     Returns:
         The episodes, in the order of ``prompts``, each ended with its stop reason.
     """
     episodes = [_reset(runner, tokenizer, *item, seed=seed, iteration=iteration) for item in prompts]
     reset = [episode.stop_reason for episode in episodes if episode.stop_reason is not None]
-    check_some_episode_ended(reset, len(episodes), when=" at its reset, before any sampling")
+    if refuse_failed_resets:
+        check_some_episode_ended(reset, len(episodes), when=" at its reset, before any sampling")
     config = dataclasses.replace(sampling, max_new_tokens=max_tokens_per_turn)
     device = next(actor.parameters()).device
     for turn in range(max_turns):
@@ -247,6 +255,24 @@ def _answer(
         episode.append(delta, role=USER, observation=reply.observation)
 
 
+def episode_tensors(
+    episodes: Sequence[Episode], *, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The episodes as one batch: ``[left-padded prompt | right-padded response window]`` ids and their attention
+    mask, and the model's tokens of the window (True where the model sampled a token, whether or not it failed).
+
+    Shapes:
+        returns (B, T), (B, T) and (B, R); the window starts at ``T - R``.
+    """
+    prompts, prompt_mask = pad_token_lists([e.prompt for e in episodes], pad_token_id=pad_token_id, side="left")
+    response, response_mask = pad_token_lists([e.response for e in episodes], pad_token_id=pad_token_id)  # (B, R)
+    width = response.shape[1]
+    actions = torch.tensor(
+        [e.actions + [False] * (width - len(e.actions)) for e in episodes], dtype=torch.bool
+    ).reshape(len(episodes), width)  # (B, R)
+    return torch.cat([prompts, response], dim=1), torch.cat([prompt_mask, response_mask], dim=1), actions
+
+
 def episode_table(
     episodes: Sequence[Episode],
     actor: PreTrainedModel,
@@ -261,16 +287,10 @@ def episode_table(
 ) -> pa.Table:
     """The :data:`storage.schemas.EPISODES` rows of ``episodes``: each episode's experience (one forward pass per
     model over the whole episode, :func:`rlhf_core.experience_maker.episode_experience`), its turns and its drift."""
-    prompt_ids_, prompt_mask = pad_token_lists([e.prompt for e in episodes], pad_token_id=pad_token_id, side="left")
-    response, response_mask = pad_token_lists([e.response for e in episodes], pad_token_id=pad_token_id)  # (B, R)
-    width = response.shape[1]
-    actions = torch.tensor(
-        [
-            (e.actions if not e.failed else [False] * len(e.actions)) + [False] * (width - len(e.actions))
-            for e in episodes
-        ],
-        dtype=torch.bool,
-    ).reshape(len(episodes), width)  # (B, R): the loss mask, none of a failed episode's (choice 4)
+    sequences, attention_mask, actions = episode_tensors(episodes, pad_token_id=pad_token_id)
+    width = actions.shape[1]
+    failed = torch.tensor([e.failed for e in episodes], dtype=torch.bool)  # (B,)
+    actions = actions & ~failed[:, None]  # (B, R): the loss mask, none of a failed episode's (choice 4)
     logprobs = torch.tensor([e.logprobs + [0.0] * (width - len(e.logprobs)) for e in episodes]).reshape(
         len(episodes), width
     )  # (B, R)
@@ -283,8 +303,8 @@ def episode_table(
         actor,
         critic,
         reference,
-        torch.cat([prompt_ids_, response], dim=1).to(device),  # (B, T)
-        torch.cat([prompt_mask, response_mask], dim=1).to(device),  # (B, T)
+        sequences.to(device),
+        attention_mask.to(device),
         actions.to(device),
         turn_rewards=turn_rewards.to(device),
         engine_logprobs=logprobs.to(device),
@@ -362,6 +382,18 @@ def work(job: Job[RolloutSettings], chosen: Sequence[tuple[int, Prompt]]) -> Ite
             ]
             bar.update(1)
             yield pa.concat_tables(tables)
+
+
+def not_resumable(environment: EnvironmentReference | None) -> str | None:
+    """Why the episodes a crashed stage played with ``environment`` are sampled again rather than reused
+    (:attr:`runtime.job.Shards.not_resumable`): its class declares itself non-deterministic, so a run after the crash
+    would not play them alike; None for a deterministic one (the default), and without an environment."""
+    if environment is None or getattr(environment.load(), "deterministic", True):
+        return None
+    return (
+        f"`environment.class` {environment.name} declares itself non-deterministic (`deterministic = False`): the "
+        "episodes a crashed run played are sampled again"
+    )
 
 
 class EveryEpisodeFailed(UserError, RuntimeError):

@@ -38,8 +38,10 @@ from storage.schemas import (
     SAMPLES,
 )
 from storage.shards import read_table
+from tasks import episode_evaluation
+from tasks.episodes import not_resumable
+from tasks.held_out import batch_generator, held_out_shards
 from tasks.reward_function import score_texts
-from tasks.sample_reference import batch_generator, held_out_shards
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import EvaluateSettings
 from tasks.tensors import encode_prompts, pad_token_lists, response_token_lists, reward_scorer
@@ -49,15 +51,19 @@ SIDES = ("policy", "reference")
 
 
 def plan(job: Job[EvaluateSettings]) -> Shards:
-    """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.sample_reference.held_out_shards`)."""
+    """The held-out prompts in shards, seeded as the reference's were (:func:`tasks.held_out.held_out_shards`)."""
     settings = job.settings
-    rewards = (settings.reward_model is not None) + (settings.reward_function is not None)
+    rewards = sum(
+        reward is not None for reward in (settings.reward_model, settings.reward_function, settings.environment)
+    )
     if rewards != int(settings.rewarded):
         raise ValueError(
-            "evaluate needs exactly one reward, a reward model or a reward function, and none in a campaign without "
-            "a reward (a DPO update's)"
+            "evaluate needs exactly one reward, a reward model, a reward function or an environment, and none in a "
+            "campaign without a reward (a DPO update's)"
         )
-    return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), "evaluation")
+    table = "evaluation" if settings.environment is None else "episode_evaluation"
+    shards = held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard)
+    return Shards(shards, table, not_resumable=not_resumable(settings.environment))
 
 
 def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
@@ -65,8 +71,12 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
 
     The policy samples each batch with the generator the reference sampled it with (:mod:`tasks.sample_reference`);
     the reference's responses are read back and scored by this iteration's reward, in the layout the policy's are.
+    With an environment, held-out episodes (:mod:`tasks.episode_evaluation`).
     """
     settings, context = job.settings, job.context
+    if settings.environment is not None:
+        yield from episode_evaluation.evaluate_work(job)
+        return
     sampling, reward_model, reward_function = settings.sampling, settings.reward_model, settings.reward_function
     models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
@@ -159,8 +169,11 @@ def work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
 
 
 def gather(job: Job[EvaluateSettings], table: pa.Table) -> dict[str, float]:
-    """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics."""
+    """Write ``samples.jsonl`` (prompt, both responses and their scores) and return the evaluation metrics (held-out
+    episodes' with an environment: :func:`tasks.episode_evaluation.evaluate_gather`)."""
     settings = job.settings
+    if settings.environment is not None:
+        return episode_evaluation.evaluate_gather(job, table)
     metrics = {"kl_to_reference": _mean(table, POLICY_KL), **mismatch_metrics(table)}
     if not table.column("policy_reward").null_count:  # a campaign without a reward (a DPO update's) has none
         metrics |= {

@@ -89,7 +89,8 @@ def plan(job: Job[RolloutSettings]) -> Shards:
     shards = job.plan_shards(
         settings.prompts, rows_per_item=settings.samples_per_prompt, rows_per_shard=settings.rows_per_shard
     )
-    return Shards(shards, table="experience" if settings.environment is None else "episodes")
+    table = "experience" if settings.environment is None else "episodes"
+    return Shards(shards, table=table, not_resumable=episodes.not_resumable(settings.environment))
 
 
 def rollout_prompts(job: Job[RolloutSettings]) -> list[tuple[int, Prompt]]:

@@ -6,7 +6,7 @@ Choices:
    iteration on SmolLM2 (issue 33). This stage's key is the reference (the base policy), the held-out prompts, the
    sampling settings and the campaign's seed; the flow gives it the campaign's first iteration's context, so every
    iteration's call finds the same output.
-2. Evaluation's seeds are the campaign's, the same in every iteration (:func:`held_out_shards`): the policy of any
+2. Evaluation's seeds are the campaign's, the same in every iteration (:func:`tasks.held_out.held_out_shards`): the policy of any
    iteration samples each held-out prompt with the seed the reference sampled it with, so every comparison stays
    paired (common random numbers), and the evaluation curve varies with the policy, not the draw.
 3. A response is kept as its tokens, so evaluation scores it with the iteration's own reward model in the layout it
@@ -22,47 +22,32 @@ import torch
 
 from rlhf_core.generation import generate
 from runtime.job import Job
-from runtime.shards import Shard, plan_shards
 from runtime.stage import Shards, Stage
 from storage.schemas import REFERENCE_RESPONSES, RESPONSE, RESPONSE_IDS, ROW
+from tasks import episode_evaluation
+from tasks.episodes import not_resumable
+from tasks.held_out import batch_generator, held_out_shards
 from tasks.sampler import policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import SampleReferenceSettings
 from tasks.tensors import encode_prompts, response_token_lists
 from tasks.text import decode, load_tokenizer, read_prompts
 
-SEED_STAGE, SEED_ITERATION = "evaluate", 0
-"""The coordinates of evaluation's seeds (:mod:`runtime.seeds`): evaluation's own, in the campaign's first iteration,
-for both sides and every iteration (choice 2)."""
-
-
-def held_out_shards(job: Job, prompts: int, *, rows_per_shard: int) -> tuple[Shard, ...]:
-    """The first ``prompts`` held-out prompts in shards, seeded alike in every iteration and for both sides (choice 2)."""
-    context = job.context
-    return plan_shards(
-        prompts,
-        rows_per_shard=rows_per_shard,
-        rows_per_item=1,
-        seed=context.seed,
-        stage=SEED_STAGE,
-        iteration=SEED_ITERATION,
-    )
-
-
-def batch_generator(shard: Shard, part: slice) -> torch.Generator:
-    """The generator a batch of held-out prompts samples from, on either side: the shard's seed plus its first
-    prompt's index."""
-    return torch.Generator().manual_seed(shard.seed + part.start)
-
 
 def plan(job: Job[SampleReferenceSettings]) -> Shards:
-    """The held-out prompts in evaluation's shards."""
+    """The held-out prompts in evaluation's shards (the reference's episodes with an environment)."""
     settings = job.settings
-    return Shards(held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard), "reference_responses")
+    table = "reference_responses" if settings.environment is None else episode_evaluation.TABLE
+    shards = held_out_shards(job, settings.prompts, rows_per_shard=settings.rows_per_shard)
+    return Shards(shards, table, not_resumable=not_resumable(settings.environment))
 
 
 def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
-    """The :data:`storage.schemas.REFERENCE_RESPONSES` rows of each shard: the reference's response to each prompt."""
+    """The :data:`storage.schemas.REFERENCE_RESPONSES` rows of each shard: the reference's response to each prompt (or
+    its episode's, with an environment: :mod:`tasks.episode_evaluation`)."""
     settings, context = job.settings, job.context
+    if settings.environment is not None:
+        yield from episode_evaluation.reference_work(job)
+        return
     sampling = settings.sampling
     models = job.models(settings.precision)
     tokenizer = load_tokenizer(context.base.tokenizer.path)
@@ -94,7 +79,9 @@ def work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
 
 
 def gather(job: Job[SampleReferenceSettings], table: pa.Table) -> dict[str, float]:
-    """Write the ``reference_responses`` table."""
+    """Write the ``reference_responses`` table (``reference_episodes``, with an environment)."""
+    if job.settings.environment is not None:
+        return episode_evaluation.reference_gather(job, table)
     rows_per_shard = job.settings.rows_per_shard
     job.out.write_table("reference_responses", table, schema=REFERENCE_RESPONSES, rows_per_shard=rows_per_shard)
     lengths = [len(ids) for ids in table.column(RESPONSE_IDS).to_pylist()]

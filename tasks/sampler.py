@@ -25,7 +25,7 @@ from rlhf_core.loading import ModelLoader
 from rlhf_core.mismatch import logprob_mismatch
 from runtime.context import StageContext
 from runtime.engine_client import served_policy
-from runtime.engine_probe import PROBE_PROMPTS, PROBE_RESPONSE_TOKENS, GatedPolicy, Probe, campaign_probe, gated_policy
+from runtime.engine_probe import PROBE_SIZES, GatedPolicy, Probe, campaign_probe, gated_policy
 from runtime.seeds import stage_seed
 from runtime.shards import Shard
 from storage.schemas import ENGINE_LOGPROBS, OLD_LOGPROBS
@@ -42,7 +42,8 @@ def policy_sampler(
         return actor
     policy = served_policy(actor_dir, context.execution.engine_url, bases=models.bases)
     probe = campaign_probe(context.layout.engine_probe_file(), lambda: make_probe(models, context, actor))
-    return WholeShards(gated_policy(policy, actor, probe, models=models, iteration=context.iteration))
+    served = context.layout.engine_probe_weights_dir()
+    return WholeShards(gated_policy(policy, actor, probe, models=models, iteration=context.iteration, served=served))
 
 
 @dataclass
@@ -100,8 +101,9 @@ def make_probe(models: ModelLoader, context: StageContext, actor: PreTrainedMode
     stages' own encoding, each with a response the project's sampler draws from ``actor`` (temperature 1, a seed of
     the campaign's)."""
     tokenizer = load_tokenizer(context.base.tokenizer.path)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, read_prompts(context.base.prompts.path)[:PROBE_PROMPTS])
-    config = SamplingConfig(max_new_tokens=PROBE_RESPONSE_TOKENS, temperature=1.0, batch_size=PROBE_PROMPTS)
+    prompts, tokens = PROBE_SIZES[models.precision]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, read_prompts(context.base.prompts.path)[:prompts])
+    config = SamplingConfig(max_new_tokens=tokens, temperature=1.0, batch_size=prompts)
     with models.autocast():
         generation = generate(
             actor,

@@ -241,12 +241,18 @@ class SampleReferenceSettings(StageSettings):
     """Once per campaign: the reference's responses to the held-out prompts, which every evaluation reads back."""
 
     stage = "sample_reference"
-    sampling: SamplingConfig = setting("sampling.of_a_given_policy")
+    sampling: SamplingConfig = setting("sampling.of_a_given_policy.kept_as_sampled")
     precision: Precision = setting("precision")
     eval_prompts: InputFile = setting("base.eval_prompts")
     """The held-out prompts file (by content: no other stage's key holds it)."""
     prompts: int = setting("sizes.eval_prompts")
     rows_per_shard: int = setting("sizes.rows_per_shard")
+    environment: EnvironmentReference | None = setting("base.environment")
+    """The environment the reference plays held-out episodes with, or None: one response per prompt
+    (:mod:`tasks.episode_evaluation`)."""
+    max_turns: int = setting("environment.max_turns")
+    max_tokens_per_turn: int = setting("environment.max_tokens_per_turn")
+    step_timeout_s: float = setting("environment.step_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -272,8 +278,15 @@ class EvaluateSettings(StageSettings):
     reward's; None for none."""
     reward_function: RewardFunctionReference | None = setting("base.reward_function")
     rewarded: bool = setting("rewarded")
-    """Whether the campaign has a reward (``reward_model`` or ``reward_function``): a DPO update's has none."""
+    """Whether the campaign has a reward (``reward_model``, ``reward_function`` or ``environment``): a DPO update's has
+    none."""
     rows_per_shard: int = setting("sizes.rows_per_shard")
+    environment: EnvironmentReference | None = setting("base.environment")
+    """The environment the policy plays held-out episodes with (its reward), or None: one response per prompt
+    (:mod:`tasks.episode_evaluation`)."""
+    max_turns: int = setting("environment.max_turns")
+    max_tokens_per_turn: int = setting("environment.max_tokens_per_turn")
+    step_timeout_s: float = setting("environment.step_timeout_s")
 
 
 STAGES: tuple[type[StageSettings], ...] = (

@@ -20,6 +20,7 @@ from tasks.settings import (
     InitializeSettings,
     PPOUpdateSettings,
     RolloutSettings,
+    SampleCandidatesSettings,
     SampleReferenceSettings,
 )
 
@@ -103,6 +104,22 @@ def test_issue42_precision_keys_the_labels_only_of_a_labeler_that_loads_a_model(
 
     assert keyed("gold", "fp32") == keyed("gold", "bf16")  # a rubric: nothing loaded, nothing computed in bf16
     assert keyed("reward_model", "fp32") != keyed("reward_model", "bf16")
+
+
+def test_issue42_batch_size_keys_the_reference_samples_only_where_it_changes_them():
+    """On the engine the reference's samples are one request per shard and nothing of them is computed on the
+    trainer's side, so ``sampling.batch_size`` leaves their key; on the ``hf`` sampler, which samples batch by batch,
+    and in every stage that runs the trainer's model over its rows in batches (the candidates' log-probs), it stays."""
+
+    inputs = {SampleReferenceSettings: {}, SampleCandidatesSettings: {"policy": None}}
+
+    def keyed(settings, engine: str, batch_size: int) -> dict:
+        config = PipelineConfig(demo=True, labeler="gold", sampling={"engine": engine, "batch_size": batch_size})
+        return setting_values(settings_from(settings, config, BASE, inputs[settings]))
+
+    assert keyed(SampleReferenceSettings, "vllm", 4) == keyed(SampleReferenceSettings, "vllm", 64)
+    assert keyed(SampleReferenceSettings, "hf", 4) != keyed(SampleReferenceSettings, "hf", 64)
+    assert keyed(SampleCandidatesSettings, "vllm", 4) != keyed(SampleCandidatesSettings, "vllm", 64)
 
 
 def test_a_stage_is_given_exactly_its_inputs():

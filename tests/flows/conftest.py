@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from demo.corpus import generate_prompts
 from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
@@ -80,6 +80,55 @@ def checkpoint_world(tmp_path_factory) -> dict[str, Path]:
         )
 
     return _world_files(built_once(tmp_path_factory, "hf-world", lambda folder: _write_world(folder, gpt2)))
+
+
+EPISODE_PROMPTS = [
+    {"prompt": "Guess my number.", "high": 4},
+    {"prompt": "Find it.", "high": 4},
+    {"prompt": "Guess again.", "high": 4, "raise_at": 2},  # Faulty: its second step raises
+    {"prompt": "Start.", "high": 4, "reset": "number"},  # Faulty: its reset breaks the contract
+]
+"""The prompts of episode campaigns (tests/environments.py's scripted environments read their columns)."""
+
+
+@pytest.fixture(scope="session")
+def episode_world(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen2 chat policy (byte-level BPE, ChatML) and prompts with the environment's columns."""
+    from tests.conftest import byte_level_bpe, tiny_config
+
+    root = tmp_path_factory.mktemp("episode-world")
+    corpus = [p["prompt"] for p in EPISODE_PROMPTS] + ["I am thinking of a number from 1 to 4. Higher. Lower. 1 2 3 4"]
+    tokenizer = byte_level_bpe(vocab_size=400, corpus=corpus * 20)
+    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    config.max_position_embeddings = 512
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in EPISODE_PROMPTS))
+    return {"policy": root / "policy", "prompts": root / "prompts.jsonl"}
+
+
+def episode_overrides(world: dict[str, Path], run_root: Path, *more: str) -> list[str]:
+    """The settings of a tiny episode campaign on ``world`` (:func:`episode_world`), then ``more``: 4 prompts of 2
+    episodes of up to 3 turns of 6 tokens, scored by the environment; `environment.class` is the caller's."""
+    return [
+        f"run_root={run_root}",
+        "demo=false",
+        "labeler=null",
+        f"model.policy={world['policy']}",
+        f"data.prompts={world['prompts']}",
+        f"data.eval_prompts={world['prompts']}",
+        "reward.source=environment",
+        "environment.max_turns=3",
+        "environment.max_tokens_per_turn=6",
+        "environment.step_timeout_s=20",
+        "sizes.rollout_prompts=4",
+        "sizes.samples_per_prompt=2",
+        "sizes.eval_prompts=4",
+        "sampling.batch_size=8",
+        *more,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -174,3 +223,25 @@ def prefect_events(*names: str, resource_prefix: str = "", expect: int = 1, time
         if len(events) >= expect or time.monotonic() > deadline:
             return sorted(events, key=lambda event: event.occurred)
         time.sleep(0.5)
+
+
+def _tied_llama(vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """The engine fault tests' worlds (tests/flows/test_engine_faults*.py): the same tied Llama (the demo's word-level tokenizer, its prompts), saved in bf16 (as most hub checkpoints)
+    and in fp32."""
+    found = {}
+    for dtype in ("bf16", "fp32"):
+        world = _write_world(tmp_path_factory.mktemp(f"tied-{dtype}"), _tied_llama)
+        if dtype == "bf16":
+            model = AutoModelForCausalLM.from_pretrained(world["policy"], dtype=torch.float32)
+            model.to(torch.bfloat16).save_pretrained(world["policy"])
+        found[dtype] = world
+    return found

@@ -34,6 +34,10 @@ yet recorded: its iteration records it) while the resumed update is published an
 off-policy update (once it has kept pi_prox and checkpointed an epoch). The same checks hold, against an uncrashed
 overlapped campaign, and the killed command's training process must die with it.
 
+Issue 44 adds a campaign of multi-turn episodes killed during its rollout, after its first shard of episodes (the
+environment's process alive): the same command again reuses that shard and ends as the uncrashed campaign; an
+environment that declares itself non-deterministic has that shard sampled again, and the rollout's manifest says so.
+
 Slow: ``.ci/run`` runs it as its own step.
 """
 
@@ -50,7 +54,9 @@ import pytest
 from mlflow import MlflowClient
 
 from storage.manifest import read_manifest
+from storage.shards import read_table
 from tasks.staleness import PROX_FILE
+from tests.flows.conftest import episode_overrides
 from tests.processes import running
 
 pytestmark = pytest.mark.slow
@@ -409,3 +415,47 @@ def test_issue45_kill_minus_nine_of_a_dpo_update_in_turn_then_rerun_equals_a_run
         if window == "computing":
             assert list((run_root / "tiny" / "dpo_update").glob("*.partial/epoch-*")), f"{point}: after a checkpoint"
     _rerun_equals(command, log, run_root, uncrashed_dpo, api_url)
+
+
+EPISODES = ["iterations=1", "advantages.estimator=grpo", "sizes.rows_per_shard=4"]
+"""A campaign of episodes (tests/flows/conftest.py): 8 episodes in two shards of the rollout, one iteration."""
+
+
+def _episode_command(run_root: Path, world: dict[str, Path], environment: str) -> list[str]:
+    overrides = episode_overrides(world, run_root, *EPISODES, f"environment.class=tests.environments:{environment}")
+    return [sys.executable, "-m", "flows", "run", "--config", str(TINY), *(f"--set={o}" for o in overrides)]
+
+
+def _rollout(run_root: Path) -> Path:
+    (folder,) = [path.parent for path in (run_root / "tiny" / "rollout").glob("*/_manifest.json")]
+    return folder
+
+
+def test_issue44_kill_minus_nine_during_an_episode_rollout_then_rerun_equals_a_run_that_never_crashed(
+    episode_world, tmp_path, api_url
+):
+    """``kill -9`` after the rollout's first shard of episodes (tests.environments:Guess, the environment's process
+    alive): nothing outlives the command, and the same command again reuses the shard and ends exactly as a campaign
+    that never crashed. With :class:`tests.environments.Coin` (the same game, declared non-deterministic) the shard is
+    sampled again, and the rollout's manifest says so."""
+    uncrashed_root, log, point = tmp_path / "uncrashed", tmp_path / "run.log", "rollout:shard"
+    _run_to_end(_episode_command(uncrashed_root, episode_world, "Guess"), log, api_url)
+    uncrashed = (_file_hashes(uncrashed_root / "tiny"), _store(uncrashed_root, "tiny"))
+    assert uncrashed[1]["statuses"] == ["FINISHED"] and any(path.startswith("evaluate/") for path in uncrashed[0])
+
+    run_root = tmp_path / "crashed"
+    command = _episode_command(run_root, episode_world, "Guess")
+    _kill_when_held(command, point, tmp_path / "held-guess", log, api_url)
+    _check_after_kill(run_root, uncrashed, point)
+    assert len(list((run_root / "tiny" / "rollout").glob("*.partial/shards/*"))) == 1, "one shard of two written"
+    _rerun_equals(command, log, run_root, uncrashed, api_url)
+    assert "sampled_again" not in read_manifest(_rollout(run_root)).runtime
+
+    coin_root = tmp_path / "coin"
+    command = _episode_command(coin_root, episode_world, "Coin")
+    _kill_when_held(command, point, tmp_path / "held-coin", log, api_url)
+    _run_to_end(command, log, api_url)
+    sampled_again = read_manifest(_rollout(coin_root)).runtime["sampled_again"]
+    assert sampled_again["shards"] == 1 and "declares itself non-deterministic" in sampled_again["why"]
+    coin, guess = (read_table(_rollout(root), "experience") for root in (coin_root, uncrashed_root))
+    assert coin.equals(guess)  # Coin plays Guess's game: sampled again, its episodes are the same

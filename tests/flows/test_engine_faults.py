@@ -26,21 +26,19 @@ Needs the engine's environment: ``pytest -m vllm tests/flows/test_engine_faults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from mlflow import MlflowClient
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from campaign.config import load_config
-from demo.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flows.cli import main
 from runtime.engine import engine_python, ensure_engine, stop_engine
 from runtime.engine_client import ProbeBatch, ServedPolicy, engine_score
-from tests.flows.conftest import _write_world
 
 pytestmark = [
     pytest.mark.vllm,
@@ -64,45 +62,30 @@ CAMPAIGNS = {
 """Campaign -> the dtype its initial policy is saved in, and its settings."""
 
 
-def _tied_llama(vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """The same tied Llama (the demo's word-level tokenizer, its prompts), saved in bf16 (as most hub checkpoints)
-    and in fp32."""
-    found = {}
-    for dtype in ("bf16", "fp32"):
-        world = _write_world(tmp_path_factory.mktemp(f"tied-{dtype}"), _tied_llama)
-        if dtype == "bf16":
-            model = AutoModelForCausalLM.from_pretrained(world["policy"], dtype=torch.float32)
-            model.to(torch.bfloat16).save_pretrained(world["policy"])
-        found[dtype] = world
-    return found
+@contextlib.contextmanager
+def broken_engine(world: dict[str, Path], fault: Path, *, precision: str, lora: bool) -> Iterator[str]:
+    """The broken engine over ``world``'s policy, started by the product's launcher in ``precision`` (LoRA merged into
+    its weights where ``lora``), the fault in force named in ``fault``; its URL. Stopped at the end."""
+    saved = {name: os.environ.get(name) for name in ("RLHF_ENGINE_SERVER", "RLHF_ENGINE_FAULT_FILE")}
+    os.environ.update(RLHF_ENGINE_SERVER=str(FAULTY_SERVER), RLHF_ENGINE_FAULT_FILE=str(fault))
+    adapter = ["model.lora.r=8", "execution.engine_lora=merge"] if lora else []
+    config = load_config(TINY, [f"model.policy={world['policy']}", *adapter, *SMALL[-1:]])
+    try:
+        yield ensure_engine(
+            config.execution, precision=precision, lora_rank=8 if lora else None, policy=str(world["policy"])
+        )
+    finally:
+        stop_engine()
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 @pytest.fixture(scope="module")
 def engine(worlds, tmp_path_factory):
     """The broken engine (no fault in force yet), its URL and the file that names the fault."""
     fault = tmp_path_factory.mktemp("fault") / "fault"
-    saved = {name: os.environ.get(name) for name in ("RLHF_ENGINE_SERVER", "RLHF_ENGINE_FAULT_FILE")}
-    os.environ.update(RLHF_ENGINE_SERVER=str(FAULTY_SERVER), RLHF_ENGINE_FAULT_FILE=str(fault))
-    world = worlds["bf16"]
-    config = load_config(
-        TINY, [f"model.policy={world['policy']}", "model.lora.r=8", "execution.engine_lora=merge", *SMALL[-1:]]
-    )
-    try:
-        url = ensure_engine(config.execution, precision="fp32", lora_rank=8, policy=str(world["policy"]))
+    with broken_engine(worlds["bf16"], fault, precision="fp32", lora=True) as url:
         yield url, fault
-    finally:
-        stop_engine()
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
 def _argv(run_root: Path, world: dict[str, Path], url: str, *extra: str) -> list[str]:

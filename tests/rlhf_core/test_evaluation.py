@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.evaluation import correlation, response_kl, win_rate
+from rlhf_core.evaluation import correlation, episode_success, response_kl, win_rate
 from rlhf_core.rewards import kl_estimate
 
 
@@ -58,3 +58,19 @@ def test_issue35_the_correlation_of_scores_with_lengths_by_hand():
     assert correlation(torch.tensor([3.0, 1.0, 2.0]), lengths).item() == pytest.approx(-0.5)
     assert correlation(2 * lengths + 1, lengths).item() == pytest.approx(1.0)  # scores that are the length
     assert correlation(torch.tensor([1.0, 1.0, 1.0]), lengths).item() == 0.0  # a constant: undefined, reported 0
+
+
+def test_episode_success_by_turn_and_recovery_by_hand():
+    # Four episodes of up to 3 turns, a turn succeeding when its reward is > 0:
+    #   0: [0, 1, -]   fails turn 1, succeeds at turn 2: recovered
+    #   1: [1, -, -]   succeeds at turn 1
+    #   2: [-0.5, 0, 0] never succeeds: not recovered
+    #   3: [-, -, -]   its reset failed (no turn): in no recovery, a failure at every turn; its 9.0 lies past its turns
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [-0.5, 0.0, 0.0], [9.0, 0.0, 0.0]])
+    turns = torch.tensor([2, 1, 3, 0])
+    success = episode_success(rewards, turns)
+    # by turn 1: episode 1 (1/4); by turn 2: episodes 0 and 1 (2/4); by turn 3: the same
+    torch.testing.assert_close(success.by_turn, torch.tensor([0.25, 0.5, 0.5], dtype=torch.float64))
+    # first turns played and failed: episodes 0 and 2; recovered: episode 0 -> 1/2
+    assert success.recovered.item() == 0.5
+    assert episode_success(torch.tensor([[1.0, 0.0]]), torch.tensor([1])).recovered.isnan()  # none failed turn 1

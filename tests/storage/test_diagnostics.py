@@ -242,3 +242,26 @@ def test_a_dpo_updates_pairs_and_their_summary_by_hand():
             "reward_accuracy": 0.5,
         }
     )
+
+
+def test_an_episodes_figures_count_the_models_tokens_only(tmp_path):
+    """An episode's row (``action_mask``): the environment's tokens between its turns count in no length, KL or
+    advantage, whatever log-probs sit there; a failed episode (mask all False) has no model token."""
+    episodes = [
+        # two model turns (5 EOS, 6 EOS) around the environment's reply (9 9), whose k1 is 3.0 and -4.0
+        dict(prompt_id=0, response_ids=[5, EOS, 9, 9, 6, EOS], old=[-1.0, -1.0, 0.0, 0.0, -1.0, -1.0],
+             ref=[-1.5, -1.0, -3.0, 4.0, -0.75, -1.0], score=1.0, rewards=[0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+             advantages=[1.0, 1.0, 0.0, 0.0, 2.0, 2.0]),
+        dict(prompt_id=0, response_ids=[5, 6, 7], old=[-1.0, -1.0, -1.0], ref=[-2.0, -2.0, -2.0], score=0.0,
+             rewards=[0.0, 0.0, 0.0], advantages=[0.0, 0.0, 0.0]),  # its environment failed: out of the loss
+    ]  # fmt: skip
+    table = scored_table(episodes)
+    masks = pa.array([[True, True, False, False, True, True], [False, False, False]], type=pa.list_(pa.bool_()))
+    table = table.set_column(table.schema.get_field_index("action_mask"), "action_mask", masks)
+    write_shards(tmp_path, "scored_experience", table, schema=SCORED_EXPERIENCE)
+    frame = rollout_frame(scan_table(tmp_path, "scored_experience"), max_new_tokens=3, eos_token_id=EOS).collect()
+    assert frame["length"].to_list() == [4, 0]  # the model's 4 tokens; the failed episode's none
+    assert frame["kl"].to_list() == [0.25, 0.0]  # k1 0.5, 0, -0.25, 0 at the model's tokens
+    assert frame["negative_kl_tokens"].to_list() == [1, 0]
+    assert frame["advantage"].to_list() == [6 / 4, None]  # (1 + 1 + 2 + 2) / 4; none without a model token
+    assert frame["truncated"].to_list() == [False, False]  # 3 tokens, no EOS, but an episode: its turns say
