@@ -62,9 +62,10 @@ REWARD_NAMES = {
 }
 
 
-def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) -> dict:
+def run_campaign(world: Path, config_file: Path | None, overrides: list[str], seconds: float | None = None) -> dict:
     """A campaign (``config_file``, or the RLHF demo's, with ``overrides``) in a temporary run root:
-    per-iteration wall seconds and metrics."""
+    per-iteration wall seconds and metrics. With ``seconds``, it stops after the iteration that reaches that much
+    wall time (of its iterations), or after ``iterations``, whichever comes first."""
     started = time.perf_counter()
     from campaign.config import load_config
     from flows import rlhf_pipeline
@@ -75,11 +76,13 @@ def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) ->
     try:
         shutil.copytree(world, root / "cache" / "demo-world")
         config = load_config(config_file or RLHF_DEMO, [*overrides, f"run_root={root}", "execution.torch_threads=1"])
-        state, seconds = None, []
+        state, seconds, budget = None, [], seconds
         for iteration in range(config.iterations):
             begin = time.perf_counter()
             state = rlhf_pipeline.rlhf_iteration(config, iteration, state)
             seconds.append(time.perf_counter() - begin)
+            if budget is not None and sum(seconds) >= budget:
+                break
         tracker = tracking_store(config).tracker()
         metrics = [values for _, values in tracker.iteration_metrics(tracker.experiment_id(config.campaign))]
         return {"overrides": overrides, "import_seconds": imported, "iteration_seconds": seconds, "metrics": metrics}
@@ -87,7 +90,7 @@ def run_campaign(world: Path, config_file: Path | None, overrides: list[str]) ->
         shutil.rmtree(root, ignore_errors=True)
 
 
-def worker(world: Path, config_file: Path | None, overrides: list[str]) -> dict:
+def worker(world: Path, config_file: Path | None, overrides: list[str], seconds: float | None = None) -> dict:
     """Run :func:`run_campaign` in a fresh subprocess (its own Prefect home and ephemeral server)."""
     with tempfile.TemporaryDirectory(dir=SCRATCH) as folder:
         out = Path(folder) / "result.json"
@@ -99,6 +102,7 @@ def worker(world: Path, config_file: Path | None, overrides: list[str]) -> dict:
         }
         command = [str(PROJECT_PYTHON), "-m", "bench.estimators", "--worker", str(world), "--out", str(out)]
         command += ["--config", str(config_file)] if config_file is not None else []
+        command += ["--seconds", str(seconds)] if seconds is not None else []
         completed = subprocess.run(
             [*command, *(f"--set={item}" for item in overrides)], cwd=REPO, env=env, capture_output=True, text=True
         )
@@ -172,13 +176,14 @@ def main() -> None:
     )
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         set_threads(1)
-        args.out.write_text(json.dumps(run_campaign(args.worker, args.config, args.extra)))
+        args.out.write_text(json.dumps(run_campaign(args.worker, args.config, args.extra, args.seconds)))
         return
 
     from campaign.config import load_config

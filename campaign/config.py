@@ -219,7 +219,8 @@ class PipelineConfig(_Frozen):
     """What each iteration's update learns from: `ppo`, rollouts scored by a reward (the reward model learned from the
     labels, or `reward.function`; any `advantages.estimator`); or `dpo`, the iteration's labelled pairs themselves (a
     direct preference update, `dpo`: candidates sampled and labelled, the reference's log-probs of the pairs, the
-    update; no reward model, rollout or advantages). docs/recipes.md."""
+    update; no reward model, rollout or advantages). With labeler `import`, offline DPO: every iteration trains on
+    the pairs of `data.preferences`, and nothing is sampled. docs/recipes.md."""
     model: ModelSource = ModelSource()
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
@@ -302,6 +303,11 @@ class PipelineConfig(_Frozen):
             raise ValueError(
                 "`update` dpo learns from labelled pairs: set `labeler` (gold with `demo`, human, function with "
                 "`reward.function`, reward_model with `model.reward_model`, or import with `data.preferences`)"
+            )
+        if self.data.preferences is not None and self.labeler != "import":
+            raise ValueError(
+                f"`data.preferences` is read by labeler import only (offline DPO on the file), not `labeler` "
+                f"{self.labeler}, which labels sampled candidates: set `labeler` import, or drop `data.preferences`"
             )
         refused = {  # a setting of what a DPO iteration does not have -> what it does in a PPO one
             "reward.source": (self.reward.source != "reward_model", "a reward function scores the rollouts; to label "

@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise a campaign's recorded experience per iteration, flag drift, print chosen responses",
         description="Reads the shards every finished iteration (and replay) recorded, lazily. Columns and flags: "
         "docs/inspect.md. --where and --top print rollouts decoded with the campaign's tokenizer; their columns are "
-        "iteration, run, row, prompt_id, length, truncated, score, reward, kl, advantage.",
+        "iteration, run, row, prompt_id, length, truncated, score, reward, kl, advantage. In a DPO campaign they print "
+        "the pairs its updates trained on, with the reference's and the policy's log-probs and implicit rewards.",
     )
     inspect.add_argument("target", metavar="CAMPAIGN[:ITERATION]", help="a campaign, or one iteration of it")
     inspect.add_argument(
@@ -124,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the rollouts matching a SQL condition, e.g. 'length >= 8 and score > 1'",
     )
     inspect.add_argument("--top", type=_at_least_one, metavar="N", help="print the N rollouts highest by --by")
-    inspect.add_argument("--by", default="score", metavar="COLUMN", help="the column --top sorts by (default score)")
+    inspect.add_argument(
+        "--by", metavar="COLUMN", help="the column --top sorts by (default score; a DPO pair's reward_margin)"
+    )
     inspect.add_argument("--format", choices=["table", "json", "csv"], default="table", help="default table")
     inspect.add_argument(
         "--threshold",

@@ -4,7 +4,8 @@ to the reference grows (Gao et al. 2022, "Scaling laws for reward model overopti
 A learned reward model's score keeps rising with the KL while the gold score (where a gold judge exists) levels
 off or falls: the gap is the policy exploiting the reward model. Without a gold judge, the rubric that labelled the
 pairs (labeler ``function``) stands in for it: its score is what the reward model was learned from. The two are on
-scales of their own (a reward model's score has no unit), so the judge's score has an axis of its own. One point per iteration, from the evaluation
+scales of their own (a reward model's score has no unit), so the judge's score has an axis of its own. A campaign with
+no reward (a DPO update's) draws the judge's score alone against the KL. One point per iteration, from the evaluation
 metrics every iteration run records. Drawn with matplotlib's object API on the Agg backend: no display, no
 pyplot global state.
 """
@@ -26,14 +27,16 @@ FIGURE_FILE = "overoptimisation.png"
 def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, campaign: str) -> Any:
     """A two-panel matplotlib ``Figure``: reward and gold score (or the rubric's, :data:`JUDGES`) against the KL to
     the reference (one point per iteration, labelled), and all three over iterations. ``rows`` are
-    ``(iteration, metrics)``, oldest first; iterations without evaluation metrics are left out."""
+    ``(iteration, metrics)``, oldest first; iterations without evaluation metrics are left out. A campaign with no
+    reward (a DPO update's) draws the judge's score alone, on the left panel's one axis."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    rows = [(iteration, metrics) for iteration, metrics in rows if REWARD in metrics and KL in metrics]
+    rewarded = any(REWARD in metrics for _, metrics in rows)
+    rows = [(n, metrics) for n, metrics in rows if KL in metrics and (REWARD in metrics or not rewarded)]
     iterations = [iteration for iteration, _ in rows]
     kl = [metrics[KL] for _, metrics in rows]
-    reward = [metrics[REWARD] for _, metrics in rows]
+    reward = [metrics[REWARD] for _, metrics in rows] if rewarded else None
     judge = next((judge for judge in JUDGES if all(judge[0] in metrics for _, metrics in rows)), None)
     gold = None if judge is None else [metrics[judge[0]] for _, metrics in rows]
 
@@ -42,19 +45,27 @@ def overoptimisation_figure(rows: Sequence[tuple[int, dict[str, float]]], *, cam
     figure = Figure(figsize=(10, 3.8))
     figure.subplots_adjust(left=0.065, right=0.935, bottom=0.13, top=0.92, wspace=0.42)
     by_kl, by_iteration = figure.subplots(1, 2)
-    by_kl.plot(kl, reward, "o-", color="tab:blue", label="reward (trained on)")
+    if reward is not None:
+        by_kl.plot(kl, reward, "o-", color="tab:blue", label="reward (trained on)")
     judge_axis = by_kl
     if gold is not None:
-        judge_axis = by_kl.twinx()
+        judge_axis = by_kl.twinx() if reward is not None else by_kl
         judge_axis.plot(kl, gold, "s-", color="tab:orange", label=judge[1])
         judge_axis.set_ylabel(judge[1].partition(" (")[0], color="tab:orange")
-    for iteration, x, y in zip(iterations, kl, reward, strict=True):
+    for iteration, x, y in zip(iterations, kl, reward or gold or [None] * len(kl), strict=True):
+        if y is None:  # no reward and no judge: nothing drawn to label
+            continue
         by_kl.annotate(str(iteration), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    by_kl.set(xlabel="KL to the reference (nats per response)", ylabel="reward", title="over-optimisation")
+    title = "over-optimisation" if rewarded else "score against KL (no reward: DPO)"
+    by_kl.set(xlabel="KL to the reference (nats per response)", title=title)
+    if reward is not None:
+        by_kl.set_ylabel("reward")
     lines = by_kl.get_lines() + (judge_axis.get_lines() if judge_axis is not by_kl else [])
-    by_kl.legend(lines, [line.get_label() for line in lines], fontsize=8)
+    if lines:
+        by_kl.legend(lines, [line.get_label() for line in lines], fontsize=8)
 
-    by_iteration.plot(iterations, reward, "o-", color="tab:blue", label="reward")
+    if reward is not None:
+        by_iteration.plot(iterations, reward, "o-", color="tab:blue", label="reward")
     if gold is not None:
         by_iteration.plot(iterations, gold, "s-", color="tab:orange", label=judge[1].partition(" (")[0])
         initial = f"evaluate/reference_{judge[0].removeprefix('evaluate/')}"

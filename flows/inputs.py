@@ -41,7 +41,7 @@ import json
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from campaign.config import PipelineConfig
 from campaign.model_sources import gguf_config, gguf_tokenizer, is_gguf
@@ -206,10 +206,26 @@ def _enough_prompts(setting: str, path: Path, rows: int, *, at_least: int) -> No
         raise InputError(f"`{setting}` {path} holds {rows or 'no'} prompts{wanted}")
 
 
-def _check_preferences(
-    setting: str, path: Path, tokenizer, *, context: int | None, at_least: int, eval_fraction: float | None
-) -> None:
-    """Parse every pair; count them; check that each fits the reward model as it is scored."""
+class _PairsNeeded(NamedTuple):
+    """What reads the imported pairs, and how many it needs: a reward model trained on them (with its held-out
+    split), one used as it is, or a DPO update (which trains the policy on them, as the policy reads them)."""
+
+    reader: str
+    at_least: int
+    eval_fraction: float | None
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> _PairsNeeded:
+        if config.update == "dpo":
+            return cls("the DPO update", 1, None)
+        if config.reward_model.train:
+            return cls("the reward model", MIN_PREFERENCE_PAIRS, config.reward_model.eval_fraction)
+        return cls("the reward model", 1, None)
+
+
+def _check_preferences(setting: str, path: Path, tokenizer, *, context: int | None, needed: _PairsNeeded) -> None:
+    """Parse every pair; count them; check that each fits the model that reads it (the reward model, or the policy
+    of a DPO update) as it is scored."""
     from jinja2 import TemplateError
 
     from tasks.text import Prompt, conversation_id_lists
@@ -232,19 +248,20 @@ def _check_preferences(
                 raise
             for index, (row, *_) in enumerate(batch):
                 for field, tokens in (("chosen", lengths[index]), ("rejected", lengths[len(batch) + index])):
-                    what = f"{tokens} tokens with its prompt, as the reward model reads it"
+                    what = f"{tokens} tokens with its prompt, as {needed.reader} reads it"
                     _fits(setting, path, row, field, tokens, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
-    _enough_pairs(setting, path, pairs, at_least=at_least, eval_fraction=eval_fraction)
+    _enough_pairs(setting, path, pairs, needed)
 
 
-def _enough_pairs(setting: str, path: Path, pairs: int, *, at_least: int, eval_fraction: float | None) -> None:
-    if pairs < at_least:
+def _enough_pairs(setting: str, path: Path, pairs: int, needed: _PairsNeeded) -> None:
+    if pairs < needed.at_least:
         raise InputError(
-            f"`{setting}` {path} holds {pairs or 'no'} preference pairs; the reward model needs at least {at_least}"
+            f"`{setting}` {path} holds {pairs or 'no'} preference pairs; {needed.reader} needs at least "
+            f"{needed.at_least}"
         )
-    if eval_fraction is not None and (error := eval_split_error(pairs, eval_fraction)) is not None:
+    if needed.eval_fraction is not None and (error := eval_split_error(pairs, needed.eval_fraction)) is not None:
         raise InputError(f"`{setting}` {path}: {error}")
 
 
@@ -313,12 +330,7 @@ def check_files(config: PipelineConfig) -> None:
             if setting == "sft.data":
                 sum(1 for _ in sft_example_rows(path))  # every row parses (an assistant turn in each conversation)
             elif setting == "data.preferences":
-                train = config.reward_model.train
-                _enough_pairs(
-                    setting, path, sum(1 for _ in preference_rows(path)),
-                    at_least=MIN_PREFERENCE_PAIRS if train else 1,
-                    eval_fraction=config.reward_model.eval_fraction if train else None,
-                )  # fmt: skip
+                _enough_pairs(setting, path, sum(1 for _ in preference_rows(path)), _PairsNeeded.of(config))
             else:
                 at_least = config.sizes.eval_prompts if setting == "data.eval_prompts" else 1
                 _enough_prompts(setting, path, sum(1 for _ in prompt_rows(path)), at_least=at_least)
@@ -387,9 +399,8 @@ def check_tokens(config: PipelineConfig, base: BaseInputs) -> None:
             if is_gguf(base.reward_model.path) or (Path(base.reward_model.path) / "config.json").is_file():
                 reward_context, _ = _model_limits("model.reward_model", Path(base.reward_model.path))
         _check_preferences(
-            "data.preferences", Path(base.preferences.path), reward_tokenizer,
-            context=reward_context, at_least=MIN_PREFERENCE_PAIRS if config.reward_model.train else 1,
-            eval_fraction=config.reward_model.eval_fraction if config.reward_model.train else None,
+            "data.preferences", Path(base.preferences.path), reward_tokenizer, context=reward_context,
+            needed=_PairsNeeded.of(config),
         )  # fmt: skip
 
 

@@ -15,6 +15,10 @@
    Its length, KL and advantage count the model's tokens only (:func:`storage.diagnostics.rollout_frame`).
 5. :func:`log_inspection` puts one run's summary on its MLflow run (``inspect/<column>`` metrics) with its top
    responses as a table artifact, so the MLflow UI and the Prefect iteration artifact show them without the CLI.
+6. A DPO iteration has no rollout: its experience is the pairs its update trained on, each with the reference's
+   log-probs (the ``reference_logprobs`` output), the updated policy's and the implicit rewards (the update's
+   ``pair_measures``), :func:`storage.diagnostics.pair_frame`. Its summary has the DPO columns where a PPO one has the
+   rollout's, and ``--where`` / ``--top`` choose pairs, printed with their texts (the ``preferences`` they came from).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from campaign.store import existing_tracker, store_layout
 from flows.report import text_table
 from rlhf_core.errors import UserError
 from storage.diagnostics import (
+    PAIR_COLUMNS,
     SUMMARY_COLUMNS,
     DriftFlag,
     DriftThresholds,
@@ -40,8 +45,10 @@ from storage.diagnostics import (
     drift_flags,
     filter_rollouts,
     group_spread,
+    pair_frame,
     rollout_frame,
     summarize_evaluation,
+    summarize_pairs,
     summarize_rollouts,
     top_rollouts,
 )
@@ -49,7 +56,11 @@ from storage.layout import RunLayout
 from storage.manifest import Manifest, read_manifest
 from storage.recorded import recorded_output
 from storage.schemas import (
+    CHOSEN,
+    PAIR_ID,
+    PROMPT,
     PROMPT_IDS,
+    REJECTED,
     RESPONSE_IDS,
     ROLE,
     ROW,
@@ -76,10 +87,16 @@ ITERATION_RUN = "iteration"
 METRIC_PREFIX = "inspect"
 TOP_RESPONSES = "inspect/top_responses.json"
 """The MLflow table artifact of an iteration run's highest-scoring responses (:func:`log_inspection`)."""
+TOP_PAIRS = "inspect/top_pairs.json"
+"""The MLflow table artifact of a DPO iteration run's pairs of the widest implicit reward margin."""
 DEFAULT_SHOWN = 20
 """Responses ``--where`` prints without ``--top``."""
 ROLLOUT_COLUMNS = ("iteration", "run", ROW, "prompt_id", "length", "truncated", "score", "reward", "kl", "advantage")
 """What ``--where`` and ``--by`` may name, and what each printed response shows."""
+PAIR_SHOWN = ("iteration", "run", *PAIR_COLUMNS)
+"""What ``--where`` and ``--by`` may name in a DPO campaign, and what each printed pair shows (with its texts)."""
+DEFAULT_BY = {"rollouts": "score", "pairs": "reward_margin"}
+"""What ``--top`` sorts by without ``--by``: a rollout's score, a DPO pair's implicit reward margin."""
 _BLOCKS = (
     (
         "experience",
@@ -91,8 +108,14 @@ _BLOCKS = (
         ("entropy", "advantage_mean", "advantage_std", "zero_spread_share", "rm_accuracy", "heldout_score_mean",
          "gold_mean"),
     ),
+    (
+        "DPO pairs: the policy after the update, the reference, the implicit rewards",
+        ("logps_chosen", "logps_rejected", "ref_logps_chosen", "ref_logps_rejected", "reward_accuracy",
+         "reward_margin"),
+    ),
 )  # fmt: skip
-"""The summary printed as three tables, each under ~120 characters wide."""
+"""The summary printed as tables, each under ~120 characters wide; a table with nothing but nulls (the rollout's in a
+DPO campaign, the pairs' in a PPO one) is left out."""
 
 
 class InspectError(UserError, ValueError):
@@ -110,13 +133,22 @@ class RunOutputs:
     run: str
     """``iteration``, or ``replay <first 12 characters of its run id>``."""
     run_id: str
-    rollout: Path
-    scored: Path
+    rollout: Path | None
+    """None in a DPO iteration, which has ``pairs`` instead."""
+    scored: Path | None
     policy: Path
+    """The PPO or DPO update's output."""
     evaluation: Path | None = None
     reward_model: Path | None = None
     candidates: Path | None = None
     preferences: Path | None = None
+    pairs: Path | None = None
+    """A DPO iteration's pairs with the reference's log-probs (its ``reference_logprobs`` output); None in PPO."""
+
+    @property
+    def kind(self) -> str:
+        """What the run's experience is: ``rollouts``, or a DPO update's ``pairs``."""
+        return "rollouts" if self.pairs is None else "pairs"
 
 
 def parse_target(text: str) -> tuple[str, int | None]:
@@ -186,10 +218,14 @@ def _run_outputs(
             return None
         return recorded_output(tracker, layout, stage_run, tags=tags.get(stage_run), verify=False)[0]
 
-    scored, policy = output("compute_advantages"), output("ppo_update")
+    scored, policy = output("compute_advantages"), output("ppo_update") or output("dpo_update")
     rollout = source.rollout if source is not None else output("rollout")
-    if scored is None or policy is None or rollout is None:
-        raise LookupError(f"{run} {run_id} of iteration {iteration} records no rollout, advantages or PPO output")
+    pairs = source.pairs if source is not None else output("reference_logprobs")
+    if policy is None or (pairs is None and (scored is None or rollout is None)):
+        raise LookupError(
+            f"{run} {run_id} of iteration {iteration} records no rollout and advantages with a PPO output, nor pairs "
+            "with a DPO output"
+        )
     return RunOutputs(
         iteration=iteration,
         run=run,
@@ -201,6 +237,7 @@ def _run_outputs(
         reward_model=source.reward_model if source is not None else output("train_reward_model"),
         candidates=source.candidates if source is not None else output("sample_candidates"),
         preferences=source.preferences if source is not None else output("collect_preferences"),
+        pairs=pairs,
     )
 
 
@@ -253,16 +290,33 @@ def rollouts_of(outputs: RunOutputs, *, eos: int | None) -> pl.LazyFrame:
     return frame.with_columns(iteration=pl.lit(outputs.iteration, pl.Int64), run=pl.lit(outputs.run))
 
 
-def run_summary(outputs: RunOutputs, *, eos: int | None) -> pl.LazyFrame:
-    """One row of :data:`storage.diagnostics.SUMMARY_COLUMNS` for one run, lazily."""
+def pairs_of(outputs: RunOutputs) -> pl.LazyFrame:
+    """A DPO run's pairs (:func:`storage.diagnostics.pair_frame`), labelled with its iteration and run."""
+    frame = pair_frame(scan_table(outputs.pairs, "reference_logprobs"), scan_table(outputs.policy, "pair_measures"))
+    return frame.with_columns(iteration=pl.lit(outputs.iteration, pl.Int64), run=pl.lit(outputs.run))
+
+
+def _experience_summary(outputs: RunOutputs, *, eos: int | None) -> tuple[str, list[pl.LazyFrame]]:
+    """What scored the run's experience (its estimator, or ``dpo <loss>``) and the summaries of it: of its rollouts,
+    or of a DPO update's pairs."""
+    if outputs.kind == "pairs":
+        loss = read_manifest(outputs.policy, verify=False).config["stage"]["dpo"]["loss"]
+        return f"dpo {loss}", [summarize_pairs(pairs_of(outputs))]
     scored = read_manifest(outputs.scored, verify=False)
-    policy, reward_model = _manifest(outputs.policy), _manifest(outputs.reward_model)
     rollouts = rollouts_of(outputs, eos=eos)
+    return scored.config["stage"]["advantages"]["estimator"], [summarize_rollouts(rollouts), group_spread(rollouts)]
+
+
+def run_summary(outputs: RunOutputs, *, eos: int | None) -> pl.LazyFrame:
+    """One row of :data:`storage.diagnostics.SUMMARY_COLUMNS` for one run, lazily; the columns its kind of experience
+    has not (a DPO run's rollout columns, a PPO run's pair columns) are null."""
+    policy, reward_model = _manifest(outputs.policy), _manifest(outputs.reward_model)
+    estimator, summaries = _experience_summary(outputs, eos=eos)
     labels = pl.LazyFrame(
         {
             "iteration": [outputs.iteration],
             "run": [outputs.run],
-            "estimator": [scored.config["stage"]["advantages"]["estimator"]],
+            "estimator": [estimator],
             "candidates": [_rows(_manifest(outputs.candidates), "candidates")],
             "pairs": [_rows(_manifest(outputs.preferences), "preferences")],
             "entropy": [_metric(policy, "entropy")],
@@ -278,13 +332,32 @@ def run_summary(outputs: RunOutputs, *, eos: int | None) -> pl.LazyFrame:
             schema={n: pl.Float64 for n in ("heldout_score_mean", "gold_mean")},
         )
     )
-    parts = [labels, summarize_rollouts(rollouts), group_spread(rollouts), evaluation]
-    return pl.concat(parts, how="horizontal").select(list(SUMMARY_COLUMNS))
+    row = pl.concat([labels, *summaries, evaluation], how="horizontal")
+    have = set(row.collect_schema().names())
+    missing = [pl.lit(None, pl.Float64).alias(name) for name in SUMMARY_COLUMNS if name not in have]
+    return row.with_columns(missing).select(list(SUMMARY_COLUMNS))
 
 
 def summarize_runs(runs: list[RunOutputs], *, eos: int | None) -> pl.DataFrame:
     """The summary of every run, one row each, collected one run at a time (memory bounded by one run)."""
     return pl.concat([run_summary(outputs, eos=eos).collect(engine="streaming") for outputs in runs])
+
+
+def _top(frame: pl.LazyFrame, *, where: str | None, by: str, count: int) -> pl.DataFrame:
+    """The rows of ``frame`` (rollouts, or DPO pairs) matching ``where``, the ``count`` highest by ``by``.
+
+    Raises:
+        InspectError: ``where`` or ``by`` is not usable.
+    """
+    try:
+        return top_rollouts(filter_rollouts(frame, where), by=by, count=count).collect(engine="streaming")
+    except ValueError as error:
+        raise InspectError(str(error)) from error
+    except pl.exceptions.PolarsError as error:
+        if where is None:
+            raise
+        # a condition that parses but cannot run, e.g. text compared with a number
+        raise InspectError(f"`--where` {where!r} cannot be evaluated: {str(error).splitlines()[0]}") from error
 
 
 def select_responses(
@@ -298,15 +371,7 @@ def select_responses(
         InspectError: ``where`` or ``by`` is not usable.
     """
     rollouts = pl.concat([rollouts_of(outputs, eos=eos).select(ROLLOUT_COLUMNS) for outputs in runs])
-    try:
-        chosen = top_rollouts(filter_rollouts(rollouts, where), by=by, count=count).collect(engine="streaming")
-    except ValueError as error:
-        raise InspectError(str(error)) from error
-    except pl.exceptions.PolarsError as error:
-        if where is None:
-            raise
-        # a condition that parses but cannot run, e.g. text compared with a number
-        raise InspectError(f"`--where` {where!r} cannot be evaluated: {str(error).splitlines()[0]}") from error
+    chosen = _top(rollouts, where=where, by=by, count=count)
     tokens = []
     for outputs in runs:
         rows = chosen.filter(pl.col("run") == outputs.run, pl.col("iteration") == outputs.iteration)[ROW]
@@ -336,6 +401,28 @@ def _turns(rollout: Path, rows: pl.Series) -> pl.DataFrame:
     )
 
 
+def select_pairs(runs: list[RunOutputs], *, where: str | None, by: str, count: int) -> pl.DataFrame:
+    """The DPO pairs of ``runs`` matching ``where``, the ``count`` highest by ``by``, with their prompt, chosen and
+    rejected texts (read from the ``preferences`` they came from, for the chosen pairs only).
+
+    Raises:
+        InspectError: ``where`` or ``by`` is not usable.
+    """
+    chosen = _top(
+        pl.concat([pairs_of(outputs).select(PAIR_SHOWN) for outputs in runs]), where=where, by=by, count=count
+    )
+    texts = pl.concat(
+        [
+            scan_table(folder, "preferences").select(PAIR_ID, PROMPT, CHOSEN, REJECTED)
+            .filter(pl.col(PAIR_ID).is_in(chosen[PAIR_ID].implode()))
+            .collect()
+            for folder in {outputs.preferences for outputs in runs if outputs.preferences is not None}
+        ]
+        or [pl.DataFrame(schema={PAIR_ID: pl.Int64, PROMPT: pl.String, CHOSEN: pl.String, REJECTED: pl.String})]
+    )  # fmt: skip
+    return chosen.join(texts.unique(PAIR_ID, keep="first"), on=PAIR_ID, how="left", maintain_order="left")
+
+
 def decode_responses(responses: pl.DataFrame, directory: Path) -> pl.DataFrame:
     """``responses`` with ``prompt`` and ``response`` texts in place of their token ids (special tokens dropped); an
     episode's ``turns`` each with its ``text``, decoded from its token range with its special tokens (choice 4)."""
@@ -363,24 +450,27 @@ def decode_responses(responses: pl.DataFrame, directory: Path) -> pl.DataFrame:
 
 def stage_outputs(folders: dict[str, Path], *, iteration: int, run: str, run_id: str) -> RunOutputs:
     """A run's :class:`RunOutputs` from its stage output folders by stage name (``rollout``, ``compute_advantages``,
-    ``ppo_update``, ``evaluate``, ``train_reward_model``, ``sample_candidates``, ``collect_preferences``)."""
+    ``ppo_update``, ``evaluate``, ``train_reward_model``, ``sample_candidates``, ``collect_preferences``; a DPO run's
+    ``reference_logprobs`` and ``dpo_update``)."""
     return RunOutputs(
         iteration=iteration,
         run=run,
         run_id=run_id,
-        rollout=folders["rollout"],
-        scored=folders["compute_advantages"],
-        policy=folders["ppo_update"],
+        rollout=folders.get("rollout"),
+        scored=folders.get("compute_advantages"),
+        policy=folders["ppo_update"] if "ppo_update" in folders else folders["dpo_update"],
         evaluation=folders.get("evaluate"),
         reward_model=folders.get("train_reward_model"),
         candidates=folders.get("sample_candidates"),
         preferences=folders.get("collect_preferences"),
+        pairs=folders.get("reference_logprobs"),
     )
 
 
 def inspect_run(outputs: RunOutputs, *, top: int = 10) -> tuple[dict[str, float], pl.DataFrame]:
     """One run's summary as ``inspect/<column>`` metrics (the numbers it has), and its ``top`` highest-scoring
-    responses, decoded: what :func:`flows.iterations.close_iteration` logs on the run."""
+    responses, decoded (a DPO run's ``top`` pairs of the highest implicit reward margin, with their texts): what
+    :func:`flows.iterations.close_iteration` logs on the run."""
     eos = eos_token_id(tokenizer_dir(outputs))
     row = run_summary(outputs, eos=eos).collect().row(0, named=True)
     metrics = {
@@ -389,6 +479,8 @@ def inspect_run(outputs: RunOutputs, *, top: int = 10) -> tuple[dict[str, float]
         if name != "iteration" and isinstance(value, int | float) and not isinstance(value, bool)
         if math.isfinite(value)
     }
+    if outputs.kind == "pairs":
+        return metrics, select_pairs([outputs], where=None, by=DEFAULT_BY["pairs"], count=top)
     responses = select_responses([outputs], eos=eos, where=None, by="score", count=top)
     return metrics, decode_responses(responses, tokenizer_dir(outputs))
 
@@ -427,10 +519,11 @@ def inspect_campaign(
     *,
     where: str | None = None,
     top: int | None = None,
-    by: str = "score",
+    by: str | None = None,
     thresholds: list[str] = (),
 ) -> Inspection:
-    """Summarise ``target`` (``CAMPAIGN`` or ``CAMPAIGN:ITERATION``); responses when ``where`` or ``top`` is given.
+    """Summarise ``target`` (``CAMPAIGN`` or ``CAMPAIGN:ITERATION``); responses (a DPO campaign's pairs) when
+    ``where`` or ``top`` is given, the highest by ``by`` (None: :data:`DEFAULT_BY`).
 
     Raises:
         InspectError: a bad target, threshold, filter or sort column (checked before anything is read).
@@ -441,13 +534,20 @@ def inspect_campaign(
         limits = DriftThresholds.parse(list(thresholds))
     except ValueError as error:
         raise InspectError(str(error)) from error
-    if by not in ROLLOUT_COLUMNS:
+    if by is not None and by not in ROLLOUT_COLUMNS + PAIR_SHOWN:
         raise InspectError(f"`--by` {by!r} is not a rollout column: choose one of {', '.join(ROLLOUT_COLUMNS)}")
     runs = find_runs(config, campaign, iteration)
+    kind = runs[0].kind  # a campaign's iterations all have one kind of update
+    columns = PAIR_SHOWN if kind == "pairs" else ROLLOUT_COLUMNS
+    by = by or DEFAULT_BY[kind]
+    if by not in columns:
+        raise InspectError(f"`--by` {by!r} is not a column of {campaign}'s {kind}: choose one of {', '.join(columns)}")
     eos = eos_token_id(tokenizer_dir(runs[0]))
     summary = summarize_runs(runs, eos=eos)
     responses = None
-    if where is not None or top is not None:
+    if (where is not None or top is not None) and kind == "pairs":
+        responses = select_pairs(runs, where=where, by=by, count=top or DEFAULT_SHOWN)
+    elif where is not None or top is not None:
         chosen = select_responses(runs, eos=eos, where=where, by=by, count=top or DEFAULT_SHOWN)
         responses = decode_responses(chosen, tokenizer_dir(runs[0]))
     return Inspection(campaign, summary, drift_flags(summary, limits), limits, responses)
@@ -466,6 +566,8 @@ def render_table(inspection: Inspection) -> str:
     summary = inspection.summary
     lines = [f"campaign `{inspection.campaign}`: {summary.filter(pl.col('run') == ITERATION_RUN).height} iteration(s)"]
     for title, columns in _BLOCKS:
+        if summary.select(columns).null_count().sum_horizontal().item() == summary.height * len(columns):
+            continue  # nothing of this kind of experience (module docstring, choice 6)
         rows = [["iteration", "run", *columns]]
         rows += [[_cell(row[name]) for name in rows[0]] for row in summary.iter_rows(named=True)]
         lines += ["", f"{title}:", text_table(rows)]
@@ -479,6 +581,9 @@ def render_table(inspection: Inspection) -> str:
         lines += ["", f"responses ({inspection.responses.height}):"]
         for row in inspection.responses.iter_rows(named=True):
             run = "" if row["run"] == ITERATION_RUN else f" ({row['run']})"
+            if PAIR_ID in row:
+                lines += ["", *_pair_lines(row, run)]
+                continue
             truncated = " (truncated)" if row["truncated"] else ""
             lines += [
                 "",
@@ -489,6 +594,21 @@ def render_table(inspection: Inspection) -> str:
             ]
             lines += _turn_lines(row[TURNS]) if row.get(TURNS) else [f"  response: {row['response']}"]
     return "\n".join(lines) + "\n"
+
+
+def _pair_lines(row: dict, run: str) -> list[str]:
+    """A DPO pair as ``render_table`` prints it: its figures, then its texts."""
+    sides = [
+        f"  {side + ':':<9} {row[side]}\n"
+        f"            implicit reward {_cell(row[f'rewards_{side}'])}  log-prob {_cell(row[f'logps_{side}'])}"
+        f" (reference {_cell(row[f'ref_logps_{side}'])})  {row[f'{side}_tokens']} tokens"
+        for side in (CHOSEN, REJECTED)
+    ]
+    return [
+        f"iteration {row['iteration']}{run}, pair {row[PAIR_ID]}: reward margin {_cell(row['reward_margin'])}",
+        f"  prompt:   {row[PROMPT]}",
+        *sides,
+    ]
 
 
 def _turn_lines(turns: list[dict]) -> list[str]:

@@ -25,7 +25,14 @@ from campaign.identity import (
 from campaign.store import CONFIG_ARTIFACT, artifact_root, campaign_layout, stage_run, store_layout, tracking_uri
 from flows.figures import FIGURE_FILE, overoptimisation_figure, png_bytes, png_data_uri
 from flows.inputs import InputError, check_inputs
-from flows.inspection import ITERATION_RUN, TOP_RESPONSES, inspect_run, stage_outputs, summary_from_metrics
+from flows.inspection import (
+    ITERATION_RUN,
+    TOP_PAIRS,
+    TOP_RESPONSES,
+    inspect_run,
+    stage_outputs,
+    summary_from_metrics,
+)
 from flows.lineage import artifact_key, create_lineage_artifact
 from runtime.cluster import cluster_address
 from runtime.context import BaseInputs, Execution, InputFile, StageContext, TrackingStore
@@ -376,7 +383,7 @@ def close_iteration(
     inspection = None
     if not all(result.reused for result in stages) or not was_finished:
         outputs = [*filter(None, [experience]), *stages]
-        if any(result.stage == "rollout" for result in outputs):  # a DPO iteration has no rollout to inspect
+        if any(result.stage in ("rollout", "reference_logprobs") for result in outputs):  # rollouts, or DPO pairs
             inspected, responses = _log_inspection(context, outputs, kind=kind)
             inspection = _inspection_summary(context, inspected, responses, kind=kind)
             metrics |= inspected
@@ -429,7 +436,7 @@ def _log_inspection(
     context: StageContext, stages: list[StageResult], *, kind: str
 ) -> tuple[dict[str, float], pl.DataFrame]:
     """The run's ``inspect/*`` metrics and top responses (:func:`flows.inspection.inspect_run`); the responses go on the
-    run as the table :data:`flows.inspection.TOP_RESPONSES`."""
+    run as the table :data:`flows.inspection.TOP_RESPONSES` (a DPO run's pairs as :data:`flows.inspection.TOP_PAIRS`)."""
     run = ITERATION_RUN if kind == KIND_ITERATION else f"{KIND_REPLAY} {context.parent_run_id[:12]}"
     outputs = stage_outputs(
         {result.stage: result.directory for result in stages},
@@ -438,7 +445,8 @@ def _log_inspection(
         run_id=context.parent_run_id,
     )
     metrics, responses = inspect_run(outputs)
-    context.tracker.log_table(context.parent_run_id, responses.to_dict(as_series=False), TOP_RESPONSES)
+    table = TOP_PAIRS if outputs.kind == "pairs" else TOP_RESPONSES
+    context.tracker.log_table(context.parent_run_id, responses.to_dict(as_series=False), table)
     return metrics, responses
 
 
@@ -449,17 +457,31 @@ def _inspection_summary(
     drift warnings up to this iteration (from the ``inspect/*`` metrics its iteration runs logged). Written into the
     artifact itself, so it shows without an MLflow server."""
     shown = responses.head(TOP_SHOWN)
-    lines = [
-        f"Highest-scoring responses ({shown.height} of the {responses.height} in the MLflow run's "
-        f"`{TOP_RESPONSES}` table; `rlhf inspect {context.campaign}:{context.iteration} --top 10` in a terminal):",
-        "",
-        "| score | reward | KL | length | response |",
-        "| ---: | ---: | ---: | ---: | --- |",
-    ]
-    for row in shown.iter_rows(named=True):
-        text = " ".join(row["response"].split()).replace("|", "\\|")
-        text = text if len(text) <= 160 else text[:159] + "…"
-        lines.append(f"| {row['score']:.3g} | {row['reward']:.3g} | {row['kl']:.3g} | {row['length']} | {text} |")
+    command = f"`rlhf inspect {context.campaign}:{context.iteration} --top 10` in a terminal"
+    if "reward_margin" in responses.columns:  # a DPO run's pairs
+        lines = [
+            f"Pairs of the widest implicit reward margin ({shown.height} of the {responses.height} in the MLflow "
+            f"run's `{TOP_PAIRS}` table; {command}):",
+            "",
+            "| margin | chosen reward | rejected reward | chosen | rejected |",
+            "| ---: | ---: | ---: | --- | --- |",
+        ]
+        for row in shown.iter_rows(named=True):
+            lines.append(
+                f"| {row['reward_margin']:.3g} | {row['rewards_chosen']:.3g} | {row['rewards_rejected']:.3g} | "
+                f"{_cell_text(row['chosen'])} | {_cell_text(row['rejected'])} |"
+            )
+    else:
+        lines = [
+            f"Highest-scoring responses ({shown.height} of the {responses.height} in the MLflow run's "
+            f"`{TOP_RESPONSES}` table; {command}):",
+            "",
+            "| score | reward | KL | length | response |",
+            "| ---: | ---: | ---: | ---: | --- |",
+        ]
+        for row in shown.iter_rows(named=True):
+            text = _cell_text(row["response"])
+            lines.append(f"| {row['score']:.3g} | {row['reward']:.3g} | {row['kl']:.3g} | {row['length']} | {text} |")
     if kind == KIND_ITERATION:
         earlier = [
             row for row in context.tracker.iteration_metrics(context.experiment_id) if row[0] < context.iteration
@@ -472,6 +494,12 @@ def _inspection_summary(
 
 TOP_SHOWN = 5
 """Responses the Prefect iteration artifact shows."""
+
+
+def _cell_text(text: str | None) -> str:
+    """A response as one Markdown table cell: one line, no column break, at most 160 characters."""
+    text = " ".join((text or "").split()).replace("|", "\\|")
+    return text if len(text) <= 160 else text[:159] + "…"
 
 
 def _prune_optimizer_states(context: StageContext, stages: list[StageResult], *, kind: str) -> None:

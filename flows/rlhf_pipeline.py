@@ -220,9 +220,14 @@ def _dpo_steps(
     config: PipelineConfig, context: StageContext, state: IterationState, *, ahead: bool
 ) -> tuple[list[StageResult], IterationState]:
     """The steps of a DPO iteration (``update: dpo``): candidates and their labels, the reference's log-probs of the
-    pairs, and the DPO update on them. Nothing runs ahead (a DPO campaign has no staleness)."""
-    collected = _collect(config, context, state.policy, None)
-    pairs = reference_logprobs(context, config, preferences=collected[-1:])
+    pairs, and the DPO update on them. Nothing runs ahead (a DPO campaign has no staleness).
+
+    Offline DPO (labeler ``import``) samples nothing: the imported pairs and the reference's log-probs of them are
+    iteration 0's, once per campaign (as the reference's samples are), and every iteration trains on them again from
+    the policy the one before made."""
+    pairs_context = replace(context, iteration=0) if config.labeler == "import" else context
+    collected = _collect(config, pairs_context, state.policy, None)
+    pairs = reference_logprobs(pairs_context, config, preferences=collected[-1:])
     policy = dpo_update(context, config, policy=state.policy, pairs=pairs)
     return [*collected, pairs, policy], state.after(policy, staleness=0)
 

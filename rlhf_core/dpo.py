@@ -34,7 +34,13 @@ from rlhf_core.config import DPOConfig
 from rlhf_core.distributed import rank_share
 from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, share_step
 from rlhf_core.models import dropout_disabled, evaluating, fused_activations
-from rlhf_core.preference_losses import SequenceLogprob, preference_loss, preference_metrics, reduce_logprobs
+from rlhf_core.preference_losses import (
+    SequenceLogprob,
+    implicit_rewards,
+    preference_loss,
+    preference_metrics,
+    reduce_logprobs,
+)
 from rlhf_core.sequences import logprobs_from_logits, response_logits
 
 
@@ -154,14 +160,30 @@ class DPOProgress(NamedTuple):
     optimizer_steps: int
 
 
+class PairMeasures(NamedTuple):
+    """Each pair as the policy sees it after the update (choice 5): the log-probs of its two responses (sums, as TRL
+    reports them) and their implicit rewards (:func:`rlhf_core.preference_losses.implicit_rewards`, as the loss
+    defines them: on per-token means for SimPO). What TRL's metrics are the means of.
+
+    Shapes:
+        each field: (B,), fp32, on the CPU.
+    """
+
+    logps_chosen: torch.Tensor
+    logps_rejected: torch.Tensor
+    rewards_chosen: torch.Tensor
+    rewards_rejected: torch.Tensor
+
+
 class DPOStats(NamedTuple):
-    """What a DPO update did: TRL's metrics of its pairs after it (choice 5), and its steps.
+    """What a DPO update did: TRL's metrics of its pairs after it (choice 5), each pair's measures, and its steps.
 
     ``metrics`` holds ``loss`` and the six of :func:`rlhf_core.preference_losses.preference_metrics`, by TRL's names
     (``rewards/chosen``, ...): Python floats.
     """
 
     metrics: dict[str, float]
+    pairs: PairMeasures
     train_loss: float
     optimizer_steps: int
     skipped_steps: int = 0
@@ -185,9 +207,10 @@ def _loss(actor: torch.nn.Module, pairs: PreferencePairs, config: DPOConfig) -> 
 @torch.no_grad()
 def measure_pairs(
     actor: torch.nn.Module, pairs: PreferencePairs, config: DPOConfig, *, batch_size: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], PairMeasures]:
     """TRL ``DPOTrainer``'s metrics of ``pairs`` under ``actor`` (dropout off), by its names, and ``loss``: summed
-    log-probs as TRL reports them, per-token means for SimPO's reference-free reward (its loss's own)."""
+    log-probs as TRL reports them, per-token means for SimPO's reference-free reward (its loss's own); and each
+    pair's measures they are the means of."""
     losses, policy = [], {"chosen": [], "rejected": []}
     with evaluating(actor):
         for start in range(0, len(pairs), batch_size):
@@ -202,13 +225,15 @@ def measure_pairs(
         SequenceLogprob(*(torch.cat(parts) for parts in zip(*policy[side], strict=True))) for side in policy
     )
     if config.loss == "simpo":
-        metrics = preference_metrics(chosen.mean, rejected.mean, None, None, beta=config.beta)
+        sides, reference = (chosen.mean, rejected.mean), None
     else:
         assert pairs.ref_chosen is not None and pairs.ref_rejected is not None
-        metrics = preference_metrics(
-            chosen.total, rejected.total, pairs.ref_chosen.total, pairs.ref_rejected.total, beta=config.beta
-        )
-    return {"loss": torch.cat(losses).mean().item(), **{name: value.item() for name, value in metrics.items()}}
+        sides, reference = (chosen.total, rejected.total), (pairs.ref_chosen.total, pairs.ref_rejected.total)
+    metrics = preference_metrics(*sides, *(reference or (None, None)), beta=config.beta)
+    rewards = implicit_rewards(*sides, reference, beta=config.beta)  # (B,) each
+    measures = PairMeasures(*(value.float().cpu() for value in (chosen.total, rejected.total, *rewards)))
+    loss = torch.cat(losses).mean().item()
+    return {"loss": loss, **{name: value.item() for name, value in metrics.items()}}, measures
 
 
 def dpo_update(
@@ -277,5 +302,5 @@ def dpo_update(
                 on_epoch_end(DPOProgress(epoch + 1, loss_sum, steps))
     check_weights(actor, model="actor", learning_rate=config.learning_rate)
     # Every process measures every pair, on the model without its DDP wrapper.
-    metrics = measure_pairs(accelerator.unwrap_model(actor), pairs, config, batch_size=config.batch_size)
-    return DPOStats(metrics=metrics, train_loss=loss_sum / steps, optimizer_steps=steps, skipped_steps=skipped)
+    metrics, measures = measure_pairs(accelerator.unwrap_model(actor), pairs, config, batch_size=config.batch_size)
+    return DPOStats(metrics, measures, train_loss=loss_sum / steps, optimizer_steps=steps, skipped_steps=skipped)

@@ -47,6 +47,9 @@ import torch.nn.functional as F
 from rlhf_core.config import PreferenceLoss
 from rlhf_core.masked import masked_mean, masked_sum
 
+SequencePair = tuple[torch.Tensor, torch.Tensor]
+"""A value of each response of each pair: ``(chosen, rejected)``, (B,) each."""
+
 
 class SequenceLogprob(NamedTuple):
     """One log-prob per response: the sum over its action tokens (``total``) and the mean per token (``mean``).
@@ -254,6 +257,24 @@ def preference_loss(
 
 
 @torch.no_grad()
+def implicit_rewards(
+    chosen_logprobs: torch.Tensor, rejected_logprobs: torch.Tensor, reference: SequencePair | None, *, beta: float
+) -> SequencePair:
+    """DPO's implicit reward of each response of each pair: ``beta * (pi - ref)``, or ``beta * pi`` without a
+    ``reference`` (SimPO's, on per-token means); the per-pair values behind :func:`preference_metrics`.
+
+    Shapes:
+        ``chosen_logprobs``, ``rejected_logprobs`` and each of ``reference``: (B,); returns (chosen, rejected), (B,)
+        each.
+    """
+    if reference is None:
+        _check_pairs(chosen=chosen_logprobs, rejected=rejected_logprobs)
+        return beta * chosen_logprobs, beta * rejected_logprobs  # (B,) each
+    _check_pairs(chosen=chosen_logprobs, rejected=rejected_logprobs, ref_c=reference[0], ref_r=reference[1])
+    return beta * (chosen_logprobs - reference[0]), beta * (rejected_logprobs - reference[1])
+
+
+@torch.no_grad()
 def preference_metrics(
     chosen_logprobs: torch.Tensor,
     rejected_logprobs: torch.Tensor,
@@ -285,16 +306,8 @@ def preference_metrics(
     """
     if (ref_chosen_logprobs is None) != (ref_rejected_logprobs is None):
         raise ValueError("pass the reference's log-probs of both responses, or of neither")
-    if ref_chosen_logprobs is None or ref_rejected_logprobs is None:
-        _check_pairs(chosen=chosen_logprobs, rejected=rejected_logprobs)
-        chosen_rewards = beta * chosen_logprobs  # (B,)
-        rejected_rewards = beta * rejected_logprobs  # (B,)
-    else:
-        _check_pairs(
-            chosen=chosen_logprobs, rejected=rejected_logprobs, ref_c=ref_chosen_logprobs, ref_r=ref_rejected_logprobs
-        )
-        chosen_rewards = beta * (chosen_logprobs - ref_chosen_logprobs)  # (B,)
-        rejected_rewards = beta * (rejected_logprobs - ref_rejected_logprobs)  # (B,)
+    reference = None if ref_chosen_logprobs is None else (ref_chosen_logprobs, ref_rejected_logprobs)
+    chosen_rewards, rejected_rewards = implicit_rewards(chosen_logprobs, rejected_logprobs, reference, beta=beta)
     return {
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),

@@ -36,6 +36,7 @@ from storage.schemas import (
     ACTION_MASK,
     ADVANTAGES,
     OLD_LOGPROBS,
+    PAIR_ID,
     PROMPT_ID,
     REF_LOGPROBS,
     RESPONSE_IDS,
@@ -71,7 +72,19 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "rm_accuracy": "reward model's accuracy on its held-out pairs",
     "heldout_score_mean": "reward source's score of the policy on held-out prompts: mean",
     "gold_mean": "gold judge's score of the policy on held-out prompts: mean",
+    "logps_chosen": "DPO: the updated policy's log-prob of a pair's chosen response (summed over it): mean",
+    "logps_rejected": "DPO: its log-prob of the rejected response: mean",
+    "ref_logps_chosen": "DPO: the reference's log-prob of the chosen response: mean",
+    "ref_logps_rejected": "DPO: the reference's log-prob of the rejected response: mean",
+    "reward_accuracy": "DPO: share of pairs whose chosen response has the higher implicit reward",
+    "reward_margin": "DPO: implicit reward of the chosen response less the rejected one's: mean",
 }
+
+PAIR_COLUMNS = (
+    "pair_id", "reward_margin", "rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected",
+    "ref_logps_chosen", "ref_logps_rejected", "chosen_tokens", "rejected_tokens",
+)  # fmt: skip
+"""The columns of each pair a DPO update trained on (:func:`pair_frame`)."""
 
 
 def rollout_frame(scored: pl.LazyFrame, *, max_new_tokens: int, eos_token_id: int | None) -> pl.LazyFrame:
@@ -159,6 +172,35 @@ def summarize_evaluation(samples: pl.LazyFrame) -> pl.LazyFrame:
     gold = pl.col("policy_gold").cast(pl.Float64).mean() if "policy_gold" in names else pl.lit(None, pl.Float64)
     return samples.select(
         pl.col("policy_reward").cast(pl.Float64).mean().alias("heldout_score_mean"), gold.alias("gold_mean")
+    )
+
+
+def pair_frame(reference: pl.LazyFrame, measures: pl.LazyFrame) -> pl.LazyFrame:
+    """Each pair a DPO update trained on (:data:`PAIR_COLUMNS`): the reference's log-probs of its two responses (a
+    ``reference_logprobs`` scan) beside the updated policy's and their implicit rewards (the update's
+    ``pair_measures``), by ``pair_id``; ``reward_margin`` is the chosen response's implicit reward less the
+    rejected one's (DPO's ``rewards/margins`` per pair)."""
+    sides = ("chosen", "rejected")
+    references = reference.select(
+        pl.col(PAIR_ID),
+        *(pl.col(f"{REF_LOGPROBS}_{side}").cast(pl.Float64).alias(f"ref_logps_{side}") for side in sides),
+        *(pl.col(f"{side}_tokens").cast(pl.Int64) for side in sides),
+    )
+    policy = measures.select(
+        pl.col(PAIR_ID), *(pl.col(f"{name}_{side}").cast(pl.Float64) for name in ("logps", "rewards") for side in sides)
+    )
+    pairs = references.join(policy, on=PAIR_ID, how="inner", maintain_order="left")
+    return pairs.with_columns(reward_margin=pl.col("rewards_chosen") - pl.col("rewards_rejected")).select(PAIR_COLUMNS)
+
+
+def summarize_pairs(pairs: pl.LazyFrame) -> pl.LazyFrame:
+    """One row from a :func:`pair_frame`: the means of both sides' log-probs (the policy's and the reference's), the
+    share of pairs the implicit reward orders rightly (``reward_accuracy``, DPO's ``rewards/accuracies``) and the
+    mean ``reward_margin``."""
+    means = ("logps_chosen", "logps_rejected", "ref_logps_chosen", "ref_logps_rejected", "reward_margin")
+    return pairs.select(
+        *(pl.col(name).mean() for name in means),
+        (pl.col("rewards_chosen") > pl.col("rewards_rejected")).cast(pl.Float64).mean().alias("reward_accuracy"),
     )
 
 

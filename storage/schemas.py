@@ -204,6 +204,14 @@ REFERENCE_LOGPROBS = _schema(
 #: place of the experience's (:func:`storage.experience_io.with_values`).
 CRITIC_VALUES = _schema((ROW, pa.int64()), (OLD_VALUES, TOKEN_FLOATS))
 
+PAIR_MEASURES = _schema(
+    (PAIR_ID, pa.int64()),
+    *((f"logps_{side}", pa.float32()) for side in (CHOSEN, REJECTED)),
+    *((f"rewards_{side}", pa.float32()) for side in (CHOSEN, REJECTED)),
+)
+"""A DPO update's pairs as its policy sees them after it (:class:`rlhf_core.dpo.PairMeasures`): the log-prob (sum) of
+each response, and its implicit reward; by ``pair_id``, beside the ``reference_logprobs`` rows it trained on."""
+
 LOGPROB_COLUMNS = (OLD_LOGPROBS, ENGINE_LOGPROBS)
 """The trainer's and the engine's log-probs of sampled tokens, whose mismatch a generation stage records."""
 
@@ -297,6 +305,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "reference_episodes": REFERENCE_EPISODES,
     "reference_logprobs": REFERENCE_LOGPROBS,
     "critic_values": CRITIC_VALUES,
+    "pair_measures": PAIR_MEASURES,
 }
 
 

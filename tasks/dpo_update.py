@@ -5,8 +5,9 @@ Like the PPO update (:mod:`tasks.ppo_update`) it starts from the previous policy
 epoch at most every ``checkpoint_seconds`` through the same checkpointer (:mod:`runtime.checkpointer`: a crashed run
 continues from the last saved epoch and ends where an uninterrupted one would), and trains in this process or in
 ``execution.training_processes`` launched ones. Its optimizer starts fresh in every iteration and is not kept (TRL's
-iterative DPO makes a new trainer per round), so the output holds the actor alone. Its metrics are TRL
-``DPOTrainer``'s, by its names (:func:`rlhf_core.dpo.dpo_update`).
+iterative DPO makes a new trainer per round), so the output holds the actor alone, with each pair's log-probs and
+implicit rewards under it (``pair_measures``, what ``rlhf inspect`` shows). Its metrics are TRL ``DPOTrainer``'s, by
+its names (:func:`rlhf_core.dpo.dpo_update`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from runtime.checkpointer import Checkpointer
 from runtime.job import Job, Training
 from runtime.models import accelerator_for
 from runtime.stage import Stage
-from storage.schemas import CHOSEN, CHOSEN_IDS, PROMPT_IDS, REF_LOGPROBS, REJECTED, REJECTED_IDS
+from storage.schemas import (
+    CHOSEN,
+    CHOSEN_IDS,
+    PAIR_ID,
+    PAIR_MEASURES,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    REJECTED,
+    REJECTED_IDS,
+)
 from storage.shards import read_table
 from tasks.settings import DPOUpdateSettings
 from tasks.tensors import preference_pairs
@@ -76,6 +86,11 @@ def work(job: Job[DPOUpdateSettings]) -> dict[str, float]:
             on_step=checkpointer.record_step,
         )  # fmt: skip
     checkpointer.save_output(out.path, tokenizer=tokenizer)
+    if checkpointer.main:  # each pair as the new policy sees it, for `rlhf inspect` (flows.inspection)
+        measures = {f"{name}_{side}": getattr(stats.pairs, f"{name}_{side}").tolist()
+                    for name in ("logps", "rewards") for side in (CHOSEN, REJECTED)}  # fmt: skip
+        measured = pa.table({PAIR_ID: table.column(PAIR_ID), **measures}, schema=PAIR_MEASURES)
+        out.write_table("pair_measures", measured, schema=PAIR_MEASURES)
     return {
         **stats.metrics,
         "train_loss": stats.train_loss,

@@ -185,6 +185,11 @@ CONFIG_CASES = [
         ("`dpo.label_smoothing`", "sigmoid"),
     ),
     Case("issue45-unknown-dpo-loss", lambda t, w: _run(t, w, "update=dpo", "dpo.loss=kto"), ("`dpo.loss`", "kto")),
+    Case(
+        "issue45-offline-dpo-file-under-another-labeler",
+        lambda t, w: _run(t, w, "update=dpo", _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR]))),
+        ("`data.preferences`", "labeler import only", "`labeler` gold"),
+    ),
 ]
 
 FILE_CASES = [
@@ -281,6 +286,11 @@ FILE_CASES = [
         "preferences-too-few",
         lambda t, w: _run(t, w, "labeler=import", _with(t, "data.preferences", "p.jsonl", _jsonl([PAIR] * 2))),
         ("`data.preferences`", "2 preference pairs", "at least 4"),
+    ),
+    Case(
+        "issue45-offline-dpo-on-no-pairs",
+        lambda t, w: _run(t, w, "update=dpo", "labeler=import", _with(t, "data.preferences", "p.jsonl", "")),
+        ("`data.preferences`", "no preference pairs", "the DPO update needs at least 1"),
     ),
     Case(
         "preferences-transcript-without-turn",

@@ -17,7 +17,16 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize(
-    "name", ["demo.yaml", "demo-verifiable.yaml", "demo-human.yaml", "tiny.yaml", "smollm2.yaml", "smollm2-rm.yaml"]
+    "name",
+    [
+        "demo.yaml",
+        "demo-verifiable.yaml",
+        "demo-human.yaml",
+        "demo-dpo.yaml",
+        "tiny.yaml",
+        "smollm2.yaml",
+        "smollm2-rm.yaml",
+    ],
 )
 def test_shipped_configs_load(name):
     assert isinstance(load_config(CONFIGS / name), PipelineConfig)

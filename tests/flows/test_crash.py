@@ -79,6 +79,9 @@ COMMON = ["ppo.epochs=2", "reward_model.epochs=2", "execution.checkpoint_seconds
 """Two epochs of each training stage and a checkpoint after each: a kill in its ``computing`` window (held after the
 first checkpoint) lands mid-stage, with an epoch left for the next command to resume."""
 DEADLINE = 600
+DPO = ["update=dpo", "dpo.epochs=2", "dpo.learning_rate=1e-3", "iterations=1"]
+"""Issue 45: one DPO iteration, its update two epochs with a checkpoint after the first."""
+DPO_KILLS = ("dpo_update:computing", "dpo_update:recording")
 OVERLAPPED = ["sampling.staleness=1"]
 OVERLAP_KILLS = {
     "both lanes": "rollout:computing#2,ppo_update:computing#1",
@@ -252,6 +255,11 @@ def uncrashed_overlapped(checkpoint_world, tmp_path_factory, api_url):
     return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-overlapped"), api_url, *OVERLAPPED)
 
 
+@pytest.fixture(scope="module")
+def uncrashed_dpo(checkpoint_world, tmp_path_factory, api_url):
+    return _uncrashed(checkpoint_world, tmp_path_factory.mktemp("uncrashed-dpo"), api_url, *DPO)
+
+
 def _kill_when_held(command: list[str], points: str, held: Path, log: Path, api_url: str | None) -> None:
     """Run ``command`` until every one of ``points`` holds (each process appends the point it holds at to ``held``),
     ``kill -9`` it and check that nothing it started outlives it; its output goes to the end of ``log``. Without
@@ -391,6 +399,23 @@ def test_issue33_kill_minus_nine_of_an_overlapped_campaign_in_turn_then_rerun_eq
     assert (partial / PROX_FILE).exists() and list(partial.glob("epoch-*")), "killed mid-stage, pi_prox kept"
 
     _rerun_equals(command, log, run_root, uncrashed_overlapped, api_url)
+
+
+def test_issue45_kill_minus_nine_of_a_dpo_update_in_turn_then_rerun_equals_a_run_that_never_crashed(
+    uncrashed_dpo, checkpoint_world, tmp_path, api_url
+):
+    """One DPO run root killed in its update twice in turn: after the update's first epoch checkpoint (mid-stage),
+    then, the next command having resumed it from that checkpoint and published it, while recording it. The last
+    command ends the campaign as the uncrashed one, byte for byte (the actor included)."""
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
+    command = _command(run_root, checkpoint_world, *DPO)
+    for point in DPO_KILLS:
+        window = point.partition(":")[2]
+        _kill_when_held(command, point, tmp_path / f"held-{window}", log, api_url)
+        _check_after_kill(run_root, uncrashed_dpo, point, recording="dpo_update" if window == "recording" else "")
+        if window == "computing":
+            assert list((run_root / "tiny" / "dpo_update").glob("*.partial/epoch-*")), f"{point}: after a checkpoint"
+    _rerun_equals(command, log, run_root, uncrashed_dpo, api_url)
 
 
 EPISODES = ["iterations=1", "advantages.estimator=grpo", "sizes.rows_per_shard=4"]

@@ -101,9 +101,26 @@ def test_at_the_reference_every_implicit_reward_is_zero():
     accelerator, actor, optimizer, pairs = _trained(config)
     from rlhf_core.dpo import measure_pairs
 
-    metrics = measure_pairs(actor, pairs, config, batch_size=4)
+    metrics, measures = measure_pairs(actor, pairs, config, batch_size=4)
     assert metrics["rewards/chosen"] == pytest.approx(0, abs=1e-6) and metrics["rewards/accuracies"] == 0
     assert metrics["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert measures.rewards_chosen.abs().max() < 1e-6 and measures.rewards_rejected.abs().max() < 1e-6  # per pair
+    assert torch.allclose(measures.logps_chosen, pairs.ref_chosen.total, atol=1e-5)  # the reference's log-probs
+
+
+def test_each_pairs_measures_are_what_trls_metrics_are_the_means_of():
+    config = DPOConfig(epochs=1, batch_size=4, learning_rate=1e-3, beta=0.5)
+    accelerator, actor, optimizer, pairs = _trained(config)
+    stats = dpo_update(actor, optimizer, pairs, config, accelerator=accelerator, generator=torch.Generator())
+    measures = stats.pairs
+    assert measures.rewards_chosen.shape == (len(pairs),)
+    assert torch.allclose(measures.rewards_chosen, 0.5 * (measures.logps_chosen - pairs.ref_chosen.total))
+    for name, value in (
+        ("rewards/chosen", measures.rewards_chosen.mean()),
+        ("rewards/margins", (measures.rewards_chosen - measures.rewards_rejected).mean()),
+        ("logps/rejected", measures.logps_rejected.mean()),
+    ):
+        assert stats.metrics[name] == pytest.approx(value.item(), abs=1e-5), name
 
 
 def test_resuming_after_an_epoch_gives_exactly_the_uninterrupted_update():
@@ -133,5 +150,6 @@ def test_resuming_after_an_epoch_gives_exactly_the_uninterrupted_update():
         resumed, resumed_optimizer, pairs, config, accelerator=accelerator, generator=generator,
         resume=snapshot["progress"],
     )  # fmt: skip
-    assert stats == expected
+    assert stats._replace(pairs=None) == expected._replace(pairs=None)
+    assert all(torch.equal(a, b) for a, b in zip(stats.pairs, expected.pairs, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), actor.parameters(), strict=True))

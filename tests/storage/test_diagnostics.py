@@ -15,8 +15,10 @@ from storage.diagnostics import (
     drift_flags,
     filter_rollouts,
     group_spread,
+    pair_frame,
     rollout_frame,
     summarize_evaluation,
+    summarize_pairs,
     summarize_rollouts,
     top_rollouts,
 )
@@ -202,6 +204,44 @@ def test_flags_follow_their_thresholds_and_skip_missing_columns():
 def test_bad_thresholds_are_named(setting, message):
     with pytest.raises(ValueError, match=message):
         DriftThresholds.parse([setting])
+
+
+def test_a_dpo_updates_pairs_and_their_summary_by_hand():
+    """Two pairs (ids 7 and 3; the update's table in another order, with a pair the reference never scored): the
+    reference's log-probs joined to the policy's by pair id, in the reference's order."""
+    reference = pl.LazyFrame(
+        {
+            "pair_id": [7, 3],
+            "ref_logprobs_chosen": [-4.0, -2.0],
+            "ref_logprobs_rejected": [-3.0, -1.0],
+            "chosen_tokens": [2, 1],
+            "rejected_tokens": [3, 2],
+        }
+    )
+    measures = pl.LazyFrame(
+        {
+            "pair_id": [3, 9, 7],
+            "logps_chosen": [-1.0, 0.0, -3.0],
+            "logps_rejected": [-1.5, 0.0, -3.5],
+            "rewards_chosen": [0.1, 0.0, 0.1],
+            "rewards_rejected": [-0.05, 0.0, 0.15],
+        }
+    )
+    pairs = pair_frame(reference, measures).collect()
+    assert pairs["pair_id"].to_list() == [7, 3]
+    assert pairs["reward_margin"].to_list() == pytest.approx([-0.05, 0.15])  # 0.1 - 0.15; 0.1 + 0.05
+    assert pairs["ref_logps_chosen"].to_list() == [-4.0, -2.0] and pairs["logps_rejected"].to_list() == [-3.5, -1.5]
+    summary = summarize_pairs(pairs.lazy()).collect().row(0, named=True)
+    assert summary == pytest.approx(
+        {
+            "logps_chosen": -2.0,
+            "logps_rejected": -2.5,
+            "ref_logps_chosen": -3.0,
+            "ref_logps_rejected": -2.0,
+            "reward_margin": 0.05,
+            "reward_accuracy": 0.5,
+        }
+    )
 
 
 def test_an_episodes_figures_count_the_models_tokens_only(tmp_path):
