@@ -42,7 +42,9 @@ Choices:
    its backbone (or its LoRA adapter over its base) and its score head as the value head, as OpenRLHF and
    ColossalChat start the critic. Saved again, it is a critic.
 13. A causal LM folder holding all its weights (an SFT output, the campaign's initial policy then) starts a critic or
-   reward model as any Hugging Face causal LM folder does: its backbone, with a fresh head.
+   reward model to be trained as any Hugging Face causal LM folder does: its backbone, with a fresh head. A frozen
+   one (a rollout's critic, a judge) is never made so: a fresh head there would be an untrained model read as a
+   trained one, so a folder the pipeline saved still has to hold what the role asks for.
 """
 
 from __future__ import annotations
@@ -258,7 +260,7 @@ class ModelLoader:
             raise ValueError("the reference policy is frozen; it cannot be loaded trainable")
         source = Path(source)
         meta = FolderMeta.read(source)
-        if meta is not None and meta.whole_causal_lm and role in ("critic", "reward_model"):
+        if meta is not None and meta.whole_causal_lm and role in ("critic", "reward_model") and trainable:
             meta = None  # a backbone as any Hugging Face causal LM folder is (choice 13)
         # a critic may start from a reward model (its backbone, and its score head as the value head: choice 12)
         starts_critic = role == "critic" and meta is not None and meta.kind == "reward_model"
