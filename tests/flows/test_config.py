@@ -49,6 +49,10 @@ def test_overrides_apply_on_top_of_the_file():
         # issue 36 (R1): the engine's log-probs of a filtered sample are not the trainer's over the whole vocabulary
         (["ppo.tis_cap=2", "sampling.top_p=0.9"], "ppo.tis_cap"),
         (["ppo.tis_cap=2", "sampling.top_k=50"], "sampling.top_k"),
+        # issue 43: rounds of candidates are for a labeler that scores each; a person's are not built
+        (["sizes.decisive_pairs=8", "labeler=human"], "a person's rounds are not built"),
+        (["sizes.decisive_pairs=8", "labeler=reward_model", "model.reward_model=x"], "not `labeler` reward_model"),
+        (["sizes.decisive_pairs=0"], "sizes.decisive_pairs"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_problem(overrides, named):
