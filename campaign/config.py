@@ -344,13 +344,16 @@ class PipelineConfig(_Frozen):
                 f"scores each candidate ({' or '.join(SCORING_LABELERS)}), not `labeler` {self.labeler}: use pairing "
                 "consecutive"
             )
-        labels_candidates = (self.learns_from_labels or self.update == "dpo") and not self.episodes
-        if self.sizes.decisive_pairs is not None and not (labels_candidates and self.labeler in SCORING_LABELERS):
+        labels_candidates = (self.learns_from_labels or self.update == "dpo") and self.labeler not in (None, "import")
+        if self.sizes.decisive_pairs is not None and not labels_candidates:
             raise ValueError(
-                f"`sizes.decisive_pairs` samples rounds of candidates for a labeler that scores each ("
-                f"{' or '.join(SCORING_LABELERS)}), not `labeler` {self.labeler}"
-                + (" (a person's rounds are not built: docs/real-model.md)" if self.labeler == "human" else "")
-                + "; drop it, or raise `sizes.preference_prompts`"
+                "`sizes.decisive_pairs` samples rounds of candidates to label, and this campaign labels none ("
+                + (
+                    f"`labeler` {self.labeler}"
+                    if self.labeler in (None, "import")
+                    else "`reward.source` not reward_model"
+                )
+                + "): drop it"
             )
         pairs = self.pairs_per_iteration
         if self.learns_from_labels and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:

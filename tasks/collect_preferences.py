@@ -203,7 +203,12 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
         table = human_table(pairs, _answers(settings.labels), first_pair_id=first_pair_id)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         ties = 1.0 - table.num_rows / max(len(pairs), 1)
-        shown = {"tie_fraction": ties, "decisive_fraction": 1.0 - ties, "ties": float(len(pairs) - table.num_rows)}
+        shown = {
+            "tie_fraction": ties,
+            "decisive_fraction": 1.0 - ties,
+            "decisive_pairs": float(table.num_rows),  # a person's answer has no margin: each kept one has a winner
+            "ties": float(len(pairs) - table.num_rows),
+        }
     elif labeler == "function":
         if settings.rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")

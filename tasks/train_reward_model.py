@@ -75,9 +75,9 @@ def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
     pairs = sum(read_manifest(result.directory, verify=False).rows("preferences") for result in settings.preferences)
     if (error := eval_split_error(pairs, settings.reward_model.eval_fraction)) is not None:  # checked before it all
         raise TooFewPairs(  # ran, except where tie/skip answers left out pairs
-            f"train_reward_model: {error}. With a rubric or judge whose candidates mostly tie, `sizes.decisive_pairs` "
-            "samples rounds of fresh prompts until there are enough; with human labels, fewer `tie/skip` answers do "
-            "it: run the same command with a new `human.relabel` value to be asked again"
+            f"train_reward_model: {error}. `sizes.decisive_pairs` samples rounds of fresh prompts (with human labels, "
+            "pages of them) until there are enough; with human labels, fewer `tie/skip` answers do it too: run the "
+            "same command with a new `human.relabel` value to be asked again"
         )
     return Training(settings.precision)
 
