@@ -277,7 +277,7 @@ def _collect(
     while wants_another_round(rounds, config.sizes):
         rounds.append(_round(config, context, sampler, reward_model, earlier=rounds))
     if note := shortfall(rounds, config.sizes):
-        get_run_logger().warning("iteration %d: %s", context.iteration, note, extra={STAGE_EVENT: "notice"})
+        get_run_logger().info("iteration %d: %s", context.iteration, note, extra={STAGE_EVENT: "notice"})
     return tuple(rounds)
 
 
