@@ -111,7 +111,7 @@ def test_issue42_batch_size_keys_the_reference_samples_only_where_it_changes_the
     trainer's side, so ``sampling.batch_size`` leaves their key; on the ``hf`` sampler, which samples batch by batch,
     and in every stage that runs the trainer's model over its rows in batches (the candidates' log-probs), it stays."""
 
-    inputs = {SampleReferenceSettings: {}, SampleCandidatesSettings: {"policy": None}}
+    inputs = {SampleReferenceSettings: {}, SampleCandidatesSettings: {"policy": None, "earlier": ()}}
 
     def keyed(settings, engine: str, batch_size: int) -> dict:
         config = PipelineConfig(demo=True, labeler="gold", sampling={"engine": engine, "batch_size": batch_size})
