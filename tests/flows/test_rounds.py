@@ -138,6 +138,14 @@ def test_a_short_first_round_is_topped_up_by_a_round_of_fresh_prompts(sparse):
         "rounds/pairs_per_candidate": 12 / 32,
         "rounds/short": 0.0,
     }
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:  # the iteration's summary artifact says them too
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sparse-iteration-0"])), limit=1
+        )
+    assert "| rounds/rounds | 2 |" in artifact.data and "| rounds/decisive_pairs | 12 |" in artifact.data
 
 
 def test_a_rerun_of_the_iteration_reuses_both_rounds(sparse):
