@@ -1,15 +1,16 @@
 """An iteration's rounds of candidates and labels: with ``sizes.decisive_pairs``, an iteration that labelled fewer
-decisive pairs (a winner, margin > 0) than asked samples and labels another round of fresh prompts, up to
+decisive pairs (pairs with a winner) than asked samples and labels another round of fresh prompts, up to
 ``sizes.max_rounds`` rounds; its pairs are the union of its rounds'.
 
 Choices:
 
-1. A new round takes fresh prompts (the next block of the rotation, :func:`tasks.sample_candidates.round_prompts`),
+1. A new round takes fresh prompts (the next block of the rotation, :func:`tasks.text.round_prompts`),
    not more candidates for the prompts whose candidates all tied: on a sparse task, fresh prompts gave 2.3x more
-   prompts with a winner per sampled token (bench/RESULTS.md, "Decisive pairs").
+   prompts with a winner per sampled token (bench/RESULTS.md, "More candidates for tied prompts, or fresh
+   prompts").
 2. Each round is a ``sample_candidates`` and a ``collect_preferences`` output of its own, keyed by the earlier rounds'
    outputs: a crashed iteration resumes at its first unfinished round, a rerun reuses the finished ones, and the first
-   round's key is what an iteration of one round (no ``sizes.decisive_pairs``) has always had.
+   round is keyed, seeded and given its prompts as an iteration of one round (no ``sizes.decisive_pairs``) is.
 3. A budget that ends short is said (on the console, and ``rounds/short`` 1), not refused: the reward model refuses
    only what it cannot train on (no pair to hold out, or none to train on), and later iterations add theirs.
 4. Every iteration that labels candidates records its rounds (:func:`round_metrics`), one round or several.
