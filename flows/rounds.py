@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from campaign.config import IterationSizes
 from runtime.declaration import StageResult
+from tasks.settings import CollectPreferencesSettings, SampleCandidatesSettings
 
 
 class Round(NamedTuple):
@@ -68,10 +69,10 @@ def round_metrics(stages: Sequence[StageResult], sizes: IterationSizes) -> dict[
     ``rounds/decisive_pairs``, ``rounds/ties``, ``rounds/pairs_per_candidate`` (decisive pairs per labelled candidate)
     and ``rounds/short`` (1 when ``sizes.decisive_pairs`` was not reached). None for an iteration that samples no
     candidates."""
-    candidates = [result for result in stages if result.stage == "sample_candidates"]
+    candidates = [result for result in stages if result.stage == SampleCandidatesSettings.stage]
     if not candidates:
         return {}
-    preferences = [result for result in stages if result.stage == "collect_preferences"]
+    preferences = [result for result in stages if result.stage == CollectPreferencesSettings.stage]
     sampled = sum(result.metrics.get("candidates", 0.0) for result in candidates)
     found = sum(result.metrics.get("decisive_pairs", 0.0) for result in preferences)
     wanted = sizes.decisive_pairs
