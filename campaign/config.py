@@ -117,6 +117,13 @@ class IterationSizes(_Frozen):
     The group estimators (grpo, dr_grpo, rloo) need at least 2."""
     eval_prompts: int = Field(64, gt=0)
     """Held-out prompts evaluated each iteration."""
+    decisive_pairs: int | None = Field(None, gt=0)
+    """Decisive preference pairs (a winner, margin > 0) an iteration wants: while its labelled candidates give fewer,
+    it samples and labels another round of `preference_prompts` fresh prompts (the next of the rotation), up to
+    `max_rounds` rounds (docs/real-model.md, "A sparse task"). None: one round, as before."""
+    max_rounds: int = Field(4, ge=1)
+    """The most rounds of candidates an iteration samples to reach `decisive_pairs` (its sampling budget: at most
+    `max_rounds` x `preference_prompts` x `candidates_per_prompt` candidates); ending short is said, not refused."""
     rows_per_shard: int = Field(4096, gt=0)
     """Rows per Parquet shard, and per unit of work the generation stages fan out (`execution.task_runner`). Each
     shard samples from its own seed, so changing it changes the outputs: it is part of a campaign's config."""
@@ -377,6 +384,17 @@ class PipelineConfig(_Frozen):
                 f"`pairing` {self.pairing} compares every pair of a prompt's candidates, which needs a labeler that "
                 f"scores each candidate ({' or '.join(SCORING_LABELERS)}), not `labeler` {self.labeler}: use pairing "
                 "consecutive"
+            )
+        labels_candidates = (self.learns_from_labels or self.update == "dpo") and self.labeler not in (None, "import")
+        if self.sizes.decisive_pairs is not None and not labels_candidates:
+            raise ValueError(
+                "`sizes.decisive_pairs` samples rounds of candidates to label, and this campaign labels none ("
+                + (
+                    f"`labeler` {self.labeler}"
+                    if self.labeler in (None, "import")
+                    else "`reward.source` not reward_model"
+                )
+                + "): drop it"
             )
         pairs = self.pairs_per_iteration
         if self.learns_from_labels and self.labeler != "import" and pairs < MIN_PREFERENCE_PAIRS:

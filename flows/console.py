@@ -44,7 +44,7 @@ from runtime.events import ITERATION_EVENT, STAGE_EVENT
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "sample_candidates": (("candidates", "{:.0f} candidates"),),
     "human_labels": (("pairs", "{:.0f} pairs answered"), ("skipped", "{:.0f} tie/skip")),
-    "collect_preferences": (("pairs", "{:.0f} pairs"), ("tie_fraction", "{:.0%} ties")),
+    "collect_preferences": (("pairs", "{:.0f} pairs"), ("decisive_pairs", "{:.0f} decisive"), ("ties", "{:.0f} ties")),
     "train_reward_model": (("eval_accuracy", "RM accuracy {:.2f}"), ("eval_pairs", "{:.0f} held-out pairs")),
     "rollout": (("rollouts", "{:.0f} rollouts"), ("score_mean", "score {:.3g}")),
     "critic_values": (("value_shift_mean", "the rollout's critic was off by {:.3g} a token"),),

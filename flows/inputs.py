@@ -6,8 +6,9 @@ with an :class:`InputError` naming the setting, the file and, where it applies, 
 1. The policy folder holds a readable ``config.json`` and readable weights (safetensors headers are
    parsed, which catches a truncated file), and the tokenizer loads and fits the model's vocabulary.
 2. Every prompts, eval-prompts and preferences row parses (:mod:`storage.importers`, rows of bounded
-   size), and each file holds enough rows: a prompt at least, ``sizes.eval_prompts`` held-out prompts,
-   and :data:`tasks.labelers.MIN_PREFERENCE_PAIRS` imported pairs.
+   size), and each file holds enough rows: a prompt at least (every round's fresh prompts with
+   ``sizes.decisive_pairs``), ``sizes.eval_prompts`` held-out prompts, and
+   :data:`tasks.labelers.MIN_PREFERENCE_PAIRS` imported pairs.
 3. Every prompt the stages will use fits the model's context with a full response: its tokens as the
    stages encode it (:func:`tasks.text.prompt_ids`: through the tokenizer's chat template for chat
    turns) plus ``sampling.max_new_tokens``, at most the model's ``max_position_embeddings``; every
@@ -150,7 +151,14 @@ def _fits(setting: str, path: Path, row: int, field: str, needed: int, *, contex
 
 
 def _check_prompts(
-    setting: str, path: Path, tokenizer, *, used: int | None, at_least: int, context: int | None, max_new_tokens: int
+    setting: str,
+    path: Path,
+    tokenizer,
+    *,
+    used: int | None,
+    config: PipelineConfig,
+    context: int | None,
+    max_new_tokens: int,
 ) -> None:
     """Parse every row; count them; check that the first ``used`` (all: None) fit with a full response."""
     from jinja2 import TemplateError
@@ -173,7 +181,7 @@ def _check_prompts(
                 _fits(setting, path, row, field, needed, context=context, what=what)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
-    _enough_prompts(setting, path, rows, at_least=at_least)
+    _enough_prompts(setting, path, rows, config=config)
 
 
 def _template_refusal(setting: str, path: Path, row: int, field: str, error: Exception) -> InputError:
@@ -200,9 +208,21 @@ def _check_sft_examples(path: Path, tokenizer, *, context: int | None) -> None:
         )
 
 
-def _enough_prompts(setting: str, path: Path, rows: int, *, at_least: int) -> None:
+def _enough_prompts(setting: str, path: Path, rows: int, *, config: PipelineConfig) -> None:
+    """Refuse a prompts file with fewer rows than ``config`` uses: ``sizes.eval_prompts`` held-out prompts; a training
+    prompt at least (the rotation wraps around), or with ``sizes.decisive_pairs`` every round's fresh prompts."""
+    sizes = config.sizes
+    if setting == "data.eval_prompts":
+        at_least, wanted = sizes.eval_prompts, f"; `sizes.eval_prompts` asks for {sizes.eval_prompts}"
+    elif sizes.decisive_pairs is not None:
+        at_least = sizes.max_rounds * sizes.preference_prompts
+        wanted = (
+            f"; `sizes.max_rounds` {sizes.max_rounds} rounds of `sizes.preference_prompts` {sizes.preference_prompts} "
+            f"fresh prompts (`sizes.decisive_pairs`) need {at_least}: lower one of them"
+        )
+    else:
+        at_least, wanted = 1, ""
     if rows < at_least:
-        wanted = "" if at_least == 1 else f"; `sizes.eval_prompts` asks for {at_least}"
         raise InputError(f"`{setting}` {path} holds {rows or 'no'} prompts{wanted}")
 
 
@@ -332,8 +352,7 @@ def check_files(config: PipelineConfig) -> None:
             elif setting == "data.preferences":
                 _enough_pairs(setting, path, sum(1 for _ in preference_rows(path)), _PairsNeeded.of(config))
             else:
-                at_least = config.sizes.eval_prompts if setting == "data.eval_prompts" else 1
-                _enough_prompts(setting, path, sum(1 for _ in prompt_rows(path)), at_least=at_least)
+                _enough_prompts(setting, path, sum(1 for _ in prompt_rows(path)), config=config)
     except ImportFormatError as error:
         raise InputError(f"`{setting}` {error}") from error
 
@@ -383,12 +402,11 @@ def check_tokens(config: PipelineConfig, base: BaseInputs) -> None:
         )
     _check_prompts(
         "data.prompts", Path(base.prompts.path), tokenizer,
-        used=None, at_least=1, context=context, max_new_tokens=max_new_tokens,
+        used=None, config=config, context=context, max_new_tokens=max_new_tokens,
     )  # fmt: skip
     _check_prompts(
         "data.eval_prompts", Path(base.eval_prompts.path), tokenizer,
-        used=config.sizes.eval_prompts, at_least=config.sizes.eval_prompts, context=context,
-        max_new_tokens=max_new_tokens,
+        used=config.sizes.eval_prompts, config=config, context=context, max_new_tokens=max_new_tokens,
     )  # fmt: skip
     if base.sft_data is not None:
         _check_sft_examples(Path(base.sft_data.path), tokenizer, context=context)

@@ -273,7 +273,7 @@ def _manifest(folder: Path | None) -> Manifest | None:
 def _rows(manifest: Manifest | None, table: str) -> int | None:
     if manifest is None:
         return None
-    return sum(entry.rows or 0 for entry in manifest.files if entry.path.startswith(f"{table}-"))
+    return manifest.rows(table)
 
 
 def _metric(manifest: Manifest | None, name: str) -> float | None:

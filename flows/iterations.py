@@ -4,6 +4,7 @@ MLflow run, and rebuild a campaign's state from MLflow (to continue it or replay
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import polars as pl
@@ -364,9 +365,11 @@ def close_iteration(
     state: IterationState,
     *,
     experience: StageResult | None = None,
+    metrics: Mapping[str, float] | None = None,
 ) -> IterationState:
-    """Log every stage's metrics and the inspection of its experience (:mod:`flows.inspection`) on the iteration run,
-    finish it, and leave a Prefect summary artifact.
+    """Log every stage's metrics, the iteration's own ``metrics`` (its rounds of candidates, :mod:`flows.rounds`) and
+    the inspection of its experience (:mod:`flows.inspection`) on the iteration run, finish it, and leave a Prefect
+    summary artifact.
 
     An iteration whose stages were all reused and whose run is already finished logs nothing new. An iteration
     run also records what produced it (:func:`campaign.history.provenance`) and, when it was not finished already,
@@ -378,7 +381,8 @@ def close_iteration(
     tags = parent.tags
     kind = tags.get(TAG_KIND, KIND_ITERATION)
     was_finished = parent.status == "FINISHED"
-    metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()}
+    own = dict(metrics or {})
+    metrics = {f"{result.stage}/{name}": value for result in stages for name, value in result.metrics.items()} | own
     figure = png_bytes(_overoptimisation(context, metrics)) if kind == KIND_ITERATION else None
     inspection = None
     if not all(result.reused for result in stages) or not was_finished:
@@ -408,6 +412,7 @@ def close_iteration(
             kind=kind,
             figure=None if figure is None else png_data_uri(figure),
             inspection=inspection,
+            metrics=own,
         ),
         description=f"RLHF {kind} {context.iteration} of campaign {context.campaign}",
     )
@@ -531,10 +536,12 @@ def iteration_summary(
     kind: str = KIND_ITERATION,
     figure: str | None = None,
     inspection: str | None = None,
+    metrics: Mapping[str, float] | None = None,
 ) -> str:
     """Markdown: the MLflow link, one row per stage (ran or reused, seconds), the over-optimisation figure (``figure``:
     an image URL, a ``data:`` URI so it shows without any server), the inspection of the experience
-    (``inspection``), then every metric on a row of its own (one cell per value, so the UI cuts none off)."""
+    (``inspection``), then every metric on a row of its own (one cell per value, so the UI cuts none off): the
+    iteration's own ``metrics`` (its rounds), then each stage's."""
     lines = [
         f"# Campaign `{context.campaign}`, {kind} {context.iteration}",
         "",
@@ -552,6 +559,7 @@ def iteration_summary(
     if inspection is not None:
         lines += ["", inspection]
     lines += ["", "| metric | value |", "| --- | ---: |"]
+    lines += [f"| {name} | {value:.4g} |" for name, value in sorted((metrics or {}).items())]
     for result in stages:
         lines += [f"| {result.stage}/{name} | {value:.4g} |" for name, value in sorted(result.metrics.items())]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ first unfinished stage. Each stage gets exactly the settings it declares (:mod:`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -41,6 +42,7 @@ from flows.iterations import (
 )
 from flows.overlap import ahead_of, beside, lanes, runs_ahead
 from flows.replay import check_replay_data, check_replayable
+from flows.rounds import Round, round_metrics, round_stages, shortfall, wants_another_round
 from rlhf_core.precision import resolve_device
 from runtime.cluster import cluster
 from runtime.code import pinned_code
@@ -165,7 +167,8 @@ def _iteration(
     learn = _dpo_steps if config.update == "dpo" else _ppo_steps  # a DPO update: no reward model, rollout, advantages
     stages, new_state = learn(config, context, state, ahead=ahead)
     evaluation = _evaluation(config, context, new_state.policy, new_state.reward_model)
-    return close_iteration(context, [*stages, *evaluation], new_state)
+    stages = [*stages, *evaluation]
+    return close_iteration(context, stages, new_state, metrics=round_metrics(stages, config.sizes))
 
 
 def _start(config: PipelineConfig, context: StageContext) -> StageResult:
@@ -226,10 +229,10 @@ def _dpo_steps(
     iteration 0's, once per campaign (as the reference's samples are), and every iteration trains on them again from
     the policy the one before made."""
     pairs_context = replace(context, iteration=0) if config.labeler == "import" else context
-    collected = _collect(config, pairs_context, state.policy, None)
-    pairs = reference_logprobs(pairs_context, config, preferences=collected[-1:])
+    rounds = _collect(config, pairs_context, state.policy, None)
+    pairs = reference_logprobs(pairs_context, config, preferences=tuple(step.preferences for step in rounds))
     policy = dpo_update(context, config, policy=state.policy, pairs=pairs)
-    return [*collected, pairs, policy], state.after(policy, staleness=0)
+    return [*round_stages(rounds), pairs, policy], state.after(policy, staleness=0)
 
 
 def _evaluation(
@@ -291,10 +294,10 @@ def _front(
     and its values come from the critic the update trains, not from one started from a newer reward model."""
     learned: list[StageResult] = []
     if config.reward.source == "reward_model":
-        collected = _collect(config, context, sampler, reward_model) if config.reward_model.train else ()
-        preferences = (*preferences, *collected[-1:])
+        rounds = _collect(config, context, sampler, reward_model) if config.reward_model.train else ()
+        preferences = (*preferences, *(step.preferences for step in rounds))
         reward_model = train_reward_model(context, config, preferences=preferences, previous=reward_model)
-        learned = [*collected, reward_model]
+        learned = [*round_stages(rounds), reward_model]
     critic_start = _critic_start(config, sampler, critic_origin or reward_model)
     experience = rollout(context, config, policy=sampler, reward_model=reward_model, critic_start=critic_start)
     return Front((*learned, experience), reward_model, preferences, experience)
@@ -302,16 +305,38 @@ def _front(
 
 def _collect(
     config: PipelineConfig, context: StageContext, sampler: StageResult, reward_model: StageResult | None
-) -> tuple[StageResult, ...]:
-    """Stages 1 and 2: candidates from the ``sampler`` policy (none for imported pairs: nothing would read them), and
-    their preference labels (by the previous ``reward_model`` with labeler reward_model)."""
+) -> tuple[Round, ...]:
+    """Stages 1 and 2, in rounds until the iteration has ``sizes.decisive_pairs`` (:mod:`flows.rounds`; one round
+    without it): candidates from the ``sampler`` policy (none for imported pairs: nothing would read them), and their
+    preference labels (by the previous ``reward_model`` with labeler reward_model)."""
     if config.labeler == "import":
-        return (collect_preferences(context, config, candidates=None, reward_model=None, labels=None),)
-    candidates = sample_candidates(context, config, policy=sampler)
+        preferences = collect_preferences(context, config, candidates=None, reward_model=None, labels=None, earlier=())
+        return (Round(None, preferences),)
+    rounds: list[Round] = []
+    while wants_another_round(rounds, config.sizes):
+        rounds.append(_round(config, context, sampler, reward_model, earlier=rounds))
+    if note := shortfall(rounds, config.sizes):
+        get_run_logger().info("iteration %d: %s", context.iteration, note, extra={STAGE_EVENT: "notice"})
+    return tuple(rounds)
+
+
+def _round(
+    config: PipelineConfig,
+    context: StageContext,
+    sampler: StageResult,
+    reward_model: StageResult | None,
+    *,
+    earlier: Sequence[Round],
+) -> Round:
+    """One round of stages 1 and 2, on the prompts of the rotation after the ``earlier`` rounds'."""
+    candidates = sample_candidates(context, config, policy=sampler, earlier=tuple(step.candidates for step in earlier))
     labels = request_human_labels(context, config, candidates) if config.labeler == "human" else None
     judge_model = reward_model if config.labeler == "reward_model" else None
-    preferences = collect_preferences(context, config, candidates=candidates, reward_model=judge_model, labels=labels)
-    return candidates, preferences
+    preferences = collect_preferences(
+        context, config, candidates=candidates, reward_model=judge_model, labels=labels,
+        earlier=tuple(step.preferences for step in earlier),
+    )  # fmt: skip
+    return Round(candidates, preferences)
 
 
 @flow(name="rlhf-campaign", flow_run_name=_campaign_run_name)

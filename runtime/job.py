@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from rlhf_core.precision import Precision
 from runtime.context import StageContext
 from runtime.declaration import StageSettings
+from runtime.seeds import round_coordinates, stage_seed
 
 if TYPE_CHECKING:
     import torch
@@ -118,11 +119,15 @@ class Job(Generic[S]):
         """A CPU generator seeded from ``(seed, stage, iteration)``."""
         return self.context.generator(self.stage)
 
-    def seed(self) -> int:
-        """The stage's seed, ``(seed, stage, iteration)`` (:func:`runtime.seeds.stage_seed`)."""
-        return self.context.stage_seed(self.stage)
+    def seed(self, *, round_index: int = 0) -> int:
+        """The stage's seed, ``(seed, stage, iteration)`` (:func:`runtime.seeds.stage_seed`), and ``round-R`` for a
+        later round of the iteration's candidates (:func:`runtime.seeds.round_coordinates`)."""
+        context = self.context
+        return stage_seed(context.seed, self.stage, context.iteration, *round_coordinates(round_index))
 
-    def plan_shards(self, items: int, *, rows_per_item: int, rows_per_shard: int) -> tuple[Shard, ...]:
+    def plan_shards(
+        self, items: int, *, rows_per_item: int, rows_per_shard: int, round_index: int = 0
+    ) -> tuple[Shard, ...]:
         """This stage's ``items`` in shards of about ``rows_per_shard`` rows (:func:`runtime.shards.plan_shards`)."""
         from runtime.shards import plan_shards
 
@@ -134,6 +139,7 @@ class Job(Generic[S]):
             seed=context.seed,
             stage=self.stage,
             iteration=context.iteration,
+            round_index=round_index,
         )
 
     def shipped(self, shards: tuple[Shard, ...] = ()) -> Job[S]:

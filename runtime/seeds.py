@@ -18,9 +18,16 @@ def stage_seed(seed: int, stage: str, iteration: int, *more: object) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def shard_seed(seed: int, stage: str, iteration: int, shard: int) -> int:
-    """The seed of a fan-out shard's generator: ``(seed, stage, iteration, shard-N)``."""
-    return stage_seed(seed, stage, iteration, f"shard-{shard}")
+def shard_seed(seed: int, stage: str, iteration: int, shard: int, *, round_index: int = 0) -> int:
+    """The seed of a fan-out shard's generator: ``(seed, stage, iteration, shard-N)``; a later round of an iteration's
+    candidates (``sizes.decisive_pairs``) adds ``round-R`` before the shard, the first round none."""
+    return stage_seed(seed, stage, iteration, *round_coordinates(round_index), f"shard-{shard}")
+
+
+def round_coordinates(round_index: int) -> tuple[str, ...]:
+    """The coordinate a later round of an iteration's candidates adds to its seeds: none for the first round, so an
+    iteration of one round draws what it drew before rounds existed."""
+    return (f"round-{round_index}",) if round_index else ()
 
 
 def row_seed(shard_seed: int, row: int) -> int:

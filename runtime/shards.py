@@ -40,12 +40,13 @@ class Shard:
 
 
 def plan_shards(
-    items: int, *, rows_per_shard: int, rows_per_item: int, seed: int, stage: str, iteration: int
+    items: int, *, rows_per_shard: int, rows_per_item: int, seed: int, stage: str, iteration: int, round_index: int = 0
 ) -> tuple[Shard, ...]:
     """Split ``items`` items, each giving ``rows_per_item`` rows, into shards of about ``rows_per_shard`` rows.
 
     A shard holds ``max(1, rows_per_shard // rows_per_item)`` whole items (a prompt's candidates or group
-    never straddle two shards); the last holds the rest.
+    never straddle two shards); the last holds the rest. ``round_index``: the round of the iteration's candidates
+    (:func:`runtime.seeds.shard_seed`).
 
     Raises:
         ValueError: a count is not positive.
@@ -54,6 +55,11 @@ def plan_shards(
         raise ValueError(f"`rows_per_shard` and rows per item must be positive, got {rows_per_shard}, {rows_per_item}")
     per_shard = max(1, rows_per_shard // rows_per_item)
     return tuple(
-        Shard(index, start, min(start + per_shard, items), shard_seed(seed, stage, iteration, index))
+        Shard(
+            index,
+            start,
+            min(start + per_shard, items),
+            shard_seed(seed, stage, iteration, index, round_index=round_index),
+        )
         for index, start in enumerate(range(0, items, per_shard))
     )

@@ -184,6 +184,10 @@ class Manifest:
         body["files"] = [entry.to_dict() for entry in self.files]
         return body
 
+    def rows(self, table: str) -> int:
+        """The rows of the output's ``table`` (its ``<table>-*`` shards), as written: no file is read."""
+        return sum(entry.rows or 0 for entry in self.files if entry.path.startswith(f"{table}-"))
+
     @property
     def digest(self) -> str:
         """The content's identity: sha256 of the stage, input key, schema version and every file's

@@ -9,7 +9,12 @@ Labelling by a reward model splits the pairs into shards (:mod:`runtime.fanout`)
 
 Which pairs of a prompt's candidates are compared and kept is the setting ``pairing`` (:mod:`tasks.pairing`):
 consecutive candidates, or, with a labeler that scores each candidate (``function``, ``gold``), the best against a
-worse one or every decisive pair. ``decisive_fraction`` is the share of the compared pairs that had a winner.
+worse one or every decisive pair. ``decisive_fraction`` is the share of the compared pairs that had a winner;
+``decisive_pairs`` the pairs kept that have one (what ``sizes.decisive_pairs`` counts, :mod:`flows.rounds`), ``ties``
+the compared pairs that had none.
+
+A later round of the iteration's candidates (``sizes.decisive_pairs``) numbers its pairs after the earlier rounds'
+(``earlier``), so a pair id names one pair across the whole campaign.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from runtime.declaration import StageResult
 from runtime.job import Job, Shards
 from runtime.stage import Stage
 from storage.importers import import_preferences
+from storage.manifest import read_manifest
 from storage.schemas import CHOICE, PAIR_ID, PREFERENCES
 from storage.shards import read_table
 from tasks.labelers import (
@@ -108,7 +114,7 @@ def paired_table(
     how many of those had a winner.
 
     Returns:
-        The ``preferences`` table, and the metrics ``compared_pairs`` and ``decisive_fraction``.
+        The ``preferences`` table, and the metrics ``compared_pairs``, ``decisive_fraction`` and ``ties``.
     """
     compared = [pair for group in groups for pair in group.pairs]
     labels = labeler.label(compared)
@@ -119,7 +125,11 @@ def paired_table(
         start += len(group.pairs)
     decisive = sum(label.margin > 0 for label in labels)
     table = pair_table([compared[i] for i in kept], [labels[i] for i in kept], labeler.name, first_pair_id)
-    return table, {"compared_pairs": float(len(compared)), "decisive_fraction": decisive / max(len(compared), 1)}
+    return table, {
+        "compared_pairs": float(len(compared)),
+        "decisive_fraction": decisive / max(len(compared), 1),
+        "ties": float(len(compared) - decisive),
+    }
 
 
 def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_id: int) -> pa.Table:
@@ -178,7 +188,9 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
     gold judge.
     """
     settings, context = job.settings, job.context
-    labeler, first_pair_id = settings.labeler, context.iteration * PAIRS_PER_ITERATION
+    labeler, round_index = settings.labeler, len(settings.earlier)
+    first_pair_id = context.iteration * PAIRS_PER_ITERATION + pair_count(settings.earlier)
+    seed = job.seed(round_index=round_index)
     if labeler == "reward_model":
         return label_shards(job)
     shown: dict[str, float] = {}
@@ -191,7 +203,12 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
         table = human_table(pairs, _answers(settings.labels), first_pair_id=first_pair_id)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         ties = 1.0 - table.num_rows / max(len(pairs), 1)
-        shown = {"tie_fraction": ties, "decisive_fraction": 1.0 - ties}
+        shown = {
+            "tie_fraction": ties,
+            "decisive_fraction": 1.0 - ties,
+            "decisive_pairs": float(table.num_rows),  # a person's answer has no margin: each kept one has a winner
+            "ties": float(len(pairs) - table.num_rows),
+        }
     elif labeler == "function":
         if settings.rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")
@@ -200,24 +217,37 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
         candidates = read_table(settings.candidates.directory, "candidates")
         groups = candidate_groups(candidates, columns=[row.columns for row in rows], pairing=settings.pairing)
         rubric = FunctionLabeler(settings.rubric.load(), settings.rubric.name, render=partial(prompt_text, tokenizer))
-        table, shown = paired_table(groups, rubric, settings.pairing, seed=job.seed(), first_pair_id=first_pair_id)
+        table, shown = paired_table(groups, rubric, settings.pairing, seed=seed, first_pair_id=first_pair_id)
     else:
         if settings.judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")
         groups = candidate_groups(read_table(settings.candidates.directory, "candidates"), pairing=settings.pairing)
         judge = JudgeLabeler(settings.judge.load())
-        table, shown = paired_table(groups, judge, settings.pairing, seed=job.seed(), first_pair_id=first_pair_id)
+        table, shown = paired_table(groups, judge, settings.pairing, seed=seed, first_pair_id=first_pair_id)
     return {**gather(job, table), **shown}
 
 
 def gather(job: Job[CollectPreferencesSettings], table: pa.Table) -> dict[str, float]:
-    """Write the ``preferences`` table; its pair count, share of ties and (the pairs being those compared, as
-    consecutive pairs are) share of decisive pairs."""
+    """Write the ``preferences`` table; its pair count, decisive pairs, ties and (the pairs being those compared, as
+    consecutive pairs are) share of ties and of decisive pairs. A labeler that compares more pairs than it keeps
+    (:func:`paired_table`) or drops ties (``human``) says its own ``ties`` and shares."""
     job.out.write_table("preferences", table, schema=PREFERENCES, rows_per_shard=job.settings.rows_per_shard)
     if job.settings.labeler == "import":  # an imported pair is chosen over rejected: a margin of 0 means none was
         return {"pairs": float(table.num_rows)}  # given, not a tie
-    ties = (pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0) / max(table.num_rows, 1)
-    return {"pairs": float(table.num_rows), "tie_fraction": ties, "decisive_fraction": 1.0 - ties}
+    ties = pc.sum(pc.equal(table.column("margin"), 0.0)).as_py() or 0
+    share = ties / max(table.num_rows, 1)
+    return {
+        "pairs": float(table.num_rows),
+        "decisive_pairs": float(table.num_rows - ties),
+        "ties": float(ties),
+        "tie_fraction": share,
+        "decisive_fraction": 1.0 - share,
+    }
+
+
+def pair_count(preferences: Sequence[StageResult]) -> int:
+    """The preference pairs the ``preferences`` outputs hold, from their manifests (no table is read)."""
+    return sum(read_manifest(result.directory, verify=False).rows("preferences") for result in preferences)
 
 
 def _answers(labels: StageResult | None) -> pa.Table:
@@ -243,8 +273,9 @@ def label_shards(job: Job[CollectPreferencesSettings]) -> Iterator[pa.Table]:
         reward_tokenizer_dir=context.base.reward_tokenizer,
     )
     labeler = RewardModelLabeler(scorer, autocast=models.autocast)
+    first = context.iteration * PAIRS_PER_ITERATION + pair_count(settings.earlier)
     for shard in job.shards:
-        first_pair_id = context.iteration * PAIRS_PER_ITERATION + shard.start
+        first_pair_id = first + shard.start
         yield labelled_table(pairs[shard.start : shard.stop], labeler, first_pair_id=first_pair_id)
 
 

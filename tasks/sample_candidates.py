@@ -2,6 +2,11 @@
 
 The prompts are split into shards (:mod:`runtime.fanout`), each sampled with its own generator (or, on vLLM, one
 seed per row: :mod:`tasks.sampler`), wherever ``execution.task_runner`` runs them.
+
+An iteration samples one round of ``sizes.preference_prompts`` prompts, or with ``sizes.decisive_pairs`` as many
+rounds as it needs (:mod:`flows.rounds`): round R takes the R-th block of prompts of the rotation after the
+iteration's first (:func:`tasks.text.round_prompts`), so no prompt is sampled twice in one iteration, and seeds apart from the
+earlier rounds (:func:`runtime.seeds.round_coordinates`).
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ from storage.schemas import CANDIDATES, ENGINE_LOGPROBS, OLD_LOGPROBS
 from tasks.sampler import mismatch_metrics, policy_sampler, row_seeds, sample_whole_shard
 from tasks.settings import SampleCandidatesSettings
 from tasks.tensors import encode_prompts, prompt_token_lists, response_token_lists
-from tasks.text import decode, load_tokenizer, read_prompts, rotating_subset
+from tasks.text import decode, load_tokenizer, read_prompts, round_prompts
 
 
 def plan(job: Job[SampleCandidatesSettings]) -> Shards:
     """The preference prompts in shards, a prompt's candidates in one."""
     settings = job.settings
     shards = job.plan_shards(
-        settings.prompts, rows_per_item=settings.candidates_per_prompt, rows_per_shard=settings.rows_per_shard
+        settings.prompts,
+        rows_per_item=settings.candidates_per_prompt,
+        rows_per_shard=settings.rows_per_shard,
+        round_index=len(settings.earlier),
     )
     return Shards(shards, table="candidates")
 
@@ -39,8 +47,11 @@ def work(job: Job[SampleCandidatesSettings]) -> Iterator[pa.Table]:
     actor_dir = settings.policy.directory / "actor"
     actor = models.load("actor", actor_dir)
     sampler = policy_sampler(models, context, actor_dir, actor, sampling)
-    chosen = rotating_subset(
-        read_prompts(context.base.prompts.path), count=settings.prompts, iteration=context.iteration
+    chosen = round_prompts(
+        read_prompts(context.base.prompts.path),
+        count=settings.prompts,
+        iteration=context.iteration,
+        round_index=len(settings.earlier),
     )
     for shard in job.shards:
         generator = shard.generator()
@@ -96,6 +107,7 @@ def gather(job: Job[SampleCandidatesSettings], table: pa.Table) -> dict[str, flo
     lengths = [len(ids) for ids in table.column("response_ids").to_pylist()]
     return {
         "candidates": float(len(lengths)),
+        "round": float(len(job.settings.earlier)),
         "response_length_mean": sum(lengths) / max(len(lengths), 1),
         **mismatch_metrics(table),
     }

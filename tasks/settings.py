@@ -69,6 +69,9 @@ class SampleCandidatesSettings(StageSettings):
 
     stage = "sample_candidates"
     policy: StageResult = upstream()
+    earlier: tuple[StageResult, ...] = upstream()
+    """The candidates of this iteration's earlier rounds (``sizes.decisive_pairs``): this round samples the prompts of
+    the rotation after theirs. Empty in the first round, the only one without ``sizes.decisive_pairs``."""
     sampling: SamplingConfig = setting("sampling")
     precision: Precision = setting("precision")
     prompts: int = setting("sizes.preference_prompts")
@@ -101,6 +104,9 @@ class CollectPreferencesSettings(StageSettings):
     iteration, where the pretrained ``model.reward_model`` judges."""
     labels: StageResult | None = upstream()
     """The person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise."""
+    earlier: tuple[StageResult, ...] = upstream()
+    """The preferences of this iteration's earlier rounds (``sizes.decisive_pairs``): this round's pair ids follow
+    theirs. Empty in the first round."""
     labeler: LabelerName = setting("labeler")
     pairing: Pairing = setting("pairing")
     """Which pairs of a prompt's candidates are compared and kept (:mod:`tasks.pairing`)."""

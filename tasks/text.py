@@ -210,6 +210,26 @@ def rotating_subset(items: Sequence, *, count: int, iteration: int, offset: int 
     return [((start + k) % len(items), items[(start + k) % len(items)]) for k in range(count)]
 
 
+def round_prompts(prompts: Sequence, *, count: int, iteration: int, round_index: int) -> list[tuple[int, object]]:
+    """The ``(prompt_id, prompt)`` of round ``round_index`` of an iteration (``sizes.decisive_pairs``): the
+    ``round_index``-th block of ``count`` prompts of the rotation from the iteration's first (:func:`rotating_subset`).
+    Round 0's are the iteration's prompts as they were before rounds existed (wrapping around a file of fewer).
+
+    >>> [i for i, _ in round_prompts("abcdefgh", count=2, iteration=1, round_index=1)]
+    [4, 5]
+
+    Raises:
+        ValueError: a later round whose prompts and the earlier rounds' are more than ``prompts`` holds (one would
+            come round again).
+    """
+    if round_index and (round_index + 1) * count > len(prompts):
+        raise ValueError(
+            f"round {round_index + 1} of {count} prompts needs {(round_index + 1) * count} prompts, the file holds "
+            f"{len(prompts)}: a prompt would be sampled twice in one iteration"
+        )
+    return rotating_subset(prompts, count=count, iteration=iteration, offset=round_index * count)
+
+
 def same_tokenizer(first: PreTrainedTokenizerBase, second: PreTrainedTokenizerBase) -> bool:
     """Whether two tokenizers turn text into the same ids: the same vocabulary and special tokens."""
     specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")

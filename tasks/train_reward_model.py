@@ -72,16 +72,12 @@ def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
     settings = job.settings
     if not settings.reward_model.train:
         return None
-    pairs = sum(
-        entry.rows or 0
-        for result in settings.preferences
-        for entry in read_manifest(result.directory, verify=False).files
-        if entry.path.startswith("preferences-")
-    )
+    pairs = sum(read_manifest(result.directory, verify=False).rows("preferences") for result in settings.preferences)
     if (error := eval_split_error(pairs, settings.reward_model.eval_fraction)) is not None:  # checked before it all
         raise TooFewPairs(  # ran, except where tie/skip answers left out pairs
-            f"train_reward_model: {error}. With human labels, fewer `tie/skip` answers do it: run the same command "
-            "with a new `human.relabel` value to be asked again"
+            f"train_reward_model: {error}. `sizes.decisive_pairs` samples rounds of fresh prompts (with human labels, "
+            "pages of them) until there are enough; with human labels, fewer `tie/skip` answers do it too: run the "
+            "same command with a new `human.relabel` value to be asked again"
         )
     return Training(settings.precision)
 

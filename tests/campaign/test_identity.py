@@ -183,3 +183,12 @@ def test_issue33_a_field_added_since_keeps_every_identity_at_its_old_value_and_i
     overlapped = recorded.model_copy(update={"sampling": dataclasses.replace(recorded.sampling, staleness=1)})
     assert config_fingerprint(overlapped) != FINGERPRINT and run_key(overlapped, BASE, "", 0) != ITERATION_KEY
     assert campaign_fields(overlapped)["sampling"]["staleness"] == 1
+
+
+def test_issue43_decisive_pairs_keep_every_identity_unset_and_are_part_of_it_set():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    assert recorded.sizes.decisive_pairs is None and recorded.sizes.max_rounds == 4
+    assert config_fingerprint(recorded) == FINGERPRINT and run_key(recorded, BASE, "", 0) == ITERATION_KEY
+    for sizes in ({"decisive_pairs": 32}, {"max_rounds": 2}):
+        changed = recorded.model_copy(update={"sizes": recorded.sizes.model_copy(update=sizes)})
+        assert config_fingerprint(changed) != FINGERPRINT and run_key(changed, BASE, "", 0) != ITERATION_KEY

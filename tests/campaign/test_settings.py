@@ -55,7 +55,7 @@ def test_settings_are_read_from_the_config_and_the_base_inputs():
         "max_tokens_per_turn": 32,
         "step_timeout_s": 30.0,
     }
-    inputs = {"candidates": None, "reward_model": None, "labels": None}
+    inputs = {"candidates": None, "reward_model": None, "labels": None, "earlier": ()}
     assert settings_from(CollectPreferencesSettings, config, BASE, inputs).preferences is FILE
     update = settings_from(
         PPOUpdateSettings, config, BASE, {"policy": None, "optimizer": None, "scored": None, "critic_start": None}
@@ -96,7 +96,7 @@ def test_issue42_staleness_keys_the_stages_that_choose_a_policy_to_sample_and_no
 
 
 def test_issue42_precision_keys_the_labels_only_of_a_labeler_that_loads_a_model():
-    inputs = {"candidates": None, "reward_model": None, "labels": None}
+    inputs = {"candidates": None, "reward_model": None, "labels": None, "earlier": ()}
 
     def keyed(labeler: str, precision: str) -> dict:
         config = PipelineConfig(demo=True, labeler=labeler, precision=precision, model={"reward_model": "/rm"})
@@ -111,7 +111,7 @@ def test_issue42_batch_size_keys_the_reference_samples_only_where_it_changes_the
     trainer's side, so ``sampling.batch_size`` leaves their key; on the ``hf`` sampler, which samples batch by batch,
     and in every stage that runs the trainer's model over its rows in batches (the candidates' log-probs), it stays."""
 
-    inputs = {SampleReferenceSettings: {}, SampleCandidatesSettings: {"policy": None}}
+    inputs = {SampleReferenceSettings: {}, SampleCandidatesSettings: {"policy": None, "earlier": ()}}
 
     def keyed(settings, engine: str, batch_size: int) -> dict:
         config = PipelineConfig(demo=True, labeler="gold", sampling={"engine": engine, "batch_size": batch_size})

@@ -19,3 +19,9 @@ def names_the_answer(prompt, response: str, answer: str, topic: str) -> float:
     if not (isinstance(prompt, list) and prompt[-1]["role"] == "user" and isinstance(topic, str)):
         raise TypeError(f"a chat prompt must arrive as its messages, got {prompt!r}")
     return float(answer.lower() in response.lower())
+
+
+def says_happy(prompt: str, response: str) -> float:
+    """A sparse rubric (issue 43): 1 when the response has the word "happy", which the tiny random policy says in few
+    of its candidates, so most candidates of a prompt tie."""
+    return float("happy" in response.split())

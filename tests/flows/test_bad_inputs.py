@@ -261,6 +261,11 @@ FILE_CASES = [
         ("p.parquet", "not a readable Parquet file"),
     ),
     Case(
+        "prompts-too-few-for-the-rounds",  # issue 43: 4 rounds of 16 fresh prompts, 48 in the file
+        lambda t, w: _run(t, w, "sizes.decisive_pairs=8", "sizes.max_rounds=4"),
+        ("`data.prompts`", "holds 48 prompts", "`sizes.max_rounds` 4 rounds of `sizes.preference_prompts` 16", "64"),
+    ),
+    Case(
         "eval-prompts-empty",
         lambda t, w: _run(t, w, _with(t, "data.eval_prompts", "e.jsonl", "")),
         ("`data.eval_prompts`", "holds no prompts"),

@@ -58,6 +58,10 @@ def test_overrides_apply_on_top_of_the_file():
         # issue 36 (R1): the engine's log-probs of a filtered sample are not the trainer's over the whole vocabulary
         (["ppo.tis_cap=2", "sampling.top_p=0.9"], "ppo.tis_cap"),
         (["ppo.tis_cap=2", "sampling.top_k=50"], "sampling.top_k"),
+        # issue 43: rounds of candidates for a campaign that labels none
+        (["sizes.decisive_pairs=8", "labeler=import", "data.preferences=p.jsonl"], "this campaign labels none"),
+        (["sizes.decisive_pairs=8", "reward.source=function", "reward.function=m:f"], "`reward.source` not reward"),
+        (["sizes.decisive_pairs=0"], "sizes.decisive_pairs"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_naming_the_problem(overrides, named):

@@ -40,8 +40,8 @@ def collected(prefect_server, two_iteration_campaign, checkpoint_world, tmp_path
     base = resolve_base.fn(config)
     iteration, state = load_latest_state.fn(config, base)
     context = open_iteration.fn(config, iteration, base, state)
-    candidates = sample_candidates.run(context, config, policy=state.policy)
-    collect_preferences.run(context, config, candidates=candidates, reward_model=None, labels=None)
+    candidates = sample_candidates.run(context, config, policy=state.policy, earlier=())
+    collect_preferences.run(context, config, candidates=candidates, reward_model=None, labels=None, earlier=())
     before = _outputs(config)
     source_of_iteration_0 = resolve_run(config, f"{config.campaign}:0")
     assert main(["gc", config.campaign, "--dry-run", f"--set=run_root={config.run_root}"]) == 0

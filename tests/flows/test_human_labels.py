@@ -416,3 +416,44 @@ def test_tie_skip_answers_that_leave_too_few_pairs_fail_in_one_line_saying_how_t
     ) as failed:
         state.result()
     assert _user_error(failed.value)
+
+
+@pytest.mark.slow
+def test_issue43_a_person_is_asked_a_page_of_fresh_pairs_while_too_few_answers_had_a_winner(
+    prefect_server, checkpoint_world, tmp_path
+):
+    """`sizes.decisive_pairs` with labeler human: each round is a page of its own; the first page's three tie/skip
+    answers leave 1 decisive pair of the 4 asked for, so a second page asks about fresh prompts' candidates."""
+    config = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            f"run_root={tmp_path / 'runs'}",
+            f"model.policy={checkpoint_world['policy']}",
+            f"data.prompts={checkpoint_world['prompts']}",
+            f"data.eval_prompts={checkpoint_world['eval_prompts']}",
+            "campaign=human-rounds",
+            "labeler=human",
+            "sizes.preference_prompts=4",  # x 2 candidates: 4 pairs, one page, a round
+            "sizes.decisive_pairs=4",
+            "sizes.max_rounds=2",
+            "human.pairs_per_form=4",
+            "human.poll_seconds=1",
+            "human.timeout_seconds=120",
+        ],
+    )
+    answers = ["A", "tie/skip", "tie/skip", "tie/skip", "B", "A", "tie/skip", "A"]  # 1 winner, then 3
+    state, forms, _ = _run_answering(config, answers)
+    assert state.is_completed(), state
+    assert [form["description"].split("\n")[0] for form in forms] == [
+        "### Campaign `human-rounds`, iteration 0: which response is better? (form 1 of 1)"
+    ] * 2  # a page a round
+    preferences = state.result().preferences
+    assert [result.metrics["decisive_pairs"] for result in preferences] == [1, 3]
+    assert [result.metrics["ties"] for result in preferences] == [3, 1]
+    campaign_dir = config.run_root / config.campaign
+    prompt_ids = sorted(
+        sorted(set(read_table(folder, "candidates").column("prompt_id").to_pylist()))
+        for folder in (campaign_dir / "sample_candidates").iterdir()
+    )
+    assert prompt_ids == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the second page's prompts are fresh
+    assert len(list((campaign_dir / "human_labels").iterdir())) == 2

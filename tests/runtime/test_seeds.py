@@ -20,6 +20,18 @@ def test_a_stage_seed_a_shard_seed_and_a_row_seed_are_one_derivation_of_their_co
     assert len({stage_seed(7, "rollout", i) for i in range(100)}) == 100
 
 
+def test_issue43_a_later_round_of_candidates_seeds_apart_and_the_first_as_before():
+    assert shard_seed(7, "sample_candidates", 3, 2, round_index=0) == shard_seed(7, "sample_candidates", 3, 2)
+    assert shard_seed(7, "sample_candidates", 3, 2, round_index=1) == _pinned("7/sample_candidates/3/round-1/shard-2")
+    shards = plan_shards(4, rows_per_shard=4, rows_per_item=2, seed=7, stage="sample_candidates", iteration=3)
+    later = plan_shards(
+        4, rows_per_shard=4, rows_per_item=2, seed=7, stage="sample_candidates", iteration=3, round_index=2
+    )
+    assert [shard.seed for shard in later] == [
+        _pinned(f"7/sample_candidates/3/round-2/shard-{index}") for index in range(2)
+    ] and not {shard.seed for shard in shards} & {shard.seed for shard in later}
+
+
 def test_an_episodes_seed_is_a_derivation_of_the_campaigns_seed_iteration_prompt_and_sample():
     assert episode_seed(7, 3, 12, 1) == _pinned("7/episode/3/prompt-12/sample-1")
     assert len({episode_seed(7, 3, prompt, sample) for prompt in range(10) for sample in range(10)}) == 100

@@ -88,6 +88,7 @@ def test_issue35_the_preference_table_and_its_share_of_decisive_pairs(pairing, p
     groups = candidate_groups(candidates, pairing=pairing)
     table, metrics = paired_table(groups, FunctionLabeler(_one_word, "m:one_word"), pairing, seed=0, first_pair_id=10)
     assert table.num_rows == pairs and metrics["decisive_fraction"] == pytest.approx(decisive)
+    assert metrics["ties"] == pytest.approx(metrics["compared_pairs"] * (1 - decisive))  # 3 of 4; 7 of 12
     assert table.column("pair_id").to_pylist() == list(range(10, 10 + pairs))
     rows = table.to_pylist()
     if pairing == "best_vs_worse":

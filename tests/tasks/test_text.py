@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from storage.importers import render_chat
-from tasks.text import Prompt, conversation_id_lists, prompt_ids, response_id_lists, same_tokenizer
+from tasks.text import (
+    Prompt,
+    conversation_id_lists,
+    prompt_ids,
+    response_id_lists,
+    rotating_subset,
+    round_prompts,
+    same_tokenizer,
+)
 from tests.conftest import byte_level_bpe as bpe
 
 CHAT = Prompt("\n\nHuman: tell me a joke\n\nAssistant:", ({"role": "user", "content": "tell me a joke"},))
@@ -129,3 +137,13 @@ def test_issue27_the_ids_the_checks_and_stages_encode_are_autotokenizers_and_its
         expected = reference(render_chat(list(turns), add_generation_prompt=True))
     assert prompt_ids(loaded, chat) == list(expected["input_ids"])
     assert prompt_ids(loaded, PLAIN) == reference(PLAIN.text)["input_ids"]
+
+
+def test_issue43_each_round_of_an_iteration_takes_the_next_block_of_the_rotation():
+    prompts = [f"prompt {i}" for i in range(10)]
+    ids = [[i for i, _ in round_prompts(prompts, count=3, iteration=1, round_index=r)] for r in range(3)]
+    # Iteration 1 starts at 1 x 3: its rounds take 3-5, 6-8, then 9, 0, 1 (wrapping, none of them used before).
+    assert ids == [[3, 4, 5], [6, 7, 8], [9, 0, 1]]
+    assert ids[0] == [i for i, _ in rotating_subset(prompts, count=3, iteration=1)]  # round 0: the iteration's own
+    with pytest.raises(ValueError, match="round 4 of 3 prompts needs 12 prompts, the file holds 10"):
+        round_prompts(prompts, count=3, iteration=1, round_index=3)  # 9 + 3 > 10: a prompt would come again
