@@ -1,17 +1,16 @@
 """Issue 42: the probe gate on a **bf16** engine, at the learning rate of the configs, where the tolerance alone
 (0.5 nats) passes an engine that samples the previous weights: one update at ``configs/tiny.yaml``'s actor learning
-rate (2e-4) moves the probe's log-probs by far less. The relative rule of the gate (runtime/engine_probe.py, choice
-7: the engine must be nearer the weights the stage serves than every other weights the campaign served) catches it.
+rate (2e-4) moves the probe's log-probs by far less. The gate's offset rule (runtime/engine_probe.py, choice 7: the
+engine's gap may not point toward other weights the campaign served by more than 1.5 noise floors) catches it.
 
-The same tied tiny Llama saved in bf16 and the same broken engine as tests/flows/test_engine_faults.py (its helpers
-and worlds), here started in bf16; the campaign's precision is bf16 (the trainer's side under bf16 autocast), full
-fine-tuning. Iteration 0 runs clean; then iteration 1 on an engine that loads the initial policy at its swap
-(``previous_weights``: measured 1.00 of the way to the initial policy's log-probs, gap 0.21), loads nothing
-(``reload_skipped``: the same) or loads the first layer only (``swap_fails_midway``: 0.49, gap 0.12) must stop at its
-first stage with one line, with a gap inside the tolerance; and with no fault, iteration 1 runs to the end with every
-judged position near 0 (measured: -0.003 to 0, 460-1000 noise widths apart). A tied output layer left stale
-(``tied_output_stale``) sits 0.05-0.10 of the way at this learning rate: recorded, under the gate's 0.25, so not in
-this list (the fp32 suite catches it, gap 0.30).
+The same tied tiny Llama saved in bf16 and the same broken engine as tests/flows/test_engine_faults.py, here
+started in bf16; the campaign's precision is bf16 (the trainer's side under bf16 autocast), full fine-tuning.
+Iteration 0 runs clean; then iteration 1 on an engine that loads the initial policy at its swap
+(``previous_weights``: measured offsets of 36.9-40 floors toward the initial policy, gap 0.21-0.23), loads nothing
+(``reload_skipped``: the same), loads the first layer only (``swap_fails_midway``: 17.5-19.5 floors, gap 0.11-0.12)
+or leaves a tied output layer stale (``tied_output_stale``: 1.9-2.3 floors, gap 0.017-0.019) must stop at its first
+stage with one line, with a gap inside the tolerance; and with no fault, iteration 1 runs to the end with every
+offset within the margin (measured: -0.09 to 0.12 floors).
 
 Needs the engine's environment: ``pytest -m vllm tests/flows/test_engine_faults_bf16.py``.
 """
@@ -24,6 +23,7 @@ import re
 import pytest
 
 from runtime.engine import engine_python
+from runtime.engine_probe import NOISE_MARGIN
 from tests.flows.test_engine_faults import (
     GATE,
     _finished_stage_runs,
@@ -63,16 +63,16 @@ def _argv(root, worlds, url: str, iterations: int) -> list[str]:
     return _fp32_argv(root, worlds["bf16"], url, f"iterations={iterations}", *SETTINGS)
 
 
-def _judged(root) -> list[dict]:
-    """Every judged position the campaign's gates recorded: the weights compared, position and separation."""
+def _swaps(root) -> list[dict]:
+    """Every swap the campaign's gates proved, with its stage."""
     found = []
     for manifest in sorted((root / "tiny").glob("*/*/_manifest.json")):
         for swap in json.loads(manifest.read_text())["runtime"].get("engine_probe", []):
-            found.extend({"stage": manifest.parent.parent.name, **other} for other in swap.get("others", []))
+            found.append({"stage": manifest.parent.parent.name, **swap})
     return found
 
 
-@pytest.mark.parametrize("fault_name", ["previous_weights", "reload_skipped", "swap_fails_midway"])
+@pytest.mark.parametrize("fault_name", ["previous_weights", "reload_skipped", "swap_fails_midway", "tied_output_stale"])
 def test_issue42_stale_weights_inside_the_bf16_tolerance_are_caught_by_the_relative_rule(
     worlds,
     engine,
@@ -111,7 +111,10 @@ def test_issue42_with_no_fault_iteration_1_runs_on_a_bf16_engine_judged_near_its
     url, fault = engine
     fault.write_text("")
     _run_to_end(_argv(campaign, worlds, url, 2), campaign / "run.log", capfd)
-    judged = [other for other in _judged(campaign) if other["separation"] >= 6]
-    assert judged, _judged(campaign)  # the update at 2e-4 is told apart from the initial policy on this probe
-    assert all(other["position"] < 0.5 for other in judged), judged
-    print("judged positions:", [(o["stage"], round(o["position"], 3), round(o["separation"], 1)) for o in judged])
+    swaps = _swaps(campaign)
+    offsets = [other["offset_floors"] for swap in swaps for other in swap["others"]]
+    assert offsets and max(offsets) <= NOISE_MARGIN, swaps
+    print("noise over the floor, offsets in floors:", [
+        (swap["stage"], round(swap["noise"] / swap["noise_floor"], 2), [round(o["offset_floors"], 3) for o in swap["others"]])
+        for swap in swaps
+    ])  # fmt: skip

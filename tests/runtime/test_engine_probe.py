@@ -17,17 +17,19 @@ from rlhf_core.sequences import sequence_logprobs
 from runtime.engine_client import ServedPolicy
 from runtime.engine_probe import (
     GAP_METRIC,
-    NEARNESS,
     TOLERANCES,
     EngineProbeError,
+    OtherWeights,
     Probe,
     campaign_probe,
     gated_policy,
+    in_floors,
+    offset_toward,
     probe_failures_named,
     probe_gap,
     record_metrics,
     recording,
-    relative_position,
+    rms_difference,
     trainer_logprobs,
 )
 from tests.conftest import left_padded, tiny_causal_lm
@@ -158,33 +160,36 @@ def test_issue42_an_engine_that_swaps_without_scoring_the_probe_is_not_sampled_f
         gate.sample([[1, 2]], [8], config=config, eos_token_id=2)
 
 
-def test_issue42_the_position_between_two_weights_and_their_separation_by_hand():
-    """c = 0, o = 1 on 4 tokens (|d|^2 = 4). An engine at e = (0.9, 1.1, 1, 1): r.d = 4, position 1; its noise off
-    the line is |r|^2 - 1 * 4 = 0.02 over 3 degrees of freedom, s = 0.0816, separation 2 / 0.0816 = 24.5. At
-    e = (0.1, -0.1, 0, 0): position 0, the same noise and separation. Equal log-probs cannot be told apart."""
+def test_issue42_the_offset_toward_other_weights_by_hand():
+    """c = 0, o = 1 on N = 4 tokens (|d|^2 = 4, its root mean square 1). An engine at e = (0.9, 1.1, 1, 1): r.d = 4,
+    position 1, offset 4 / sqrt(4 * 4) = 1, all the way; at 0.5 everywhere, halfway: 0.5 and 0.5; at
+    e = (0.1, -0.1, 0, 0), across the line: 0 and 0, though its gap's root mean square is sqrt(0.02 / 4) = 0.0707.
+    Equal log-probs give no offset. 0.1 is 10 floors of 0.01."""
     own, other = [[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]
-    position, separation = relative_position([[0.9, 1.1], [1.0, 1.0]], own, other)
-    assert position == pytest.approx(1.0) and separation == pytest.approx(2 / (0.02 / 3) ** 0.5)
-    position, separation = relative_position([[0.1, -0.1], [0.0, 0.0]], own, other)
-    assert position == pytest.approx(0.0) and separation == pytest.approx(24.49, abs=0.01)
-    assert relative_position([[0.5, 0.5], [0.5, 0.5]], own, other) == (0.5, float("inf"))  # no noise: halfway
-    assert relative_position([[0.3, 0.0], [0.0, 0.0]], own, own) == (0.0, 0.0)
+    assert offset_toward([[0.9, 1.1], [1.0, 1.0]], own, other) == pytest.approx((1.0, 1.0))
+    assert offset_toward([[0.5, 0.5], [0.5, 0.5]], own, other) == (0.5, 0.5)
+    assert offset_toward([[0.1, -0.1], [0.0, 0.0]], own, other) == pytest.approx((0.0, 0.0))
+    assert rms_difference([[0.1, -0.1], [0.0, 0.0]], own) == pytest.approx(0.02**0.5 / 2)
+    assert offset_toward([[0.3, 0.0], [0.0, 0.0]], own, own) == (0.0, 0.0)
+    assert (
+        in_floors(0.1, 0.01) == pytest.approx(10) and in_floors(0.0, 0.0) == 0.0 and in_floors(0.1, 0.0) == float("inf")
+    )
 
 
 def _wide_probe(vocab_size: int) -> Probe:
-    """8 rows of 4 prompt and 16 response tokens: 128 scored tokens, enough to separate an update from noise."""
+    """8 rows of 4 prompt and 16 response tokens: 128 scored tokens."""
     ids = torch.randint(3, vocab_size, (8, 20), generator=torch.Generator().manual_seed(0)).tolist()
     return Probe(prompts=tuple(tuple(row[:4]) for row in ids), responses=tuple(tuple(row[4:]) for row in ids))
 
 
-def test_issue42_within_the_bf16_tolerance_an_engine_on_the_way_to_other_served_weights_is_refused(tmp_path):
+def test_issue42_within_the_bf16_tolerance_an_engine_offset_toward_other_served_weights_is_refused(tmp_path):
     """The previous policy and the one an update made from it (every weight moved by 1e-3: their log-probs 0.009 nats
-    apart a token, far inside bf16's tolerance of 0.5). The campaign's gate of the previous policy keeps its
-    log-probs; the next gate, of the new policy, refuses an engine that still serves the previous one (its answer the
-    previous log-probs with noise of 0.005 nats a token: position 1.035, the two weights 22.5 noise widths apart) and
-    one that applied half the swap (0.535), passes one that serves the new one with the same noise (0.035) and
-    records its position, and does not judge the two weights when the engine's noise is twelve times as loud (1.9
-    widths apart, under 3 / 0.25: this probe cannot tell them apart)."""
+    apart, root mean square, far inside bf16's tolerance of 0.5). The campaign's first gate, of the previous policy,
+    keeps its log-probs and its engine's noise as the campaign's floor (0.0009 nats); the next gate, of the new
+    policy, refuses an engine that still serves the previous one (its log-probs with the same noise: offset 10
+    floors toward them, position 1.01) and one that applied half the swap (5 floors, 0.51), passes one that serves the
+    new one (0.07 floors), and passes an engine halfway toward weights whose log-probs are rounding away from its own
+    (0.5 floors): a correct engine's rounding can put it there."""
     previous = tiny_causal_lm("llama").eval()
     current = tiny_causal_lm("llama").eval()
     with torch.no_grad():
@@ -195,24 +200,37 @@ def test_issue42_within_the_bf16_tolerance_an_engine_on_the_way_to_other_served_
     first = gated_policy(
         ServedPolicy("", "/runs/initialize/a/actor"), previous, probe, models=loader, iteration=0, served=tmp_path
     )
+    stale = torch.tensor(first.expected, dtype=torch.float64)  # (8, 16)
+    noise = torch.randn(stale.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.001
+    with recording() as records:
+        first.check((stale + noise).tolist(), state="1", seconds=0.0)
+    assert records[0]["noise_floor"] == records[0]["noise"] == pytest.approx(0.00091, abs=1e-5)
     gate = gated_policy(
         ServedPolicy("", "/runs/ppo_update/b/actor"), current, probe, models=loader, iteration=1, served=tmp_path
     )
     assert first.others == () and [other.weights for other in gate.others] == ["/runs/initialize/a/actor"]
-    stale, new = (torch.tensor(side.expected, dtype=torch.float64) for side in (first, gate))  # (8, 16) each
-    noise = torch.randn(stale.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.005
-    for answer, position, shown in ((stale + noise, 1.035, "1.04"), ((stale + new) / 2 + noise, 0.535, "0.54")):
+    new = torch.tensor(gate.expected, dtype=torch.float64)
+    for answer, floors, shown in (
+        (stale + noise, 10.05, ("1.01", "10")),
+        ((stale + new) / 2 + noise, 5.06, ("0.51", "5.06")),
+    ):
         assert probe_gap(answer.tolist(), gate.expected) < TOLERANCES["bf16"]
         with recording() as records, pytest.raises(EngineProbeError) as refused:
-            gate.check(answer.tolist(), state="1", seconds=0.0)
+            gate.check(answer.tolist(), state="2", seconds=0.0)
         message = str(refused.value)
-        assert f"lie {shown} of the way from the trainer's to those of /runs/initialize/a/actor" in message
-        assert "(at most 0.25; the two 22.5 noise widths apart" in message and gate.verified is None
-        assert records[0]["others"][0]["position"] == pytest.approx(position, abs=0.001)
+        assert f"lie {shown[0]} of the way from the trainer's to those of /runs/initialize/a/actor" in message
+        assert f"offset toward them by {shown[1]} noise floors (at most 1.5;" in message and gate.verified is None
+        assert records[0]["others"][0]["offset_floors"] == pytest.approx(floors, abs=0.01)
     with recording() as records:
-        gate.check((new + noise).tolist(), state="1", seconds=0.0)
-    assert gate.verified == "1" and records[0]["others"][0]["position"] == pytest.approx(0.035, abs=0.001)
-    assert records[0]["others"][0]["separation"] == pytest.approx(22.5, abs=0.1)
+        gate.check((new + noise).tolist(), state="2", seconds=0.0)
+    assert gate.verified == "2" and records[0]["others"][0]["offset_floors"] == pytest.approx(0.07, abs=0.01)
+    assert records[0]["noise_floor"] == pytest.approx(0.00091, abs=1e-5)  # the campaign's, not this swap's
+    rounding = torch.randn(stale.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.001
+    gate.others = (
+        OtherWeights("/runs/initialize/a/actor", "/runs/initialize/a/zero-adapter", (new + rounding).tolist()),
+    )
     with recording() as records:
-        gate.check((stale + 12 * noise).tolist(), state="2", seconds=0.0)
-    assert gate.verified == "2" and records[0]["others"][0]["separation"] < 3 / NEARNESS
+        gate.check((new + rounding / 2 + 0.3 * noise).tolist(), state="3", seconds=0.0)
+    judged = records[0]["others"][0]
+    assert gate.verified == "3" and judged["position"] == pytest.approx(0.51, abs=0.01)
+    assert judged["offset_floors"] == pytest.approx(0.53, abs=0.01)
