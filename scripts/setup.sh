@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the project's virtual environment in .venv: the CPU build of torch first (a plain
 # `torch` requirement would pull a multi-GB CUDA build), then the project, its dev tools and its scale-out
-# engines (Dask, Ray: the tests start both).
+# engines (Dask, Ray: the tests start both) and TextArena (the environment adapter's test plays its games).
 # Idempotent: does nothing when .venv already matches pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ quiet_pip() {
     return "$status"
 }
 quiet_pip "$TORCH_SPEC"
-quiet_pip -e ".[dev,scale]"
+quiet_pip -e ".[dev,scale,textarena]"
 .venv/bin/python -c "import prefect.server.api.server, mlflow, torch, transformers" # fastapi/prefect break is caught here
 rm -f .venv/.installed-*
 touch "$stamp"

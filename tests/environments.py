@@ -1,5 +1,6 @@
 """Environments the tests name as ``environment.class`` (``tests.environments:...``): a scripted guessing game, one
-that misbehaves on request, and classes of the wrong shape (the contract: :mod:`runtime.environments`)."""
+that misbehaves on request, classes of the wrong shape, and TextArena's Tic Tac Toe with a scripted opponent (the contract:
+:mod:`runtime.environments`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import random
 import re
 import sys
 import time
+
+from rlhf_envs.textarena import TextArena
 
 NUMBER = re.compile(r"-?\d+")
 
@@ -93,3 +96,15 @@ class StepWithoutAction(Guess):
 
 class SaysMaybe(Guess):
     deterministic = "maybe"
+
+
+class TicTacToe(TextArena):
+    """TextArena's Tic Tac Toe (two players, the model player 0 unless the row says otherwise) against an opponent
+    that takes the first free cell of the last board it was sent."""
+
+    env_id = "TicTacToe-v0"
+    num_players = 2
+
+    def opponent(self, player: int, observation: str) -> str:
+        *_, moves = observation.rpartition("Available Moves:")
+        return re.findall(r"\[\d\]", moves)[0]

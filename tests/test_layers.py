@@ -2,7 +2,8 @@
 
     flows -> campaign -> tasks -> runtime -> storage -> rlhf_core
 
-``demo`` (the embedded world) reads the core only; ``engine_server`` (the generation engine's server, run in an
+``demo`` (the embedded world) reads the core only; ``rlhf_envs`` (the ecosystems' adapters, user code the config names)
+imports nothing of the project; ``engine_server`` (the generation engine's server, run in an
 environment of its own) imports nothing of the project. ``campaign`` (the campaign model) imports neither Prefect nor
 torch (``test_the_campaign_model_imports_neither_prefect_nor_torch``). MLflow sits behind one adapter,
 ``storage/mlflow_store.py``, the only module of the project that imports it
@@ -30,6 +31,7 @@ MAY_IMPORT = {
     "campaign": {"campaign", "tasks", "runtime", "storage", "rlhf_core", "demo"},
     "flows": {"flows", "campaign", "tasks", "runtime", "storage", "rlhf_core", "demo"},
     "engine_server": {"engine_server"},
+    "rlhf_envs": {"rlhf_envs"},
 }
 FIRST_PARTY = set(MAY_IMPORT)
 WRAPPED = {"mlflow": "storage/mlflow_store.py"}
