@@ -1,4 +1,5 @@
-"""The task of ``configs/smollm2.yaml``: answer in exactly one word, a verifiable instruction (IFEval's kind).
+"""The task of ``configs/smollm2.yaml``: answer in exactly one word, a verifiable instruction (IFEval's kind); and
+the same task as a multi-turn episode with feedback, ``configs/smollm2-episodes.yaml`` (:class:`OneWord`).
 
 Prompts are chat messages such as ``Name a fruit. Answer with one word only.``: a question about a category
 of things and an instruction to answer in one word. Training and held-out prompts ask about disjoint
@@ -36,6 +37,29 @@ def exactly_one_word(prompt: object, response: str, **_: object) -> float:
     """1 for an answer of exactly one word, else 0: the sparse binary task of issue 43 (a rubric the initial policy
     passes on fewer than one answer in ten; bench/real_loop.py ``decisive`` measures its base rate)."""
     return 1.0 if len(WORD.findall(response)) == 1 else 0.0
+
+
+FEEDBACK = "Answer in one word."
+"""What the one-word episode says after a turn that was not one word (:class:`OneWord`)."""
+
+
+class OneWord:
+    """The one-word task as an episode with feedback (configs/smollm2-episodes.yaml, issue 44): the prompt's question;
+    a reply of exactly one word scores 1.0 and ends the episode; any other scores ``one_word(reply) - 1`` (-0.5 for
+    two words, -1.0 for none) and is answered :data:`FEEDBACK`, up to the config's ``environment.max_turns`` (3).
+
+    The episode's reward, the sum, ranks the outcomes: one word at once 1.0; after one failed turn of n words 1/n;
+    after two, at most 0; never, at most -1.5. A failed turn's reward is graded like ``one_word``'s, so a shorter
+    failure still beats a longer one: the initial policy passes the exact rubric at turn 1 on fewer than one answer
+    in ten (``exactly_one_word``), and a group of failures with equal rewards would teach nothing."""
+
+    def reset(self, *, seed: int, row: dict) -> str:
+        return row["messages"][-1]["content"] if row.get("messages") else row["prompt"]
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        if exactly_one_word(None, action) == 1.0:
+            return None, 1.0, True
+        return FEEDBACK, one_word(None, action) - 1.0, False
 
 
 QUESTIONS = (

@@ -26,6 +26,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
         "tiny.yaml",
         "smollm2.yaml",
         "smollm2-rm.yaml",
+        "smollm2-episodes.yaml",
     ],
 )
 def test_shipped_configs_load(name):
