@@ -6,6 +6,8 @@
 ``.venv/bin/python -m bench.real_loop lora``    (a PPO update of actor and critic: LoRA against full fine-tuning)
 ``.venv/bin/python -m bench.real_loop loop``    (the curve: ``rlhf run --config configs/smollm2-rm.yaml``)
 ``.venv/bin/python -m bench.real_loop choices`` (the tables of ``pairs``, ``critic`` and ``lora``, from their files)
+``.venv/bin/python -m bench.real_loop episodes`` (issue 44: ``rlhf run --config configs/smollm2-episodes.yaml``, the
+one-word task as episodes with feedback; success at turn 1, recovery at turn 2 and final success per iteration)
 ``.venv/bin/python -m bench.real_loop decisive`` (issue 43: on a sparse binary task, more candidates for the prompts
 whose candidates all tied, or fresh prompts: which finds more decisive pairs per sampled token)
 
@@ -27,6 +29,13 @@ update), with the models in memory: each answers one question in minutes where t
   MLflow store per iteration (the reward model's held-out accuracy, its score and the rubric's of the policy and of
   the initial policy on held-out prompts, the KL to the reference, the critic's explained variance, the reward's
   length correlation, the share of decisive pairs, seconds per stage) and the over-optimisation figure it logged.
+
+* ``episodes``: the flow, ``rlhf run --config configs/smollm2-episodes.yaml`` on a fresh run root; per iteration, its
+  rollout's episodes (training prompts, the policy that sampled them) read from the ``turns`` table, and held-out
+  episodes played again here (:func:`tasks.episodes.play_episodes`, the campaign's environment, one episode for each
+  of :data:`HELD_OUT_EPISODES` held-out prompts, one seed) by each iteration's updated policy and by the initial
+  policy: success at turn 1, recovery at turn 2 (of the episodes whose first turn failed, the share whose second
+  succeeded), final success, turns per episode and the episode reward.
 
 Every part writes ``bench/.scratch/real-loop-PART.json`` with the machine's load at its start and end: the machine
 is shared, so its wall seconds are the load's as much as the code's.
@@ -550,6 +559,151 @@ def loop_part(
     return result
 
 
+EPISODES_CONFIG = REPO / "configs" / "smollm2-episodes.yaml"
+EPISODES_CAMPAIGN = "smollm2-one-word-episodes"
+HELD_OUT_EPISODES = 32
+"""Held-out prompts whose episodes each policy plays in ``episodes`` (the config's ``sizes.eval_prompts``)."""
+
+
+def success_by_turn(episodes: list[tuple[list[float], str]]) -> dict[str, float]:
+    """Per episode ``(turn rewards, stop reason)`` of the one-word environment (a turn succeeded when it scored 1.0,
+    ``smollm2_task.OneWord``): the share that succeeded at turn 1; of those whose first turn failed, the share whose
+    second succeeded (recovery); the share that ended in a success (final); turns per episode; the mean reward."""
+    first = [rewards[:1] == [1.0] for rewards, _ in episodes]
+    failed_first = [rewards for rewards, _ in episodes if rewards[:1] != [1.0] and rewards]
+    recovered = [rewards[1:2] == [1.0] for rewards in failed_first]
+    return {
+        "turn_1": sum(first) / len(episodes),
+        "recovery_2": sum(recovered) / len(recovered) if recovered else float("nan"),
+        "final": sum(reason == "done" for _, reason in episodes) / len(episodes),
+        "turns": sum(len(rewards) for rewards, _ in episodes) / len(episodes),
+        "reward": sum(sum(rewards) for rewards, _ in episodes) / len(episodes),
+    }
+
+
+def rollout_episodes(output: Path) -> list[tuple[list[float], str]]:
+    """Each episode of a rollout output: its model turns' rewards and its stop reason, from its ``turns`` table."""
+    from storage.shards import read_table
+
+    episodes: dict[int, tuple[list[float], list[str]]] = {}
+    for turn in read_table(output, "turns").to_pylist():
+        rewards, reasons = episodes.setdefault(turn["row"], ([], []))
+        if turn["role"] == "assistant":
+            rewards.append(turn["turn_reward"])
+        if turn["stop_reason"] is not None:
+            reasons.append(turn["stop_reason"])
+    return [(rewards, reasons[-1]) for rewards, reasons in episodes.values()]
+
+
+def held_out_episodes(folder: Path, actor_folder: Path, tokenizer, prompts, config) -> list[tuple[list[float], str]]:
+    """One episode for each of ``prompts`` played by the actor in ``actor_folder`` (the base model's folder, or an
+    update's adapters on it), with the campaign's environment and turn limits, from one seed."""
+    import torch
+
+    from rlhf_core.loading import ModelLoader
+    from runtime.environments import EnvironmentRunner
+    from runtime.references import EnvironmentReference
+    from tasks.episodes import play_episodes
+
+    actor = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": folder}).load(
+        "actor", actor_folder
+    )
+    environment = config.environment
+    with EnvironmentRunner(
+        EnvironmentReference.of(environment.class_), step_timeout_s=environment.step_timeout_s
+    ) as runner:
+        with torch.no_grad():
+            played = play_episodes(
+                runner, actor, tokenizer, [(index, 0, prompt) for index, prompt in enumerate(prompts)],
+                seed=config.seed, iteration=0, sampling=config.sampling, max_turns=environment.max_turns,
+                max_tokens_per_turn=environment.max_tokens_per_turn, generator=torch.Generator().manual_seed(0),
+            )  # fmt: skip
+    return [(episode.turn_rewards, episode.stop_reason) for episode in played]
+
+
+def episodes_part(out: Path, *, iterations: int | None, read_back: Path | None, settings: list[str]) -> dict:
+    from campaign.config import load_config
+    from storage.layout import RunLayout
+
+    run_root = read_back or SCRATCH / "real-loop-episodes"
+    started_load, wall = load(), None
+    folder, tokenizer, _, held_out = _setup()
+    overrides = [f"model.policy={folder}", f"run_root={run_root}", *settings]
+    if iterations is not None:
+        overrides.append(f"iterations={iterations}")
+    if read_back is None:
+        shutil.rmtree(run_root, ignore_errors=True)
+        command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(EPISODES_CONFIG)]
+        command += [part for override in overrides for part in ("--set", override)]
+        print(" ".join(command), flush=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "configs"), str(REPO)])}
+        tick = time.perf_counter()
+        subprocess.run(command, cwd=REPO, env=env, check=True)
+        wall = time.perf_counter() - tick
+    config = load_config(EPISODES_CONFIG, overrides)
+    layout = RunLayout(root=run_root / EPISODES_CAMPAIGN)
+
+    def in_order(stage: str) -> list[Path]:  # one output per iteration of a fresh campaign, in the order written
+        return sorted(layout.stage_outputs(stage), key=lambda path: (path / "_manifest.json").stat().st_mtime)
+
+    prompts = held_out[:HELD_OUT_EPISODES]
+    tick = time.perf_counter()
+    initial = success_by_turn(held_out_episodes(folder, folder, tokenizer, prompts, config))
+    print("initial policy, held out:", json.dumps(initial), flush=True)
+    rows = []
+    for iteration, (rollout, update) in enumerate(zip(in_order("rollout"), in_order("ppo_update"), strict=False)):
+        row = {
+            "iteration": iteration,
+            "rollout": success_by_turn(rollout_episodes(rollout)),
+            "held_out": success_by_turn(held_out_episodes(folder, update / "actor", tokenizer, prompts, config)),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    result = {
+        "machine": machine(),
+        "load_average_start": started_load,
+        "load_average_end": load(),
+        "command_wall_seconds": wall,
+        "held_out_seconds": time.perf_counter() - tick,
+        "run_root": str(run_root),
+        "settings": settings,
+        "initial": initial,
+        "iterations": rows,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print(episodes_section(result), flush=True)
+    return result
+
+
+def episodes_section(result: dict) -> str:
+    """The episodes' curve as a table of bench/RESULTS.md: per iteration, the held-out figures of the updated policy
+    against the initial policy's, and the figures of the iteration's own rollout (training prompts)."""
+    facts, initial = result["machine"], result["initial"]
+    settings = " ".join(f"--set {setting}" for setting in result["settings"])
+
+    def figures(row: dict, against: dict | None = None) -> str:
+        cells = []
+        for name in ("turn_1", "recovery_2", "final"):
+            cell = _figure(row[name], ".2f")
+            cells.append(cell + (f" ({_figure(against[name], '.2f')})" if against else ""))
+        return " | ".join([*cells, _figure(row["turns"], ".2f"), _figure(row["reward"], ".2f")])
+
+    lines = [
+        f"`.venv/bin/python -m bench.real_loop episodes {settings}`".replace(" `", "`") + f", commit "
+        f"{facts['commit']}; load average {result['load_average_start']} at the start, {result['load_average_end']} "
+        f"at the end; command {_figure(result['command_wall_seconds'], '.0f')} s, held-out episodes "
+        f"{result['held_out_seconds']:.0f} s. Held out: {HELD_OUT_EPISODES} episodes, one per held-out prompt, the "
+        "initial policy's figure in brackets; rollout: the iteration's own 32 training episodes.",
+        "",
+        "| iteration | held-out turn-1 success | recovery at turn 2 | final success | turns | reward | "
+        "rollout turn-1 success | recovery at turn 2 | final success | turns | reward |",
+        "| --- " * 11 + "|",
+    ]
+    for row in result["iterations"]:
+        lines.append(f"| {row['iteration']} | {figures(row['held_out'], initial)} | {figures(row['rollout'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def _figure(value: float | None, form: str) -> str:
     return "" if value is None else format(value, form)
 
@@ -641,13 +795,18 @@ def choices_section(pairs: dict | None, critic: dict | None, lora: dict | None) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "part", choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices", "decisive"]
+        "part",
+        choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices", "decisive", "episodes"],
     )
     parser.add_argument("--prompts", type=int, default=96, help="pairs-file: training prompts, 4 candidates each")
     parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
-    parser.add_argument("--iterations", type=int, help="loop: override the config's iterations")
-    parser.add_argument("--read-back", type=Path, help="loop: read the run root of a stopped run instead of running")
-    parser.add_argument("--set", action="append", default=[], help="loop: a config override (KEY=VALUE), repeatable")
+    parser.add_argument("--iterations", type=int, help="loop, episodes: override the config's iterations")
+    parser.add_argument(
+        "--read-back", type=Path, help="loop, episodes: read the run root of a stopped run instead of running"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], help="loop, episodes: a config override (KEY=VALUE), repeatable"
+    )
     parser.add_argument(
         "--run-root", type=Path, help="loop: the (fresh) run root (default bench/.scratch/real-loop-curve)"
     )
@@ -663,6 +822,8 @@ def main() -> None:
         pairs_file_part(args.prompts)
     elif args.part == "decisive":
         decisive_part(out)
+    elif args.part == "episodes":
+        episodes_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set)
     elif args.part == "critic":
         critic_part(out)
     elif args.part == "lora":

@@ -18,12 +18,14 @@ from rlhf_envs.textarena import TextArena  # noqa: E402
 from runtime.environments import DONE, EnvironmentReply, EnvironmentRunner  # noqa: E402
 from runtime.references import EnvironmentReference  # noqa: E402
 
-GUESS = {"prompt": "", "env_id": "GuessTheNumber-v0"}
+GUESS = {"prompt": "", "env_id": "GuessTheNumber-v0", "num_players": 1}
 
 
 @pytest.fixture(scope="module")
 def runner():
-    with EnvironmentRunner(EnvironmentReference.of("rlhf_envs.textarena:TextArena"), step_timeout_s=20) as one:
+    """A runner of Tic Tac Toe against a scripted opponent (tests/environments.py), whose rows may name another game:
+    one process, TextArena imported once."""
+    with EnvironmentRunner(EnvironmentReference.of("tests.environments:TicTacToe"), step_timeout_s=20) as one:
         yield one
 
 
@@ -57,28 +59,26 @@ def test_an_episode_depends_on_its_seed_and_actions_alone_and_leaves_the_process
     assert play(0) == play(0)
 
 
-def test_the_model_plays_one_player_and_the_opponent_the_other_until_the_game_ends():
-    with EnvironmentRunner(EnvironmentReference.of("tests.environments:TicTacToe"), step_timeout_s=20) as runner:
-        # The model is player 0 (O); the opponent (X) takes the first free cell. O: 4, X: 0, O: 3, X: 1, O: 5 wins.
-        first = runner.reset("win", seed=0, row={"prompt": ""})
-        assert first.observation.startswith("[GAME] You are Player 0 in Tic Tac Toe.")
-        second = runner.step("win", "[4]")
-        assert "[Player 1] [0]" in second.observation and "[Player 0]" not in second.observation
-        assert [runner.step("win", move) for move in ("[3]", "[5]")][-1] == EnvironmentReply(None, 1.0, True, DONE)
-        # As player 1 (X) the opponent opens: O: 0, X: 4, O: 1, X: 8, O: 2 wins; a loss is -1.
-        opened = runner.reset("lose", seed=0, row={"prompt": "", "player": 1})
-        assert "[Player 0] [0]" in opened.observation
-        assert [runner.step("lose", move) for move in ("[4]", "[8]")][-1] == EnvironmentReply(None, -1.0, True, DONE)
+def test_the_model_plays_one_player_and_the_opponent_the_other_until_the_game_ends(runner):
+    # The model is player 0 (O); the opponent (X) takes the first free cell. O: 4, X: 0, O: 3, X: 1, O: 5 wins.
+    first = runner.reset("win", seed=0, row={"prompt": ""})
+    assert first.observation.startswith("[GAME] You are Player 0 in Tic Tac Toe.")
+    second = runner.step("win", "[4]")
+    assert "[Player 1] [0]" in second.observation and "[Player 0]" not in second.observation
+    assert [runner.step("win", move) for move in ("[3]", "[5]")][-1] == EnvironmentReply(None, 1.0, True, DONE)
+    # As player 1 (X) the opponent opens: O: 0, X: 4, O: 1, X: 8, O: 2 wins; a loss is -1.
+    opened = runner.reset("lose", seed=0, row={"prompt": "", "player": 1})
+    assert "[Player 0] [0]" in opened.observation
+    assert [runner.step("lose", move) for move in ("[4]", "[8]")][-1] == EnvironmentReply(None, -1.0, True, DONE)
 
 
-def test_a_game_of_more_players_than_the_class_plays_or_no_game_ends_its_episode_with_the_reason(runner):
-    unplayed = runner.reset("two", seed=0, row={"prompt": "", "env_id": "TicTacToe-v0", "num_players": 2})
-    assert unplayed == EnvironmentReply(
-        None,
-        0.0,
-        True,
-        "error: NotImplementedError: TicTacToe-v0 is played by 2 players and TextArena has no opponent: define "
-        "`opponent(self, player, observation) -> str` in a subclass (docs/environments.md)",
+def test_a_game_of_more_players_than_the_class_plays_or_no_game_is_refused_at_the_reset():
+    """In the runner's process either is an episode ended at its reset with this error as its stop reason."""
+    with pytest.raises(NotImplementedError) as unplayed:
+        TextArena().reset(seed=0, row={"prompt": "", "env_id": "TicTacToe-v0", "num_players": 2})
+    assert str(unplayed.value) == (
+        "TicTacToe-v0 is played by 2 players and TextArena has no opponent: define "
+        "`opponent(self, player, observation) -> str` in a subclass (docs/environments.md)"
     )
-    nothing = runner.reset("none", seed=0, row={"prompt": ""})
-    assert nothing.stop_reason.startswith("error: ValueError: no TextArena game to play: the prompt's row has no")
+    with pytest.raises(ValueError, match="no TextArena game to play: the prompt's row has no `env_id` column"):
+        TextArena().reset(seed=0, row={"prompt": ""})
