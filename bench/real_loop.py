@@ -578,6 +578,7 @@ def success_by_turn(episodes: list[tuple[list[float], str]]) -> dict[str, float]
         "final": sum(reason == "done" for _, reason in episodes) / len(episodes),
         "turns": sum(len(rewards) for rewards, _ in episodes) / len(episodes),
         "reward": sum(sum(rewards) for rewards, _ in episodes) / len(episodes),
+        "episodes": len(episodes),
     }
 
 
@@ -692,8 +693,10 @@ def episodes_section(result: dict) -> str:
         f"`.venv/bin/python -m bench.real_loop episodes {settings}`".replace(" `", "`") + f", commit "
         f"{facts['commit']}; load average {result['load_average_start']} at the start, {result['load_average_end']} "
         f"at the end; command {_figure(result['command_wall_seconds'], '.0f')} s, held-out episodes "
-        f"{result['held_out_seconds']:.0f} s. Held out: {HELD_OUT_EPISODES} episodes, one per held-out prompt, the "
-        "initial policy's figure in brackets; rollout: the iteration's own 32 training episodes.",
+        f"{result['held_out_seconds']:.0f} s. Held out: {HELD_OUT_EPISODES} episodes, one per held-out prompt, played "
+        "by the policy the iteration's update made, the initial policy's figure in brackets; rollout: the iteration's "
+        f"own {result['iterations'][0]['rollout']['episodes'] if result['iterations'] else 0} training episodes, "
+        "sampled by the policy before its update.",
         "",
         "| iteration | held-out turn-1 success | recovery at turn 2 | final success | turns | reward | "
         "rollout turn-1 success | recovery at turn 2 | final success | turns | reward |",
