@@ -519,24 +519,45 @@ def iteration_rows(run_root: Path) -> list[dict]:
     return rows
 
 
+def _overrides(policy: Path, run_root: Path, iterations: int | None, settings: list[str]) -> list[str]:
+    """The ``--set`` overrides of a bench run of a campaign: the converted model, the run root, the iterations."""
+    overrides = [f"model.policy={policy}", f"run_root={run_root}"]
+    return overrides + ([f"iterations={iterations}"] if iterations is not None else []) + settings
+
+
+def run_campaign(config: Path, run_root: Path, overrides: list[str]) -> float:
+    """``rlhf run --config config`` with ``overrides`` on a fresh ``run_root`` (the task's module beside its config);
+    its wall seconds."""
+    shutil.rmtree(run_root, ignore_errors=True)
+    command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(config)]
+    command += [part for override in overrides for part in ("--set", override)]
+    print(" ".join(command), flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "configs"), str(REPO)])}
+    tick = time.perf_counter()
+    subprocess.run(command, cwd=REPO, env=env, check=True)
+    return time.perf_counter() - tick
+
+
+def _record(started_load: str, wall: float | None, run_root: Path, settings: list[str], **figures: object) -> dict:
+    """What a curve's JSON holds: the machine, its load, the command's seconds, where and how it ran, its figures."""
+    return {
+        "machine": machine(),
+        "load_average_start": started_load,
+        "load_average_end": load(),
+        "command_wall_seconds": wall,
+        "run_root": str(run_root),
+        "settings": settings,
+        **figures,
+    }
+
+
 def loop_part(
     out: Path, *, iterations: int | None, read_back: Path | None, settings: list[str], run_root: Path | None
 ) -> dict:
     run_root = read_back or run_root or SCRATCH / "real-loop-curve"
     started_load, wall = load(), None
     if read_back is None:
-        shutil.rmtree(run_root, ignore_errors=True)
-        overrides = [f"model.policy={ensure_folder()}", f"run_root={run_root}"]
-        if iterations is not None:
-            overrides.append(f"iterations={iterations}")
-        overrides += settings
-        command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(CONFIG)]
-        command += [part for override in overrides for part in ("--set", override)]
-        print(" ".join(command), flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "configs"), str(REPO)])}
-        tick = time.perf_counter()
-        subprocess.run(command, cwd=REPO, env=env, check=True)
-        wall = time.perf_counter() - tick
+        wall = run_campaign(CONFIG, run_root, _overrides(ensure_folder(), run_root, iterations, settings))
     rows = iteration_rows(run_root)
     figure = None
     if rows:
@@ -544,16 +565,7 @@ def loop_part(
 
         client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
         figure = client.download_artifacts(rows[-1]["run_id"], "overoptimisation.png", str(SCRATCH))
-    result = {
-        "machine": machine(),
-        "load_average_start": started_load,
-        "load_average_end": load(),
-        "command_wall_seconds": wall,
-        "run_root": str(run_root),
-        "settings": settings,
-        "figure": figure,
-        "iterations": rows,
-    }
+    result = _record(started_load, wall, run_root, settings, figure=figure, iterations=rows)
     out.write_text(json.dumps(result, indent=2))
     print(loop_section(result), flush=True)
     return result
@@ -629,18 +641,9 @@ def episodes_part(out: Path, *, iterations: int | None, read_back: Path | None, 
     run_root = read_back or SCRATCH / "real-loop-episodes"
     started_load, wall = load(), None
     folder, tokenizer, _, held_out = _setup()
-    overrides = [f"model.policy={folder}", f"run_root={run_root}", *settings]
-    if iterations is not None:
-        overrides.append(f"iterations={iterations}")
+    overrides = _overrides(folder, run_root, iterations, settings)
     if read_back is None:
-        shutil.rmtree(run_root, ignore_errors=True)
-        command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(EPISODES_CONFIG)]
-        command += [part for override in overrides for part in ("--set", override)]
-        print(" ".join(command), flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "configs"), str(REPO)])}
-        tick = time.perf_counter()
-        subprocess.run(command, cwd=REPO, env=env, check=True)
-        wall = time.perf_counter() - tick
+        wall = run_campaign(EPISODES_CONFIG, run_root, overrides)
     config = load_config(EPISODES_CONFIG, overrides)
     layout = RunLayout(root=run_root / EPISODES_CAMPAIGN)
 
@@ -660,17 +663,10 @@ def episodes_part(out: Path, *, iterations: int | None, read_back: Path | None, 
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
-    result = {
-        "machine": machine(),
-        "load_average_start": started_load,
-        "load_average_end": load(),
-        "command_wall_seconds": wall,
-        "held_out_seconds": time.perf_counter() - tick,
-        "run_root": str(run_root),
-        "settings": settings,
-        "initial": initial,
-        "iterations": rows,
-    }
+    held_out_seconds = time.perf_counter() - tick
+    result = _record(
+        started_load, wall, run_root, settings, held_out_seconds=held_out_seconds, initial=initial, iterations=rows
+    )
     out.write_text(json.dumps(result, indent=2))
     print(episodes_section(result), flush=True)
     return result
