@@ -69,7 +69,7 @@ class TextArena:
         self.players = int(row.get("num_players", self.num_players))
         self.me = int(row.get("player", self.player))
         if self.players > 1 and type(self).opponent is TextArena.opponent:
-            self.opponent(1 - self.me, "")  # raises: no opponent (choice 4), before the game starts
+            self.opponent((self.me + 1) % self.players, "")  # raises: no opponent (choice 4), before the game starts
         self._random = random.Random(seed).getstate()
         with self._own_random():
             self.game = textarena.make(self.game_id)

@@ -82,3 +82,39 @@ def test_a_game_of_more_players_than_the_class_plays_or_no_game_is_refused_at_th
     )
     with pytest.raises(ValueError, match="no TextArena game to play: the prompt's row has no `env_id` column"):
         TextArena().reset(seed=0, row={"prompt": ""})
+
+
+def test_a_tiny_chat_policy_plays_the_game_token_in_token_out_the_games_messages_as_template_deltas(runner):
+    """The rollout's own episode loop (tasks.episodes.play_episodes) on a tiny random ChatML policy: the game opens
+    the conversation; after each model turn only the game's new message is appended, as the template's delta."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.config import SamplingConfig
+    from tasks.episodes import ASSISTANT, USER, play_episodes
+    from tasks.text import Prompt
+    from tests.conftest import byte_level_bpe, tiny_config
+
+    tokenizer = byte_level_bpe(vocab_size=300)
+    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config).eval()
+    prompts = [(index, 0, Prompt("", (), GUESS)) for index in range(2)]
+    with torch.no_grad():
+        episodes = play_episodes(
+            runner, policy, tokenizer, prompts, seed=0, iteration=0, sampling=SamplingConfig(batch_size=2),
+            max_turns=2, max_tokens_per_turn=4, generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+    for episode in episodes:
+        assert episode.messages[0]["content"].startswith("[GAME] You are Player 0. You are playing Guess The Number.")
+        assert [segment["role"] for segment in episode.segments] == [ASSISTANT, USER, ASSISTANT]
+        reply = episode.segments[1]
+        delta = tokenizer.decode(episode.response[reply["token_start"] : reply["token_stop"]])
+        assert delta.endswith(f"<|im_start|>user\n{episode.messages[2]['content']}<|im_end|>\n<|im_start|>assistant\n")
+        assert episode.messages[2]["content"].startswith("[GAME] ") and "You are Player 0" not in delta
+        # A random model names no number: an invalid move, told so; TextArena allows one, so the second ends the game
+        # (done) with its end reward, 0.0 for a game with no valid guess.
+        assert episode.messages[2]["content"].startswith("[GAME] You attempted an invalid move.")
+        assert episode.stop_reason == "done" and episode.turn_rewards == [0.0, 0.0]
