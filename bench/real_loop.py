@@ -679,11 +679,10 @@ def episodes_section(result: dict) -> str:
     settings = " ".join(f"--set {setting}" for setting in result["settings"])
 
     def figures(row: dict, against: dict | None = None) -> str:
-        cells = []
-        for name in ("turn_1", "recovery_2", "final"):
-            cell = _figure(row[name], ".2f")
-            cells.append(cell + (f" ({_figure(against[name], '.2f')})" if against else ""))
-        return " | ".join([*cells, _figure(row["turns"], ".2f"), _figure(row["reward"], ".2f")])
+        return " | ".join(
+            _figure(row[name], ".2f") + (f" ({_figure(against[name], '.2f')})" if against else "")
+            for name in ("turn_1", "recovery_2", "final", "turns", "reward")
+        )
 
     lines = [
         f"`.venv/bin/python -m bench.real_loop episodes {settings}`".replace(" `", "`") + f", commit "
