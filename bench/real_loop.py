@@ -30,12 +30,11 @@ update), with the models in memory: each answers one question in minutes where t
   the initial policy on held-out prompts, the KL to the reference, the critic's explained variance, the reward's
   length correlation, the share of decisive pairs, seconds per stage) and the over-optimisation figure it logged.
 
-* ``episodes``: the flow, ``rlhf run --config configs/smollm2-episodes.yaml`` on a fresh run root; per iteration, its
-  rollout's episodes (training prompts, the policy that sampled them) read from the ``turns`` table, and held-out
-  episodes played again here (:func:`tasks.episodes.play_episodes`, the campaign's environment, one episode for each
-  of :data:`HELD_OUT_EPISODES` held-out prompts, one seed) by each iteration's updated policy and by the initial
-  policy: success at turn 1, recovery at turn 2 (of the episodes whose first turn failed, the share whose second
-  succeeded), final success, turns per episode and the episode reward.
+* ``episodes``: the flow, ``rlhf run --config configs/smollm2-episodes.yaml`` on a fresh run root; per iteration, the
+  campaign's own evaluation on held-out episodes (MLflow) of the updated policy against the initial policy, and its
+  rollout's episodes (training prompts, the policy that sampled them) from the ``turns`` table, measured alike
+  (:func:`tasks.episode_evaluation.side_metrics`): success by turn 1, 2 and 3 (final), recovery (a failed first
+  turn that succeeded later), turns per episode and the episode reward.
 
 Every part writes ``bench/.scratch/real-loop-PART.json`` with the machine's load at its start and end: the machine
 is shared, so its wall seconds are the load's as much as the code's.
@@ -485,17 +484,10 @@ def lora_part(out: Path) -> dict:
 
 def iteration_rows(run_root: Path) -> list[dict]:
     """Per finished iteration of the campaign: the curve's figures and each stage's seconds, from MLflow."""
-    from mlflow import MlflowClient
+    from storage.tracking import TAG_ITERATION
 
-    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
-
-    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name(CAMPAIGN)
-    finished = f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'"
     rows = []
-    for run in sorted(
-        client.search_runs([experiment.experiment_id], finished), key=lambda r: int(r.data.tags[TAG_ITERATION])
-    ):
+    for run in finished_iterations(run_root, CAMPAIGN):
         metrics = run.data.metrics
         named = {
             "rm_accuracy": "train_reward_model/eval_accuracy",
@@ -573,30 +565,28 @@ def loop_part(
 
 EPISODES_CONFIG = REPO / "configs" / "smollm2-episodes.yaml"
 EPISODES_CAMPAIGN = "smollm2-one-word-episodes"
-HELD_OUT_EPISODES = 32
-"""Held-out prompts whose episodes each policy plays in ``episodes`` (the config's ``sizes.eval_prompts``)."""
+EPISODE_FIGURES = ("success_by_turn_1", "success_by_turn_2", "success", "recovery", "turns_mean", "reward_mean")
+"""The figures of a side of episodes (:func:`tasks.episode_evaluation.side_metrics`) the curve shows."""
 
 
-def success_by_turn(episodes: list[tuple[list[float], str]]) -> dict[str, float]:
-    """Per episode ``(turn rewards, stop reason)`` of the one-word environment (a turn succeeded when it scored 1.0,
-    ``smollm2_task.OneWord``): the share that succeeded at turn 1; of those whose first turn failed, the share whose
-    second succeeded (recovery); the share that ended in a success (final); turns per episode; the mean reward."""
-    first = [rewards[:1] == [1.0] for rewards, _ in episodes]
-    failed_first = [rewards for rewards, _ in episodes if rewards[:1] != [1.0] and rewards]
-    recovered = [rewards[1:2] == [1.0] for rewards in failed_first]
-    return {
-        "turn_1": sum(first) / len(episodes),
-        "recovery_2": sum(recovered) / len(recovered) if recovered else float("nan"),
-        "final": sum(reason == "done" for _, reason in episodes) / len(episodes),
-        "turns": sum(len(rewards) for rewards, _ in episodes) / len(episodes),
-        "reward": sum(sum(rewards) for rewards, _ in episodes) / len(episodes),
-        "episodes": len(episodes),
-    }
+def finished_iterations(run_root: Path, campaign: str) -> list:
+    """The finished iteration runs of ``campaign`` in MLflow, in order."""
+    from mlflow import MlflowClient
+
+    from storage.tracking import KIND_ITERATION, TAG_ITERATION, TAG_KIND
+
+    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(campaign)
+    finished = f"tags.`{TAG_KIND}` = '{KIND_ITERATION}' and attributes.status = 'FINISHED'"
+    runs = client.search_runs([experiment.experiment_id], finished)
+    return sorted(runs, key=lambda run: int(run.data.tags[TAG_ITERATION]))
 
 
-def rollout_episodes(output: Path) -> list[tuple[list[float], str]]:
-    """Each episode of a rollout output: its model turns' rewards and its stop reason, from its ``turns`` table."""
+def rollout_figures(output: Path, *, max_turns: int) -> dict[str, float]:
+    """A rollout's episodes (training prompts, the policy before the update) measured as evaluation measures a side
+    (:func:`tasks.episode_evaluation.side_metrics`), from its ``turns`` table."""
     from storage.shards import read_table
+    from tasks.episode_evaluation import side_metrics
 
     episodes: dict[int, tuple[list[float], list[str]]] = {}
     for turn in read_table(output, "turns").to_pylist():
@@ -605,100 +595,73 @@ def rollout_episodes(output: Path) -> list[tuple[list[float], str]]:
             rewards.append(turn["turn_reward"])
         if turn["stop_reason"] is not None:
             reasons.append(turn["stop_reason"])
-    return [(rewards, reasons[-1]) for rewards, reasons in episodes.values()]
-
-
-def held_out_episodes(folder: Path, actor_folder: Path, tokenizer, prompts, config) -> list[tuple[list[float], str]]:
-    """One episode for each of ``prompts`` played by the actor in ``actor_folder`` (the base model's folder, or an
-    update's adapters on it), with the campaign's environment and turn limits, from one seed."""
-    import torch
-
-    from rlhf_core.loading import ModelLoader
-    from runtime.environments import EnvironmentRunner
-    from runtime.references import EnvironmentReference
-    from tasks.episodes import play_episodes
-
-    actor = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": folder}).load(
-        "actor", actor_folder
-    )
-    environment = config.environment
-    with EnvironmentRunner(
-        EnvironmentReference.of(environment.class_), step_timeout_s=environment.step_timeout_s
-    ) as runner:
-        with torch.no_grad():
-            played = play_episodes(
-                runner, actor, tokenizer, [(index, 0, prompt) for index, prompt in enumerate(prompts)],
-                seed=config.seed, iteration=0, sampling=config.sampling, max_turns=environment.max_turns,
-                max_tokens_per_turn=environment.max_tokens_per_turn, generator=torch.Generator().manual_seed(0),
-            )  # fmt: skip
-    return [(episode.turn_rewards, episode.stop_reason) for episode in played]
+    rewards, reasons = zip(*((r, s[-1]) for r, s in episodes.values()), strict=True)
+    return side_metrics(list(rewards), list(reasons), max_turns=max_turns) | {"episodes": len(rewards)}
 
 
 def episodes_part(out: Path, *, iterations: int | None, read_back: Path | None, settings: list[str]) -> dict:
-    from campaign.config import load_config
+    """``rlhf run --config configs/smollm2-episodes.yaml``; per iteration, the campaign's own evaluation of the
+    updated policy and of the initial policy on held-out episodes (MLflow, ``evaluate/...``), and the figures of the
+    iteration's rollout."""
     from storage.layout import RunLayout
+    from storage.tracking import TAG_ITERATION
 
     run_root = read_back or SCRATCH / "real-loop-episodes"
     started_load, wall = load(), None
-    folder, tokenizer, _, held_out = _setup()
-    overrides = _overrides(folder, run_root, iterations, settings)
     if read_back is None:
-        wall = run_campaign(EPISODES_CONFIG, run_root, overrides)
-    config = load_config(EPISODES_CONFIG, overrides)
+        wall = run_campaign(EPISODES_CONFIG, run_root, _overrides(ensure_folder(), run_root, iterations, settings))
     layout = RunLayout(root=run_root / EPISODES_CAMPAIGN)
-
-    def in_order(stage: str) -> list[Path]:  # one output per iteration of a fresh campaign, in the order written
-        return sorted(layout.stage_outputs(stage), key=lambda path: (path / "_manifest.json").stat().st_mtime)
-
-    prompts = held_out[:HELD_OUT_EPISODES]
-    tick = time.perf_counter()
-    initial = success_by_turn(held_out_episodes(folder, folder, tokenizer, prompts, config))
-    print("initial policy, held out:", json.dumps(initial), flush=True)
+    rollouts = sorted(layout.stage_outputs("rollout"), key=lambda path: (path / "_manifest.json").stat().st_mtime)
     rows = []
-    for iteration, (rollout, update) in enumerate(zip(in_order("rollout"), in_order("ppo_update"), strict=False)):
-        row = {
-            "iteration": iteration,
-            "rollout": success_by_turn(rollout_episodes(rollout)),
-            "held_out": success_by_turn(held_out_episodes(folder, update / "actor", tokenizer, prompts, config)),
-        }
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    held_out_seconds = time.perf_counter() - tick
-    result = _record(
-        started_load, wall, run_root, settings, held_out_seconds=held_out_seconds, initial=initial, iterations=rows
-    )
+    for run, rollout in zip(finished_iterations(run_root, EPISODES_CAMPAIGN), rollouts, strict=False):
+        metrics = run.data.metrics
+        rows.append(
+            {
+                "iteration": int(run.data.tags[TAG_ITERATION]),
+                "held_out": {name: metrics.get(f"evaluate/{name}") for name in EPISODE_FIGURES},
+                "initial": {name: metrics.get(f"evaluate/reference_{name}") for name in EPISODE_FIGURES},
+                "rollout": rollout_figures(rollout, max_turns=3),
+                "seconds": {stage: metrics.get(f"{stage}/seconds") for stage in ("rollout", "ppo_update", "evaluate")},
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    result = _record(started_load, wall, run_root, settings, iterations=rows)
     out.write_text(json.dumps(result, indent=2))
     print(episodes_section(result), flush=True)
     return result
 
 
 def episodes_section(result: dict) -> str:
-    """The episodes' curve as a table of bench/RESULTS.md: per iteration, the held-out figures of the updated policy
-    against the initial policy's, and the figures of the iteration's own rollout (training prompts)."""
-    facts, initial = result["machine"], result["initial"]
+    """The episodes' curve as a table of bench/RESULTS.md: per iteration, the campaign's evaluation of the updated
+    policy on held-out episodes against the initial policy's, and the figures of the iteration's own rollout."""
+    facts = result["machine"]
     settings = " ".join(f"--set {setting}" for setting in result["settings"])
+    names = ("turn 1", "by turn 2", "final", "recovery", "turns", "reward")
 
     def figures(row: dict, against: dict | None = None) -> str:
         return " | ".join(
-            _figure(row[name], ".2f") + (f" ({_figure(against[name], '.2f')})" if against else "")
-            for name in ("turn_1", "recovery_2", "final", "turns", "reward")
+            _figure(row.get(name), ".2f") + (f" ({_figure(against.get(name), '.2f')})" if against else "")
+            for name in EPISODE_FIGURES
         )
 
     lines = [
         f"`.venv/bin/python -m bench.real_loop episodes {settings}`".replace(" `", "`") + f", commit "
         f"{facts['commit']}; load average {result['load_average_start']} at the start, {result['load_average_end']} "
-        f"at the end; command {_figure(result['command_wall_seconds'], '.0f')} s, held-out episodes "
-        f"{result['held_out_seconds']:.0f} s. Held out: {HELD_OUT_EPISODES} episodes, one per held-out prompt, played "
-        "by the policy the iteration's update made, the initial policy's figure in brackets; rollout: the iteration's "
-        f"own {result['iterations'][0]['rollout']['episodes'] if result['iterations'] else 0} training episodes, "
-        "sampled by the policy before its update.",
+        f"at the end; command {_figure(result['command_wall_seconds'], '.0f')} s. Held out: the campaign's evaluation "
+        "(`evaluate/...`) of the policy the iteration's update made, the initial policy's in brackets, on the same "
+        "environment seeds; rollout: the iteration's own training episodes, sampled by the policy before its update. "
+        "Success by turn n: the share of episodes with a one-word reply by turn n; recovery: of the episodes whose "
+        "first turn failed, the share that succeeded later.",
         "",
-        "| iteration | held-out turn-1 success | recovery at turn 2 | final success | turns | reward | "
-        "rollout turn-1 success | recovery at turn 2 | final success | turns | reward |",
-        "| --- " * 11 + "|",
-    ]
+        "| iteration | " + " | ".join(f"held-out {name}" for name in names) + " | "
+        + " | ".join(f"rollout {name}" for name in names) + " | rollout s | update s | evaluate s |",
+        "| --- " * (4 + 2 * len(names)) + "|",
+    ]  # fmt: skip
     for row in result["iterations"]:
-        lines.append(f"| {row['iteration']} | {figures(row['held_out'], initial)} | {figures(row['rollout'])} |")
+        seconds = " | ".join(_figure(row["seconds"][stage], ".0f") for stage in ("rollout", "ppo_update", "evaluate"))
+        lines.append(
+            f"| {row['iteration']} | {figures(row['held_out'], row['initial'])} | {figures(row['rollout'])} | {seconds} |"
+        )
     return "\n".join(lines) + "\n"
 
 
