@@ -73,7 +73,7 @@ def _swaps(root) -> list[dict]:
 
 
 @pytest.mark.parametrize("fault_name", ["previous_weights", "reload_skipped", "swap_fails_midway", "tied_output_stale"])
-def test_issue42_stale_weights_inside_the_bf16_tolerance_are_caught_by_the_relative_rule(
+def test_issue42_stale_weights_inside_the_bf16_tolerance_are_caught_by_their_offset(
     worlds,
     engine,
     campaign,
@@ -102,7 +102,7 @@ def test_issue42_stale_weights_inside_the_bf16_tolerance_are_caught_by_the_relat
     assert _iterations_written(campaign) == before and _finished_stage_runs(campaign, 1) == []
 
 
-def test_issue42_with_no_fault_iteration_1_runs_on_a_bf16_engine_judged_near_its_own_weights(
+def test_issue42_with_no_fault_iteration_1_runs_on_a_bf16_engine_within_the_offset_margin(
     worlds,
     engine,
     campaign,
