@@ -3,7 +3,8 @@
 A seed is a hash of ``(seed, stage, iteration, *more)`` (:func:`stage_seed`): stable across runs, machines and
 Python versions, and independent of what ran before. A stage's generator uses ``(seed, stage, iteration)``; a
 fan-out shard's adds ``shard-N`` (:func:`shard_seed`); a row sampled by the generation engine, which seeds each
-request on its own, adds ``row`` and the row's number in the output (:func:`row_seed`). Every stage's code key covers
+request on its own, adds ``row`` and the row's number in the output (:func:`row_seed`); an episode's turn sampled by
+it, ``turn`` and the turn's number to the episode's seed (:func:`turn_seed`). Every stage's code key covers
 this module, so editing a derivation re-runs what it seeded.
 """
 
@@ -42,5 +43,13 @@ def episode_seed(seed: int, iteration: int, prompt_id: int, sample: int) -> int:
 
     Neither the stage nor the shard is a coordinate: an episode meets the same environment however the rows are
     sharded, and whichever stage of the iteration plays it (two policies' episodes of one prompt's sample S, given the
-    same iteration, compare pairwise). The policy's tokens are seeded apart (:func:`row_seed`)."""
+    same iteration, compare pairwise). The policy's tokens are seeded apart (:func:`turn_seed`)."""
     return stage_seed(seed, "episode", iteration, f"prompt-{prompt_id}", f"sample-{sample}")
+
+
+def turn_seed(episode_seed: int, turn: int) -> int:
+    """The seed of the engine's request for an episode's model turn ``turn`` (0 for the first), from the episode's
+    seed (:func:`episode_seed`): ``(episode_seed, turn, T)``. A turn's tokens depend on the episode, its turn and the
+    ids so far only, not on the episodes sampled beside it nor on the shards, as :func:`row_seed`'s rows; the two sides
+    of an evaluation play a held-out episode from the same seeds, as they draw from the same generator on ``hf``."""
+    return stage_seed(episode_seed, "turn", turn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from runtime.seeds import episode_seed, row_seed, shard_seed, stage_seed
+from runtime.seeds import episode_seed, row_seed, shard_seed, stage_seed, turn_seed
 from runtime.shards import plan_shards
 
 
@@ -36,6 +36,14 @@ def test_an_episodes_seed_is_a_derivation_of_the_campaigns_seed_iteration_prompt
     assert episode_seed(7, 3, 12, 1) == _pinned("7/episode/3/prompt-12/sample-1")
     assert len({episode_seed(7, 3, prompt, sample) for prompt in range(10) for sample in range(10)}) == 100
     assert episode_seed(7, 3, 12, 1) not in {episode_seed(8, 3, 12, 1), episode_seed(7, 4, 12, 1)}
+
+
+def test_an_episodes_turn_on_the_engine_is_seeded_from_the_episodes_seed_and_the_turn():
+    episode = episode_seed(7, 3, 12, 1)
+    assert turn_seed(episode, 0) == _pinned(f"{episode}/turn/0") == 8102357603138485788
+    assert turn_seed(episode, 2) == _pinned(f"{episode}/turn/2")
+    turns = {turn_seed(episode_seed(7, 3, prompt, 0), turn) for prompt in range(10) for turn in range(5)}
+    assert len(turns) == 50 and episode not in turns  # apart from every other turn, and from the environment's seed
 
 
 def test_shards_hold_whole_items_and_seed_their_rows_by_number():
