@@ -507,11 +507,6 @@ class PipelineConfig(_Frozen):
                 f"`environment.class` with `reward.source` {self.reward.source}: a learned or function reward of "
                 "episodes is out of scope in this version; set `reward.source` environment (docs/environments.md)"
             )
-        if self.episodes and self.sampling.engine != "hf":
-            raise ValueError(
-                f"`environment.class` with `sampling.engine` {self.sampling.engine}: episodes are sampled by the hf "
-                "engine only in this version; set `sampling.engine` hf (docs/environments.md)"
-            )
         if self.episodes and self.labeler is not None:
             raise ValueError(
                 f"`labeler` {self.labeler} with `environment.class`: labelling episodes for a reward model is out of "

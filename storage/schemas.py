@@ -178,11 +178,16 @@ EPISODE_EVALUATION = _schema(
     *((f"{side}_{TURN_REWARDS}", TOKEN_FLOATS) for side in ("policy", "reference")),
     *((f"{side}_{STOP_REASON}", pa.string()) for side in ("policy", "reference")),
     (POLICY_KL, pa.float64()),
+    (OLD_LOGPROBS, TOKEN_FLOATS),
+    (ENGINE_LOGPROBS, TOKEN_FLOATS),
+    nullable=(OLD_LOGPROBS, ENGINE_LOGPROBS),
 )
 """One row per held-out episode with an environment: each side's conversation after the environment's first message
 (``prompt``, the policy's; the reference's is played from the same seed), its reward (the sum of its turn rewards),
-the reward of each of its model turns and its stop reason, and the policy's KL to the reference (summed over its model
-tokens). The pieces evaluation's shards write (its output is ``samples.jsonl``)."""
+the reward of each of its model turns and its stop reason, the policy's KL to the reference (summed over its model
+tokens), and, when vLLM sampled, the policy's log-probs of its model tokens by the actor's forward and by the engine
+(null otherwise; :data:`LOGPROB_COLUMNS`). The pieces evaluation's shards write (its output is ``samples.jsonl``,
+without the log-probs)."""
 
 #: The reference's log-probs of each preference pair a DPO update trains on (:mod:`tasks.reference_logprobs`), beside
 #: the pair's tokens in the policy's ids, so the update and every replay of it read them back instead of running the

@@ -15,6 +15,10 @@ Choices:
    ``reference_``. The policy's KL to the reference is summed over its model tokens.
 4. Failures are rows, as in the rollout: an episode whose environment failed is evaluated with the reward it had,
    and a shard of held-out prompts whose every reset failed is evaluated too (the rollout refuses one).
+5. On ``vllm`` both sides play on the engine, behind its probe gate (:func:`tasks.sampler.policy_sampler`: the
+   policy's actor folder, the initial policy's for the reference), each turn seeded by its episode and turn on both
+   sides alike (:func:`runtime.seeds.turn_seed`); the policy's log-probs by the actor's forward and by the engine are
+   kept in the pieces, and their mismatch reported, as single-turn evaluation does.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.evaluation import episode_success, response_kl
+from rlhf_core.generation import ExternalSampler
 from rlhf_core.sequences import sequence_logprobs
 from runtime.environments import DONE, ERROR, TIMEOUT, EnvironmentRunner
 from runtime.job import Job
 from runtime.shards import Shard
 from storage.schemas import (
+    ENGINE_LOGPROBS,
     EPISODE_EVALUATION,
+    LOGPROB_COLUMNS,
+    OLD_LOGPROBS,
     POLICY_KL,
     PROMPT,
     REFERENCE_EPISODES,
@@ -45,6 +53,7 @@ from storage.schemas import (
 from storage.shards import read_table
 from tasks.episodes import MAX_TURNS, Episode, episode_tensors, play_episodes
 from tasks.held_out import SEED_ITERATION
+from tasks.sampler import mismatch_metrics, policy_sampler
 from tasks.settings import EvaluateSettings, SampleReferenceSettings
 from tasks.text import load_tokenizer, read_prompts
 
@@ -56,17 +65,18 @@ STOP_REASONS = (DONE, MAX_TURNS, TIMEOUT, ERROR)
 def play_held_out(
     job: Job[SampleReferenceSettings] | Job[EvaluateSettings],
     runner: EnvironmentRunner,
-    model: PreTrainedModel,
+    sampler: PreTrainedModel | ExternalSampler,
     tokenizer: PreTrainedTokenizerBase,
     shard: Shard,
 ) -> list[Episode]:
-    """One episode of ``model`` from each held-out prompt of ``shard`` (choice 1)."""
+    """One episode from each held-out prompt of ``shard`` (choice 1), sampled by ``sampler``: a side's model, or the
+    engine serving it (choice 5)."""
     settings, models = job.settings, job.models(job.settings.precision)
     held_out = read_prompts(settings.eval_prompts.path)[: settings.prompts]
     with models.autocast():
         return play_episodes(
             runner,
-            model,
+            sampler,
             tokenizer,
             [(index, 0, held_out[index]) for index in range(shard.start, shard.stop)],
             seed=job.context.seed,
@@ -95,9 +105,10 @@ def reference_work(job: Job[SampleReferenceSettings]) -> Iterator[pa.Table]:
     models = job.models(job.settings.precision)
     tokenizer = load_tokenizer(job.context.base.tokenizer.path)
     reference = models.reference()
+    sampler = policy_sampler(models, job.context, job.context.base.policy.path, reference, job.settings.sampling)
     with runner_of(job.settings) as runner:
         for shard in job.shards:
-            episodes = play_held_out(job, runner, reference, tokenizer, shard)
+            episodes = play_held_out(job, runner, sampler, tokenizer, shard)
             rows = {
                 ROW: range(shard.start, shard.stop),
                 PROMPT: [episode.messages[0]["content"] for episode in episodes],
@@ -123,21 +134,26 @@ def evaluate_work(job: Job[EvaluateSettings]) -> Iterator[pa.Table]:
     tokenizer = load_tokenizer(context.base.tokenizer.path)
     actor = models.load("actor", settings.policy.directory / "actor")
     reference = models.reference(actor)
+    sampler = policy_sampler(models, context, settings.policy.directory / "actor", actor, settings.sampling)
     theirs = read_table(settings.reference.directory, TABLE).to_pylist()
+    size = settings.sampling.batch_size
     with runner_of(settings) as runner:
         for shard in job.shards:
-            episodes = play_held_out(job, runner, actor, tokenizer, shard)
-            kl = [
-                value
-                for start in range(0, len(episodes), settings.sampling.batch_size)
-                for value in _kl(
-                    actor, reference, episodes[start : start + settings.sampling.batch_size], tokenizer, job
-                )
+            episodes = play_held_out(job, runner, sampler, tokenizer, shard)
+            scored = [
+                row
+                for start in range(0, len(episodes), size)
+                for row in _kl(actor, reference, episodes[start : start + size], tokenizer, job)
             ]
             rows: dict[str, list] = {name: [] for name in EPISODE_EVALUATION.names}
-            for episode, other, divergence in zip(episodes, theirs[shard.start : shard.stop], kl, strict=True):
+            for episode, other, (divergence, trainer) in zip(
+                episodes, theirs[shard.start : shard.stop], scored, strict=True
+            ):
                 rows[PROMPT].append(episode.messages[0]["content"])
                 rows[POLICY_KL].append(divergence)
+                engine = [value for value, action in zip(episode.logprobs, episode.actions, strict=True) if action]
+                rows[OLD_LOGPROBS].append(None if sampler is actor else trainer)  # choice 5
+                rows[ENGINE_LOGPROBS].append(None if sampler is actor else engine)
                 for side, response, turn_rewards, reason in (
                     ("policy", conversation(episode), episode.turn_rewards, episode.stop_reason),
                     ("reference", other[RESPONSE], other[TURN_REWARDS], other[STOP_REASON]),
@@ -155,8 +171,9 @@ def _kl(
     episodes: Sequence[Episode],
     tokenizer: PreTrainedTokenizerBase,
     job: Job[EvaluateSettings],
-) -> list[float]:
-    """The policy's KL to the reference over each episode's model tokens, the environment's as context."""
+) -> list[tuple[float, list[float]]]:
+    """The policy's KL to the reference over each episode's model tokens, the environment's as context, and the
+    actor's log-prob of each of them."""
     models = job.models(job.settings.precision)
     sequences, attention_mask, actions = episode_tensors(episodes, pad_token_id=tokenizer.pad_token_id)
     sequences, attention_mask = sequences.to(models.device), attention_mask.to(models.device)  # (b, T) each
@@ -168,19 +185,21 @@ def _kl(
             )
             for model in (actor, reference)
         )  # (b, R) each
-    return response_kl(policy, ref, actions.to(models.device)).cpu().tolist()
+    kl = response_kl(policy, ref, actions.to(models.device)).cpu().tolist()
+    trainer = [row[keep].tolist() for row, keep in zip(policy.float().cpu(), actions, strict=True)]
+    return list(zip(kl, trainer, strict=True))
 
 
 def evaluate_gather(job: Job[EvaluateSettings], table: pa.Table) -> dict[str, float]:
     """Write ``samples.jsonl`` (each held-out episode of both sides) and return the evaluation metrics (choice 3)."""
     kl = table.column(POLICY_KL).to_pylist()
-    metrics = {"kl_to_reference": sum(kl) / len(kl)}
+    metrics = {"kl_to_reference": sum(kl) / len(kl), **mismatch_metrics(table)}
     for side, prefix in (("policy", ""), ("reference", "reference_")):
         turn_rewards = table.column(f"{side}_{TURN_REWARDS}").to_pylist()
         reasons = table.column(f"{side}_{STOP_REASON}").to_pylist()
         found = side_metrics(turn_rewards, reasons, max_turns=job.settings.max_turns)
         metrics |= {f"{prefix}{name}": value for name, value in found.items()}
-    records = table.to_pylist()
+    records = table.drop_columns(list(LOGPROB_COLUMNS)).to_pylist()
     (job.out.path / SAMPLES).write_text("".join(json.dumps(record) + "\n" for record in records))
     return metrics
 

@@ -2,8 +2,9 @@
 it is done or the model has had ``environment.max_turns`` turns (docs/environments.md).
 
 Choices:
-1. Token in, token out. Each turn samples from the episode's ids so far (:func:`rlhf_core.generation.generate`, the
-   ``hf`` engine), and the sampled ids are kept as sampled; the model's text is decoded only for the environment.
+1. Token in, token out. Each turn samples from the episode's ids so far (:func:`rlhf_core.generation.generate`, on
+   either engine: the engine is given the ids, never text), and the sampled ids are kept as sampled; the model's text
+   is decoded only for the environment.
    Between two model turns only the chat template's delta is appended (:func:`tasks.sft_text.turn_delta`): the rest
    of the model's turn after its end-of-turn token, the environment's message, the next assistant header. A turn
    cut at ``max_tokens_per_turn`` is closed by the template's end-of-turn token, appended as the environment's (the
@@ -11,8 +12,10 @@ Choices:
    still counts the episodes a full re-render would tokenize otherwise (``retokenization_drift``, a metric only).
 2. The first user message is the environment's (``reset``), rendered as a one-message chat prompt; the prompt row's
    own text and columns are the ``row`` it is given.
-3. The live episodes of a batch sample each turn together, from the shard's generator: the same shard samples the
-   same episodes wherever it runs. Environments are played by one :class:`runtime.environments.EnvironmentRunner`
+3. The live episodes of a batch sample each turn together, from the shard's generator (``hf``: the same shard samples
+   the same episodes wherever it runs), or on ``vllm`` each turn of every live episode in one request to the engine
+   (:class:`tasks.sampler.WholeShards`, behind its probe gate), each row seeded by its episode and turn
+   (:func:`runtime.seeds.turn_seed`), so its tokens depend on no other episode nor on the batching. Environments are played by one :class:`runtime.environments.EnvironmentRunner`
    per shard, out of this process, each reset with :func:`runtime.seeds.episode_seed`.
 4. Failures are rows: an environment that raises or times out ends its episode with its stop reason; the episode is
    kept with the turn rewards it had (the failed call's is 0.0), and its ``action_mask`` is all False, so none of
@@ -39,12 +42,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import SamplingConfig
 from rlhf_core.errors import UserError
 from rlhf_core.experience_maker import episode_experience
-from rlhf_core.generation import generate
+from rlhf_core.generation import ExternalSampler, generate
 from runtime.bars import stage_bar
 from runtime.environments import DONE, EnvironmentReply, EnvironmentRunner
 from runtime.job import Job
 from runtime.references import EnvironmentReference
-from runtime.seeds import episode_seed
+from runtime.seeds import episode_seed, turn_seed
 from storage.experience_io import experience_to_table
 from storage.schemas import (
     DONE as DONE_COLUMN,
@@ -68,7 +71,7 @@ from storage.schemas import (
     TURNS,
     TURNS_TABLE,
 )
-from tasks.sampler import mismatch_metrics
+from tasks.sampler import mismatch_metrics, policy_sampler, sample_rows_ahead
 from tasks.settings import RolloutSettings, critic_folder, critic_score_statistics
 from tasks.sft_text import rendering_drifts, turn_delta
 from tasks.staleness import policy_version
@@ -139,7 +142,7 @@ class Episode:
 
 def play_episodes(
     runner: EnvironmentRunner,
-    actor: PreTrainedModel,
+    sampler: PreTrainedModel | ExternalSampler,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[tuple[int, int, Prompt]],
     *,
@@ -154,6 +157,10 @@ def play_episodes(
     """Play one episode per ``(prompt_id, sample, prompt)``, the live ones sampling together turn by turn.
 
     Args:
+        sampler: the actor (``hf``), or the engine serving it behind its probe gate (``vllm``,
+            :func:`tasks.sampler.policy_sampler`): each turn gets the episode's ids so far and its
+            :func:`runtime.seeds.turn_seed`, and ``max_tokens_per_turn`` tokens (choice 3).
+        generator: the ``hf`` sampler's random stream (the engine seeds each row itself).
         refuse_failed_resets: refuse ``prompts`` whose every reset failed, before any sampling
             (:func:`check_some_episode_ended`: a rollout's); False plays on, every episode a failure (an evaluation's,
             which reports them).
@@ -166,25 +173,27 @@ def play_episodes(
     if refuse_failed_resets:
         check_some_episode_ended(reset, len(episodes), when=" at its reset, before any sampling")
     config = dataclasses.replace(sampling, max_new_tokens=max_tokens_per_turn)
-    device = next(actor.parameters()).device
+    device = next(sampler.parameters()).device if isinstance(sampler, torch.nn.Module) else torch.device("cpu")
     for turn in range(max_turns):
         live = [episode for episode in episodes if episode.stop_reason is None]
+        seeds = [turn_seed(episode.seed, turn) for episode in live]  # the engine's (choice 3)
+        so_far = [episode.prompt + episode.response for episode in live]
+        sample_rows_ahead(sampler, so_far, seeds, config=config, eos_token_id=tokenizer.eos_token_id)
         for start in range(0, len(live), sampling.batch_size):
             batch = live[start : start + sampling.batch_size]
             # 1. The model's turn from the episode's ids so far (token in, token out: choice 1).
             ids, mask = pad_token_lists(
-                [episode.prompt + episode.response for episode in batch],
-                pad_token_id=tokenizer.pad_token_id,
-                side="left",
+                so_far[start : start + sampling.batch_size], pad_token_id=tokenizer.pad_token_id, side="left"
             )  # (b, L) each
             generation = generate(
-                actor,
+                sampler,
                 ids.to(device),
                 mask.to(device),
                 config=config,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
                 generator=generator,
+                seeds=seeds[start : start + sampling.batch_size],
             )
             sampled = generation.sequences[:, ids.shape[1] :].cpu()  # (b, r)
             taken, logprobs = generation.action_mask.cpu(), generation.logprobs.float().cpu()  # (b, r) each
@@ -343,6 +352,7 @@ def work(job: Job[RolloutSettings], chosen: Sequence[tuple[int, Prompt]]) -> Ite
     statistics = critic_score_statistics(policy, settings.critic_start)
     critic = models.load("critic", critic_dir, score_statistics=statistics) if critic_dir.is_dir() else None
     reference = models.reference(actor)
+    sampler = policy_sampler(models, context, policy / "actor", actor, settings.sampling)
     version = policy_version(settings.policy)
     group = settings.samples_per_prompt
     with (
@@ -356,7 +366,7 @@ def work(job: Job[RolloutSettings], chosen: Sequence[tuple[int, Prompt]]) -> Ite
             with models.autocast():
                 episodes = play_episodes(
                     runner,
-                    actor,
+                    sampler,
                     tokenizer,
                     prompts,
                     seed=context.seed,

@@ -93,7 +93,23 @@ def sample_whole_shard(
     G times appearing G times) with their ``seeds``; nothing for the project's own sampler."""
     if isinstance(sampler, WholeShards) and seeds is not None:
         ids, mask = encode_prompts(tokenizer, prompts)
-        sampler.prefetch(prompt_token_lists(ids, mask), seeds, config=sampling, eos_token_id=tokenizer.eos_token_id)
+        sample_rows_ahead(
+            sampler, prompt_token_lists(ids, mask), seeds, config=sampling, eos_token_id=tokenizer.eos_token_id
+        )
+
+
+def sample_rows_ahead(
+    sampler: PreTrainedModel | WholeShards,
+    prompts: list[list[int]],
+    seeds: list[int],
+    *,
+    config: SamplingConfig,
+    eos_token_id: int | None,
+) -> None:
+    """Ask the engine for ``prompts`` (token ids, one per row) with their ``seeds`` in one request, ahead of the
+    batches that read them back (:class:`WholeShards`); nothing for the project's own sampler."""
+    if isinstance(sampler, WholeShards) and prompts:
+        sampler.prefetch(prompts, seeds, config=config, eos_token_id=eos_token_id)
 
 
 def make_probe(models: ModelLoader, context: StageContext, actor: PreTrainedModel) -> Probe:

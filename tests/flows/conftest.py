@@ -94,12 +94,17 @@ EPISODE_PROMPTS = [
 @pytest.fixture(scope="session")
 def episode_world(tmp_path_factory) -> dict[str, Path]:
     """A tiny Qwen2 chat policy (byte-level BPE, ChatML) and prompts with the environment's columns."""
+    return write_episode_world(tmp_path_factory.mktemp("episode-world"))
+
+
+def write_episode_world(root: Path, *, hidden: int = 32) -> dict[str, Path]:
+    """:func:`episode_world` in ``root``, its policy ``hidden`` wide (2 heads: 128 for vLLM's CPU build, which refuses
+    head size 16)."""
     from tests.conftest import byte_level_bpe, tiny_config
 
-    root = tmp_path_factory.mktemp("episode-world")
     corpus = [p["prompt"] for p in EPISODE_PROMPTS] + ["I am thinking of a number from 1 to 4. Higher. Lower. 1 2 3 4"]
     tokenizer = byte_level_bpe(vocab_size=400, corpus=corpus * 20)
-    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    config = tiny_config("qwen2", vocab_size=len(tokenizer), hidden=hidden)
     config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
     config.max_position_embeddings = 512
     torch.manual_seed(0)

@@ -181,8 +181,10 @@ def test_episodes_are_refused_in_one_line_where_they_do_not_apply(episode_world,
         _config(episode_world, run_root)
     with pytest.raises(ConfigError, match="labelling episodes for a reward model is out of scope"):
         _config(episode_world, run_root, "environment.class=tests.environments:Guess", "labeler=gold", "demo=true")
-    with pytest.raises(ConfigError, match="hf engine only"):
-        _config(episode_world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
+    engine = _config(episode_world, run_root, "environment.class=tests.environments:Guess", "sampling.engine=vllm")
+    assert (
+        engine.episodes and engine.sampling.engine == "vllm"
+    )  # episodes on the engine: tests/flows/test_vllm_episodes.py
     with pytest.raises(EnvironmentClassError, match=r"^`environment.class` 'tests.environments:NoStep' has no method"):
         base_inputs(_config(episode_world, run_root, "environment.class=tests.environments:NoStep"), None, None)
 
