@@ -13,10 +13,11 @@ Choices:
 2. The first user message is the environment's (``reset``), rendered as a one-message chat prompt; the prompt row's
    own text and columns are the ``row`` it is given.
 3. The live episodes of a batch sample each turn together, from the shard's generator (``hf``: the same shard samples
-   the same episodes wherever it runs), or on ``vllm`` each turn of every live episode in one request to the engine
-   (:class:`tasks.sampler.WholeShards`, behind its probe gate), each row seeded by its episode and turn
-   (:func:`runtime.seeds.turn_seed`), so its tokens depend on no other episode nor on the batching. Environments are played by one :class:`runtime.environments.EnvironmentRunner`
-   per shard, out of this process, each reset with :func:`runtime.seeds.episode_seed`.
+   the same episodes wherever it runs); on ``vllm`` every live episode's turn is a row of one request to the engine
+   (:class:`tasks.sampler.WholeShards`, behind its probe gate), seeded by its episode and turn
+   (:func:`runtime.seeds.turn_seed`), so its tokens depend on no other episode nor on the batching. Environments are
+   played by one :class:`runtime.environments.EnvironmentRunner` per shard, out of this process, each reset with
+   :func:`runtime.seeds.episode_seed`.
 4. Failures are rows: an environment that raises or times out ends its episode with its stop reason; the episode is
    kept with the turn rewards it had (the failed call's is 0.0), and its ``action_mask`` is all False, so none of
    its tokens reaches a loss. It stays in its group with that reward (docs/environments.md, "Failures").

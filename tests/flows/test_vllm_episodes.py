@@ -35,6 +35,7 @@ from storage.shards import read_table
 from tasks.text import load_tokenizer
 from tests.flows.conftest import episode_overrides, write_episode_world
 from tests.flows.test_crash import _run_to_end
+from tests.flows.test_vllm_engine import _metrics, _outputs
 
 pytestmark = [
     pytest.mark.vllm,
@@ -85,14 +86,6 @@ def _command(run_root: Path, world: dict[str, Path], *extra: str) -> list[str]:
     return [sys.executable, "-m", "flows", "run", "--config", str(TINY), *(f"--set={item}" for item in sets)]
 
 
-def _outputs(run_root: Path, stage: str) -> list[tuple[int, Path]]:
-    """``(iteration, folder)`` of every finished output of ``stage``, by iteration."""
-    found = []
-    for manifest in (run_root / "tiny" / stage).glob("*/_manifest.json"):
-        found.append((json.loads(manifest.read_text())["config"]["context"]["iteration"], manifest.parent))
-    return sorted(found)
-
-
 def _manifest(folder: Path) -> dict:
     return json.loads((folder / "_manifest.json").read_text())
 
@@ -119,7 +112,7 @@ def test_episodes_on_the_engine_keep_its_tokens_turn_by_turn_with_no_drift(engin
     rollouts = _outputs(engine_run, "rollout")
     assert [iteration for iteration, _ in rollouts] == [0, 1]
     for _, folder in rollouts:
-        metrics = _manifest(folder)["metrics"]
+        metrics = _metrics(folder)
         assert metrics["retokenization_drift"] == 0.0 and metrics["episode_errors"] == 0.0, metrics
         assert metrics["engine_logprob_max_abs_diff"] < 1e-4 and metrics["engine_probe_gap"] < 1e-4, metrics
         episodes = _episodes(folder)
@@ -171,7 +164,7 @@ def test_the_probe_gate_proved_every_swap_of_the_episodes(engine_run):
     (_, later), (_, update) = stages["rollout"][1], _outputs(engine_run, "ppo_update")[0]
     assert any(swap["weights"] == str(update / "actor") for swap in _manifest(later)["runtime"]["engine_probe"])
     for _, folder in stages["evaluate"]:
-        metrics = _manifest(folder)["metrics"]
+        metrics = _metrics(folder)
         assert {"reward_mean", "reference_reward_mean", "success", "turns_mean"} <= set(metrics), metrics
         assert metrics["engine_logprob_max_abs_diff"] < 1e-4, metrics
 
