@@ -146,3 +146,63 @@ def test_issue44_episodes_whose_every_reset_fails_are_refused_before_any_samplin
     finally:
         hook.remove()
     assert not sampled
+
+
+class RowSeeded:
+    """An :class:`rlhf_core.generation.ExternalSampler` that samples as the engine does, in this process: each row
+    alone, from its own seed, with the model; it keeps every request it is sent."""
+
+    def __init__(self, model) -> None:
+        self.model, self.requests = model, []
+
+    def sample(self, prompts, seeds, *, config, eos_token_id):
+        from rlhf_core.generation import generate
+
+        self.requests.append((prompts, seeds, config.max_new_tokens))
+        tokens, logprobs = [], []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            ids = torch.tensor([prompt])
+            generation = generate(
+                self.model, ids, torch.ones_like(ids), config=config, eos_token_id=eos_token_id, pad_token_id=0,
+                generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            tokens.append(generation.sequences[0, ids.shape[1] :][generation.action_mask[0]].tolist())
+            logprobs.append(generation.logprobs[0][generation.action_mask[0]].tolist())
+        return tokens, logprobs
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_issue44_on_an_engine_each_turn_sends_every_live_episodes_ids_so_far_in_one_request_seeded_by_the_turn(
+    chat_policy, batch_size
+):
+    """The engine's path through the episode player (tasks.sampler.WholeShards over a sampler that samples as the
+    engine does): one request per turn holding every live episode's ids so far (its prompt, its turns as sampled and
+    the deltas), each row seeded by runtime.seeds.turn_seed of its episode, the turn's budget as its tokens; the
+    engine's tokens and log-probs kept as sampled, whatever the batch size."""
+    from runtime.seeds import turn_seed
+    from tasks.sampler import WholeShards
+    from tests.environments import Guess
+
+    actor, tokenizer = chat_policy
+    engine = RowSeeded(actor)
+    prompts = [(index, sample, Prompt("Guess.", columns={"high": 4})) for index in range(2) for sample in range(2)]
+    episodes = play_episodes(
+        InProcess(Guess), WholeShards(engine), tokenizer, prompts, seed=0, iteration=0,
+        sampling=SamplingConfig(max_new_tokens=8, batch_size=batch_size), max_turns=3, max_tokens_per_turn=5,
+        generator=None,
+    )  # fmt: skip
+    assert len(engine.requests) == max(len(episode.turn_rewards) for episode in episodes)  # one request per turn
+    for turn, (sent, seeds, budget) in enumerate(engine.requests):
+        live = [episode for episode in episodes if len(episode.turn_rewards) > turn]
+        assert budget == 5 and seeds == [turn_seed(episode.seed, turn) for episode in live]
+        starts = [[s for s in e.segments if s["role"] == "assistant"][turn]["token_start"] for e in live]
+        assert sent == [e.prompt + e.response[:start] for e, start in zip(live, starts, strict=True)]
+    for episode in episodes:
+        turns = [s for s in episode.segments if s["role"] == "assistant"]
+        for turn, segment in enumerate(turns):  # the engine's answer to that row, as sampled
+            tokens, logprobs = engine.sample(
+                [episode.prompt + episode.response[: segment["token_start"]]], [turn_seed(episode.seed, turn)],
+                config=SamplingConfig(max_new_tokens=5), eos_token_id=tokenizer.eos_token_id,
+            )  # fmt: skip
+            assert episode.response[segment["token_start"] : segment["token_stop"]] == tokens[0]
+            assert episode.logprobs[segment["token_start"] : segment["token_stop"]] == logprobs[0]
