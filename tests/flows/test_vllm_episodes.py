@@ -129,7 +129,8 @@ def test_episodes_on_the_engine_keep_its_tokens_turn_by_turn_with_no_drift(engin
             assert 1 <= len(model_turns) <= MAX_TURNS and [turn["turn"] for turn in turns] == [
                 index // 2 for index in range(len(turns))
             ]
-            assert [turn["turn_reward"] for turn in model_turns] == row["turn_rewards"]
+            rewards = [turn["turn_reward"] for turn in model_turns]  # the experience's, zero-padded to its batch's
+            assert row["turn_rewards"] == rewards + [0.0] * (len(row["turn_rewards"]) - len(rewards))
             assert sum(row["turn_rewards"]) == pytest.approx(row["scores"])
             assert all(turn["turn_reward"] is None for turn in turns if turn["role"] == "user")
             assert [turn["done"] for turn in turns] == [False] * (len(turns) - 1) + [True]
