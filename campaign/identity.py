@@ -203,10 +203,13 @@ CAMPAIGN_FREE = (
     *replayable_fields(),
     "iterations",
     *(f"human.{name}" for name in HumanLabelConfig.model_fields),
+    "asking",
 )
 """Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
 replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
-human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
+human-label forms are shown, and which of the compared pairs the labeler is asked about (`asking`: by margin only
+once an iteration has a reward model to ask, and every output it changes is keyed by it). Every other field (the
+model, data, labeler, reward, sampling, sizes) defines it."""
 
 
 def campaign_fields(config: PipelineConfig) -> dict:
