@@ -15,8 +15,8 @@ the compared pairs that had none.
 
 With ``asking.select`` random or uncertain the labeler is asked about only ``asking.pairs`` of the compared pairs a
 round (:func:`asked_pairs_of`): the held-out share drawn at random, written first and counted in the metric
-``held_out_head`` (:data:`tasks.pairing.HELD_OUT_HEAD`), the rest by the previous reward model's margin. ``asked_pairs``
-counts them, ``compared_pairs`` the pairs they were chosen from.
+``held_out_head`` (:data:`tasks.pairing.HELD_OUT_HEAD`), the rest by the previous reward model's margin.
+``asked_pairs`` counts them, ``compared_pairs`` the pairs they were chosen from.
 
 A later round of the iteration's candidates (``sizes.decisive_pairs``) numbers its pairs after the earlier rounds'
 (``earlier``), so a pair id names one pair across the whole campaign.
@@ -28,6 +28,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from itertools import groupby
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -52,7 +53,7 @@ from tasks.labelers import (
     Labeler,
     RewardModelLabeler,
 )
-from tasks.pairing import HELD_OUT_HEAD, AskedPairs, asked_pairs, compared_pairs, kept_pairs
+from tasks.pairing import HELD_OUT_HEAD, AskedPairs, asked_pairs, compared_pairs, held_out_head, kept_pairs
 from tasks.settings import CollectPreferencesSettings
 from tasks.tensors import reward_scorer
 from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
@@ -142,7 +143,7 @@ def asked_table(
 ) -> tuple[pa.Table, dict[str, float]]:
     """Label only the ``asked`` pairs of ``compared`` and keep them (``all_decisive``: those with a winner), the
     held-out ones first; their count is the metric ``held_out_head``, which the reward model holds out
-    (:func:`tasks.train_reward_model.held_out_head`).
+    (:func:`tasks.pairing.held_out_head`).
 
     Returns:
         The ``preferences`` table, and the metrics ``compared_pairs``, ``asked_pairs``, ``decisive_fraction``,
@@ -173,8 +174,8 @@ def asked_pairs_of(job: Job, pairs: Sequence[CandidatePair], *, seed: int) -> As
     budget = min(settings.asking.pairs, len(pairs))
     margins = None
     if settings.asking.select == "uncertain" and settings.reward_model is not None:
-        scorer, autocast = _scorer(job, settings.reward_model.directory / "reward_model")
-        margins = [label.margin for label in RewardModelLabeler(scorer, autocast=autocast).label(list(pairs))]
+        judge = _reward_judge(job, settings.reward_model.directory / "reward_model")
+        margins = [label.margin for label in judge.label(list(pairs))]
     held_out = held_out_pairs(budget, settings.eval_fraction)
     return asked_pairs(len(pairs), margins, budget=budget, held_out=held_out, seed=seed)
 
@@ -260,8 +261,7 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
     elif labeler == "human":
         pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
         answers = _answers(settings.labels)
-        head = settings.labels.metrics.get(HELD_OUT_HEAD) if settings.labels is not None else None
-        held_out = None if head is None else round(head)
+        held_out = held_out_head(settings.labels)  # the person's answers say it, with `asking.select`
         table = human_table(pairs, answers, first_pair_id=first_pair_id, held_out=held_out)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
         ties = 1.0 - table.num_rows / max(answers.num_rows, 1)
@@ -345,16 +345,16 @@ def label_shards(job: Job[CollectPreferencesSettings]) -> Iterator[pa.Table]:
         if settings.reward_model is not None
         else context.base.reward_model.path
     )
-    scorer, autocast = _scorer(job, judge)
-    labeler = RewardModelLabeler(scorer, autocast=autocast)
+    labeler = _reward_judge(job, judge)
     first = context.iteration * PAIRS_PER_ITERATION + pair_count(settings.earlier)
     for shard in job.shards:
         first_pair_id = first + shard.start
         yield labelled_table(pairs[shard.start : shard.stop], labeler, first_pair_id=first_pair_id)
 
 
-def _scorer(job: Job, reward_model: Any) -> tuple[Any, Any]:
-    """The reward model at ``reward_model`` as a scorer of candidates, and the autocast it scores under."""
+def _reward_judge(job: Job, reward_model: Path) -> RewardModelLabeler:
+    """The reward model in the folder ``reward_model`` as a labeler (its margin: the score gap), in the job's
+    ``precision``."""
     context = job.context
     models = job.models(job.settings.precision)
     scorer = reward_scorer(
@@ -362,7 +362,7 @@ def _scorer(job: Job, reward_model: Any) -> tuple[Any, Any]:
         policy_tokenizer_dir=context.base.tokenizer.path,
         reward_tokenizer_dir=context.base.reward_tokenizer,
     )
-    return scorer, models.autocast
+    return RewardModelLabeler(scorer, autocast=models.autocast)
 
 
 collect_preferences = Stage(CollectPreferencesSettings, plan=plan, work=work, gather=gather)

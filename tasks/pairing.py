@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from itertools import combinations
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from rlhf_core.config import Pairing
 from tasks.labelers import Label
@@ -82,6 +82,14 @@ def kept_pairs(
 HELD_OUT_HEAD = "held_out_head"
 """The metric of a ``preferences`` output whose pairs were asked about by ``asking.select``: how many of its first
 rows are the pairs drawn at random to be held out (:func:`rlhf_core.reward_training.arrival_split`)."""
+
+
+def held_out_head(output: Any) -> int | None:
+    """How many of the first rows of a ``preferences`` output (or answers of a ``human_labels`` one) are pairs drawn
+    at random to be held out, where its pairs were asked about by ``asking.select``; None where every compared pair
+    was (:data:`HELD_OUT_HEAD`)."""
+    head = output.metrics.get(HELD_OUT_HEAD)
+    return None if head is None else round(head)
 
 
 class AskedPairs(NamedTuple):

@@ -8,7 +8,8 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_id_lists`).
 The pairs held out for its accuracy and score statistics are split off each iteration's table alike in every
 iteration (:func:`rlhf_core.reward_training.arrival_split`): they accumulate, and none is ever trained on. A table
-of pairs asked about by ``asking.select`` holds out the rows it drew at random for it (:func:`held_out_head`).
+of pairs asked about by ``asking.select`` holds out the rows it drew at random for it
+(:func:`tasks.pairing.held_out_head`).
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
@@ -41,7 +42,7 @@ from runtime.stage import Stage
 from storage.checkpoints import save_model
 from storage.manifest import read_manifest
 from storage.shards import read_table
-from tasks.pairing import HELD_OUT_HEAD
+from tasks.pairing import held_out_head
 from tasks.settings import TrainRewardModelSettings
 from tasks.tensors import pad_token_lists
 from tasks.text import conversation_id_lists, load_tokenizer, prompts_of
@@ -65,13 +66,6 @@ def table_seed(preferences: StageResult) -> int:
     """The seed a preference table's rows are ordered by for the held-out split: from its digest, so the same table
     splits alike in every iteration that trains on it (:func:`rlhf_core.reward_training.arrival_split`)."""
     return int(preferences.digest[:16], 16)
-
-
-def held_out_head(preferences: StageResult) -> int | None:
-    """How many of a preference table's first rows were drawn at random to be held out, where its pairs were asked
-    about by ``asking.select`` (:func:`tasks.collect_preferences.asked_table`); None where every compared pair was."""
-    head = preferences.metrics.get(HELD_OUT_HEAD)
-    return None if head is None else round(head)
 
 
 def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
