@@ -110,15 +110,37 @@ def accuracy(reward_model: Path, table) -> float:
     return evaluate_reward_model(model, batch, batch_size=64).accuracy
 
 
-def table(results: dict[str, dict], pairs, budget: int) -> str:
-    """One row per iteration: labels paid so far, and each run's accuracy on the common held-out ``pairs``."""
-    names = list(results)
+def accuracies(results: dict[str, dict], pairs) -> dict[str, list[float]]:
+    """Each run's reward model after each iteration, scored on the common held-out ``pairs``."""
+    return {
+        name: [accuracy(Path(iteration["reward_model"]), pairs) for iteration in result["iterations"]]
+        for name, result in results.items()
+    }
+
+
+def decisive_labels(result: dict) -> list[float]:
+    """The labels with a winner a run kept so far, after each iteration (an asked pair that tied is paid, not kept)."""
+    kept = [sum(output["metrics"]["decisive_pairs"] for output in it["preferences"]) for it in result["iterations"]]
+    return [sum(kept[: index + 1]) for index in range(len(kept))]
+
+
+def table(seeds: list[dict], budget: int) -> str:
+    """One row per iteration: labels paid so far, and for each run the mean over ``seeds`` of its accuracy on that
+    seed's common held-out pairs (with the seeds' lowest and highest) and of the labels it kept."""
+    names = list(seeds[0]["accuracy"])
     lines = [
-        "| iteration | labels so far | " + " | ".join(f"{name}: accuracy" for name in names) + " |",
-        "| ---: | ---: | " + " | ".join("---:" for _ in names) + " |",
+        "| iteration | labels paid so far | "
+        + " | ".join(f"{name}: accuracy (min-max) | labels kept" for name in names)
+        + " |",
+        "| ---: | ---: | " + " | ".join("---: | ---:" for _ in names) + " |",
     ]
-    for index in range(len(results[names[0]]["iterations"])):
-        cells = [f"{accuracy(Path(results[name]['iterations'][index]['reward_model']), pairs):.3f}" for name in names]
+    for index in range(len(seeds[0]["accuracy"][names[0]])):
+        cells = []
+        for name in names:
+            values = [seed["accuracy"][name][index] for seed in seeds]
+            kept = sum(seed["kept"][name][index] for seed in seeds) / len(seeds)
+            mean = sum(values) / len(values)
+            cells.append(f"{mean:.3f} ({min(values):.3f}-{max(values):.3f}) | {kept:.0f}")
         lines.append(f"| {index} | {budget * (index + 1)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -128,8 +150,9 @@ def main() -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=48, help="asking.pairs: labels paid per iteration")
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=96, help="asking.pairs: labels paid per iteration")
+    parser.add_argument("--seeds", type=int, default=3, help="campaigns of each selection, seeds 0, 1, ...")
     args = parser.parse_args()
     if args.worker is not None:
         (args.root / "result.json").write_text(json.dumps(run_campaign(args.worker, args.root, args.extra)))
@@ -139,28 +162,34 @@ def main() -> None:
     SCRATCH.mkdir(parents=True, exist_ok=True)
     world = build_default_world(SCRATCH / "demo-world", seed=0, progress=False).model_dir.parent
     sizes = [*SIZES, f"iterations={args.iterations}", f"asking.pairs={args.pairs}", *args.extra]
-    with tempfile.TemporaryDirectory(dir=SCRATCH) as folder:
-        results = {}
-        for select in SELECTIONS:
-            root = Path(folder) / select
-            root.mkdir()
-            results[f"`{select}`"] = worker(world, root, [*sizes, f"asking.select={select}"])
-            print(f"{select}: {json.dumps(results[f'`{select}`'])}", flush=True)
-        import pyarrow as pa
+    import pyarrow as pa
 
-        pairs = pa.concat_tables([held_out_rows(result) for result in results.values()])
-        facts = machine()
-        print(
-            f"`{COMMAND} --iterations {args.iterations} --pairs {args.pairs}` "
-            + " ".join(f"--set {item}" for item in args.extra)
-        )
-        print("Machine: " + "; ".join(f"{key}: {value}" for key, value in facts.items()) + ".")
-        print(f"Common held-out pairs (with a winner): {pairs.num_rows}.\n")
-        print(table(results, pairs, args.pairs))
-        for name, result in results.items():
-            own = [round(iteration["eval_accuracy"], 3) for iteration in result["iterations"]]
-            seconds = [round(iteration["seconds"]) for iteration in result["iterations"]]
-            print(f"{name}: own eval_accuracy {own}; seconds {seconds}")
+    seeds = []
+    for seed in range(args.seeds):
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as folder:
+            results = {}
+            for select in SELECTIONS:
+                root = Path(folder) / select
+                root.mkdir()
+                results[f"`{select}`"] = worker(world, root, [*sizes, f"seed={seed}", f"asking.select={select}"])
+            pairs = pa.concat_tables([held_out_rows(result) for result in results.values()])
+            seeds.append(
+                {
+                    "held_out": pairs.num_rows,
+                    "accuracy": accuracies(results, pairs),
+                    "kept": {name: decisive_labels(result) for name, result in results.items()},
+                    "seconds": {
+                        name: [it["seconds"] for it in result["iterations"]] for name, result in results.items()
+                    },
+                }
+            )
+            print(f"seed {seed}: {json.dumps(seeds[-1])}", flush=True)
+    facts = machine()
+    options = f"--iterations {args.iterations} --pairs {args.pairs} --seeds {args.seeds}"
+    print(f"`{COMMAND} {options}` " + " ".join(f"--set {item}" for item in args.extra))
+    print("Machine: " + "; ".join(f"{key}: {value}" for key, value in facts.items()) + ".")
+    print(f"Common held-out pairs with a winner, per seed: {[seed['held_out'] for seed in seeds]}.\n")
+    print(table(seeds, args.pairs))
 
 
 if __name__ == "__main__":

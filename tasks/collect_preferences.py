@@ -167,17 +167,20 @@ def asked_table(
 
 def asked_pairs_of(job: Job, pairs: Sequence[CandidatePair], *, seed: int) -> AskedPairs:
     """Which of the compared ``pairs`` the labeler is asked about (:func:`tasks.pairing.asked_pairs`): with
-    ``asking.select`` uncertain and a previous reward model, by its margins; else at random. ``job`` is a
-    ``collect_preferences`` or ``human_labels`` job (their settings name the same ``asking``, ``eval_fraction``,
-    ``reward_model`` and ``precision``)."""
+    ``asking.select`` uncertain and a previous reward model, by its margins; else at random. A pair of two identical
+    responses is never asked about: no labeler can prefer either, and a reward model is least sure of exactly those
+    (its margin is 0). ``job`` is a ``collect_preferences`` or ``human_labels`` job (their settings name the same
+    ``asking``, ``eval_fraction``, ``reward_model`` and ``precision``)."""
     settings = job.settings
-    budget = min(settings.asking.pairs, len(pairs))
+    askable = [index for index, pair in enumerate(pairs) if pair.first_ids != pair.second_ids]
+    budget = min(settings.asking.pairs, len(askable))
     margins = None
     if settings.asking.select == "uncertain" and settings.reward_model is not None:
         judge = _reward_judge(job, settings.reward_model.directory / "reward_model")
-        margins = [label.margin for label in judge.label(list(pairs))]
+        margins = [label.margin for label in judge.label([pairs[index] for index in askable])]
     held_out = held_out_pairs(budget, settings.eval_fraction)
-    return asked_pairs(len(pairs), margins, budget=budget, held_out=held_out, seed=seed)
+    asked = asked_pairs(len(askable), margins, budget=budget, held_out=held_out, seed=seed)
+    return AskedPairs([askable[index] for index in asked.held_out], [askable[index] for index in asked.chosen])
 
 
 def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_id: int) -> pa.Table:

@@ -63,18 +63,21 @@ def test_issue43_iteration_1_asks_about_a_random_held_out_draw_and_the_pairs_its
         "asked_pairs": 8.0,
         HELD_OUT_HEAD: 2.0,  # ceil(8 x 0.25)
     }
-    # Iteration 0's reward model's margins on iteration 1's 16 consecutive pairs, as the stage computed them.
+    # Iteration 0's reward model's margins on iteration 1's consecutive pairs, as the stage computed them; a pair of
+    # two identical responses is never asked about.
     pairs = candidate_pairs(read_table(candidates[manifest["upstream"]["candidates"]], "candidates"))
+    askable = [index for index, pair in enumerate(pairs) if pair.first_ids != pair.second_ids]
     model = ModelLoader(device="cpu", precision="fp32").load("reward_model", judge / "reward_model")
     scorer = reward_scorer(model, policy_tokenizer_dir=str(world["policy"]), reward_tokenizer_dir=str(world["policy"]))
-    margins = [label.margin for label in RewardModelLabeler(scorer).label(pairs)]
+    margins = [label.margin for label in RewardModelLabeler(scorer).label([pairs[index] for index in askable])]
     seed = stage_seed(config.seed, "collect_preferences", 1)
-    held_out, chosen = asked_pairs(16, margins, budget=8, held_out=2, seed=seed)
+    drawn, by_margin = asked_pairs(len(askable), margins, budget=8, held_out=2, seed=seed)
     # The held-out pairs are the seed's draw alone: any margins (none at all) draw the same ones.
-    assert held_out == asked_pairs(16, None, budget=8, held_out=2, seed=seed).held_out
+    assert drawn == asked_pairs(len(askable), None, budget=8, held_out=2, seed=seed).held_out
     # The chosen ones have the smallest margins of the pairs not held out (to float noise between two runs).
-    left_out = set(range(16)) - set(held_out) - set(chosen)
-    assert max(margins[index] for index in chosen) <= min(margins[index] for index in left_out) + 1e-6
+    left_out = set(range(len(askable))) - set(drawn) - set(by_margin)
+    assert max(margins[index] for index in by_margin) <= min(margins[index] for index in left_out) + 1e-6
+    held_out, chosen = [askable[index] for index in drawn], [askable[index] for index in by_margin]
     # The preference table asks in that order, held-out pairs first; the gold labeler kept every asked pair.
     table = pq.read_table(sorted(labelled.glob("preferences-*.parquet")))
     asked_responses = [{pairs[index].first, pairs[index].second} for index in [*held_out, *chosen]]
