@@ -53,7 +53,15 @@ from tasks.labelers import (
     Labeler,
     RewardModelLabeler,
 )
-from tasks.pairing import HELD_OUT_HEAD, AskedPairs, asked_pairs, compared_pairs, held_out_head, kept_pairs
+from tasks.pairing import (
+    HELD_OUT_HEAD,
+    AskedPairs,
+    askable_pairs,
+    asked_pairs,
+    compared_pairs,
+    held_out_head,
+    kept_pairs,
+)
 from tasks.settings import CollectPreferencesSettings
 from tasks.tensors import reward_scorer
 from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
@@ -167,12 +175,11 @@ def asked_table(
 
 def asked_pairs_of(job: Job, pairs: Sequence[CandidatePair], *, seed: int) -> AskedPairs:
     """Which of the compared ``pairs`` the labeler is asked about (:func:`tasks.pairing.asked_pairs`): with
-    ``asking.select`` uncertain and a previous reward model, by its margins; else at random. A pair of two identical
-    responses is never asked about: no labeler can prefer either, and a reward model is least sure of exactly those
-    (its margin is 0). ``job`` is a ``collect_preferences`` or ``human_labels`` job (their settings name the same
+    ``asking.select`` uncertain and a previous reward model, by its margins; else at random; never a pair of two
+    identical responses (:func:`tasks.pairing.askable_pairs`). ``job`` is a ``collect_preferences`` or ``human_labels`` job (their settings name the same
     ``asking``, ``eval_fraction``, ``reward_model`` and ``precision``)."""
     settings = job.settings
-    askable = [index for index, pair in enumerate(pairs) if pair.first_ids != pair.second_ids]
+    askable = askable_pairs(pairs)
     budget = min(settings.asking.pairs, len(askable))
     margins = None
     if settings.asking.select == "uncertain" and settings.reward_model is not None:

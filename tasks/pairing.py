@@ -32,7 +32,7 @@ from itertools import combinations
 from typing import Any, NamedTuple
 
 from rlhf_core.config import Pairing
-from tasks.labelers import Label
+from tasks.labelers import CandidatePair, Label
 
 
 def compared_pairs(candidates: int, pairing: Pairing) -> list[tuple[int, int]]:
@@ -135,3 +135,9 @@ def asked_pairs(compared: int, margins: Sequence[float] | None, *, budget: int, 
     if margins is not None:
         rest = sorted(rest, key=lambda index: margins[index])  # a stable sort: equal margins stay in the order drawn
     return AskedPairs(sorted(drawn), sorted(rest[: max(budget - held_out, 0)]))
+
+
+def askable_pairs(pairs: Sequence[CandidatePair]) -> list[int]:
+    """The indices of the ``pairs`` a labeler may be asked about: all but a pair of two identical responses, which
+    no labeler can prefer either of, and which a reward model is least sure of (its margin is 0)."""
+    return [index for index, pair in enumerate(pairs) if pair.first_ids != pair.second_ids]

@@ -17,7 +17,7 @@ from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.collect_preferences import candidate_pairs
 from tasks.labelers import RewardModelLabeler
-from tasks.pairing import HELD_OUT_HEAD, asked_pairs
+from tasks.pairing import HELD_OUT_HEAD, askable_pairs, asked_pairs
 from tasks.tensors import reward_scorer
 from tests.flows.campaigns import copy_campaign, tiny_config
 
@@ -66,7 +66,7 @@ def test_issue43_iteration_1_asks_about_a_random_held_out_draw_and_the_pairs_its
     # Iteration 0's reward model's margins on iteration 1's consecutive pairs, as the stage computed them; a pair of
     # two identical responses is never asked about.
     pairs = candidate_pairs(read_table(candidates[manifest["upstream"]["candidates"]], "candidates"))
-    askable = [index for index, pair in enumerate(pairs) if pair.first_ids != pair.second_ids]
+    askable = askable_pairs(pairs)
     model = ModelLoader(device="cpu", precision="fp32").load("reward_model", judge / "reward_model")
     scorer = reward_scorer(model, policy_tokenizer_dir=str(world["policy"]), reward_tokenizer_dir=str(world["policy"]))
     margins = [label.margin for label in RewardModelLabeler(scorer).label([pairs[index] for index in askable])]

@@ -422,7 +422,7 @@ def test_issue43_with_asking_a_person_is_shown_only_the_asked_pairs_the_held_out
     """`asking.select` random, 4 of the 8 pairs: the page shows those 4 (ceil(4 x 0.7) = 3 drawn to be held out,
     then 1), the answers name their pairs, and the reward model holds out the 3 and trains on the 1."""
     from runtime.seeds import stage_seed
-    from tasks.pairing import HELD_OUT_HEAD, asked_pairs
+    from tasks.pairing import HELD_OUT_HEAD, askable_pairs, asked_pairs
 
     config, _, _, _ = answered
     asking = config.asking.model_copy(update={"select": "random", "pairs": 4})
@@ -431,7 +431,7 @@ def test_issue43_with_asking_a_person_is_shown_only_the_asked_pairs_the_held_out
     campaign_dir = config.run_root / config.campaign
     (candidates_dir,) = (campaign_dir / "sample_candidates").iterdir()
     pairs = candidate_pairs(read_table(candidates_dir, "candidates"))
-    askable = [index for index, pair in enumerate(pairs) if pair.first_ids != pair.second_ids]  # not two alike
+    askable = askable_pairs(pairs)
     drawn = asked_pairs(len(askable), None, budget=4, held_out=3, seed=stage_seed(config.seed, "human_labels", 0))
     held_out, chosen = [askable[index] for index in drawn.held_out], [askable[index] for index in drawn.chosen]
     shown = [pairs[index] for index in [*held_out, *chosen]]

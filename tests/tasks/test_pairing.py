@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pyarrow as pa
@@ -11,7 +12,7 @@ import pytest
 from storage.schemas import CANDIDATES, HUMAN_LABELS
 from tasks.collect_preferences import asked_table, candidate_groups, human_table, paired_table
 from tasks.labelers import FunctionLabeler, Label
-from tasks.pairing import HELD_OUT_HEAD, AskedPairs, asked_pairs, compared_pairs, kept_pairs
+from tasks.pairing import HELD_OUT_HEAD, AskedPairs, askable_pairs, asked_pairs, compared_pairs, kept_pairs
 
 
 def _label(scores: list[float], compared: list[tuple[int, int]]) -> list[Label]:
@@ -142,3 +143,12 @@ def test_issue43_a_persons_answers_to_asked_pairs_keep_the_order_asked_and_drop_
     assert table.column("chosen").to_pylist() == ["G h.", "Apple."]
     with pytest.raises(ValueError, match="not one for each of 4 pairs"):
         human_table(pairs, answers, first_pair_id=0)  # without a selection, every pair needs its answer
+
+
+def test_issue43_a_pair_of_two_identical_responses_is_never_asked_about():
+    # Prompt 0's consecutive pairs: ("Apple.", "A fig.") and ("A fig.", "A fig."), alike; prompt 1's: two distinct.
+    candidates = _candidates([["Apple.", "A fig.", "A fig.", "A fig."], ["A b.", "C d.", "E f.", "G h."]])
+    pairs = [pair for group in candidate_groups(candidates) for pair in group.pairs]
+    # _candidates gives candidate i the response id 2 + i: make candidates 2 and 3 of prompt 0 the same tokens.
+    pairs[1] = dataclasses.replace(pairs[1], second_ids=pairs[1].first_ids)
+    assert askable_pairs(pairs) == [0, 2, 3]
