@@ -148,6 +148,19 @@ class HumanLabelConfig(_Frozen):
     """The labelling page's port; 0 takes any free one. The run's log and its Resume form give the address."""
 
 
+class AskingConfig(_Frozen):
+    """Which of an iteration's compared candidate pairs the labeler is asked about (:func:`tasks.pairing.asked_pairs`):
+    all of them, or a budget of `pairs` a round, for a labeler that costs (a person: docs/human-labels.md)."""
+
+    select: Literal["all", "random", "uncertain"] = "all"
+    """`all`: every compared pair (as before). `random`: `pairs` of them drawn at random. `uncertain`: the pairs the
+    previous iteration's reward model is least sure of (the smallest score gap), where there is one (iteration 0
+    draws at random); either way the held-out share of the asked pairs (`reward_model.eval_fraction`) is drawn at
+    random first, so the reward model's accuracy is measured on pairs no margin chose."""
+    pairs: int | None = Field(None, gt=0)
+    """Pairs asked about per round of candidates (`random`, `uncertain`); unused with `all`."""
+
+
 class RewardSource(_Frozen):
     """What scores the rollouts: a reward model learned from preferences, a reward function, or an environment."""
 
@@ -232,6 +245,7 @@ class PipelineConfig(_Frozen):
     data: DataSource = DataSource()
     sizes: IterationSizes = IterationSizes()
     human: HumanLabelConfig = HumanLabelConfig()
+    asking: AskingConfig = AskingConfig()
     reward: RewardSource = RewardSource()
     environment: EnvironmentSource = EnvironmentSource()
     sampling: SamplingConfig = SamplingConfig()
@@ -386,6 +400,8 @@ class PipelineConfig(_Frozen):
                 "consecutive"
             )
         labels_candidates = (self.learns_from_labels or self.update == "dpo") and self.labeler not in (None, "import")
+        if (error := self._asking_error(labels_candidates)) is not None:
+            raise ValueError(error)
         if self.sizes.decisive_pairs is not None and not labels_candidates:
             raise ValueError(
                 "`sizes.decisive_pairs` samples rounds of candidates to label, and this campaign labels none ("
@@ -432,11 +448,32 @@ class PipelineConfig(_Frozen):
             and self.learns_from_labels
         )
 
+    def _asking_error(self, labels_candidates: bool) -> str | None:
+        """Why `asking` does not fit this campaign, or None."""
+        select, budget = self.asking.select, self.asking.pairs
+        if select == "all":
+            return None
+        if budget is None:
+            return f"`asking.select` {select} asks about a budget of pairs a round: set `asking.pairs`"
+        if not labels_candidates or self.labeler == "reward_model":
+            return (
+                f"`asking.select` {select} chooses the candidate pairs a labeler is asked about, and `labeler` "
+                f"{self.labeler} is asked about none (or costs nothing): use asking.select all"
+            )
+        if self.pairing == "best_vs_worse":
+            return (
+                "`asking.select` asks about some of the compared pairs, and `pairing` best_vs_worse needs all of a "
+                "prompt's to find its best candidate: use pairing consecutive or all_decisive"
+            )
+        return None
+
     @property
     def labeling_precision(self) -> Precision | None:
-        """The precision the labeler computes in: the campaign's for labeler ``reward_model`` (it loads the reward model
-        to judge), None for the others, which load no model: their labels do not change with it, nor their keys."""
-        return self.precision if self.labeler == "reward_model" else None
+        """The precision the labeler computes in: the campaign's where a reward model is loaded (labeler
+        ``reward_model`` judges; `asking.select` uncertain scores the candidates), None for the others, which load no
+        model: their labels do not change with it, nor their keys."""
+        loads_model = self.labeler == "reward_model" or self.asking.select == "uncertain"
+        return self.precision if loads_model else None
 
     @property
     def pairs_per_iteration(self) -> int:
@@ -448,7 +485,10 @@ class PipelineConfig(_Frozen):
             "best_vs_worse": 1,
             "all_decisive": candidates * (candidates - 1) // 2,
         }[self.pairing]
-        return prompts * per_prompt
+        compared = prompts * per_prompt
+        return (
+            compared if self.asking.select == "all" or self.asking.pairs is None else min(compared, self.asking.pairs)
+        )
 
     @model_validator(mode="after")
     def _estimator_fits_the_rollout(self) -> PipelineConfig:

@@ -153,12 +153,13 @@ ADDED_FIELDS: dict[str, object] = {
     "sft": {**dataclasses.asdict(SFTConfig()), "data": None},
     "sizes.decisive_pairs": None,
     "sizes.max_rounds": 4,
+    "asking": {"select": "all", "pairs": None},
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
 row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment; a PPO
 update, whose campaigns read no `dpo` setting; no SFT stage; one round of candidates an iteration, whatever its decisive
-pairs). At that value a field is left out of every identity (the campaign's
+pairs; every compared pair asked about). At that value a field is left out of every identity (the campaign's
 fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:
 :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's
@@ -202,10 +203,13 @@ CAMPAIGN_FREE = (
     *replayable_fields(),
     "iterations",
     *(f"human.{name}" for name in HumanLabelConfig.model_fields),
+    "asking",
 )
 """Fields a campaign may be run with differently from one command to the next: where and how it runs, what a
 replay may change (the advantage and PPO settings, as a schedule would), how many iterations, and how the
-human-label forms are shown. Every other field (the model, data, labeler, reward, sampling, sizes) defines it."""
+human-label forms are shown, and which of the compared pairs the labeler is asked about (`asking`: by margin only
+once an iteration has a reward model to ask, and every output it changes is keyed by it). Every other field (the
+model, data, labeler, reward, sampling, sizes) defines it."""
 
 
 def campaign_fields(config: PipelineConfig) -> dict:

@@ -28,6 +28,10 @@ Choices:
    missing, unknown or misspelt answer is refused and the run stays paused.
 5. A form left unanswered for ``human.timeout_seconds`` fails the flow run with
    :class:`HumanLabelTimeout` (a ``FlowPauseTimeout``) saying what to do.
+8. With ``asking.select`` random or uncertain the person is asked about only ``asking.pairs`` of the pairs
+   (:func:`tasks.collect_preferences.asked_pairs_of`): the held-out share drawn at random first, then the pairs the
+   previous reward model is least sure of. The answers' ``pair_id`` is then the pair's index among all of them, and
+   the metric ``held_out_head`` says how many of the first answers are held-out pairs.
 7. While it waits, the run also serves the same form as a page of its own (:mod:`flows.label_page`,
    ``human.page_host`` / ``human.page_port``): A and B side by side, one click per pair. Its address is
    in the run's log and at the top of the Resume form; sending it resumes the run exactly as the form does.
@@ -59,8 +63,9 @@ from runtime.stage import Stage, run_stage
 from storage.progress import latest_progress, save_progress
 from storage.schemas import CHOICE, HUMAN_LABELS, PAIR_ID
 from storage.shards import read_table
-from tasks.collect_preferences import candidate_pairs
+from tasks.collect_preferences import asked_pairs_of, candidate_pairs
 from tasks.labelers import SKIP, CandidatePair, HumanChoice
+from tasks.pairing import HELD_OUT_HEAD
 from tasks.settings import HumanLabelsSettings
 
 ANSWERS_FILE = "answers.json"
@@ -76,10 +81,14 @@ def work(job: Job[HumanLabelsSettings]) -> dict[str, float]:
     """Ask for the answers still missing (a crashed attempt's saved forms are not asked again) and write them."""
     settings, context, out = job.settings, job.context, job.out
     pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
+    asked, metrics = list(range(len(pairs))), {}
+    if settings.asking.select != "all":
+        chosen = asked_pairs_of(job, pairs, seed=job.seed())
+        asked, metrics = [*chosen.held_out, *chosen.chosen], {HELD_OUT_HEAD: float(len(chosen.held_out))}
     saved = latest_progress(out.final_dir)
     human = settings.human
     choices = ask_for_labels(
-        pairs,
+        [pairs[index] for index in asked],
         heading=f"Campaign `{context.campaign}`, iteration {context.iteration}",
         pairs_per_form=human.pairs_per_form,
         timeout_seconds=human.timeout_seconds,
@@ -88,16 +97,19 @@ def work(job: Job[HumanLabelsSettings]) -> dict[str, float]:
         on_form=partial(_save_answers, out.final_dir),
         page_address=(human.page_host, human.page_port),
     )
-    table = pa.table({PAIR_ID: list(range(len(choices))), CHOICE: choices}, schema=HUMAN_LABELS)
+    table = pa.table({PAIR_ID: asked, CHOICE: choices}, schema=HUMAN_LABELS)
     out.write_table(human_labels.name, table, schema=HUMAN_LABELS)
-    return {"pairs": float(len(choices)), "skipped": float(choices.count(SKIP))}
+    return {"pairs": float(len(choices)), "skipped": float(choices.count(SKIP)), **metrics}
 
 
 human_labels = Stage(HumanLabelsSettings, work=work)
 
 
-def request_human_labels(context: StageContext, config: PipelineConfig, candidates: StageResult) -> StageResult:
-    """The person's answers for this iteration's candidate pairs: stored ones, or asked for now.
+def request_human_labels(
+    context: StageContext, config: PipelineConfig, candidates: StageResult, reward_model: StageResult | None = None
+) -> StageResult:
+    """The person's answers for this iteration's candidate pairs: stored ones, or asked for now. ``reward_model``:
+    the previous one, whose margins choose the pairs with ``asking.select`` uncertain.
 
     Must be called from a flow: asking pauses the current flow run until each form is answered, so the stage runs
     in the flow's own process rather than as a Prefect task.
@@ -105,7 +117,8 @@ def request_human_labels(context: StageContext, config: PipelineConfig, candidat
     Raises:
         HumanLabelTimeout: a form was not answered in time (the flow run fails).
     """
-    settings = settings_from(HumanLabelsSettings, config, context.base, {"candidates": candidates})
+    inputs = {"candidates": candidates, "reward_model": reward_model}
+    settings = settings_from(HumanLabelsSettings, config, context.base, inputs)
     result = run_stage(human_labels, context, settings)
     if result.reused:
         get_run_logger().info(

@@ -330,8 +330,9 @@ def _round(
 ) -> Round:
     """One round of stages 1 and 2, on the prompts of the rotation after the ``earlier`` rounds'."""
     candidates = sample_candidates(context, config, policy=sampler, earlier=tuple(step.candidates for step in earlier))
-    labels = request_human_labels(context, config, candidates) if config.labeler == "human" else None
-    judge_model = reward_model if config.labeler == "reward_model" else None
+    # The previous reward model judges (labeler reward_model), or its margins choose the pairs asked about.
+    judge_model = reward_model if config.labeler == "reward_model" or config.asking.select == "uncertain" else None
+    labels = request_human_labels(context, config, candidates, judge_model) if config.labeler == "human" else None
     preferences = collect_preferences(
         context, config, candidates=candidates, reward_model=judge_model, labels=labels,
         earlier=tuple(step.preferences for step in earlier),

@@ -72,7 +72,7 @@ class PreferenceBatch:
 
 
 def arrival_split(
-    sizes: Sequence[int], seeds: Sequence[int], eval_fraction: float
+    sizes: Sequence[int], seeds: Sequence[int], eval_fraction: float, *, held_out_heads: Sequence[int | None] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The training and held-out rows of preference tables of ``sizes`` rows each, concatenated in this order (the
     order they arrived in, one table an iteration): each table's rows in an order drawn from its own seed (from
@@ -80,17 +80,28 @@ def arrival_split(
     over all of them. A table's rows are split alike by every later iteration, so a reward model that continues
     the previous one never trains on a pair that model was measured on.
 
+    A table whose pairs were asked about by margin (``asking.select``) says which of its rows were drawn at random
+    for holding out: its first ``held_out_heads[i]`` rows. Those are held out and its other rows trained on; the
+    tables without one (None; every table where ``held_out_heads`` is empty) are split as above among themselves.
+
     Shapes:
         returns two (N,) int64 index tensors into the concatenation, together a permutation of ``range(sum(sizes))``.
     """
+    heads = list(held_out_heads) or [None] * len(sizes)
     offsets = [sum(sizes[:index]) for index in range(len(sizes))]
     orders = [
         offset + torch.randperm(size, generator=torch.Generator().manual_seed(seed))
-        for offset, size, seed in zip(offsets, sizes, seeds, strict=True)
+        for offset, size, seed, head in zip(offsets, sizes, seeds, heads, strict=True)
+        if head is None
     ]
     order = torch.cat(orders) if orders else torch.zeros(0, dtype=torch.long)
     held = torch.tensor(held_out_positions(len(order), eval_fraction), dtype=torch.bool)
-    return order[~held], order[held]
+    train, held_out = [order[~held]], [order[held]]
+    for offset, size, head in zip(offsets, sizes, heads, strict=True):
+        if head is not None:
+            held_out.append(torch.arange(offset, offset + head))
+            train.append(torch.arange(offset + head, offset + size))
+    return torch.cat(train), torch.cat(held_out)
 
 
 def replayed_rows(train: torch.Tensor, *, new_from: int, ratio: float, generator: torch.Generator) -> torch.Tensor:

@@ -13,6 +13,11 @@ worse one or every decisive pair. ``decisive_fraction`` is the share of the comp
 ``decisive_pairs`` the pairs kept that have one (what ``sizes.decisive_pairs`` counts, :mod:`flows.rounds`), ``ties``
 the compared pairs that had none.
 
+With ``asking.select`` random or uncertain the labeler is asked about only ``asking.pairs`` of the compared pairs a
+round (:func:`asked_pairs_of`): the held-out share drawn at random, written first and counted in the metric
+``held_out_head`` (:data:`tasks.pairing.HELD_OUT_HEAD`), the rest by the previous reward model's margin.
+``asked_pairs`` counts them, ``compared_pairs`` the pairs they were chosen from.
+
 A later round of the iteration's candidates (``sizes.decisive_pairs``) numbers its pairs after the earlier rounds'
 (``earlier``), so a pair id names one pair across the whole campaign.
 """
@@ -23,13 +28,14 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from itertools import groupby
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlhf_core.config import Pairing
+from rlhf_core.config import Pairing, held_out_pairs
 from runtime.declaration import StageResult
 from runtime.job import Job, Shards
 from runtime.stage import Stage
@@ -47,7 +53,15 @@ from tasks.labelers import (
     Labeler,
     RewardModelLabeler,
 )
-from tasks.pairing import compared_pairs, kept_pairs
+from tasks.pairing import (
+    HELD_OUT_HEAD,
+    AskedPairs,
+    askable_pairs,
+    asked_pairs,
+    compared_pairs,
+    held_out_head,
+    kept_pairs,
+)
 from tasks.settings import CollectPreferencesSettings
 from tasks.tensors import reward_scorer
 from tasks.text import Prompt, load_tokenizer, prompt_text, read_prompts
@@ -132,6 +146,50 @@ def paired_table(
     }
 
 
+def asked_table(
+    compared: list[CandidatePair], asked: AskedPairs, labeler: Labeler, pairing: Pairing, *, first_pair_id: int
+) -> tuple[pa.Table, dict[str, float]]:
+    """Label only the ``asked`` pairs of ``compared`` and keep them (``all_decisive``: those with a winner), the
+    held-out ones first; their count is the metric ``held_out_head``, which the reward model holds out
+    (:func:`tasks.pairing.held_out_head`).
+
+    Returns:
+        The ``preferences`` table, and the metrics ``compared_pairs``, ``asked_pairs``, ``decisive_fraction``,
+        ``ties`` and ``held_out_head``.
+    """
+    indices = [*asked.held_out, *asked.chosen]
+    labels = labeler.label([compared[index] for index in indices])
+    kept = [row for row, label in enumerate(labels) if pairing == "consecutive" or label.margin > 0]
+    decisive = sum(label.margin > 0 for label in labels)
+    table = pair_table(
+        [compared[indices[row]] for row in kept], [labels[row] for row in kept], labeler.name, first_pair_id
+    )
+    return table, {
+        "compared_pairs": float(len(compared)),
+        "asked_pairs": float(len(indices)),
+        "decisive_fraction": decisive / max(len(indices), 1),
+        "ties": float(len(indices) - decisive),
+        HELD_OUT_HEAD: float(sum(row < len(asked.held_out) for row in kept)),
+    }
+
+
+def asked_pairs_of(job: Job, pairs: Sequence[CandidatePair], *, seed: int) -> AskedPairs:
+    """Which of the compared ``pairs`` the labeler is asked about (:func:`tasks.pairing.asked_pairs`): with
+    ``asking.select`` uncertain and a previous reward model, by its margins; else at random; never a pair of two
+    identical responses (:func:`tasks.pairing.askable_pairs`). ``job`` is a ``collect_preferences`` or ``human_labels`` job (their settings name the same
+    ``asking``, ``eval_fraction``, ``reward_model`` and ``precision``)."""
+    settings = job.settings
+    askable = askable_pairs(pairs)
+    budget = min(settings.asking.pairs, len(askable))
+    margins = None
+    if settings.asking.select == "uncertain" and settings.reward_model is not None:
+        judge = _reward_judge(job, settings.reward_model.directory / "reward_model")
+        margins = [label.margin for label in judge.label([pairs[index] for index in askable])]
+    held_out = held_out_pairs(budget, settings.eval_fraction)
+    asked = asked_pairs(len(askable), margins, budget=budget, held_out=held_out, seed=seed)
+    return AskedPairs([askable[index] for index in asked.held_out], [askable[index] for index in asked.chosen])
+
+
 def labelled_table(pairs: list[CandidatePair], labeler: Labeler, *, first_pair_id: int) -> pa.Table:
     return pair_table(pairs, labeler.label(pairs), labeler.name, first_pair_id)
 
@@ -154,18 +212,30 @@ def pair_table(pairs: list[CandidatePair], labels: list[Label], labeler: str, fi
     )
 
 
-def human_table(pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id: int) -> pa.Table:
-    """The preference table of a person's answers (a ``human_labels`` table); tie/skip pairs are dropped.
+def human_table(
+    pairs: list[CandidatePair], answers: pa.Table, *, first_pair_id: int, held_out: int | None = None
+) -> pa.Table:
+    """The preference table of a person's answers (a ``human_labels`` table, one row per pair asked about, in the
+    order asked); tie/skip pairs are dropped.
+
+    Args:
+        held_out: with ``asking.select``, how many of the first answers are to pairs drawn at random to be held out.
 
     Raises:
-        ValueError: the answers are not exactly one per pair of these candidates.
+        ValueError: the answers are not to distinct pairs of these candidates, or (without ``held_out``) not one to
+            each.
     """
-    choices = dict(zip(answers.column(PAIR_ID).to_pylist(), answers.column(CHOICE).to_pylist(), strict=True))
-    if sorted(choices) != list(range(len(pairs))) or answers.num_rows != len(pairs):
+    asked = answers.column(PAIR_ID).to_pylist()
+    choices = answers.column(CHOICE).to_pylist()
+    expected = sorted(asked) == list(range(len(pairs))) if held_out is None else len(set(asked)) == len(asked)
+    if not expected or not set(asked) <= set(range(len(pairs))):
         raise ValueError(f"the human labels hold {answers.num_rows} answers, not one for each of {len(pairs)} pairs")
-    kept = [index for index in range(len(pairs)) if choices[index] != SKIP]
-    labeler = HumanLabeler([choices[index] for index in kept])
-    return labelled_table([pairs[index] for index in kept], labeler, first_pair_id=first_pair_id)
+    if held_out is None:  # one answer per pair: the pairs in their own order
+        order = sorted(range(len(asked)), key=asked.__getitem__)
+        asked, choices = [asked[row] for row in order], [choices[row] for row in order]
+    kept = [row for row in range(len(asked)) if choices[row] != SKIP]
+    labeler = HumanLabeler([choices[row] for row in kept])
+    return labelled_table([pairs[asked[row]] for row in kept], labeler, first_pair_id=first_pair_id)
 
 
 def plan(job: Job[CollectPreferencesSettings]) -> Shards | None:
@@ -200,15 +270,21 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
         table = import_preferences(settings.preferences.path) if context.iteration == 0 else PREFERENCES.empty_table()
     elif labeler == "human":
         pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
-        table = human_table(pairs, _answers(settings.labels), first_pair_id=first_pair_id)
+        answers = _answers(settings.labels)
+        held_out = held_out_head(settings.labels)  # the person's answers say it, with `asking.select`
+        table = human_table(pairs, answers, first_pair_id=first_pair_id, held_out=held_out)
         # A person's ties are dropped, not stored with margin 0: count them among the pairs shown.
-        ties = 1.0 - table.num_rows / max(len(pairs), 1)
+        ties = 1.0 - table.num_rows / max(answers.num_rows, 1)
         shown = {
             "tie_fraction": ties,
             "decisive_fraction": 1.0 - ties,
             "decisive_pairs": float(table.num_rows),  # a person's answer has no margin: each kept one has a winner
-            "ties": float(len(pairs) - table.num_rows),
+            "ties": float(answers.num_rows - table.num_rows),
         }
+        if held_out is not None:
+            skipped = answers.column(CHOICE).to_pylist()[:held_out].count(SKIP)
+            shown |= {"compared_pairs": float(len(pairs)), "asked_pairs": float(answers.num_rows)}
+            shown[HELD_OUT_HEAD] = float(held_out - skipped)
     elif labeler == "function":
         if settings.rubric is None:
             raise ValueError("labeler 'function' needs a rubric: `reward.function`")
@@ -217,14 +293,27 @@ def work(job: Job[CollectPreferencesSettings]) -> dict[str, float] | Iterator[pa
         candidates = read_table(settings.candidates.directory, "candidates")
         groups = candidate_groups(candidates, columns=[row.columns for row in rows], pairing=settings.pairing)
         rubric = FunctionLabeler(settings.rubric.load(), settings.rubric.name, render=partial(prompt_text, tokenizer))
-        table, shown = paired_table(groups, rubric, settings.pairing, seed=seed, first_pair_id=first_pair_id)
+        table, shown = _label_groups(job, groups, rubric, seed=seed, first_pair_id=first_pair_id)
     else:
         if settings.judge is None:
             raise ValueError("labeler 'gold' needs a gold judge")
         groups = candidate_groups(read_table(settings.candidates.directory, "candidates"), pairing=settings.pairing)
         judge = JudgeLabeler(settings.judge.load())
-        table, shown = paired_table(groups, judge, settings.pairing, seed=seed, first_pair_id=first_pair_id)
+        table, shown = _label_groups(job, groups, judge, seed=seed, first_pair_id=first_pair_id)
     return {**gather(job, table), **shown}
+
+
+def _label_groups(
+    job: Job[CollectPreferencesSettings], groups: list[PromptPairs], labeler: Labeler, *, seed: int, first_pair_id: int
+) -> tuple[pa.Table, dict[str, float]]:
+    """The compared pairs of ``groups`` labelled and kept by ``pairing``: all of them (:func:`paired_table`), or with
+    ``asking.select`` those asked about (:func:`asked_table`)."""
+    pairing = job.settings.pairing
+    if job.settings.asking.select == "all":
+        return paired_table(groups, labeler, pairing, seed=seed, first_pair_id=first_pair_id)
+    compared = [pair for group in groups for pair in group.pairs]
+    asked = asked_pairs_of(job, compared, seed=seed)
+    return asked_table(compared, asked, labeler, pairing, first_pair_id=first_pair_id)
 
 
 def gather(job: Job[CollectPreferencesSettings], table: pa.Table) -> dict[str, float]:
@@ -260,23 +349,30 @@ def label_shards(job: Job[CollectPreferencesSettings]) -> Iterator[pa.Table]:
     """The ``preferences`` rows of each shard of the candidate pairs, labelled by the reward model (the pretrained
     ``model.reward_model`` where no iteration has trained one yet)."""
     settings, context = job.settings, job.context
-    models = job.models(settings.precision)
     pairs = candidate_pairs(read_table(settings.candidates.directory, "candidates"))
     judge = (
         settings.reward_model.directory / "reward_model"
         if settings.reward_model is not None
         else context.base.reward_model.path
     )
-    scorer = reward_scorer(
-        models.load("reward_model", judge),
-        policy_tokenizer_dir=context.base.tokenizer.path,
-        reward_tokenizer_dir=context.base.reward_tokenizer,
-    )
-    labeler = RewardModelLabeler(scorer, autocast=models.autocast)
+    labeler = _reward_judge(job, judge)
     first = context.iteration * PAIRS_PER_ITERATION + pair_count(settings.earlier)
     for shard in job.shards:
         first_pair_id = first + shard.start
         yield labelled_table(pairs[shard.start : shard.stop], labeler, first_pair_id=first_pair_id)
+
+
+def _reward_judge(job: Job, reward_model: Path) -> RewardModelLabeler:
+    """The reward model in the folder ``reward_model`` as a labeler (its margin: the score gap), in the job's
+    ``precision``."""
+    context = job.context
+    models = job.models(job.settings.precision)
+    scorer = reward_scorer(
+        models.load("reward_model", reward_model),
+        policy_tokenizer_dir=context.base.tokenizer.path,
+        reward_tokenizer_dir=context.base.reward_tokenizer,
+    )
+    return RewardModelLabeler(scorer, autocast=models.autocast)
 
 
 collect_preferences = Stage(CollectPreferencesSettings, plan=plan, work=work, gather=gather)

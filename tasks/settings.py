@@ -86,6 +86,15 @@ class HumanLabelsSettings(StageSettings):
     stage = "human_labels"
     module = "flows.human_labels"  # asking pauses the flow run: a flow-level step
     candidates: StageResult = upstream()
+    reward_model: StageResult | None = upstream()
+    """The previous iteration's reward model, whose margins choose the pairs asked about with ``asking.select``
+    uncertain; None otherwise (and in the first iteration: drawn at random)."""
+    asking: Any = setting("asking")
+    """Which of the candidate pairs the person is asked about (:class:`campaign.config.AskingConfig`)."""
+    eval_fraction: float = setting("reward_model.eval_fraction")
+    """The share of the asked pairs drawn at random to be held out, with ``asking.select`` other than all."""
+    precision: Precision | None = setting("labeling_precision")
+    """The precision the reward model scores the candidates in, with ``asking.select`` uncertain."""
     relabel: int = setting("human.relabel")
     """Answers are stored per value: another value asks again."""
     human: Any = setting("human", keyed=False)
@@ -100,8 +109,9 @@ class CollectPreferencesSettings(StageSettings):
     candidates: StageResult | None = upstream()
     """The candidates to label; None with labeler ``import``, which samples none."""
     reward_model: StageResult | None = upstream()
-    """The judge with labeler ``reward_model``: the previous iteration's reward model, or None in the first
-    iteration, where the pretrained ``model.reward_model`` judges."""
+    """The previous iteration's reward model: the judge with labeler ``reward_model`` (None in the first iteration,
+    where the pretrained ``model.reward_model`` judges), and whose margins choose the pairs asked about with
+    ``asking.select`` uncertain (None in the first iteration: drawn at random); None otherwise."""
     labels: StageResult | None = upstream()
     """The person's answers (a ``human_labels`` output) with labeler ``human``; None otherwise."""
     earlier: tuple[StageResult, ...] = upstream()
@@ -110,6 +120,10 @@ class CollectPreferencesSettings(StageSettings):
     labeler: LabelerName = setting("labeler")
     pairing: Pairing = setting("pairing")
     """Which pairs of a prompt's candidates are compared and kept (:mod:`tasks.pairing`)."""
+    asking: Any = setting("asking")
+    """Which of the compared pairs the labeler is asked about (:class:`campaign.config.AskingConfig`)."""
+    eval_fraction: float = setting("reward_model.eval_fraction")
+    """The share of the asked pairs drawn at random to be held out, with ``asking.select`` other than all."""
     judge: JudgeReference | None = setting("base.judge")
     rubric: RewardFunctionReference | None = setting("base.rubric")
     preferences: InputFile | None = setting("base.preferences")

@@ -7,7 +7,9 @@ It continues the previous iteration's reward model, or starts from a pretrained 
 
 Pairs are rendered as conversations in the reward model's own tokens (:func:`tasks.text.conversation_id_lists`).
 The pairs held out for its accuracy and score statistics are split off each iteration's table alike in every
-iteration (:func:`rlhf_core.reward_training.arrival_split`): they accumulate, and none is ever trained on.
+iteration (:func:`rlhf_core.reward_training.arrival_split`): they accumulate, and none is ever trained on. A table
+of pairs asked about by ``asking.select`` holds out the rows it drew at random for it
+(:func:`tasks.pairing.held_out_head`).
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
@@ -40,6 +42,7 @@ from runtime.stage import Stage
 from storage.checkpoints import save_model
 from storage.manifest import read_manifest
 from storage.shards import read_table
+from tasks.pairing import held_out_head
 from tasks.settings import TrainRewardModelSettings
 from tasks.tensors import pad_token_lists
 from tasks.text import conversation_id_lists, load_tokenizer, prompts_of
@@ -98,7 +101,10 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
     pairs = preference_batch(pa.concat_tables(tables), tokenizer)
     sizes = [table.num_rows for table in tables]
     train, held_out = arrival_split(
-        sizes, [table_seed(result) for result in settings.preferences], config.eval_fraction
+        sizes,
+        [table_seed(result) for result in settings.preferences],
+        config.eval_fraction,
+        held_out_heads=[held_out_head(result) for result in settings.preferences],
     )
     if config.replay_ratio is not None and previous is not None:  # continues: new pairs, and a replay of older ones
         train = replayed_rows(train, new_from=sum(sizes[:-1]), ratio=config.replay_ratio, generator=generator)

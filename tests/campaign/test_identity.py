@@ -176,6 +176,24 @@ def test_issue35_a_pairing_that_compares_every_pair_needs_a_labeler_that_scores_
     assert load_config(TINY, ["pairing=all_decisive"]).pairs_per_iteration == 16 * 1  # 16 prompts x 2 candidates
 
 
+def test_issue43_asking_keeps_every_identity_at_all_and_needs_a_budget_and_a_labeler_of_candidates():
+    recorded = PipelineConfig.model_validate_json(RECORDED)
+    assert recorded.asking.select == "all" and recorded.asking.pairs is None
+    assert config_fingerprint(recorded) == FINGERPRINT and run_key(recorded, BASE, "", 0) == ITERATION_KEY
+    asked = recorded.model_copy(
+        update={"asking": recorded.asking.model_copy(update={"select": "uncertain", "pairs": 8})}
+    )
+    # A campaign may start asking by margin once it has a reward model: not its identity, but its iterations' keys.
+    assert config_fingerprint(asked) == FINGERPRINT and "asking" not in campaign_fields(asked)
+    assert run_key(asked, BASE, "", 0) != ITERATION_KEY
+    with pytest.raises(ConfigError, match="`asking.select` uncertain asks about a budget of pairs a round: set"):
+        load_config(TINY, ["asking.select=uncertain"])
+    with pytest.raises(ConfigError, match="best_vs_worse needs all of a prompt's"):
+        load_config(TINY, ["asking.select=random", "asking.pairs=8", "pairing=best_vs_worse"])
+    config = load_config(TINY, ["asking.select=uncertain", "asking.pairs=12", "pairing=all_decisive"])
+    assert config.pairs_per_iteration == 12 and config.labeling_precision == config.precision
+
+
 def test_issue33_a_field_added_since_keeps_every_identity_at_its_old_value_and_is_part_of_it_at_another():
     recorded = PipelineConfig.model_validate_json(RECORDED)
     assert recorded.sampling.staleness == 0 and recorded.ppo.off_policy == "decoupled"

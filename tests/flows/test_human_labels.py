@@ -418,6 +418,36 @@ def test_tie_skip_answers_that_leave_too_few_pairs_fail_in_one_line_saying_how_t
     assert _user_error(failed.value)
 
 
+def test_issue43_with_asking_a_person_is_shown_only_the_asked_pairs_the_held_out_ones_first(answered):
+    """`asking.select` random, 4 of the 8 pairs: the page shows those 4 (ceil(4 x 0.7) = 3 drawn to be held out,
+    then 1), the answers name their pairs, and the reward model holds out the 3 and trains on the 1."""
+    from runtime.seeds import stage_seed
+    from tasks.pairing import HELD_OUT_HEAD, askable_pairs, asked_pairs
+
+    config, _, _, _ = answered
+    asking = config.asking.model_copy(update={"select": "random", "pairs": 4})
+    state, forms, _ = _run_answering(config.model_copy(update={"asking": asking}), ["A", "B", "A", "B"])
+    assert state.is_completed(), state
+    campaign_dir = config.run_root / config.campaign
+    (candidates_dir,) = (campaign_dir / "sample_candidates").iterdir()
+    pairs = candidate_pairs(read_table(candidates_dir, "candidates"))
+    askable = askable_pairs(pairs)
+    drawn = asked_pairs(len(askable), None, budget=4, held_out=3, seed=stage_seed(config.seed, "human_labels", 0))
+    held_out, chosen = [askable[index] for index in drawn.held_out], [askable[index] for index in drawn.chosen]
+    shown = [pairs[index] for index in [*held_out, *chosen]]
+    assert [len(form["properties"]) for form in forms] == [4]
+    assert forms[0]["description"].endswith(pairs_markdown(shown, first=0))
+    labels = state.result().preferences[-1]
+    (answers,) = [
+        path
+        for path in (campaign_dir / "human_labels").iterdir()
+        if read_manifest(path).digest == read_manifest(labels.directory).upstream["labels"]
+    ]
+    assert read_table(answers, "human_labels").column("pair_id").to_pylist() == [*held_out, *chosen]
+    assert labels.metrics[HELD_OUT_HEAD] == 3 and labels.metrics["asked_pairs"] == 4
+    assert state.result().reward_model.metrics["eval_pairs"] == 3
+
+
 @pytest.mark.slow
 def test_issue43_a_person_is_asked_a_page_of_fresh_pairs_while_too_few_answers_had_a_winner(
     prefect_server, checkpoint_world, tmp_path

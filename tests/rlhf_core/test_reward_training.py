@@ -104,6 +104,24 @@ def test_issue43_a_tables_pairs_are_split_alike_by_every_later_iteration_and_non
     assert [len(part) for part in arrival_split([], [], 0.25)] == [0, 0]
 
 
+def test_issue43_a_table_of_pairs_asked_by_margin_holds_out_its_random_head_and_leaves_the_others_split_as_before():
+    # Tables: iteration 0's 4 pairs (every compared pair asked), iteration 1's 6 asked by margin, its first 2 drawn
+    # at random to be held out. Iteration 0's split is the one it had alone; iteration 1 holds out rows 4 and 5
+    # (its head) and trains on rows 6-9, whatever its seed.
+    alone_train, alone_held = arrival_split([4], [11], 0.25)
+    train, held = arrival_split([4, 6], [11, 22], 0.25, held_out_heads=[None, 2])
+    assert held.tolist() == [*alone_held.tolist(), 4, 5]
+    assert train.tolist() == [*alone_train.tolist(), 6, 7, 8, 9]
+    assert arrival_split([4, 6], [11, 99], 0.25, held_out_heads=[None, 2])[1].tolist() == held.tolist()
+    # Without heads (or with None for every table) the split is today's, to the row.
+    for a, b in zip(
+        arrival_split([4, 6], [11, 22], 0.25, held_out_heads=[None, None]),
+        arrival_split([4, 6], [11, 22], 0.25),
+        strict=True,
+    ):
+        assert a.tolist() == b.tolist()
+
+
 def test_issue43_a_continuing_reward_model_trains_on_the_new_pairs_and_a_replay_of_older_ones():
     # Rows 0-9 from earlier iterations, 10-13 new: ratio 0.5 replays round(0.5 x 4) = 2 older rows, ratio 10 all 10.
     train = torch.tensor([0, 2, 3, 5, 6, 7, 8, 9, 11, 1, 4, 10, 12, 13])

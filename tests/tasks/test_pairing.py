@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pyarrow as pa
 import pytest
 
-from storage.schemas import CANDIDATES
-from tasks.collect_preferences import candidate_groups, paired_table
+from storage.schemas import CANDIDATES, HUMAN_LABELS
+from tasks.collect_preferences import asked_table, candidate_groups, human_table, paired_table
 from tasks.labelers import FunctionLabeler, Label
-from tasks.pairing import compared_pairs, kept_pairs
+from tasks.pairing import HELD_OUT_HEAD, AskedPairs, askable_pairs, asked_pairs, compared_pairs, kept_pairs
 
 
 def _label(scores: list[float], compared: list[tuple[int, int]]) -> list[Label]:
@@ -99,3 +100,55 @@ def test_issue35_the_preference_table_and_its_share_of_decisive_pairs(pairing, p
             ("Apple.", "I like pears."), ("Apple.", "A fig."), ("Apple.", "Red kiwi."),
             ("A fig.", "I like pears."), ("Red kiwi.", "I like pears."),
         }  # fmt: skip
+
+
+def test_issue43_asked_pairs_draws_the_held_out_share_at_random_then_the_smallest_margins():
+    # random.Random(0) shuffles range(6) to [4, 2, 1, 0, 5, 3]. Held out: the first drawn, pair 4 (margin 0.3, not
+    # among the smallest). The rest by margin, the draw's order breaking ties: 1 (0.1) and 3 (0.1) before 0 (0.5),
+    # 2 (0.9), 5 (2.0); a budget of 3 takes 1 and 3.
+    margins = [0.5, 0.1, 0.9, 0.1, 0.3, 2.0]
+    assert asked_pairs(6, margins, budget=3, held_out=1, seed=0) == AskedPairs([4], [1, 3])
+    # Without margins (iteration 0: no reward model yet) the whole budget is the draw: 4, then 2 and 1.
+    assert asked_pairs(6, None, budget=3, held_out=1, seed=0) == AskedPairs([4], [1, 2])
+    # The held-out draw never looks at the margins: any margins give the same held-out pairs.
+    for trial in range(20):
+        other = [random.Random(trial).random() for _ in margins]
+        assert asked_pairs(6, other, budget=3, held_out=1, seed=0).held_out == [4]
+    # A budget of every pair asks about every pair; the margins only decide which are left out.
+    assert asked_pairs(6, margins, budget=6, held_out=2, seed=0) == AskedPairs([2, 4], [0, 1, 3, 5])
+    with pytest.raises(ValueError, match="5 values for 6"):
+        asked_pairs(6, margins[:5], budget=3, held_out=1, seed=0)
+
+
+def test_issue43_the_asked_table_holds_the_held_out_pairs_first_and_counts_them():
+    # Prompt 0 scores 1, 1/3, 1/2, 1/2; prompt 1 scores 1/2 four times. Consecutive pairs: (0,1) decisive, (2,3)
+    # tie, prompt 1's two ties. Asked: held out pair 3 (a tie, kept with consecutive), chosen 0 and 1.
+    candidates = _candidates([["Apple.", "I like pears.", "A fig.", "Red kiwi."], ["A b.", "C d.", "E f.", "G h."]])
+    compared = [pair for group in candidate_groups(candidates) for pair in group.pairs]
+    rubric = FunctionLabeler(_one_word, "m:one_word")
+    table, metrics = asked_table(compared, AskedPairs([3], [0, 1]), rubric, "consecutive", first_pair_id=7)
+    assert table.column("chosen").to_pylist() == ["E f.", "Apple.", "A fig."]
+    assert metrics == {"compared_pairs": 4.0, "asked_pairs": 3.0, "decisive_fraction": 1 / 3, "ties": 2.0,
+                       HELD_OUT_HEAD: 1.0}  # fmt: skip
+    # all_decisive keeps only pairs with a winner: the held-out tie is dropped, so no row is held out here.
+    table, metrics = asked_table(compared, AskedPairs([3], [0, 1]), rubric, "all_decisive", first_pair_id=7)
+    assert table.column("chosen").to_pylist() == ["Apple."] and metrics[HELD_OUT_HEAD] == 0.0
+
+
+def test_issue43_a_persons_answers_to_asked_pairs_keep_the_order_asked_and_drop_skips():
+    candidates = _candidates([["Apple.", "I like pears.", "A fig.", "Red kiwi."], ["A b.", "C d.", "E f.", "G h."]])
+    pairs = [pair for group in candidate_groups(candidates) for pair in group.pairs]
+    answers = pa.table({"pair_id": [3, 0, 1], "choice": ["B", "A", "tie/skip"]}, schema=HUMAN_LABELS)
+    table = human_table(pairs, answers, first_pair_id=0, held_out=1)
+    assert table.column("chosen").to_pylist() == ["G h.", "Apple."]
+    with pytest.raises(ValueError, match="not one for each of 4 pairs"):
+        human_table(pairs, answers, first_pair_id=0)  # without a selection, every pair needs its answer
+
+
+def test_issue43_a_pair_of_two_identical_responses_is_never_asked_about():
+    # Prompt 0's consecutive pairs: ("Apple.", "A fig.") and ("A fig.", "A fig."), alike; prompt 1's: two distinct.
+    candidates = _candidates([["Apple.", "A fig.", "A fig.", "A fig."], ["A b.", "C d.", "E f.", "G h."]])
+    pairs = [pair for group in candidate_groups(candidates) for pair in group.pairs]
+    # _candidates gives candidate i the response id 2 + i: make candidates 2 and 3 of prompt 0 the same tokens.
+    pairs[1] = dataclasses.replace(pairs[1], second_ids=pairs[1].first_ids)
+    assert askable_pairs(pairs) == [0, 2, 3]
