@@ -209,7 +209,12 @@ class OtherWeights:
     logprobs: list[list[float]]
 
     def name(self) -> str:
-        return self.weights + ("" if self.adapter is None else f" with the adapter {self.adapter}")
+        return weights_name(self.weights, self.adapter)
+
+
+def weights_name(weights: str, adapter: str | None) -> str:
+    """Served weights as a refusal names them: the folder, and the adapter over it if any."""
+    return weights + ("" if adapter is None else f" with the adapter {adapter}")
 
 
 def weights_file(directory: Path, policy: ServedPolicy, precision: str) -> Path:
@@ -328,7 +333,7 @@ class GatedPolicy:
     def check(self, engine: list[list[float]], *, state: str, seconds: float) -> None:
         """Compare the engine's log-probs of the probe with the trainer's; record the swap, or refuse it."""
         gap = probe_gap(engine, self.expected)
-        weights = OtherWeights(self.policy.weights, self.policy.adapter, self.expected).name()
+        weights = weights_name(self.policy.weights, self.policy.adapter)
         record = {
             "weights": self.policy.weights,
             "adapter": self.policy.adapter,
