@@ -5,7 +5,12 @@ installed Prefect, so an upgrade that changes one fails there, by name, rather t
 1. Concurrency slots on a lease whose id the holder keeps (:mod:`runtime.concurrency`): the public
    ``prefect.concurrency.sync.concurrency`` holds a leased slot but does not say its lease, and a command must record
    it so that the next command can release the slot of one killed with ``kill -9`` (a temporary server runs no lease
-   repossessor). Prefect's own ``concurrency`` is built on these three functions.
+   repossessor). The slot is taken and given back through a client of the settings in force where it is asked for
+   (the client's public lease requests), the lease renewed by Prefect's own ``maintain_concurrency_lease``. Prefect's
+   own acquisition goes through one service per limit name and process whose client keeps the server of its first
+   use: a process that then talks to another server (a test session: each in-process command on a server of its
+   own, then the session's) took its slot on the first server, released it on the second, and the next taker waited
+   for ever.
 2. Stages run without one of the tags around them (:func:`without_tags`): ``prefect.tags`` only adds tags. This
    enters a new ``TagsContext``, as ``prefect.tags`` does, holding fewer.
 3. A deployment's parameter schema with bounds and hidden fields (:mod:`flows.serve`): ``Flow.to_deployment`` derives
@@ -14,17 +19,40 @@ installed Prefect, so an upgrade that changes one fails there, by name, rather t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 from uuid import UUID
 
+import httpx
+
 
 def acquire_slot_lease(name: str, *, lease_seconds: float) -> UUID:
-    """Take one slot of the global concurrency limit ``name``, waiting while it is full; the lease's id (choice 1)."""
-    from prefect.concurrency._sync import acquire_concurrency_slots_with_lease
+    """Take one slot of the global concurrency limit ``name`` on the server of the settings in force, waiting while
+    it is full (as long as the server's ``Retry-After`` says each time); the lease's id (choice 1).
 
-    return acquire_concurrency_slots_with_lease([name], 1, lease_duration=lease_seconds, strict=True).lease_id
+    Raises:
+        LookupError: the limit does not exist.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
+
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                response = client.increment_concurrency_slots_with_lease(
+                    names=[name], slots=1, mode="concurrency", lease_duration=lease_seconds
+                )
+            except httpx.HTTPStatusError as error:
+                if error.response.status_code != httpx.codes.LOCKED:
+                    raise
+                time.sleep(float(error.response.headers.get("Retry-After", 1.0)))
+                continue
+            granted = ConcurrencyLimitWithLeaseResponse.model_validate(response.json())
+            if not granted.limits:
+                raise LookupError(f"the Prefect concurrency limit {name} does not exist")
+            return granted.lease_id
 
 
 def renewing_lease(lease: UUID, *, lease_seconds: float) -> AbstractContextManager[None]:
@@ -35,10 +63,12 @@ def renewing_lease(lease: UUID, *, lease_seconds: float) -> AbstractContextManag
 
 
 def release_slot_lease(lease: UUID) -> None:
-    """Give back the slot ``lease`` holds (choice 1)."""
-    from prefect.concurrency._sync import release_concurrency_slots_with_lease
+    """Give back the slot ``lease`` holds, on the server of the settings in force (choice 1): the server it was taken
+    on (a lease the server does not know is ignored there)."""
+    from prefect.client.orchestration import get_client
 
-    release_concurrency_slots_with_lease(lease)
+    with get_client(sync_client=True) as client:
+        client.release_concurrency_slots_with_lease(lease_id=lease)
 
 
 @contextmanager

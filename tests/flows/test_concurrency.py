@@ -223,3 +223,43 @@ def test_an_engine_slot_whose_holder_was_killed_is_taken_at_once(prefect_server)
         assert _limit(engine_limit()).active_slots == 1
     assert time.monotonic() - started < 30  # not the 60 s lease, nor forever
     assert _limit(engine_limit()).active_slots == 0 and not engine_slot_record().exists()
+
+
+def test_a_slot_is_taken_and_given_back_on_the_server_of_the_settings_in_force(prefect_server, tmp_path):
+    """A process that held a limit's slot on one server, then holds it on another (a test session: an in-process
+    command on a temporary server of its own, then the session's server): each slot is taken and given back on its
+    own server. Prefect's acquisition service, one per limit name and process, kept the first server: the slot was
+    taken there and given back to the second, and the next taker waited for ever (the vLLM suite's hang)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+    from prefect.testing.utilities import _find_available_port
+
+    from runtime.concurrency import create_limit
+
+    name = f"rlhf-test-two-servers-{os.getpid()}"
+    database = f"sqlite+aiosqlite:///{tmp_path / 'first.db'}"
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: database}):
+        first = SubprocessASGIServer(port=_find_available_port())
+        first.start(timeout=180)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: first.api_url}):
+            create_limit(name, 1)
+            with held_slot(name):
+                assert _limit(name).active_slots == 1
+            assert _limit(name).active_slots == 0
+        create_limit(name, 1)  # on the session's server
+        taken: list[int] = []
+
+        def take_twice() -> None:
+            for _ in range(2):
+                with held_slot(name):
+                    taken.append(_limit(name).active_slots)
+
+        taker = _thread(take_twice)
+        taker.join(timeout=120)
+        assert not taker.is_alive(), "the second taker waits for a slot given back to another server"
+        assert taken == [1, 1] and _limit(name).active_slots == 0
+        with temporary_settings(updates={PREFECT_API_URL: first.api_url}):
+            assert _limit(name).active_slots == 0
+    finally:
+        first.stop()

@@ -10,18 +10,18 @@ import inspect
 from prefect import flow
 
 
-def test_the_lease_functions_take_what_the_adapter_passes_and_return_a_lease_id():
+def test_the_lease_requests_take_what_the_adapter_passes_and_return_a_lease_id():
+    from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
     from prefect.concurrency import _sync
 
-    acquire = inspect.signature(_sync.acquire_concurrency_slots_with_lease)
-    assert list(acquire.parameters)[:2] == ["names", "slots"]
-    assert {"lease_duration", "strict"} <= set(acquire.parameters)
-    assert "lease_id" in ConcurrencyLimitWithLeaseResponse.model_fields
+    increment = inspect.signature(SyncPrefectClient.increment_concurrency_slots_with_lease)
+    assert {"names", "slots", "mode", "lease_duration"} <= set(increment.parameters)
+    assert {"lease_id", "limits"} <= set(ConcurrencyLimitWithLeaseResponse.model_fields)
+    assert "lease_id" in inspect.signature(SyncPrefectClient.release_concurrency_slots_with_lease).parameters
     maintain = inspect.signature(_sync.maintain_concurrency_lease)
     assert list(maintain.parameters)[:2] == ["lease_id", "lease_duration"]
     assert "raise_on_lease_renewal_failure" in maintain.parameters
-    assert list(inspect.signature(_sync.release_concurrency_slots_with_lease).parameters) == ["lease_id"]
 
 
 def test_without_tags_removes_only_the_named_tags_and_restores_them():
