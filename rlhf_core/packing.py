@@ -1,9 +1,10 @@
 """Packing: several examples in one row, each attending only to itself, so a batch holds less padding.
 
 Choices:
-1. Examples are packed whole (never split) into rows of at most ``length`` tokens, first-fit decreasing
-   (:func:`first_fit_decreasing`; TRL's "bfd" packing is its best-fit sibling), and the rows right-padded to the
-   longest.
+1. Examples are packed whole (never split) into rows of at most ``length`` tokens, as few cells as a greedy
+   balanced partition finds (:func:`pack_rows`), and the rows right-padded to the longest. TRL packs a whole data set
+   into rows of ``max_length`` (best-fit decreasing); here one minibatch at a time, so its steps stay the unpacked
+   run's.
 2. The rows go to the forward with ``position_ids`` that restart at 0 at each example and no attention mask.
    transformers 5.x's masking utilities (``masking_utils.find_packed_sequence_indices``, called by
    ``create_causal_mask`` when the 2D mask is None and there is no cache) read the restarts as boundaries and build a
@@ -27,32 +28,44 @@ import torch
 from rlhf_core.models import dropout_disabled
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """The indices of ``lengths`` in bins whose lengths sum to at most ``capacity`` (choice 1): the longest first
-    (ties by index), each into the first bin with room, else into a new one.
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """The indices of ``lengths`` in rows of at most ``capacity`` tokens with the fewest cells (choice 1).
+
+    For each number of rows ``r`` the examples go longest first (ties by index) each into the row that holds the
+    fewest tokens so far (the first of those tied): a greedy balanced partition (longest processing time first). Of
+    the partitions no wider than ``capacity`` the one of fewest cells (``r`` x its longest row) wins, on a tie the one
+    of more, narrower rows. With ``r`` = one row per example it is the unpacked layout, so packing never makes more
+    cells, nor a wider row, than padding each example to the longest.
 
     Naive equivalent::
 
-        bins = []
-        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-            fits = [b for b in bins if sum(lengths[j] for j in b) + lengths[i] <= capacity]
-            (fits[0] if fits else bins.append([]) or bins[-1]).append(i)
+        def rows_of(r):
+            rows = [[] for _ in range(r)]
+            for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+                min(rows, key=lambda row: sum(lengths[j] for j in row)).append(i)
+            return rows
+        width = lambda rows: max(sum(lengths[j] for j in row) for row in rows)
+        fits = [rows_of(r) for r in range(len(lengths), 0, -1) if width(rows_of(r)) <= capacity]
+        return min(fits, key=lambda rows: len(rows) * width(rows))  # the first of the fewest: more rows
 
     Raises:
         ValueError: a length beyond ``capacity`` (an example is never split).
     """
     if lengths and max(lengths) > capacity:
         raise ValueError(f"an example of {max(lengths)} tokens does not fit a packed row of {capacity}")
-    bins: list[list[int]] = []
-    room: list[int] = []  # each bin's free tokens
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        slot = next((b for b, free in enumerate(room) if lengths[index] <= free), len(bins))
-        if slot == len(bins):
-            bins.append([])
-            room.append(capacity)
-        bins[slot].append(index)
-        room[slot] -= lengths[index]
-    return bins
+    longest_first = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    best: list[list[int]] = [[index] for index in longest_first]
+    fewest = len(lengths) * max(lengths, default=0)
+    for count in range(len(lengths) - 1, 0, -1):
+        rows: list[list[int]] = [[] for _ in range(count)]
+        tokens = [0] * count
+        for index in longest_first:
+            row = tokens.index(min(tokens))
+            rows[row].append(index)
+            tokens[row] += lengths[index]
+        if max(tokens) <= capacity and count * max(tokens) < fewest:
+            best, fewest = rows, count * max(tokens)
+    return best
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ def pack(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: Sequence[int
     Raises:
         ValueError: an example longer than ``length``.
     """
-    rows = first_fit_decreasing(lengths, length)
+    rows = pack_rows(lengths, length)
     width = max(sum(lengths[index] for index in row) for row in rows)
     device = input_ids.device
     packed_ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)  # (B', T')

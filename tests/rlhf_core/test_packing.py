@@ -1,4 +1,4 @@
-"""Packing (:mod:`rlhf_core.packing`): first-fit decreasing and the packed layout pinned by hand, and on real tiny
+"""Packing (:mod:`rlhf_core.packing`): the partition into rows and the packed layout pinned by hand, and on real tiny
 GPT-2 and Llama models (saved and loaded as the stage loads them, sdpa and eager attention) every example's logits
 packed equal its logits alone, so the SFT loss of a packed minibatch and its gradient equal those of the same
 examples padded; a model whose attention does not honour packing (Bloom: ALiBi, no positions) is found."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig
 
-from rlhf_core.packing import first_fit_decreasing, keeps_packed_examples_apart, pack
+from rlhf_core.packing import keeps_packed_examples_apart, pack, pack_rows
 from rlhf_core.sft import SFTExamples, example_loss
 from tests.conftest import tiny_causal_lm
 
@@ -17,25 +17,30 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 """fp32: packed and padded forwards differ by rounding only (another matmul shape, another mask)."""
 
 
-def test_first_fit_decreasing_by_hand():
-    # Longest first: 5 (index 1) opens bin 0 (room 1), 4 (index 3) bin 1 (room 2), 3 (index 0) bin 2 (room 3);
-    # 2 (index 2) fits bin 1, 1 (index 4) fits bin 0.
-    assert first_fit_decreasing([3, 5, 2, 4, 1], 6) == [[1, 4], [3, 2], [0]]
-    assert first_fit_decreasing([2, 2, 2], 6) == [[0, 1, 2]]  # ties keep their order
+def test_the_rows_of_fewest_cells_by_hand():
+    """Lengths 3, 5, 2, 4, 1 (15 tokens) into rows of at most 6, longest first into the emptiest row:
+    5 rows: one example each, 5 wide: 25 cells. 4 rows: 5 | 4 | 3 | 2 + 1: 20 cells.
+    3 rows: 5 | 4 + 1 | 3 + 2: 15 cells, no padding. 2 rows: 5 + 2 + 1 | 4 + 3: 8 wide, beyond 6. So 3 rows."""
+    assert pack_rows([3, 5, 2, 4, 1], 6) == [[1], [3, 4], [0, 2]]
+    # One row of 6 or three of 2 (the same 6 cells): three, as narrow as unpacked.
+    assert pack_rows([2, 2, 2], 6) == [[0], [1], [2]]
+    # Never more cells than padding: 8, 7 and 1 padded to 8 are 24 cells; [8 | 7 + 1] are 16 (first fit into rows of
+    # 15 would make [8 + 7 | 1]: 30).
+    assert pack_rows([8, 7, 1], 15) == [[0], [1, 2]]
     with pytest.raises(ValueError, match="7 tokens does not fit a packed row of 6"):
-        first_fit_decreasing([3, 7], 6)
+        pack_rows([3, 7], 6)
 
 
 def test_the_packed_layout_by_hand():
-    """Three right-padded examples of 3, 2 and 4 tokens into rows of 6: [example 2 | example 1] and
-    [example 0 | 3 cells of padding]; positions restart at each example and at the padding; an example's first token
-    is never a target, even where its own mask says so (example 1's)."""
+    """Three right-padded examples of 3, 2 and 4 tokens into rows of at most 6: [example 2 | a cell of padding] and
+    [example 0 | example 1] (10 cells; 12 unpacked); positions restart at each example and at the padding; an
+    example's first token is never a target, even where its own mask says so (example 1's)."""
     input_ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [11, 12, 13, 14]])
     loss_mask = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
     rows = pack(input_ids, loss_mask, [3, 2, 4], length=6)
-    assert rows.input_ids.tolist() == [[11, 12, 13, 14, 8, 9], [5, 6, 7, 0, 0, 0]]
-    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
-    assert rows.loss_mask.int().tolist() == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]]
+    assert rows.input_ids.tolist() == [[11, 12, 13, 14, 0], [5, 6, 7, 8, 9]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert rows.loss_mask.int().tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 0, 1]]
     assert set(rows.model_inputs()) == {"input_ids", "position_ids"}  # no attention mask: the positions say it
 
 
@@ -65,7 +70,7 @@ def test_an_examples_logits_are_unchanged_by_what_is_packed_beside_it(saved, att
     examples = SFTExamples.of(_rows(), pad_token_id=0)
     lengths = examples.lengths
     rows = examples.pack(16)
-    bins = first_fit_decreasing(lengths, 16)  # where pack put each example: bin b is row b, in this order
+    bins = pack_rows(lengths, 16)  # where pack put each example: row b holds bins[b], in this order
     assert len(bins) < len(examples)  # several examples share a row
     with torch.no_grad():
         packed = model(**rows.model_inputs(), use_cache=False).logits  # (B', T', V)

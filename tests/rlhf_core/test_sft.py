@@ -154,13 +154,13 @@ def test_resuming_mid_epoch_gives_exactly_the_uninterrupted_run(packing):
 
 def test_padding_share_by_hand():
     """One minibatch of 4 examples of 4, 1, 3 and 2 tokens (10 tokens). Padded to the longest: 16 cells, 6 of padding.
-    Packed into rows of the longest example (4): [4], [3, 1], [2]: 12 cells, 2 of padding. Into rows of 8: [4, 3, 1],
-    [2]: 16 cells."""
+    Packed into rows of the longest example (4): [4], [3, 1], [2]: 12 cells, 2 of padding. Into rows of up to 8:
+    [4, 1], [3, 2]: 10 cells, none."""
     rows = [([5] * n, [False] + [True] * (n - 1)) for n in (4, 1, 3, 2)]
     examples = SFTExamples.of(rows, pad_token_id=0)
     assert padding_share(examples, SFTConfig(batch_size=4, epochs=1), seed=0) == 6 / 16
     assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=True), seed=0) == 2 / 12
-    assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=True, packed_length=8), seed=0) == 6 / 16
+    assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=True, packed_length=8), seed=0) == 0
     # Four processes, an example each: no padding either way.
     for packing in (False, True):
         assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=packing), seed=0, world=4) == 0
