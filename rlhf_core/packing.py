@@ -12,8 +12,9 @@ Choices:
    positions. Each example then sees only itself, at its own positions: its logits are those of the example alone, up
    to rounding (another matmul shape). GPT-2 (the demo world's) and Llama (SmolLM2) pass ``position_ids`` to
    ``create_causal_mask`` in transformers 5.25; :func:`keeps_packed_examples_apart` checks any model by its forward.
-3. The padding after a row's examples is a sequence of its own (positions from 0), so it is never attended to by an
-   example; it holds id 0 (in every vocabulary) and is never learned.
+3. The padding after a row's examples is a sequence of its own (positions from 0), so no example attends to it, and
+   it is never learned; it repeats the row's first token (any id would do; the pad id would make transformers warn
+   of padding without an attention mask).
 4. An example's first token is never a target (the logits just before it are its neighbour's), as the first token
    of an unpacked row is not.
 """
@@ -90,7 +91,7 @@ def pack(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: Sequence[int
 
     Naive equivalent of a packed row holding examples ``i, j`` then ``k`` cells of padding::
 
-        input_ids    = ids[i] + ids[j] + [0] * k
+        input_ids    = ids[i] + ids[j] + [ids[i][0]] * k
         position_ids = [0 .. len(i) - 1] + [0 .. len(j) - 1] + [0 .. k - 1]
         loss_mask    = [False] + mask[i][1:] + [False] + mask[j][1:] + [False] * k
 
@@ -114,7 +115,8 @@ def pack(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: Sequence[int
             position_ids[row, start:end] = torch.arange(lengths[index], device=device)
             packed_mask[row, start + 1 : end] = loss_mask[index, 1 : lengths[index]]  # choice 4
             start = end
-        position_ids[row, start:] = torch.arange(width - start, device=device)  # choice 3
+        packed_ids[row, start:] = packed_ids[row, 0]  # choice 3
+        position_ids[row, start:] = torch.arange(width - start, device=device)
     return PackedRows(packed_ids, position_ids, packed_mask)
 
 

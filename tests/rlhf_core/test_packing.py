@@ -38,7 +38,7 @@ def test_the_packed_layout_by_hand():
     input_ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [11, 12, 13, 14]])
     loss_mask = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
     rows = pack(input_ids, loss_mask, [3, 2, 4], length=6)
-    assert rows.input_ids.tolist() == [[11, 12, 13, 14, 0], [5, 6, 7, 8, 9]]
+    assert rows.input_ids.tolist() == [[11, 12, 13, 14, 11], [5, 6, 7, 8, 9]]  # padding: the row's first id
     assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
     assert rows.loss_mask.int().tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 0, 1]]
     assert set(rows.model_inputs()) == {"input_ids", "position_ids"}  # no attention mask: the positions say it
