@@ -68,9 +68,10 @@ def work(job: Job[SFTSettings]) -> dict[str, float]:
     torch.manual_seed(job.seed())  # fresh adapters
     actor = models.load("actor", context.base.policy.path, trainable=True)
     if config.packing and not keeps_packed_examples_apart(actor):
+        model_class = type(actor.get_base_model() if hasattr(actor, "get_base_model") else actor).__name__  # LoRA's
         raise PackingUnsupported(
-            f"`sft.packing` with {type(actor).__name__} ({context.base.policy.path}): its attention lets packed "
-            "examples see each other (it builds its mask without the position ids); set `sft.packing` false"
+            f"`sft.packing` with {model_class} ({context.base.policy.path}): its attention lets packed examples see "
+            "each other (it builds its mask without the position ids); set `sft.packing` false"
         )
     trained, optimizers = checkpointer.prepare(
         {"actor": actor},
