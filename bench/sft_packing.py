@@ -1,14 +1,15 @@
 """SFT packing (issue 45): seconds per epoch and the share of padding, padded against packed, on the demo's
 demonstrations and on SmolLM2-135M-Instruct's chat conversations.
 
-``.venv/bin/python -m bench.sft_packing [--demo-world DIR] [--smollm2 DIR] [--workloads demo smollm2] [--epochs N]``
+``.venv/bin/python -m bench.sft_packing [--demo-world DIR] [--smollm2 DIR] [--workloads demo smollm2] [--examples N]``
 
 Each workload trains its model from the same weights, by :func:`rlhf_core.sft.sft_update` (the stage's loop, one
 process, fp32, one torch thread, ``sft.batch_size`` 8, the same seed so the same minibatches), three times: padded
 (``sft.packing`` false), packed into rows of the longest example (the default ``sft.packed_length``), and packed into
-rows of up to 4 times it. It prints, per layout, the median step's wall and CPU seconds times the steps of an epoch
-(the first epoch's steps left out as warm-up), the share of padding among the forwarded cells
-(:func:`rlhf_core.sft.padding_share`) and the mean step loss (equal to rounding across the layouts).
+rows of up to 4 times it, for one epoch. It prints, per layout, the median step's wall and CPU seconds (the first
+step left out as warm-up) times the epoch's steps, the share of padding among the forwarded cells
+(:func:`rlhf_core.sft.padding_share`) and the mean step loss (equal to rounding across the layouts). ``--examples N``:
+the first N examples of each workload only.
 
 * ``demo``: ``demo/sft.jsonl`` (48 prompt/completion rows, 8-15 tokens) on the demo world's GPT-2 (2 layers, 64 wide,
   a context of 64); ``--demo-world``: a built demo world to copy rather than build one.
@@ -86,7 +87,7 @@ def epoch(model_folder: Path, examples: SFTExamples, config: SFTConfig) -> dict[
 
     sft_update(model, optimizer, examples, config, accelerator=accelerator, seed=SEED, on_step=on_step)
     per_epoch = optimizer_steps(len(examples), config) // config.epochs
-    steady = times[per_epoch:] or times
+    steady = times[1:] or times
     return {
         "wall": statistics.median(t[0] for t in steady) * per_epoch,
         "cpu": statistics.median(t[1] for t in steady) * per_epoch,
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--demo-world", type=Path, default=None)
     parser.add_argument("--smollm2", type=Path, default=None)
     parser.add_argument("--workloads", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--examples", type=int, default=None)
     args = parser.parse_args()
     set_threads(1)
     print(json.dumps(machine()))
@@ -110,11 +111,10 @@ def main() -> None:
     for name in args.workloads:
         folder, data = demo_workload(args.demo_world) if name == "demo" else smollm2_workload(args.smollm2)
         tokenizer = load_tokenizer(str(folder))
-        examples = SFTExamples.of(
-            tokenize_examples(tokenizer, import_sft_examples(data)), pad_token_id=tokenizer.pad_token_id
-        )
+        rows = tokenize_examples(tokenizer, import_sft_examples(data))[: args.examples]
+        examples = SFTExamples.of(rows, pad_token_id=tokenizer.pad_token_id)
         longest = max(examples.lengths)
-        base = SFTConfig(epochs=args.epochs, batch_size=8)
+        base = SFTConfig(epochs=1, batch_size=8)
         layouts = {
             "padded": (base, "minibatch's longest"),
             "packed": (dataclasses.replace(base, packing=True), f"<= {longest} (longest example)"),
