@@ -151,6 +151,8 @@ ADDED_FIELDS: dict[str, object] = {
     "update": "ppo",
     "dpo": dataclasses.asdict(DPOConfig()),
     "sft": {**dataclasses.asdict(SFTConfig()), "data": None},
+    "sft.packing": False,
+    "sft.packed_length": None,
     "sizes.decisive_pairs": None,
     "sizes.max_rounds": 4,
     "asking": {"select": "all", "pairs": None},
@@ -158,7 +160,7 @@ ADDED_FIELDS: dict[str, object] = {
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
 row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment; a PPO
-update, whose campaigns read no `dpo` setting; no SFT stage; one round of candidates an iteration, whatever its decisive
+update, whose campaigns read no `dpo` setting; no SFT stage, or one unpacked; one round of candidates an iteration, whatever its decisive
 pairs; every compared pair asked about). At that value a field is left out of every identity (the campaign's
 fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:

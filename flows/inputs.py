@@ -190,9 +190,10 @@ def _template_refusal(setting: str, path: Path, row: int, field: str, error: Exc
     )
 
 
-def _check_sft_examples(path: Path, tokenizer, *, context: int | None) -> None:
+def _check_sft_examples(path: Path, tokenizer, *, context: int | None, packed_length: int | None) -> None:
     """Every SFT example tokenises as the SFT stage tokenises it (:func:`tasks.sft_text.tokenize_examples`: a
-    conversation through the chat template, its assistant turns masked), has a token to learn and fits the context."""
+    conversation through the chat template, its assistant turns masked), has a token to learn and fits the context,
+    and a packed row (``sft.packed_length``) whole."""
     from tasks.sft_text import ChatTemplateError, nothing_to_learn, tokenize_examples
 
     try:
@@ -206,6 +207,11 @@ def _check_sft_examples(path: Path, tokenizer, *, context: int | None) -> None:
         _fits(
             "sft.data", path, row, "example", tokens, context=context, what=f"{tokens} tokens as the SFT stage reads it"
         )
+        if packed_length is not None and tokens > packed_length:
+            raise InputError(
+                f"`sft.data` {path}, row {row}: {tokens} tokens, more than `sft.packed_length` {packed_length} (an "
+                "example is packed whole, never split); raise it, or leave it unset for the longest example"
+            )
 
 
 def _enough_prompts(setting: str, path: Path, rows: int, *, config: PipelineConfig) -> None:
@@ -409,7 +415,9 @@ def check_tokens(config: PipelineConfig, base: BaseInputs) -> None:
         used=config.sizes.eval_prompts, config=config, context=context, max_new_tokens=max_new_tokens,
     )  # fmt: skip
     if base.sft_data is not None:
-        _check_sft_examples(Path(base.sft_data.path), tokenizer, context=context)
+        _check_sft_examples(
+            Path(base.sft_data.path), tokenizer, context=context, packed_length=config.sft.packed_length
+        )
     if base.preferences is not None:
         reward_context, reward_tokenizer = context, tokenizer
         if base.reward_model is not None:

@@ -51,6 +51,7 @@ __all__ = [
     "models",
     "mismatch",
     "off_policy",
+    "packing",
     "ppo",
     "precision",
     "preference_losses",

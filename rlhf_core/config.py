@@ -412,9 +412,18 @@ class SFTConfig:
     """AdamW learning rate (TRL `SFTConfig.learning_rate` 2e-5)."""
     max_grad_norm: float = bounded(1.0, gt=0)
     """Gradient-norm clip (TRL 1.0)."""
+    packing: bool = False
+    """Pack each minibatch's examples several to a row, each attending only to itself (TRL `packing` with whole
+    examples, its "bfd" strategy): the same examples, steps and loss as unpacked, less padding
+    (:mod:`rlhf_core.sft`, choice 6)."""
+    packed_length: int | None = bounded(None, gt=0)
+    """The longest packed row, in tokens (TRL `max_length` when packing); None: the longest example, so no row is
+    longer than the longest unpacked one. Never splits an example; read only with ``packing``."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.packed_length is not None and not self.packing:
+            raise SettingError("packed_length", "is read only with `packing`: set `packing` true, or drop it")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,12 +20,17 @@ Choices:
 5. With N processes (``accelerate launch``) each takes its share of every minibatch's rows; its loss is its share's
    summed NLL divided by the whole minibatch's assistant-token count, and each backpropagates N times it, so DDP's
    average of the gradients is the minibatch's (as the DPO update and the reward model's training do).
+6. Packing (``packing``) changes how a minibatch is laid out, never which examples it holds: each process packs its
+   share's examples whole into rows of at most ``packed_length`` tokens (None: the longest example, so no row is
+   longer than an unpacked one), each attending only to itself (:mod:`rlhf_core.packing`). The steps, the order and
+   the loss are the unpacked run's; the floats differ by rounding (another matmul shape), so packing is part of the
+   stage's key.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +41,7 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.distributed import rank_share
 from rlhf_core.divergence import MAX_SKIPPED_STEPS, check_weights, share_step
 from rlhf_core.models import dropout_disabled, fused_activations
+from rlhf_core.packing import PackedRows, pack
 from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask
 
 
@@ -115,15 +121,29 @@ class SFTExamples:
     def to(self, device: torch.device | str) -> SFTExamples:
         return SFTExamples(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device))
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each example's length in tokens (its row less the padding)."""
+        return self.attention_mask.sum(dim=1).tolist()
 
-def example_loss(model: torch.nn.Module, examples: SFTExamples, *, tokens: int | None = None) -> torch.Tensor:
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The forward's keyword arguments: the rows, their padding mask and positions."""
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": position_ids_from_mask(self.attention_mask),
+        }
+
+    def pack(self, length: int) -> PackedRows:
+        """These examples packed whole into rows of at most ``length`` tokens (choice 6; :func:`rlhf_core.packing.pack`)."""
+        return pack(self.input_ids, self.loss_mask, self.lengths, length=length)
+
+
+def example_loss(
+    model: torch.nn.Module, examples: SFTExamples | PackedRows, *, tokens: int | None = None
+) -> torch.Tensor:
     """:func:`sft_loss` of ``examples`` under ``model`` (one forward pass, with grad where the model has it)."""
-    logits = model(
-        input_ids=examples.input_ids,
-        attention_mask=examples.attention_mask,
-        position_ids=position_ids_from_mask(examples.attention_mask),
-        use_cache=False,
-    ).logits  # (B, T, V)
+    logits = model(**examples.model_inputs(), use_cache=False).logits  # (B, T, V)
     return sft_loss(logits, examples.input_ids, examples.loss_mask, tokens=tokens)
 
 
@@ -154,6 +174,48 @@ def epoch_order(examples: int, *, seed: int, epoch: int) -> torch.Tensor:
         returns (examples,).
     """
     return torch.randperm(examples, generator=torch.Generator().manual_seed((seed + epoch) % 2**63))
+
+
+def minibatches(examples: int, config: SFTConfig, *, seed: int, start: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(step, the minibatch's example indices)`` of every optimizer step from ``start`` on: ``batch_size`` examples
+    at a time in each epoch's order (choice 3).
+
+    Shapes:
+        yields (b,) indices, b <= batch_size.
+    """
+    steps_per_epoch = math.ceil(examples / config.batch_size)
+    order, order_epoch = None, -1
+    for step in range(start, optimizer_steps(examples, config)):
+        epoch, index = divmod(step, steps_per_epoch)
+        if epoch != order_epoch:
+            order, order_epoch = epoch_order(examples, seed=seed, epoch=epoch), epoch
+        assert order is not None
+        yield step, order[index * config.batch_size : (index + 1) * config.batch_size]
+
+
+def packed_length(examples: SFTExamples, config: SFTConfig) -> int:
+    """The longest packed row (choice 6): ``config.packed_length``, or the longest example."""
+    return config.packed_length or max(examples.lengths)
+
+
+def forward_rows(share: SFTExamples, config: SFTConfig, *, length: int) -> SFTExamples | PackedRows:
+    """What one forward pass takes of a process's ``share`` of a minibatch: its rows, or with ``packing`` those rows
+    packed into rows of at most ``length`` tokens (choice 6)."""
+    return share.pack(length) if config.packing else share
+
+
+def padding_share(examples: SFTExamples, config: SFTConfig, *, seed: int, world: int = 1) -> float:
+    """The share of padding among the tokens that :func:`sft_update` forwards over its whole run on ``world``
+    processes (their rows' cells that hold no example's token); no forward pass."""
+    length, cells, tokens = packed_length(examples, config), 0, 0
+    for _, minibatch in minibatches(len(examples), config, seed=seed):
+        for rank in range(world):
+            share, weight = rank_share(len(minibatch), rank=rank, world=world)
+            if weight:
+                rows = examples.select(minibatch[share])
+                cells += forward_rows(rows, config, length=length).input_ids.numel()
+                tokens += sum(rows.lengths)
+    return (cells - tokens) / cells
 
 
 def sft_update(
@@ -191,23 +253,19 @@ def sft_update(
     if len(examples) == 0:
         raise ValueError("supervised fine-tuning needs at least one example")
     examples = examples.to(accelerator.device)
-    steps_per_epoch = math.ceil(len(examples) / config.batch_size)
+    length = packed_length(examples, config)
     steps, loss_sum = (resume.steps_done, resume.loss_sum) if resume else (0, 0.0)
     world, rank = accelerator.num_processes, accelerator.process_index
     in_a_row, skipped = 0, 0  # fp16's skipped steps: see rlhf_core.divergence
-    order, order_epoch = None, -1
     with dropout_disabled(model), fused_activations(model):
-        for step in range(steps, optimizer_steps(len(examples), config)):
-            # 1. this step's minibatch: its place in its epoch's order (choice 3)
-            epoch, index = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order, order_epoch = epoch_order(len(examples), seed=seed, epoch=epoch), epoch
-            assert order is not None
-            minibatch = order[index * config.batch_size : (index + 1) * config.batch_size]
-            tokens = int(examples.loss_mask[minibatch.to(accelerator.device), 1:].sum())
-            # 2. this process's share, divided by the whole minibatch's assistant tokens (choice 5), and its step
+        # 1. each step's minibatch: its place in its epoch's order (choice 3)
+        for step, minibatch in minibatches(len(examples), config, seed=seed, start=steps):
+            minibatch = minibatch.to(accelerator.device)
+            tokens = int(examples.loss_mask[minibatch, 1:].sum())
+            # 2. this process's share (packed: choice 6), divided by the whole minibatch's assistant tokens (choice 5)
             share, weight = rank_share(len(minibatch), rank=rank, world=world)
-            loss = example_loss(model, examples.select(minibatch[share].to(accelerator.device)), tokens=tokens)
+            rows = forward_rows(examples.select(minibatch[share.to(accelerator.device)]), config, length=length)
+            loss = example_loss(model, rows, tokens=tokens)
             in_a_row, step_loss = share_step(
                 accelerator, optimizer, model, loss, weight=weight, max_grad_norm=config.max_grad_norm,
                 in_a_row=in_a_row, limit=max_skipped_steps,

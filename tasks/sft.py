@@ -8,7 +8,8 @@ the iterations start fresh adapters over it and their reference (the actor with 
 Like the updates it trains in this process or in ``execution.training_processes`` launched ones (FSDP2 under
 ``execution.sharding``, full fine-tuning only), and saves its progress after an optimizer step at most every
 ``checkpoint_seconds`` through the checkpointer (:mod:`runtime.checkpointer`): a crashed run continues mid-epoch and
-ends where an uninterrupted one would, to the byte.
+ends where an uninterrupted one would, to the byte. With ``sft.packing`` each minibatch's examples are packed several to a
+row (:mod:`rlhf_core.packing`), after a check that the model's attention keeps them apart.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 
 from rlhf_core.errors import UserError
-from rlhf_core.sft import SFTExamples, SFTProgress, optimizer_steps, sft_update
+from rlhf_core.packing import keeps_packed_examples_apart
+from rlhf_core.sft import SFTExamples, SFTProgress, optimizer_steps, padding_share, sft_update
 from runtime.checkpointer import Checkpointer
 from runtime.job import Job, Training
 from runtime.models import accelerator_for
@@ -36,6 +38,10 @@ TABLE = "sft_examples"
 
 class NothingToLearn(UserError, ValueError):
     """An SFT example with no token for the model to learn (its assistant tokens cut to none)."""
+
+
+class PackingUnsupported(UserError, ValueError):
+    """``sft.packing`` with a model whose attention lets packed examples see each other."""
 
 
 def plan(job: Job[SFTSettings]) -> Training:
@@ -60,8 +66,15 @@ def work(job: Job[SFTSettings]) -> dict[str, float]:
         epochs=optimizer_steps(len(examples), config), name=job.stage, unit="step",
     )  # fmt: skip
     torch.manual_seed(job.seed())  # fresh adapters
+    actor = models.load("actor", context.base.policy.path, trainable=True)
+    if config.packing and not keeps_packed_examples_apart(actor):
+        model_class = type(actor.get_base_model() if hasattr(actor, "get_base_model") else actor).__name__  # LoRA's
+        raise PackingUnsupported(
+            f"`sft.packing` with {model_class} ({context.base.policy.path}): its attention lets packed examples see "
+            "each other (it builds its mask without the position ids); set `sft.packing` false"
+        )
     trained, optimizers = checkpointer.prepare(
-        {"actor": models.load("actor", context.base.policy.path, trainable=True)},
+        {"actor": actor},
         {"actor": partial(torch.optim.AdamW, lr=config.learning_rate, weight_decay=0.0)},  # TRL's weight decay 0
     )
     with checkpointer:
@@ -79,6 +92,7 @@ def work(job: Job[SFTSettings]) -> dict[str, float]:
         "skipped_steps": float(stats.skipped_steps),
         "examples": float(len(examples)),
         "assistant_tokens": float(examples.loss_mask[:, 1:].sum()),
+        "padding_share": padding_share(examples, config, seed=job.seed(), world=accelerator.num_processes),
     }
 
 

@@ -27,6 +27,7 @@ from rlhf_core.errors import UserError
         "tasks.episodes:EveryEpisodeFailed",
         "tasks.reference_logprobs:NoDecisivePair",
         "tasks.sft:NothingToLearn",
+        "tasks.sft:PackingUnsupported",
         "tasks.sft_text:ChatTemplateError",
         "campaign.model_sources:ModelSourceError",
         "flows.inspection:InspectError",

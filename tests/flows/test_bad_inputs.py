@@ -178,6 +178,11 @@ CONFIG_CASES = [
         lambda t, w: _run(t, w, "sft.data=x.jsonl", "sampling.engine=vllm"),
         ("`sft.data`", "`sampling.engine` vllm"),
     ),
+    Case(
+        "issue45-sft-packed-length-without-packing",
+        lambda t, w: _run(t, w, "sft.data=x.jsonl", "sft.packed_length=64"),
+        ("`sft.packed_length`", "`packing`"),
+    ),
     Case("issue45-dpo-settings-under-ppo", lambda t, w: _run(t, w, "dpo.beta=0.5"), ("`dpo` settings", "`update` dpo")),
     Case(
         "issue45-label-smoothing-off-the-sigmoid-loss",
@@ -337,6 +342,13 @@ FILE_CASES = [
         "issue45-sft-example-longer-than-the-context",
         lambda t, w: _run(t, w, _sft_data(t, {"prompt": "the dog", "completion": LONG})),
         ("`sft.data`", "row 2", "context length 64"),
+    ),
+    Case(
+        "issue45-sft-example-longer-than-a-packed-row",
+        lambda t, w: _run(
+            t, w, _sft_data(t, {"prompt": "the dog", "completion": " ran ."}), "sft.packing=true", "sft.packed_length=2"
+        ),
+        ("`sft.data`", "row 1", "`sft.packed_length` 2", "never split"),
     ),
 ]
 

@@ -462,16 +462,17 @@ def test_issue44_kill_minus_nine_during_an_episode_rollout_then_rerun_equals_a_r
     assert coin.equals(guess)  # Coin plays Guess's game: sampled again, its episodes are the same
 
 
+@pytest.mark.parametrize("packing", [(), ("sft.packing=true", "sft.packed_length=64")], ids=["padded", "packed"])
 def test_issue45_kill_minus_nine_mid_sft_then_rerun_equals_a_run_that_never_crashed(
-    checkpoint_world, tmp_path, api_url
+    packing, checkpoint_world, tmp_path, api_url
 ):
     """SFT before iteration 0 (two epochs of 3 steps, a checkpoint after every step), killed right after its first
     checkpoint, in the middle of its first epoch: the same command again continues from that step and ends the campaign
-    (SFT, then one iteration) as one that never crashed, to the byte."""
+    (SFT, then one iteration) as one that never crashed, to the byte; padded, and packed into rows of up to 64."""
     prompts = [json.loads(line)["prompt"] for line in checkpoint_world["prompts"].read_text().splitlines()]
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "completion": " happy ."}) + "\n" for p in prompts))
-    more = ("iterations=1", f"sft.data={data}", "sft.epochs=2", "sft.batch_size=16", "sft.learning_rate=1e-2")
+    more = ("iterations=1", f"sft.data={data}", "sft.epochs=2", "sft.batch_size=16", "sft.learning_rate=1e-2", *packing)
     (tmp_path / "uncrashed").mkdir()
     uncrashed = _uncrashed(checkpoint_world, tmp_path / "uncrashed", api_url, *more)
     assert any(path.startswith("sft/") and path.endswith("actor/model.safetensors") for path in uncrashed[0])

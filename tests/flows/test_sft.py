@@ -1,7 +1,7 @@
 """Issue 45, supervised fine-tuning before iteration 0, end to end: a tiny DPO campaign with ``sft.data`` on the test's
 random GPT-2 (SFT, then one iteration), whose initial policy and reference are the SFT output (the reference's stored
 log-probs of the iteration's pairs are the SFT model's), and a second command that continues the campaign with the SFT
-stage reused."""
+stage reused; the stage alone, packed and not."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from campaign.gc import plan_gc
 from campaign.store import campaign_layout, resolve_run, stage_run
 from flows.export import export_model
-from flows.iterations import resolve_base, supervised_base, tracking_store
+from flows.iterations import context_for, resolve_base, supervised_base, tracking_store
 from flows.lineage import ancestry, campaign_manifests
 from flows.replay import replay_config
 from flows.rlhf_pipeline import rlhf_campaign, rlhf_replay
@@ -26,18 +26,25 @@ from storage.schemas import SFT_EXAMPLES
 from storage.shards import read_table
 from storage.tracking import TAG_INPUT_KEY, TAG_STAGE
 from tasks.dpo_update import stored_pairs
+from tasks.sft import sft as sft_stage
 from tasks.text import load_tokenizer
 from tests.flows.campaigns import tiny_config
 
 
+def _demonstrations(world, folder):
+    """Every training prompt of ``world`` completed by " happy ." (words of the world's vocabulary): 48 rows."""
+    prompts = [json.loads(line)["prompt"] for line in world["prompts"].read_text().splitlines()]
+    data = folder / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": " happy ."}) + "\n" for p in prompts))
+    return data
+
+
 @pytest.fixture(scope="module")
 def campaign(prefect_server, checkpoint_world, tmp_path_factory):
-    """One DPO iteration of configs/tiny.yaml after SFT on every training prompt completed by " happy ." (words of the
-    world's vocabulary), at a learning rate that moves the tiny model."""
+    """One DPO iteration of configs/tiny.yaml after SFT on :func:`_demonstrations`, at a learning rate that moves the
+    tiny model."""
     root = tmp_path_factory.mktemp("sft")
-    prompts = [json.loads(line)["prompt"] for line in checkpoint_world["prompts"].read_text().splitlines()]
-    data = root / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "completion": " happy ."}) + "\n" for p in prompts))
+    data = _demonstrations(checkpoint_world, root)
     overrides = (
         "campaign=sft-e2e", "update=dpo", "iterations=1", f"sft.data={data}", "sft.epochs=1", "sft.batch_size=16",
         "sft.learning_rate=1e-2",
@@ -122,3 +129,21 @@ def test_the_sft_stage_is_recorded_once_and_reused_when_the_campaign_continues(c
     plan = plan_gc(campaign, keep_last=1)
     removed = {folder for folder, _ in plan.remove}
     assert _sft_outputs(campaign)[0] not in removed and any(folder.parent.name == "initialize" for folder in removed)
+
+
+def test_the_stage_packed_is_another_output_with_the_same_steps_and_less_padding(campaign, checkpoint_world, tmp_path):
+    """The ``sft`` stage alone, on the campaign's demonstrations and settings but packed into rows of up to 64 tokens:
+    another output (packing is in the stage's key) with the campaign's 3 steps and training loss, to rounding, and
+    less padding."""
+    [padded] = [read_manifest(folder) for folder in _sft_outputs(campaign)]
+    config = campaign.model_copy(
+        update={"run_root": tmp_path, "sft": dataclasses.replace(campaign.sft, packing=True, packed_length=64)}
+    )
+    context = context_for(
+        config, 0, resolve_base.fn(config), tracking_store(config).tracker().experiment_id(config.campaign)
+    )
+    packed = read_manifest(sft_stage.run(context, config).directory)
+    assert packed.config["stage"]["sft"]["packing"] is True and packed.digest != padded.digest
+    assert packed.metrics["optimizer_steps"] == padded.metrics["optimizer_steps"] == 3
+    assert packed.metrics["train_loss"] == pytest.approx(padded.metrics["train_loss"], rel=1e-5)
+    assert packed.metrics["padding_share"] < padded.metrics["padding_share"] / 4

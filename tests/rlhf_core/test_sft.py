@@ -1,6 +1,7 @@
 """Supervised fine-tuning: the loss pinned by hand on a tiny example (the mean over the assistant's tokens of the
 whole batch), padding and prompt tokens changing nothing, an update that moves every parameter and lowers the loss, and
-a resume after any optimizer step (mid-epoch) that ends where the uninterrupted run does."""
+a resume after any optimizer step (mid-epoch) that ends where the uninterrupted run does, packed or not; packing that
+changes the padding (hand-worked shares) but not the run (tests/rlhf_core/test_packing.py pins the maths)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from rlhf_core.config import SFTConfig
-from rlhf_core.sft import SFTExamples, SFTProgress, example_loss, sft_loss, sft_update
+from rlhf_core.sft import SFTExamples, SFTProgress, example_loss, padding_share, sft_loss, sft_update
 from runtime.models import accelerator_for
 from tests.conftest import tiny_causal_lm
 
@@ -121,9 +122,12 @@ def test_an_update_moves_every_parameter_and_lowers_the_loss():
         assert example_loss(model.eval(), examples).item() < start
 
 
-def test_resuming_mid_epoch_gives_exactly_the_uninterrupted_run():
+@pytest.mark.parametrize("packing", [False, True])
+def test_resuming_mid_epoch_gives_exactly_the_uninterrupted_run(packing):
     """Stopped after step 3 of 3 epochs of 2 steps (in the middle of epoch 2), continued from what was saved there."""
-    config = SFTConfig(epochs=3, batch_size=4, learning_rate=1e-2)
+    config = SFTConfig(
+        epochs=3, batch_size=4, learning_rate=1e-2, packing=packing, packed_length=16 if packing else None
+    )
     accelerator, model, optimizer, examples = _training(config)
     expected = sft_update(model, optimizer, examples, config, accelerator=accelerator, seed=7)
 
@@ -146,3 +150,34 @@ def test_resuming_mid_epoch_gives_exactly_the_uninterrupted_run():
     )
     assert stats == expected
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), model.parameters(), strict=True))
+
+
+def test_padding_share_by_hand():
+    """One minibatch of 4 examples of 4, 1, 3 and 2 tokens (10 tokens). Padded to the longest: 16 cells, 6 of padding.
+    Packed into rows of the longest example (4): [4], [3, 1], [2]: 12 cells, 2 of padding. Into rows of up to 8:
+    [4, 1], [3, 2]: 10 cells, none."""
+    rows = [([5] * n, [False] + [True] * (n - 1)) for n in (4, 1, 3, 2)]
+    examples = SFTExamples.of(rows, pad_token_id=0)
+    assert padding_share(examples, SFTConfig(batch_size=4, epochs=1), seed=0) == 6 / 16
+    assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=True), seed=0) == 2 / 12
+    assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=True, packed_length=8), seed=0) == 0
+    # Four processes, an example each: no padding either way.
+    for packing in (False, True):
+        assert padding_share(examples, SFTConfig(batch_size=4, epochs=1, packing=packing), seed=0, world=4) == 0
+
+
+def test_a_packed_run_is_the_padded_run_to_rounding():
+    """The same steps and losses, 3 epochs of 2 steps on a real tiny GPT-2, packed into rows of the longest example or
+    not (each step's loss depends on every earlier step's weights)."""
+    losses = {}
+    for packing in (False, True):
+        config = SFTConfig(epochs=3, batch_size=4, learning_rate=1e-2, packing=packing)
+        accelerator, model, optimizer, examples = _training(config)
+        steps = losses[packing] = []
+        stats = sft_update(
+            model, optimizer, examples, config, accelerator=accelerator, seed=7,
+            on_step=lambda step, metrics, steps=steps: steps.append(metrics["loss"]),
+        )  # fmt: skip
+        assert stats.optimizer_steps == len(steps) == 6
+    assert padding_share(examples, config, seed=7) < padding_share(examples, SFTConfig(epochs=3, batch_size=4), seed=7)
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
