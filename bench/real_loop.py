@@ -721,8 +721,8 @@ def sft_stage_figures(run_root: Path, campaign: str) -> dict:
 
 def sft_part(out: Path, *, iterations: int, read_back: Path | None, settings: list[str]) -> dict:
     """``rlhf run`` on configs/smollm2-sft.yaml (SFT, then ``iterations`` GRPO iterations) and on configs/smollm2.yaml
-    (the same iterations from the pretrained model), each on a fresh run root; their curves and the SFT stage's
-    figures, from MLflow."""
+    (the same iterations from the pretrained model), each on a fresh run root, ``settings`` on both (``sft.*`` ones on
+    the first only); their curves and the SFT stage's figures, from MLflow."""
     roots = {"sft": (read_back or SCRATCH / "real-loop-sft"), "grpo": None}
     roots["grpo"] = roots["sft"].with_name(roots["sft"].name + "-grpo")
     started_load, walls = load(), {}
@@ -730,7 +730,8 @@ def sft_part(out: Path, *, iterations: int, read_back: Path | None, settings: li
     if read_back is None:
         folder = ensure_folder()
         for name, (config, _) in campaigns.items():
-            walls[name] = run_campaign(config, roots[name], _overrides(folder, roots[name], iterations, settings))
+            mine = [item for item in settings if name == "sft" or not item.startswith("sft.")]  # GRPO alone: no sft
+            walls[name] = run_campaign(config, roots[name], _overrides(folder, roots[name], iterations, mine))
     curves = {
         name: iteration_figures(roots[name], campaign, GRPO_FIGURES, GRPO_STAGES)
         for name, (_, campaign) in campaigns.items()
@@ -798,7 +799,7 @@ def dpo_part(out: Path, *, iterations: int | None, read_back: Path | None, setti
     if read_back is None:
         wall = run_campaign(DPO_CONFIG, run_root, _overrides(ensure_folder(), run_root, iterations, settings))
     rows = iteration_figures(run_root, DPO_CAMPAIGN, DPO_FIGURES, DPO_STAGES)
-    result = _record(started_load, wall, run_root, settings, iterations=rows)
+    result = _record(started_load, wall, run_root, settings, iterations=rows, asked_iterations=iterations)
     out.write_text(json.dumps(result, indent=2))
     print(dpo_section(result), flush=True)
     return result
@@ -808,13 +809,14 @@ def dpo_section(result: dict) -> str:
     """The DPO curve as a table of bench/RESULTS.md: per iteration, the held-out rubric against the initial policy's,
     the KL to the reference, the update's pairs and its TRL metrics on them after it, seconds per stage."""
     facts = result["machine"]
-    settings = "".join(f" --set {setting}" for setting in result["settings"])
+    asked = result.get("asked_iterations")
+    settings = (f" --iterations {asked}" if asked else "") + "".join(f" --set {item}" for item in result["settings"])
     lines = [
         f"`.venv/bin/python -m bench.real_loop dpo{settings}`, commit {facts['commit']}; load average "
         f"{result['load_average_start']} at the start, {result['load_average_end']} at the end; command "
         f"{_figure(result['command_wall_seconds'], '.0f')} s.",
         "",
-        "| iteration | rubric (initial) | KL | decisive pairs | pairs | accuracy | margin | loss | "
+        "| iteration | rubric (initial) | KL | decisive share | pairs | accuracy | margin | loss | "
         + " | ".join(DPO_STAGES) + " | iteration s |",
         "| --- " * (9 + len(DPO_STAGES)) + "|",
     ]  # fmt: skip
