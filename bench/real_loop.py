@@ -816,23 +816,40 @@ def dpo_section(result: dict) -> str:
         f"{result['load_average_start']} at the start, {result['load_average_end']} at the end; command "
         f"{_figure(result['command_wall_seconds'], '.0f')} s.",
         "",
-        "| iteration | rubric (initial) | KL | decisive share | pairs | accuracy | margin | loss | "
-        + " | ".join(DPO_STAGES) + " | iteration s |",
-        "| --- " * (9 + len(DPO_STAGES)) + "|",
-    ]  # fmt: skip
-    for row in result["iterations"]:
-        seconds = " | ".join(_figure(row["seconds"][stage], ".0f") for stage in DPO_STAGES)
-        lines.append(
-            f"| {row['iteration']} | {_figure(row['rubric'], '.3f')} ({_figure(row['initial_rubric'], '.3f')})"
-            f" | {_figure(row['kl_to_reference'], '.2f')} | {_figure(row['decisive_fraction'], '.2f')}"
-            f" | {_figure(row['pairs'], '.0f')} | {_figure(row['accuracy'], '.2f')} | {_figure(row['margin'], '.2f')}"
-            f" | {_figure(row['loss'], '.3f')} | {seconds} | {row['wall_seconds']:.0f} |"
-        )
+    ]
+    columns = {
+        "rubric (initial)": lambda row: _against(row, "rubric", ".3f"),
+        "KL": lambda row: _figure(row["kl_to_reference"], ".2f"),
+        "decisive share": lambda row: _figure(row["decisive_fraction"], ".2f"),
+        "pairs": lambda row: _figure(row["pairs"], ".0f"),
+        "accuracy": lambda row: _figure(row["accuracy"], ".2f"),
+        "margin": lambda row: _figure(row["margin"], ".2f"),
+        "loss": lambda row: _figure(row["loss"], ".3f"),
+    }
+    lines += _curve_table(result["iterations"], columns, DPO_STAGES)
     return "\n".join(lines) + "\n"
 
 
 def _figure(value: float | None, form: str) -> str:
     return "" if value is None else format(value, form)
+
+
+def _against(row: dict, name: str, form: str) -> str:
+    """A figure of ``row`` with the initial policy's (``initial_<name>``) in brackets."""
+    return f"{_figure(row[name], form)} ({_figure(row[f'initial_{name}'], form)})"
+
+
+def _curve_table(rows: list[dict], columns: dict, stages: tuple[str, ...]) -> list[str]:
+    """A curve's markdown table: per iteration row, its ``columns`` (title -> the cell of a row), each of ``stages``'
+    seconds and the iteration's wall seconds."""
+    lines = [
+        "| iteration | " + " | ".join(columns) + " | " + " | ".join(stages) + " | iteration s |",
+        "| --- " * (2 + len(columns) + len(stages)) + "|",
+    ]
+    for row in rows:
+        cells = [cell(row) for cell in columns.values()] + [_figure(row["seconds"][stage], ".0f") for stage in stages]
+        lines.append(f"| {row['iteration']} | " + " | ".join(cells) + f" | {row['wall_seconds']:.0f} |")
+    return lines
 
 
 def loop_section(result: dict) -> str:
@@ -846,19 +863,17 @@ def loop_section(result: dict) -> str:
         f"load average {result['load_average_start']} at the start, {result['load_average_end']} at the end; "
         f"command {_figure(result['command_wall_seconds'], '.0f')} s.",
         "",
-        "| iteration | RM held-out accuracy | decisive pairs | rubric (initial) | RM score (initial) | KL | "
-        "explained variance | length correlation | " + " | ".join(STAGES) + " | iteration s |",
-        "| --- " * (9 + len(STAGES)) + "|",
     ]
-    for row in result["iterations"]:
-        seconds = " | ".join(_figure(row["seconds"][stage], ".0f") for stage in STAGES)
-        lines.append(
-            f"| {row['iteration']} | {_figure(row['rm_accuracy'], '.2f')} | {_figure(row['decisive_fraction'], '.2f')}"
-            f" | {_figure(row['rubric'], '.3f')} ({_figure(row['initial_rubric'], '.3f')})"
-            f" | {_figure(row['rm_score'], '.2f')} ({_figure(row['initial_rm_score'], '.2f')})"
-            f" | {_figure(row['kl_to_reference'], '.2f')} | {_figure(row['explained_variance'], '.2f')}"
-            f" | {_figure(row['length_correlation'], '.2f')} | {seconds} | {row['wall_seconds']:.0f} |"
-        )
+    columns = {
+        "RM held-out accuracy": lambda row: _figure(row["rm_accuracy"], ".2f"),
+        "decisive pairs": lambda row: _figure(row["decisive_fraction"], ".2f"),
+        "rubric (initial)": lambda row: _against(row, "rubric", ".3f"),
+        "RM score (initial)": lambda row: _against(row, "rm_score", ".2f"),
+        "KL": lambda row: _figure(row["kl_to_reference"], ".2f"),
+        "explained variance": lambda row: _figure(row["explained_variance"], ".2f"),
+        "length correlation": lambda row: _figure(row["length_correlation"], ".2f"),
+    }
+    lines += _curve_table(result["iterations"], columns, STAGES)
     return "\n".join(lines) + "\n"
 
 
