@@ -163,18 +163,23 @@ def _failure_payload(context: StageContext, kind: str, policy: StageResult | Non
 def _iteration(
     config: PipelineConfig, context: StageContext, state: IterationState | None, *, ahead: bool
 ) -> IterationState:
-    state = state or IterationState(policy=_start(config, context))  # iteration 0 starts the campaign
+    opening: list[StageResult] = []
+    if state is None:  # iteration 0 starts the campaign
+        opening, policy = _start(config, context)
+        state = IterationState(policy=policy)
     learn = _dpo_steps if config.update == "dpo" else _ppo_steps  # a DPO update: no reward model, rollout, advantages
     stages, new_state = learn(config, context, state, ahead=ahead)
     evaluation = _evaluation(config, context, new_state.policy, new_state.reward_model)
-    stages = [*stages, *evaluation]
+    stages = [*opening, *stages, *evaluation]
     return close_iteration(context, stages, new_state, metrics=round_metrics(stages, config.sizes))
 
 
-def _start(config: PipelineConfig, context: StageContext) -> StageResult:
+def _start(config: PipelineConfig, context: StageContext) -> tuple[list[StageResult], StageResult]:
     """The campaign's initial policy: the pretrained one, or with ``sft.data`` the SFT output (which ran, or was
-    reused, before the iteration opened: :func:`flows.iterations.supervised_base`), named as the actor's upstream."""
-    return initialize(context, config, sft=sft_output(context))
+    reused, before the iteration opened: :func:`flows.iterations.supervised_base`), named as the actor's upstream;
+    and the SFT output as a stage of iteration 0, whose run then shows its metrics (``sft/...``) and names it."""
+    sft = sft_output(context)
+    return ([] if sft is None else [sft]), initialize(context, config, sft=sft)
 
 
 def _ppo_steps(

@@ -24,7 +24,7 @@ from rlhf_core.dpo import reference_logprobs
 from storage.manifest import read_manifest
 from storage.schemas import SFT_EXAMPLES
 from storage.shards import read_table
-from storage.tracking import TAG_INPUT_KEY, TAG_STAGE
+from storage.tracking import TAG_INPUT_KEY, TAG_OUTPUT_PREFIX, TAG_STAGE
 from tasks.dpo_update import stored_pairs
 from tasks.sft import sft as sft_stage
 from tasks.text import load_tokenizer
@@ -117,6 +117,12 @@ def test_the_sft_stage_is_recorded_once_and_reused_when_the_campaign_continues(c
         [tracker.experiment_id(campaign.campaign)], f"tags.`{TAG_STAGE}` = 'sft'"
     )
     assert len(runs) == 1 and runs[0].data.metrics["sft/train_loss"] > 0
+    # Iteration 0's run shows the SFT output it started from (its metrics, its run), as the stages it ran.
+    client = MlflowClient(tracker.tracking_uri)
+    first, second = (client.get_run(resolve_run(campaign, f"{campaign.campaign}:{i}")) for i in (0, 1))
+    assert first.data.metrics["sft/train_loss"] == runs[0].data.metrics["sft/train_loss"]
+    assert first.data.tags[f"{TAG_OUTPUT_PREFIX}sft"] == runs[0].info.run_id
+    assert "sft/train_loss" not in second.data.metrics and f"{TAG_OUTPUT_PREFIX}sft" not in second.data.tags
     # A campaign is history: once an iteration finished, another SFT key (other code would give one; here another
     # setting) computes no other SFT, and the campaign goes on from the one it started from.
     other = campaign.model_copy(update={"sft": dataclasses.replace(campaign.sft, epochs=2)})
