@@ -13,6 +13,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from prefect import flow, task
 
 from runtime.concurrency import (
@@ -225,6 +226,7 @@ def test_an_engine_slot_whose_holder_was_killed_is_taken_at_once(prefect_server)
     assert _limit(engine_limit()).active_slots == 0 and not engine_slot_record().exists()
 
 
+@pytest.mark.slow  # a second Prefect server: about 20 s (CI's sharded step)
 def test_a_slot_is_taken_and_given_back_on_the_server_of_the_settings_in_force(prefect_server, tmp_path):
     """A process that held a limit's slot on one server, then holds it on another (a test session: an in-process
     command on a temporary server of its own, then the session's server): each slot is taken and given back on its
