@@ -90,9 +90,11 @@ class Chromium:
     def open(self, url: str) -> None:
         self._send("Page.navigate", session=True, url=url)
 
-    def wait_for(self, expression: str, *, timeout: float = 60, what: str = "") -> Any:
+    def wait_for(self, expression: str, *, timeout: float = 180, what: str = "") -> Any:
         """Poll a JavaScript expression until it is truthy; its value. An expression that throws is not there yet:
-        while a page loads (after a form is sent, say) ``document.body`` is null for a moment."""
+        while a page loads (after a form is sent, say) ``document.body`` is null for a moment. The default wait is
+        long: in CI the browser step shares 2 cores with three other steps, and the Prefect and MLflow UIs (React
+        apps) take tens of seconds to render there; a page that shows costs no more for it."""
         deadline, error = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
             try:

@@ -236,7 +236,6 @@ def test_mlflow_models_view_compares_the_policies_on_the_held_out_prompts(served
             "[...document.querySelectorAll('[role=columnheader]')].map(h => h.innerText).join(' | ')"
             ".includes('evaluate/gold_win_rate') && "
             "[...document.querySelectorAll('[role=columnheader]')].map(h => h.innerText).join(' | ')",
-            timeout=60,
             what="the evaluation columns",
         )
         text = page.evaluate(TEXT)
