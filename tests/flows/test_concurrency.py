@@ -234,14 +234,14 @@ def test_a_slot_is_taken_and_given_back_on_the_server_of_the_settings_in_force(p
     taken there and given back to the second, and the next taker waited for ever (the vLLM suite's hang)."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
-    from prefect.testing.utilities import _find_available_port
 
     from runtime.concurrency import create_limit
+    from tests.flows.test_human_label_form_browser import _free_port
 
     name = f"rlhf-test-two-servers-{os.getpid()}"
     database = f"sqlite+aiosqlite:///{tmp_path / 'first.db'}"
     with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: database}):
-        first = SubprocessASGIServer(port=_find_available_port())
+        first = SubprocessASGIServer(port=_free_port())
         first.start(timeout=180)
     try:
         with temporary_settings(updates={PREFECT_API_URL: first.api_url}):
