@@ -284,6 +284,7 @@ LOOP_CONFIG = ROOT / "configs" / "smollm2-rm.yaml"
 LOOP_SIZES = [
     "iterations=1", "execution.torch_threads=1", "execution.checkpoint_seconds=0", "model.lora.r=4",
     "model.critic_init=reward_model", "pairing=consecutive",  # 2 pairs a prompt: a reward model of 4 prompts learns
+    "sizes.decisive_pairs=null",  # one round of candidates (the rounds have tests of their own)
     "sizes.preference_prompts=4", "sizes.candidates_per_prompt=4", "sizes.rollout_prompts=2",
     "sizes.samples_per_prompt=2", "sizes.eval_prompts=2", "sampling.max_new_tokens=8", "sampling.batch_size=16",
     "reward_model.epochs=2", "reward_model.batch_size=4", "reward_model.eval_fraction=0.5",
