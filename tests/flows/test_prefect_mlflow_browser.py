@@ -195,13 +195,14 @@ def test_a_registered_policy_fires_the_automation_that_replays_its_iteration(ser
     resources = [f"rlhf.campaign.{CAMPAIGN}", f"prefect.automation.{automation['id']}"]
     shown = ["rlhf.policy.registered", "prefect.automation.triggered", "prefect.automation.action.executed"]
     shown += ["rlhf.iteration.evaluated"]
+    wanted = {"rlhf.policy.registered": 2, "prefect.automation.action.executed": 2, "rlhf.iteration.evaluated": 1}
+    _wait(lambda: _stored_events(api, wanted), timeout=300, what=f"the Prefect server to store the events {wanted}")
     query = urllib.parse.urlencode({"resource": json.dumps(resources), "events": json.dumps(shown), "order": "ASC"})
     with Chromium(chromium_binary(), width=1500, height=2400) as page:
         page.open(f"{served['ui']}/v2/events?{query}")
         text = page.wait_for(
             f"{TEXT}.split('Automation Action Executed').length > 2 && {TEXT}.split('Rlhf Policy Registered').length > 2 "
             f"&& {TEXT}.includes('Rlhf Iteration Evaluated') && {TEXT}",
-            timeout=120,
             what="both policies' events, the automation's and an evaluation's",
         )
         png = page.screenshot(served["tmp"] / "automation.png")
@@ -211,6 +212,20 @@ def test_a_registered_policy_fires_the_automation_that_replays_its_iteration(ser
     assert order == sorted(order), text[:3000]
     assert automation["name"] in text and f"rlhf://{CAMPAIGN}/ppo_update" in text
     _keep(png, "prefect-automation.png")
+
+
+def _stored_events(api: str, wanted: dict[str, int]) -> bool:
+    """Whether the server holds at least ``wanted[name]`` events of each name. Events reach the server's database
+    through its persister, in batches, so the replays can finish before their events are stored. Last stop's CI
+    failed this test with a page short of these events after 120 s; waiting for the server first tells a late store
+    from a slow page (whose wait is then the browser's default, 180 s)."""
+    body = {"filter": {"event": {"name": list(wanted)}}, "limit": 50}  # a page: Prefect's largest, above ours
+    answer = httpx.post(f"{api}/events/filter", json=body)
+    if answer.status_code == 503:  # a server on SQLite answers so while its database is locked
+        return False
+    assert answer.status_code == 200, answer.text
+    names = [event["event"] for event in answer.json()["events"]]
+    return all(names.count(name) >= count for name, count in wanted.items())
 
 
 def test_mlflow_models_view_compares_the_policies_on_the_held_out_prompts(served):
