@@ -38,6 +38,10 @@ Issue 44 adds a campaign of multi-turn episodes killed during its rollout, after
 environment's process alive): the same command again reuses that shard and ends as the uncrashed campaign; an
 environment that declares itself non-deterministic has that shard sampled again, and the rollout's manifest says so.
 
+Issue 43 adds an iteration that samples a second round of fresh prompts (its first short of the decisive pairs
+asked for), killed in that round's sampling and then in its labelling: each command reuses the rounds finished
+before it, and the last ends the campaign as the uncrashed one.
+
 Slow: ``.ci/run`` runs it as its own step.
 """
 
@@ -82,6 +86,17 @@ DEADLINE = 600
 DPO = ["update=dpo", "dpo.epochs=2", "dpo.learning_rate=1e-3", "iterations=1"]
 """Issue 45: one DPO iteration, its update two epochs with a checkpoint after the first."""
 DPO_KILLS = ("dpo_update:computing", "dpo_update:recording")
+ROUNDS = [
+    "iterations=1", "labeler=function", "reward.function=tests.flows.rewards:says_happy", "pairing=all_decisive",
+    "sizes.preference_prompts=4", "sizes.candidates_per_prompt=4", "sizes.rollout_prompts=4", "sizes.eval_prompts=4",
+    "sizes.decisive_pairs=12", "sizes.max_rounds=3",
+]  # fmt: skip
+"""Issue 43: one iteration on a sparse rubric whose first round of candidates is short of the decisive pairs asked
+for, so that a second round of fresh prompts runs (tests/flows/test_rounds.py's campaign)."""
+ROUND_KILLS = ("sample_candidates:computing#2", "collect_preferences:output")
+"""The second round's candidates sampled and not published (the first command's second arrival there); then, the
+next command reusing the first round whole, the second round's labels published and not recorded (its first
+arrival at a labelling it computes)."""
 OVERLAPPED = ["sampling.staleness=1"]
 OVERLAP_KILLS = {
     "both lanes": "rollout:computing#2,ppo_update:computing#1",
@@ -430,6 +445,29 @@ def _episode_command(run_root: Path, world: dict[str, Path], environment: str) -
 def _rollout(run_root: Path) -> Path:
     (folder,) = [path.parent for path in (run_root / "tiny" / "rollout").glob("*/_manifest.json")]
     return folder
+
+
+def test_issue43_kill_minus_nine_between_rounds_of_candidates_then_rerun_equals_a_run_that_never_crashed(
+    checkpoint_world, tmp_path, api_url
+):
+    """An iteration that samples a second round of fresh prompts (too few decisive pairs in its first), killed in
+    turn in that round's sampling and in its labelling: each command reuses the rounds finished before it and samples
+    no prompt of the first round again, and the last ends the campaign as one that never crashed, to the byte."""
+    (tmp_path / "uncrashed").mkdir()
+    uncrashed = _uncrashed(checkpoint_world, tmp_path / "uncrashed", api_url, *ROUNDS)
+    rounds = {path.split("/")[1] for path in uncrashed[0] if path.startswith("sample_candidates/")}
+    assert len(rounds) == 2, "the uncrashed iteration sampled two rounds"
+    run_root, log = tmp_path / "runs", tmp_path / "run.log"
+    command = _command(run_root, checkpoint_world, *ROUNDS)
+    sampled = run_root / "tiny" / "sample_candidates"
+    for point in ROUND_KILLS:
+        _kill_when_held(command, point, tmp_path / f"held-{point.partition(':')[0]}", log, api_url)
+        _check_after_kill(run_root, uncrashed, point)
+        if point.startswith("sample_candidates"):
+            (first,) = [json.loads(path.read_text()) for path in sampled.glob("*/_manifest.json")]
+            unpublished = [path for path in sampled.iterdir() if not (path / "_manifest.json").is_file()]
+            assert first["metrics"]["round"] == 0 and unpublished, f"{point}: the first round published, the second not"
+    _rerun_equals(command, log, run_root, uncrashed, api_url)
 
 
 def test_issue44_kill_minus_nine_during_an_episode_rollout_then_rerun_equals_a_run_that_never_crashed(
