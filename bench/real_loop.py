@@ -3,6 +3,8 @@
 ``.venv/bin/python -m bench.real_loop pairs``   (which pairing gives the better reward model per second of sampling)
 ``.venv/bin/python -m bench.real_loop pairs-file``  (configs/smollm2/rubric_pairs.jsonl: pairs in UltraFeedback's shape)
 ``.venv/bin/python -m bench.real_loop critic``  (the critic from the policy or from the reward model; warm-up steps)
+``.venv/bin/python -m bench.real_loop critic-start --read-back RUN_ROOT`` (issue 43: a loop's first critic, from its
+reward model with the score normalisation folded into the head, or not, or a fresh head, on that loop's first rollout)
 ``.venv/bin/python -m bench.real_loop lora``    (a PPO update of actor and critic: LoRA against full fine-tuning)
 ``.venv/bin/python -m bench.real_loop loop``    (the curve: ``rlhf run --config configs/smollm2-rm.yaml``)
 ``.venv/bin/python -m bench.real_loop choices`` (the tables of ``pairs``, ``critic`` and ``lora``, from their files)
@@ -27,6 +29,12 @@ update), with the models in memory: each answers one question in minutes where t
 * ``critic``: 2 x 64 rollouts of the initial policy scored by the ``pairs`` part's best reward model; critics from
   the policy (a fresh value head) and from that reward model learn the returns of the first 64 rollouts (value
   loss, no actor step: a warm-up) and are scored on the other 64 (explained variance) after 0, 4, 8 and 16 steps.
+* ``critic-start``: a finished ``loop`` run's iteration 0 (``--read-back``, default the ``loop`` part's run root): its
+  rollout as ``compute_advantages`` scored it, and the reward model the critic started from. Each start's values of
+  that rollout's tokens (no step taken), against its returns: the GAE returns the update used, the Monte Carlo
+  returns (gamma 1, lambda 1: no critic in them), at every response token and at the last one (where a reward model
+  is trained); explained variance and the mean absolute value. Starts: the reward model with its held-out score mean
+  and std folded into the head (what the campaign does), without the fold, and a fresh value head on the policy.
 * ``lora``: one rollout of 32 and a PPO update of actor and critic (4 minibatches of 8), full fine-tuning against
   LoRA r 16, each in a process of its own (peak resident memory), with what it writes per iteration.
 * ``loop``: the flow itself, ``rlhf run --config configs/smollm2-rm.yaml`` on a fresh run root, read back from its
@@ -407,6 +415,83 @@ def critic_part(out: Path) -> dict:
         "reward_model": pairs["best"],
         "rollouts": [len(r.scores) for r in rollouts],
         "critics": results,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def critic_start_part(out: Path, run_root: Path) -> dict:
+    """The first critic's values of the loop's first rollout, from each start, against its returns (module doc)."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from rlhf_core.loading import ModelLoader
+    from rlhf_core.ppo import explained_variance
+    from storage.manifest import read_manifest
+
+    (campaign,) = [path for path in run_root.iterdir() if (path / "compute_advantages").is_dir()]
+    scored = [path for path in (campaign / "compute_advantages").iterdir() if (path / "_manifest.json").is_file()]
+    (first,) = [path for path in scored if "previous" not in read_manifest(path, verify=False).upstream]
+    wanted = read_manifest(first, verify=False).upstream["reward_model"]
+    trained = [p for p in (campaign / "train_reward_model").iterdir() if (p / "_manifest.json").is_file()]
+    (reward_model,) = [path for path in trained if read_manifest(path, verify=False).digest == wanted]
+    statistics = read_manifest(reward_model, verify=False).metrics
+    rows = pq.read_table(sorted(first.glob("scored_experience-*.parquet"))).to_pylist()
+    width = max(len(row["response_ids"]) for row in rows)
+
+    def padded(lists: list[list[float]]) -> torch.Tensor:  # (B, R)
+        return torch.tensor([values + [0.0] * (width - len(values)) for values in lists])
+
+    mask = padded([[1.0] * len(row["response_ids"]) for row in rows]).bool()
+    last = padded([[0.0] * (len(row["response_ids"]) - 1) + [1.0] for row in rows]).bool()
+    returns = {
+        "gae": padded([row["returns"] for row in rows]),
+        "monte_carlo": padded([[sum(row["rewards"][t:]) for t in range(len(row["rewards"]))] for row in rows]),
+    }
+    models = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": ensure_folder()})
+
+    def values(critic: torch.nn.Module) -> torch.Tensor:  # each row alone: no padding in the measure
+        out_rows = []
+        with torch.no_grad():
+            for row in rows:
+                sequence = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+                per_position = critic(sequence, torch.ones_like(sequence))[0]
+                out_rows.append(per_position[len(row["prompt_ids"]) - 1 : -1].tolist())
+        return padded(out_rows)
+
+    torch.manual_seed(0)
+    starts = {
+        "reward_model, folded": models.load(
+            "critic",
+            reward_model / "reward_model",
+            score_statistics=(statistics["score_mean"], statistics["score_std"]),
+        ),
+        "reward_model, unfolded": models.load("critic", reward_model / "reward_model"),
+        "policy, fresh head": models.load("critic", ensure_folder(), trainable=True),
+    }
+    critics = {}
+    for name, critic in starts.items():
+        predicted = values(critic)
+        critics[name] = {
+            "mean_abs_value": float(predicted[mask].abs().mean()),
+            **{
+                f"ev_{kind}_{where}": float(explained_variance(predicted, target, positions))
+                for kind, target in returns.items()
+                for where, positions in (("all", mask), ("last", last))
+            },
+        }
+        print(name, json.dumps(critics[name]), flush=True)
+    stored = padded([row["old_values"] for row in rows])
+    result = {
+        "machine": machine(),
+        "run_root": str(run_root),
+        "rollouts": len(rows),
+        "reward_model_score_mean": statistics["score_mean"],
+        "reward_model_score_std": statistics["score_std"],
+        "rollout_score_mean": sum(row["scores"] for row in rows) / len(rows),
+        "mean_abs_return": float(returns["monte_carlo"][mask].abs().mean()),
+        "campaign_values_reproduced": float((values(starts["reward_model, folded"]) - stored)[mask].abs().max()),
+        "critics": critics,
     }
     out.write_text(json.dumps(result, indent=2))
     return result
@@ -934,7 +1019,7 @@ def choices_section(pairs: dict | None, critic: dict | None, lora: dict | None) 
     return "\n".join(lines) + "\n"
 
 
-PARTS = ("pairs", "pairs-file", "critic", "lora", "lora-worker", "loop", "choices", "decisive", "episodes", "sft", "dpo")  # fmt: skip
+PARTS = ("pairs", "pairs-file", "critic", "critic-start", "lora", "lora-worker", "loop", "choices", "decisive", "episodes", "sft", "dpo")  # fmt: skip
 
 
 def main() -> None:
@@ -974,6 +1059,8 @@ def main() -> None:
         dpo_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set)
     elif args.part == "critic":
         critic_part(out)
+    elif args.part == "critic-start":
+        critic_start_part(out, args.read_back or SCRATCH / "real-loop-curve")
     elif args.part == "lora":
         lora_part(out)
     elif args.part == "lora-worker":
