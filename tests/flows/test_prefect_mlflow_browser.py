@@ -158,7 +158,7 @@ def test_the_asset_graph_shows_the_campaigns_lineage_to_each_evaluated_policy(se
     artifact = _artifact_of(served["api"], f"{CAMPAIGN}-lineage", f"{CAMPAIGN}-iteration-1")
     with Chromium(chromium_binary(), width=1600, height=2300) as page:
         page.open(f"{served['ui']}/v2/artifacts/artifact/{artifact['id']}")
-        page.wait_for(DIAGRAM_DRAWN, timeout=120, what="the lineage diagram")
+        page.wait_for(DIAGRAM_DRAWN, what="the lineage diagram")
         labels = page.evaluate(NODE_LABELS)
         png = page.screenshot(served["tmp"] / "asset-graph.png")
     stages = ("initialize", "sample_candidates", "collect_preferences", "train_reward_model", "rollout")
@@ -245,7 +245,7 @@ def test_mlflow_models_view_compares_the_policies_on_the_held_out_prompts(served
     url = f"{served['mlflow']}/#/experiments/{experiment.experiment_id}/models?workflowType=machine_learning"
     with Chromium(chromium_binary(), width=2200, height=900) as page:
         page.open(url)
-        page.wait_for(f"{TEXT}.includes('actor-iteration-1-replay')", timeout=120, what="the logged models")
+        page.wait_for(f"{TEXT}.includes('actor-iteration-1-replay')", what="the logged models")
         page.evaluate("document.querySelector('button[aria-label=Close]')?.click() ?? true")  # MLflow's assistant panel
         headers = page.wait_for(
             "[...document.querySelectorAll('[role=columnheader]')].map(h => h.innerText).join(' | ')"
