@@ -614,9 +614,11 @@ def iteration_figures(run_root: Path, campaign: str, named: dict[str, str], stag
     return rows
 
 
-def iteration_rows(run_root: Path) -> list[dict]:
-    """Per finished iteration of the loop's campaign: the curve's figures and each stage's seconds, from MLflow."""
-    return iteration_figures(run_root, CAMPAIGN, LOOP_FIGURES, STAGES)
+def iteration_rows(run_root: Path, settings: list[str]) -> list[dict]:
+    """Per finished iteration of the loop's campaign (the config's, or a ``campaign=`` setting's): the curve's figures
+    and each stage's seconds, from MLflow."""
+    named = [setting.partition("=")[2] for setting in settings if setting.partition("=")[0].strip() == "campaign"]
+    return iteration_figures(run_root, named[-1] if named else CAMPAIGN, LOOP_FIGURES, STAGES)
 
 
 def _overrides(policy: Path, run_root: Path, iterations: int | None, settings: list[str]) -> list[str]:
@@ -658,7 +660,7 @@ def loop_part(
     started_load, wall = load(), None
     if read_back is None:
         wall = run_campaign(CONFIG, run_root, _overrides(ensure_folder(), run_root, iterations, settings))
-    rows = iteration_rows(run_root)
+    rows = iteration_rows(run_root, settings)
     figure = None
     if rows:
         from mlflow import MlflowClient
