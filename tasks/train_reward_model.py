@@ -9,7 +9,8 @@ Pairs are rendered as conversations in the reward model's own tokens (:func:`tas
 The pairs held out for its accuracy and score statistics are split off each iteration's table alike in every
 iteration (:func:`rlhf_core.reward_training.arrival_split`): they accumulate, and none is ever trained on. A table
 of pairs asked about by ``asking.select`` holds out the rows it drew at random for it
-(:func:`tasks.pairing.held_out_head`).
+(:func:`tasks.pairing.held_out_head`). With ``reward_model.replay_ratio`` it trains on this iteration's pairs (every
+round's: :func:`first_new_table`) and a replay of older ones (:func:`rlhf_core.reward_training.replayed_rows`).
 Training saves its progress after an epoch, at most every ``checkpoint_seconds`` (model, optimizer and
 the shuffling stream; dropout masks are seeded per epoch and process, so they need no saved state); a
 crashed run continues from the last saved epoch. With ``execution.training_processes`` N > 1 it trains in N
@@ -20,6 +21,7 @@ process writes the model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import pyarrow as pa
@@ -68,6 +70,23 @@ def table_seed(preferences: StageResult) -> int:
     return int(preferences.digest[:16], 16)
 
 
+def first_new_table(preferences: Sequence[StageResult], previous: StageResult) -> int:
+    """The index of the first of ``preferences`` that the ``previous`` reward model was not trained on: the tables
+    before it are the ones its manifest names upstream (``preferences_*``), the rest this iteration's, one a round of
+    candidates (``sizes.decisive_pairs``), so several.
+
+    Raises:
+        ValueError: a table the previous reward model was trained on follows one it was not.
+    """
+    upstream = read_manifest(previous.directory, verify=False).upstream
+    seen = {digest for name, digest in upstream.items() if name.startswith("preferences_")}
+    known = [result.digest in seen for result in preferences]
+    first = known.index(False) if False in known else len(known)
+    if any(known[first:]):
+        raise ValueError("the preference tables are not the previous reward model's followed by this iteration's")
+    return first
+
+
 def plan(job: Job[TrainRewardModelSettings]) -> Training | None:
     """Take a pretrained reward model as it is (``reward_model.train`` false: here, :func:`refer_to_pretrained`), or
     refuse too few pairs before any training process starts; then train in this process, or in
@@ -107,7 +126,8 @@ def work(job: Job[TrainRewardModelSettings]) -> dict[str, float]:
         held_out_heads=[held_out_head(result) for result in settings.preferences],
     )
     if config.replay_ratio is not None and previous is not None:  # continues: new pairs, and a replay of older ones
-        train = replayed_rows(train, new_from=sum(sizes[:-1]), ratio=config.replay_ratio, generator=generator)
+        new_from = sum(sizes[: first_new_table(settings.preferences, previous)])
+        train = replayed_rows(train, new_from=new_from, ratio=config.replay_ratio, generator=generator)
     torch.manual_seed(job.seed())  # a fresh reward head is drawn from the global RNG
     source = previous.directory / "reward_model" if previous is not None else pretrained or context.base.policy.path
     checkpointer = Checkpointer(

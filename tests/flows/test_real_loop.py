@@ -41,6 +41,9 @@ def loop(prefect_server, checkpoint_world, tmp_path_factory):
         "model.critic_init=reward_model",
         "advantages.score_statistics=running",
         "reward_model.replay_ratio=0.5",
+        "sizes.preference_prompts=8",  # two rounds of 8 prompts an iteration: the 16 prompts of one before
+        "sizes.decisive_pairs=1000",
+        "sizes.max_rounds=2",
     ]
     config = load_config(TINY, overrides)
     rlhf_campaign(config)
@@ -50,7 +53,7 @@ def loop(prefect_server, checkpoint_world, tmp_path_factory):
 def test_issue35_every_decisive_pair_of_four_candidates_is_kept_and_counted(loop):
     for folder in _outputs(loop, "collect_preferences"):
         metrics = _manifest(folder)["metrics"]
-        assert metrics["compared_pairs"] == 16 * 6  # 16 prompts, 4 candidates: 6 pairs each
+        assert metrics["compared_pairs"] == 8 * 6  # a round's 8 prompts, 4 candidates: 6 pairs each
         assert metrics["pairs"] == pytest.approx(metrics["compared_pairs"] * metrics["decisive_fraction"])
         assert metrics["tie_fraction"] == 0.0  # ties are dropped
 
@@ -82,7 +85,10 @@ def test_issue43_running_score_moments_start_again_with_each_retrained_reward_mo
 
 
 def test_issue43_the_continued_reward_model_trains_on_the_new_pairs_and_half_as_many_older_ones(loop):
+    """Each iteration labels two rounds of candidates: both rounds' pairs are the new ones (the last round's alone,
+    before this was mended)."""
     first, second = (_manifest(folder)["metrics"] for folder in _outputs(loop, "train_reward_model"))
+    assert len(_outputs(loop, "collect_preferences")) == 4  # two iterations of two rounds
     if first["pairs"] > second["pairs"]:
         first, second = second, first
     assert first["train_pairs"] == first["pairs"] - first["eval_pairs"]  # iteration 0: every pair it holds
