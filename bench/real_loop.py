@@ -448,7 +448,8 @@ def critic_start_part(out: Path, run_root: Path) -> dict:
         "gae": padded([row["returns"] for row in rows]),
         "monte_carlo": padded([[sum(row["rewards"][t:]) for t in range(len(row["rewards"]))] for row in rows]),
     }
-    models = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": ensure_folder()})
+    policy = ensure_folder()
+    models = ModelLoader(device=torch.device("cpu"), precision="fp32", bases={"policy": policy})
 
     def values(critic: torch.nn.Module) -> torch.Tensor:  # each row alone: no padding in the measure
         out_rows = []
@@ -467,11 +468,10 @@ def critic_start_part(out: Path, run_root: Path) -> dict:
             score_statistics=(statistics["score_mean"], statistics["score_std"]),
         ),
         "reward_model, unfolded": models.load("critic", reward_model / "reward_model"),
-        "policy, fresh head": models.load("critic", ensure_folder(), trainable=True),
+        "policy, fresh head": models.load("critic", policy, trainable=True),
     }
-    critics = {}
-    for name, critic in starts.items():
-        predicted = values(critic)
+    predicted_by, critics = {name: values(critic) for name, critic in starts.items()}, {}
+    for name, predicted in predicted_by.items():
         critics[name] = {
             "mean_abs_value": float(predicted[mask].abs().mean()),
             **{
@@ -490,7 +490,7 @@ def critic_start_part(out: Path, run_root: Path) -> dict:
         "reward_model_score_std": statistics["score_std"],
         "rollout_score_mean": sum(row["scores"] for row in rows) / len(rows),
         "mean_abs_return": float(returns["monte_carlo"][mask].abs().mean()),
-        "campaign_values_reproduced": float((values(starts["reward_model, folded"]) - stored)[mask].abs().max()),
+        "campaign_values_reproduced": float((predicted_by["reward_model, folded"] - stored)[mask].abs().max()),
         "critics": critics,
     }
     out.write_text(json.dumps(result, indent=2))
@@ -617,7 +617,9 @@ def iteration_figures(run_root: Path, campaign: str, named: dict[str, str], stag
 def iteration_rows(run_root: Path, settings: list[str]) -> list[dict]:
     """Per finished iteration of the loop's campaign (the config's, or a ``campaign=`` setting's): the curve's figures
     and each stage's seconds, from MLflow."""
-    named = [setting.partition("=")[2] for setting in settings if setting.partition("=")[0].strip() == "campaign"]
+    from campaign.config import parse_override
+
+    named = [value for key, value in map(parse_override, settings) if key == "campaign"]
     return iteration_figures(run_root, named[-1] if named else CAMPAIGN, LOOP_FIGURES, STAGES)
 
 

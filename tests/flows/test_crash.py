@@ -62,6 +62,7 @@ from storage.manifest import read_manifest
 from storage.shards import read_table
 from tasks.staleness import PROX_FILE
 from tests.flows.conftest import episode_overrides
+from tests.flows.test_rounds import SPARSE_ROUNDS
 from tests.processes import running
 
 pytestmark = pytest.mark.slow
@@ -86,13 +87,6 @@ DEADLINE = 600
 DPO = ["update=dpo", "dpo.epochs=2", "dpo.learning_rate=1e-3", "iterations=1"]
 """Issue 45: one DPO iteration, its update two epochs with a checkpoint after the first."""
 DPO_KILLS = ("dpo_update:computing", "dpo_update:recording")
-ROUNDS = [
-    "iterations=1", "labeler=function", "reward.function=tests.flows.rewards:says_happy", "pairing=all_decisive",
-    "sizes.preference_prompts=4", "sizes.candidates_per_prompt=4", "sizes.rollout_prompts=4", "sizes.eval_prompts=4",
-    "sizes.decisive_pairs=12", "sizes.max_rounds=3",
-]  # fmt: skip
-"""Issue 43: one iteration on a sparse rubric whose first round of candidates is short of the decisive pairs asked
-for, so that a second round of fresh prompts runs (tests/flows/test_rounds.py's campaign)."""
 ROUND_KILLS = ("sample_candidates:computing#2", "collect_preferences:output")
 """The second round's candidates sampled and not published (the first command's second arrival there); then, the
 next command reusing the first round whole, the second round's labels published and not recorded (its first
@@ -454,11 +448,11 @@ def test_issue43_kill_minus_nine_between_rounds_of_candidates_then_rerun_equals_
     turn in that round's sampling and in its labelling: each command reuses the rounds finished before it and samples
     no prompt of the first round again, and the last ends the campaign as one that never crashed, to the byte."""
     (tmp_path / "uncrashed").mkdir()
-    uncrashed = _uncrashed(checkpoint_world, tmp_path / "uncrashed", api_url, *ROUNDS)
+    uncrashed = _uncrashed(checkpoint_world, tmp_path / "uncrashed", api_url, *SPARSE_ROUNDS)
     rounds = {path.split("/")[1] for path in uncrashed[0] if path.startswith("sample_candidates/")}
     assert len(rounds) == 2, "the uncrashed iteration sampled two rounds"
     run_root, log = tmp_path / "runs", tmp_path / "run.log"
-    command = _command(run_root, checkpoint_world, *ROUNDS)
+    command = _command(run_root, checkpoint_world, *SPARSE_ROUNDS)
     sampled = run_root / "tiny" / "sample_candidates"
     for point in ROUND_KILLS:
         _kill_when_held(command, point, tmp_path / f"held-{point.partition(':')[0]}", log, api_url)

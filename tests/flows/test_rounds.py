@@ -76,6 +76,15 @@ def _column(folder: Path, table: str, column: str) -> list:
     ]
 
 
+SPARSE_ROUNDS = [
+    "iterations=1", "labeler=function", "reward.function=tests.flows.rewards:says_happy", "pairing=all_decisive",
+    "sizes.preference_prompts=4", "sizes.candidates_per_prompt=4", "sizes.rollout_prompts=4", "sizes.eval_prompts=4",
+    "sizes.decisive_pairs=12", "sizes.max_rounds=3",
+]  # fmt: skip
+"""One iteration of the tiny campaign on a sparse rubric whose first round of candidates is short of the decisive
+pairs asked for, so that a second round of fresh prompts runs (also tests/flows/test_crash.py's kill between rounds)."""
+
+
 @pytest.fixture(scope="module")
 def sparse(prefect_server, checkpoint_world, tmp_path_factory):
     """One iteration on the sparse rubric: 4 prompts x 4 candidates a round, every decisive pair kept, 12 asked for.
@@ -89,16 +98,7 @@ def sparse(prefect_server, checkpoint_world, tmp_path_factory):
             f"data.prompts={checkpoint_world['prompts']}",
             f"data.eval_prompts={checkpoint_world['eval_prompts']}",
             "campaign=sparse",
-            "iterations=1",
-            "labeler=function",
-            "reward.function=tests.flows.rewards:says_happy",
-            "pairing=all_decisive",
-            "sizes.preference_prompts=4",
-            "sizes.candidates_per_prompt=4",
-            "sizes.rollout_prompts=4",
-            "sizes.eval_prompts=4",
-            "sizes.decisive_pairs=12",
-            "sizes.max_rounds=3",
+            *SPARSE_ROUNDS,
         ],
     )
     rlhf_campaign(config)
