@@ -41,6 +41,7 @@ update), with the models in memory: each answers one question in minutes where t
   MLflow store per iteration (the reward model's held-out accuracy, its score and the rubric's of the policy and of
   the initial policy on held-out prompts, the KL to the reference, the critic's explained variance, the reward's
   length correlation, the share of decisive pairs, seconds per stage) and the over-optimisation figure it logged.
+  ``--resume`` goes on with a stopped run's run root, as the same ``rlhf run`` would, where a fresh run deletes it.
 
 * ``episodes``: the flow, ``rlhf run --config configs/smollm2-episodes.yaml`` on a fresh run root; per iteration, the
   campaign's own evaluation on held-out episodes (MLflow) of the updated policy against the initial policy, and its
@@ -629,16 +630,18 @@ def _overrides(policy: Path, run_root: Path, iterations: int | None, settings: l
     return overrides + ([f"iterations={iterations}"] if iterations is not None else []) + settings
 
 
-def run_campaign(config: Path, run_root: Path, overrides: list[str]) -> float:
-    """``rlhf run --config config`` with ``overrides`` on a fresh ``run_root`` (the task's module beside its config);
-    its wall seconds."""
-    shutil.rmtree(run_root, ignore_errors=True)
+def run_campaign(config: Path, run_root: Path, overrides: list[str], *, fresh: bool = True) -> float:
+    """``rlhf run --config config`` with ``overrides`` on a fresh ``run_root`` (the task's module beside its config), or
+    on the run root of a stopped run (``fresh`` False: the campaign goes on where it stopped); its wall seconds."""
+    if fresh:
+        shutil.rmtree(run_root, ignore_errors=True)
     command = [str(REPO / ".venv" / "bin" / "rlhf"), "run", "--config", str(config)]
     command += [part for override in overrides for part in ("--set", override)]
     print(" ".join(command), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "configs"), str(REPO)])}
     tick = time.perf_counter()
-    subprocess.run(command, cwd=REPO, env=env, check=True)
+    if code := subprocess.run(command, cwd=REPO, env=env).returncode:
+        raise SystemExit(code)  # the campaign said why, in one line
     return time.perf_counter() - tick
 
 
@@ -656,12 +659,19 @@ def _record(started_load: str, wall: float | None, run_root: Path, settings: lis
 
 
 def loop_part(
-    out: Path, *, iterations: int | None, read_back: Path | None, settings: list[str], run_root: Path | None
+    out: Path,
+    *,
+    iterations: int | None,
+    read_back: Path | None,
+    settings: list[str],
+    run_root: Path | None,
+    resume: bool = False,
 ) -> dict:
     run_root = read_back or run_root or SCRATCH / "real-loop-curve"
     started_load, wall = load(), None
     if read_back is None:
-        wall = run_campaign(CONFIG, run_root, _overrides(ensure_folder(), run_root, iterations, settings))
+        overrides = _overrides(ensure_folder(), run_root, iterations, settings)
+        wall = run_campaign(CONFIG, run_root, overrides, fresh=not resume)
     rows = iteration_rows(run_root, settings)
     figure = None
     if rows:
@@ -669,7 +679,7 @@ def loop_part(
 
         client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
         figure = client.download_artifacts(rows[-1]["run_id"], "overoptimisation.png", str(SCRATCH))
-    result = _record(started_load, wall, run_root, settings, figure=figure, iterations=rows)
+    result = _record(started_load, wall, run_root, settings, figure=figure, iterations=rows, resumed=resume)
     out.write_text(json.dumps(result, indent=2))
     print(loop_section(result), flush=True)
     return result
@@ -947,6 +957,7 @@ def loop_section(result: dict) -> str:
     KL to the reference, the critic's explained variance, the reward's length correlation and seconds per stage."""
     facts = result["machine"]
     settings = " ".join(f"--set {setting}" for setting in result["settings"])
+    settings += " --resume" if result.get("resumed") else ""  # the command's seconds are then the resumed part's
     lines = [
         f"`.venv/bin/python -m bench.real_loop loop {settings}`".replace("  ", " ") + f", commit {facts['commit']}; "
         f"load average {result['load_average_start']} at the start, {result['load_average_end']} at the end; "
@@ -1043,6 +1054,11 @@ def main() -> None:
     parser.add_argument(
         "--run-root", type=Path, help="loop: the (fresh) run root (default bench/.scratch/real-loop-curve)"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="loop: go on with the run root of a stopped run (same --run-root and --set) instead of starting afresh",
+    )
     parser.add_argument("--out", type=Path, help="the JSON written (default bench/.scratch/real-loop-PART.json)")
     args = parser.parse_args()
     out = args.out or SCRATCH / f"real-loop-{args.part}.json"
@@ -1073,7 +1089,10 @@ def main() -> None:
         parts = {part: SCRATCH / f"real-loop-{part}.json" for part in ("pairs", "critic", "lora")}
         print(choices_section(**{k: json.loads(v.read_text()) if v.is_file() else None for k, v in parts.items()}))
     else:
-        loop_part(out, iterations=args.iterations, read_back=args.read_back, settings=args.set, run_root=args.run_root)
+        loop_part(
+            out, iterations=args.iterations, read_back=args.read_back, settings=args.set, run_root=args.run_root,
+            resume=args.resume,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
