@@ -156,12 +156,13 @@ ADDED_FIELDS: dict[str, object] = {
     "sizes.decisive_pairs": None,
     "sizes.max_rounds": 4,
     "asking": {"select": "all", "pairs": None},
+    "ppo.kl_budget": None,
 }
 """Fields added after campaigns were recorded, each with the value that computes what the code before it computed
 (consecutive candidates paired, scores normalised by the reward model's held-out statistics; with staleness 0 every
 row is on-policy, and the correction is none; the reward model trained on every pair so far; no environment; a PPO
 update, whose campaigns read no `dpo` setting; no SFT stage, or one unpacked; one round of candidates an iteration, whatever its decisive
-pairs; every compared pair asked about). At that value a field is left out of every identity (the campaign's
+pairs; every compared pair asked about; no KL budget). At that value a field is left out of every identity (the campaign's
 fingerprint, run keys), so campaigns and finished iterations recorded before it existed keep theirs; any other value
 is part of them. A field added without an entry here changes the fingerprint but not the campaign:
 :func:`with_defaults` reads the recorded config's missing fields at their defaults, so the check of the campaign's

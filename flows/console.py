@@ -84,6 +84,17 @@ def overoptimisation_notice(metrics: dict[str, float]) -> str | None:
     return None
 
 
+def kl_budget_notice(metrics: dict[str, float]) -> str | None:
+    """What a PPO update's metrics say when it stopped at its KL budget (``ppo.kl_budget``,
+    :mod:`rlhf_core.ppo` choice 8); None otherwise, or where it had no budget."""
+    if not metrics.get("at_kl_budget"):
+        return None
+    steps = int(metrics["optimizer_steps"])
+    if steps == 0:
+        return "at the KL budget (`ppo.kl_budget`): the policy was past it before the update, which took no step"
+    return f"at the KL budget (`ppo.kl_budget`): the update stopped after {steps} optimizer step(s)"
+
+
 def summary_line(stage: str, metrics: dict[str, float], *, width: int = 20) -> str:
     """``"  rollout              4.1 s  256 rollouts, score 0.31"``: a finished stage's seconds and headline metrics."""
     shown = [form.format(metrics[name]) for name, form in HEADLINES.get(stage, ()) if name in metrics]
@@ -120,6 +131,8 @@ class StageConsole(logging.Handler):
                 line = summary_line(result.stage, result.metrics)
                 self._write(f"{line}  (iteration {iteration}, beside the update)" if ahead else line)
                 if result.stage == "evaluate" and (notice := overoptimisation_notice(result.metrics)):
+                    self._write(f"  {notice}")
+                if result.stage == "ppo_update" and (notice := kl_budget_notice(result.metrics)):
                     self._write(f"  {notice}")
                 self.shown.add(result.input_key)
             elif result.input_key not in self.shown:  # not the output of a stage run ahead by this command

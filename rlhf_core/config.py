@@ -330,6 +330,11 @@ class PPOConfig:
     """Gradient-norm clip for each model."""
     target_kl: float | None = bounded(None, gt=0)
     """Stop the update early once the running approximate KL exceeds this."""
+    kl_budget: float | None = bounded(None, gt=0)
+    """The policy's KL to the reference (nats per response, as `evaluate/kl_to_reference` measures it) the update
+    stops at: before each step the current policy's is estimated on the minibatch's rollout tokens, and past this the
+    update takes no more steps (none where the policy starts past it: it stays as it was). It may pass it by what one
+    step moves it. None: no budget (the KL in the reward, `advantages.kl_coef`, pulls back, but holds no bound)."""
     whiten_advantages: bool = True
     """Whiten GAE advantages over the whole experience before minibatching (critic-free estimators normalise their
     own, see rlhf_core.advantages)."""

@@ -26,6 +26,11 @@ Choices:
 7. Rows an older policy sampled (``sampling.staleness``): given ``prox_logprobs`` (the policy the update starts from)
    and ``config.off_policy`` ``decoupled``, the ratio is taken to them and every token weighed by its capped behaviour
    weight (decoupled PPO, :mod:`rlhf_core.off_policy`); without them the ratio is to ``old_logprobs``.
+8. A KL budget (``config.kl_budget``, nats per response): the update stops at the first minibatch whose estimate of
+   the current policy's KL to the reference (:func:`kl_to_reference`), measured before its step, exceeds it; that
+   minibatch takes no step. A policy already past it when the update starts takes none: it stays as it was, and the
+   update's statistics are its first minibatch's, measured (``optimizer_steps`` 0, ``at_kl_budget``). The policy may
+   pass the budget by what one step moves it.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class MinibatchStats(NamedTuple):
     approx_kl: torch.Tensor
     entropy: torch.Tensor
     ref_kl: torch.Tensor
+    kl_to_reference: torch.Tensor | None = None
+    """With a KL budget: the current policy's KL to the reference per response (:func:`kl_to_reference`), the
+    minibatch's mean."""
 
 
 class PPOStats(NamedTuple):
@@ -78,11 +86,14 @@ class PPOStats(NamedTuple):
     approx_kl: torch.Tensor
     entropy: torch.Tensor
     ref_kl: torch.Tensor
+    kl_to_reference: torch.Tensor | None
     explained_variance: torch.Tensor | None
     optimizer_steps: int
     early_stopped: bool
     skipped_steps: int = 0
     """Steps the fp16 loss scaler skipped (its scaled loss overflowed; the models' optimizers each count)."""
+    at_kl_budget: bool | None = None
+    """With a KL budget: whether the update stopped at it (choice 8); None without one."""
 
 
 class PPOProgress(NamedTuple):
@@ -113,15 +124,40 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
 
 
+@torch.no_grad()
+def kl_to_reference(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor
+) -> torch.Tensor:
+    """Each response's KL(policy || reference) in nats, estimated on tokens an older policy sampled: the sum over its
+    tokens of ``exp(logprobs - old_logprobs) * (logprobs - ref_logprobs)``, the k1 estimate each token weighed by its
+    probability ratio (per token, as PPO's surrogate objective weighs advantages: the states' shift is left out, a
+    first-order estimate near the sampling policy). Where the policy is the sampling one, it is the rollout's k1 KL
+    summed over the response, as evaluation measures it (``evaluate/kl_to_reference``).
+
+    Shapes:
+        logprobs, old_logprobs, ref_logprobs, action_mask: (B, R); returns (B,).
+
+    References:
+        Schulman et al. 2015 (TRPO), section 3 (the surrogate's per-state ratio); Schulman, "Approximating KL
+        divergence", 2020 (k1).
+    """
+    valid = action_mask.bool()
+    ratio = torch.exp(torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs)))  # (B, R)
+    k1 = torch.where(valid, logprobs - ref_logprobs, torch.zeros_like(logprobs))  # (B, R)
+    return (ratio * k1).sum(dim=1)  # (B,)
+
+
 class Denominators(NamedTuple):
     """Counts of a whole minibatch that the losses of a share of it are divided by (:mod:`rlhf_core.distributed`).
 
     ``tokens``: its valid tokens (the entropy bonus is a token mean); ``loss``: what its aggregation
-    divides by (:func:`rlhf_core.losses.loss_denominator`).
+    divides by (:func:`rlhf_core.losses.loss_denominator`); ``rows``: its rows (the KL budget's estimate is a mean
+    over responses).
     """
 
     tokens: torch.Tensor
     loss: torch.Tensor
+    rows: int = 1
 
 
 def _minibatch_losses(
@@ -168,6 +204,10 @@ def _minibatch_losses(
         kl_loss, kl_stats = reference_kl_loss(logprobs, batch.ref_logprobs, batch.action_mask, **aggregation)
     if config.kl_loss_coef:
         actor_loss = actor_loss + config.kl_loss_coef * kl_loss
+    budget_kl = None  # choice 8: a share of the whole minibatch's mean over responses
+    if config.kl_budget is not None:
+        per_response = kl_to_reference(logprobs, batch.old_logprobs, batch.ref_logprobs, batch.action_mask)  # (b,)
+        budget_kl = per_response.sum() / denominators.rows
     # Without an entropy bonus the entropy is only a statistic, computed in the fused pass above; with one it
     # needs an autograd graph over (b, R, V). A token mean over the whole minibatch's tokens (a share of it).
     if config.entropy_coef:
@@ -195,11 +235,12 @@ def _minibatch_losses(
         approx_kl=policy_stats.approx_kl,
         entropy=entropy.detach(),
         ref_kl=kl_stats.kl,
+        kl_to_reference=budget_kl,
     )
     return _Losses(actor_loss, critic_loss, stats)
 
 
-_SHARE_STATS = ("policy_loss", "value_loss", "entropy")
+_SHARE_STATS = ("policy_loss", "value_loss", "entropy", "kl_to_reference")
 """Statistics already divided by the whole minibatch's counts: the processes' values add up."""
 
 
@@ -291,6 +332,7 @@ def ppo_update(
     totals = {name: torch.tensor(total) for name, total in resume.totals.items()} if resume else None
     steps = resume.optimizer_steps if resume else 0
     early_stopped = False
+    at_kl_budget = False if config.kl_budget is not None else None
     scaled = accelerator.scaler is not None  # fp16: an overflowing step is skipped, not a divergence
     in_a_row, skipped = {"actor": 0, "critic": 0}, 0
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -303,6 +345,7 @@ def ppo_update(
                 denominators = Denominators(
                     tokens=minibatch.action_mask.sum().to(torch.float32),
                     loss=loss_denominator(minibatch.action_mask, mode=config.aggregation, norm_tokens=norm_tokens),
+                    rows=minibatch.batch_size,
                 )
                 losses = _minibatch_losses(
                     actor, critic, batch, config, temperature=temperature, norm_tokens=norm_tokens,
@@ -312,6 +355,9 @@ def ppo_update(
                 # 2. stop before stepping past the KL target (every process decides on the same, reduced, value)
                 if config.target_kl is not None and stats.approx_kl.item() > config.target_kl:
                     early_stopped = True
+                    break
+                if config.kl_budget is not None and stats.kl_to_reference.item() > config.kl_budget:  # choice 8
+                    early_stopped = at_kl_budget = True
                     break
                 # 3. one step for each model, each with its own gradient clip; DDP averages the gradients of the
                 #    processes' shares, so each backpropagates N times its share (0 times for a stand-in row)
@@ -339,6 +385,15 @@ def ppo_update(
                 break
             if on_epoch_end is not None:
                 on_epoch_end(PPOProgress(epoch + 1, {name: float(total) for name, total in totals.items()}, steps))
+    if (steps == 0 or totals is None) and at_kl_budget:  # choice 8: past the budget already; the models stay
+        measured = {name: value for name, value in stats._asdict().items() if value is not None}
+        return PPOStats(
+            **{name: measured.get(name) for name in MinibatchStats._fields},
+            explained_variance=variance_explained,
+            optimizer_steps=0,
+            early_stopped=True,
+            at_kl_budget=True,
+        )
     if steps == 0 or totals is None:
         raise ValueError("the update took no optimizer step (`target_kl` exceeded before the first step)")
     check_weights(actor, model="actor", learning_rate=config.actor_learning_rate)
@@ -351,4 +406,5 @@ def ppo_update(
         optimizer_steps=steps,
         early_stopped=early_stopped,
         skipped_steps=skipped,
+        at_kl_budget=at_kl_budget,
     )

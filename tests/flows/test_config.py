@@ -195,6 +195,19 @@ def test_issue43_an_evaluation_whose_reward_rises_while_its_judge_falls_below_th
     assert overoptimisation_notice({"reward_mean": 0.8, "reference_reward_mean": 0.2}) is None  # no judge: no claim
 
 
+def test_issue43_an_update_stopped_at_its_kl_budget_is_said():
+    from flows.console import kl_budget_notice
+
+    assert kl_budget_notice({"at_kl_budget": 1.0, "optimizer_steps": 2.0}) == (
+        "at the KL budget (`ppo.kl_budget`): the update stopped after 2 optimizer step(s)"
+    )
+    assert kl_budget_notice({"at_kl_budget": 1.0, "optimizer_steps": 0.0}) == (
+        "at the KL budget (`ppo.kl_budget`): the policy was past it before the update, which took no step"
+    )
+    assert kl_budget_notice({"at_kl_budget": 0.0, "optimizer_steps": 4.0}) is None
+    assert kl_budget_notice({"optimizer_steps": 4.0}) is None  # no budget
+
+
 def test_a_reward_model_eval_split_that_leaves_nothing_to_train_on_is_refused_before_anything_runs():
     load_config(CONFIGS / "tiny.yaml", ["reward_model.eval_fraction=0.1"])  # 2 of 16 held out: few, and run (issue 43)
     with pytest.raises(ConfigError, match=r"eval_fraction` 0.99 of 16 preference pairs holds out 16 and leaves 0"):

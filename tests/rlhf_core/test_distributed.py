@@ -4,9 +4,9 @@ tests/two_processes.py) end where this process does, with DDP and with the model
 
 Same models, data, global minibatches and shuffles; each process trains on its share of every minibatch
 (:mod:`rlhf_core.distributed`). Weights match to float rounding (the shares' forward passes batch differently
-and DDP adds the gradients in another order), and discrete outcomes match exactly: the steps taken and the
-``target_kl`` early stop, decided on the all-reduced approximate KL. The sharded runs also train a Llama with
-LoRA (PPO and reward model) and with gradient checkpointing (PPO).
+and DDP adds the gradients in another order), and discrete outcomes match exactly: the steps taken, the ``target_kl``
+early stop and the KL budget's stop, each decided on all-reduced values. The sharded runs also train a Llama with LoRA
+(PPO and reward model) and with gradient checkpointing (PPO).
 """
 
 from __future__ import annotations
@@ -85,6 +85,12 @@ def test_the_target_kl_early_stop_is_taken_and_at_the_same_step(runs):
     one, two = (torch.load(folder / "ppo_target_kl.pt") for folder in runs)
     assert one["stats"]["early_stopped"] and two["stats"]["early_stopped"]
     assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] < PPO_CASES["ppo_target_kl"].epochs * 2
+
+
+def test_the_kl_budget_stop_is_taken_at_the_same_step(runs):
+    one, two = (torch.load(folder / "ppo_kl_budget.pt") for folder in runs)
+    assert one["stats"]["at_kl_budget"] and two["stats"]["at_kl_budget"]
+    assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] == 4
 
 
 def test_the_sharded_lora_runs_train_their_adapters(sharded_runs):

@@ -14,7 +14,7 @@ from rlhf_core.experience_maker import ExperienceMaker, score_experience
 from rlhf_core.losses import entropy_from_logits
 from rlhf_core.masked import masked_mean, masked_whiten
 from rlhf_core.models import Critic, freeze, fused_activations
-from rlhf_core.ppo import explained_variance, ppo_update
+from rlhf_core.ppo import explained_variance, kl_to_reference, ppo_update
 from rlhf_core.sequences import logprobs_from_logits, position_ids_from_mask, response_logits, response_slice
 from runtime.models import accelerator_for
 from tests.conftest import EOS, PAD, left_padded, tiny_causal_lm, tiny_config
@@ -170,6 +170,55 @@ def test_target_kl_stops_early_with_a_huge_learning_rate():
     assert stats.optimizer_steps == 1
     no_target = update(setup(actor_learning_rate=1.0), PPOConfig(epochs=4, minibatch_size=4))
     assert not no_target.early_stopped and no_target.optimizer_steps == 8
+
+
+def test_kl_to_reference_by_hand():
+    # Row 0: token 1 at the sampling policy (ratio 1), k1 = -1.0 - -1.5 = 0.5; token 2 moved down by 0.5 (ratio
+    # exp(-0.5) = 0.6065307), k1 = -2.0 - -1.0 = -1.0: 0.5 - 0.6065307 = -0.1065307. Its third column is padding
+    # (garbage there, exp(100) included, changes nothing). Row 1 is the sampling policy itself: the k1 sum,
+    # 0.5 + 0.75 - 2.0 = -0.75.
+    logprobs = torch.tensor([[-1.0, -2.0, 100.0], [-0.5, -0.25, -3.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.0, -1.5, -100.0], [-0.5, -0.25, -3.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0, 7.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    expected = torch.tensor([0.5 - math.exp(-0.5), -0.75], dtype=torch.float64)
+    torch.testing.assert_close(kl_to_reference(logprobs, old, ref, mask), expected)
+
+
+def kl_per_response(experience) -> torch.Tensor:
+    """The rollout's k1 KL to the reference, summed over each response: (B,)."""
+    k1 = (experience.old_logprobs - experience.ref_logprobs).masked_fill(~experience.action_mask.bool(), 0.0)
+    return k1.sum(dim=1)
+
+
+def test_a_policy_past_its_kl_budget_takes_no_step_and_one_within_it_updates_as_without_one():
+    parts = setup(seed=3)  # a rollout whose k1 estimate is well above 0 (an estimate: seed 0's is -0.22)
+    rollout_kl = kl_per_response(parts[-1]).mean()  # the actor and the reference are different random models
+    assert rollout_kl > 0.3
+    before = copy.deepcopy(parts[1].state_dict())
+    # The whole batch is one minibatch, measured before any step at the rollout's own policy: its KL, by hand.
+    stats = update(parts, PPOConfig(epochs=2, minibatch_size=8, kl_budget=float(rollout_kl) / 2))
+    assert stats.at_kl_budget and stats.early_stopped and stats.optimizer_steps == 0
+    torch.testing.assert_close(stats.kl_to_reference, rollout_kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.approx_kl, torch.tensor(0.0), atol=1e-6, rtol=0.0)  # no step: ratio 1
+    after = parts[1].state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # the policy stays as it was
+
+    within = update(setup(seed=3), PPOConfig(epochs=2, minibatch_size=4, kl_budget=float(rollout_kl) * 100))
+    unbudgeted = update(setup(seed=3), PPOConfig(epochs=2, minibatch_size=4))
+    assert within.at_kl_budget is False and within.optimizer_steps == unbudgeted.optimizer_steps == 4
+    assert unbudgeted.at_kl_budget is None and unbudgeted.kl_to_reference is None
+    torch.testing.assert_close(within.policy_loss, unbudgeted.policy_loss, rtol=0.0, atol=0.0)
+    assert within.kl_to_reference > 0
+
+
+def test_the_kl_budget_stops_the_update_once_steps_have_taken_the_policy_past_it():
+    # Every minibatch starts within the budget (above the largest response's KL); steps with lr = 1 move the policy
+    # far, and a later minibatch measures it past the budget and stops before its step.
+    parts = setup(seed=3, actor_learning_rate=1.0)
+    budget = float(kl_per_response(parts[-1]).max()) + 0.01
+    stats = update(parts, PPOConfig(epochs=4, minibatch_size=4, kl_budget=budget))
+    assert stats.at_kl_budget and stats.early_stopped and 0 < stats.optimizer_steps < 8
 
 
 def test_ppo_update_requires_scored_experience():
