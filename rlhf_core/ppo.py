@@ -51,6 +51,7 @@ from rlhf_core.masked import masked_sum, masked_var, masked_whiten
 from rlhf_core.mismatch import tis_weights
 from rlhf_core.models import Critic, dropout_disabled, fused_activations
 from rlhf_core.off_policy import decoupled_weights
+from rlhf_core.rewards import kl_estimate
 from rlhf_core.sequences import response_logits, response_slice, token_logprobs
 
 
@@ -143,7 +144,7 @@ def kl_to_reference(
     """
     valid = action_mask.bool()
     ratio = torch.exp(torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs)))  # (B, R)
-    k1 = torch.where(valid, logprobs - ref_logprobs, torch.zeros_like(logprobs))  # (B, R)
+    k1 = torch.where(valid, kl_estimate(logprobs, ref_logprobs, estimator="k1"), torch.zeros_like(logprobs))  # (B, R)
     return (ratio * k1).sum(dim=1)  # (B,)
 
 
